@@ -1,0 +1,29 @@
+# `make demo` and `make test` work on a fresh clone: both depend on `install`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@# Without a CUDA driver, take the CPU build of torch (an unpinned torch pulls GBs of CUDA wheels).
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: install
+	$(PY) examples/prefix_caching.py
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) benchmarks/bench_engine.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""kvtier: the command-line front end over engine, kvstore and connector."""

@@ -1,0 +1,1 @@
+"""Shared fixtures: the default model (converted once per machine)."""
