@@ -1,1 +1,6 @@
-"""Shared fixtures: the default model (converted once per machine)."""
+"""Shared fixtures live in tests/fixtures/ (one module per real part they start)."""
+
+pytest_plugins = [
+    "tests.fixtures.model",
+    "tests.fixtures.redis_server",
+]
