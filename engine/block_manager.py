@@ -1,0 +1,141 @@
+"""Per-sequence block allocation and automatic prefix caching (vLLM v1 KVCacheManager style).
+
+A sequence's block table maps its logical blocks to physical ones. Full blocks are hashed with
+a chained hash (`block_pool.hash_full_blocks`) and registered once computed, so a later request
+with the same prefix shares them instead of recomputing. The last prompt token is always
+recomputed, because its logits are needed to sample the first new token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceT
+
+import torch
+
+from engine.block_pool import BlockPool, KVCacheBlock, hash_full_blocks
+from engine.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def slot_mapping(
+    block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Returns the flat kv_cache slot of each token: `table[p // bs] * bs + p % bs`.
+
+    `block_tables` is [num_seqs, max_blocks] (int64), `seq_index` and `positions` are [T];
+    the result is [T] int64 on the tables' device. One gather, no Python loop over tokens.
+    """
+    block_ids = block_tables[seq_index, torch.div(positions, block_size, rounding_mode="floor")]
+    return block_ids * block_size + positions % block_size
+
+
+def request_slot_mapping(block_ids: SequenceT[int], block_size: int, start: int, end: int) -> torch.Tensor:
+    """Returns the slots of positions [start, end) of one request (CPU int64 [end - start])."""
+    if not 0 <= start <= end <= len(block_ids) * block_size:
+        raise ValueError(f"positions [{start}, {end}) outside {len(block_ids)} blocks of {block_size}")
+    positions = torch.arange(start, end, dtype=torch.long)
+    table = torch.as_tensor(list(block_ids), dtype=torch.long).view(1, -1)
+    return slot_mapping(table, torch.zeros_like(positions), positions, block_size)
+
+
+class BlockManager:
+    """Allocates blocks to sequences and serves prefix-cache hits.
+
+    Guarantees: a sequence's table always covers the tokens scheduled for it; freeing a sequence
+    releases each of its references exactly once (its table is emptied); counters count tokens.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        # Prefix-cache counters in tokens (vLLM semantics: queries = tokens looked up).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def _update_hashes(self, seq: Sequence, num_tokens: int) -> None:
+        """Extends `seq.block_hashes` to cover the full blocks of its first `num_tokens` tokens."""
+        have = len(seq.block_hashes)
+        want = num_tokens // self.block_size
+        if want <= have:
+            return
+        start = have * self.block_size
+        parent = seq.block_hashes[-1] if have else None
+        tokens = seq.token_ids_slice(start, want * self.block_size)
+        seq.block_hashes.extend(hash_full_blocks(tokens, self.block_size, parent))
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVCacheBlock], int]:
+        """Returns the longest run of cached blocks matching `seq`'s leading full blocks and the
+        number of tokens they hold, never covering the last token. Takes no references."""
+        if not self.enable_prefix_caching or seq.num_computed_tokens:
+            return [], 0
+        max_hit = seq.num_tokens - 1  # the last token's logits are needed: always recompute it
+        self._update_hashes(seq, max_hit)
+        blocks: list[KVCacheBlock] = []
+        for h in seq.block_hashes[: max_hit // self.block_size]:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
+        """Counts one admitted request's lookup (called once per admission, not per retry)."""
+        self.prefix_cache_queries += num_queried
+        self.prefix_cache_hits += num_hit
+
+    def allocate_slots(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        computed_blocks: SequenceT[KVCacheBlock] = (),
+        num_external_tokens: int = 0,
+    ) -> list[int] | None:
+        """Grows `seq`'s table to hold its computed tokens, `computed_blocks` (prefix-cache hits
+        for a sequence being admitted), `num_external_tokens` (a connector will load these) and
+        `num_new_tokens`. Returns the block table, or None (changing nothing) if short of blocks."""
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        total = num_computed + num_external_tokens + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(computed_blocks)
+        # Hits sitting in the free queue stop being allocatable once we take them.
+        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if max(num_new_blocks, 0) + num_evictable_hits > self.pool.num_free_blocks:
+            return None
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            seq.block_table.extend(b.block_id for b in computed_blocks)
+        if num_new_blocks > 0:
+            seq.block_table.extend(b.block_id for b in self.pool.get_new_blocks(num_new_blocks))
+        return seq.block_table
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Registers `seq`'s full blocks whose K/V is computed (first `num_computed_tokens`)."""
+        if not self.enable_prefix_caching:
+            return
+        self._update_hashes(seq, seq.num_computed_tokens)
+        num_full = seq.num_computed_tokens // self.block_size
+        for block_id, h in zip(seq.block_table[:num_full], seq.block_hashes[:num_full]):
+            self.pool.cache_full_block(self.pool.blocks[block_id], h)
+
+    def free(self, seq: Sequence) -> None:
+        """Releases `seq`'s blocks, tail first, so its prefix is the last to be evicted."""
+        blocks = [self.pool.blocks[i] for i in reversed(seq.block_table)]
+        seq.block_table = []
+        self.pool.free_blocks(blocks)
+
+    def ref_counts(self) -> list[int]:
+        return [b.ref_cnt for b in self.pool.blocks]

@@ -1,0 +1,111 @@
+"""The KV connector protocol: how an external KV store plugs into the engine (DESIGN §5).
+
+Modelled on vLLM's KV connector v1. One object plays both roles (one process): the scheduler
+calls the scheduler-side hooks while it plans a step, the model runner calls the worker-side
+hooks while it executes that step. With no connector configured none of these calls happen
+and the engine behaves exactly as without one.
+
+Per step, in order:
+
+Scheduler side (in `Scheduler.schedule`, for each *waiting* request being admitted):
+  1. `get_num_new_matched_tokens(seq, num_computed_tokens) -> int`
+     `seq` is the `engine.sequence.Sequence` (request id `seq.request_id`, tokens
+     `seq.all_token_ids`); `num_computed_tokens` is what the engine's own prefix cache already
+     holds (block aligned). Return how many further tokens, starting at `num_computed_tokens`,
+     the connector can load. The engine clamps the answer so at least the last token is
+     computed (its logits are needed) and the total stays below `seq.num_tokens`.
+  2. `update_state_after_alloc(seq, block_ids, num_external_tokens)` once blocks are
+     allocated: `block_ids` is the request's whole block table (prefix-cache hits first, then
+     fresh blocks); positions `[num_computed_tokens, num_computed_tokens + num_external_tokens)`
+     are the ones to load. These tokens count as computed: they are not recomputed and
+     `RequestOutput.num_cached_tokens` includes them.
+  3. `build_connector_meta(scheduler_output) -> Any` once per step, after all requests are
+     scheduled. `scheduler_output.requests` lists `ScheduledRequest`s with `request_id`,
+     `token_ids`, `block_ids`, `num_computed_tokens` (K/V already in the cache before this
+     step, loaded tokens included), `num_new_tokens`, `num_external_tokens`,
+     `num_prompt_tokens`, and `slot_mapping(block_size)` / `request_slot_mapping(...)` for
+     slots. The returned object is handed to the worker side unchanged.
+
+Worker side (in `ModelRunner.execute_model`):
+  4. `bind_connector_metadata(meta)` with the object from step 3.
+  5. `start_load_kv(attn_metadata)` before the forward: write the loaded K/V into the blocks
+     named in step 2 (the kv_cache tensors came from `register_kv_caches` at start-up).
+  6. Inside the forward, per layer i: `wait_for_layer_load(i)` before attention reads layer
+     i, and `save_kv_layer(i, kv_cache[i], attn_metadata)` after this step's K/V for layer i
+     is written (`attn_metadata.slot_mapping` holds the slots of this step's new tokens, in
+     the flat batch order given by `attn_metadata.query_start_loc`).
+  7. `wait_for_save()` after the forward: the step's stores must be done or safely queued.
+  8. `clear_connector_metadata()`.
+
+Scheduler side, after the step:
+  9. `request_finished(seq, block_ids)` when a request finishes or is aborted, before its
+     blocks are freed (they still hold its K/V during the call).
+
+`register_kv_caches(kv_caches)` is called once when the runner allocates the per-layer
+tensors `(2, num_blocks, block_size, num_kv_heads, head_size)`; `shutdown()` on
+`LLM.shutdown()` (flush pending stores).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.attention_metadata import AttentionMetadata
+    from engine.scheduler import SchedulerOutput
+    from engine.sequence import Sequence
+
+
+class KVConnectorBase(ABC):
+    """Abstract base of a KV connector; see the module docstring for the call order."""
+
+    # ---- scheduler side ----
+    @abstractmethod
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
+        """Returns how many tokens after `num_computed_tokens` the connector can load (>= 0)."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_external_tokens: int) -> None:
+        """Notes where the `num_external_tokens` tokens to load go (`block_ids` = whole table)."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        """Returns this step's instructions for the worker side (loads and saves)."""
+
+    @abstractmethod
+    def request_finished(self, seq: Sequence, block_ids: list[int]) -> None:
+        """Called once per finished request before its blocks are freed."""
+
+    # ---- worker side ----
+    @abstractmethod
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Receives the per-layer paged kv_cache tensors once, at start-up."""
+
+    @abstractmethod
+    def bind_connector_metadata(self, metadata: Any) -> None:
+        """Receives the object `build_connector_meta` returned for the step about to run."""
+
+    def clear_connector_metadata(self) -> None:
+        """Drops the step's metadata after the forward (default: nothing to do)."""
+
+    @abstractmethod
+    def start_load_kv(self, attn_metadata: AttentionMetadata) -> None:
+        """Starts (or does) loading the step's external K/V into the paged cache."""
+
+    @abstractmethod
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        """Blocks until layer `layer_idx`'s loaded K/V is in place."""
+
+    @abstractmethod
+    def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata) -> None:
+        """Called after layer `layer_idx` wrote this step's K/V into `kv_layer`."""
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """Blocks until this step's saves are done or safely queued."""
+
+    def shutdown(self) -> None:
+        """Flushes pending work and releases resources (default: nothing to do)."""

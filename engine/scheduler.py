@@ -1,0 +1,242 @@
+"""Continuous batching with chunked prefill and preemption by recompute (vLLM v1 style).
+
+Each step has a token budget (`max_num_batched_tokens`). Running sequences are served first,
+oldest first: a decode needs one token, an unfinished prefill takes what the budget allows.
+If blocks run out, the newest running sequence is preempted (its blocks freed, its progress
+discarded) and requeued at the head of the waiting queue; it is recomputed later, usually
+from the prefix cache. Waiting sequences are admitted in arrival order while the budget,
+`max_num_seqs` and the free blocks allow (no admission in a step that preempted).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.block_manager import BlockManager, request_slot_mapping
+from engine.kv_connector import KVConnectorBase
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One sequence's share of a step (also what a connector sees)."""
+
+    seq: Sequence
+    num_computed_tokens: int  # K/V already in the cache before this step (loads included)
+    num_new_tokens: int  # tokens computed by this step
+    num_external_tokens: int = 0  # tokens a connector loads this step (admission only)
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.all_token_ids
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.seq.block_table
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.seq.num_prompt_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token (so a token is sampled)."""
+        return self.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+    def slot_mapping(self, block_size: int) -> torch.Tensor:
+        """Returns the slots of this step's new tokens (CPU int64 [num_new_tokens])."""
+        start = self.num_computed_tokens
+        return request_slot_mapping(self.seq.block_table, block_size, start, start + self.num_new_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    kv_connector_metadata: Any = None
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    """Decides which tokens of which sequences each step computes.
+
+    Guarantees: a step never exceeds `max_num_batched_tokens` tokens or `max_num_seqs`
+    sequences; every scheduled token has a slot; a finished sequence holds no blocks.
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        kv_connector: KVConnectorBase | None = None,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.connector = kv_connector
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_external_hit_tokens = 0
+
+    # ---- admission ----
+    def check_request(self, seq: Sequence) -> None:
+        """Raises ValueError if `seq` can never run (too long, or more blocks than exist)."""
+        n = seq.num_prompt_tokens
+        if n == 0:
+            raise ValueError("prompt is empty (0 tokens)")
+        if n > self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, longer than max_model_len={self.max_model_len}")
+        # K/V is needed for every token but the last one generated.
+        kv_tokens = min(n + seq.sampling_params.max_tokens - 1, self.max_model_len)
+        need = self.block_manager.blocks_needed(kv_tokens)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request needs {need} KV blocks ({kv_tokens} tokens, block_size "
+                f"{self.block_manager.block_size}) but num_gpu_blocks={self.block_manager.num_blocks}"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.check_request(seq)
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----
+    def schedule(self) -> SchedulerOutput:
+        """Returns the next step's plan; sequences' `num_computed_tokens` advance only in
+        `update_from_output` (loaded and prefix-cached tokens are counted at admission)."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while bm.allocate_slots(seq, n) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_request_ids.append(victim.request_id)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            out.requests.append(ScheduledRequest(seq, seq.num_computed_tokens, n))
+            budget -= n
+            i += 1
+
+        while (
+            self.waiting
+            and budget > 0
+            and not out.preempted_request_ids
+            and len(self.running) < self.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            hits, num_local = bm.get_computed_blocks(seq)
+            num_external = 0
+            if self.connector is not None:
+                num_external = int(self.connector.get_num_new_matched_tokens(seq, num_local))
+                num_external = max(0, min(num_external, seq.num_tokens - 1 - num_local))
+            n = min(seq.num_tokens - num_local - num_external, budget)
+            if bm.allocate_slots(seq, n, hits, num_external) is None:
+                break  # wait for running sequences to free blocks
+            self.waiting.popleft()
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(seq, seq.block_table, num_external)
+            bm.record_prefix_lookup(seq.num_tokens, num_local)
+            self.num_external_hit_tokens += num_external
+            seq.num_computed_tokens = num_local + num_external
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.requests.append(ScheduledRequest(seq, seq.num_computed_tokens, n, num_external))
+            budget -= n
+
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+        """Advances each scheduled sequence by its tokens, appends sampled tokens, applies stop
+        conditions and frees finished sequences. Returns the sequences that finished."""
+        finished: list[Sequence] = []
+        now = time.monotonic()
+        for req, token in zip(out.requests, sampled, strict=True):
+            seq = req.seq
+            seq.num_computed_tokens += req.num_new_tokens
+            self.block_manager.cache_blocks(seq)
+            if token is None:
+                continue  # a prefill chunk short of the last token samples nothing
+            seq.output_token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            status = self._stop_status(seq, token)
+            if status is not None:
+                self._finish(seq, status, now)
+                finished.append(seq)
+        return finished
+
+    def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        p = seq.sampling_params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            seq.stop_reason = token
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, now: float) -> None:
+        seq.status = status
+        seq.finish_time = now
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        if self.connector is not None:
+            self.connector.request_finished(seq, list(seq.block_table))
+        self.block_manager.free(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finishes a request as aborted wherever it is; returns it, or None if unknown."""
+        for seq in [*self.running, *self.waiting]:
+            if seq.request_id == request_id:
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED, time.monotonic())
+                return seq
+        return None
