@@ -9,11 +9,19 @@ corrupted, truncated or foreign value is a miss (None), never KV.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from kvstore import serde
+from kvstore.codecs import Buffer, Codec, get_codec
+
+if TYPE_CHECKING:
+    from kvstore.config import TierSpec
 
 
 class BackendError(RuntimeError):
@@ -41,6 +49,19 @@ class StorageBackend(ABC):
 
     name: str = "backend"
 
+    @classmethod
+    def from_spec(cls, spec: TierSpec) -> StorageBackend:
+        """Returns a backend built from one configured tier (URL, byte budget, codec, options).
+
+        This is the one construction signature every tier implements; `kvstore.registry`
+        picks the class by the URL's scheme and calls it.
+        """
+        raise NotImplementedError(f"{cls.__name__} cannot be built from a TierSpec")
+
+    def set_pin_check(self, is_pinned: Callable[[str], bool]) -> None:
+        """Installs the storage manager's pin predicate: pinned keys are never evicted.
+        Tiers without eviction ignore it."""
+
     @abstractmethod
     def contains(self, key: str) -> bool:
         """Returns whether `key` is stored (a later get may still miss if it is evicted)."""
@@ -67,6 +88,7 @@ class StorageBackend(ABC):
         """Stores `kv` under `key`, evicting as needed to stay within the byte budget."""
 
     def batched_put(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Stores every item (same guarantees as `put`)."""
         for key, kv in items:
             self.put(key, kv)
 
@@ -83,3 +105,117 @@ class StorageBackend(ABC):
 
     def close(self) -> None:
         """Releases connections and files; the backend is unusable afterwards."""
+
+
+class BytesBackend(StorageBackend):
+    """Base for tiers that store bytes (disk, redis, the cache server).
+
+    Each chunk is framed by `kvstore.serde` with this tier's codec into one self-describing
+    value. Subclasses implement only the byte-level hooks (`_get_bytes`, `_put_bytes`,
+    `_contains`, `_delete`, `_clear`, `_usage`; batched variants default to loops). A value
+    that fails to decode (corrupt, truncated, foreign) is counted in `stats().corrupt`,
+    deleted best-effort, and returned as a miss.
+    """
+
+    def __init__(self, codec: Codec | str = "raw") -> None:
+        self.codec = get_codec(codec) if isinstance(codec, str) else codec
+        self._stats_lock = threading.Lock()
+        self._hits = self._misses = self._puts = self._corrupt = 0
+
+    # -- byte-level hooks ---------------------------------------------------------------
+    @abstractmethod
+    def _get_bytes(self, key: str) -> Buffer | None:
+        """Returns the stored value of `key`, or None if absent."""
+
+    @abstractmethod
+    def _put_bytes(self, key: str, value: Buffer) -> None:
+        """Stores `value` (one contiguous buffer) under `key`, replacing any earlier value."""
+
+    @abstractmethod
+    def _contains(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def _delete(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def _clear(self) -> None: ...
+
+    @abstractmethod
+    def _usage(self) -> tuple[int, int, int | None, int]:
+        """Returns (entries, bytes_used, byte_budget, evictions) as far as this tier knows."""
+
+    def _batched_get_bytes(self, keys: Sequence[str]) -> list[Buffer | None]:
+        return [self._get_bytes(k) for k in keys]
+
+    def _batched_put_bytes(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        for key, value in items:
+            self._put_bytes(key, value)
+
+    def _batched_contains(self, keys: Sequence[str]) -> list[bool]:
+        return [self._contains(k) for k in keys]
+
+    # -- the StorageBackend interface on top ---------------------------------------------
+    def encode(self, key: str, kv: torch.Tensor) -> bytearray:
+        """Returns the stored value for `kv` under `key` with this tier's codec."""
+        return serde.encode(key, kv, self.codec)
+
+    def decode(self, key: str, value: Buffer | None) -> torch.Tensor | None:
+        """Returns the chunk in `value`, or None (counted as a miss or as corrupt)."""
+        if value is None:
+            with self._stats_lock:
+                self._misses += 1
+            return None
+        try:
+            kv = serde.decode(key, value)
+        except serde.SerdeError:
+            with self._stats_lock:
+                self._corrupt += 1
+                self._misses += 1
+            try:
+                self._delete(key)
+            except BackendError:
+                pass
+            return None
+        with self._stats_lock:
+            self._hits += 1
+        return kv
+
+    def contains(self, key: str) -> bool:
+        return self._contains(key)
+
+    def prefix_hits(self, keys: Sequence[str]) -> int:
+        n = 0
+        for present in self._batched_contains(keys):
+            if not present:
+                break
+            n += 1
+        return n
+
+    def get(self, key: str) -> torch.Tensor | None:
+        return self.decode(key, self._get_bytes(key))
+
+    def batched_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
+        return [self.decode(k, v) for k, v in zip(keys, self._batched_get_bytes(keys))]
+
+    def put(self, key: str, kv: torch.Tensor) -> None:
+        self._put_bytes(key, self.encode(key, kv))
+        with self._stats_lock:
+            self._puts += 1
+
+    def batched_put(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self._batched_put_bytes([(k, self.encode(k, kv)) for k, kv in items])
+        with self._stats_lock:
+            self._puts += len(items)
+
+    def delete(self, key: str) -> bool:
+        return self._delete(key)
+
+    def clear(self) -> None:
+        self._clear()
+
+    def stats(self) -> BackendStats:
+        entries, used, budget, evictions = self._usage()
+        with self._stats_lock:
+            return BackendStats(entries=entries, bytes_used=used, byte_budget=budget, hits=self._hits,
+                                misses=self._misses, puts=self._puts, evictions=evictions,
+                                corrupt=self._corrupt)

@@ -1,0 +1,215 @@
+"""Payload codecs for one KV chunk (DESIGN §3).
+
+A codec turns a tensor into payload bytes and back, given the dtype and shape the serde header
+records. `raw` and `lz4` are exact; `int8` and `int4` are lossy KIVI-style quantisers (keys per
+channel, values per token) and are opt-in. Nothing here unpickles: decoding only reinterprets
+bytes as numbers.
+"""
+
+from __future__ import annotations
+
+import warnings
+from abc import ABC, abstractmethod
+
+import lz4.block
+import numpy as np
+import torch
+
+Buffer = bytes | bytearray | memoryview
+
+# Decoded chunks view the received value (a `bytes` from Redis or a file) without copying it;
+# nothing else references those bytes, so torch's "not writable" warning is noise here.
+warnings.filterwarnings("ignore", message="The given (buffer|NumPy array) is not writable", category=UserWarning)
+
+
+class CodecError(ValueError):
+    """A payload does not decode to the recorded dtype/shape (corrupt or foreign)."""
+
+
+def tensor_bytes(kv: torch.Tensor) -> memoryview:
+    """Returns a flat uint8 view of `kv` on the CPU (zero-copy when already contiguous on CPU)."""
+    t = kv.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(t.numpy()).cast("B")
+
+
+def tensor_from_bytes(buf: Buffer, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Returns a CPU tensor viewing `buf` (no copy). Raises CodecError if the sizes disagree."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if len(buf) != numel * itemsize:
+        raise CodecError(f"payload has {len(buf)} bytes, {dtype}{tuple(shape)} needs {numel * itemsize}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(buf, dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape)
+
+
+class Codec(ABC):
+    """Encodes a chunk tensor to payload bytes and decodes it back."""
+
+    name: str
+    codec_id: int
+    lossless: bool = True
+
+    @abstractmethod
+    def encode(self, kv: torch.Tensor) -> Buffer:
+        """Returns the payload for `kv` (may be a view of `kv`'s memory; do not mutate kv meanwhile)."""
+
+    @abstractmethod
+    def decode(self, payload: Buffer, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """Returns a CPU tensor of `dtype`/`shape`; raises CodecError if the payload does not fit."""
+
+
+class RawCodec(Codec):
+    """The tensor's bytes as they are: exact and zero-copy in both directions."""
+
+    name, codec_id = "raw", 0
+
+    def encode(self, kv: torch.Tensor) -> Buffer:
+        return tensor_bytes(kv)
+
+    def decode(self, payload: Buffer, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        return tensor_from_bytes(payload, dtype, shape)
+
+
+class LZ4Codec(Codec):
+    """Byte-shuffle, then lz4. Exact. Shuffling groups the i-th byte of every element together
+    (sign/exponent bytes compress well; mantissa bytes do not), which is what makes lz4 worth
+    anything on float KV: unshuffled fp16 KV compresses about 1.0x."""
+
+    name, codec_id = "lz4", 1
+
+    def encode(self, kv: torch.Tensor) -> Buffer:
+        itemsize = kv.element_size()
+        raw = np.frombuffer(tensor_bytes(kv), dtype=np.uint8)
+        shuffled = np.ascontiguousarray(raw.reshape(-1, itemsize).T)
+        return lz4.block.compress(shuffled, mode="fast", acceleration=1, store_size=True)
+
+    def decode(self, payload: Buffer, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        try:
+            shuffled = lz4.block.decompress(payload)
+        except Exception as exc:  # lz4 raises LZ4BlockError / ValueError on garbage
+            raise CodecError(f"lz4 payload does not decompress: {exc}") from None
+        arr = np.frombuffer(shuffled, dtype=np.uint8)
+        if arr.size % itemsize:
+            raise CodecError("lz4 payload size is not a multiple of the element size")
+        unshuffled = np.ascontiguousarray(arr.reshape(itemsize, -1).T).reshape(-1)
+        return tensor_from_bytes(memoryview(unshuffled), dtype, shape)
+
+
+class QuantCodec(Codec):
+    """KIVI-style asymmetric quantisation of a `(layers, 2, tokens, kv_heads, head_size)` chunk.
+
+    Keys are quantised per channel (min/scale over the tokens of each layer/head/dim: key
+    outliers live in fixed channels), values per token (over head_size). Min and scale are
+    stored as fp16 after the codes, so int8 is about 1.93x smaller than fp16 at 256 tokens.
+    Per element the error is at most scale/2 plus the fp16 rounding of the group minimum.
+    """
+
+    lossless = False
+
+    def __init__(self, bits: int) -> None:
+        if bits not in (4, 8):
+            raise ValueError(f"quantisation bits must be 4 or 8, got {bits}")
+        self.bits = bits
+        self.qmax = (1 << bits) - 1
+        self.name = f"int{bits}"
+        self.codec_id = 2 if bits == 8 else 3
+
+    def _check_shape(self, shape: tuple[int, ...]) -> None:
+        if len(shape) != 5 or shape[1] != 2:
+            raise CodecError(f"{self.name} codec needs a (layers, 2, tokens, heads, head_size) chunk, got {tuple(shape)}")
+
+    def _quantise(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lo = x.amin(dim=dim, keepdim=True).to(torch.float16)
+        hi = x.amax(dim=dim, keepdim=True)
+        scale = ((hi - lo.float()) / self.qmax).to(torch.float16)
+        if not (torch.isfinite(lo).all() and torch.isfinite(scale).all()):
+            raise ValueError(f"{self.name} codec: chunk has values outside the fp16 range")
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        q = torch.round((x - lo.float()) / scale.float()).clamp_(0, self.qmax).to(torch.uint8)
+        return q, lo, scale
+
+    def _pack(self, q: torch.Tensor) -> np.ndarray:
+        codes = q.reshape(-1).numpy()
+        if self.bits == 8:
+            return codes
+        if codes.size % 2:
+            codes = np.append(codes, np.uint8(0))
+        return (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)
+
+    def _unpack(self, packed: np.ndarray, n: int) -> torch.Tensor:
+        if self.bits == 8:
+            return torch.from_numpy(packed)
+        out = np.empty(packed.size * 2, dtype=np.uint8)
+        out[0::2] = packed & 0x0F
+        out[1::2] = packed >> 4
+        return torch.from_numpy(out[:n])
+
+    def _layout(self, shape: tuple[int, ...]) -> list[int]:
+        """Returns the byte sizes of: key codes, value codes, key min, key scale, value min, value scale."""
+        layers, _, tokens, heads, dim = shape
+        n = layers * tokens * heads * dim
+        code_bytes = n if self.bits == 8 else (n + 1) // 2
+        k_groups, v_groups = layers * heads * dim, layers * tokens * heads
+        return [code_bytes, code_bytes, 2 * k_groups, 2 * k_groups, 2 * v_groups, 2 * v_groups]
+
+    def encode(self, kv: torch.Tensor) -> Buffer:
+        self._check_shape(tuple(kv.shape))
+        if not kv.is_floating_point():
+            raise ValueError(f"{self.name} codec needs a floating-point chunk, got {kv.dtype}")
+        x = kv.detach().to("cpu", torch.float32)
+        qk, k_lo, k_scale = self._quantise(x[:, 0], dim=1)  # per channel: over tokens
+        qv, v_lo, v_scale = self._quantise(x[:, 1], dim=3)  # per token: over head_size
+        parts = [self._pack(qk), self._pack(qv)] + [
+            t.contiguous().view(torch.uint8).reshape(-1).numpy() for t in (k_lo, k_scale, v_lo, v_scale)
+        ]
+        return np.concatenate(parts).data
+
+    def decode(self, payload: Buffer, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        self._check_shape(shape)
+        sizes = self._layout(shape)
+        if len(payload) != sum(sizes):
+            raise CodecError(f"{self.name} payload has {len(payload)} bytes, {tuple(shape)} needs {sum(sizes)}")
+        layers, _, tokens, heads, dim = shape
+        arr = np.frombuffer(payload, dtype=np.uint8)
+        bounds = np.cumsum([0] + sizes)
+        seg = [arr[bounds[i] : bounds[i + 1]] for i in range(6)]
+        n = layers * tokens * heads * dim
+
+        def halfs(a: np.ndarray, s: tuple[int, ...]) -> torch.Tensor:
+            return torch.from_numpy(a.copy()).view(torch.float16).float().reshape(s)
+
+        k_shape, v_shape = (layers, 1, heads, dim), (layers, tokens, heads, 1)
+        k = self._unpack(seg[0], n).reshape(layers, tokens, heads, dim).float()
+        v = self._unpack(seg[1], n).reshape(layers, tokens, heads, dim).float()
+        k = k * halfs(seg[3], k_shape) + halfs(seg[2], k_shape)
+        v = v * halfs(seg[5], v_shape) + halfs(seg[4], v_shape)
+        return torch.stack((k, v), dim=1).to(dtype)
+
+
+_CODECS: dict[str, Codec] = {c.name: c for c in (RawCodec(), LZ4Codec(), QuantCodec(8), QuantCodec(4))}
+_BY_ID: dict[int, Codec] = {c.codec_id: c for c in _CODECS.values()}
+
+
+def get_codec(name: str) -> Codec:
+    """Returns the codec called `name`; raises ValueError naming the valid choices."""
+    try:
+        return _CODECS[name]
+    except KeyError:
+        raise ValueError(f"unknown codec {name!r}; choose one of {sorted(_CODECS)}") from None
+
+
+def codec_by_id(codec_id: int) -> Codec:
+    """Returns the codec with header id `codec_id`; raises CodecError for an unknown id."""
+    try:
+        return _BY_ID[codec_id]
+    except KeyError:
+        raise CodecError(f"unknown codec id {codec_id}") from None
+
+
+CODEC_NAMES: tuple[str, ...] = tuple(_CODECS)

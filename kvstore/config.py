@@ -1,0 +1,272 @@
+"""kvstore configuration: one dataclass tree, loadable from YAML and `KVTIER_*` env vars (DESIGN §7).
+
+YAML:
+    chunk_size: 256
+    tiers:
+      - {url: cpu, budget: 4GiB}
+      - {url: "disk:///var/cache/kvtier", budget: 50GiB, codec: lz4}
+      - {url: "redis://localhost:6379/0", budget: 20GiB, options: {ttl_s: 3600}}
+
+Environment (overrides YAML): KVTIER_CONFIG (path to the YAML), KVTIER_CHUNK_SIZE,
+KVTIER_SAVE_DECODE_TOKENS, KVTIER_QUEUE_SIZE, KVTIER_QUEUE_FULL, KVTIER_BACKOFF_INITIAL_S,
+KVTIER_BACKOFF_MAX_S, and KVTIER_TIERS: comma-separated tier URLs whose query string carries
+budget/codec/eviction and options, e.g. `cpu?budget=4GiB,redis://h:6379/0?codec=lz4&ttl_s=60`.
+Every validation error is a ValueError that names the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from kvstore.codecs import CODEC_NAMES
+from kvstore.eviction import POLICIES
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+QUEUE_FULL_POLICIES = ("drop_oldest", "drop_new")
+
+
+def parse_size(value: int | str | None, key: str = "size") -> int | None:
+    """Returns a byte count for `value` ("4GiB", "512MB", "1.5G", 1024, None -> None).
+
+    KB/MB/GB are decimal, KiB/MiB/GiB and bare K/M/G binary. Raises ValueError naming `key`
+    for a negative, malformed or unit-less-but-fractional size.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{key}: expected a size like '4GiB' or an integer, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{key}: size must be >= 0, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"{key}: expected a size like '4GiB' or an integer, got {value!r}")
+    m = _SIZE_RE.match(value)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{key}: cannot parse size {value!r} (examples: 4GiB, 512MB, 1048576)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass
+class TierSpec:
+    """One storage tier: where (URL), how much (byte budget, None = unbounded), how encoded.
+
+    `options` carries backend-specific settings (redis: ttl_s, socket_timeout_s, ssl_* ...;
+    disk: fsync). Backends receive the whole spec through `StorageBackend.from_spec`.
+    """
+
+    url: str
+    budget: int | None = None
+    codec: str = "raw"
+    eviction: str = "lru"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def scheme(self) -> str:
+        """Returns the URL scheme ("cpu", "disk", "redis", ...); a bare word is its own scheme."""
+        return tier_scheme(self.url)
+
+    def validate(self, where: str = "tier") -> TierSpec:
+        """Returns self after checking every field; raises ValueError naming `where.<field>`."""
+        from kvstore.registry import known_schemes
+
+        if not isinstance(self.url, str) or not self.url:
+            raise ValueError(f"{where}.url: expected a non-empty URL string, got {self.url!r}")
+        if self.scheme not in known_schemes():
+            raise ValueError(f"{where}.url: unknown tier scheme {self.scheme!r} in {self.url!r}; "
+                             f"choose one of {sorted(known_schemes())}")
+        parts = urlsplit(self.url)
+        if self.scheme == "disk" and not parts.path:
+            raise ValueError(f"{where}.url: a disk tier needs a path, e.g. disk:///var/cache/kvtier")
+        if self.scheme.startswith(("redis", "rediss", "kvtier")) and not parts.hostname:
+            raise ValueError(f"{where}.url: {self.url!r} has no host")
+        try:
+            parts.port
+        except ValueError:
+            raise ValueError(f"{where}.url: bad port in {self.url!r}") from None
+        self.budget = parse_size(self.budget, f"{where}.budget")
+        if self.codec not in CODEC_NAMES:
+            raise ValueError(f"{where}.codec: unknown codec {self.codec!r}; choose one of {list(CODEC_NAMES)}")
+        if self.eviction not in POLICIES:
+            raise ValueError(f"{where}.eviction: unknown policy {self.eviction!r}; choose one of {sorted(POLICIES)}")
+        if not isinstance(self.options, dict):
+            raise ValueError(f"{where}.options: expected a mapping, got {type(self.options).__name__}")
+        return self
+
+    @classmethod
+    def from_url(cls, url: str, where: str = "tier") -> TierSpec:
+        """Returns a validated spec from `url?budget=..&codec=..&eviction=..&<option>=..`."""
+        base, _, query = url.partition("?")
+        kw: dict[str, Any] = {"url": base, "options": {}}
+        for name, value in parse_qsl(query, keep_blank_values=True):
+            if name in ("budget", "codec", "eviction"):
+                kw[name] = value
+            else:
+                kw["options"][name] = _scalar(value)
+        return cls(**kw).validate(where)
+
+
+def tier_scheme(url: str) -> str:
+    """Returns the scheme of a tier URL; `cpu` and `cpu://` are both "cpu"."""
+    return url.split("://", 1)[0].lower() if "://" in url else url.lower()
+
+
+def _scalar(text: str) -> Any:
+    """Returns `text` as int, float or bool when it reads as one (for query-string options)."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _default_tiers() -> list[TierSpec]:
+    return [TierSpec(url="cpu", budget=4 * 2**30)]
+
+
+@dataclass
+class KVStoreConfig:
+    """Everything the storage manager needs. Tiers are ordered fast to slow."""
+
+    tiers: list[TierSpec] = field(default_factory=_default_tiers)
+    chunk_size: int = 256
+    save_decode_tokens: bool = False
+    queue_size: int = 64
+    queue_full: str = "drop_oldest"
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+
+    def validate(self) -> KVStoreConfig:
+        """Returns self after checking every field; raises ValueError naming the key."""
+        _check_type("chunk_size", self.chunk_size, int)
+        if self.chunk_size <= 0:
+            raise ValueError(f"chunk_size: must be > 0, got {self.chunk_size}")
+        _check_type("save_decode_tokens", self.save_decode_tokens, bool)
+        _check_type("queue_size", self.queue_size, int)
+        if self.queue_size <= 0:
+            raise ValueError(f"queue_size: must be > 0, got {self.queue_size}")
+        if self.queue_full not in QUEUE_FULL_POLICIES:
+            raise ValueError(f"queue_full: must be one of {list(QUEUE_FULL_POLICIES)}, got {self.queue_full!r}")
+        for name in ("backoff_initial_s", "backoff_max_s"):
+            value = getattr(self, name)
+            _check_type(name, value, (int, float))
+            if value <= 0:
+                raise ValueError(f"{name}: must be > 0, got {value}")
+        if not isinstance(self.tiers, list) or not self.tiers:
+            raise ValueError("tiers: expected a non-empty list of tiers")
+        for i, tier in enumerate(self.tiers):
+            if not isinstance(tier, TierSpec):
+                raise ValueError(f"tiers[{i}]: expected a tier, got {type(tier).__name__}")
+            tier.validate(f"tiers[{i}]")
+        return self
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> KVStoreConfig:
+        """Returns a validated config from a plain mapping (parsed YAML); unknown keys are errors."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"config: expected a mapping at the top level, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in known:
+                raise ValueError(f"{key}: unknown config key; known keys: {sorted(known)}")
+        kw = dict(data)
+        if "tiers" in kw:
+            kw["tiers"] = _tiers_from_data(kw["tiers"])
+        return cls(**kw).validate()
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> KVStoreConfig:
+        """Returns a validated config read from a YAML file."""
+        import yaml
+
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] | None = None,
+             env: Mapping[str, str] | None = None) -> KVStoreConfig:
+        """Returns the config from YAML (`path`, else $KVTIER_CONFIG, else defaults) with
+        `KVTIER_*` environment overrides applied on top, validated."""
+        env = os.environ if env is None else env
+        path = path or env.get("KVTIER_CONFIG")
+        cfg = cls.from_yaml(path) if path else cls()
+        return cls.from_dict({**dataclasses.asdict(cfg) | {"tiers": cfg.tiers}, **_env_overrides(env)})
+
+
+_ENV_FIELDS: dict[str, tuple[str, type]] = {
+    "KVTIER_CHUNK_SIZE": ("chunk_size", int),
+    "KVTIER_SAVE_DECODE_TOKENS": ("save_decode_tokens", bool),
+    "KVTIER_QUEUE_SIZE": ("queue_size", int),
+    "KVTIER_QUEUE_FULL": ("queue_full", str),
+    "KVTIER_BACKOFF_INITIAL_S": ("backoff_initial_s", float),
+    "KVTIER_BACKOFF_MAX_S": ("backoff_max_s", float),
+}
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for var, (name, typ) in _ENV_FIELDS.items():
+        if var not in env:
+            continue
+        text = env[var].strip()
+        if typ is bool:
+            if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(f"{var}: expected a boolean (1/0/true/false), got {text!r}")
+            out[name] = text.lower() in ("1", "true", "yes")
+        elif typ is str:
+            out[name] = text
+        else:
+            try:
+                out[name] = typ(text)
+            except ValueError:
+                raise ValueError(f"{var}: expected {typ.__name__}, got {text!r}") from None
+    if "KVTIER_TIERS" in env:
+        urls = [u.strip() for u in env["KVTIER_TIERS"].split(",") if u.strip()]
+        out["tiers"] = [TierSpec.from_url(u, f"KVTIER_TIERS[{i}]") for i, u in enumerate(urls)]
+    return out
+
+
+def _tiers_from_data(items: Any) -> list[TierSpec]:
+    if not isinstance(items, list):
+        raise ValueError(f"tiers: expected a list, got {type(items).__name__}")
+    known = {f.name for f in dataclasses.fields(TierSpec)}
+    tiers = []
+    for i, item in enumerate(items):
+        if isinstance(item, TierSpec):
+            tiers.append(item)
+        elif isinstance(item, str):
+            tiers.append(TierSpec.from_url(item, f"tiers[{i}]"))
+        elif isinstance(item, Mapping):
+            for key in item:
+                if key not in known:
+                    raise ValueError(f"tiers[{i}].{key}: unknown tier key; known keys: {sorted(known)}")
+            if "url" not in item:
+                raise ValueError(f"tiers[{i}].url: missing")
+            tiers.append(TierSpec(**item))
+        else:
+            raise ValueError(f"tiers[{i}]: expected a URL or a mapping, got {type(item).__name__}")
+    return tiers
+
+
+def _check_type(key: str, value: Any, typ: type | tuple[type, ...]) -> None:
+    # bool is an int subclass; a YAML `true` must not pass as a number
+    if not isinstance(value, typ) or (isinstance(value, bool) and typ is not bool):
+        names = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
+        raise ValueError(f"{key}: expected {names}, got {type(value).__name__} {value!r}")
