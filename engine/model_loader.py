@@ -1,0 +1,103 @@
+"""Loading a checkpoint dir (safetensors, single or sharded) into our model, plus the
+device/dtype resolution the rest of the engine shares."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.model_config import ModelConfig
+from engine.models import get_model_class
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """Returns a concrete device: "auto" is CUDA when available, else CPU. ValueError for a
+    device that is unknown or not present."""
+    if isinstance(device, torch.device):
+        device = str(device)
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {device!r}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device!r}; use 'auto', 'cpu' or 'cuda[:N]'")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None) -> torch.dtype:
+    """Returns a torch dtype: "auto" is float32 on CPU, bfloat16 on CUDA when supported else
+    float16. ValueError for an unknown name."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use float32, float16 or bfloat16")
+        return dtype
+    if dtype == "auto":
+        if device is None or device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    try:
+        return _DTYPES[str(dtype).removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, float16 or bfloat16") from None
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """Returns the checkpoint dir: None means the default model (converted on first use)."""
+    if model is None:
+        from engine.default_model import ensure_default_model  # only when actually needed
+        return ensure_default_model()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model {str(model)!r} is not a local Hugging Face checkpoint dir "
+                         "(expected config.json; nothing is fetched from a hub)")
+    return path
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) for every tensor of the checkpoint, on CPU, one at a time."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no safetensors weights")
+    for fname in files:
+        with safe_open(path / fname, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(model: str | Path | None, device: torch.device,
+               dtype: torch.dtype) -> tuple[nn.Module, ModelConfig]:
+    """Returns (model in eval mode on `device` in `dtype`, its ModelConfig). Every parameter
+    comes from the checkpoint (ValueError if any is missing or misshapen)."""
+    path = resolve_model_path(model)
+    config = ModelConfig.from_pretrained(path)
+    cls = get_model_class(config.architecture)
+    with torch.device("meta"):  # skip random init: every weight is overwritten below
+        net = cls(config)
+    net = net.to(dtype).to_empty(device=device)
+    net.load_weights(iter_safetensors(path))
+    return net.eval().requires_grad_(False), config
+
+
+def load_tokenizer(path: str | Path):
+    """Returns the checkpoint's HF tokenizer (local files only)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -1,0 +1,181 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM) on a paged KV cache.
+
+One implementation: the variants differ only in config flags (qkv bias, o_proj bias, tied
+embeddings, rope scaling). q/k/v and gate/up are fused into one matmul each at load time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention_metadata import AttentionMetadata
+from engine.model_config import ModelConfig
+from engine.paged_attention import AttentionPlan, build_plan, paged_attention, write_kv
+from engine.rotary import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale in the input dtype, as HF does, so bf16 matches it.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_size = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_size ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_out_bias)
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, plan: AttentionPlan) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_size)
+        qk_heads = self.num_heads + self.num_kv_heads
+        qk = apply_rotary(qkv[:, :qk_heads], positions, self.rotary.cos_sin_cache(x.device, x.dtype))
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, qk_heads:]
+        connector = meta.kv_connector
+        if connector is not None:  # loaded context must be in place before we read the cache
+            connector.wait_for_layer_load(self.layer_idx)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        if connector is not None:  # saving overlaps with this layer's attention
+            connector.save_kv_layer(self.layer_idx, kv_cache, meta)
+        o = paged_attention(q, k, v, kv_cache, plan, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, plan: AttentionPlan) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta, plan)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(cfg.head_size, cfg.max_position_embeddings,
+                                      cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over a paged KV cache (also registered for Mistral and Qwen2)."""
+
+    # HF checkpoint name fragment -> (our fused parameter, shard index within it).
+    _FUSED = {
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Runs one flat batch of `T` new tokens; writes their K/V into `kv_caches` (one tensor
+        per layer, K after RoPE) and returns the final-normed hidden states `[T, hidden]`."""
+        if len(kv_caches) != self.config.num_layers:
+            raise ValueError(f"expected {self.config.num_layers} kv caches, got {len(kv_caches)}")
+        plan = build_plan(attn_metadata, input_ids.device)
+        if plan.num_tokens != input_ids.shape[0]:
+            raise ValueError(f"attn_metadata describes {plan.num_tokens} tokens, "
+                             f"input_ids has {input_ids.shape[0]}")
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, kv_cache, attn_metadata, plan)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Returns float32 logits `[N, vocab]` for hidden states `[N, hidden]`."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_states, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies HF-named tensors into our (fused) parameters. Raises ValueError on an unknown
+        name, a shape mismatch, or any parameter left unloaded."""
+        params = dict(self.named_parameters())
+        loaded: dict[str, set[int]] = {}
+        cfg = self.config
+        shard_sizes = {".qkv_proj.": [cfg.q_size, cfg.kv_size, cfg.kv_size],
+                       ".gate_up_proj.": [cfg.intermediate_size] * 2}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints still carry a copy
+            target, shard = name, None
+            for frag, (fused, idx) in self._FUSED.items():
+                if frag in name:
+                    target, shard = name.replace(frag, fused), idx
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
+            with torch.no_grad():
+                if shard is None:
+                    _check_shape(name, tensor, param.shape)
+                    param.copy_(tensor)
+                else:
+                    sizes = shard_sizes[fused]
+                    offset = sum(sizes[:shard])
+                    dst = param.narrow(0, offset, sizes[shard])
+                    _check_shape(name, tensor, dst.shape)
+                    dst.copy_(tensor)
+            loaded.setdefault(target, set()).add(-1 if shard is None else shard)
+        missing = [n for n in params if n not in loaded]
+        partial = [n for n, s in loaded.items() if -1 not in s and len(s) != len(shard_sizes[
+            ".qkv_proj." if ".qkv_proj." in n else ".gate_up_proj."])]
+        if missing or partial:
+            raise ValueError(f"checkpoint is missing weights for {sorted(missing + partial)[:8]}")
+
+
+def _check_shape(name: str, tensor: torch.Tensor, shape: torch.Size) -> None:
+    if tensor.shape != shape:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                         f"expected {tuple(shape)}")
