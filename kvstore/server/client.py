@@ -1,0 +1,308 @@
+"""A thread-safe, pooled, pipelining byte client for the cache server (docs/protocol.md).
+
+Each call borrows one connection from a pool, sends its requests in windows of
+`_WINDOW` (pipelined: one round trip per window, not per key), reads the replies in order
+and returns the connection. A connection that breaks is dropped together with every idle
+pooled one (a server restart kills them all); a call that failed on a reused connection is
+retried once on a fresh one, which is safe because every op is idempotent.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import count
+
+from kvstore.server import protocol as P
+from kvstore.server.protocol import Op, Status
+
+# Requests in flight per connection. Small enough that unread replies can never fill the
+# socket buffers both ways (which would deadlock a client that writes before it reads).
+_WINDOW = 32
+_INLINE = 64 << 10  # payloads up to this size are coalesced with their header in one send
+
+
+class ServerUnavailable(ConnectionError):
+    """The server could not be reached, or the connection broke mid-call."""
+
+
+class ServerReplyError(RuntimeError):
+    """The server answered with an error status (auth failure, too large, bad request)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        try:
+            name = Status(status).name
+        except ValueError:
+            name = str(status)
+        super().__init__(f"cache server replied {name}: {message}")
+
+
+@dataclass
+class Request:
+    op: Op
+    key: bytes = b""
+    payload: P.Buffer = b""
+
+
+@dataclass
+class Reply:
+    status: int
+    payload: bytearray
+
+
+class _Connection:
+    """One socket with a buffered reader; replies are checked against request ids."""
+
+    def __init__(self, host: str, port: int, connect_timeout: float, timeout: float) -> None:
+        try:
+            self.sock = socket.create_connection((host, port), timeout=connect_timeout)
+        except OSError as exc:
+            raise ServerUnavailable(f"cannot connect to kvtier://{host}:{port}: {exc}") from exc
+        self.sock.settimeout(timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.rfile = self.sock.makefile("rb", buffering=_INLINE)
+        self._ids = count(1)
+        self._header = bytearray(P.HEADER_SIZE)
+
+    def send(self, requests: Sequence[Request]) -> list[int]:
+        """Sends the requests back to back; returns their request ids."""
+        ids: list[int] = []
+        pending: list[bytes | P.Buffer] = []
+        for req in requests:
+            rid = next(self._ids) & 0xFFFFFFFF
+            ids.append(rid)
+            pending.append(P.encode_header(req.op, rid, len(req.key), len(req.payload)))
+            pending.append(req.key)
+            if len(req.payload) <= _INLINE:
+                pending.append(req.payload)
+            else:
+                # Large payload: flush what is queued, then send the caller's buffer itself.
+                self.sock.sendall(b"".join(pending))
+                pending.clear()
+                self.sock.sendall(memoryview(req.payload).cast("B"))
+        if pending:
+            self.sock.sendall(b"".join(pending))
+        return ids
+
+    def recv(self, request_id: int) -> Reply:
+        """Reads one reply into a buffer of its exact size; raises ServerUnavailable if
+        the stream ends or the reply does not answer `request_id`."""
+        self._read_into(memoryview(self._header))
+        try:
+            h = P.decode_header(self._header, max_payload=1 << 62)
+        except P.ProtocolError as exc:
+            raise ServerUnavailable(f"garbled reply from the cache server: {exc}") from exc
+        payload = bytearray(h.payload_len)
+        if h.payload_len:
+            self._read_into(memoryview(payload))
+        if h.request_id != request_id and h.code not in (Status.BAD_FRAME, Status.AUTH_REQUIRED):
+            raise ServerUnavailable(f"reply for request {h.request_id} while waiting for {request_id}")
+        return Reply(h.code, payload)
+
+    def _read_into(self, view: memoryview) -> None:
+        while view:
+            n = self.rfile.readinto(view)
+            if not n:
+                raise ServerUnavailable("the cache server closed the connection")
+            view = view[n:]
+
+    def close(self) -> None:
+        try:
+            self.rfile.close()
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class CacheServerClient:
+    """Byte-level client for `kvtier://host:port`. Safe to share between threads.
+
+    Raises ServerUnavailable when the server cannot be reached (the next call reconnects)
+    and ServerReplyError when it refuses a request.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        auth_token: str | None = None,
+        connect_timeout: float = 2.0,
+        timeout: float = 10.0,
+        pool_size: int = 8,
+    ) -> None:
+        if not 0 < port <= 65535:
+            raise ValueError(f"cache server port must be in 1..65535, got {port}")
+        if connect_timeout <= 0 or timeout <= 0:
+            raise ValueError("cache server timeouts must be positive")
+        if pool_size < 1:
+            raise ValueError(f"pool_size must be at least 1, got {pool_size}")
+        self.host, self.port = host, port
+        self._token = auth_token.encode() if auth_token else None
+        self.connect_timeout, self.timeout = connect_timeout, timeout
+        self.pool_size = pool_size
+        self._idle: list[_Connection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.reconnects = 0
+
+    # ---- pool ----
+
+    def _connect(self) -> _Connection:
+        conn = _Connection(self.host, self.port, self.connect_timeout, self.timeout)
+        if self._token is not None:
+            try:
+                [rid] = conn.send([Request(Op.AUTH, payload=self._token)])
+                reply = conn.recv(rid)
+            except (OSError, ServerUnavailable) as exc:
+                conn.close()
+                raise ServerUnavailable(f"authentication with kvtier://{self.host}:{self.port} failed: {exc}") from exc
+            if reply.status != Status.OK:
+                conn.close()
+                raise ServerReplyError(reply.status, reply.payload.decode(errors="replace"))
+        return conn
+
+    def _acquire(self) -> tuple[_Connection, bool]:
+        with self._lock:
+            if self._closed:
+                raise ServerUnavailable("client is closed")
+            if self._idle:
+                return self._idle.pop(), True
+        return self._connect(), False
+
+    def _release(self, conn: _Connection) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self.pool_size:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _drop_idle(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def close(self) -> None:
+        """Closes every pooled connection; later calls raise ServerUnavailable."""
+        with self._lock:
+            self._closed = True
+        self._drop_idle()
+
+    # ---- calls ----
+
+    def call(self, requests: Sequence[Request]) -> list[Reply]:
+        """Returns one reply per request, in order, pipelined over one connection."""
+        if not requests:
+            return []
+        conn, reused = self._acquire()
+        try:
+            replies = self._exchange(conn, requests)
+        except OSError as exc:  # ServerUnavailable and socket timeouts included
+            self._drop_idle()
+            if not reused:
+                raise _unavailable(exc) from exc
+            # A stale pooled connection (server restarted or idle-closed): retry once, fresh.
+            self.reconnects += 1
+            conn = self._connect()
+            try:
+                replies = self._exchange(conn, requests)
+            except OSError as exc2:
+                raise _unavailable(exc2) from exc2
+        self._release(conn)
+        return replies
+
+    @staticmethod
+    def _exchange(conn: _Connection, requests: Sequence[Request]) -> list[Reply]:
+        """Returns the replies; closes `conn` on any failure (its stream is then unusable)."""
+        try:
+            return CacheServerClient._exchange_open(conn, requests)
+        except BaseException:
+            conn.close()
+            raise
+
+    @staticmethod
+    def _exchange_open(conn: _Connection, requests: Sequence[Request]) -> list[Reply]:
+        replies: list[Reply] = []
+        for start in range(0, len(requests), _WINDOW):
+            ids = conn.send(requests[start : start + _WINDOW])
+            for rid in ids:
+                reply = conn.recv(rid)
+                if reply.status in (Status.BAD_FRAME, Status.AUTH_REQUIRED, Status.AUTH_FAILED):
+                    # The server closes the connection after these; surface them as refusals.
+                    raise ServerReplyError(reply.status, reply.payload.decode(errors="replace"))
+                replies.append(reply)
+        return replies
+
+    def _one(self, req: Request) -> Reply:
+        return self.call([req])[0]
+
+    def ping(self) -> bool:
+        """Returns True if the server answered PING."""
+        return self._one(Request(Op.PING)).status == Status.OK
+
+    def put(self, key: bytes, value: P.Buffer) -> None:
+        """Stores `value`; raises ServerReplyError if the server refuses it (too large)."""
+        self.put_many([(key, value)])
+
+    def put_many(self, items: Sequence[tuple[bytes, P.Buffer]]) -> None:
+        """Stores every item, pipelined; raises ServerReplyError on the first refusal."""
+        for reply in self.call([Request(Op.PUT, k, v) for k, v in items]):
+            _expect_ok(reply)
+
+    def get(self, key: bytes) -> bytearray | None:
+        """Returns the value, or None on a miss."""
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytearray | None]:
+        """Returns one value or None per key, in order, pipelined."""
+        out: list[bytearray | None] = []
+        for reply in self.call([Request(Op.GET, k) for k in keys]):
+            out.append(None if reply.status == Status.NOT_FOUND else _expect_ok(reply).payload)
+        return out
+
+    def exists(self, key: bytes) -> bool:
+        return self.exists_many([key])[0]
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Returns whether each key is stored, pipelined."""
+        return [_found(r) for r in self.call([Request(Op.EXISTS, k) for k in keys])]
+
+    def prefix_hits(self, keys: Sequence[bytes]) -> int:
+        """Returns how many of `keys`, counted from the start, are stored: one round trip."""
+        if not keys:
+            return 0
+        reply = _expect_ok(self._one(Request(Op.PREFIX_HITS, payload=P.encode_key_list(keys))))
+        return P.decode_count(reply.payload)
+
+    def delete(self, key: bytes) -> bool:
+        """Removes `key`; returns whether it was present."""
+        return _found(self._one(Request(Op.DELETE, key)))
+
+    def clear(self) -> None:
+        _expect_ok(self._one(Request(Op.CLEAR)))
+
+    def stats(self) -> dict[str, int]:
+        """Returns the server's STATS counters (entries, bytes, hits, misses, evictions, ...)."""
+        return json.loads(bytes(_expect_ok(self._one(Request(Op.STATS))).payload))
+
+
+def _expect_ok(reply: Reply) -> Reply:
+    if reply.status != Status.OK:
+        raise ServerReplyError(reply.status, reply.payload.decode(errors="replace"))
+    return reply
+
+
+def _found(reply: Reply) -> bool:
+    if reply.status == Status.NOT_FOUND:
+        return False
+    _expect_ok(reply)
+    return True
+
+
+def _unavailable(exc: BaseException) -> ServerUnavailable:
+    return exc if isinstance(exc, ServerUnavailable) else ServerUnavailable(f"cache server I/O failed: {exc}")

@@ -1,0 +1,137 @@
+"""The cache server's wire protocol: fixed 24-byte frame headers, pure encode/decode.
+
+Every request and every reply is one frame: a header, then `key_len` key bytes, then
+`payload_len` payload bytes. Requests carry an op in the `code` byte, replies a status.
+See docs/protocol.md for the full specification; this module is its one implementation.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import IntEnum
+
+MAGIC = b"KVTS"
+VERSION = 1
+# magic, version, code (op or status), flags, request id, key length, payload length
+HEADER = struct.Struct("<4sBBHIIQ")
+HEADER_SIZE = HEADER.size  # 24
+MAX_KEY_LEN = 4096
+DEFAULT_MAX_PAYLOAD = 512 << 20
+Buffer = bytes | bytearray | memoryview
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+class Op(IntEnum):
+    PING = 1
+    AUTH = 2
+    PUT = 3
+    GET = 4
+    EXISTS = 5
+    PREFIX_HITS = 6
+    DELETE = 7
+    CLEAR = 8
+    STATS = 9
+
+
+class Status(IntEnum):
+    OK = 0
+    NOT_FOUND = 1
+    BAD_FRAME = 2  # bad magic/version/lengths: the server closes the connection after it
+    UNKNOWN_OP = 3
+    TOO_LARGE = 4  # a value larger than the server's whole memory budget
+    AUTH_REQUIRED = 5
+    AUTH_FAILED = 6
+    BAD_REQUEST = 7  # well-framed but invalid (e.g. a malformed key list)
+    INTERNAL = 8
+
+
+class ProtocolError(ValueError):
+    """A frame that violates the protocol; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class Header:
+    code: int
+    request_id: int
+    key_len: int
+    payload_len: int
+    flags: int = 0
+
+    @property
+    def body_len(self) -> int:
+        return self.key_len + self.payload_len
+
+
+def encode_header(code: int, request_id: int, key_len: int, payload_len: int, flags: int = 0) -> bytes:
+    """Returns the 24-byte header for one frame."""
+    return HEADER.pack(MAGIC, VERSION, code, flags, request_id & 0xFFFFFFFF, key_len, payload_len)
+
+
+def decode_header(buf: bytes | bytearray | memoryview, max_payload: int) -> Header:
+    """Returns the header at the start of `buf` (at least HEADER_SIZE bytes).
+
+    Raises ProtocolError for a bad magic, an unsupported version, a key longer than
+    MAX_KEY_LEN or a payload longer than `max_payload`; the code byte is not checked here
+    (an unknown op is well-framed and gets its own status).
+    """
+    magic, version, code, flags, request_id, key_len, payload_len = HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r})")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (this server speaks {VERSION})")
+    if key_len > MAX_KEY_LEN:
+        raise ProtocolError(f"key length {key_len} exceeds the limit of {MAX_KEY_LEN} bytes")
+    if payload_len > max_payload:
+        raise ProtocolError(f"payload length {payload_len} exceeds the limit of {max_payload} bytes")
+    return Header(code, request_id, key_len, payload_len, flags)
+
+
+def encode_frame(code: int, request_id: int, key: bytes = b"", payload: bytes = b"") -> bytes:
+    """Returns one whole frame as bytes (for small frames; large payloads are sent separately)."""
+    return encode_header(code, request_id, len(key), len(payload)) + key + payload
+
+
+def encode_key_list(keys: Iterable[bytes]) -> bytes:
+    """Returns the PREFIX_HITS payload: each key as a u32 length followed by its bytes."""
+    parts: list[bytes] = []
+    for key in keys:
+        if len(key) > MAX_KEY_LEN:
+            raise ProtocolError(f"key length {len(key)} exceeds the limit of {MAX_KEY_LEN} bytes")
+        parts.append(_U32.pack(len(key)))
+        parts.append(key)
+    return b"".join(parts)
+
+
+def decode_key_list(payload: Buffer) -> list[bytes]:
+    """Returns the keys of a PREFIX_HITS payload; raises ProtocolError if it is malformed."""
+    view = memoryview(payload)
+    keys: list[bytes] = []
+    pos, end = 0, len(view)
+    while pos < end:
+        if end - pos < 4:
+            raise ProtocolError("key list truncated inside a length prefix")
+        (n,) = _U32.unpack_from(view, pos)
+        pos += 4
+        if n > MAX_KEY_LEN:
+            raise ProtocolError(f"key length {n} exceeds the limit of {MAX_KEY_LEN} bytes")
+        if pos + n > end:
+            raise ProtocolError("key list truncated inside a key")
+        keys.append(bytes(view[pos : pos + n]))
+        pos += n
+    return keys
+
+
+def encode_count(n: int) -> bytes:
+    """Returns a u64 count payload (PREFIX_HITS replies)."""
+    return _U64.pack(n)
+
+
+def decode_count(payload: Buffer) -> int:
+    """Returns the u64 count in a reply payload; raises ProtocolError if it is not 8 bytes."""
+    if len(payload) != 8:
+        raise ProtocolError(f"count payload must be 8 bytes, got {len(payload)}")
+    return _U64.unpack(payload)[0]
+

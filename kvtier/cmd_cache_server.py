@@ -1,0 +1,100 @@
+"""`kvtier cache-server`: the standalone KV cache server (see docs/protocol.md)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+import sys
+
+HELP = "run the standalone KV cache server that engines on one or many machines share"
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Returns the byte count of '4GiB', '512MiB', '1.5GB', '65536'; raises ValueError
+    naming the text if it is not a positive size."""
+    m = _SIZE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"invalid size {text!r} (use e.g. 4GiB, 512MiB, 100MB or a byte count)")
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return n
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default loopback; use 0.0.0.0 explicitly to serve the network)")
+    parser.add_argument("--port", type=int, default=65432, help="TCP port (0 picks a free one and prints it)")
+    parser.add_argument("--max-bytes", default="4GiB", help="memory budget: key + value bytes of all entries")
+    parser.add_argument("--disk", default=None, metavar="DIR", help="spill evicted entries to this directory")
+    parser.add_argument("--max-disk-bytes", default="16GiB", help="budget of the disk spill (file sizes)")
+    parser.add_argument("--auth-token", default=None,
+                        help="require clients to send this token first (also $KVTIER_AUTH_TOKEN)")
+    parser.add_argument("--max-payload", default="512MiB", help="largest payload one frame may carry")
+    parser.add_argument("--idle-timeout", type=float, default=300.0,
+                        help="close connections that send nothing for this many seconds")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    from kvstore.server.disk import DiskSpill
+    from kvstore.server.server import ServerConfig, serve
+    from kvstore.server.store import ByteStore
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.idle_timeout <= 0:
+        raise ValueError(f"--idle-timeout must be positive, got {args.idle_timeout}")
+    level = logging.getLevelName(str(args.log_level).upper())
+    if not isinstance(level, int):
+        raise ValueError(f"--log-level: unknown level {args.log_level!r}")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    token = args.auth_token if args.auth_token is not None else os.environ.get("KVTIER_AUTH_TOKEN")
+    spill = DiskSpill(args.disk, parse_size(args.max_disk_bytes)) if args.disk else None
+    store = ByteStore(parse_size(args.max_bytes), spill)
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        max_payload=parse_size(args.max_payload),
+        auth_token=token or None,
+        idle_timeout=args.idle_timeout,
+    )
+
+    def listening(host: str, port: int) -> None:
+        # One line, flushed, so scripts and tests can wait for it.
+        print(f"kvtier cache-server listening on {host}:{port}", flush=True)
+
+    try:
+        asyncio.run(serve(store, config, on_listening=listening))
+    except OSError as exc:  # e.g. address already in use
+        print(f"kvtier cache-server: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvtier.cmd_cache_server ...`: the same command without the CLI dispatcher
+    (which imports every subcommand), for scripts and test fixtures that want a light start."""
+    parser = argparse.ArgumentParser(prog="kvtier cache-server", description=HELP)
+    add_arguments(parser)
+    try:
+        return run(parser.parse_args(argv))
+    except ValueError as exc:
+        print(f"kvtier cache-server: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
