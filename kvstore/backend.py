@@ -42,6 +42,7 @@ class BackendStats:
     evictions: int = 0
     corrupt: int = 0
     errors: int = 0
+    rejected: int = 0  # puts refused because the value cannot fit (too big, or only pinned keys left)
 
 
 class StorageBackend(ABC):
@@ -120,7 +121,7 @@ class BytesBackend(StorageBackend):
     def __init__(self, codec: Codec | str = "raw") -> None:
         self.codec = get_codec(codec) if isinstance(codec, str) else codec
         self._stats_lock = threading.Lock()
-        self._hits = self._misses = self._puts = self._corrupt = 0
+        self._hits = self._misses = self._puts = self._corrupt = self._rejected = 0
 
     # -- byte-level hooks ---------------------------------------------------------------
     @abstractmethod
@@ -218,4 +219,4 @@ class BytesBackend(StorageBackend):
         with self._stats_lock:
             return BackendStats(entries=entries, bytes_used=used, byte_budget=budget, hits=self._hits,
                                 misses=self._misses, puts=self._puts, evictions=evictions,
-                                corrupt=self._corrupt)
+                                corrupt=self._corrupt, rejected=self._rejected)

@@ -1,0 +1,139 @@
+"""In-process tiers: `device` (GPU memory when CUDA is present) and `cpu` (pinned host memory
+when CUDA is present). Same code path on a CPU-only machine.
+
+With the `raw` codec chunks are kept as tensors (a get is one copy); other codecs keep the
+serde-encoded value, e.g. `int8` to fit twice as many chunks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from kvstore import serde
+from kvstore.backend import BackendStats, StorageBackend
+from kvstore.budget import ByteBudget
+from kvstore.codecs import Codec, get_codec
+from kvstore.config import TierSpec
+from kvstore.eviction import make_policy
+
+
+def _stored_nbytes(value: torch.Tensor | bytes | bytearray) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return len(value)
+
+
+class MemoryBackend(StorageBackend):
+    """Chunks held in this process's memory on `device`, within a hard byte budget."""
+
+    name = "memory"
+
+    def __init__(self, device: torch.device | str = "cpu", byte_budget: int | None = None,
+                 codec: Codec | str = "raw", eviction: str = "lru", pin_memory: bool = False) -> None:
+        self.device = torch.device(device)
+        self.codec = get_codec(codec) if isinstance(codec, str) else codec
+        self.pin_memory = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
+        self._budget = ByteBudget(byte_budget, make_policy(eviction))
+        self._store: dict[str, torch.Tensor | bytearray] = {}
+        self._lock = threading.Lock()
+        self._stats = BackendStats(byte_budget=byte_budget)
+
+    def set_pin_check(self, is_pinned: Callable[[str], bool]) -> None:
+        self._budget.is_pinned = is_pinned
+
+    def _to_stored(self, key: str, kv: torch.Tensor) -> torch.Tensor | bytearray:
+        if self.codec.name != "raw":
+            return serde.encode(key, kv, self.codec)
+        if self.pin_memory:
+            out = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+            return out.copy_(kv, non_blocking=False)
+        # clone: the caller's tensor may be a view into the engine's kv cache that changes later
+        return kv.detach().to(self.device, copy=True).contiguous()
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._store
+
+    def prefix_hits(self, keys) -> int:
+        with self._lock:
+            n = 0
+            for key in keys:
+                if key not in self._store:
+                    break
+                n += 1
+            return n
+
+    def get(self, key: str) -> torch.Tensor | None:
+        """Returns a copy of the chunk (on this tier's device for raw), or None on a miss."""
+        with self._lock:
+            value = self._store.get(key)
+            if value is None:
+                self._stats.misses += 1
+                return None
+            self._budget.touch(key)
+            self._stats.hits += 1
+        # stored values are never mutated in place (a put replaces them), so copy outside the lock
+        if isinstance(value, torch.Tensor):
+            return value.clone()
+        return serde.decode(key, value).to(self.device)
+
+    def put(self, key: str, kv: torch.Tensor) -> None:
+        """Stores a copy of `kv`, evicting by policy; a chunk that cannot fit is refused (counted)."""
+        stored = self._to_stored(key, kv)
+        nbytes = _stored_nbytes(stored)
+        with self._lock:
+            victims = self._budget.plan(key, nbytes)
+            if victims is None:
+                self._stats.rejected += 1
+                return
+            for victim in victims:
+                self._store.pop(victim, None)
+                self._budget.remove(victim)
+                self._stats.evictions += 1
+            self._store[key] = stored
+            self._budget.add(key, nbytes)
+            self._stats.puts += 1
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            self._budget.remove(key)
+            return self._store.pop(key, None) is not None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._store.clear()
+            self._budget.clear()
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            s = BackendStats(**vars(self._stats))
+            s.entries, s.bytes_used = len(self._store), self._budget.used
+            return s
+
+    def close(self) -> None:
+        self.clear()
+
+
+class DeviceBackend(MemoryBackend):
+    """GPU memory when CUDA is present (option `device`, default cuda), else CPU memory."""
+
+    name = "device"
+
+    @classmethod
+    def from_spec(cls, spec: TierSpec) -> DeviceBackend:
+        device = spec.options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+        return cls(device=device, byte_budget=spec.budget, codec=spec.codec, eviction=spec.eviction)
+
+
+class CPUBackend(MemoryBackend):
+    """Host memory, pinned when CUDA is present (fast, async copies to the GPU)."""
+
+    name = "cpu"
+
+    @classmethod
+    def from_spec(cls, spec: TierSpec) -> CPUBackend:
+        pin = bool(spec.options.get("pin_memory", True))
+        return cls(device="cpu", byte_budget=spec.budget, codec=spec.codec, eviction=spec.eviction, pin_memory=pin)
