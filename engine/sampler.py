@@ -42,7 +42,7 @@ class Sampler:
         self,
         logits: torch.Tensor,
         params: SequenceT[SamplingParams],
-        generators: SequenceT[torch.Generator],
+        generators: SequenceT[torch.Generator | None],
     ) -> torch.Tensor:
         """Returns sampled token ids [N] (int64, on `logits`' device) for float logits [N, V]."""
         if logits.shape[0] != len(params):

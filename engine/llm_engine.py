@@ -1,0 +1,138 @@
+"""The step loop: requests in, one scheduled forward per `step()`, finished outputs out."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.kv_connector import KVConnectorBase
+from engine.model_loader import load_tokenizer
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+PromptType = str | Mapping[str, Any]
+
+
+class LLMEngine:
+    """Wires runner, block manager and scheduler. Not thread-safe: one caller drives `step()`."""
+
+    def __init__(self, config: EngineConfig, kv_connector: KVConnectorBase | None = None) -> None:
+        if kv_connector is not None and not isinstance(kv_connector, KVConnectorBase):
+            raise ValueError(f"kv_connector must be a KVConnectorBase, got {type(kv_connector).__name__}")
+        self.config = config
+        self.kv_connector = kv_connector
+        self.runner = ModelRunner(config, kv_connector)
+        mc = self.runner.model_config
+        self.model_config = mc
+        if config.max_model_len is not None and config.max_model_len > mc.max_model_len:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit {mc.max_model_len}")
+        self.max_model_len = config.max_model_len or mc.max_model_len
+        self.tokenizer = load_tokenizer(mc.path)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=set(mc.eos_token_ids),
+            kv_connector=kv_connector,
+        )
+        self._ids = itertools.count()
+
+    # ---- requests ----
+    def make_sequence(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> Sequence:
+        """Returns a validated, not yet queued Sequence; ValueError names what is wrong."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        text: str | None = None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty (0 tokens)")
+            text = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            token_ids = list(prompt["prompt_token_ids"])
+            vocab = self.model_config.vocab_size
+            for t in token_ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise ValueError(f"prompt_token_ids holds {t!r}, not a token id in [0, {vocab})")
+        else:
+            raise ValueError("a prompt must be a str or a dict with 'prompt_token_ids'")
+        rid = request_id if request_id is not None else str(next(self._ids))
+        seq = Sequence(rid, token_ids, params, prompt=text)
+        self.scheduler.check_request(seq)
+        return seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> str:
+        """Queues one request; returns its id."""
+        seq = self.make_sequence(prompt, params, request_id)
+        self.add_sequence(seq)
+        return seq.request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ----
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled forward; returns outputs of the requests that finished in it."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # Cannot happen for requests that passed check_request; fail loudly, not spin.
+                raise RuntimeError("scheduler made no progress with an idle engine")
+            return []
+        sampled = self.runner.execute_model(out)
+        finished = self.scheduler.update_from_output(out, sampled)
+        return [self.make_output(s) for s in finished]
+
+    def make_output(self, seq: Sequence) -> RequestOutput:
+        p = seq.sampling_params
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.status.value if seq.is_finished else None,
+            stop_reason=seq.stop_reason,
+        )
+        metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            outputs=[completion],
+            finished=seq.is_finished,
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
+            metrics=metrics,
+            num_preemptions=seq.num_preemptions,
+        )
+
+    def get_stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        q, h = bm.prefix_cache_queries, bm.prefix_cache_hits
+        return {
+            "prefix_cache_queries": q,
+            "prefix_cache_hits": h,
+            "prefix_cache_hit_rate": h / q if q else 0.0,
+            "connector_hit_tokens": self.scheduler.num_external_hit_tokens,
+            "num_gpu_blocks": bm.num_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "block_usage": bm.pool.usage(),
+            "num_cached_blocks": len(bm.pool.cached),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }

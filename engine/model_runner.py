@@ -1,0 +1,139 @@
+"""Owns the model and the paged KV cache; turns a scheduled step into tensors, runs it, samples.
+
+The per-layer caches are `(2, num_blocks, block_size, num_kv_heads, head_size)` tensors
+allocated once. Batch tensors (input ids, positions, slot mapping, block tables) are built on
+the host with vectorised ops and moved to the device in one copy each.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention_metadata import AttentionMetadata
+from engine.block_manager import slot_mapping
+from engine.config import EngineConfig
+from engine.kv_connector import KVConnectorBase
+from engine.model_config import ModelConfig
+from engine.model_loader import load_model, resolve_device, resolve_dtype
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+
+# CPU has no allocator to query; this is the default KV budget there.
+_CPU_KV_BUDGET_BYTES = 1 << 30
+
+
+def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Returns the bytes one block occupies across all layers (K and V)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_size * elem
+
+
+class ModelRunner:
+    """Runs steps on one device. Guarantees: the KV pool is allocated once and never resized."""
+
+    def __init__(self, config: EngineConfig, kv_connector: KVConnectorBase | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model, self.model_config = load_model(config.model, self.device, self.dtype)
+        self.block_size = config.block_size
+        self.num_blocks = self._decide_num_blocks()
+        mc = self.model_config
+        shape = (2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_size)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
+        self.connector = kv_connector
+        if kv_connector is not None:
+            kv_connector.register_kv_caches(self.kv_caches)
+        self.sampler = Sampler()
+        # Seeds the generators of requests that bring no seed (reproducible per LLM seed).
+        self._seed_rng = torch.Generator().manual_seed(config.seed)
+
+    def _decide_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_gpu_blocks is not None:
+            return cfg.num_gpu_blocks
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        budget = cfg.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _total = torch.cuda.mem_get_info(self.device)
+                budget = int(free * cfg.gpu_memory_utilization)
+            else:
+                budget = _CPU_KV_BUDGET_BYTES
+        n = budget // per_block
+        if n < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} holds no block ({per_block} bytes per block of {self.block_size} tokens)"
+            )
+        return int(n)
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        if seq.generator is None:
+            seed = seq.sampling_params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+            seq.generator = torch.Generator().manual_seed(seed)
+        return seq.generator
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Returns (input_ids [T], positions [T], attention metadata) on the device for a step."""
+        reqs = out.requests
+        n_new = torch.tensor([r.num_new_tokens for r in reqs], dtype=torch.long)
+        ctx = torch.tensor([r.num_computed_tokens for r in reqs], dtype=torch.long)
+        qsl = torch.zeros(len(reqs) + 1, dtype=torch.long)
+        torch.cumsum(n_new, 0, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        token_ids: list[int] = []
+        for r in reqs:
+            token_ids += r.seq.token_ids_slice(r.num_computed_tokens, r.num_computed_tokens + r.num_new_tokens)
+        seq_index = torch.repeat_interleave(torch.arange(len(reqs)), n_new)
+        positions = torch.arange(num_tokens) - qsl[seq_index] + ctx[seq_index]
+        max_blocks = max(len(r.seq.block_table) for r in reqs)
+        tables = torch.zeros(len(reqs), max_blocks, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            tables[i, : len(r.seq.block_table)] = torch.as_tensor(r.seq.block_table, dtype=torch.long)
+        slots = slot_mapping(tables, seq_index, positions, self.block_size)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev, non_blocking=True),
+            block_tables=tables.to(dev, non_blocking=True),
+            query_start_loc=qsl.tolist(),
+            seq_lens=(ctx + n_new).tolist(),
+            block_size=self.block_size,
+            kv_connector=self.connector,
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.long).to(dev, non_blocking=True)
+        return input_ids, positions.to(dev, non_blocking=True), meta
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> list[int | None]:
+        """Runs one step; returns per scheduled request the sampled token, or None for a prefill
+        chunk that does not reach the request's last token."""
+        if out.is_empty:
+            return []
+        input_ids, positions, meta = self.prepare(out)
+        conn = self.connector
+        if conn is not None:
+            conn.bind_connector_metadata(out.kv_connector_metadata)
+            conn.start_load_kv(meta)
+        try:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            if conn is not None:
+                conn.wait_for_save()
+        finally:
+            if conn is not None:
+                conn.clear_connector_metadata()
+        rows = [i for i, r in enumerate(out.requests) if r.samples]
+        result: list[int | None] = [None] * len(out.requests)
+        if not rows:
+            return result
+        last = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in rows], device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, last))
+        seqs = [out.requests[i].seq for i in rows]
+        params = [s.sampling_params for s in seqs]
+        gens = [self._generator(s) if not s.sampling_params.greedy else None for s in seqs]
+        tokens = self.sampler(logits, params, gens).tolist()
+        for i, t in zip(rows, tokens):
+            result[i] = t
+        return result
