@@ -1,0 +1,157 @@
+"""ModelConfig: parsing real HF configs, validation errors, and a stable fingerprint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.model_config import ModelConfig
+from engine.rotary import compute_inv_freq
+from tests.fixtures.model import make_tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _with_config(src: Path, dst: Path, **changes) -> Path:
+    """Copies checkpoint `src` to `dst` with config.json keys changed (None deletes)."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_default_model_config(default_model_path: Path) -> None:
+    cfg = ModelConfig.from_pretrained(default_model_path)
+    assert (cfg.architecture, cfg.model_type) == ("LlamaForCausalLM", "llama")
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (30, 576, 9, 3)
+    assert (cfg.head_size, cfg.vocab_size, cfg.intermediate_size) == (64, 49152, 1536)
+    assert cfg.rope_theta == 100000.0 and cfg.rope_scaling is None
+    assert cfg.tie_word_embeddings and not cfg.attention_bias and not cfg.mlp_bias
+    assert 2 in cfg.eos_token_ids  # <|im_end|>, also the tokenizer's eos
+    assert cfg.bos_token_id == 1
+    assert len(cfg.fingerprint) == 32 and int(cfg.fingerprint, 16) >= 0
+
+
+def test_unsupported_architecture_names_it(tmp_path: Path, default_model_path: Path) -> None:
+    bad = _with_config(default_model_path, tmp_path / "gpt2", architectures=["GPT2LMHeadModel"],
+                       model_type="gpt2")
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        ModelConfig.from_pretrained(bad)
+
+
+def test_not_a_checkpoint_dir(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="config.json"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_unsupported_rope_type_is_value_error(tmp_path: Path, default_model_path: Path) -> None:
+    bad = _with_config(default_model_path, tmp_path / "yarn",
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(ValueError, match="yarn"):
+        ModelConfig.from_pretrained(bad)
+
+
+def test_legacy_and_hf5_rope_keys_agree(tmp_path: Path, default_model_path: Path) -> None:
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
+    new = _with_config(default_model_path, tmp_path / "new",
+                       rope_parameters={"rope_theta": 5e5, **llama3})
+    old = _with_config(default_model_path, tmp_path / "old", rope_parameters=None,
+                       rope_theta=5e5, rope_scaling={**llama3, "rope_type": None, "type": "llama3"})
+    a, b = ModelConfig.from_pretrained(new), ModelConfig.from_pretrained(old)
+    assert a.rope_theta == b.rope_theta == 5e5
+    assert a.rope_scaling == b.rope_scaling == llama3
+    assert a.fingerprint == b.fingerprint
+
+
+def test_llama3_inv_freq_matches_transformers() -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    hf_cfg = LlamaConfig(hidden_size=2048, num_attention_heads=16, head_dim=128,
+                         rope_parameters=params, max_position_embeddings=131072)
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    ours = compute_inv_freq(128, 5e5, {k: v for k, v in params.items() if k != "rope_theta"})
+    torch.testing.assert_close(ours, ref.float(), rtol=1e-6, atol=0)
+
+
+def test_head_dim_and_qwen2_bias_and_eos_merge(tmp_path: Path, default_model_path: Path) -> None:
+    ckpt = make_tiny_checkpoint(tmp_path, "qwen2", head_dim=32, tokenizer_dir=default_model_path)
+    gen = json.loads((ckpt / "generation_config.json").read_text())
+    gen["eos_token_id"] = [2, 7]
+    (ckpt / "generation_config.json").write_text(json.dumps(gen))
+    cfg = ModelConfig.from_pretrained(ckpt)
+    assert cfg.architecture == "Qwen2ForCausalLM"
+    assert cfg.head_size == 32 and cfg.q_size == 4 * 32 and cfg.kv_size == 2 * 32
+    assert cfg.attention_bias and not cfg.attention_out_bias
+    assert cfg.eos_token_ids == [2, 7]
+
+
+def test_bad_sizes_are_value_errors(tmp_path: Path, default_model_path: Path) -> None:
+    bad = _with_config(default_model_path, tmp_path / "heads", num_key_value_heads=4)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        ModelConfig.from_pretrained(bad)
+    bad = _with_config(default_model_path, tmp_path / "hidden", hidden_size="576")
+    with pytest.raises(ValueError, match="hidden_size"):
+        ModelConfig.from_pretrained(bad)
+
+
+def _fingerprint_in_subprocess(path: Path, hashseed: str) -> str:
+    code = ("import sys; from engine.model_config import ModelConfig; "
+            "print(ModelConfig.from_pretrained(sys.argv[1]).fingerprint)")
+    env = {**os.environ, "PYTHONHASHSEED": hashseed, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code, str(path)], env=env, cwd=REPO,
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def test_fingerprint_stable_across_processes(default_model_path: Path) -> None:
+    a = _fingerprint_in_subprocess(default_model_path, "1")
+    b = _fingerprint_in_subprocess(default_model_path, "12345")
+    assert a == b == ModelConfig.from_pretrained(default_model_path).fingerprint
+
+
+def test_fingerprint_identifies_weights_not_location(tmp_path: Path,
+                                                     default_model_path: Path) -> None:
+    a = make_tiny_checkpoint(tmp_path / "a", "llama", seed=0, tokenizer_dir=default_model_path)
+    b = make_tiny_checkpoint(tmp_path / "b", "llama", seed=1, tokenizer_dir=default_model_path)
+    copy = tmp_path / "copy"
+    shutil.copytree(a, copy)
+    fa, fb, fc = (ModelConfig.from_pretrained(p).fingerprint for p in (a, b, copy))
+    assert fa == fc  # same weights elsewhere on disk
+    assert fa != fb  # same architecture and sizes, different weights
+    default = ModelConfig.from_pretrained(default_model_path).fingerprint
+    assert default not in (fa, fb)
+    # A size change alone (same weight bytes) changes it too.
+    eps = _with_config(a, tmp_path / "eps", rms_norm_eps=1e-5)
+    assert ModelConfig.from_pretrained(eps).fingerprint != fa
+
+
+def test_fingerprint_sees_a_changed_weight_in_a_large_file(tmp_path: Path,
+                                                          default_model_path: Path) -> None:
+    # The default model (>8 MiB) is hashed by samples; flipping a sampled region must show.
+    copy = tmp_path / "m"
+    shutil.copytree(default_model_path, copy)
+    before = ModelConfig.from_pretrained(copy).fingerprint
+    f = copy / "model.safetensors"
+    size = f.stat().st_size
+    with f.open("r+b") as fh:
+        fh.seek(size - 100)
+        tail = fh.read(4)
+        fh.seek(size - 100)
+        fh.write(bytes(b ^ 0xFF for b in tail))
+    assert ModelConfig.from_pretrained(copy).fingerprint != before
