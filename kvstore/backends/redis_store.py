@@ -1,0 +1,211 @@
+"""The `redis` tier: one Redis key per chunk, the value one self-describing blob.
+
+URLs: `redis://[user:pass@]host:port/db`, `rediss://...` (TLS; `ssl_*` options are passed to
+redis-py), `redis+cluster://host:port` / `rediss+cluster://...` (Redis Cluster: keys hash
+across slots; pipelines are split per node by redis-py). Batched get/put and `prefix_hits`
+are one pipelined round trip (per node). hiredis is used by redis-py when installed.
+
+Options: `ttl_s` (expire chunks), `socket_timeout_s` (default 5), `connect_timeout_s`
+(default 1), `max_connections`, and any `ssl_*` keyword of redis-py. The byte budget bounds
+what this client has written (evicting its own least recently used chunks); for a bound
+across all clients of a shared server, set the server's `maxmemory` and an LRU policy.
+Connection failures and timeouts raise BackendError.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import redis.cluster
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from kvstore.backend import BackendError, BytesBackend
+from kvstore.budget import ByteBudget
+from kvstore.codecs import Buffer, Codec
+from kvstore.config import TierSpec
+from kvstore.eviction import make_policy
+
+CHUNK_KEY_PATTERN = "kvtier:*"
+"""Every `ChunkKey.to_str()` matches this; `clear()` removes what matches it."""
+
+
+def _client_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+    kw: dict[str, Any] = {
+        "socket_timeout": float(options.get("socket_timeout_s", 5.0)),
+        "socket_connect_timeout": float(options.get("connect_timeout_s", 1.0)),
+        # the storage manager handles failures with backoff; redis-py must not stall a caller retrying
+        "retry": Retry(NoBackoff(), 0),
+    }
+    if "max_connections" in options:
+        kw["max_connections"] = int(options["max_connections"])
+    kw.update({k: v for k, v in options.items() if k.startswith("ssl_")})
+    return kw
+
+
+class RedisBackend(BytesBackend):
+    """Chunks in Redis (single node or cluster)."""
+
+    name = "redis"
+
+    def __init__(self, url: str, byte_budget: int | None = None, codec: Codec | str = "raw",
+                 eviction: str = "lru", ttl_s: float | None = None, **client_options: Any) -> None:
+        super().__init__(codec)
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        if scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+            raise ValueError(f"not a redis URL: {url!r}")
+        self.cluster = scheme.endswith("+cluster")
+        plain_url = urlunsplit((scheme.removesuffix("+cluster"), *parts[1:]))
+        kw = _client_kwargs(client_options)
+        self.ttl_ms = int(ttl_s * 1000) if ttl_s else None
+        try:
+            if self.cluster:
+                kw.pop("max_connections", None)
+                self.client: redis.Redis | redis.cluster.RedisCluster = redis.cluster.RedisCluster.from_url(plain_url, **kw)
+            else:
+                self.client = redis.Redis.from_url(plain_url, **kw)
+        except RedisError as exc:
+            raise BackendError(f"redis tier cannot connect to {url}: {exc}") from exc
+        self.url = url
+        self._lock = threading.Lock()
+        self._budget = ByteBudget(byte_budget, make_policy(eviction))
+        self._evictions = 0
+
+    @classmethod
+    def from_spec(cls, spec: TierSpec) -> RedisBackend:
+        opts = dict(spec.options)
+        ttl = opts.pop("ttl_s", None)
+        return cls(spec.url, byte_budget=spec.budget, codec=spec.codec, eviction=spec.eviction, ttl_s=ttl, **opts)
+
+    def set_pin_check(self, is_pinned: Callable[[str], bool]) -> None:
+        self._budget.is_pinned = is_pinned
+
+    def _pipeline(self) -> Any:
+        return self.client.pipeline(transaction=False)
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except (RedisError, OSError) as exc:
+            raise BackendError(f"redis tier {what} failed ({self.url}): {exc}") from exc
+
+    # -- BytesBackend hooks --------------------------------------------------------------
+    def _contains(self, key: str) -> bool:
+        return bool(self._call("exists", lambda: self.client.exists(key)))
+
+    def _batched_contains(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+
+        def run() -> list[Any]:
+            pipe = self._pipeline()
+            for key in keys:
+                pipe.exists(key)
+            return pipe.execute()
+
+        return [bool(x) for x in self._call("exists", run)]
+
+    def _get_bytes(self, key: str) -> Buffer | None:
+        value = self._call("get", lambda: self.client.get(key))
+        self._touch([key], [value])
+        return value
+
+    def _batched_get_bytes(self, keys: Sequence[str]) -> list[Buffer | None]:
+        if not keys:
+            return []
+
+        def run() -> list[Any]:
+            pipe = self._pipeline()
+            for key in keys:
+                pipe.get(key)
+            return pipe.execute()
+
+        values = self._call("get", run)
+        self._touch(keys, values)
+        return values
+
+    def _touch(self, keys: Sequence[str], values: Sequence[Any]) -> None:
+        with self._lock:
+            for key, value in zip(keys, values):
+                if value is not None:
+                    self._budget.touch(key)
+
+    def _admit(self, items: Sequence[tuple[str, Buffer]]) -> tuple[list[tuple[str, Buffer]], list[str]]:
+        """Returns (items that fit, keys to evict first), recording the admitted sizes."""
+        admitted: dict[str, Buffer] = {}
+        victims: list[str] = []
+        with self._lock:
+            for key, value in items:
+                plan = self._budget.plan(key, len(value))
+                if plan is None:
+                    with self._stats_lock:
+                        self._rejected += 1
+                    continue
+                for victim in plan:
+                    self._budget.remove(victim)
+                    self._evictions += 1
+                    # a victim written earlier in this batch is simply not written
+                    if admitted.pop(victim, None) is None:
+                        victims.append(victim)
+                self._budget.add(key, len(value))
+                admitted[key] = value
+        return list(admitted.items()), victims
+
+    def _put_bytes(self, key: str, value: Buffer) -> None:
+        self._batched_put_bytes([(key, value)])
+
+    def _batched_put_bytes(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        admitted, victims = self._admit(items)
+        if not admitted and not victims:
+            return
+
+        def run() -> None:
+            pipe = self._pipeline()
+            for victim in victims:  # evict before writing, so the budget holds at every moment
+                pipe.delete(victim)
+            for key, value in admitted:
+                pipe.set(key, value, px=self.ttl_ms)
+            pipe.execute()
+
+        try:
+            self._call("set", run)
+        except BackendError:
+            with self._lock:  # unknown outcome: forget the writes rather than over-count
+                for key, _ in admitted:
+                    self._budget.remove(key)
+            raise
+
+    def _delete(self, key: str) -> bool:
+        with self._lock:
+            self._budget.remove(key)
+        return bool(self._call("delete", lambda: self.client.delete(key)))
+
+    def _clear(self) -> None:
+        def run() -> None:
+            keys = list(self.client.scan_iter(match=CHUNK_KEY_PATTERN, count=1000))
+            with self._lock:
+                keys.extend(self._budget.sizes)
+                self._budget.clear()
+            for i in range(0, len(keys), 500):
+                pipe = self._pipeline()
+                for key in keys[i : i + 500]:
+                    pipe.delete(key)
+                pipe.execute()
+
+        self._call("clear", run)
+
+    def _usage(self) -> tuple[int, int, int | None, int]:
+        with self._lock:
+            return len(self._budget), self._budget.used, self._budget.budget, self._evictions
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except (RedisError, OSError):
+            pass
