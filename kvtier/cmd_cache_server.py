@@ -10,24 +10,27 @@ import sys
 
 HELP = "run the standalone KV cache server that engines on one or many machines share"
 
+# Same units as kvstore.config.parse_size (KB decimal; KiB and bare K binary), which this
+# command does not import because kvstore.config pulls in torch and the server must start light.
 _UNITS = {
     "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, name: str) -> int:
     """Returns the byte count of '4GiB', '512MiB', '1.5GB', '65536'; raises ValueError
-    naming the text if it is not a positive size."""
+    naming the option `name` if it is not a positive size."""
     m = _SIZE.match(str(text))
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
-        raise ValueError(f"invalid size {text!r} (use e.g. 4GiB, 512MiB, 100MB or a byte count)")
+        raise ValueError(f"{name}: invalid size {text!r} (use e.g. 4GiB, 512MiB, 100MB or a byte count)")
     n = int(float(m.group(1)) * _UNITS[unit])
     if n <= 0:
-        raise ValueError(f"size {text!r} must be positive")
+        raise ValueError(f"{name}: size {text!r} must be positive")
     return n
 
 
@@ -62,12 +65,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--log-level: unknown level {args.log_level!r}")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = args.auth_token if args.auth_token is not None else os.environ.get("KVTIER_AUTH_TOKEN")
-    spill = DiskSpill(args.disk, parse_size(args.max_disk_bytes)) if args.disk else None
-    store = ByteStore(parse_size(args.max_bytes), spill)
+    spill = DiskSpill(args.disk, parse_size(args.max_disk_bytes, '--max-disk-bytes')) if args.disk else None
+    store = ByteStore(parse_size(args.max_bytes, '--max-bytes'), spill)
     config = ServerConfig(
         host=args.host,
         port=args.port,
-        max_payload=parse_size(args.max_payload),
+        max_payload=parse_size(args.max_payload, '--max-payload'),
         auth_token=token or None,
         idle_timeout=args.idle_timeout,
     )

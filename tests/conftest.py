@@ -3,4 +3,5 @@
 pytest_plugins = [
     "tests.fixtures.model",
     "tests.fixtures.redis_server",
+    "tests.fixtures.cache_server",
 ]

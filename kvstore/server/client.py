@@ -245,14 +245,17 @@ class CacheServerClient:
         """Returns True if the server answered PING."""
         return self._one(Request(Op.PING)).status == Status.OK
 
-    def put(self, key: bytes, value: P.Buffer) -> None:
-        """Stores `value`; raises ServerReplyError if the server refuses it (too large)."""
-        self.put_many([(key, value)])
+    def put(self, key: bytes, value: P.Buffer) -> bool:
+        """Stores `value`; returns False if the server refused it as larger than its budget."""
+        return self.put_many([(key, value)])[0]
 
-    def put_many(self, items: Sequence[tuple[bytes, P.Buffer]]) -> None:
-        """Stores every item, pipelined; raises ServerReplyError on the first refusal."""
+    def put_many(self, items: Sequence[tuple[bytes, P.Buffer]]) -> list[bool]:
+        """Stores every item, pipelined; returns per item whether it was stored (False: too
+        large for the server). Other refusals raise ServerReplyError."""
+        out: list[bool] = []
         for reply in self.call([Request(Op.PUT, k, v) for k, v in items]):
-            _expect_ok(reply)
+            out.append(reply.status != Status.TOO_LARGE and _expect_ok(reply) is reply)
+        return out
 
     def get(self, key: bytes) -> bytearray | None:
         """Returns the value, or None on a miss."""

@@ -1,0 +1,132 @@
+"""The `kvtier://host:port` tier: chunks stored in a standalone `kvtier cache-server`.
+
+The server holds opaque values (framed by `kvstore.serde` in BytesBackend) and enforces its
+own byte budget (`--max-bytes`, plus `--max-disk-bytes` with `--disk`); this tier reports
+the server's figures. Batches are pipelined, `prefix_hits` is one PREFIX_HITS round trip.
+Connection failures raise BackendError; the next call reconnects (a server restart costs
+one failed call at most, usually none: a stale pooled connection is retried once).
+
+Options (`TierSpec.options` or the URL query): `auth_token` (default $KVTIER_AUTH_TOKEN),
+`timeout_s` (10), `connect_timeout_s` (2), `pool_size` (8).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+from urllib.parse import urlsplit
+
+from kvstore.backend import BackendError, BackendStats, BytesBackend
+from kvstore.codecs import Buffer, Codec
+from kvstore.server.client import CacheServerClient, ServerReplyError, ServerUnavailable
+
+if TYPE_CHECKING:
+    from kvstore.config import TierSpec
+
+DEFAULT_PORT = 65432
+T = TypeVar("T")
+
+
+class CacheServerBackend(BytesBackend):
+    """A tier backed by one cache server; thread-safe (a pooled client underneath)."""
+
+    name = "kvtier"
+
+    def __init__(
+        self,
+        host: str,
+        port: int = DEFAULT_PORT,
+        codec: Codec | str = "raw",
+        *,
+        auth_token: str | None = None,
+        timeout_s: float = 10.0,
+        connect_timeout_s: float = 2.0,
+        pool_size: int = 8,
+    ) -> None:
+        super().__init__(codec)
+        if not host:
+            raise ValueError("cache server tier needs a host, e.g. kvtier://127.0.0.1:65432")
+        self.client = CacheServerClient(host, port, auth_token=auth_token, timeout=timeout_s,
+                                        connect_timeout=connect_timeout_s, pool_size=pool_size)
+        self._errors = 0
+
+    @classmethod
+    def from_spec(cls, spec: TierSpec) -> CacheServerBackend:
+        parts = urlsplit(spec.url)
+        opts = dict(spec.options)
+        unknown = set(opts) - {"auth_token", "timeout_s", "connect_timeout_s", "pool_size"}
+        if unknown:
+            raise ValueError(f"{spec.url}: unknown cache server tier option(s) {sorted(unknown)}")
+        token = opts.get("auth_token", os.environ.get("KVTIER_AUTH_TOKEN"))
+        return cls(parts.hostname or "", parts.port or DEFAULT_PORT, spec.codec,
+                   auth_token=str(token) if token else None,
+                   timeout_s=float(opts.get("timeout_s", 10.0)),
+                   connect_timeout_s=float(opts.get("connect_timeout_s", 2.0)),
+                   pool_size=int(opts.get("pool_size", 8)))
+
+    def __repr__(self) -> str:
+        return f"CacheServerBackend(kvtier://{self.client.host}:{self.client.port})"
+
+    def _io(self, fn: Callable[..., T], *args: object) -> T:
+        """Runs one client call; returns its result, or raises BackendError naming the server."""
+        try:
+            return fn(*args)
+        except (ServerUnavailable, ServerReplyError, OSError) as exc:
+            with self._stats_lock:
+                self._errors += 1
+            raise BackendError(f"cache server kvtier://{self.client.host}:{self.client.port}: {exc}") from exc
+
+    # -- BytesBackend hooks --------------------------------------------------------------
+    def _get_bytes(self, key: str) -> Buffer | None:
+        return self._io(self.client.get, key.encode())
+
+    def _batched_get_bytes(self, keys: Sequence[str]) -> list[Buffer | None]:
+        return self._io(self.client.get_many, [k.encode() for k in keys])
+
+    def _put_bytes(self, key: str, value: Buffer) -> None:
+        self._batched_put_bytes([(key, value)])
+
+    def _batched_put_bytes(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        stored = self._io(self.client.put_many, [(k.encode(), v) for k, v in items])
+        refused = len(stored) - sum(stored)
+        if refused:  # larger than the server's whole budget: not a tier failure
+            with self._stats_lock:
+                self._rejected += refused
+
+    def _contains(self, key: str) -> bool:
+        return self._io(self.client.exists, key.encode())
+
+    def _batched_contains(self, keys: Sequence[str]) -> list[bool]:
+        return self._io(self.client.exists_many, [k.encode() for k in keys])
+
+    def prefix_hits(self, keys: Sequence[str]) -> int:
+        """Returns how many of `keys`, from the start, the server holds: one round trip."""
+        return self._io(self.client.prefix_hits, [k.encode() for k in keys])
+
+    def _delete(self, key: str) -> bool:
+        return self._io(self.client.delete, key.encode())
+
+    def _clear(self) -> None:
+        self._io(self.client.clear)
+
+    def _usage(self) -> tuple[int, int, int | None, int]:
+        s = self._io(self.client.stats)
+        return (s["entries"] + s["disk_entries"], s["bytes"] + s["disk_bytes"],
+                s["max_bytes"] + s["max_disk_bytes"], s["evictions"])
+
+    def stats(self) -> BackendStats:
+        """Returns the server's usage with this client's counters; while the server is
+        unreachable, usage reads as zero and `errors` counts the failure."""
+        try:
+            stats = super().stats()
+        except BackendError:
+            with self._stats_lock:
+                stats = BackendStats(hits=self._hits, misses=self._misses, puts=self._puts,
+                                     corrupt=self._corrupt, rejected=self._rejected)
+        with self._stats_lock:
+            stats.errors = self._errors
+        return stats
+
+    def close(self) -> None:
+        self.client.close()
