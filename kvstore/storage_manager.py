@@ -1,0 +1,286 @@
+"""The storage manager: tiers ordered fast to slow behind one get/put interface (DESIGN §4).
+
+- `put` writes the fastest tier synchronously and the slower tiers through a background
+  writer with a bounded queue (full queue: a write is dropped and counted, never waited for).
+- `get`/`batched_get` read from the fastest tier holding a chunk and promote it upward.
+- Each tier evicts by its own policy within its byte budget; keys pinned here (chunks being
+  loaded) are never evicted. Pin counts cannot go negative.
+- A tier that raises is marked unhealthy and skipped with exponential backoff, then probed
+  again; the caller only ever sees a miss (recompute), never the exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+import torch
+
+from kvstore.backend import BackendStats, StorageBackend
+from kvstore.config import KVStoreConfig
+from kvstore.health import TierHealth
+from kvstore.pins import PinTable
+from kvstore.writer import BackgroundWriter
+
+logger = logging.getLogger("kvtier.kvstore")
+T = TypeVar("T")
+_SKIPPED = object()
+
+
+@dataclass
+class TierStats:
+    """What the manager saw of one tier, plus the tier's own counters."""
+
+    name: str
+    healthy: bool = True
+    hits: int = 0
+    misses: int = 0
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+    errors: int = 0
+    skipped: int = 0  # calls not made because the tier was backing off
+    dropped_writes: int = 0
+    last_error: str = ""
+    backend: BackendStats = field(default_factory=BackendStats)
+
+
+def _nbytes(kv: torch.Tensor) -> int:
+    return kv.numel() * kv.element_size()
+
+
+def _check_chunk(key: str, kv: Any) -> None:
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"chunk key must be a non-empty str, got {key!r}")
+    if not isinstance(kv, torch.Tensor):
+        raise ValueError(f"chunk for {key!r} must be a torch.Tensor, got {type(kv).__name__}")
+    if kv.dim() != 5 or kv.shape[1] != 2:
+        raise ValueError(f"chunk for {key!r} must be (layers, 2, tokens, kv_heads, head_size), got {tuple(kv.shape)}")
+
+
+class StorageManager:
+    """Tiers fast to slow; thread-safe. `put` takes ownership of the tensor (do not mutate it later)."""
+
+    def __init__(self, tiers: Sequence[StorageBackend], names: Sequence[str] | None = None,
+                 queue_size: int = 64, queue_full: str = "drop_oldest",
+                 backoff_initial_s: float = 0.5, backoff_max_s: float = 30.0) -> None:
+        if not tiers:
+            raise ValueError("tiers: a storage manager needs at least one tier")
+        self.tiers = list(tiers)
+        names = list(names) if names is not None else [f"{i}:{t.name}" for i, t in enumerate(self.tiers)]
+        if len(names) != len(self.tiers):
+            raise ValueError("names: one name per tier is needed")
+        self.names = names
+        self.pins = PinTable()
+        for tier in self.tiers:
+            tier.set_pin_check(self.pins.is_pinned)
+        self._health = [TierHealth(n, backoff_initial_s, backoff_max_s) for n in names]
+        self._stats = [TierStats(name=n) for n in names]
+        self._stats_lock = threading.Lock()
+        self._writer = BackgroundWriter(queue_size, queue_full) if len(self.tiers) > 1 else None
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, config: KVStoreConfig) -> StorageManager:
+        """Returns a manager with one backend per configured tier (built by URL scheme)."""
+        from kvstore.registry import create_backend
+
+        config.validate()
+        tiers: list[StorageBackend] = []
+        try:
+            for spec in config.tiers:
+                tiers.append(create_backend(spec))
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+        return cls(tiers, names=[f"{i}:{s.url}" for i, s in enumerate(config.tiers)],
+                   queue_size=config.queue_size, queue_full=config.queue_full,
+                   backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s)
+
+    # -- guarded tier calls --------------------------------------------------------------
+    def _call(self, i: int, fn: Callable[[], T]) -> T | object:
+        """Returns fn()'s result, or _SKIPPED if tier i is backing off or just failed."""
+        health = self._health[i]
+        if not health.available():
+            with self._stats_lock:
+                self._stats[i].skipped += 1
+            return _SKIPPED
+        try:
+            result = fn()
+        except Exception as exc:  # any tier failure is a miss for the caller, never a crash
+            health.failed(exc)
+            with self._stats_lock:
+                self._stats[i].errors += 1
+            return _SKIPPED
+        health.succeeded()
+        return result
+
+    def _store(self, i: int, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        t0 = time.perf_counter()
+        tier = self.tiers[i]
+        result = self._call(i, lambda: tier.batched_put(items))
+        if result is not _SKIPPED:
+            with self._stats_lock:
+                self._stats[i].bytes_stored += sum(_nbytes(kv) for _, kv in items)
+                self._stats[i].store_seconds += time.perf_counter() - t0
+
+    def _store_slow(self, tiers: Sequence[int], items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        if not tiers or self._writer is None:
+            return
+
+        def job() -> None:
+            for i in tiers:
+                self._store(i, items)
+
+        if not self._writer.submit(job):
+            with self._stats_lock:
+                for i in tiers:
+                    self._stats[i].dropped_writes += 1
+
+    # -- public interface ----------------------------------------------------------------
+    def put(self, key: str, kv: torch.Tensor) -> None:
+        """Stores a chunk in every tier: the fastest now, the rest in the background."""
+        self.batched_put([(key, kv)])
+
+    def batched_put(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Stores every item like `put`. Raises ValueError for a malformed chunk (storing nothing)."""
+        items = list(items)
+        for key, kv in items:
+            _check_chunk(key, kv)
+        if not items:
+            return
+        self._store(0, items)
+        self._store_slow(range(1, len(self.tiers)), items)
+
+    def contains(self, key: str) -> bool:
+        """Returns whether any healthy tier holds `key`."""
+        return self.prefix_hits([key]) == 1
+
+    def prefix_hits(self, keys: Sequence[str]) -> int:
+        """Returns how many of `keys`, from the start, are held by some tier (one batched
+        query per tier and pass; tiers backing off count as not holding anything)."""
+        keys = list(keys)
+        n = 0
+        progress = True
+        while progress and n < len(keys):
+            progress = False
+            for i, tier in enumerate(self.tiers):
+                start = n
+                got = self._call(i, lambda: tier.prefix_hits(keys[start:]))
+                if got is not _SKIPPED and got:
+                    n += int(got)
+                    progress = True
+                if n == len(keys):
+                    break
+        return n
+
+    def get(self, key: str) -> torch.Tensor | None:
+        """Returns the chunk from the fastest tier holding it (promoting it upward), or None."""
+        return self.batched_get([key])[0]
+
+    def batched_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
+        """Returns one chunk or None per key. Keys are pinned while they load; every hit from
+        a slower tier is promoted into the faster ones (fastest synchronously)."""
+        keys = list(keys)
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        self.pins.pin(keys)
+        try:
+            missing = list(range(len(keys)))
+            for i, tier in enumerate(self.tiers):
+                if not missing:
+                    break
+                want = [keys[j] for j in missing]
+                t0 = time.perf_counter()
+                got = self._call(i, lambda: tier.batched_get(want))
+                if got is _SKIPPED:
+                    continue
+                elapsed = time.perf_counter() - t0
+                found: list[tuple[str, torch.Tensor]] = []
+                still: list[int] = []
+                for j, kv in zip(missing, got):
+                    if kv is None:
+                        still.append(j)
+                    else:
+                        out[j] = kv
+                        found.append((keys[j], kv))
+                with self._stats_lock:
+                    s = self._stats[i]
+                    s.hits += len(found)
+                    s.misses += len(still)
+                    s.bytes_loaded += sum(_nbytes(kv) for _, kv in found)
+                    s.load_seconds += elapsed
+                if found and i > 0:
+                    self._store(0, found)
+                    self._store_slow(range(1, i), found)
+                missing = still
+        finally:
+            self.pins.unpin(keys)
+        return out
+
+    def pin(self, keys: Iterable[str]) -> None:
+        """Pins chunks (e.g. between a prefix lookup and their load) so no tier evicts them."""
+        self.pins.pin(keys)
+
+    def unpin(self, keys: Iterable[str]) -> None:
+        """Releases pins; raises ValueError if a key is not pinned (counts never go negative)."""
+        self.pins.unpin(keys)
+
+    def delete(self, key: str) -> None:
+        """Removes `key` from every healthy tier (slow tiers after queued writes)."""
+        self.flush()
+        for i, tier in enumerate(self.tiers):
+            self._call(i, lambda: tier.delete(key))
+
+    def clear(self) -> None:
+        """Removes every chunk from every healthy tier."""
+        self.flush()
+        for i, tier in enumerate(self.tiers):
+            self._call(i, tier.clear)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until background writes are done; returns False on timeout."""
+        return self._writer.flush(timeout) if self._writer else True
+
+    def stats(self) -> dict[str, TierStats]:
+        """Returns a snapshot of per-tier counters keyed by tier name."""
+        out: dict[str, TierStats] = {}
+        for i, tier in enumerate(self.tiers):
+            backend = self._call(i, tier.stats)
+            with self._stats_lock:
+                s = TierStats(**{**vars(self._stats[i])})
+            s.healthy = self._health[i].healthy
+            s.last_error = self._health[i].last_error
+            s.backend = backend if isinstance(backend, BackendStats) else BackendStats()
+            out[self.names[i]] = s
+        return out
+
+    def writer_stats(self) -> dict[str, int]:
+        """Returns the background writer's pending, done and dropped job counts."""
+        if self._writer is None:
+            return {"pending": 0, "done": 0, "dropped": 0}
+        return {"pending": self._writer.pending(), "done": self._writer.done, "dropped": self._writer.dropped}
+
+    def close(self) -> None:
+        """Finishes queued writes and closes every tier."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._writer:
+            self._writer.close()
+        for tier in self.tiers:
+            try:
+                tier.close()
+            except Exception:
+                logger.exception("closing tier failed")
+
+    def __enter__(self) -> StorageManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,86 @@
+"""A background writer with a bounded queue, so serving never waits on a slow tier.
+
+When the queue is full a write is dropped (the oldest queued one, or the new one) and
+counted; `submit` never blocks. `flush()` waits until everything queued has been written.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+
+logger = logging.getLogger("kvtier.kvstore")
+
+Job = Callable[[], None]
+
+
+class BackgroundWriter:
+    """One worker thread draining a bounded FIFO of jobs."""
+
+    def __init__(self, max_queue: int = 64, drop: str = "drop_oldest", name: str = "kvstore-writer") -> None:
+        if max_queue <= 0:
+            raise ValueError(f"max_queue must be > 0, got {max_queue}")
+        if drop not in ("drop_oldest", "drop_new"):
+            raise ValueError(f"drop must be 'drop_oldest' or 'drop_new', got {drop!r}")
+        self.max_queue = max_queue
+        self.drop = drop
+        self.dropped = 0
+        self.done = 0
+        self._queue: deque[Job] = deque()
+        self._busy = False
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> bool:
+        """Queues `job`; returns False if it (or, with drop_oldest, an older job) was dropped."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("background writer is closed")
+            accepted = True
+            if len(self._queue) >= self.max_queue:
+                self.dropped += 1
+                if self.drop == "drop_new":
+                    return False
+                self._queue.popleft()
+                accepted = False
+            self._queue.append(job)
+            self._cond.notify_all()
+            return accepted
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue) + int(self._busy)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until every queued job has run; returns False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Runs what is queued, then stops the worker."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return  # closed and drained
+                job = self._queue.popleft()
+                self._busy = True
+            try:
+                job()
+            except Exception:  # a job must never kill the writer
+                logger.exception("kvstore background write failed")
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self.done += 1
+                    self._cond.notify_all()
