@@ -55,7 +55,7 @@ class ByteStore:
         self._lru: OrderedDict[bytes, Buffer] = OrderedDict()  # least recently used first
 
     def __len__(self) -> int:
-        return len(self._lru) + (len(self.spill) if self.spill else 0)
+        return len(self._lru) + (len(self.spill) if self.spill is not None else 0)
 
     def fits(self, key_len: int, value_len: int) -> bool:
         """Returns whether an entry of these sizes can be stored in memory at all."""
@@ -146,12 +146,12 @@ class ByteStore:
             puts=self.puts,
             evictions=self.evictions,
             rejected=self.rejected,
-            disk_entries=len(spill) if spill else 0,
-            disk_bytes=spill.bytes_used if spill else 0,
-            max_disk_bytes=spill.max_bytes if spill else 0,
+            disk_entries=len(spill) if spill is not None else 0,
+            disk_bytes=spill.bytes_used if spill is not None else 0,
+            max_disk_bytes=spill.max_bytes if spill is not None else 0,
             disk_hits=self.disk_hits,
-            disk_evictions=spill.evictions if spill else 0,
-            disk_corrupt=spill.corrupt if spill else 0,
+            disk_evictions=spill.evictions if spill is not None else 0,
+            disk_corrupt=spill.corrupt if spill is not None else 0,
         )
 
     def _remove(self, key: bytes) -> bool:
