@@ -41,7 +41,7 @@ Scheduler side, after the step:
   9. `request_finished(seq, block_ids)` when a request finishes or is aborted, before its
      blocks are freed (they still hold its K/V during the call).
 
-`register_kv_caches(kv_caches)` is called once when the runner allocates the per-layer
+`register_model(model_config)` then `register_kv_caches(kv_caches)` are called once when the runner allocates the per-layer
 tensors `(2, num_blocks, block_size, num_kv_heads, head_size)`; `shutdown()` on
 `LLM.shutdown()` (flush pending stores).
 """
@@ -80,6 +80,10 @@ class KVConnectorBase(ABC):
         """Called once per finished request before its blocks are freed."""
 
     # ---- worker side ----
+    def register_model(self, model_config: Any) -> None:
+        """Receives the loaded model's `engine.model_config.ModelConfig` once, before
+        `register_kv_caches`; its `fingerprint` names the model's KV (default: ignored)."""
+
     @abstractmethod
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Receives the per-layer paged kv_cache tensors once, at start-up."""

@@ -44,6 +44,7 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
         self.connector = kv_connector
         if kv_connector is not None:
+            kv_connector.register_model(mc)
             kv_connector.register_kv_caches(self.kv_caches)
         self.sampler = Sampler()
         # Seeds the generators of requests that bring no seed (reproducible per LLM seed).
