@@ -22,7 +22,7 @@ class ByteBudget:
         if budget is not None and budget < 0:
             raise ValueError(f"byte budget must be >= 0, got {budget}")
         self.budget = budget
-        self.policy = policy or LRUPolicy()
+        self.policy = policy if policy is not None else LRUPolicy()
         self.sizes: dict[str, int] = {}
         self.used = 0
         self.is_pinned: Callable[[str], bool] = _never_pinned
