@@ -143,9 +143,10 @@ class QuantCodec(Codec):
         return (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)
 
     def _unpack(self, packed: np.ndarray, n: int) -> torch.Tensor:
+        """Returns the n codes as float32 (a fresh, writable array)."""
         if self.bits == 8:
-            return torch.from_numpy(packed)
-        out = np.empty(packed.size * 2, dtype=np.uint8)
+            return torch.from_numpy(packed.astype(np.float32))
+        out = np.empty(packed.size * 2, dtype=np.float32)
         out[0::2] = packed & 0x0F
         out[1::2] = packed >> 4
         return torch.from_numpy(out[:n])
@@ -185,8 +186,8 @@ class QuantCodec(Codec):
             return torch.from_numpy(a.copy()).view(torch.float16).float().reshape(s)
 
         k_shape, v_shape = (layers, 1, heads, dim), (layers, tokens, heads, 1)
-        k = self._unpack(seg[0], n).reshape(layers, tokens, heads, dim).float()
-        v = self._unpack(seg[1], n).reshape(layers, tokens, heads, dim).float()
+        k = self._unpack(seg[0], n).reshape(layers, tokens, heads, dim)
+        v = self._unpack(seg[1], n).reshape(layers, tokens, heads, dim)
         k = k * halfs(seg[3], k_shape) + halfs(seg[2], k_shape)
         v = v * halfs(seg[5], v_shape) + halfs(seg[4], v_shape)
         return torch.stack((k, v), dim=1).to(dtype)

@@ -1,0 +1,135 @@
+"""The redis tier on a private redis-server (and a 3-node cluster): corruption, TTL, outages, TLS options."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.backend import BackendError
+from kvstore.backends.redis_store import RedisBackend
+from kvstore.config import TierSpec
+from kvstore.registry import create_backend
+from kvstore.storage_manager import StorageManager
+from tests.kvstore.tiers import chunk, ckey
+
+
+@pytest.mark.parametrize("codec", ["raw", "lz4", "int8"])
+def test_corrupt_and_truncated_values_are_misses(redis_server, codec: str) -> None:
+    tier = RedisBackend(redis_server.url, codec=codec)
+    for i in range(4):
+        tier.put(ckey(i), chunk(i))
+    client = redis_server.client()
+    value = client.get(ckey(0))
+    pos = len(value) // 3
+    client.setrange(ckey(0), pos, bytes([value[pos] ^ 0x01]))  # one flipped bit in the payload
+    client.set(ckey(1), client.get(ckey(1))[:-100])  # truncated
+    client.set(ckey(2), client.get(ckey(3)))  # another key's (valid) value: foreign
+    assert tier.get(ckey(0)) is None
+    assert tier.batched_get([ckey(1), ckey(2), ckey(3)])[:2] == [None, None]
+    s = tier.stats()
+    assert s.corrupt == 3 and s.hits == 1
+    assert client.exists(ckey(0), ckey(1), ckey(2)) == 0  # bad values removed
+    assert tier.get(ckey(3)) is not None
+
+
+def test_ttl_and_prefix_hits_in_one_round_trip(redis_server) -> None:
+    tier = create_backend(TierSpec.from_url(f"{redis_server.url}?ttl_s=30&codec=lz4"))
+    tier.batched_put([(ckey(i), chunk(i)) for i in range(5)])
+    client = redis_server.client()
+    assert 0 < client.pttl(ckey(0)) <= 30_000
+    before = client.info("stats")["total_commands_processed"]
+    assert tier.prefix_hits([ckey(0), ckey(1), ckey(2), ckey(7), ckey(3)]) == 3
+    after = client.info("stats")["total_commands_processed"]
+    assert after - before <= 5 + 1  # five pipelined EXISTS (+ the INFO itself); no per-key chatter beyond that
+
+
+def test_connection_failure_is_a_backend_error(redis_server) -> None:
+    tier = RedisBackend(redis_server.url)
+    tier.put(ckey(0), chunk(0))
+    redis_server.kill()
+    for call in (lambda: tier.get(ckey(0)), lambda: tier.put(ckey(1), chunk(1)),
+                 lambda: tier.prefix_hits([ckey(0)]), lambda: tier.batched_get([ckey(0)])):
+        with pytest.raises(BackendError, match="redis tier"):
+            call()
+    redis_server.restart()
+    assert tier.get(ckey(0)) is None  # the restarted server is empty; the client reconnects
+    tier.put(ckey(0), chunk(0))
+    assert torch.equal(tier.get(ckey(0)), chunk(0))
+
+
+def test_redis_killed_mid_workload_manager_recovers(redis_server, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtier.kvstore")
+    tiers = [create_backend(TierSpec("cpu", budget=3 * chunk(0).numel() * 2)), RedisBackend(redis_server.url)]
+    mgr = StorageManager(tiers, names=["cpu", "redis"], backoff_initial_s=0.05, backoff_max_s=0.2)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def workload(seed: int) -> None:
+        i = seed
+        try:
+            while not stop.is_set():
+                i = (i + 7) % 50
+                mgr.put(ckey(i), chunk(i))
+                kv = mgr.get(ckey((i * 3) % 50))
+                assert kv is None or torch.equal(kv, chunk((i * 3) % 50))
+                mgr.prefix_hits([ckey(j) for j in range(5)])
+        except BaseException as exc:  # anything escaping the manager fails the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=workload, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    redis_server.kill()
+    time.sleep(0.5)
+    assert not mgr.stats()["redis"].healthy
+    redis_server.restart()
+    deadline = time.monotonic() + 10
+    while not mgr.stats()["redis"].healthy and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert errors == []
+    mgr.flush()
+    s = mgr.stats()["redis"]
+    assert s.healthy and s.errors > 0 and s.skipped > 0
+    mgr.put(ckey(77), chunk(77))
+    mgr.flush()
+    assert torch.equal(tiers[1].get(ckey(77)), chunk(77))  # writes reach redis again
+    unhealthy = [r for r in caplog.records if "redis" in r.getMessage() and "unhealthy" in r.getMessage()]
+    assert len(unhealthy) == 1  # one log line per outage, not per call
+    assert mgr.pins.total() == 0
+    mgr.close()
+
+
+@pytest.mark.parametrize("codec", ["raw", "lz4"])
+def test_cluster_round_trip(redis_cluster, codec: str) -> None:
+    tier = create_backend(TierSpec(redis_cluster.url, codec=codec))
+    keys = [ckey(i) for i in range(30)]
+    tier.batched_put([(k, chunk(i)) for i, k in enumerate(keys)])
+    sizes = [node.client().dbsize() for node in redis_cluster.nodes]
+    assert sum(sizes) == 30 and all(n > 0 for n in sizes)  # spread over all three masters
+    assert tier.prefix_hits(keys + [ckey(99)]) == 30
+    got = tier.batched_get(keys[::-1])
+    assert all(torch.equal(kv, chunk(29 - i)) for i, kv in enumerate(got))
+    tier.clear()
+    assert sum(node.client().dbsize() for node in redis_cluster.nodes) == 0
+    tier.close()
+
+
+def test_rediss_passes_tls_options(tmp_path: Path) -> None:
+    # no TLS server here: check the client is built for TLS with the given options, without connecting
+    ca = tmp_path / "ca.pem"
+    ca.write_text("")
+    tier = create_backend(TierSpec("rediss://127.0.0.1:1/0", options={"ssl_ca_certs": str(ca), "ssl_cert_reqs": "none"}))
+    pool = tier.client.connection_pool
+    assert pool.connection_class.__name__ == "SSLConnection"
+    assert pool.connection_kwargs["ssl_ca_certs"] == str(ca)
+    with pytest.raises(BackendError):
+        tier.get(ckey(0))
