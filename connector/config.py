@@ -1,0 +1,134 @@
+"""Connector configuration: the kvstore config (tiers, chunk size, decode saving) plus the few
+knobs only the connector has. One YAML file holds both (connector keys at the top level next
+to kvstore's); errors are ValueErrors naming the key.
+
+    chunk_size: 256
+    save_unfull_chunk: true          # connector
+    max_pending_store_bytes: 1GiB    # connector
+    tiers: [cpu, "disk:///var/cache/kvtier"]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore.config import KVStoreConfig, TierSpec, _env_overrides, parse_size
+
+_CONNECTOR_KEYS = ("save_unfull_chunk", "max_pending_store_bytes")
+
+
+@dataclass
+class ConnectorConfig:
+    """Everything a `KVTierConnector` needs.
+
+    `save_unfull_chunk`: also store a prompt's partial last chunk (safe here, see
+    `kvtier_connector` module docstring). `max_pending_store_bytes`: gathered chunks waiting for
+    the background store; beyond it new stores are dropped (counted), never waited for.
+    """
+
+    kvstore: KVStoreConfig = field(default_factory=KVStoreConfig)
+    save_unfull_chunk: bool = True
+    max_pending_store_bytes: int = 1 << 30
+
+    @property
+    def chunk_size(self) -> int:
+        return self.kvstore.chunk_size
+
+    def validate(self) -> ConnectorConfig:
+        """Returns self after checking every field; raises ValueError naming the key."""
+        if not isinstance(self.kvstore, KVStoreConfig):
+            raise ValueError(f"kvstore: expected a KVStoreConfig, got {type(self.kvstore).__name__}")
+        self.kvstore.validate()
+        if not isinstance(self.save_unfull_chunk, bool):
+            raise ValueError(f"save_unfull_chunk: expected bool, got {self.save_unfull_chunk!r}")
+        self.max_pending_store_bytes = parse_size(self.max_pending_store_bytes, "max_pending_store_bytes")
+        if not self.max_pending_store_bytes:
+            raise ValueError("max_pending_store_bytes: must be > 0")
+        return self
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ConnectorConfig:
+        """Returns a validated config from a mapping (kvstore keys + connector keys)."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"config: expected a mapping at the top level, got {type(data).__name__}")
+        rest = {k: v for k, v in data.items() if k not in _CONNECTOR_KEYS}
+        own = {k: data[k] for k in _CONNECTOR_KEYS if k in data}
+        return cls(kvstore=KVStoreConfig.from_dict(rest), **own).validate()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] | None = None,
+             env: Mapping[str, str] | None = None) -> ConnectorConfig:
+        """Returns the config from YAML (`path`, else $KVTIER_CONFIG, else defaults) with the
+        `KVTIER_*` environment overrides kvstore defines applied on top."""
+        env = os.environ if env is None else env
+        path = path or env.get("KVTIER_CONFIG")
+        data: Any = {}
+        if path:
+            import yaml
+
+            try:
+                with open(path, encoding="utf-8") as f:
+                    data = yaml.safe_load(f) or {}
+            except OSError as exc:
+                raise ValueError(f"config: cannot read {path}: {exc.strerror}") from None
+            if not isinstance(data, Mapping):
+                raise ValueError(f"config: {path} must hold a mapping, got {type(data).__name__}")
+        # kvstore's own env parsing, so both loaders read KVTIER_* identically.
+        return cls.from_dict({**data, **_env_overrides(env)})
+
+
+def make_config(
+    source: ConnectorConfig | KVStoreConfig | Mapping[str, Any] | str | os.PathLike[str]
+    | Sequence[str | TierSpec] | None = None,
+    *,
+    chunk_size: int | None = None,
+    codec: str | None = None,
+    save_decode_tokens: bool | None = None,
+    save_unfull_chunk: bool | None = None,
+) -> ConnectorConfig:
+    """Returns a validated ConnectorConfig from any accepted form, overrides applied.
+
+    `source`: a ConnectorConfig or KVStoreConfig; a mapping (parsed YAML); a YAML path; one
+    tier URL; or a list of tier URLs / TierSpecs ordered fastest first; None = defaults.
+    `codec` replaces the codec of every tier.
+    """
+    if source is None:
+        cfg = ConnectorConfig()
+    elif isinstance(source, ConnectorConfig):
+        cfg = dataclasses.replace(source, kvstore=dataclasses.replace(source.kvstore))
+    elif isinstance(source, KVStoreConfig):
+        cfg = ConnectorConfig(kvstore=dataclasses.replace(source))
+    elif isinstance(source, Mapping):
+        cfg = ConnectorConfig.from_dict(source)
+    elif isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        if text.endswith((".yaml", ".yml")) or Path(text).is_file():
+            cfg = ConnectorConfig.load(text, env={})
+        else:
+            cfg = ConnectorConfig(kvstore=KVStoreConfig(tiers=[TierSpec.from_url(text, "tiers[0]")]))
+    elif isinstance(source, Sequence):
+        tiers = [t if isinstance(t, TierSpec) else TierSpec.from_url(str(t), f"tiers[{i}]")
+                 for i, t in enumerate(source)]
+        if not tiers:
+            raise ValueError("tiers: at least one tier URL is needed")
+        cfg = ConnectorConfig(kvstore=KVStoreConfig(tiers=tiers))
+    else:
+        raise ValueError(f"kv connector config: cannot use a {type(source).__name__}")
+    ks = cfg.kvstore
+    # Copy tier specs so overrides never mutate a caller's objects.
+    ks.tiers = [dataclasses.replace(t, options=dict(t.options)) for t in ks.tiers]
+    if chunk_size is not None:
+        ks.chunk_size = chunk_size
+    if save_decode_tokens is not None:
+        ks.save_decode_tokens = save_decode_tokens
+    if codec is not None:
+        for t in ks.tiers:
+            t.codec = codec
+    if save_unfull_chunk is not None:
+        cfg.save_unfull_chunk = save_unfull_chunk
+    return cfg.validate()

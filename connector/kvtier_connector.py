@@ -1,0 +1,396 @@
+"""`KVTierConnector`: the engine's KV connector over kvstore tiers (DESIGN §5).
+
+Flow for one request:
+- Lookup (scheduler, `get_num_new_matched_tokens`): chunk keys are chained hashes of the
+  tokens keyed by the model fingerprint and KV dtype, so only the same model with the same
+  prefix can ever hit. Starting at the chunk that holds the engine's own prefix-cache hit,
+  the longest run of stored chunks is *fetched now*, capped so the last token is computed.
+  Fetching at lookup means the number returned is backed by tensors in hand: a chunk that is
+  corrupt, evicted or on a tier that just died shortens the hit (those tokens are computed),
+  it can never leave the engine believing in K/V that does not arrive.
+- Load (worker, `start_load_kv`): the fetched K/V is scattered into the request's slots,
+  before the forward reads any layer.
+- Store (worker, `wait_for_save`): after each step, chunks that became complete (full prompt
+  chunks, the prompt's partial last chunk, decode chunks if enabled) are gathered from the
+  paged cache and handed to a background thread, so serving never waits on a tier. Chunks a
+  tier already holds (or a pending store carries) are skipped. A lookup that needs a chunk
+  still pending waits for those stores (read-your-writes), never returns a false miss.
+
+The partial-chunk rule (LMCache issue #2206, where a load rounded down to a chunk boundary
+and overwrote blocks vLLM's prefix cache owned): this connector writes only positions at or
+after the engine's prefix-cache hit, i.e. into blocks freshly allocated to the request and not
+yet registered in the prefix cache; a chunk that straddles the hit is sliced at token
+granularity and never rewritten from its start. Under that rule a stored partial chunk (keyed
+by the chained hash of exactly its tokens) can only be loaded into fresh blocks of a prompt
+with the identical prefix, so storing the prompt's partial last chunk is safe and is on by
+default (`save_unfull_chunk`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence as SequenceT
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from connector.config import ConnectorConfig, make_config
+from connector.gather import gather_chunk, scatter_chunk, slots_for
+from connector.metrics import ConnectorMetrics, RequestKVMetrics, TierKVMetrics
+from engine.kv_connector import KVConnectorBase
+from kvstore.keys import dtype_name, process_tokens
+from kvstore.storage_manager import StorageManager
+from kvstore.writer import BackgroundWriter
+
+if TYPE_CHECKING:
+    from engine.attention_metadata import AttentionMetadata
+    from engine.scheduler import SchedulerOutput
+    from engine.sequence import Sequence
+
+# (start, end, key): token positions [start, end) of a sequence and the chunk key for them.
+Span = tuple[int, int, str]
+
+
+@dataclass
+class _Fetched:
+    """K/V fetched at lookup for positions [start, end) of a waiting request."""
+
+    num_tokens: int  # sequence length the lookup was made for
+    start: int  # the engine's prefix-cache hit the lookup was made against
+    end: int
+    chunks: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class LoadSpec:
+    request_id: str
+    slots: torch.Tensor  # [end - start] int64
+    kv: torch.Tensor  # (layers, 2, end - start, H, D)
+
+
+@dataclass
+class SaveSpec:
+    request_id: str
+    block_ids: list[int]
+    spans: list[Span]
+
+
+@dataclass
+class ConnectorMeta:
+    """One step's worker-side instructions (built by the scheduler side)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+class KVTierConnector(KVConnectorBase):
+    """Loads stored prefixes into the engine and stores what it computes, across tiers.
+
+    Guarantees: a lookup's answer is fully backed by fetched K/V; loads write only blocks the
+    request owns beyond the engine's prefix-cache hit; stores never block a step (they are
+    dropped, counted, when `max_pending_store_bytes` is queued); `shutdown()` flushes them.
+    """
+
+    def __init__(self, config: ConnectorConfig | None = None,
+                 storage: StorageManager | None = None) -> None:
+        self.config = (config or ConnectorConfig()).validate()
+        self.chunk_size = self.config.chunk_size
+        self.save_decode_tokens = self.config.kvstore.save_decode_tokens
+        self._owns_storage = storage is None
+        self.storage = storage if storage is not None else StorageManager.from_config(self.config.kvstore)
+        self.metrics = ConnectorMetrics()
+        self.model_config: Any = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.block_size = 0
+        self._kv_dtype = ""
+        self._bytes_per_token = 0
+        self._fetched: dict[str, _Fetched] = {}  # waiting requests with fetched K/V
+        self._to_load: dict[str, _Fetched] = {}  # admitted, load scheduled in this step
+        self._saved_upto: dict[str, int] = {}  # per request: positions already considered
+        self._meta: ConnectorMeta | None = None
+        self._writer = BackgroundWriter(self.config.kvstore.queue_size, "drop_new", "kvtier-connector-store")
+        self._pending_lock = threading.Condition()
+        self._pending_keys: dict[str, int] = {}
+        self._pending_bytes = 0
+        self._store_stream: Any = None
+        self._closed = False
+
+    # ---- set-up ----------------------------------------------------------------------
+    def register_model(self, model_config: Any) -> None:
+        self.model_config = model_config
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        if self.model_config is None:
+            raise RuntimeError("register_model must be called before register_kv_caches")
+        if not kv_caches:
+            raise ValueError("kv_caches is empty")
+        mc = self.model_config
+        two, _nb, bs, h, d = kv_caches[0].shape
+        if len(kv_caches) != mc.num_layers or (h, d) != (mc.num_kv_heads, mc.head_size):
+            raise ValueError(f"kv_caches ({len(kv_caches)} x {tuple(kv_caches[0].shape)}) do not match "
+                             f"the model ({mc.num_layers} layers, {mc.num_kv_heads} kv heads, head size {mc.head_size})")
+        self.kv_caches = list(kv_caches)
+        self.block_size = bs
+        self._kv_dtype = dtype_name(kv_caches[0].dtype)
+        self._bytes_per_token = mc.num_layers * two * h * d * kv_caches[0].element_size()
+        if kv_caches[0].device.type == "cuda":
+            self._store_stream = torch.cuda.Stream(kv_caches[0].device)
+
+    def _spans(self, tokens: SequenceT[int], unfull: bool = True) -> list[Span]:
+        """Returns every chunk span of `tokens` with its key (the partial last one if `unfull`)."""
+        if self.model_config is None:
+            raise RuntimeError("the connector is not attached to an engine (register_model)")
+        return [(s, e, k.to_str()) for s, e, k in process_tokens(
+            tokens, self.chunk_size, model=self.model_config.fingerprint, kv_dtype=self._kv_dtype,
+            save_unfull_chunk=unfull)]
+
+    def _chunk_ok(self, kv: torch.Tensor | None, num_tokens: int) -> bool:
+        """Whether a fetched value has exactly the shape this model's chunk must have."""
+        if not isinstance(kv, torch.Tensor) or not kv.is_floating_point():
+            return False
+        mc = self.model_config
+        return tuple(kv.shape) == (mc.num_layers, 2, num_tokens, mc.num_kv_heads, mc.head_size)
+
+    # ---- scheduler side --------------------------------------------------------------
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
+        """Returns how many tokens after `num_computed_tokens` are fetched and ready to load
+        (0 on any miss); never reaches the last token."""
+        rid = seq.request_id
+        n = seq.num_tokens
+        cached = self._fetched.get(rid)
+        if cached is not None and (cached.num_tokens, cached.start) == (n, num_computed_tokens):
+            return cached.end - cached.start
+        self._fetched.pop(rid, None)
+        limit = n - 1  # the last token's logits are needed
+        if limit <= num_computed_tokens:
+            return 0
+        m = self.metrics.live(rid)
+        m.num_prompt_tokens = seq.num_prompt_tokens
+        m.engine_hit_tokens = num_computed_tokens
+        t0 = time.perf_counter()
+        spans = self._spans(seq.all_token_ids)
+        first = num_computed_tokens // self.chunk_size
+        candidates = [sp for sp in spans[first:] if sp[0] < limit]
+        if not candidates:
+            return 0
+        self._wait_pending([k for _, _, k in candidates])
+        num_hit = self.storage.prefix_hits([k for _, _, k in candidates])
+        if num_hit == 0:
+            return 0
+        wanted = candidates[:num_hit]
+        values = self.storage.batched_get([k for _, _, k in wanted])
+        fetched = _Fetched(num_tokens=n, start=num_computed_tokens, end=num_computed_tokens)
+        for (s, e, _k), kv in zip(wanted, values):
+            if not self._chunk_ok(kv, e - s):
+                break  # corrupt, evicted or foreign: compute from here on
+            fetched.chunks.append((s, e, kv))
+            fetched.end = min(e, limit)
+        if fetched.end <= num_computed_tokens:
+            return 0
+        self._fetched[rid] = fetched
+        nbytes = sum(kv.numel() * kv.element_size() for _, _, kv in fetched.chunks)
+        self.metrics.add(rid, bytes_loaded=nbytes, load_seconds=time.perf_counter() - t0)
+        return fetched.end - num_computed_tokens
+
+    def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_external_tokens: int) -> None:
+        fetched = self._fetched.pop(seq.request_id, None)
+        if num_external_tokens <= 0:
+            return
+        if fetched is None or fetched.start + num_external_tokens > fetched.end:
+            raise RuntimeError(f"request {seq.request_id}: asked to load {num_external_tokens} tokens "
+                               "the connector did not offer")
+        fetched.end = fetched.start + num_external_tokens
+        self._to_load[seq.request_id] = fetched
+        self.metrics.add(seq.request_id, connector_hit_tokens=num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMeta:
+        """Returns the step's loads (slots + K/V, sliced to start at the engine's hit) and the
+        spans to store once the step has computed them."""
+        meta = ConnectorMeta()
+        for r in scheduler_output.requests:
+            rid = r.request_id
+            if r.num_external_tokens:
+                fetched = self._to_load.pop(rid)
+                start = r.num_computed_tokens - r.num_external_tokens
+                if start != fetched.start:
+                    raise RuntimeError(f"request {rid}: load starts at {start}, lookup at {fetched.start}")
+                pieces = [kv[:, :, max(s, start) - s: min(e, fetched.end) - s]
+                          for s, e, kv in fetched.chunks if s < fetched.end and e > start]
+                kv = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+                slots = slots_for(r.block_ids, self.block_size, start, fetched.end)
+                meta.loads.append(LoadSpec(rid, slots, kv))
+            spans = self._spans_to_save(r.seq, r.num_computed_tokens + r.num_new_tokens)
+            if spans:
+                meta.saves.append(SaveSpec(rid, list(r.block_ids), spans))
+        self._to_load.clear()
+        return meta
+
+    def _spans_to_save(self, seq: Sequence, computed: int) -> list[Span]:
+        """Returns the spans that became storable with `computed` tokens in the cache and that
+        no tier (nor a pending store) holds yet; marks them considered."""
+        rid = seq.request_id
+        done = self._saved_upto.get(rid, 0)
+        p = seq.num_prompt_tokens
+        cs = self.chunk_size
+        # Decode tokens only in whole chunks here; their partial tail is saved at finish.
+        limit = computed if self.save_decode_tokens else min(computed, p)
+        full_end = limit // cs * cs
+        unfull = self.config.save_unfull_chunk and computed >= p and p % cs and limit == p
+        new_end = p if unfull and p > full_end else full_end
+        if new_end <= done:
+            return []
+        self._saved_upto[rid] = new_end
+        spans = [sp for sp in self._spans(seq.token_ids_slice(0, new_end), unfull=bool(unfull))
+                 if sp[1] > done]
+        return self._not_stored(spans)
+
+    def _not_stored(self, spans: list[Span]) -> list[Span]:
+        """Returns the spans neither a tier nor a pending store holds (stored prefix skipped)."""
+        with self._pending_lock:
+            spans = [sp for sp in spans if sp[2] not in self._pending_keys]
+        if not spans:
+            return spans
+        return spans[self.storage.prefix_hits([k for _, _, k in spans]):]
+
+    def request_finished(self, seq: Sequence, block_ids: list[int]) -> None:
+        rid = seq.request_id
+        self._fetched.pop(rid, None)
+        self._to_load.pop(rid, None)
+        try:
+            if self.save_decode_tokens and self.config.save_unfull_chunk and block_ids:
+                # The tail chunk of the generated text, from blocks still held during this call.
+                computed = min(seq.num_computed_tokens, len(block_ids) * self.block_size)
+                done = self._saved_upto.get(rid, 0)
+                if computed > done:
+                    spans = [sp for sp in self._spans(seq.token_ids_slice(0, computed)) if sp[1] > done]
+                    self._store(SaveSpec(rid, list(block_ids), self._not_stored(spans)))
+        finally:
+            self._saved_upto.pop(rid, None)
+            self.metrics.finish(rid)
+
+    # ---- worker side -----------------------------------------------------------------
+    def bind_connector_metadata(self, metadata: Any) -> None:
+        self._meta = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._meta = None
+
+    def start_load_kv(self, attn_metadata: AttentionMetadata) -> None:
+        """Scatters every load of the step into the paged cache (queued on the current stream
+        ahead of the forward, so each layer's attention sees it)."""
+        if self._meta is None:
+            return
+        for load in self._meta.loads:
+            t0 = time.perf_counter()
+            scatter_chunk(self.kv_caches, load.slots, load.kv)
+            self.metrics.add(load.request_id, load_seconds=time.perf_counter() - t0)
+
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        """Nothing to wait for: loads are issued before the forward on the same stream."""
+
+    def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata) -> None:
+        """Nothing per layer: whole chunks are gathered across layers after the forward."""
+
+    def wait_for_save(self) -> None:
+        """Gathers this step's storable chunks and queues them; returns without waiting for
+        any tier."""
+        if self._meta is None:
+            return
+        for save in self._meta.saves:
+            self._store(save)
+
+    def _store(self, save: SaveSpec) -> None:
+        if not save.spans:
+            return
+        items = [(key, gather_chunk(self.kv_caches, slots_for(save.block_ids, self.block_size, s, e)))
+                 for s, e, key in save.spans]
+        nbytes = sum(kv.numel() * kv.element_size() for _, kv in items)
+        ntokens = sum(e - s for s, e, _ in save.spans)
+        keys = [k for k, _ in items]
+        with self._pending_lock:
+            if self._pending_bytes + nbytes > self.config.max_pending_store_bytes:
+                self.metrics.add(save.request_id, dropped_store_bytes=nbytes)
+                return
+            self._pending_bytes += nbytes
+            for k in keys:
+                self._pending_keys[k] = self._pending_keys.get(k, 0) + 1
+        event = None
+        if self._store_stream is not None:  # the gather is queued on the compute stream
+            event = torch.cuda.Event()
+            event.record()
+
+        def job() -> None:
+            try:
+                if event is not None:
+                    with torch.cuda.stream(self._store_stream):
+                        self._store_stream.wait_event(event)
+                        self.storage.batched_put(items)
+                        self._store_stream.synchronize()
+                else:
+                    self.storage.batched_put(items)
+                self.metrics.add(save.request_id, stored_tokens=ntokens, bytes_stored=nbytes)
+            finally:
+                self._release_pending(keys, nbytes)
+
+        if not self._writer.submit(job):
+            self._release_pending(keys, nbytes)
+            self.metrics.add(save.request_id, dropped_store_bytes=nbytes)
+
+    def _release_pending(self, keys: list[str], nbytes: int) -> None:
+        with self._pending_lock:
+            self._pending_bytes -= nbytes
+            for k in keys:
+                left = self._pending_keys[k] - 1
+                if left:
+                    self._pending_keys[k] = left
+                else:
+                    del self._pending_keys[k]
+            self._pending_lock.notify_all()
+
+    def _wait_pending(self, keys: list[str]) -> None:
+        """Blocks until no key in `keys` has a store in flight (so a lookup sees our writes)."""
+        with self._pending_lock:
+            self._pending_lock.wait_for(lambda: not any(k in self._pending_keys for k in keys))
+
+    # ---- lifecycle and reporting ----------------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until queued stores reached every tier; returns False on timeout."""
+        ok = self._writer.flush(timeout)
+        return self.storage.flush(timeout) and ok
+
+    def shutdown(self) -> None:
+        """Flushes pending stores and closes the tiers this connector opened."""
+        if self._closed:
+            return
+        self._closed = True
+        self._writer.close(timeout=None)
+        self.storage.flush()
+        if self._owns_storage:
+            self.storage.close()
+
+    def request_metrics(self, request_id: str) -> RequestKVMetrics | None:
+        """Returns a request's connector metrics (live or recently finished), or None."""
+        return self.metrics.request(request_id)
+
+    def tier_metrics(self) -> list[TierKVMetrics]:
+        """Returns per-tier totals, fastest tier first."""
+        return [TierKVMetrics.from_stats(s, self._bytes_per_token) for s in self.storage.stats().values()]
+
+    def pending_stores(self) -> int:
+        """Returns how many gathered chunks wait for the store thread."""
+        with self._pending_lock:
+            return sum(self._pending_keys.values())
+
+
+def build_connector(config_or_urls: Any = None, *, storage: StorageManager | None = None,
+                    **overrides: Any) -> KVTierConnector:
+    """Returns a connector for `LLM(kv_connector=...)` from a ConnectorConfig, KVStoreConfig,
+    mapping, YAML path, tier URL or list of tier URLs (fastest first); `overrides` are
+    `make_config` keywords (chunk_size, codec, save_decode_tokens, save_unfull_chunk)."""
+    if isinstance(config_or_urls, KVTierConnector):
+        if overrides or storage is not None:
+            raise ValueError("a ready connector takes no overrides")
+        return config_or_urls
+    return KVTierConnector(make_config(config_or_urls, **overrides), storage=storage)

@@ -1,0 +1,105 @@
+"""What the connector did, per request and per tier (tokens hit, bytes moved, load time)."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvstore.storage_manager import TierStats
+
+
+@dataclass
+class RequestKVMetrics:
+    """One request's traffic through the connector (tokens are prompt positions)."""
+
+    request_id: str
+    num_prompt_tokens: int = 0
+    engine_hit_tokens: int = 0  # held by the engine's own prefix cache at admission
+    connector_hit_tokens: int = 0  # loaded from a tier instead of computed
+    bytes_loaded: int = 0
+    load_seconds: float = 0.0  # fetch from the tiers + scatter into the paged cache
+    stored_tokens: int = 0  # tokens of chunks handed to the tiers
+    bytes_stored: int = 0
+    dropped_store_bytes: int = 0  # over the pending-store budget: not stored, not waited for
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class TierKVMetrics:
+    """One tier's totals as the storage manager saw them; `tokens_hit` from loaded bytes."""
+
+    name: str
+    healthy: bool
+    chunks_hit: int
+    tokens_hit: int
+    bytes_loaded: int
+    bytes_stored: int
+    load_seconds: float
+    errors: int
+    dropped_writes: int
+
+    @classmethod
+    def from_stats(cls, s: TierStats, bytes_per_token: int) -> TierKVMetrics:
+        """Returns the metrics for one tier's stats; loaded chunks are raw tensors, so their
+        bytes divide exactly into tokens."""
+        return cls(name=s.name, healthy=s.healthy, chunks_hit=s.hits,
+                   tokens_hit=s.bytes_loaded // max(bytes_per_token, 1),
+                   bytes_loaded=s.bytes_loaded, bytes_stored=s.bytes_stored,
+                   load_seconds=s.load_seconds, errors=s.errors, dropped_writes=s.dropped_writes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ConnectorMetrics:
+    """Per-request records (live ones plus the last `keep` finished) and running totals.
+
+    Thread-safe: the store thread adds stored bytes while the engine thread reads.
+    """
+
+    def __init__(self, keep: int = 1024) -> None:
+        self.keep = keep
+        self._live: dict[str, RequestKVMetrics] = {}
+        self._done: OrderedDict[str, RequestKVMetrics] = OrderedDict()
+        self._lock = threading.Lock()
+        self.totals = RequestKVMetrics(request_id="*")
+
+    def live(self, request_id: str) -> RequestKVMetrics:
+        """Returns the record of a request in flight, creating it on first use."""
+        with self._lock:
+            m = self._live.get(request_id)
+            if m is None:
+                m = self._live[request_id] = RequestKVMetrics(request_id)
+            return m
+
+    def add(self, request_id: str, **deltas: float) -> None:
+        """Adds `deltas` to the request's counters and to the totals."""
+        with self._lock:
+            m = self._live.get(request_id) or self._done.get(request_id)
+            if m is None:  # first sight, or aged out: a bounded finished record either way
+                m = self._done[request_id] = RequestKVMetrics(request_id)
+                while len(self._done) > self.keep:
+                    self._done.popitem(last=False)
+            for name, value in deltas.items():
+                setattr(m, name, getattr(m, name) + value)
+                setattr(self.totals, name, getattr(self.totals, name) + value)
+
+    def finish(self, request_id: str) -> None:
+        """Moves a request's record to the finished list (oldest dropped beyond `keep`)."""
+        with self._lock:
+            m = self._live.pop(request_id, None)
+            if m is None:
+                return
+            self._done[request_id] = m
+            while len(self._done) > self.keep:
+                self._done.popitem(last=False)
+
+    def request(self, request_id: str) -> RequestKVMetrics | None:
+        """Returns a copy of a request's record (live or recently finished), or None."""
+        with self._lock:
+            m = self._live.get(request_id) or self._done.get(request_id)
+            return None if m is None else RequestKVMetrics(**asdict(m))
