@@ -1,0 +1,221 @@
+"""The storage manager over real tiers: write-through, promotion, background writer, pins,
+budgets under random workloads, failing tiers, and concurrent readers/writers."""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.backends.disk import DiskBackend
+from kvstore.backends.memory import CPUBackend
+from kvstore.config import KVStoreConfig
+from kvstore.storage_manager import StorageManager
+from tests.kvstore.tiers import chunk, ckey, make_tier
+
+
+def _chunk_bytes() -> int:
+    return chunk(0).numel() * chunk(0).element_size()
+
+
+def _dir_bytes(root: Path) -> int:
+    """Bytes in chunk files right now (the background writer may remove one while we look)."""
+    total = 0
+    for p in root.glob("*.kvc"):
+        try:
+            total += p.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
+
+
+def test_write_through_and_promotion(tmp_path: Path) -> None:
+    cpu, disk = CPUBackend(byte_budget=10 * _chunk_bytes()), DiskBackend(tmp_path, codec="lz4")
+    with StorageManager([cpu, disk], names=["cpu", "disk"]) as mgr:
+        mgr.batched_put([(ckey(i), chunk(i)) for i in range(3)])
+        assert cpu.prefix_hits([ckey(0), ckey(1), ckey(2)]) == 3  # fastest tier: synchronous
+        assert mgr.flush(timeout=10)
+        assert disk.prefix_hits([ckey(0), ckey(1), ckey(2)]) == 3
+        cpu.clear()
+        assert mgr.prefix_hits([ckey(0), ckey(1), ckey(2), ckey(3)]) == 3
+        got = mgr.batched_get([ckey(1), ckey(5), ckey(2)])
+        assert torch.equal(got[0], chunk(1)) and got[1] is None and torch.equal(got[2], chunk(2))
+        assert cpu.contains(ckey(1)) and cpu.contains(ckey(2)) and not cpu.contains(ckey(0))  # promoted
+        assert torch.equal(mgr.get(ckey(1)), chunk(1))
+        s = mgr.stats()
+        assert (s["disk"].hits, s["cpu"].hits) == (2, 1)
+        assert s["disk"].bytes_loaded == 2 * _chunk_bytes() and s["disk"].load_seconds > 0
+        assert s["cpu"].bytes_stored >= 3 * _chunk_bytes()
+        assert mgr.pins.total() == 0
+
+
+def test_prefix_hits_combines_tiers(tmp_path: Path) -> None:
+    cpu, disk = CPUBackend(), DiskBackend(tmp_path)
+    with StorageManager([cpu, disk]) as mgr:
+        disk.batched_put([(ckey(i), chunk(i)) for i in range(3)])
+        cpu.put(ckey(3), chunk(3))  # chunk 3 only in the fast tier, 0-2 only in the slow one
+        assert mgr.prefix_hits([ckey(i) for i in range(5)]) == 4
+        assert mgr.contains(ckey(3)) and not mgr.contains(ckey(4))
+
+
+def test_pins_protect_and_never_go_negative(tmp_path: Path) -> None:
+    cpu = CPUBackend(byte_budget=2 * _chunk_bytes())
+    with StorageManager([cpu]) as mgr:
+        mgr.put(ckey(0), chunk(0))
+        mgr.pin([ckey(0)])
+        mgr.put(ckey(1), chunk(1))
+        mgr.put(ckey(2), chunk(2))  # evicts 1, not the pinned 0
+        assert mgr.get(ckey(0)) is not None and mgr.get(ckey(1)) is None
+        mgr.unpin([ckey(0)])
+        with pytest.raises(ValueError, match="not pinned"):
+            mgr.unpin([ckey(0)])
+        mgr.pin([ckey(5)])
+        with pytest.raises(ValueError, match="not pinned"):
+            mgr.unpin([ckey(5), ckey(5)])  # all-or-nothing: the single pin stays
+        assert mgr.pins.count(ckey(5)) == 1
+        mgr.unpin([ckey(5)])
+        assert mgr.pins.total() == 0
+
+
+def test_bad_input_is_a_value_error_and_stores_nothing(tmp_path: Path) -> None:
+    with StorageManager([CPUBackend()]) as mgr:
+        with pytest.raises(ValueError, match="torch.Tensor"):
+            mgr.put(ckey(0), [1, 2, 3])  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="layers, 2, tokens"):
+            mgr.batched_put([(ckey(1), chunk(1)), (ckey(2), torch.zeros(3, 4))])
+        with pytest.raises(ValueError, match="key"):
+            mgr.put("", chunk(0))
+        assert mgr.prefix_hits([ckey(1)]) == 0
+    with pytest.raises(ValueError, match="tiers"):
+        StorageManager([])
+
+
+class GatedDisk(DiskBackend):
+    """A real disk tier whose writes wait on a gate, to fill the background queue."""
+
+    def __init__(self, root: Path, gate: threading.Event) -> None:
+        super().__init__(root)
+        self.gate = gate
+        self.entered = threading.Event()
+
+    def _put_bytes(self, key: str, value) -> None:
+        self.entered.set()
+        self.gate.wait(10)
+        super()._put_bytes(key, value)
+
+
+@pytest.mark.parametrize("drop", ["drop_oldest", "drop_new"])
+def test_full_queue_drops_and_never_blocks(tmp_path: Path, drop: str) -> None:
+    gate = threading.Event()
+    disk = GatedDisk(tmp_path, gate)
+    with StorageManager([CPUBackend(), disk], names=["cpu", "disk"], queue_size=2, queue_full=drop) as mgr:
+        mgr.put(ckey(0), chunk(0))
+        assert disk.entered.wait(10)  # the worker is now stuck inside the first write
+        for i in range(1, 6):  # two queue, three are dropped
+            mgr.put(ckey(i), chunk(i))
+        assert mgr.get(ckey(5)) is not None  # serving goes on while the slow tier is stuck
+        gate.set()
+        assert mgr.flush(timeout=10)
+        assert mgr.writer_stats()["dropped"] == 3 and mgr.stats()["disk"].dropped_writes == 3
+        on_disk = [disk.contains(ckey(i)) for i in range(6)]
+        assert sum(on_disk) == 3 and on_disk[0]
+        assert on_disk[4:] == ([True, True] if drop == "drop_oldest" else [False, False])
+
+
+def test_failing_tier_is_skipped_with_backoff_and_recovers(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtier.kvstore")
+    root = tmp_path / "d"
+    disk = DiskBackend(root)
+    cpu = CPUBackend()
+    mgr = StorageManager([disk, cpu], names=["disk", "cpu"], backoff_initial_s=0.05, backoff_max_s=0.1)
+    shutil.rmtree(root)
+    root.write_bytes(b"")  # the disk tier now fails every write
+    for i in range(20):
+        mgr.put(ckey(i), chunk(i))  # never raises
+    assert mgr.flush(timeout=10)
+    s = mgr.stats()
+    assert not s["disk"].healthy and s["disk"].errors >= 1 and s["disk"].skipped >= 1
+    assert s["disk"].last_error.startswith("BackendError")
+    assert torch.equal(mgr.get(ckey(7)), chunk(7))  # served from the healthy tier
+    root.unlink()
+    root.mkdir()
+    time.sleep(0.15)
+    mgr.put(ckey(50), chunk(50))
+    assert mgr.stats()["disk"].healthy and disk.contains(ckey(50))
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("disk is unhealthy" in m for m in messages) == 1
+    assert sum("disk recovered" in m for m in messages) == 1
+    mgr.close()
+
+
+def test_budgets_never_exceeded_under_random_workload(tmp_path: Path) -> None:
+    budgets = [3 * _chunk_bytes(), 7 * _chunk_bytes()]
+    cfg = KVStoreConfig.from_dict({"tiers": [
+        {"url": "cpu", "budget": budgets[0]},
+        {"url": f"disk://{tmp_path}", "budget": budgets[1]},
+    ], "queue_size": 4})
+    rng = random.Random(7)
+    with StorageManager.from_config(cfg) as mgr:
+        for _ in range(150):
+            r = rng.random()
+            keys = [ckey(rng.randrange(25)) for _ in range(rng.randint(1, 3))]
+            if r < 0.5:
+                mgr.batched_put([(k, chunk(int(k[-8:], 16))) for k in keys])
+            elif r < 0.8:
+                for k, kv in zip(keys, mgr.batched_get(keys)):
+                    assert kv is None or torch.equal(kv, chunk(int(k[-8:], 16)))
+            elif r < 0.9:
+                mgr.pin(keys)
+                mgr.prefix_hits(keys)
+                mgr.unpin(keys)
+            else:
+                mgr.delete(keys[0])
+            for (name, s), budget in zip(mgr.stats().items(), budgets):
+                assert s.backend.bytes_used <= budget, name
+            assert _dir_bytes(tmp_path) <= budgets[1]
+        mgr.flush()
+        assert mgr.pins.total() == 0
+        assert sum(s.backend.evictions for s in mgr.stats().values()) > 0
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk", "redis", "manager"])
+def test_concurrent_threads_never_see_a_torn_value(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """8 threads put and get the same keys; every value read is one thread's whole write."""
+    redis_url = request.getfixturevalue("redis_server").url if kind in ("redis", "manager") else None
+    if kind == "manager":
+        store = StorageManager([CPUBackend(byte_budget=4 * 2 * 2 * 64 * 3 * 64 * 4),
+                                DiskBackend(tmp_path, codec="lz4"),
+                                make_tier("redis", tmp_path, redis_url)], queue_size=8)
+    else:
+        store = make_tier(kind, tmp_path, redis_url)
+    keys = [ckey(i) for i in range(4)]
+    errors: list[str] = []
+
+    def worker(tid: int) -> None:
+        rng = random.Random(tid)
+        for n in range(40):
+            key = rng.choice(keys)
+            if rng.random() < 0.5:
+                # every element of a write carries its writer and sequence: a mix would show
+                store.put(key, torch.full((2, 2, 64, 3, 64), float(tid * 1000 + n)))
+            else:
+                kv = store.get(key)
+                if kv is not None and not bool((kv == kv.flatten()[0]).all()):
+                    errors.append(f"torn value under {key}")
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if kind == "manager":
+        store.flush()
+        assert store.pins.total() == 0
+    assert errors == []
+    store.close()
