@@ -36,6 +36,12 @@ class ChunkKey:
     chunk_size: int
     chunk_hash: str
 
+    def __post_init__(self) -> None:
+        for name in ("model", "kv_dtype", "chunk_hash"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or ":" in value or any(c.isspace() for c in value):
+                raise ValueError(f"ChunkKey.{name} must be a str without ':' or spaces, got {value!r}")
+
     def to_str(self) -> str:
         """Returns `kvtier:<model>:<dtype>:v<layout>:c<chunk_size>:<hash>` (no spaces, ASCII)."""
         return f"kvtier:{self.model}:{self.kv_dtype}:v{self.layout_version}:c{self.chunk_size}:{self.chunk_hash}"

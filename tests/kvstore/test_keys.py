@@ -98,3 +98,5 @@ def test_bad_input_is_a_value_error() -> None:
         list(process_tokens(np.zeros((2, 2), dtype=np.int64), 256))
     with pytest.raises(ValueError, match="not a kvtier chunk key"):
         ChunkKey.from_str("nope")
+    with pytest.raises(ValueError, match="model"):
+        list(process_tokens([1], 256, model="org/name:rev"))
