@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,9 +63,15 @@ class _Connection:
             self.sock = socket.create_connection((host, port), timeout=connect_timeout)
         except OSError as exc:
             raise ServerUnavailable(f"cannot connect to kvtier://{host}:{port}: {exc}") from exc
-        self.sock.settimeout(timeout)
+        # Kernel-enforced timeouts on a blocking socket: Python's own socket timeout costs a
+        # poll() before every send and recv, which dominates small calls.
+        self.sock.settimeout(None)
+        tv = struct.pack("ll", int(timeout), int((timeout % 1) * 1e6))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.rfile = self.sock.makefile("rb", buffering=_INLINE)
+        self.timeout = timeout
         self._ids = count(1)
         self._header = bytearray(P.HEADER_SIZE)
 
@@ -106,6 +113,8 @@ class _Connection:
     def _read_into(self, view: memoryview) -> None:
         while view:
             n = self.rfile.readinto(view)
+            if n is None:  # SO_RCVTIMEO expired (the reader reports it as "would block")
+                raise ServerUnavailable(f"no reply from the cache server within {self.timeout} s")
             if not n:
                 raise ServerUnavailable("the cache server closed the connection")
             view = view[n:]

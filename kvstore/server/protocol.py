@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 MAGIC = b"KVTS"
 VERSION = 1
 # magic, version, code (op or status), flags, request id, key length, payload length
 HEADER = struct.Struct("<4sBBHIIQ")
 HEADER_SIZE = HEADER.size  # 24
+_unpack_header = HEADER.unpack_from
 MAX_KEY_LEN = 4096
 DEFAULT_MAX_PAYLOAD = 512 << 20
 Buffer = bytes | bytearray | memoryview
@@ -52,8 +53,9 @@ class ProtocolError(ValueError):
     """A frame that violates the protocol; the message names the problem."""
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):
+    """A decoded frame header (a NamedTuple: built once per frame on the hot path)."""
+
     code: int
     request_id: int
     key_len: int
@@ -70,14 +72,14 @@ def encode_header(code: int, request_id: int, key_len: int, payload_len: int, fl
     return HEADER.pack(MAGIC, VERSION, code, flags, request_id & 0xFFFFFFFF, key_len, payload_len)
 
 
-def decode_header(buf: bytes | bytearray | memoryview, max_payload: int) -> Header:
-    """Returns the header at the start of `buf` (at least HEADER_SIZE bytes).
+def decode_header(buf: Buffer, max_payload: int, offset: int = 0) -> Header:
+    """Returns the header at `offset` in `buf` (at least HEADER_SIZE bytes from there).
 
     Raises ProtocolError for a bad magic, an unsupported version, a key longer than
     MAX_KEY_LEN or a payload longer than `max_payload`; the code byte is not checked here
     (an unknown op is well-framed and gets its own status).
     """
-    magic, version, code, flags, request_id, key_len, payload_len = HEADER.unpack_from(buf)
+    magic, version, code, flags, request_id, key_len, payload_len = _unpack_header(buf, offset)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r})")
     if version != VERSION:

@@ -107,6 +107,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.authed = not server.auth_required
         self.closing = False
         self.scratch = bytearray(_SCRATCH)
+        self.scratch_view = memoryview(self.scratch)  # never resized, so one view serves
         self.scratch_len = 0
         # Set while a frame too large for scratch is being received into its own buffer.
         self.big: bytearray | None = None
@@ -116,6 +117,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.discard_left = 0
         self.last_active = 0.0
         self.timer: asyncio.TimerHandle | None = None
+        self.loop = asyncio.get_running_loop()
 
     # ---- asyncio callbacks ----
 
@@ -145,13 +147,13 @@ class _Connection(asyncio.BufferedProtocol):
             self.scratch_len = 0
         if self.discard_left:
             # Never read past the refused body: what follows is the next frame.
-            return memoryview(self.scratch)[: min(self.discard_left, _SCRATCH)]
-        return memoryview(self.scratch)[self.scratch_len :]
+            return self.scratch_view[: min(self.discard_left, _SCRATCH)]
+        return self.scratch_view[self.scratch_len :]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.closing:
             return
-        self.last_active = asyncio.get_running_loop().time()
+        self.last_active = self.loop.time()
         if self.big is not None:
             self.big_filled += nbytes
             if self.big_filled == len(self.big):
@@ -187,12 +189,11 @@ class _Connection(asyncio.BufferedProtocol):
     # ---- framing ----
 
     def _parse_scratch(self) -> None:
-        buf, pos, end = self.scratch, 0, self.scratch_len
-        view = memoryview(buf)
+        buf, view, pos, end = self.scratch, self.scratch_view, 0, self.scratch_len
         while not self.closing and end - pos >= P.HEADER_SIZE:
-            limit = self.server.max_payload if self.authed else _SCRATCH
+            limit = self.server.max_payload if self.authed else _SCRATCH  # AUTH may precede
             try:
-                header = P.decode_header(view[pos : pos + P.HEADER_SIZE], limit)
+                header = P.decode_header(buf, limit, pos)
             except P.ProtocolError as exc:
                 self._fail(Status.BAD_FRAME, 0, str(exc))
                 return

@@ -188,3 +188,12 @@ def test_cache_server_subcommand_contract() -> None:
     assert cmd_cache_server.parse_size("1.5GB", "x") == 1_500_000_000
     with pytest.raises(ValueError, match="--max-payload: size '0' must be positive"):
         cmd_cache_server.parse_size("0", "--max-payload")
+
+
+def test_a_server_that_never_answers_times_out() -> None:
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()  # accepts connections (backlog) but never reads or replies
+        c = CacheServerClient("127.0.0.1", mute.getsockname()[1], timeout=0.3)
+        with pytest.raises(ServerUnavailable, match="no reply from the cache server within 0.3 s"):
+            c.ping()
