@@ -123,11 +123,15 @@ class BlockManager:
         return seq.block_table
 
     def cache_blocks(self, seq: Sequence) -> None:
-        """Registers `seq`'s full blocks whose K/V is computed (first `num_computed_tokens`)."""
+        """Registers `seq`'s full blocks whose K/V is computed (first `num_computed_tokens`, capped
+        at `max_cacheable_tokens`)."""
         if not self.enable_prefix_caching:
             return
-        self._update_hashes(seq, seq.num_computed_tokens)
-        num_full = seq.num_computed_tokens // self.block_size
+        computed = seq.num_computed_tokens
+        if seq.max_cacheable_tokens is not None:  # approximate K/V past it must never be shared
+            computed = min(computed, seq.max_cacheable_tokens)
+        self._update_hashes(seq, computed)
+        num_full = computed // self.block_size
         for block_id, h in zip(seq.block_table[:num_full], seq.block_hashes[:num_full]):
             self.pool.cache_full_block(self.pool.blocks[block_id], h)
 

@@ -41,7 +41,13 @@ Scheduler side, after the step:
   9. `request_finished(seq, block_ids)` when a request finishes or is aborted, before its
      blocks are freed (they still hold its K/V during the call).
 
-`register_model(model_config)` then `register_kv_caches(kv_caches)` are called once when the runner allocates the per-layer
+Segmented prompts (CacheBlend): a connector whose `segment_separator` is a string makes
+`LLM.generate` split string prompts on it; a prompt given as a list of strings (or a dict with
+`segment_lens`) is segmented always. Segment boundaries reach the connector as
+`seq.segment_lens`. A connector that loads approximate K/V sets `seq.max_cacheable_tokens` (in
+`update_state_after_alloc`) so the engine's prefix cache never shares blocks beyond it.
+
+`register_model(model_config)`, `register_model_module(model)` then `register_kv_caches(kv_caches)` are called once when the runner allocates the per-layer
 tensors `(2, num_blocks, block_size, num_kv_heads, head_size)`; `shutdown()` on
 `LLM.shutdown()` (flush pending stores).
 """
@@ -83,6 +89,13 @@ class KVConnectorBase(ABC):
     def register_model(self, model_config: Any) -> None:
         """Receives the loaded model's `engine.model_config.ModelConfig` once, before
         `register_kv_caches`; its `fingerprint` names the model's KV (default: ignored)."""
+
+    # String prompts are split into segments on this separator when set (CacheBlend).
+    segment_separator: str | None = None
+
+    def register_model_module(self, model: torch.nn.Module) -> None:
+        """Receives the loaded model module once, after `register_model`, for connectors that
+        run model layers themselves (CacheBlend's selective recompute; default: ignored)."""
 
     @abstractmethod
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:

@@ -16,7 +16,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
-PromptType = str | Mapping[str, Any]
+PromptType = str | list[str] | Mapping[str, Any]  # list[str]: one prompt in segments
 
 
 class LLMEngine:
@@ -52,7 +52,21 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         text: str | None = None
-        if isinstance(prompt, str):
+        segment_lens: list[int] | None = None
+        sep = self.kv_connector.segment_separator if self.kv_connector is not None else None
+        if isinstance(prompt, str) and sep and sep in prompt:
+            prompt = prompt.split(sep)
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            # Segments are tokenized one by one so each has the same ids wherever it appears.
+            token_ids, segment_lens = [], []
+            for i, part in enumerate(prompt):
+                ids = self.tokenizer.encode(part, add_special_tokens=i == 0) if part else []
+                if not ids:
+                    raise ValueError(f"prompt segment {i} is empty (0 tokens)")
+                token_ids += ids
+                segment_lens.append(len(ids))
+            text = "".join(prompt)
+        elif isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty (0 tokens)")
             text = prompt
@@ -63,10 +77,16 @@ class LLMEngine:
             for t in token_ids:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                     raise ValueError(f"prompt_token_ids holds {t!r}, not a token id in [0, {vocab})")
+            if prompt.get("segment_lens") is not None:
+                segment_lens = list(prompt["segment_lens"])
+                if (not segment_lens or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in segment_lens)
+                        or sum(segment_lens) != len(token_ids)):
+                    raise ValueError(f"segment_lens {segment_lens!r} must be positive ints summing to "
+                                     f"the {len(token_ids)} prompt tokens")
         else:
-            raise ValueError("a prompt must be a str or a dict with 'prompt_token_ids'")
+            raise ValueError("a prompt must be a str, a list of str segments, or a dict with 'prompt_token_ids'")
         rid = request_id if request_id is not None else str(next(self._ids))
-        seq = Sequence(rid, token_ids, params, prompt=text)
+        seq = Sequence(rid, token_ids, params, prompt=text, segment_lens=segment_lens)
         self.scheduler.check_request(seq)
         return seq
 

@@ -45,6 +45,7 @@ class ModelRunner:
         self.connector = kv_connector
         if kv_connector is not None:
             kv_connector.register_model(mc)
+            kv_connector.register_model_module(self.model)
             kv_connector.register_kv_caches(self.kv_caches)
         self.sampler = Sampler()
         # Seeds the generators of requests that bring no seed (reproducible per LLM seed).

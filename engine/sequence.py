@@ -60,6 +60,12 @@ class Sequence:
     finish_time: float | None = None
     # Per-request RNG for seeded sampling; created lazily by the sampler.
     generator: torch.Generator | None = None
+    # Token counts of the prompt's segments (system, documents, query), summing to the prompt
+    # length, or None. Plain metadata for a connector (CacheBlend); the engine never reads it.
+    segment_lens: list[int] | None = None
+    # Leading tokens whose K/V is exact and may enter the prefix cache; None = all. A connector
+    # that loads approximate K/V (CacheBlend) lowers it so nothing approximate is ever shared.
+    max_cacheable_tokens: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
