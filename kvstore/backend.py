@@ -156,8 +156,10 @@ class BytesBackend(StorageBackend):
         return [self._contains(k) for k in keys]
 
     # -- the StorageBackend interface on top ---------------------------------------------
-    def encode(self, key: str, kv: torch.Tensor) -> bytearray:
-        """Returns the stored value for `kv` under `key` with this tier's codec."""
+    def encode(self, key: str, kv: torch.Tensor) -> Buffer:
+        """Returns the stored value for `kv` under `key` with this tier's codec (one buffer).
+        Tiers that write header and payload separately may return `serde.SplitValue` instead
+        (it has `len()`), and then get it in their `_put_bytes`."""
         return serde.encode(key, kv, self.codec)
 
     def decode(self, key: str, value: Buffer | None) -> torch.Tensor | None:

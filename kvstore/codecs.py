@@ -26,6 +26,17 @@ class CodecError(ValueError):
     """A payload does not decode to the recorded dtype/shape (corrupt or foreign)."""
 
 
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Returns an uninitialised CPU tensor whose memory numpy allocated.
+
+    numpy asks for transparent huge pages on large allocations and torch's CPU allocator does
+    not; for multi-MB chunks the page faults of a fresh torch buffer cost more than the copy.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    return torch.from_numpy(np.empty(numel * itemsize, dtype=np.uint8)).view(dtype).reshape(shape)
+
+
 def tensor_bytes(kv: torch.Tensor) -> memoryview:
     """Returns a flat uint8 view of `kv` on the CPU (zero-copy when already contiguous on CPU)."""
     t = kv.detach()

@@ -24,6 +24,7 @@ class TierHealth:
         self.last_error = ""
         self._backoff = backoff_initial_s
         self._next_try = 0.0
+        self._failed_at = 0.0
         self._lock = threading.Lock()
 
     def available(self) -> bool:
@@ -49,14 +50,17 @@ class TierHealth:
                 logger.warning("kvstore tier %s is unhealthy, skipping it for now: %s", self.name, self.last_error)
             else:
                 self._backoff = min(self._backoff * 2, self.backoff_max_s)
-            self._next_try = time.monotonic() + self._backoff
+            self._failed_at = time.monotonic()
+            self._next_try = self._failed_at + self._backoff
 
-    def succeeded(self) -> None:
-        """Records a successful call: an unhealthy tier is healthy again."""
+    def succeeded(self, started_at: float) -> None:
+        """Records a successful call that began at `started_at` (time.monotonic()): an unhealthy
+        tier is healthy again, unless the call began before the last failure (it says nothing
+        about the tier now; counting it would make the state flap during an outage)."""
         if self.healthy:
             return
         with self._lock:
-            if not self.healthy:
+            if not self.healthy and started_at > self._failed_at:
                 self.healthy = True
                 self._backoff = self.backoff_initial_s
                 logger.warning("kvstore tier %s recovered", self.name)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import xxhash
 
@@ -61,8 +62,33 @@ def key_tag(key: str) -> int:
     return xxhash.xxh3_64_intdigest(key.encode())
 
 
-def encode(key: str, kv: torch.Tensor, codec: Codec | str = "raw", num_tokens: int | None = None) -> bytearray:
-    """Returns one contiguous value (header + payload) for chunk `kv` stored under `key`.
+@dataclass(frozen=True)
+class SplitValue:
+    """A stored value as header + payload, not yet joined: tiers that can write the two parts
+    separately (a file, a socket) skip the copy that joining costs."""
+
+    header: bytes
+    payload: memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + self.payload.nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def join(self) -> memoryview:
+        """Returns the value as one contiguous buffer (one copy)."""
+        out = np.empty(self.nbytes, dtype=np.uint8)  # numpy: huge pages, see codecs.host_empty
+        hlen = len(self.header)
+        out[:hlen] = np.frombuffer(self.header, dtype=np.uint8)
+        out[hlen:] = np.frombuffer(self.payload, dtype=np.uint8)
+        return memoryview(out)
+
+
+def encode_split(key: str, kv: torch.Tensor, codec: Codec | str = "raw", num_tokens: int | None = None) -> SplitValue:
+    """Returns the value for chunk `kv` stored under `key` as header + payload (no copy of the
+    payload for the raw codec: it views `kv`, which must not change until the value is written).
 
     `num_tokens` defaults to `kv.shape[2]` for `(layers, 2, tokens, heads, head_size)` chunks.
     Raises ValueError for an unsupported dtype or a tensor the codec cannot encode.
@@ -74,17 +100,22 @@ def encode(key: str, kv: torch.Tensor, codec: Codec | str = "raw", num_tokens: i
         raise ValueError(f"chunk has {kv.dim()} dimensions, at most {_MAX_NDIM} are supported")
     if num_tokens is None:
         num_tokens = kv.shape[2] if kv.dim() == 5 else 0
-    payload = codec.encode(kv)
-    plen = len(payload) if not isinstance(payload, memoryview) else payload.nbytes
+    payload = memoryview(codec.encode(kv)).cast("B")
     shape = tuple(int(d) for d in kv.shape)
-    hlen = _HEADER.size + 8 * len(shape)
-    out = bytearray(hlen + plen)
-    _HEADER.pack_into(out, 0, MAGIC, FORMAT_VERSION, codec.codec_id, _DTYPES[kv.dtype], len(shape), 0,
-                      num_tokens, plen, key_tag(key), 0)
-    struct.pack_into(f"<{len(shape)}Q", out, _HEADER.size, *shape)
-    out[hlen:] = payload
-    struct.pack_into("<Q", out, _CHECKSUM_OFFSET, xxhash.xxh3_64_intdigest(out))
-    return out
+    header = bytearray(_HEADER.size + 8 * len(shape))
+    _HEADER.pack_into(header, 0, MAGIC, FORMAT_VERSION, codec.codec_id, _DTYPES[kv.dtype], len(shape), 0,
+                      num_tokens, payload.nbytes, key_tag(key), 0)
+    struct.pack_into(f"<{len(shape)}Q", header, _HEADER.size, *shape)
+    h = xxhash.xxh3_64(header)
+    h.update(payload)
+    struct.pack_into("<Q", header, _CHECKSUM_OFFSET, h.intdigest())
+    return SplitValue(bytes(header), payload)
+
+
+def encode(key: str, kv: torch.Tensor, codec: Codec | str = "raw", num_tokens: int | None = None) -> memoryview:
+    """Returns one contiguous value (header + payload) for chunk `kv` stored under `key`
+    (see `encode_split`); the payload is copied once."""
+    return encode_split(key, kv, codec, num_tokens).join()
 
 
 def read_header(value: Buffer) -> ValueHeader:

@@ -111,6 +111,7 @@ class StorageManager:
             with self._stats_lock:
                 self._stats[i].skipped += 1
             return _SKIPPED
+        started = time.monotonic()
         try:
             result = fn()
         except Exception as exc:  # any tier failure is a miss for the caller, never a crash
@@ -118,7 +119,7 @@ class StorageManager:
             with self._stats_lock:
                 self._stats[i].errors += 1
             return _SKIPPED
-        health.succeeded()
+        health.succeeded(started)
         return result
 
     def _store(self, i: int, items: Sequence[tuple[str, torch.Tensor]]) -> None:

@@ -16,6 +16,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
+import torch
+
+from kvstore import serde
 from kvstore.backend import BackendError, BytesBackend
 from kvstore.budget import ByteBudget
 from kvstore.codecs import Buffer, Codec
@@ -137,15 +140,21 @@ class DiskBackend(BytesBackend):
                 self._budget.touch(key)
         return buf if n == size else memoryview(buf)[:n]
 
-    def _put_bytes(self, key: str, value: Buffer) -> None:
+    def encode(self, key: str, kv: torch.Tensor) -> serde.SplitValue:
+        """Returns header + payload unjoined: the file gets them in two writes, no copy."""
+        return serde.encode_split(key, kv, self.codec)
+
+    def _put_bytes(self, key: str, value: Buffer | serde.SplitValue) -> None:
         path = self._path(key)
         nbytes = len(value)
+        parts = [value.header, value.payload] if isinstance(value, serde.SplitValue) else [value]
         tmp = self.root / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
         try:
             with open(tmp, "wb", buffering=0) as f:
-                view = memoryview(value)
-                while view:  # raw writes may be short
-                    view = view[f.write(view):]
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    while view:  # raw writes may be short
+                        view = view[f.write(view):]
                 if self.fsync:
                     os.fsync(f.fileno())
             with self._lock:

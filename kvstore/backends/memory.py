@@ -15,12 +15,12 @@ import torch
 from kvstore import serde
 from kvstore.backend import BackendStats, StorageBackend
 from kvstore.budget import ByteBudget
-from kvstore.codecs import Codec, get_codec
+from kvstore.codecs import Buffer, Codec, get_codec, host_empty
 from kvstore.config import TierSpec
 from kvstore.eviction import make_policy
 
 
-def _stored_nbytes(value: torch.Tensor | bytes | bytearray) -> int:
+def _stored_nbytes(value: torch.Tensor | Buffer) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     return len(value)
@@ -37,21 +37,27 @@ class MemoryBackend(StorageBackend):
         self.codec = get_codec(codec) if isinstance(codec, str) else codec
         self.pin_memory = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
         self._budget = ByteBudget(byte_budget, make_policy(eviction))
-        self._store: dict[str, torch.Tensor | bytearray] = {}
+        self._store: dict[str, torch.Tensor | Buffer] = {}
         self._lock = threading.Lock()
         self._stats = BackendStats(byte_budget=byte_budget)
 
     def set_pin_check(self, is_pinned: Callable[[str], bool]) -> None:
         self._budget.is_pinned = is_pinned
 
-    def _to_stored(self, key: str, kv: torch.Tensor) -> torch.Tensor | bytearray:
+    def _copy(self, kv: torch.Tensor) -> torch.Tensor:
+        """Returns a contiguous copy of `kv` on this tier's device."""
+        if self.device.type == "cpu":
+            return host_empty(tuple(kv.shape), kv.dtype).copy_(kv.detach())
+        return kv.detach().to(self.device, copy=True).contiguous()
+
+    def _to_stored(self, key: str, kv: torch.Tensor) -> torch.Tensor | Buffer:
         if self.codec.name != "raw":
             return serde.encode(key, kv, self.codec)
         if self.pin_memory:
             out = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
             return out.copy_(kv, non_blocking=False)
-        # clone: the caller's tensor may be a view into the engine's kv cache that changes later
-        return kv.detach().to(self.device, copy=True).contiguous()
+        # a copy: the caller's tensor may be a view into the engine's kv cache that changes later
+        return self._copy(kv)
 
     def contains(self, key: str) -> bool:
         with self._lock:
@@ -77,7 +83,7 @@ class MemoryBackend(StorageBackend):
             self._stats.hits += 1
         # stored values are never mutated in place (a put replaces them), so copy outside the lock
         if isinstance(value, torch.Tensor):
-            return value.clone()
+            return self._copy(value)
         return serde.decode(key, value).to(self.device)
 
     def put(self, key: str, kv: torch.Tensor) -> None:

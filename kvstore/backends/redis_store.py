@@ -21,10 +21,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.cluster
+import torch
+from redis._parsers.encoders import Encoder
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
+from kvstore import serde
 from kvstore.backend import BackendError, BytesBackend
 from kvstore.budget import ByteBudget
 from kvstore.codecs import Buffer, Codec
@@ -33,6 +36,40 @@ from kvstore.eviction import make_policy
 
 CHUNK_KEY_PATTERN = "kvtier:*"
 """Every `ChunkKey.to_str()` matches this; `clear()` removes what matches it."""
+
+
+class SplitValuePacker:
+    """RESP command packer that sends a `serde.SplitValue` as one bulk string written in two
+    parts (header, then the payload memoryview straight from the tensor): no join, no copy.
+
+    redis-py's default (hiredis) packer copies every argument into one new buffer; for
+    multi-MB chunks that copy and its page faults cost as much as the socket write.
+    """
+
+    def __init__(self, buffer_cutoff: int = 6000) -> None:
+        self._cutoff = buffer_cutoff
+        self._encode = Encoder("utf-8", "strict", False).encode
+
+    def pack(self, *args: Any) -> list[Any]:
+        if isinstance(args[0], str):  # "CONFIG GET" style names go out as separate words
+            args = tuple(args[0].encode().split()) + args[1:]
+        out: list[Any] = []
+        buff = b"*%d\r\n" % len(args)
+        for arg in args:
+            if isinstance(arg, serde.SplitValue):
+                out.append(buff + b"$%d\r\n" % arg.nbytes + arg.header)
+                out.append(arg.payload)
+                buff = b"\r\n"
+                continue
+            data = self._encode(arg)
+            if isinstance(data, memoryview) or len(data) > self._cutoff:
+                out.append(buff + b"$%d\r\n" % len(data))
+                out.append(data)
+                buff = b"\r\n"
+            else:
+                buff += b"$%d\r\n%s\r\n" % (len(data), data)
+        out.append(buff)
+        return out
 
 
 def _client_kwargs(options: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +106,7 @@ class RedisBackend(BytesBackend):
                 kw.pop("max_connections", None)
                 self.client: redis.Redis | redis.cluster.RedisCluster = redis.cluster.RedisCluster.from_url(plain_url, **kw)
             else:
-                self.client = redis.Redis.from_url(plain_url, **kw)
+                self.client = redis.Redis.from_url(plain_url, command_packer=SplitValuePacker(), **kw)
         except RedisError as exc:
             raise BackendError(f"redis tier cannot connect to {url}: {exc}") from exc
         self.url = url
@@ -85,6 +122,13 @@ class RedisBackend(BytesBackend):
 
     def set_pin_check(self, is_pinned: Callable[[str], bool]) -> None:
         self._budget.is_pinned = is_pinned
+
+    def encode(self, key: str, kv: torch.Tensor) -> Any:
+        """Returns the value unjoined for a single node (sent in two parts by SplitValuePacker);
+        joined for a cluster, whose per-node clients use redis-py's own packer."""
+        if self.cluster:
+            return serde.encode(key, kv, self.codec)
+        return serde.encode_split(key, kv, self.codec)
 
     def _pipeline(self) -> Any:
         return self.client.pipeline(transaction=False)

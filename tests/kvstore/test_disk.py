@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvstore import serde
 from kvstore.backend import BackendError
 from kvstore.backends.disk import DiskBackend
 from tests.kvstore.tiers import chunk, ckey
@@ -69,7 +70,7 @@ def test_corrupt_truncated_and_foreign_files_are_misses(tmp_path: Path, codec: s
     data[len(data) // 2] ^= 0x40
     f0.write_bytes(data)
     f1.write_bytes(f1.read_bytes()[:-7])
-    f2.write_bytes(DiskBackend(tmp_path / "o", codec=codec).encode(ckey(9), chunk(9)))  # another key's value
+    f2.write_bytes(serde.encode(ckey(9), chunk(9), codec))  # another key's valid value: foreign
     assert disk.get(ckey(0)) is None
     assert disk.batched_get([ckey(1), ckey(2)]) == [None, None]
     s = disk.stats()

@@ -1,0 +1,242 @@
+"""kvstore tiers and codecs: put/get GB/s on real KV chunks of the default model, with baselines.
+
+In one run: real 256-token KV chunks of SmolLM2-135M (computed by transformers, stacked to
+`(layers, 2, 256, kv_heads, head_size)`, fp32 and fp16), stored and loaded through every
+tier (device, cpu, disk in a temp dir, redis on a private redis-server) and codec (raw, lz4,
+int8). Baselines measured in the same run on the same bytes: a numpy copy (allocating, as a
+get must) and plain redis-py pipelined SET/GET with the pure-Python RESP2 parser and with
+hiredis. Throughput counts logical (uncompressed) chunk bytes. Figures that matter are
+ratios within this run:
+
+- cpu tier get / numpy copy            (target >= 0.5)
+- redis tier put / best plain SET, redis tier get / best plain GET   (target >= 0.8 each)
+- fp16 size / int8 size                (target >= 1.9); lz4 ratios reported per dtype
+
+    .venv/bin/python benchmarks/bench_store.py [--quick] [--model DIR]
+
+Writes benchmarks/results/store.json and store.md and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from kvstore import serde  # noqa: E402
+from kvstore.config import TierSpec  # noqa: E402
+from kvstore.keys import process_tokens  # noqa: E402
+from kvstore.registry import create_backend  # noqa: E402
+from tests.fixtures.redis_server import start_redis  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+CHUNK = 256
+TEXT = (
+    "The history of caching in computer systems goes back to the earliest machines, where a small "
+    "amount of fast memory sat between the processor and a much larger, slower store. "
+)
+
+
+def default_model_dir(cli_path: str | None) -> Path:
+    """Returns the model dir: --model, else engine.default_model's converted checkpoint."""
+    if cli_path:
+        return Path(cli_path)
+    try:
+        from engine.default_model import ensure_default_model
+    except ImportError:
+        return Path("/tmp/smol/hf")
+    return ensure_default_model()
+
+
+def real_kv_chunk(model_dir: Path) -> torch.Tensor:
+    """Returns one fp32 chunk `(layers, 2, 256, kv_heads, head_size)` from running the model
+    over a 256-token text (transformers is the reference implementation here)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tok(TEXT * 20, return_tensors="pt").input_ids[:, :CHUNK]
+    assert ids.shape[1] == CHUNK, "text too short for one chunk"
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+    layers = [(layer.keys, layer.values) for layer in cache.layers] if hasattr(cache, "layers") else list(cache)
+    # per layer (1, kv_heads, tokens, head_size) -> (layers, 2, tokens, kv_heads, head_size)
+    return torch.stack([torch.stack([k[0], v[0]]) for k, v in layers]).transpose(2, 3).contiguous()
+
+
+def timed(fn: Callable[[], object], reps: int) -> float:
+    """Returns the median seconds of `reps` calls (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_numpy_copy(chunks: list[torch.Tensor], reps: int) -> float:
+    arrays = [c.view(torch.uint8).numpy() if c.dtype != torch.uint8 else c.numpy() for c in chunks]
+    nbytes = sum(a.nbytes for a in arrays)
+    return nbytes / timed(lambda: [a.copy() for a in arrays], reps) / 1e9
+
+
+def bench_plain_redis(port: int, chunks: list[torch.Tensor], reps: int) -> dict[str, dict[str, float]]:
+    """Returns GB/s of pipelined SET/GET of the chunks' raw bytes with each redis-py parser."""
+    import redis
+    from redis._parsers import _HiredisParser, _RESP2Parser
+
+    values = [bytes(c.contiguous().view(torch.uint8).reshape(-1).numpy()) for c in chunks]
+    nbytes = sum(len(v) for v in values)
+    keys = [f"plain:{i}" for i in range(len(values))]
+    out = {}
+    for name, parser in (("python", _RESP2Parser), ("hiredis", _HiredisParser)):
+        pool = redis.ConnectionPool(host="127.0.0.1", port=port, parser_class=parser, protocol=2)
+        client = redis.Redis(connection_pool=pool)
+
+        def put() -> None:
+            pipe = client.pipeline(transaction=False)
+            for k, v in zip(keys, values):
+                pipe.set(k, v)
+            pipe.execute()
+
+        def get() -> None:
+            pipe = client.pipeline(transaction=False)
+            for k in keys:
+                pipe.get(k)
+            got = pipe.execute()
+            assert all(g is not None for g in got)
+
+        out[name] = {"put_gbps": nbytes / timed(put, reps) / 1e9, "get_gbps": nbytes / timed(get, reps) / 1e9}
+        client.delete(*keys)
+        pool.disconnect()
+    return out
+
+
+def bench_tier(url: str, codec: str, chunks: list[torch.Tensor], reps: int) -> dict[str, float]:
+    """Returns put/get GB/s (logical bytes) and the stored-size ratio for one tier and codec."""
+    tier = create_backend(TierSpec(url, codec=codec))
+    keys = [k.to_str() for _, _, k in process_tokens(np.arange(len(chunks) * CHUNK) + hash(url) % 1000, CHUNK,
+                                                       model="bench", kv_dtype=chunks[0].dtype)]
+    items = list(zip(keys, chunks))
+    nbytes = sum(c.numel() * c.element_size() for c in chunks)
+    put_s = timed(lambda: tier.batched_put(items), reps)
+
+    def get() -> None:
+        got = tier.batched_get(keys)
+        assert all(g is not None for g in got), f"{url} {codec}: miss in benchmark"
+
+    get_s = timed(get, reps)
+    stored = sum(len(serde.encode(k, c, codec)) for k, c in items)
+    got = tier.batched_get(keys)
+    err = max(float((g.float().cpu() - c.float()).abs().max()) for g, c in zip(got, chunks))
+    rel = max(float((g.float().cpu() - c.float()).norm() / c.float().norm()) for g, c in zip(got, chunks))
+    tier.clear()
+    tier.close()
+    return {"put_gbps": nbytes / put_s / 1e9, "get_gbps": nbytes / get_s / 1e9,
+            "size_ratio": nbytes / stored, "max_abs_err": err, "rel_err": rel}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer chunks and repetitions (validates the script)")
+    ap.add_argument("--model", help="HF checkpoint dir (default: the converted default model)")
+    ap.add_argument("--out", default=str(RESULTS / "store"), help="output path without extension")
+    args = ap.parse_args()
+    n_chunks, reps = (2, 3) if args.quick else (8, 7)
+
+    model_dir = default_model_dir(args.model)
+    print(f"computing a real KV chunk with transformers from {model_dir} ...", flush=True)
+    base = real_kv_chunk(model_dir)
+    server = start_redis()
+    tmp = tempfile.TemporaryDirectory(prefix="kvtier-bench-disk-")
+    tiers = {"cpu": "cpu", "device": "device", "disk": f"disk://{tmp.name}", "redis": server.url}
+    results: dict = {"config": {"chunk_tokens": CHUNK, "chunk_shape": list(base.shape), "chunks_per_batch": n_chunks,
+                                "reps": reps, "quick": args.quick, "model": str(model_dir),
+                                "python": platform.python_version(), "torch": torch.__version__,
+                                "cuda": torch.cuda.is_available(), "machine": platform.machine()},
+                     "dtypes": {}}
+    try:
+        for dtype in (torch.float32, torch.float16):
+            # distinct chunks per slot (like different prompts): the real chunk, slightly perturbed
+            chunks = [(base * (1 + 1e-3 * i)).to(dtype).contiguous() for i in range(n_chunks)]
+            name = str(dtype).removeprefix("torch.")
+            print(f"[{name}] chunk {chunks[0].numel() * chunks[0].element_size() / 1e6:.1f} MB x {n_chunks}", flush=True)
+            entry: dict = {"chunk_mb": chunks[0].numel() * chunks[0].element_size() / 1e6,
+                           "numpy_copy_gbps": bench_numpy_copy(chunks, reps),
+                           "plain_redis": bench_plain_redis(server.port, chunks, reps), "tiers": {}}
+            for tier_name, url in tiers.items():
+                for codec in ("raw", "lz4", "int8"):
+                    r = bench_tier(url, codec, chunks, reps)
+                    entry["tiers"][f"{tier_name}/{codec}"] = r
+                    print(f"  {tier_name:6s} {codec:5s} put {r['put_gbps']:6.2f} GB/s  get {r['get_gbps']:6.2f} GB/s"
+                          f"  x{r['size_ratio']:.2f} smaller", flush=True)
+            best_put = max(v["put_gbps"] for v in entry["plain_redis"].values())
+            best_get = max(v["get_gbps"] for v in entry["plain_redis"].values())
+            entry["ratios"] = {
+                "cpu_get_vs_numpy_copy": entry["tiers"]["cpu/raw"]["get_gbps"] / entry["numpy_copy_gbps"],
+                "redis_put_vs_best_plain": entry["tiers"]["redis/raw"]["put_gbps"] / best_put,
+                "redis_get_vs_best_plain": entry["tiers"]["redis/raw"]["get_gbps"] / best_get,
+                "lz4_size_ratio": entry["tiers"]["cpu/lz4"]["size_ratio"],
+                "int8_size_ratio": entry["tiers"]["cpu/int8"]["size_ratio"],
+            }
+            results["dtypes"][name] = entry
+        fp16 = results["dtypes"]["float16"]
+        results["targets"] = {
+            "cpu_get_vs_numpy_copy>=0.5": all(d["ratios"]["cpu_get_vs_numpy_copy"] >= 0.5 for d in results["dtypes"].values()),
+            "redis_put_vs_best_plain>=0.8": all(d["ratios"]["redis_put_vs_best_plain"] >= 0.8 for d in results["dtypes"].values()),
+            "redis_get_vs_best_plain>=0.8": all(d["ratios"]["redis_get_vs_best_plain"] >= 0.8 for d in results["dtypes"].values()),
+            "int8_vs_fp16_size>=1.9": fp16["ratios"]["int8_size_ratio"] >= 1.9,
+        }
+    finally:
+        server.stop()
+        tmp.cleanup()
+
+    md = render_markdown(results)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    return 0
+
+
+def render_markdown(results: dict) -> str:
+    cfg = results["config"]
+    lines = [f"# kvstore: tiers and codecs ({'quick' if cfg['quick'] else 'full'} run)", "",
+             f"Real KV chunks of the default model, {cfg['chunk_tokens']} tokens, shape {tuple(cfg['chunk_shape'])}, "
+             f"{cfg['chunks_per_batch']} chunks per batched call, median of {cfg['reps']}. GB/s of logical chunk bytes.", ""]
+    for name, d in results["dtypes"].items():
+        lines += [f"## {name} ({d['chunk_mb']:.1f} MB per chunk)", "",
+                  "| tier/codec | put GB/s | get GB/s | size ratio | max abs err | rel err |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        lines.append(f"| numpy copy (baseline) | | {d['numpy_copy_gbps']:.2f} | | | |")
+        for parser, r in d["plain_redis"].items():
+            lines.append(f"| plain redis-py, {parser} parser (baseline) | {r['put_gbps']:.2f} | {r['get_gbps']:.2f} | | | |")
+        for tc, r in d["tiers"].items():
+            lines.append(f"| {tc} | {r['put_gbps']:.2f} | {r['get_gbps']:.2f} | {r['size_ratio']:.2f}x "
+                         f"| {r['max_abs_err']:.3g} | {r['rel_err']:.3g} |")
+        ratios = d["ratios"]
+        lines += ["", f"- cpu get / numpy copy: **{ratios['cpu_get_vs_numpy_copy']:.2f}x** (target >= 0.5)",
+                  f"- redis put / best plain redis-py SET: **{ratios['redis_put_vs_best_plain']:.2f}x** (target >= 0.8)",
+                  f"- redis get / best plain redis-py GET: **{ratios['redis_get_vs_best_plain']:.2f}x** (target >= 0.8)",
+                  f"- lz4 (byte-shuffled) size ratio: **{ratios['lz4_size_ratio']:.2f}x**; "
+                  f"int8: **{ratios['int8_size_ratio']:.2f}x** smaller than {name}", ""]
+    lines += ["Targets met: " + ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in results["targets"].items()), ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
