@@ -16,8 +16,9 @@ Scheduler side (in `Scheduler.schedule`, for each *waiting* request being admitt
      computed (its logits are needed) and the total stays below `seq.num_tokens`.
   2. `update_state_after_alloc(seq, block_ids, num_external_tokens)` once blocks are
      allocated: `block_ids` is the request's whole block table (prefix-cache hits first, then
-     fresh blocks); positions `[num_computed_tokens, num_computed_tokens + num_external_tokens)`
-     are the ones to load. These tokens count as computed: they are not recomputed and
+     fresh blocks); `seq.num_computed_tokens` is still the prefix-cache part, and positions
+     `[seq.num_computed_tokens, seq.num_computed_tokens + num_external_tokens)` are the ones
+     to load. These tokens count as computed: they are not recomputed and
      `RequestOutput.num_cached_tokens` includes them.
   3. `build_connector_meta(scheduler_output) -> Any` once per step, after all requests are
      scheduled. `scheduler_output.requests` lists `ScheduledRequest`s with `request_id`,

@@ -164,11 +164,12 @@ class Scheduler:
             if bm.allocate_slots(seq, n, hits, num_external) is None:
                 break  # wait for running sequences to free blocks
             self.waiting.popleft()
+            seq.num_computed_tokens = num_local
             if self.connector is not None:
                 self.connector.update_state_after_alloc(seq, seq.block_table, num_external)
+            seq.num_computed_tokens += num_external
             bm.record_prefix_lookup(seq.num_tokens, num_local)
             self.num_external_hit_tokens += num_external
-            seq.num_computed_tokens = num_local + num_external
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
             if seq.first_scheduled_time is None:

@@ -1,0 +1,132 @@
+"""End to end against the oracle: transformers with the same fp32 weights, greedy decoding.
+
+Our engine must produce exactly the tokens `generate(do_sample=False)` produces, for prompts
+from 1 to ~2000 tokens, raw and chat-templated, one at a time and as one mixed batch (which
+exercises chunked prefill next to decodes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.engine.text import long_text
+from tests.fixtures.model import make_tiny_checkpoint
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_path: Path) -> LLM:
+    return LLM(str(default_model_path), device="cpu", dtype="float32")
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=2)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def prompts(llm: LLM) -> list:
+    tok = llm.tokenizer
+    chat = lambda text: llm.apply_chat_template([{"role": "user", "content": text}])  # noqa: E731
+    doc_ids = tok.encode(long_text(60))
+    assert len(doc_ids) > 2000
+    return [
+        {"prompt_token_ids": tok.encode("Once")[:1]},  # 1 token
+        "The capital of France is",
+        chat("What is the capital of France?"),
+        chat("Write a haiku about autumn leaves."),
+        chat("Explain in one sentence what a hash function is."),
+        {"prompt_token_ids": doc_ids[:300]},
+        {"prompt_token_ids": doc_ids[:900]},
+        chat("Summarise this text in two sentences:\n\n" + long_text(28)),
+        {"prompt_token_ids": doc_ids[:1990]},
+    ]
+
+
+@pytest.fixture(scope="module")
+def oracle(llm: LLM, prompts: list, hf_default_model) -> list[list[int]]:
+    ids = [llm.engine.make_sequence(p, SamplingParams()).prompt_token_ids for p in prompts]
+    return [hf_greedy(hf_default_model, i, MAX_TOKENS) for i in ids]
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+def test_prompt_set_spans_lengths(llm: LLM, prompts: list) -> None:
+    lens = [len(llm.engine.make_sequence(p, greedy()).prompt_token_ids) for p in prompts]
+    assert min(lens) == 1 and max(lens) >= 1900 and len(prompts) >= 8
+    assert any(len_ > 1000 for len_ in lens[:-1])  # a long chat-templated prompt too
+
+
+def test_one_at_a_time_matches_transformers(llm: LLM, prompts: list, oracle: list[list[int]]) -> None:
+    for prompt, want in zip(prompts, oracle):
+        (out,) = llm.generate(prompt, greedy())
+        assert out.outputs[0].token_ids == want, f"prompt of {len(out.prompt_token_ids)} tokens"
+        assert out.finished and out.metrics.ttft is not None and out.metrics.ttft >= 0
+
+
+def test_mixed_batch_matches_transformers(llm: LLM, prompts: list, oracle: list[list[int]]) -> None:
+    llm.reset_prefix_cache()
+    outs = llm.generate(prompts, greedy())
+    assert [o.outputs[0].token_ids for o in outs] == oracle
+    tok = llm.tokenizer
+    for o in outs:
+        assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True)
+    assert llm.get_stats()["num_free_blocks"] == llm.get_stats()["num_gpu_blocks"]
+
+
+def engine_prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """Drives the engine's own scheduler + runner step by step, keeping every row's logits."""
+    eng = llm.engine
+    seq = eng.make_sequence({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1))
+    eng.add_sequence(seq)
+    chunks = []
+    while not seq.is_finished:
+        out = eng.scheduler.schedule()
+        input_ids, positions, meta = eng.runner.prepare(out)
+        with torch.inference_mode():
+            hidden = eng.runner.model(input_ids, positions, eng.runner.kv_caches, meta)
+            chunks.append(eng.runner.model.compute_logits(hidden))
+        eng.scheduler.update_from_output(out, [int(chunks[-1][-1].argmax()) if r.samples else None for r in out.requests])
+    return torch.cat(chunks)
+
+
+def test_chunked_and_prefix_cached_prefill_logits_match(default_model_path: Path, hf_default_model) -> None:
+    llm = LLM(str(default_model_path), device="cpu", max_num_batched_tokens=256)
+    ids = llm.tokenizer.encode(long_text(20))[:700]
+    with torch.no_grad():
+        want = hf_default_model(torch.tensor([ids])).logits[0].float()
+    cold = engine_prefill_logits(llm, ids)  # 3 chunks of <= 256 tokens
+    assert cold.shape == want.shape
+    torch.testing.assert_close(cold, want, atol=1e-3, rtol=0)
+    warm = engine_prefill_logits(llm, ids)  # 688 tokens from the prefix cache, 12 computed
+    assert warm.shape[0] == 700 - 688
+    torch.testing.assert_close(warm, want[688:], atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
+def test_tiny_architectures_match_transformers(tmp_path: Path, model_type: str, default_model_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_checkpoint(tmp_path, model_type=model_type, tokenizer_dir=default_model_path)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    llm = LLM(str(path), device="cpu", block_size=8, max_num_batched_tokens=64)
+    prompts = [[5, 17, 300, 41], list(range(1000, 1077)), [9] * 33]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        assert o.outputs[0].token_ids == ref[0, len(p):].tolist()
