@@ -26,6 +26,7 @@ from kvstore.server.store import ByteStore
 log = logging.getLogger(__name__)
 
 _SCRATCH = 64 << 10
+_WRITE_HIGH = 1 << 20  # unsent reply bytes above which a connection stops being served
 _EMPTY = b""
 _OPS = frozenset(int(op) for op in Op)
 
@@ -106,6 +107,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.authed = not server.auth_required
         self.closing = False
+        self.write_paused = False
         self.scratch = bytearray(_SCRATCH)
         self.scratch_view = memoryview(self.scratch)  # never resized, so one view serves
         self.scratch_len = 0
@@ -124,6 +126,7 @@ class _Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        transport.set_write_buffer_limits(high=_WRITE_HIGH)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -170,12 +173,18 @@ class _Connection(asyncio.BufferedProtocol):
         self._parse_scratch()
 
     def pause_writing(self) -> None:
-        # The client is not reading its replies: stop reading its requests (backpressure).
+        # Replies are piling up (a large GET, or a client not reading): stop answering and
+        # reading until they drain, so at most about one large reply is ever buffered.
+        self.write_paused = True
         if self.transport is not None:
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.transport is not None and not self.closing:
+        self.write_paused = False
+        if self.closing or self.transport is None:
+            return
+        self._parse_scratch()  # requests that arrived while paused
+        if not self.write_paused and not self.closing:
             self.transport.resume_reading()
 
     def eof_received(self) -> bool:
@@ -190,7 +199,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def _parse_scratch(self) -> None:
         buf, view, pos, end = self.scratch, self.scratch_view, 0, self.scratch_len
-        while not self.closing and end - pos >= P.HEADER_SIZE:
+        while not self.closing and not self.write_paused and end - pos >= P.HEADER_SIZE:
             limit = self.server.max_payload if self.authed else _SCRATCH  # AUTH may precede
             try:
                 header = P.decode_header(buf, limit, pos)

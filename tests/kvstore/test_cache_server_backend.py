@@ -152,8 +152,9 @@ def test_two_storage_managers_share_through_the_server(cache_server: CacheServer
     with StorageManager.from_config(config) as writer:
         writer.batched_put(list(zip(keys, chunks)))
         assert writer.flush(timeout=30)
+        assert writer.stats()["1:" + cache_server.url].errors == 0, writer.stats()
     with StorageManager.from_config(config) as reader:
-        assert reader.prefix_hits(keys) == 3
+        assert reader.prefix_hits(keys) == 3, (reader.stats(), writer.stats(), writer.writer_stats())
         got = reader.batched_get(keys)
         assert all(torch.equal(g, c) for g, c in zip(got, chunks))
         assert reader.stats()["1:" + cache_server.url].hits == 3

@@ -197,3 +197,21 @@ def test_a_server_that_never_answers_times_out() -> None:
         c = CacheServerClient("127.0.0.1", mute.getsockname()[1], timeout=0.3)
         with pytest.raises(ServerUnavailable, match="no reply from the cache server within 0.3 s"):
             c.ping()
+
+
+def test_a_client_that_reads_late_gets_every_reply(cache_server: CacheServerProcess) -> None:
+    """Many large GETs pipelined before reading anything: the server stops reading requests
+    while replies pile up (backpressure) instead of buffering them all, and loses none."""
+    value = os.urandom(1 << 20)
+    c = _client(cache_server)
+    c.put(b"v", value)
+    n = 64
+    with socket.create_connection(("127.0.0.1", cache_server.port), timeout=30) as sock:
+        sock.sendall(b"".join(P.encode_frame(Op.GET, i, b"v") for i in range(n)))
+        time.sleep(0.5)
+        assert c.ping()  # others are served meanwhile
+        reader = sock.makefile("rb")
+        for i in range(n):
+            h = P.decode_header(reader.read(P.HEADER_SIZE), max_payload=1 << 30)
+            assert (h.code, h.request_id) == (Status.OK, i) and reader.read(h.payload_len) == value
+    c.close()
