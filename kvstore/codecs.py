@@ -37,6 +37,17 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.empty(numel * itemsize, dtype=np.uint8)).view(dtype).reshape(shape)
 
 
+def host_copy(kv: torch.Tensor) -> torch.Tensor:
+    """Returns a contiguous CPU copy of `kv`, copied by numpy when `kv` is a contiguous CPU
+    tensor: one single-threaded memcpy into a huge-page buffer. torch's copy splits the work
+    over its intra-op threads, which on a busy host can be several times slower than memcpy."""
+    t = kv.detach()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return host_empty(tuple(t.shape), t.dtype).copy_(t)
+    raw = np.frombuffer(tensor_bytes(t), dtype=np.uint8).copy()
+    return torch.from_numpy(raw).view(t.dtype).reshape(t.shape)
+
+
 def tensor_bytes(kv: torch.Tensor) -> memoryview:
     """Returns a flat uint8 view of `kv` on the CPU (zero-copy when already contiguous on CPU)."""
     t = kv.detach()

@@ -15,7 +15,7 @@ import torch
 from kvstore import serde
 from kvstore.backend import BackendStats, StorageBackend
 from kvstore.budget import ByteBudget
-from kvstore.codecs import Buffer, Codec, get_codec, host_empty
+from kvstore.codecs import Buffer, Codec, get_codec, host_copy
 from kvstore.config import TierSpec
 from kvstore.eviction import make_policy
 
@@ -47,7 +47,7 @@ class MemoryBackend(StorageBackend):
     def _copy(self, kv: torch.Tensor) -> torch.Tensor:
         """Returns a contiguous copy of `kv` on this tier's device."""
         if self.device.type == "cpu":
-            return host_empty(tuple(kv.shape), kv.dtype).copy_(kv.detach())
+            return host_copy(kv)
         return kv.detach().to(self.device, copy=True).contiguous()
 
     def _to_stored(self, key: str, kv: torch.Tensor) -> torch.Tensor | Buffer:
