@@ -1,0 +1,227 @@
+"""`BlendConnector`: CacheBlend on top of the prefix connector (same tiers, same storage manager).
+
+A request whose prompt carries segments (`seq.segment_lens`: system, documents, ..., query)
+is blended; any other request takes the plain prefix path of `KVTierConnector`.
+
+- Lookup (scheduler): the context, every segment but the query (and never the last token), is
+  reported as loadable from where the engine's own prefix cache stops. A segment missing from
+  every tier is computed standalone at load time, so the answer never over-promises.
+- Load (worker, `start_load_kv`): each segment's standalone K/V (positions 0..n-1, keyed from
+  the segment root, see `segments`) is fetched or computed and stored, its keys re-rotated to
+  the segment's offset in this prompt, scattered into the request's fresh blocks (only
+  positions after the engine's hit: those blocks are exact and never rewritten), then
+  `blend_recompute` restores cross-segment attention for `ratio` of the tokens. The engine then
+  prefills the query suffix over the blended cache.
+- Blended K/V is approximate: the request's `max_cacheable_tokens` stops the engine's prefix
+  cache at the exact part (the engine's hit, or the first segment, which standalone is exact),
+  and blended requests are never stored as prefix chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from connector.blend.config import BlendConfig
+from connector.blend.executor import blend_recompute, compute_segment_kv, rerotate_kv
+from connector.blend.segments import Segment, context_segments, segment_spans
+from connector.config import ConnectorConfig, make_config
+from connector.gather import scatter_chunk, slots_for
+from connector.kvtier_connector import ConnectorMeta, KVTierConnector
+from kvstore.storage_manager import StorageManager
+
+if TYPE_CHECKING:
+    from engine.attention_metadata import AttentionMetadata
+    from engine.scheduler import SchedulerOutput
+    from engine.sequence import Sequence
+
+
+@dataclass
+class _BlendJob:
+    """Blend positions [start, end) of a request (start = the engine's prefix-cache hit)."""
+
+    request_id: str
+    start: int
+    end: int
+    segments: list[Segment]
+    token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class BlendMeta:
+    """One step's worker-side instructions: the prefix connector's plus the blends."""
+
+    prefix: ConnectorMeta
+    blends: list[_BlendJob] = field(default_factory=list)
+
+
+@dataclass
+class BlendStats:
+    """Totals since start-up (tokens and segments)."""
+
+    requests: int = 0
+    segment_hits: int = 0  # segments found in a tier
+    segment_misses: int = 0  # segments computed standalone (and stored)
+    blended_tokens: int = 0  # positions filled from segment K/V
+    recomputed_tokens: int = 0  # of those, recomputed through every layer
+    blend_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class BlendConnector(KVTierConnector):
+    """A `KVTierConnector` that also blends segmented prompts (CacheBlend).
+
+    Guarantees: a blend writes only blocks the request owns past the engine's prefix-cache hit;
+    approximate K/V never enters the engine's prefix cache nor the prefix tiers; a segment that
+    is missing, evicted or corrupt is computed, never an error; pins are released per fetch.
+    """
+
+    def __init__(self, config: ConnectorConfig | None = None, storage: StorageManager | None = None,
+                 blend: BlendConfig | None = None) -> None:
+        super().__init__(config, storage)
+        if blend is None:
+            blend = getattr(self.config, "blend", None) or BlendConfig()
+        self.blend = dataclasses.replace(blend, enabled=True).validate()
+        self.segment_separator = self.blend.separator
+        self.model: torch.nn.Module | None = None
+        self.stats = BlendStats()
+        self._blend_plans: dict[str, _BlendJob] = {}  # looked up, not yet admitted
+        self._to_blend: dict[str, _BlendJob] = {}  # admitted, blended in this step
+        self._blended: set[str] = set()  # live requests holding blended K/V
+        self._blend_meta: BlendMeta | None = None
+
+    def register_model(self, model_config: Any) -> None:
+        super().register_model(model_config)
+        self.blend.validate(model_config.num_layers)
+
+    def register_model_module(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    # ---- scheduler side --------------------------------------------------------------
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
+        """Returns, for a segmented prompt, the context tokens after the engine's hit (all of
+        them: missing segments are computed at load); otherwise the prefix connector's answer."""
+        lens = seq.segment_lens
+        if not lens or len(lens) < 2:
+            return super().get_num_new_matched_tokens(seq, num_computed_tokens)
+        rid = seq.request_id
+        self._blend_plans.pop(rid, None)
+        end = min(sum(lens[:-1]), seq.num_tokens - 1)
+        if end <= num_computed_tokens:
+            return 0
+        self._blend_plans[rid] = _BlendJob(rid, num_computed_tokens, end, context_segments(lens))
+        return end - num_computed_tokens
+
+    def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_external_tokens: int) -> None:
+        job = self._blend_plans.pop(seq.request_id, None)
+        if job is None:
+            super().update_state_after_alloc(seq, block_ids, num_external_tokens)
+            return
+        if num_external_tokens <= 0:
+            return
+        job.end = min(job.end, job.start + num_external_tokens)
+        self._to_blend[seq.request_id] = job
+        self._blended.add(seq.request_id)
+        # Exact: the engine's own hit, and the first segment (standalone at position 0 it is
+        # what a full prefill computes). Nothing past it may be shared.
+        first = job.segments[0]
+        exact = min(first.end, job.end) if job.start < first.end else 0
+        seq.max_cacheable_tokens = max(job.start, exact // self.block_size * self.block_size)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> BlendMeta:
+        """Returns the prefix connector's meta for plain requests (blended ones are never
+        stored as prefix chunks) plus this step's blends."""
+        plain = [r for r in scheduler_output.requests if r.request_id not in self._blended]
+        meta = BlendMeta(super().build_connector_meta(dataclasses.replace(scheduler_output, requests=plain)))
+        for r in scheduler_output.requests:
+            job = self._to_blend.pop(r.request_id, None)
+            if job is not None:
+                job.token_ids = r.seq.token_ids_slice(0, job.end)
+                job.block_ids = list(r.block_ids)
+                meta.blends.append(job)
+        self._to_blend.clear()
+        return meta
+
+    def request_finished(self, seq: Sequence, block_ids: list[int]) -> None:
+        rid = seq.request_id
+        self._blend_plans.pop(rid, None)
+        self._to_blend.pop(rid, None)
+        if rid in self._blended:
+            self._blended.discard(rid)  # nothing of it is stored: its K/V is approximate
+            self.metrics.finish(rid)
+            return
+        super().request_finished(seq, block_ids)
+
+    # ---- worker side -----------------------------------------------------------------
+    def bind_connector_metadata(self, metadata: Any) -> None:
+        self._blend_meta = metadata if isinstance(metadata, BlendMeta) else None
+        super().bind_connector_metadata(metadata.prefix if isinstance(metadata, BlendMeta) else metadata)
+
+    def clear_connector_metadata(self) -> None:
+        self._blend_meta = None
+        super().clear_connector_metadata()
+
+    def start_load_kv(self, attn_metadata: AttentionMetadata) -> None:
+        """Does the prefix loads, then each blend (fetch, re-rotate, scatter, recompute)."""
+        super().start_load_kv(attn_metadata)
+        if self._blend_meta is not None:
+            for job in self._blend_meta.blends:
+                self._run_blend(job)
+
+    def _run_blend(self, job: _BlendJob) -> None:
+        if self.model is None:
+            raise RuntimeError("BlendConnector needs the model module (register_model_module)")
+        t0 = time.perf_counter()
+        dev = self.kv_caches[0].device
+        inv_freq = self.model.model.rotary.inv_freq
+        pieces = []
+        for seg in job.segments:
+            lo, hi = max(seg.start, job.start), min(seg.end, job.end)
+            if lo >= hi:
+                continue
+            kv = self._segment_kv(job.token_ids[seg.start:seg.end]).to(dev)
+            pieces.append(rerotate_kv(kv[:, :, lo - seg.start: hi - seg.start], seg.start, inv_freq))
+        cached = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+        scatter_chunk(self.kv_caches, slots_for(job.block_ids, self.block_size, job.start, job.end), cached)
+        b = self.blend
+        recomputed = blend_recompute(self.model, self.kv_caches, job.block_ids, self.block_size,
+                                     job.token_ids[job.start:job.end], job.start, job.end,
+                                     b.ratio, b.check_layer, b.narrowing)
+        s = self.stats
+        s.requests += 1
+        s.blended_tokens += job.end - job.start
+        s.recomputed_tokens += recomputed
+        s.blend_seconds += time.perf_counter() - t0
+
+    def _segment_kv(self, tokens: list[int]) -> torch.Tensor:
+        """Returns a segment's standalone K/V `(L, 2, n, H, D)`: from the tiers when every chunk
+        is there and well-formed, else computed now and stored (chunks that were missing)."""
+        spans = segment_spans(tokens, self.chunk_size, self.model_config.fingerprint, self._kv_dtype)
+        values = self.storage.batched_get([k for _, _, k in spans])
+        ok = [self._chunk_ok(kv, e - s) for (s, e, _), kv in zip(spans, values)]
+        if all(ok):
+            self.stats.segment_hits += 1
+            return values[0] if len(values) == 1 else torch.cat(values, dim=2)
+        self.stats.segment_misses += 1
+        kv = compute_segment_kv(self.model, tokens).to(self.kv_caches[0].dtype)
+        items = [(k, kv[:, :, s:e].contiguous()) for (s, e, k), good in zip(spans, ok) if not good]
+        self.storage.batched_put(items)
+        return kv
+
+    def blend_stats(self) -> dict[str, Any]:
+        """Returns the blend totals since start-up (see `BlendStats`)."""
+        return self.stats.to_dict()
+
+
+def build_blend_connector(config_or_urls: Any = None, *, storage: StorageManager | None = None,
+                          blend: BlendConfig | None = None, **overrides: Any) -> BlendConnector:
+    """Returns a BlendConnector from anything `make_config` accepts (tier URLs, YAML, ...);
+    `blend` overrides the config's `blend` section; `overrides` are `make_config` keywords."""
+    return BlendConnector(make_config(config_or_urls, **overrides), storage=storage, blend=blend)

@@ -1,0 +1,68 @@
+"""CacheBlend settings (the `blend:` section of the connector config)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DEFAULT_SEPARATOR = " # # "  # LMCache's blend_special_str
+
+
+@dataclass
+class BlendConfig:
+    """`ratio`: fraction of the blended tokens recomputed past `check_layer` (0 = plain reuse of
+    the cached K/V, 1 = full prefill). `narrowing`: optional `[layer, ratio]` steps, later layers
+    and smaller ratios, that shrink the recomputed set further. `separator`: string prompts are
+    split into segments on it (None: only list / `segment_lens` prompts are segmented)."""
+
+    enabled: bool = False
+    ratio: float = 0.15
+    check_layer: int = 1
+    separator: str | None = DEFAULT_SEPARATOR
+    narrowing: list[tuple[int, float]] = field(default_factory=list)
+
+    def validate(self, num_layers: int | None = None) -> BlendConfig:
+        """Returns self after checking every field; raises ValueError naming the key."""
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"blend.enabled: expected bool, got {self.enabled!r}")
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"blend.ratio: expected a number in [0, 1], got {self.ratio!r}")
+        self.ratio = float(self.ratio)
+        if isinstance(self.check_layer, bool) or not isinstance(self.check_layer, int) or self.check_layer < 0:
+            raise ValueError(f"blend.check_layer: expected an int >= 0, got {self.check_layer!r}")
+        if num_layers is not None and self.check_layer >= num_layers:
+            raise ValueError(f"blend.check_layer: {self.check_layer} is not below the model's {num_layers} layers")
+        if self.separator is not None and (not isinstance(self.separator, str) or not self.separator):
+            raise ValueError(f"blend.separator: expected a non-empty str or null, got {self.separator!r}")
+        steps: list[tuple[int, float]] = []
+        prev_layer, prev_ratio = self.check_layer, self.ratio
+        for i, step in enumerate(self.narrowing or []):
+            if not isinstance(step, (list, tuple)) or len(step) != 2:
+                raise ValueError(f"blend.narrowing[{i}]: expected [layer, ratio], got {step!r}")
+            layer, ratio = step
+            if isinstance(layer, bool) or not isinstance(layer, int) or layer <= prev_layer:
+                raise ValueError(f"blend.narrowing[{i}]: layer {layer!r} must be an int above {prev_layer}")
+            if num_layers is not None and layer >= num_layers:
+                raise ValueError(f"blend.narrowing[{i}]: layer {layer} is not below the model's {num_layers} layers")
+            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= prev_ratio:
+                raise ValueError(f"blend.narrowing[{i}]: ratio {ratio!r} must be in [0, {prev_ratio}]")
+            steps.append((layer, float(ratio)))
+            prev_layer, prev_ratio = layer, float(ratio)
+        self.narrowing = steps
+        return self
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | bool | None) -> BlendConfig:
+        """Returns a validated config from a YAML mapping (or a bare bool for `enabled`)."""
+        if data is None:
+            return cls().validate()
+        if isinstance(data, bool):
+            return cls(enabled=data).validate()
+        if not isinstance(data, Mapping):
+            raise ValueError(f"blend: expected a mapping, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"blend: unknown key(s) {', '.join(map(str, unknown))}")
+        return cls(**dict(data)).validate()

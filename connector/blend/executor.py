@@ -1,0 +1,144 @@
+"""CacheBlend's forward passes, run with the model's own modules one layer at a time.
+
+One implementation of "run layer i for some tokens over a given K/V" (`_layer_qkv` then
+`_layer_attend_mlp`) serves both:
+- `compute_segment_kv`: a segment's standalone K/V (its own sequence, no paged cache);
+- `blend_recompute`: the selective recompute over K/V already scattered into the paged cache.
+
+Keys are stored after RoPE, so a segment computed at positions 0..n-1 is moved to its place
+in a prompt by `rerotate_kv` (RoPE rotations compose additively).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from connector.gather import slots_for
+from engine.paged_attention import _sdpa, gather_kv, write_kv
+from engine.rotary import apply_rotary, rerotate
+
+
+def _layer_qkv(layer: nn.Module, h: torch.Tensor, positions: torch.Tensor,
+               cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns q `[T, Hq, D]`, k (after RoPE) and v `[T, Hkv, D]` of decoder `layer` for
+    hidden states `h` `[T, hidden]` at `positions` `[T]`."""
+    attn = layer.self_attn
+    t = h.shape[0]
+    qkv = attn.qkv_proj(layer.input_layernorm(h)).view(t, attn.num_heads + 2 * attn.num_kv_heads, attn.head_size)
+    qk_heads = attn.num_heads + attn.num_kv_heads
+    qk = apply_rotary(qkv[:, :qk_heads], positions, cos_sin)
+    return qk[:, :attn.num_heads], qk[:, attn.num_heads:], qkv[:, qk_heads:]
+
+
+def _layer_attend_mlp(layer: nn.Module, h: torch.Tensor, q: torch.Tensor, keys: torch.Tensor,
+                      values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Returns the layer's output for queries `q` over `keys`/`values` `[S, Hkv, D]`; `mask`
+    `[T, S]` (True = attend) or None for plain causal attention (T == S)."""
+    attn = layer.self_attn
+    o = _sdpa(q.transpose(0, 1), keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype),
+              attn.scale, mask=mask, causal=mask is None).transpose(0, 1)
+    h = h + attn.o_proj(o.reshape(h.shape[0], attn.q_size))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _model_parts(model: nn.Module) -> tuple[nn.Module, torch.device, torch.dtype]:
+    inner = model.model
+    w = inner.embed_tokens.weight
+    return inner, w.device, w.dtype
+
+
+@torch.inference_mode()
+def compute_segment_kv(model: nn.Module, token_ids: Sequence[int] | torch.Tensor,
+                       start_position: int = 0) -> torch.Tensor:
+    """Returns the K/V `(num_layers, 2, T, Hkv, D)` (model dtype and device) of `token_ids`
+    computed as a sequence of their own at positions `start_position..` (keys after RoPE)."""
+    inner, dev, dtype = _model_parts(model)
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=dev)
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
+    t = ids.numel()
+    positions = torch.arange(start_position, start_position + t, device=dev)
+    cos_sin = inner.rotary.cos_sin_cache(dev, dtype)
+    attn0 = inner.layers[0].self_attn
+    out = torch.empty((len(inner.layers), 2, t, attn0.num_kv_heads, attn0.head_size), dtype=dtype, device=dev)
+    h = inner.embed_tokens(ids)
+    last = len(inner.layers) - 1
+    for i, layer in enumerate(inner.layers):
+        q, k, v = _layer_qkv(layer, h, positions, cos_sin)
+        out[i, 0], out[i, 1] = k, v
+        if i == last:  # only this layer's K/V is wanted, not its output
+            break
+        h = _layer_attend_mlp(layer, h, q, k, v, None)
+    return out
+
+
+def rerotate_kv(kv: torch.Tensor, shift: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Returns a copy of chunk `kv` `(L, 2, T, H, D)` whose keys are moved `shift` positions
+    later (values unchanged)."""
+    out = kv.clone()
+    if shift:
+        layers, _two, t, h, d = kv.shape
+        keys = kv[:, 0].reshape(layers * t, h, d)
+        zero = torch.zeros(layers * t, dtype=torch.long, device=kv.device)
+        out[:, 0] = rerotate(keys, zero, zero + shift, inv_freq).view(layers, t, h, d)
+    return out
+
+
+def _num_selected(ratio: float, n: int) -> int:
+    # ceil: any ratio > 0 recomputes at least one token, ratio 1 recomputes all of them.
+    return min(n, math.ceil(ratio * n - 1e-9))
+
+
+@torch.inference_mode()
+def blend_recompute(model: nn.Module, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
+                    block_size: int, token_ids: Sequence[int] | torch.Tensor, start: int, end: int,
+                    ratio: float, check_layer: int = 1,
+                    narrowing: Sequence[tuple[int, float]] = ()) -> int:
+    """Selectively recomputes positions [start, end) of a request whose paged cache already
+    holds exact K/V for [0, start) and cached (re-rotated) K/V for [start, end).
+
+    Layers below `check_layer` are recomputed for every token; at `check_layer` (and at each
+    `narrowing` layer) the tokens whose fresh K/V deviate most from what the cache holds are
+    kept (`ratio` of them); from there on only those go through the layers, attending over the
+    whole context with an exact causal mask, their fresh K/V overwriting the cached K/V.
+    `token_ids` are the tokens of [start, end). Returns how many tokens reached the last
+    layer; ratio 0 changes nothing (plain reuse), ratio 1 equals a full prefill.
+    """
+    n = end - start
+    if n <= 0 or _num_selected(ratio, n) == 0:
+        return 0
+    inner, dev, dtype = _model_parts(model)
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=dev)
+    if ids.numel() != n:
+        raise ValueError(f"{ids.numel()} token ids for positions [{start}, {end})")
+    table = torch.as_tensor(list(block_ids)[: -(-end // block_size)], dtype=torch.long, device=dev)
+    slots = slots_for(block_ids, block_size, start, end, device=dev)
+    positions = torch.arange(start, end, device=dev)
+    key_pos = torch.arange(end, device=dev)
+    cos_sin = inner.rotary.cos_sin_cache(dev, dtype)
+    keep_at = {check_layer: ratio, **dict(narrowing)}
+    rows = torch.arange(n, device=dev)  # tokens still recomputed, relative to `start`
+    h = inner.embed_tokens(ids)
+    last = len(inner.layers) - 1
+    for i, (layer, kv_cache) in enumerate(zip(inner.layers, kv_caches)):
+        q, k, v = _layer_qkv(layer, h, positions[rows], cos_sin)
+        if i in keep_at:
+            flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+            old = flat.index_select(1, slots[rows]).to(k.dtype)
+            deviation = (k - old[0]).float().pow(2).sum((1, 2)) + (v - old[1]).float().pow(2).sum((1, 2))
+            keep = min(rows.numel(), _num_selected(keep_at[i], n))
+            top = deviation.topk(keep).indices.sort().values
+            rows, h, q, k, v = rows[top], h[top], q[top], k[top], v[top]
+            if keep == 0:
+                break
+        write_kv(kv_cache, k, v, slots[rows])
+        if i == last:
+            break
+        keys, values = gather_kv(kv_cache, table, end)
+        mask = key_pos.unsqueeze(0) <= positions[rows].unsqueeze(1)
+        h = _layer_attend_mlp(layer, h, q, keys, values, mask)
+    return int(rows.numel())
