@@ -1,0 +1,226 @@
+"""End to end on the default model: reused prefixes give exactly the tokens a full prefill
+gives, on every tier, across processes, and never across models; failures mean recompute."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from connector.config import make_config
+from connector.kvtier_connector import KVTierConnector, build_connector
+from engine import LLM, SamplingParams
+from kvstore.storage_manager import StorageManager
+from tests.engine.text import long_text
+from tests.fixtures.model import make_tiny_checkpoint
+
+pytestmark = pytest.mark.slow
+
+CHUNK = 48  # three 16-token blocks: chunk and block boundaries differ from the prompt's end
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_llm(model: Path, connector: KVTierConnector | None, **kw) -> LLM:
+    kw.setdefault("num_gpu_blocks", 64)
+    return LLM(str(model), device="cpu", dtype="float32", block_size=16, kv_connector=connector, **kw)
+
+
+def run(llm: LLM, ids: list[int]):
+    return llm.generate([{"prompt_token_ids": ids}], GREEDY)[0]
+
+
+def assert_idle(llm: LLM, conn: KVTierConnector) -> None:
+    """Every block and pin released, no store left in flight."""
+    assert conn.flush(timeout=60)
+    assert all(c == 0 for c in llm.engine.block_manager.ref_counts())
+    assert conn.storage.pins.total() == 0
+    assert conn.pending_stores() == 0
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(default_model_path: Path) -> list[int]:
+    from engine.model_loader import load_tokenizer
+
+    ids = load_tokenizer(default_model_path).encode(long_text(5))
+    assert len(ids) % CHUNK and len(ids) % 16  # a partial last chunk and a partial last block
+    return ids
+
+
+@pytest.fixture(scope="module")
+def reference(default_model_path: Path, prompt_ids: list[int]) -> list[int]:
+    """Tokens of a plain full prefill, no connector."""
+    llm = make_llm(default_model_path, None, enable_prefix_caching=False)
+    return run(llm, prompt_ids).outputs[0].token_ids
+
+
+def tier_url(tier: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    if tier == "disk":
+        return f"disk://{tmp_path / 'kv'}"
+    if tier == "redis":
+        return request.getfixturevalue("redis_server").url
+    return tier
+
+
+@pytest.mark.parametrize("tier", ["device", "cpu", "disk", "redis"])
+def test_reuse_gives_identical_tokens_on_each_tier(tier, default_model_path, prompt_ids, reference,
+                                                   tmp_path, request):
+    conn = build_connector([tier_url(tier, tmp_path, request)], chunk_size=CHUNK)
+    # Engine prefix cache off: every reused token comes through the connector. A small batch
+    # budget spreads the cold prefill over several steps (chunks complete mid-prefill).
+    llm = make_llm(default_model_path, conn, enable_prefix_caching=False, max_num_batched_tokens=64)
+    cold = run(llm, prompt_ids)
+    assert cold.outputs[0].token_ids == reference
+    assert cold.num_cached_tokens == 0
+    assert conn.flush(timeout=60)
+    warm = run(llm, prompt_ids)
+    assert warm.outputs[0].token_ids == reference
+    # Full chunks plus the stored partial last chunk: all but the last prompt token.
+    assert warm.num_cached_tokens == len(prompt_ids) - 1
+    m = conn.request_metrics(warm.request_id)
+    assert m.connector_hit_tokens == len(prompt_ids) - 1 and m.bytes_loaded > 0
+    assert m.stored_tokens == 0  # everything was already stored
+    tiers = conn.tier_metrics()
+    assert tiers[0].tokens_hit == len(prompt_ids) and tiers[0].bytes_stored > 0
+    assert_idle(llm, conn)
+    llm.shutdown()
+
+
+def test_connector_restores_what_the_engine_prefix_cache_evicted(default_model_path, prompt_ids, reference):
+    conn = build_connector(["cpu"], chunk_size=CHUNK)
+    llm = make_llm(default_model_path, conn, enable_prefix_caching=True)
+    assert run(llm, prompt_ids).outputs[0].token_ids == reference
+    # Engine prefix cache still warm: it serves whole blocks, the connector only the rest.
+    again = run(llm, prompt_ids)
+    m = conn.request_metrics(again.request_id)
+    assert m.engine_hit_tokens == (len(prompt_ids) - 1) // 16 * 16
+    assert m.connector_hit_tokens == len(prompt_ids) - 1 - m.engine_hit_tokens
+    assert again.num_cached_tokens == len(prompt_ids) - 1
+    assert again.outputs[0].token_ids == reference
+    # Engine prefix cache dropped: the connector restores the whole prefix.
+    assert conn.flush(timeout=60)
+    assert llm.reset_prefix_cache()
+    restored = run(llm, prompt_ids)
+    assert restored.num_cached_tokens == len(prompt_ids) - 1
+    assert conn.request_metrics(restored.request_id).engine_hit_tokens == 0
+    assert restored.outputs[0].token_ids == reference
+    assert_idle(llm, conn)
+    llm.shutdown()
+
+
+def test_prefix_shared_by_different_suffixes(default_model_path, prompt_ids):
+    """Only the common chunks are reused; the divergent suffix is computed."""
+    conn = build_connector(["cpu"], chunk_size=CHUNK)
+    llm = make_llm(default_model_path, conn, enable_prefix_caching=False)
+    other = prompt_ids[:100] + prompt_ids[120:140]
+    plain = make_llm(default_model_path, None, enable_prefix_caching=False)
+    want = run(plain, other).outputs[0].token_ids
+    run(llm, prompt_ids)
+    assert conn.flush(timeout=60)
+    out = run(llm, other)
+    assert out.num_cached_tokens == 96  # two whole chunks are a common prefix
+    assert out.outputs[0].token_ids == want
+    assert_idle(llm, conn)
+    llm.shutdown()
+
+
+def test_decode_tokens_are_saved_when_enabled(default_model_path, prompt_ids):
+    conn = build_connector(["cpu"], chunk_size=CHUNK, save_decode_tokens=True)
+    llm = make_llm(default_model_path, conn, enable_prefix_caching=False)
+    first = llm.generate([{"prompt_token_ids": prompt_ids}],
+                         SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))[0]
+    history = prompt_ids + first.outputs[0].token_ids
+    assert conn.flush(timeout=60)
+    follow = run(llm, history + prompt_ids[:8])
+    # The whole history had K/V except its last generated token (never computed).
+    assert follow.num_cached_tokens == (len(history) - 1) // CHUNK * CHUNK
+    assert follow.num_cached_tokens > len(prompt_ids)
+    assert_idle(llm, conn)
+    llm.shutdown()
+
+
+def test_different_models_never_share_kv(default_model_path, prompt_ids, tmp_path):
+    shared = StorageManager.from_config(make_config(["cpu"]).kvstore)
+    tiny_a = make_tiny_checkpoint(tmp_path, "llama", seed=0, tokenizer_dir=default_model_path)
+    tiny_b = make_tiny_checkpoint(tmp_path, "llama", seed=1, tokenizer_dir=default_model_path)
+    results = []
+    for model in (default_model_path, tiny_a, tiny_b):
+        conn = build_connector(["cpu"], chunk_size=CHUNK, storage=shared)
+        llm = make_llm(model, conn, enable_prefix_caching=False)
+        first = run(llm, prompt_ids)
+        assert conn.flush(timeout=60)
+        second = run(llm, prompt_ids)
+        results.append((first.num_cached_tokens, second.num_cached_tokens))
+        llm.shutdown()
+    # Each model misses on the others' chunks and hits only its own.
+    assert results == [(0, len(prompt_ids) - 1)] * 3
+    n_chunks = -(-len(prompt_ids) // CHUNK)
+    assert sum(s.backend.entries for s in shared.stats().values()) == 3 * n_chunks
+    shared.close()
+
+
+def test_corrupted_chunk_in_redis_is_recomputed(default_model_path, prompt_ids, reference, redis_server):
+    conn = build_connector([redis_server.url], chunk_size=CHUNK)
+    llm = make_llm(default_model_path, conn, enable_prefix_caching=False)
+    run(llm, prompt_ids)
+    assert conn.flush(timeout=60)
+    keys = [k for _, _, k in conn._spans(prompt_ids)]
+    client = redis_server.client()
+    assert all(client.exists(k) for k in keys)
+    value = bytearray(client.get(keys[2]))
+    value[len(value) // 2] ^= 0xFF  # one flipped payload byte
+    client.set(keys[2], bytes(value))
+    out = run(llm, prompt_ids)
+    assert out.num_cached_tokens == 2 * CHUNK  # chunks before the corrupt one
+    assert out.outputs[0].token_ids == reference
+    assert_idle(llm, conn)
+    assert conn.flush(timeout=60)
+    assert client.exists(keys[2])  # recomputed and stored again
+    llm.shutdown()
+
+
+def test_redis_killed_mid_workload_means_recompute(default_model_path, prompt_ids, reference, redis_server):
+    conn = build_connector([redis_server.url], chunk_size=CHUNK)
+    llm = make_llm(default_model_path, conn, enable_prefix_caching=False)
+    run(llm, prompt_ids)
+    assert conn.flush(timeout=60)
+    redis_server.kill()
+    down = run(llm, prompt_ids)  # lookup and store both fail: computed, no error
+    assert down.outputs[0].token_ids == reference
+    assert down.num_cached_tokens == 0
+    assert conn.tier_metrics()[0].errors >= 1  # seen, counted, not raised
+    redis_server.restart()
+    assert_idle(llm, conn)
+    llm.shutdown()  # flushing against a tier that failed must not raise
+
+
+_CHILD = r"""
+import json, sys
+from connector.kvtier_connector import build_connector
+from engine import LLM, SamplingParams
+conn = build_connector([sys.argv[1]], chunk_size=int(sys.argv[2]))
+llm = LLM(sys.argv[3], device="cpu", dtype="float32", block_size=16, num_gpu_blocks=64,
+          enable_prefix_caching=False, kv_connector=conn)
+ids = json.loads(sys.argv[4])
+out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=6))[0]
+llm.shutdown()  # flushes the store to Redis before exit
+print(json.dumps({"cached": out.num_cached_tokens, "tokens": out.outputs[0].token_ids}))
+"""
+
+
+def test_second_process_reuses_prefix_from_redis(default_model_path, prompt_ids, reference, redis_server):
+    def child(seed: str) -> dict:
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO)}
+        proc = subprocess.run([sys.executable, "-c", _CHILD, redis_server.url, str(CHUNK),
+                               str(default_model_path), json.dumps(prompt_ids)],
+                              capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    first, second = child("1"), child("2")
+    assert first == {"cached": 0, "tokens": reference}
+    assert second == {"cached": len(prompt_ids) - 1, "tokens": reference}
