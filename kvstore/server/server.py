@@ -33,11 +33,13 @@ _OPS = frozenset(int(op) for op in Op)
 
 @dataclass
 class ServerConfig:
+    """What `kvtier cache-server` takes besides the store's budgets."""
+
     host: str = "127.0.0.1"
     port: int = 65432
     max_payload: int = P.DEFAULT_MAX_PAYLOAD
     auth_token: str | None = None
-    idle_timeout: float = 300.0  # seconds without any bytes in either direction's progress
+    idle_timeout: float = 300.0  # a connection that sends nothing for this long is closed
 
 
 class CacheServer:
@@ -53,7 +55,6 @@ class CacheServer:
         self.store = store
         self.config = config
         self._token = config.auth_token.encode() if config.auth_token is not None else None
-        # A PUT that cannot fit in memory is refused before its payload is received.
         self.max_payload = config.max_payload
         self.connections: set[_Connection] = set()
         self.total_connections = 0
@@ -75,6 +76,7 @@ class CacheServer:
         await self.close()
 
     async def close(self) -> None:
+        """Stops accepting and drops every connection (in-flight replies are abandoned)."""
         if self._server is not None:
             self._server.close()
             for conn in list(self.connections):
@@ -83,6 +85,7 @@ class CacheServer:
             self._server = None
 
     def check_token(self, token: bytes) -> bool:
+        """Returns whether `token` is the configured one (constant-time comparison)."""
         assert self._token is not None
         return hmac.compare_digest(token, self._token)
 
@@ -91,6 +94,7 @@ class CacheServer:
         return self._token is not None
 
     def stats_json(self) -> bytes:
+        """Returns the STATS reply payload: store counters plus connection counters."""
         stats = self.store.stats().to_dict()
         stats["connections"] = len(self.connections)
         stats["total_connections"] = self.total_connections
