@@ -79,20 +79,23 @@ class _Connection:
         """Sends the requests back to back; returns their request ids."""
         ids: list[int] = []
         pending: list[bytes | P.Buffer] = []
-        for req in requests:
-            rid = next(self._ids) & 0xFFFFFFFF
-            ids.append(rid)
-            pending.append(P.encode_header(req.op, rid, len(req.key), len(req.payload)))
-            pending.append(req.key)
-            if len(req.payload) <= _INLINE:
-                pending.append(req.payload)
-            else:
-                # Large payload: flush what is queued, then send the caller's buffer itself.
+        try:
+            for req in requests:
+                rid = next(self._ids) & 0xFFFFFFFF
+                ids.append(rid)
+                pending.append(P.encode_header(req.op, rid, len(req.key), len(req.payload)))
+                pending.append(req.key)
+                if len(req.payload) <= _INLINE:
+                    pending.append(req.payload)
+                else:
+                    # Large payload: flush what is queued, then send the caller's buffer itself.
+                    self.sock.sendall(b"".join(pending))
+                    pending.clear()
+                    self.sock.sendall(memoryview(req.payload).cast("B"))
+            if pending:
                 self.sock.sendall(b"".join(pending))
-                pending.clear()
-                self.sock.sendall(memoryview(req.payload).cast("B"))
-        if pending:
-            self.sock.sendall(b"".join(pending))
+        except BlockingIOError as exc:  # SO_SNDTIMEO expired
+            raise ServerUnavailable(f"the cache server accepted nothing for {self.timeout} s") from exc
         return ids
 
     def recv(self, request_id: int) -> Reply:
@@ -237,8 +240,8 @@ class CacheServerClient:
     @staticmethod
     def _exchange_open(conn: _Connection, requests: Sequence[Request]) -> list[Reply]:
         replies: list[Reply] = []
-        for start in range(0, len(requests), _WINDOW):
-            ids = conn.send(requests[start : start + _WINDOW])
+        for window in _windows(requests):
+            ids = conn.send(window)
             for rid in ids:
                 reply = conn.recv(rid)
                 if reply.status in (Status.BAD_FRAME, Status.AUTH_REQUIRED, Status.AUTH_FAILED):
@@ -301,6 +304,23 @@ class CacheServerClient:
     def stats(self) -> dict[str, int]:
         """Returns the server's STATS counters (entries, bytes, hits, misses, evictions, ...)."""
         return json.loads(bytes(_expect_ok(self._one(Request(Op.STATS))).payload))
+
+
+def _windows(requests: Sequence[Request]) -> list[Sequence[Request]]:
+    """Returns the requests cut into pipelined windows of at most _WINDOW. A large payload
+    never follows a request whose reply may be large (GET, STATS) in the same window: the
+    server stops reading while such a reply is unread, so sending the payload first would
+    wait for a reader that waits for us."""
+    out: list[Sequence[Request]] = []
+    start, big_reply_pending = 0, False
+    for i, req in enumerate(requests):
+        if i > start and (i - start == _WINDOW or (big_reply_pending and len(req.payload) > _INLINE)):
+            out.append(requests[start:i])
+            start, big_reply_pending = i, False
+        big_reply_pending = big_reply_pending or req.op in (Op.GET, Op.STATS)
+    if start < len(requests):
+        out.append(requests[start:])
+    return out
 
 
 def _expect_ok(reply: Reply) -> Reply:

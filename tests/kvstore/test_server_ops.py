@@ -215,3 +215,20 @@ def test_a_client_that_reads_late_gets_every_reply(cache_server: CacheServerProc
             h = P.decode_header(reader.read(P.HEADER_SIZE), max_payload=1 << 30)
             assert (h.code, h.request_id) == (Status.OK, i) and reader.read(h.payload_len) == value
     c.close()
+
+
+def test_mixed_pipelines_of_large_gets_and_puts(cache_server: CacheServerProcess) -> None:
+    """Large GETs and large PUTs in one call: the client must not send a large payload while
+    a large reply it has not read yet holds the server back."""
+    from kvstore.server.client import Request
+
+    c = _client(cache_server, timeout=20)
+    values = [os.urandom(4 << 20) for _ in range(6)]
+    c.put_many([(f"v{i}".encode(), v) for i, v in enumerate(values)])
+    requests = []
+    for i, v in enumerate(values):
+        requests += [Request(Op.GET, f"v{i}".encode()), Request(Op.PUT, f"w{i}".encode(), v)]
+    replies = c.call(requests)
+    assert [r.payload for r in replies[0::2]] == values and all(r.status == Status.OK for r in replies)
+    assert c.get_many([f"w{i}".encode() for i in range(6)]) == values
+    c.close()
