@@ -30,6 +30,10 @@ class ServerUnavailable(ConnectionError):
     """The server could not be reached, or the connection broke mid-call."""
 
 
+class ServerTimeout(ServerUnavailable):
+    """The server accepted or answered nothing within the timeout (not retried: it is alive)."""
+
+
 class ServerReplyError(RuntimeError):
     """The server answered with an error status (auth failure, too large, bad request)."""
 
@@ -95,7 +99,7 @@ class _Connection:
             if pending:
                 self.sock.sendall(b"".join(pending))
         except BlockingIOError as exc:  # SO_SNDTIMEO expired
-            raise ServerUnavailable(f"the cache server accepted nothing for {self.timeout} s") from exc
+            raise ServerTimeout(f"the cache server accepted nothing for {self.timeout} s") from exc
         return ids
 
     def recv(self, request_id: int) -> Reply:
@@ -117,7 +121,7 @@ class _Connection:
         while view:
             n = self.rfile.readinto(view)
             if n is None:  # SO_RCVTIMEO expired (the reader reports it as "would block")
-                raise ServerUnavailable(f"no reply from the cache server within {self.timeout} s")
+                raise ServerTimeout(f"no reply from the cache server within {self.timeout} s")
             if not n:
                 raise ServerUnavailable("the cache server closed the connection")
             view = view[n:]
@@ -216,7 +220,7 @@ class CacheServerClient:
             replies = self._exchange(conn, requests)
         except OSError as exc:  # ServerUnavailable and socket timeouts included
             self._drop_idle()
-            if not reused:
+            if not reused or isinstance(exc, (ServerTimeout, socket.timeout)):
                 raise _unavailable(exc) from exc
             # A stale pooled connection (server restarted or idle-closed): retry once, fresh.
             self.reconnects += 1
