@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from connector.blend.config import BlendConfig
 from kvstore.config import KVStoreConfig, TierSpec, _env_overrides, parse_size
 
-_CONNECTOR_KEYS = ("save_unfull_chunk", "max_pending_store_bytes")
+_CONNECTOR_KEYS = ("save_unfull_chunk", "max_pending_store_bytes", "blend")
 
 
 @dataclass
@@ -34,6 +35,8 @@ class ConnectorConfig:
     kvstore: KVStoreConfig = field(default_factory=KVStoreConfig)
     save_unfull_chunk: bool = True
     max_pending_store_bytes: int = 1 << 30
+    # CacheBlend (`blend: {enabled: true, ratio: 0.15, check_layer: 1, ...}`, see BlendConfig).
+    blend: BlendConfig = field(default_factory=BlendConfig)
 
     @property
     def chunk_size(self) -> int:
@@ -49,6 +52,9 @@ class ConnectorConfig:
         self.max_pending_store_bytes = parse_size(self.max_pending_store_bytes, "max_pending_store_bytes")
         if not self.max_pending_store_bytes:
             raise ValueError("max_pending_store_bytes: must be > 0")
+        if not isinstance(self.blend, BlendConfig):
+            raise ValueError(f"blend: expected a BlendConfig, got {type(self.blend).__name__}")
+        self.blend.validate()
         return self
 
     @classmethod
@@ -58,6 +64,8 @@ class ConnectorConfig:
             raise ValueError(f"config: expected a mapping at the top level, got {type(data).__name__}")
         rest = {k: v for k, v in data.items() if k not in _CONNECTOR_KEYS}
         own = {k: data[k] for k in _CONNECTOR_KEYS if k in data}
+        if "blend" in own:
+            own["blend"] = BlendConfig.from_dict(own["blend"])
         return cls(kvstore=KVStoreConfig.from_dict(rest), **own).validate()
 
     @classmethod
@@ -100,7 +108,8 @@ def make_config(
     if source is None:
         cfg = ConnectorConfig()
     elif isinstance(source, ConnectorConfig):
-        cfg = dataclasses.replace(source, kvstore=dataclasses.replace(source.kvstore))
+        cfg = dataclasses.replace(source, kvstore=dataclasses.replace(source.kvstore),
+                                  blend=dataclasses.replace(source.blend))
     elif isinstance(source, KVStoreConfig):
         cfg = ConnectorConfig(kvstore=dataclasses.replace(source))
     elif isinstance(source, Mapping):

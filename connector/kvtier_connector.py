@@ -393,4 +393,9 @@ def build_connector(config_or_urls: Any = None, *, storage: StorageManager | Non
         if overrides or storage is not None:
             raise ValueError("a ready connector takes no overrides")
         return config_or_urls
-    return KVTierConnector(make_config(config_or_urls, **overrides), storage=storage)
+    cfg = make_config(config_or_urls, **overrides)
+    if cfg.blend.enabled:  # CacheBlend builds on this connector (connector.blend)
+        from connector.blend.blend_connector import BlendConnector
+
+        return BlendConnector(cfg, storage=storage)
+    return KVTierConnector(cfg, storage=storage)
