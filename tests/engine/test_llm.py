@@ -17,7 +17,7 @@ from tests.engine.text import long_text
 from tests.fixtures.model import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
-MAX_TOKENS = 20
+MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +46,8 @@ def prompts(llm: LLM) -> list:
         chat("Write a haiku about autumn leaves."),
         chat("Explain in one sentence what a hash function is."),
         {"prompt_token_ids": doc_ids[:300]},
-        {"prompt_token_ids": doc_ids[:900]},
-        chat("Summarise this text in two sentences:\n\n" + long_text(28)),
+        {"prompt_token_ids": doc_ids[:700]},
+        chat("Summarise this text in two sentences:\n\n" + long_text(14)),
         {"prompt_token_ids": doc_ids[:1990]},
     ]
 
@@ -65,7 +65,7 @@ def greedy() -> SamplingParams:
 def test_prompt_set_spans_lengths(llm: LLM, prompts: list) -> None:
     lens = [len(llm.engine.make_sequence(p, greedy()).prompt_token_ids) for p in prompts]
     assert min(lens) == 1 and max(lens) >= 1900 and len(prompts) >= 8
-    assert any(len_ > 1000 for len_ in lens[:-1])  # a long chat-templated prompt too
+    assert lens[7] > 500  # a long chat-templated prompt too
 
 
 def test_one_at_a_time_matches_transformers(llm: LLM, prompts: list, oracle: list[list[int]]) -> None:
@@ -102,16 +102,16 @@ def engine_prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 
 def test_chunked_and_prefix_cached_prefill_logits_match(default_model_path: Path, hf_default_model) -> None:
-    llm = LLM(str(default_model_path), device="cpu", max_num_batched_tokens=256)
-    ids = llm.tokenizer.encode(long_text(20))[:700]
+    llm = LLM(str(default_model_path), device="cpu", max_num_batched_tokens=200)
+    ids = llm.tokenizer.encode(long_text(20))[:500]
     with torch.no_grad():
         want = hf_default_model(torch.tensor([ids])).logits[0].float()
-    cold = engine_prefill_logits(llm, ids)  # 3 chunks of <= 256 tokens
+    cold = engine_prefill_logits(llm, ids)  # 3 chunks of <= 200 tokens
     assert cold.shape == want.shape
     torch.testing.assert_close(cold, want, atol=1e-3, rtol=0)
-    warm = engine_prefill_logits(llm, ids)  # 688 tokens from the prefix cache, 12 computed
-    assert warm.shape[0] == 700 - 688
-    torch.testing.assert_close(warm, want[688:], atol=1e-3, rtol=0)
+    warm = engine_prefill_logits(llm, ids)  # 496 tokens from the prefix cache, 4 computed
+    assert warm.shape[0] == 500 - 496
+    torch.testing.assert_close(warm, want[496:], atol=1e-3, rtol=0)
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
