@@ -86,9 +86,7 @@ class BlendConnector(KVTierConnector):
     def __init__(self, config: ConnectorConfig | None = None, storage: StorageManager | None = None,
                  blend: BlendConfig | None = None) -> None:
         super().__init__(config, storage)
-        if blend is None:
-            blend = getattr(self.config, "blend", None) or BlendConfig()
-        self.blend = dataclasses.replace(blend, enabled=True).validate()
+        self.blend = dataclasses.replace(blend or self.config.blend, enabled=True).validate()
         self.segment_separator = self.blend.separator
         self.model: torch.nn.Module | None = None
         self.stats = BlendStats()

@@ -1,0 +1,95 @@
+"""CacheBlend building blocks on the real default model, with transformers as the oracle:
+standalone segment K/V, RoPE re-rotation, segment keys, the blend config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from connector.blend.config import BlendConfig
+from connector.blend.executor import compute_segment_kv, rerotate_kv
+from connector.blend.segments import SEGMENT_ROOT, context_segments, segment_spans
+from kvstore.keys import ROOT_HASH, process_tokens
+from tests.engine.text import long_text
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    from engine.model_loader import load_tokenizer
+
+    return load_tokenizer(default_model_path)
+
+
+def hf_kv(hf_model, ids: list[int], start: int = 0) -> torch.Tensor:
+    """transformers' K (after RoPE) and V `(L, 2, T, H, D)` for `ids` at positions start.."""
+    with torch.no_grad():
+        out = hf_model(torch.tensor([ids]), position_ids=torch.arange(start, start + len(ids))[None],
+                       use_cache=True)
+    layers = out.past_key_values.layers
+    return torch.stack([torch.stack([l.keys[0].transpose(0, 1), l.values[0].transpose(0, 1)]) for l in layers])
+
+
+def test_segment_kv_matches_transformers(default_model, hf_default_model, tokenizer):
+    model, _ = default_model
+    ids = tokenizer.encode(long_text(2))
+    torch.testing.assert_close(compute_segment_kv(model, ids), hf_kv(hf_default_model, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_rerotated_key_equals_fresh_key_at_new_position(default_model, hf_default_model, tokenizer):
+    model, _ = default_model
+    prefix = tokenizer.encode("A short system prompt that comes first.\n")
+    seg = tokenizer.encode(long_text(1))
+    cached = compute_segment_kv(model, seg)  # standalone: positions 0..
+    moved = rerotate_kv(cached, len(prefix), model.model.rotary.inv_freq)
+    # Layer 0's key depends only on the token and its position: a full prefill of
+    # prefix + segment (transformers) must hold exactly the re-rotated key.
+    fresh = hf_kv(hf_default_model, prefix + seg)[:, :, len(prefix):]
+    assert (moved[0, 0] - fresh[0, 0]).abs().max().item() <= 1e-4
+    assert not torch.allclose(cached[0, 0], fresh[0, 0], atol=1e-2)  # the shift mattered
+    # Attention under RoPE sees relative positions only, so the whole segment computed at the
+    # new offset has the re-rotated keys in every layer; values are untouched.
+    shifted = compute_segment_kv(model, seg, start_position=len(prefix))
+    torch.testing.assert_close(moved, shifted, atol=5e-4, rtol=1e-4)
+    assert torch.equal(moved[:, 1], cached[:, 1])
+
+
+def test_segment_keys_are_position_independent_and_never_prefix_keys():
+    seg = list(range(100, 170))
+    a = segment_spans(seg, 32, "m", "float32")
+    assert [(s, e) for s, e, _ in a] == [(0, 32), (32, 64), (64, 70)]
+    assert a == segment_spans(seg, 32, "m", "float32")
+    prefix_keys = {k.to_str() for _, _, k in process_tokens(seg, 32, model="m", kv_dtype="float32")}
+    assert not prefix_keys & {k for _, _, k in a}
+    assert SEGMENT_ROOT != ROOT_HASH
+    assert segment_spans(seg, 32, "other-model", "float32")[0][2] != a[0][2]
+
+
+def test_context_segments_leave_out_the_query():
+    segs = context_segments([5, 7, 3])
+    assert [(s.index, s.start, s.end) for s in segs] == [(0, 0, 5), (1, 5, 12)]
+    with pytest.raises(ValueError, match="segment 1"):
+        context_segments([5, 0, 3])
+
+
+@pytest.mark.parametrize("bad, key", [
+    (dict(ratio=1.5), "blend.ratio"),
+    (dict(ratio="0.1"), "blend.ratio"),
+    (dict(check_layer=-1), "blend.check_layer"),
+    (dict(separator=""), "blend.separator"),
+    (dict(narrowing=[[0, 0.1]]), r"blend.narrowing\[0\]"),
+    (dict(narrowing=[[5, 0.5]]), r"blend.narrowing\[0\]"),
+    (dict(narrowing=[[5, 0.1], [4, 0.05]]), r"blend.narrowing\[1\]"),
+    (dict(colour="red"), "blend: unknown key"),
+])
+def test_blend_config_errors_name_the_key(bad, key):
+    with pytest.raises(ValueError, match=key):
+        BlendConfig.from_dict(bad)
+
+
+def test_blend_config_check_layer_must_exist_in_model():
+    assert BlendConfig.from_dict({"ratio": 0.3, "narrowing": [[8, 0.1]]}).narrowing == [(8, 0.1)]
+    assert BlendConfig.from_dict(True).enabled
+    with pytest.raises(ValueError, match="blend.check_layer"):
+        BlendConfig(check_layer=30).validate(num_layers=30)
