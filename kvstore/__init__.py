@@ -2,3 +2,29 @@
 
 Imports only torch/numpy/redis/lz4 and the standard library; never `engine` or `connector`.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public names -> defining module; imported on first use so `kvstore.server` stays torch-free
+_EXPORTS = {
+    "ChunkKey": "kvstore.keys",
+    "process_tokens": "kvstore.keys",
+    "model_fingerprint": "kvstore.keys",
+    "KVStoreConfig": "kvstore.config",
+    "TierSpec": "kvstore.config",
+    "StorageManager": "kvstore.storage_manager",
+    "StorageBackend": "kvstore.backend",
+    "BytesBackend": "kvstore.backend",
+    "BackendError": "kvstore.backend",
+    "create_backend": "kvstore.registry",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'kvstore' has no attribute {name!r}")

@@ -65,10 +65,11 @@ def test_get_returns_a_copy(kind: str, tmp_path: Path, request: pytest.FixtureRe
     assert torch.equal(tier.get(ckey(1)).cpu(), chunk(1))
 
 
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("codec", ["raw", "int8"])
-def test_budget_never_exceeded_under_random_workload(kind: str, codec: str, tmp_path: Path,
+def test_budget_never_exceeded_under_random_workload(kind: str, codec: str, seed: int, tmp_path: Path,
                                                      request: pytest.FixtureRequest) -> None:
-    rng = random.Random(hash(kind + codec) & 0xFFFF)
+    rng = random.Random(f"{kind}-{codec}-{seed}")
     budget = 200_000
     tier = make_tier(kind, tmp_path, _redis_url(kind, request), budget=budget, codec=codec)
     for step in range(120):
