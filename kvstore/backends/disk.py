@@ -106,14 +106,15 @@ class DiskBackend(BytesBackend):
         return self._adopt(key)
 
     def _adopt(self, key: str) -> bool:
-        """Indexes a file another process wrote since we scanned; returns whether it exists."""
-        try:
-            size = os.stat(self._path(key)).st_size
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            raise BackendError(f"disk tier cannot stat {key}: {exc}") from exc
+        """Indexes a file another process wrote since we scanned; returns whether it exists.
+        The stat happens under the lock: our own renames and unlinks happen under it too."""
         with self._lock:
+            try:
+                size = os.stat(self._path(key)).st_size
+            except FileNotFoundError:
+                return False
+            except OSError as exc:
+                raise BackendError(f"disk tier cannot stat {key}: {exc}") from exc
             if key not in self._budget and self._budget.plan(key, size) == []:
                 self._budget.add(key, size)
         return True
@@ -128,13 +129,19 @@ class DiskBackend(BytesBackend):
                 size = os.fstat(f.fileno()).st_size
                 buf = bytearray(size)
                 n = f.readinto(buf)
-            os.utime(path)  # the LRU order survives restarts through mtime
         except FileNotFoundError:
-            with self._lock:
-                self._budget.remove(key)
+            with self._lock:  # forget it only if still absent: a writer may have just renamed it in
+                if not path.exists():
+                    self._budget.remove(key)
             return None
         except OSError as exc:
             raise BackendError(f"disk tier cannot read {key}: {exc}") from exc
+        try:
+            os.utime(path)  # the LRU order survives restarts through mtime
+        except FileNotFoundError:
+            pass  # evicted or replaced since we opened it; what we read is still a whole value
+        except OSError as exc:
+            raise BackendError(f"disk tier cannot touch {key}: {exc}") from exc
         with self._lock:
             if key in self._budget:
                 self._budget.touch(key)
