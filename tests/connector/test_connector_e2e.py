@@ -46,7 +46,7 @@ def assert_idle(llm: LLM, conn: KVTierConnector) -> None:
 def prompt_ids(default_model_path: Path) -> list[int]:
     from engine.model_loader import load_tokenizer
 
-    ids = load_tokenizer(default_model_path).encode(long_text(5))
+    ids = load_tokenizer(default_model_path).encode(long_text(3))
     assert len(ids) % CHUNK and len(ids) % 16  # a partial last chunk and a partial last block
     return ids
 
@@ -116,7 +116,7 @@ def test_prefix_shared_by_different_suffixes(default_model_path, prompt_ids):
     """Only the common chunks are reused; the divergent suffix is computed."""
     conn = build_connector(["cpu"], chunk_size=CHUNK)
     llm = make_llm(default_model_path, conn, enable_prefix_caching=False)
-    other = prompt_ids[:100] + prompt_ids[120:140]
+    other = prompt_ids[:100] + prompt_ids[:20]
     plain = make_llm(default_model_path, None, enable_prefix_caching=False)
     want = run(plain, other).outputs[0].token_ids
     run(llm, prompt_ids)
@@ -132,7 +132,7 @@ def test_decode_tokens_are_saved_when_enabled(default_model_path, prompt_ids):
     conn = build_connector(["cpu"], chunk_size=CHUNK, save_decode_tokens=True)
     llm = make_llm(default_model_path, conn, enable_prefix_caching=False)
     first = llm.generate([{"prompt_token_ids": prompt_ids}],
-                         SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))[0]
+                         SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True))[0]
     history = prompt_ids + first.outputs[0].token_ids
     assert conn.flush(timeout=60)
     follow = run(llm, history + prompt_ids[:8])
