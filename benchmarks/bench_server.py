@@ -3,7 +3,8 @@
 In one run, against a private redis-server and a private `kvtier cache-server` on loopback,
 through the kvstore tiers a user configures (`redis://` RedisBackend, `kvtier://`
 CacheServerBackend, both with the raw codec): GB/s of batched PUT/GET of real 256-token KV
-chunks of the default model, and p50/p99 latency of a one-key EXISTS and a 16-key
+chunks of the default model (through the tier API, and on the wire: the tiers' byte-level
+hooks on pre-encoded values, which isolates transport and server), and p50/p99 latency of a one-key EXISTS and a 16-key
 PREFIX_HITS. Every figure is also given as a ratio (cache server / Redis, > 1 = the cache
 server is better), the only kind of number comparable across machines.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -28,7 +30,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvstore.backend import StorageBackend  # noqa: E402
+from kvstore import serde  # noqa: E402
+from kvstore.backend import BytesBackend  # noqa: E402
 from kvstore.config import TierSpec  # noqa: E402
 from kvstore.keys import process_tokens  # noqa: E402
 from kvstore.registry import create_backend  # noqa: E402
@@ -63,26 +66,45 @@ def _keys(num: int, salt: int) -> list[str]:
     return [k.to_str() for _, _, k in process_tokens(tokens, CHUNK, model="bench", kv_dtype="float16")]
 
 
-def throughput(tier: StorageBackend, chunks: list[torch.Tensor], rounds: int) -> dict[str, float]:
-    """Returns median GB/s of batched_put and batched_get of all chunks, over `rounds` rounds
-    (fresh keys every round, so PUTs never just overwrite)."""
+def server_cpu_s(pid: int) -> float:
+    """Returns the CPU seconds (user + system) process `pid` has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def throughput(tier: BytesBackend, server_pid: int, chunks: list[torch.Tensor], rounds: int) -> dict[str, list[float]]:
+    """Returns per-round GB/s of: `put`/`get` (tier API: batched_put/batched_get of all chunks,
+    serde encode/decode included) and `put_wire`/`get_wire` (the tier's byte-level batched
+    hooks on pre-encoded values: the transport and the server alone), plus the server
+    process's CPU seconds per GB in the wire phases (`*_cpu`: robust to a busy machine, where
+    wall-clock figures mostly measure the scheduler). Fresh keys every round, so PUTs never
+    just overwrite; every chunk is checked to round-trip."""
     nbytes = sum(c.numel() * c.element_size() for c in chunks)
-    put_s, get_s = [], []
+    out: dict[str, list[float]] = {m: [] for m in ("put", "get", "put_wire", "get_wire", "put_wire_cpu", "get_wire_cpu")}
+
+    def timed(metric: str, fn: Callable[[], object]) -> object:
+        c0, t0 = server_cpu_s(server_pid), time.perf_counter()
+        result = fn()
+        out[metric].append(nbytes / (time.perf_counter() - t0) / 1e9)
+        if metric.endswith("_wire"):
+            out[metric + "_cpu"].append((server_cpu_s(server_pid) - c0) / (nbytes / 1e9))
+        return result
+
     for r in range(rounds):
-        keys = _keys(len(chunks), r)
-        items = list(zip(keys, chunks))
-        t0 = time.perf_counter()
-        tier.batched_put(items)
-        put_s.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        got = tier.batched_get(keys)
-        get_s.append(time.perf_counter() - t0)
+        keys = _keys(len(chunks), 2 * r)
+        timed("put", lambda: tier.batched_put(list(zip(keys, chunks))))
+        got = timed("get", lambda: tier.batched_get(keys))
         if any(g is None or not torch.equal(g, c) for g, c in zip(got, chunks)):
             raise RuntimeError(f"{tier.name}: a chunk did not round-trip")
-        for key in keys:
+        wire_keys = _keys(len(chunks), 2 * r + 1)
+        values = [(k, tier.encode(k, c)) for k, c in zip(wire_keys, chunks)]
+        timed("put_wire", lambda: tier._batched_put_bytes(values))
+        raw = timed("get_wire", lambda: tier._batched_get_bytes(wire_keys))
+        if [bytes(v) for v in raw] != [bytes(serde.encode(k, c, tier.codec)) for k, c in zip(wire_keys, chunks)]:
+            raise RuntimeError(f"{tier.name}: a value did not round-trip")
+        for key in keys + wire_keys:
             tier.delete(key)
-    return {"put_gbps": nbytes / statistics.median(put_s) / 1e9,
-            "get_gbps": nbytes / statistics.median(get_s) / 1e9}
+    return out
 
 
 def latencies(fn: Callable[[], object], calls: int) -> list[float]:
@@ -117,23 +139,25 @@ def main(argv: list[str] | None = None) -> int:
 
     redis = start_redis()
     server = CacheServerProcess("--max-bytes", "2GiB")
-    tiers: dict[str, StorageBackend] = {}
+    tiers: dict[str, BytesBackend] = {}
     try:
         tiers = {
             "kvtier": create_backend(TierSpec.from_url(server.url)),
             "redis": create_backend(TierSpec.from_url(redis.url)),
         }
-        raw: dict[str, dict[str, list[float]]] = {n: {"put": [], "get": [], "exists": [], "prefix": []} for n in tiers}
+        raw: dict[str, dict[str, list[float]]] = {
+            n: {m: [] for m in ("put", "get", "put_wire", "get_wire", "put_wire_cpu", "get_wire_cpu",
+                                "exists", "prefix")} for n in tiers}
+        pids = {"kvtier": server.proc.pid, "redis": redis.proc.pid}
         for tier in tiers.values():  # warm up: connections, allocator, page cache
-            throughput(tier, chunks, 1)
+            throughput(tier, pids[tier.name], chunks, 1)
         # Interleave the two tiers block by block, alternating which goes first, so machine
         # noise (these machines are shared) hits both alike.
         for b in range(blocks):
             for name in (list(tiers) if b % 2 == 0 else list(tiers)[::-1]):
                 tier = tiers[name]
-                t = throughput(tier, chunks, rounds)
-                raw[name]["put"].append(t["put_gbps"])
-                raw[name]["get"].append(t["get_gbps"])
+                for metric, samples in throughput(tier, pids[name], chunks, rounds).items():
+                    raw[name][metric] += samples
                 present = _keys(8, 999)
                 tier.batched_put([(k, chunks[0][:1, :, :16].contiguous()) for k in present])
                 probe = present + _keys(8, 998)  # 8 present, then 8 absent
@@ -148,19 +172,21 @@ def main(argv: list[str] | None = None) -> int:
         redis.stop()
 
     rows = []
-    for metric, unit, better in [("put", "GB/s", "higher"), ("get", "GB/s", "higher"),
-                                 ("exists", "µs", "lower"), ("prefix", "µs", "lower")]:
-        if unit == "GB/s":
-            stats = {n: {"value": statistics.median(raw[n][metric])} for n in tiers}
-            ratio = stats["kvtier"]["value"] / stats["redis"]["value"]
-            rows.append({"metric": f"{metric.upper()} 256-token chunk", "unit": unit,
-                         "kvtier": stats["kvtier"]["value"], "redis": stats["redis"]["value"], "ratio": ratio})
-        else:
-            label = "EXISTS (1 key)" if metric == "exists" else "PREFIX_HITS (16 keys)"
-            for q in (0.5, 0.99):
-                a, b = _pct(raw["kvtier"][metric], q), _pct(raw["redis"][metric], q)
-                rows.append({"metric": f"{label} p{int(q * 100)}", "unit": unit, "kvtier": a, "redis": b,
-                             "ratio": b / a})
+    labels = {"put": "PUT chunk, tier API (serde included)", "get": "GET chunk, tier API (serde included)",
+              "put_wire": "PUT chunk, bytes on the wire", "get_wire": "GET chunk, bytes on the wire"}
+    for metric, label in labels.items():
+        a, b = statistics.median(raw["kvtier"][metric]), statistics.median(raw["redis"][metric])
+        rows.append({"metric": label, "unit": "GB/s", "kvtier": a, "redis": b, "ratio": a / b,
+                     "samples": len(raw["kvtier"][metric])})
+    for metric, label in (("put_wire_cpu", "PUT, server CPU per GB"), ("get_wire_cpu", "GET, server CPU per GB")):
+        a, b = statistics.mean(raw["kvtier"][metric]), statistics.mean(raw["redis"][metric])
+        rows.append({"metric": label, "unit": "s/GB", "kvtier": a, "redis": b, "ratio": b / a if a else float("inf"),
+                     "samples": len(raw["kvtier"][metric])})
+    for metric, label in (("exists", "EXISTS (1 key)"), ("prefix", "PREFIX_HITS (16 keys)")):
+        for q in (0.5, 0.99):
+            a, b = _pct(raw["kvtier"][metric], q), _pct(raw["redis"][metric], q)
+            rows.append({"metric": f"{label} p{int(q * 100)}", "unit": "µs", "kvtier": a, "redis": b,
+                         "ratio": b / a, "samples": len(raw["kvtier"][metric])})
 
     result = {
         "benchmark": "server",

@@ -17,9 +17,12 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit
 
+import torch
+
+from kvstore import serde
 from kvstore.backend import BackendError, BackendStats, BytesBackend
 from kvstore.codecs import Buffer, Codec
-from kvstore.server.client import CacheServerClient, ServerReplyError, ServerUnavailable
+from kvstore.server.client import CacheServerClient, Payload, ServerReplyError, ServerUnavailable
 
 if TYPE_CHECKING:
     from kvstore.config import TierSpec
@@ -77,6 +80,10 @@ class CacheServerBackend(BytesBackend):
                 self._errors += 1
             raise BackendError(f"cache server kvtier://{self.client.host}:{self.client.port}: {exc}") from exc
 
+    def encode(self, key: str, kv: torch.Tensor) -> serde.SplitValue:
+        """Returns the value unjoined: the client sends header and tensor bytes back to back."""
+        return serde.encode_split(key, kv, self.codec)
+
     # -- BytesBackend hooks --------------------------------------------------------------
     def _get_bytes(self, key: str) -> Buffer | None:
         return self._io(self.client.get, key.encode())
@@ -84,11 +91,11 @@ class CacheServerBackend(BytesBackend):
     def _batched_get_bytes(self, keys: Sequence[str]) -> list[Buffer | None]:
         return self._io(self.client.get_many, [k.encode() for k in keys])
 
-    def _put_bytes(self, key: str, value: Buffer) -> None:
+    def _put_bytes(self, key: str, value: Buffer | serde.SplitValue) -> None:
         self._batched_put_bytes([(key, value)])
 
-    def _batched_put_bytes(self, items: Sequence[tuple[str, Buffer]]) -> None:
-        stored = self._io(self.client.put_many, [(k.encode(), v) for k, v in items])
+    def _batched_put_bytes(self, items: Sequence[tuple[str, Buffer | serde.SplitValue]]) -> None:
+        stored = self._io(self.client.put_many, [(k.encode(), _payload(v)) for k, v in items])
         refused = len(stored) - sum(stored)
         if refused:  # larger than the server's whole budget: not a tier failure
             with self._stats_lock:
@@ -130,3 +137,7 @@ class CacheServerBackend(BytesBackend):
 
     def close(self) -> None:
         self.client.close()
+
+
+def _payload(value: Buffer | serde.SplitValue) -> Payload:
+    return (value.header, value.payload) if isinstance(value, serde.SplitValue) else value

@@ -46,17 +46,27 @@ class ServerReplyError(RuntimeError):
         super().__init__(f"cache server replied {name}: {message}")
 
 
+# A payload is one buffer, or a tuple of buffers sent back to back as one value (a chunk's
+# header and its tensor's bytes: no join, no copy).
+Payload = P.Buffer | tuple[P.Buffer, ...]
+
+
 @dataclass
 class Request:
     op: Op
     key: bytes = b""
-    payload: P.Buffer = b""
+    payload: Payload = b""
+
+    @property
+    def payload_len(self) -> int:
+        parts = self.payload if isinstance(self.payload, tuple) else (self.payload,)
+        return sum(memoryview(p).nbytes for p in parts)
 
 
 @dataclass
 class Reply:
     status: int
-    payload: bytearray
+    payload: memoryview  # writable, owned by the caller
 
 
 class _Connection:
@@ -87,15 +97,17 @@ class _Connection:
             for req in requests:
                 rid = next(self._ids) & 0xFFFFFFFF
                 ids.append(rid)
-                pending.append(P.encode_header(req.op, rid, len(req.key), len(req.payload)))
+                pending.append(P.encode_header(req.op, rid, len(req.key), req.payload_len))
                 pending.append(req.key)
-                if len(req.payload) <= _INLINE:
-                    pending.append(req.payload)
-                else:
-                    # Large payload: flush what is queued, then send the caller's buffer itself.
-                    self.sock.sendall(b"".join(pending))
-                    pending.clear()
-                    self.sock.sendall(memoryview(req.payload).cast("B"))
+                for part in req.payload if isinstance(req.payload, tuple) else (req.payload,):
+                    view = memoryview(part).cast("B")
+                    if len(view) <= _INLINE:
+                        pending.append(view)
+                    else:
+                        # Large part: flush what is queued, then send the caller's buffer itself.
+                        self.sock.sendall(b"".join(pending))
+                        pending.clear()
+                        self.sock.sendall(view)
             if pending:
                 self.sock.sendall(b"".join(pending))
         except BlockingIOError as exc:  # SO_SNDTIMEO expired
@@ -110,9 +122,9 @@ class _Connection:
             h = P.decode_header(self._header, max_payload=1 << 62)
         except P.ProtocolError as exc:
             raise ServerUnavailable(f"garbled reply from the cache server: {exc}") from exc
-        payload = bytearray(h.payload_len)
+        payload = P.empty_buffer(h.payload_len)
         if h.payload_len:
-            self._read_into(memoryview(payload))
+            self._read_into(payload)
         if h.request_id != request_id and h.code not in (Status.BAD_FRAME, Status.AUTH_REQUIRED):
             raise ServerUnavailable(f"reply for request {h.request_id} while waiting for {request_id}")
         return Reply(h.code, payload)
@@ -179,7 +191,7 @@ class CacheServerClient:
                 raise ServerUnavailable(f"authentication with kvtier://{self.host}:{self.port} failed: {exc}") from exc
             if reply.status != Status.OK:
                 conn.close()
-                raise ServerReplyError(reply.status, reply.payload.decode(errors="replace"))
+                raise ServerReplyError(reply.status, bytes(reply.payload).decode(errors="replace"))
         return conn
 
     def _acquire(self) -> tuple[_Connection, bool]:
@@ -250,7 +262,7 @@ class CacheServerClient:
                 reply = conn.recv(rid)
                 if reply.status in (Status.BAD_FRAME, Status.AUTH_REQUIRED, Status.AUTH_FAILED):
                     # The server closes the connection after these; surface them as refusals.
-                    raise ServerReplyError(reply.status, reply.payload.decode(errors="replace"))
+                    raise ServerReplyError(reply.status, bytes(reply.payload).decode(errors="replace"))
                 replies.append(reply)
         return replies
 
@@ -261,11 +273,11 @@ class CacheServerClient:
         """Returns True if the server answered PING."""
         return self._one(Request(Op.PING)).status == Status.OK
 
-    def put(self, key: bytes, value: P.Buffer) -> bool:
+    def put(self, key: bytes, value: Payload) -> bool:
         """Stores `value`; returns False if the server refused it as larger than its budget."""
         return self.put_many([(key, value)])[0]
 
-    def put_many(self, items: Sequence[tuple[bytes, P.Buffer]]) -> list[bool]:
+    def put_many(self, items: Sequence[tuple[bytes, Payload]]) -> list[bool]:
         """Stores every item, pipelined; returns per item whether it was stored (False: too
         large for the server). Other refusals raise ServerReplyError."""
         out: list[bool] = []
@@ -273,13 +285,13 @@ class CacheServerClient:
             out.append(reply.status != Status.TOO_LARGE and _expect_ok(reply) is reply)
         return out
 
-    def get(self, key: bytes) -> bytearray | None:
+    def get(self, key: bytes) -> memoryview | None:
         """Returns the value, or None on a miss."""
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytearray | None]:
+    def get_many(self, keys: Sequence[bytes]) -> list[memoryview | None]:
         """Returns one value or None per key, in order, pipelined."""
-        out: list[bytearray | None] = []
+        out: list[memoryview | None] = []
         for reply in self.call([Request(Op.GET, k) for k in keys]):
             out.append(None if reply.status == Status.NOT_FOUND else _expect_ok(reply).payload)
         return out
@@ -318,7 +330,7 @@ def _windows(requests: Sequence[Request]) -> list[Sequence[Request]]:
     out: list[Sequence[Request]] = []
     start, big_reply_pending = 0, False
     for i, req in enumerate(requests):
-        if i > start and (i - start == _WINDOW or (big_reply_pending and len(req.payload) > _INLINE)):
+        if i > start and (i - start == _WINDOW or (big_reply_pending and req.payload_len > _INLINE)):
             out.append(requests[start:i])
             start, big_reply_pending = i, False
         big_reply_pending = big_reply_pending or req.op in (Op.GET, Op.STATS)
@@ -329,7 +341,7 @@ def _windows(requests: Sequence[Request]) -> list[Sequence[Request]]:
 
 def _expect_ok(reply: Reply) -> Reply:
     if reply.status != Status.OK:
-        raise ServerReplyError(reply.status, reply.payload.decode(errors="replace"))
+        raise ServerReplyError(reply.status, bytes(reply.payload).decode(errors="replace"))
     return reply
 
 

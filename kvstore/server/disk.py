@@ -15,6 +15,8 @@ import zlib
 from collections import OrderedDict
 from pathlib import Path
 
+from kvstore.server.protocol import Buffer, empty_buffer
+
 _MAGIC = b"KVSD"
 # magic, key length, value length, crc32(value)
 _HEAD = struct.Struct("<4sIQI")
@@ -82,7 +84,7 @@ class DiskSpill:
     def keys_lru_first(self) -> list[bytes]:
         return list(self._index)
 
-    def put(self, key: bytes, value: bytes | bytearray | memoryview) -> bool:
+    def put(self, key: bytes, value: Buffer) -> bool:
         """Writes `value` under `key`, evicting LRU files first; returns False (and stores
         nothing) if the entry alone exceeds the disk budget or the write fails."""
         size = _HEAD.size + len(key) + len(value)
@@ -112,7 +114,7 @@ class DiskSpill:
         if size is None:
             return None
         path = self.dir / _file_name(key)
-        buf = bytearray(size)
+        buf = empty_buffer(size)
         try:
             with open(path, "rb", buffering=0) as f:
                 n = f.readinto(buf)
@@ -121,7 +123,7 @@ class DiskSpill:
         if n == size:
             magic, key_len, value_len, crc = _HEAD.unpack_from(buf)
             start = _HEAD.size + key_len
-            value = memoryview(buf)[start:]
+            value = buf[start:]
             if (
                 magic == _MAGIC
                 and key_len == len(key)

@@ -116,7 +116,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.scratch_view = memoryview(self.scratch)  # never resized, so one view serves
         self.scratch_len = 0
         # Set while a frame too large for scratch is being received into its own buffer.
-        self.big: bytearray | None = None
+        self.big: memoryview | None = None
         self.big_header: P.Header | None = None
         self.big_filled = 0
         # Bytes of a refused frame's body still to be read and dropped.
@@ -149,7 +149,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.big is not None:
-            return memoryview(self.big)[self.big_filled :]
+            return self.big[self.big_filled :]
         if self.closing:
             self.scratch_len = 0
         if self.discard_left:
@@ -164,10 +164,9 @@ class _Connection(asyncio.BufferedProtocol):
         if self.big is not None:
             self.big_filled += nbytes
             if self.big_filled == len(self.big):
-                big, header = self.big, self.big_header
+                body, header = self.big, self.big_header
                 self.big, self.big_header = None, None
                 assert header is not None
-                body = memoryview(big)
                 self._dispatch(header, bytes(body[: header.key_len]), body[header.key_len :])
             return
         if self.discard_left:
@@ -234,7 +233,7 @@ class _Connection(asyncio.BufferedProtocol):
             if total > _SCRATCH:
                 # Receive the body straight into its own buffer; copy what already arrived.
                 have = end - start
-                self.big = bytearray(header.body_len)
+                self.big = P.empty_buffer(header.body_len)
                 self.big[:have] = view[start:end]
                 self.big_filled = have
                 self.big_header = header
