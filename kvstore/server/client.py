@@ -327,6 +327,8 @@ def _windows(requests: Sequence[Request]) -> list[Sequence[Request]]:
     never follows a request whose reply may be large (GET, STATS) in the same window: the
     server stops reading while such a reply is unread, so sending the payload first would
     wait for a reader that waits for us."""
+    if len(requests) == 1:
+        return [requests]
     out: list[Sequence[Request]] = []
     start, big_reply_pending = 0, False
     for i, req in enumerate(requests):
