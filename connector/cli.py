@@ -38,7 +38,11 @@ def connector_from_args(args: argparse.Namespace) -> KVTierConnector | None:
         return None
     from connector.config import ConnectorConfig, make_config
     from connector.kvtier_connector import KVTierConnector
+    from kvstore.codecs import CODEC_NAMES
     from kvstore.config import TierSpec
+
+    if args.kv_codec is not None and args.kv_codec not in CODEC_NAMES:
+        raise ValueError(f"--kv-codec: unknown codec {args.kv_codec!r}; choose one of {list(CODEC_NAMES)}")
 
     base = ConnectorConfig.load(args.config)  # also $KVTIER_CONFIG and KVTIER_* overrides
     if args.kv_tier:

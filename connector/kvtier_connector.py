@@ -370,9 +370,10 @@ class KVTierConnector(KVConnectorBase):
         if self._owns_storage:
             self.storage.close()
 
-    def request_metrics(self, request_id: str) -> RequestKVMetrics | None:
-        """Returns a request's connector metrics (live or recently finished), or None."""
-        return self.metrics.request(request_id)
+    def request_metrics(self, request_id: str) -> RequestKVMetrics:
+        """Returns a request's connector metrics (live or recently finished; all zero for a
+        request the connector never saw or has forgotten)."""
+        return self.metrics.request(request_id) or RequestKVMetrics(request_id)
 
     def tier_metrics(self) -> list[TierKVMetrics]:
         """Returns per-tier totals, fastest tier first."""

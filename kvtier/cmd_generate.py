@@ -27,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per prompt: prompt_token_ids, token_ids, text, num_cached_tokens, ttft_s")
+    # KV connector flags (connector/cli.py): --kv-tier URL (repeatable), --chunk-size, --kv-codec, --config.
+    from connector.cli import add_connector_arguments
+
+    add_connector_arguments(parser)
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
@@ -54,8 +58,16 @@ def run(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, num_gpu_blocks=args.num_gpu_blocks,
-              enable_prefix_caching=not args.no_prefix_caching)
+    from connector.cli import connector_from_args
+
+    connector = connector_from_args(args)  # None without --kv-tier/--config
+    try:
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, num_gpu_blocks=args.num_gpu_blocks,
+                  enable_prefix_caching=not args.no_prefix_caching, kv_connector=connector)
+    except BaseException:
+        if connector is not None:
+            connector.shutdown()
+        raise
     try:
         for prompt in prompts:
             if args.chat:
@@ -70,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
                     "num_cached_tokens": out.num_cached_tokens,
                     "ttft_s": out.metrics.ttft,
                     "finish_reason": completion.finish_reason,
+                    **({} if connector is None else {"kv_connector": connector.request_metrics(out.request_id).to_dict()}),
                 }), flush=True)
             else:
                 print(completion.text, flush=True)
