@@ -153,7 +153,8 @@ class QuantCodec(Codec):
         if not (torch.isfinite(lo).all() and torch.isfinite(scale).all()):
             raise ValueError(f"{self.name} codec: chunk has values outside the fp16 range")
         scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-        q = torch.round((x - lo.float()) / scale.float()).clamp_(0, self.qmax).to(torch.uint8)
+        # in place after the first op: one temporary for the whole chunk
+        q = (x - lo.float()).mul_(scale.float().reciprocal()).round_().clamp_(0, self.qmax).to(torch.uint8)
         return q, lo, scale
 
     def _pack(self, q: torch.Tensor) -> np.ndarray:
@@ -210,9 +211,10 @@ class QuantCodec(Codec):
         k_shape, v_shape = (layers, 1, heads, dim), (layers, tokens, heads, 1)
         k = self._unpack(seg[0], n).reshape(layers, tokens, heads, dim)
         v = self._unpack(seg[1], n).reshape(layers, tokens, heads, dim)
-        k = k * halfs(seg[3], k_shape) + halfs(seg[2], k_shape)
-        v = v * halfs(seg[5], v_shape) + halfs(seg[4], v_shape)
-        return torch.stack((k, v), dim=1).to(dtype)
+        out = torch.empty((layers, 2, tokens, heads, dim), dtype=dtype)
+        out[:, 0] = k.mul_(halfs(seg[3], k_shape)).add_(halfs(seg[2], k_shape))
+        out[:, 1] = v.mul_(halfs(seg[5], v_shape)).add_(halfs(seg[4], v_shape))
+        return out
 
 
 _CODECS: dict[str, Codec] = {c.name: c for c in (RawCodec(), LZ4Codec(), QuantCodec(8), QuantCodec(4))}

@@ -182,7 +182,9 @@ class StorageManager:
         return n
 
     def get(self, key: str) -> torch.Tensor | None:
-        """Returns the chunk from the fastest tier holding it (promoting it upward), or None."""
+        """Returns the chunk from the fastest tier holding it (promoting it upward), or None.
+        The tensor lives where that tier keeps chunks (GPU for `device`, else CPU); callers
+        move it where they need it. It is the caller's own (a copy, or a fresh decode)."""
         return self.batched_get([key])[0]
 
     def batched_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
