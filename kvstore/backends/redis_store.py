@@ -15,13 +15,15 @@ Connection failures and timeouts raise BackendError.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.cluster
 import torch
+import xxhash
 from redis._parsers.encoders import Encoder
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -111,6 +113,7 @@ class RedisBackend(BytesBackend):
             raise BackendError(f"redis tier cannot connect to {url}: {exc}") from exc
         self.url = url
         self._lock = threading.Lock()
+        self._stripes = [threading.Lock() for _ in range(64)]
         self._budget = ByteBudget(byte_budget, make_policy(eviction))
         self._evictions = 0
 
@@ -204,31 +207,43 @@ class RedisBackend(BytesBackend):
     def _put_bytes(self, key: str, value: Buffer) -> None:
         self._batched_put_bytes([(key, value)])
 
-    def _batched_put_bytes(self, items: Sequence[tuple[str, Buffer]]) -> None:
-        admitted, victims = self._admit(items)
-        if not admitted and not victims:
-            return
-
-        def run() -> None:
-            pipe = self._pipeline()
-            for victim in victims:  # evict before writing, so the budget holds at every moment
-                pipe.delete(victim)
-            for key, value in admitted:
-                pipe.set(key, value, px=self.ttl_ms)
-            pipe.execute()
-
+    @contextmanager
+    def _key_locks(self, keys: Iterable[str]) -> Iterator[None]:
+        """Holds the stripe locks of `keys` (in index order: no deadlock), so a put and a delete
+        of one key cannot interleave between the accounting and the round trip; a write left in
+        Redis but not in the accounting could break the budget."""
+        idx = sorted({xxhash.xxh3_64_intdigest(k.encode()) % len(self._stripes) for k in keys})
+        for i in idx:
+            self._stripes[i].acquire()
         try:
+            yield
+        finally:
+            for i in reversed(idx):
+                self._stripes[i].release()
+
+    def _batched_put_bytes(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        with self._key_locks(k for k, _ in items):
+            admitted, victims = self._admit(items)
+            if not admitted and not victims:
+                return
+
+            def run() -> None:
+                pipe = self._pipeline()
+                for victim in victims:  # evict before writing, so the budget holds at every moment
+                    pipe.delete(victim)
+                for key, value in admitted:
+                    pipe.set(key, value, px=self.ttl_ms)
+                pipe.execute()
+
+            # on failure the writes stay accounted: their outcome is unknown, and over-counting
+            # only evicts early, while under-counting could exceed the budget
             self._call("set", run)
-        except BackendError:
-            with self._lock:  # unknown outcome: forget the writes rather than over-count
-                for key, _ in admitted:
-                    self._budget.remove(key)
-            raise
 
     def _delete(self, key: str) -> bool:
-        with self._lock:
-            self._budget.remove(key)
-        return bool(self._call("delete", lambda: self.client.delete(key)))
+        with self._key_locks([key]):
+            with self._lock:
+                self._budget.remove(key)
+            return bool(self._call("delete", lambda: self.client.delete(key)))
 
     def _clear(self) -> None:
         def run() -> None:

@@ -128,3 +128,38 @@ def test_pinned_chunks_are_not_evicted(kind: str, tmp_path: Path, request: pytes
     pinned.add(ckey(2))
     tier.put(ckey(3), chunk(3))  # nothing evictable: refused
     assert not tier.contains(ckey(3)) and tier.stats().rejected == 1
+
+
+def test_budget_holds_under_concurrent_put_and_delete(kind: str, tmp_path: Path,
+                                                      request: pytest.FixtureRequest) -> None:
+    import threading
+
+    budget = 150_000
+    tier = make_tier(kind, tmp_path, _redis_url(kind, request), budget=budget)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(60):
+                i = rng.randrange(12)  # few keys: threads collide on the same ones
+                r = rng.random()
+                if r < 0.5:
+                    tier.put(ckey(i), chunk(i, tokens=rng.choice([8, 16, 32])))
+                elif r < 0.75:
+                    tier.delete(ckey(i))
+                else:
+                    tier.get(ckey(i))
+                assert tier.stats().bytes_used <= budget
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    accounted = tier.stats().bytes_used
+    # what is really stored is never more than what is accounted, which is within the budget
+    assert _stored_bytes(kind, tier, tmp_path, request) <= accounted <= budget
