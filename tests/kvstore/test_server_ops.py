@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import socket
 import threading
@@ -188,6 +189,8 @@ def test_cache_server_subcommand_contract() -> None:
     assert cmd_cache_server.parse_size("1.5GB", "x") == 1_500_000_000
     with pytest.raises(ValueError, match="--max-payload: size '0' must be positive"):
         cmd_cache_server.parse_size("0", "--max-payload")
+    if platform.libc_ver()[0] == "glibc":
+        assert cmd_cache_server.keep_freed_memory()
 
 
 def test_a_server_that_never_answers_times_out() -> None:
