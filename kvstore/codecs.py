@@ -17,9 +17,12 @@ import torch
 
 Buffer = bytes | bytearray | memoryview
 
-# Decoded chunks view the received value (a `bytes` from Redis or a file) without copying it;
-# nothing else references those bytes, so torch's "not writable" warning is noise here.
-warnings.filterwarnings("ignore", message="The given (buffer|NumPy array) is not writable", category=UserWarning)
+# Decoded chunks view the received value (a `bytes` from Redis) without copying it; nothing
+# else references those bytes, so torch's "not writable" warning is noise here. torch emits it
+# once per process: spend that once here, silenced, instead of in some caller's first get.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0", dtype=torch.uint8)
 
 
 class CodecError(ValueError):
