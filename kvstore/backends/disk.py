@@ -154,6 +154,9 @@ class DiskBackend(BytesBackend):
     def _put_bytes(self, key: str, value: Buffer | serde.SplitValue) -> None:
         path = self._path(key)
         nbytes = len(value)
+        if self._budget.budget is not None and nbytes > self._budget.budget:
+            self._rejected_one()  # can never fit: do not write it just to delete it
+            return
         parts = [value.header, value.payload] if isinstance(value, serde.SplitValue) else [value]
         tmp = self.root / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
         try:

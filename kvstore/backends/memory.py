@@ -8,7 +8,7 @@ serde-encoded value, e.g. `int8` to fit twice as many chunks.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -63,7 +63,7 @@ class MemoryBackend(StorageBackend):
         with self._lock:
             return key in self._store
 
-    def prefix_hits(self, keys) -> int:
+    def prefix_hits(self, keys: Sequence[str]) -> int:
         with self._lock:
             n = 0
             for key in keys:
