@@ -7,7 +7,8 @@ Connection failures raise BackendError; the next call reconnects (a server resta
 one failed call at most, usually none: a stale pooled connection is retried once).
 
 Options (`TierSpec.options` or the URL query): `auth_token` (default $KVTIER_AUTH_TOKEN),
-`timeout_s` (10), `connect_timeout_s` (2), `pool_size` (8).
+`timeout_s` (10), `connect_timeout_s` (2), `pool_size` (8). A `budget` or a non-LRU
+`eviction` is refused (ValueError): the server owns both.
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ class CacheServerBackend(BytesBackend):
     @classmethod
     def from_spec(cls, spec: TierSpec) -> CacheServerBackend:
         parts = urlsplit(spec.url)
+        if spec.budget is not None:
+            raise ValueError(f"{spec.url}: a cache server tier has no client-side budget; "
+                             "set it on the server (kvtier cache-server --max-bytes)")
+        if spec.eviction != "lru":
+            raise ValueError(f"{spec.url}: the cache server always evicts LRU; eviction={spec.eviction!r} "
+                             "cannot be honoured")
         opts = dict(spec.options)
         unknown = set(opts) - {"auth_token", "timeout_s", "connect_timeout_s", "pool_size"}
         if unknown:

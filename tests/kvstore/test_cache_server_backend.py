@@ -66,6 +66,10 @@ def test_lz4_codec_and_url_options(cache_server_factory: type[CacheServerProcess
         create_backend(TierSpec.from_url(f"{server.url}?colour=red"))
     with pytest.raises(ValueError, match="has no host"):
         TierSpec.from_url("kvtier://:65432")
+    with pytest.raises(ValueError, match="set it on the server"):
+        create_backend(TierSpec.from_url(f"{server.url}?budget=1GiB"))
+    with pytest.raises(ValueError, match="always evicts LRU"):
+        create_backend(TierSpec.from_url(f"{server.url}?eviction=fifo"))
 
 
 def test_wrong_token_is_a_backend_error(cache_server_factory: type[CacheServerProcess]) -> None:
