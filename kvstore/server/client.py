@@ -24,6 +24,8 @@ from kvstore.server.protocol import Op, Status
 # socket buffers both ways (which would deadlock a client that writes before it reads).
 _WINDOW = 32
 _INLINE = 64 << 10  # payloads up to this size are coalesced with their header in one send
+# A reply claiming more than this is treated as a garbled stream rather than allocated.
+_MAX_REPLY = 4 << 30
 
 
 class ServerUnavailable(ConnectionError):
@@ -119,7 +121,7 @@ class _Connection:
         the stream ends or the reply does not answer `request_id`."""
         self._read_into(memoryview(self._header))
         try:
-            h = P.decode_header(self._header, max_payload=1 << 62)
+            h = P.decode_header(self._header, max_payload=_MAX_REPLY)
         except P.ProtocolError as exc:
             raise ServerUnavailable(f"garbled reply from the cache server: {exc}") from exc
         payload = P.empty_buffer(h.payload_len)
@@ -150,7 +152,8 @@ class CacheServerClient:
     """Byte-level client for `kvtier://host:port`. Safe to share between threads.
 
     Raises ServerUnavailable when the server cannot be reached (the next call reconnects)
-    and ServerReplyError when it refuses a request.
+    and ServerReplyError when it refuses a request. Up to `pool_size` idle connections are
+    kept; callers beyond that many at once open extra connections, closed after use.
     """
 
     def __init__(
