@@ -1,0 +1,64 @@
+"""Connector configuration: every accepted form, overrides, and errors that name the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from connector.config import ConnectorConfig, make_config
+from connector.kvtier_connector import KVTierConnector, build_connector
+from kvstore.config import KVStoreConfig, TierSpec
+
+
+def test_forms_and_overrides(tmp_path):
+    urls = ["cpu?budget=1GiB", f"disk://{tmp_path}/kv"]
+    cfg = make_config(urls, chunk_size=64, codec="lz4", save_decode_tokens=True, save_unfull_chunk=False)
+    assert [t.url for t in cfg.kvstore.tiers] == ["cpu", f"disk://{tmp_path}/kv"]
+    assert cfg.kvstore.tiers[0].budget == 2**30
+    assert all(t.codec == "lz4" for t in cfg.kvstore.tiers)
+    assert (cfg.chunk_size, cfg.kvstore.save_decode_tokens, cfg.save_unfull_chunk) == (64, True, False)
+    assert [t.url for t in make_config("cpu").kvstore.tiers] == ["cpu"]
+    assert make_config({"tiers": ["cpu"], "chunk_size": 32, "save_unfull_chunk": False}).save_unfull_chunk is False
+    ks = KVStoreConfig(tiers=[TierSpec("cpu")], chunk_size=16)
+    assert make_config(ks, codec="int8").chunk_size == 16
+    assert ks.tiers[0].codec == "raw"  # overrides never touch the caller's objects
+
+
+def test_yaml_with_connector_keys_and_env(tmp_path):
+    path = tmp_path / "kv.yaml"
+    path.write_text("chunk_size: 128\nsave_unfull_chunk: false\nmax_pending_store_bytes: 64MiB\n"
+                    "tiers:\n  - {url: cpu, budget: 2GiB}\n")
+    cfg = make_config(str(path))
+    assert (cfg.chunk_size, cfg.save_unfull_chunk, cfg.max_pending_store_bytes) == (128, False, 64 * 2**20)
+    env_cfg = ConnectorConfig.load(path, env={"KVTIER_CHUNK_SIZE": "32", "KVTIER_TIERS": "cpu,device"})
+    assert env_cfg.chunk_size == 32 and [t.url for t in env_cfg.kvstore.tiers] == ["cpu", "device"]
+    assert env_cfg.save_unfull_chunk is False  # env overrides only what it names
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(source=["cpu"], chunk_size=0), "chunk_size"),
+    (dict(source=["cpu"], codec="zip"), "codec"),
+    (dict(source=["ftp://x"]), "tiers[0].url"),
+    (dict(source=[]), "tiers"),
+    (dict(source={"tiers": ["cpu"], "bogus": 1}), "bogus"),
+    (dict(source={"save_unfull_chunk": "yes"}), "save_unfull_chunk"),
+    (dict(source={"max_pending_store_bytes": "lots"}), "max_pending_store_bytes"),
+    (dict(source=42), "int"),
+])
+def test_bad_config_names_the_key(kwargs, message):
+    source = kwargs.pop("source")
+    with pytest.raises(ValueError) as err:
+        make_config(source, **kwargs)
+    assert message in str(err.value)
+
+
+def test_build_connector_passes_instances_through_and_needs_an_engine():
+    conn = build_connector(["cpu"], chunk_size=16)
+    try:
+        assert isinstance(conn, KVTierConnector) and conn.chunk_size == 16
+        assert build_connector(conn) is conn
+        with pytest.raises(ValueError, match="no overrides"):
+            build_connector(conn, chunk_size=32)
+        with pytest.raises(RuntimeError, match="register_model"):
+            conn.register_kv_caches([])
+    finally:
+        conn.shutdown()
