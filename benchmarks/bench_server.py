@@ -10,7 +10,8 @@ server is better), the only kind of number comparable across machines.
 
     .venv/bin/python benchmarks/bench_server.py [--quick]
 
-Writes benchmarks/results/server.json and server.md and prints the table.
+Writes benchmarks/results/server.json and server.md (server_quick.* with --quick) and prints
+the table.
 """
 
 from __future__ import annotations
@@ -207,8 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['metric']} | {r['unit']} | {r['kvtier']:.2f} | {r['redis']:.2f} | {r['ratio']:.2f}x |")
     table = "\n".join(lines)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "server.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / "server.md").write_text(
+    name = "server_quick" if args.quick else "server"  # a quick check never overwrites real figures
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(
         f"# bench_server{' (quick)' if args.quick else ''}\n\n"
         f"{num_chunks} chunks of {chunk_mb:.2f} MB per batch (real KV of the default model, raw codec), "
         f"loopback, one client thread.\n\n{table}\n")
