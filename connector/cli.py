@@ -1,8 +1,9 @@
 """Command-line flags that enable the connector (`kvtier generate`, examples, benchmarks).
 
-`--kv-tier URL` (repeatable, fastest first), `--chunk-size`, `--kv-codec`, `--config FILE`.
-With neither `--kv-tier` nor `--config`, there is no connector. Only argparse is imported at
-module level: the CLI builds every subcommand's parser on start-up.
+`--kv-tier URL` (repeatable, fastest first), `--chunk-size`, `--kv-codec`, `--config FILE`;
+CacheBlend: `--blend`, `--blend-ratio R`, `--blend-check-layer L`.
+With neither `--kv-tier`, `--config` nor `--blend`, there is no connector. Only argparse is
+imported at module level: the CLI builds every subcommand's parser on start-up.
 """
 
 from __future__ import annotations
@@ -27,12 +28,25 @@ def add_connector_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--config", default=None, metavar="FILE",
                    help="connector YAML (tiers, chunk_size, save_decode_tokens, ...); --kv-tier "
                         "replaces its tiers")
+    b = parser.add_argument_group("CacheBlend (reuse documents' KV in any position; prompt segments "
+                                  "separated by ' # # ')")
+    b.add_argument("--blend", action="store_true",
+                   help="blend segmented prompts (default tiers when no --kv-tier/--config)")
+    b.add_argument("--blend-ratio", type=float, default=None, metavar="R",
+                   help="fraction of segment tokens recomputed (default 0.15; 0 = plain reuse, 1 = full prefill)")
+    b.add_argument("--blend-check-layer", type=int, default=None, metavar="L",
+                   help="layer at which the recomputed tokens are selected (default 1)")
 
 
 def connector_from_args(args: argparse.Namespace) -> KVTierConnector | None:
     """Returns the connector the flags describe, or None when no tier or config is given.
     Raises ValueError naming the bad flag or config key."""
-    if not args.kv_tier and not args.config:
+    blend = getattr(args, "blend", False)
+    blend_knobs = {k: v for k, v in (("ratio", getattr(args, "blend_ratio", None)),
+                                      ("check_layer", getattr(args, "blend_check_layer", None))) if v is not None}
+    if blend_knobs and not blend:
+        raise ValueError("--blend-ratio/--blend-check-layer need --blend")
+    if not args.kv_tier and not args.config and not blend:
         if args.chunk_size is not None or args.kv_codec is not None:
             raise ValueError("--chunk-size/--kv-codec need a --kv-tier or --config")
         return None
@@ -49,4 +63,14 @@ def connector_from_args(args: argparse.Namespace) -> KVTierConnector | None:
         base.kvstore.tiers = [TierSpec.from_url(u, f"--kv-tier[{i}]") for i, u in enumerate(args.kv_tier)]
     if args.chunk_size is not None and args.chunk_size <= 0:
         raise ValueError(f"--chunk-size must be > 0, got {args.chunk_size}")
+    if blend or base.blend.enabled:
+        import dataclasses
+
+        from connector.blend.blend_connector import BlendConnector
+
+        try:
+            base.blend = dataclasses.replace(base.blend, enabled=True, **blend_knobs).validate()
+        except ValueError as exc:
+            raise ValueError(f"--blend: {exc}") from None
+        return BlendConnector(make_config(base, chunk_size=args.chunk_size, codec=args.kv_codec))
     return KVTierConnector(make_config(base, chunk_size=args.chunk_size, codec=args.kv_codec))
