@@ -28,8 +28,10 @@ default (`save_unfull_chunk`).
 
 from __future__ import annotations
 
-import threading
+import atexit
+import functools
 import time
+import weakref
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,10 +41,10 @@ import torch
 from connector.config import ConnectorConfig, make_config
 from connector.gather import gather_chunk, scatter_chunk, slots_for
 from connector.metrics import ConnectorMetrics, RequestKVMetrics, TierKVMetrics
+from connector.store_queue import StoreQueue
 from engine.kv_connector import KVConnectorBase
 from kvstore.keys import dtype_name, process_tokens
 from kvstore.storage_manager import StorageManager
-from kvstore.writer import BackgroundWriter
 
 if TYPE_CHECKING:
     from engine.attention_metadata import AttentionMetadata
@@ -110,12 +112,11 @@ class KVTierConnector(KVConnectorBase):
         self._to_load: dict[str, _Fetched] = {}  # admitted, load scheduled in this step
         self._saved_upto: dict[str, int] = {}  # per request: positions already considered
         self._meta: ConnectorMeta | None = None
-        self._writer = BackgroundWriter(self.config.kvstore.queue_size, "drop_new", "kvtier-connector-store")
-        self._pending_lock = threading.Condition()
-        self._pending_keys: dict[str, int] = {}
-        self._pending_bytes = 0
-        self._store_stream: Any = None
+        self._stores: StoreQueue | None = None  # created with the caches (needs their device)
         self._closed = False
+        # A script that never calls LLM.shutdown() still gets its queued stores written.
+        self._atexit = functools.partial(_shutdown_at_exit, weakref.ref(self))
+        atexit.register(self._atexit)
 
     # ---- set-up ----------------------------------------------------------------------
     def register_model(self, model_config: Any) -> None:
@@ -135,8 +136,8 @@ class KVTierConnector(KVConnectorBase):
         self.block_size = bs
         self._kv_dtype = dtype_name(kv_caches[0].dtype)
         self._bytes_per_token = mc.num_layers * two * h * d * kv_caches[0].element_size()
-        if kv_caches[0].device.type == "cuda":
-            self._store_stream = torch.cuda.Stream(kv_caches[0].device)
+        self._stores = StoreQueue(self.storage, self.config.kvstore.queue_size,
+                                  self.config.max_pending_store_bytes, kv_caches[0].device)
 
     def _spans(self, tokens: SequenceT[int], unfull: bool = True) -> list[Span]:
         """Returns every chunk span of `tokens` with its key (the partial last one if `unfull`)."""
@@ -175,7 +176,7 @@ class KVTierConnector(KVConnectorBase):
         candidates = [sp for sp in spans[first:] if sp[0] < limit]
         if not candidates:
             return 0
-        self._wait_pending([k for _, _, k in candidates])
+        self._stores.wait_for([k for _, _, k in candidates])
         num_hit = self.storage.prefix_hits([k for _, _, k in candidates])
         if num_hit == 0:
             return 0
@@ -248,8 +249,7 @@ class KVTierConnector(KVConnectorBase):
 
     def _not_stored(self, spans: list[Span]) -> list[Span]:
         """Returns the spans neither a tier nor a pending store holds (stored prefix skipped)."""
-        with self._pending_lock:
-            spans = [sp for sp in spans if sp[2] not in self._pending_keys]
+        spans = [sp for sp in spans if not self._stores.is_pending(sp[2])]
         if not spans:
             return spans
         return spans[self.storage.prefix_hits([k for _, _, k in spans]):]
@@ -302,62 +302,22 @@ class KVTierConnector(KVConnectorBase):
             self._store(save)
 
     def _store(self, save: SaveSpec) -> None:
+        """Gathers `save`'s chunks from the paged cache now and queues their put."""
         if not save.spans:
             return
         items = [(key, gather_chunk(self.kv_caches, slots_for(save.block_ids, self.block_size, s, e)))
                  for s, e, key in save.spans]
         nbytes = sum(kv.numel() * kv.element_size() for _, kv in items)
         ntokens = sum(e - s for s, e, _ in save.spans)
-        keys = [k for k, _ in items]
-        with self._pending_lock:
-            if self._pending_bytes + nbytes > self.config.max_pending_store_bytes:
-                self.metrics.add(save.request_id, dropped_store_bytes=nbytes)
-                return
-            self._pending_bytes += nbytes
-            for k in keys:
-                self._pending_keys[k] = self._pending_keys.get(k, 0) + 1
-        event = None
-        if self._store_stream is not None:  # the gather is queued on the compute stream
-            event = torch.cuda.Event()
-            event.record()
-
-        def job() -> None:
-            try:
-                if event is not None:
-                    with torch.cuda.stream(self._store_stream):
-                        self._store_stream.wait_event(event)
-                        self.storage.batched_put(items)
-                        self._store_stream.synchronize()
-                else:
-                    self.storage.batched_put(items)
-                self.metrics.add(save.request_id, stored_tokens=ntokens, bytes_stored=nbytes)
-            finally:
-                self._release_pending(keys, nbytes)
-
-        if not self._writer.submit(job):
-            self._release_pending(keys, nbytes)
-            self.metrics.add(save.request_id, dropped_store_bytes=nbytes)
-
-    def _release_pending(self, keys: list[str], nbytes: int) -> None:
-        with self._pending_lock:
-            self._pending_bytes -= nbytes
-            for k in keys:
-                left = self._pending_keys[k] - 1
-                if left:
-                    self._pending_keys[k] = left
-                else:
-                    del self._pending_keys[k]
-            self._pending_lock.notify_all()
-
-    def _wait_pending(self, keys: list[str]) -> None:
-        """Blocks until no key in `keys` has a store in flight (so a lookup sees our writes)."""
-        with self._pending_lock:
-            self._pending_lock.wait_for(lambda: not any(k in self._pending_keys for k in keys))
+        rid = save.request_id
+        done = functools.partial(self.metrics.add, rid, stored_tokens=ntokens, bytes_stored=nbytes)
+        if not self._stores.submit(items, done):
+            self.metrics.add(rid, dropped_store_bytes=nbytes)
 
     # ---- lifecycle and reporting ----------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until queued stores reached every tier; returns False on timeout."""
-        ok = self._writer.flush(timeout)
+        ok = self._stores is None or self._stores.flush(timeout)
         return self.storage.flush(timeout) and ok
 
     def shutdown(self) -> None:
@@ -365,7 +325,9 @@ class KVTierConnector(KVConnectorBase):
         if self._closed:
             return
         self._closed = True
-        self._writer.close(timeout=None)
+        atexit.unregister(self._atexit)
+        if self._stores is not None:
+            self._stores.close()
         self.storage.flush()
         if self._owns_storage:
             self.storage.close()
@@ -381,8 +343,13 @@ class KVTierConnector(KVConnectorBase):
 
     def pending_stores(self) -> int:
         """Returns how many gathered chunks wait for the store thread."""
-        with self._pending_lock:
-            return sum(self._pending_keys.values())
+        return 0 if self._stores is None else self._stores.pending()
+
+
+def _shutdown_at_exit(ref: weakref.ref[KVTierConnector]) -> None:
+    conn = ref()
+    if conn is not None:
+        conn.shutdown()
 
 
 def build_connector(config_or_urls: Any = None, *, storage: StorageManager | None = None,

@@ -1,0 +1,102 @@
+"""The connector's store queue: gathered chunks go to the storage manager on a background
+thread, so a step never waits for a tier; lookups can wait for the keys still in flight.
+
+Bounded twice: by job count (kvstore's `BackgroundWriter`, new jobs dropped when full) and by
+bytes held (`max_bytes`). A dropped store is counted and forgotten, never waited for.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvstore.storage_manager import StorageManager
+from kvstore.writer import BackgroundWriter
+
+Item = tuple[str, torch.Tensor]
+
+
+class StoreQueue:
+    """Pending stores with their keys and bytes. Thread-safe; counts never go negative."""
+
+    def __init__(self, storage: StorageManager, max_jobs: int, max_bytes: int,
+                 device: torch.device | None = None) -> None:
+        self.storage = storage
+        self.max_bytes = max_bytes
+        self._writer = BackgroundWriter(max_jobs, "drop_new", "kvtier-connector-store")
+        self._cond = threading.Condition()
+        self._keys: dict[str, int] = {}
+        self._bytes = 0
+        # On CUDA, puts copy device -> host on their own stream, after the gather's event.
+        self._stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
+
+    def submit(self, items: Sequence[Item], on_done: Callable[[], None] | None = None) -> bool:
+        """Queues `items` (chunks the caller no longer touches); returns False, having queued
+        nothing, if the byte or job bound is reached. `on_done` runs after a successful put."""
+        items = list(items)
+        keys = [k for k, _ in items]
+        nbytes = sum(kv.numel() * kv.element_size() for _, kv in items)
+        with self._cond:
+            if self._bytes + nbytes > self.max_bytes:
+                return False
+            self._bytes += nbytes
+            for k in keys:
+                self._keys[k] = self._keys.get(k, 0) + 1
+        event = None
+        if self._stream is not None:  # the gathers are queued on the compute stream
+            event = torch.cuda.Event()
+            event.record()
+
+        def job() -> None:
+            try:
+                if event is not None:
+                    with torch.cuda.stream(self._stream):
+                        self._stream.wait_event(event)
+                        self.storage.batched_put(items)
+                        self._stream.synchronize()
+                else:
+                    self.storage.batched_put(items)
+                if on_done is not None:
+                    on_done()
+            finally:
+                self._release(keys, nbytes)
+
+        if not self._writer.submit(job):
+            self._release(keys, nbytes)
+            return False
+        return True
+
+    def _release(self, keys: list[str], nbytes: int) -> None:
+        with self._cond:
+            self._bytes -= nbytes
+            for k in keys:
+                left = self._keys[k] - 1
+                if left:
+                    self._keys[k] = left
+                else:
+                    del self._keys[k]
+            self._cond.notify_all()
+
+    def is_pending(self, key: str) -> bool:
+        with self._cond:
+            return key in self._keys
+
+    def wait_for(self, keys: Sequence[str]) -> None:
+        """Blocks until no key in `keys` has a store in flight (read-your-writes)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not any(k in self._keys for k in keys))
+
+    def pending(self) -> int:
+        """Returns how many chunks wait to be stored."""
+        with self._cond:
+            return sum(self._keys.values())
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until every queued store has run; returns False on timeout."""
+        return self._writer.flush(timeout)
+
+    def close(self) -> None:
+        """Runs what is queued, then stops the thread."""
+        self._writer.close(timeout=None)
