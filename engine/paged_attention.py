@@ -57,7 +57,7 @@ class AttentionPlan:
     prefills: list[_Prefill]
     # Decode group: flat-batch rows (a slice when contiguous), the cache slot of every key
     # position `[B * max_len]` (padding repeats the sequence's first slot, so padded keys are
-    # finite: masked garbage could be NaN, and 0 * NaN poisons the output), key mask
+    # finite: masked garbage could be NaN, and 0 * NaN poisons the output), additive key mask
     # `[B, 1, 1, max_len]`.
     decode_rows: torch.Tensor | slice | None = None
     decode_slots: torch.Tensor | None = None
@@ -66,8 +66,9 @@ class AttentionPlan:
     decode_len: int = 0
 
 
-def build_plan(meta: AttentionMetadata, device: torch.device) -> AttentionPlan:
-    """Returns the plan for one step. Raises ValueError if the metadata is inconsistent."""
+def build_plan(meta: AttentionMetadata, device: torch.device,
+               dtype: torch.dtype = torch.float32) -> AttentionPlan:
+    """Returns the plan for one step (masks in `dtype`, the model's). Raises ValueError if the metadata is inconsistent."""
     qsl, seq_lens, bs = meta.query_start_loc, meta.seq_lens, meta.block_size
     if len(qsl) != len(seq_lens) + 1:
         raise ValueError(f"query_start_loc has {len(qsl)} entries for {len(seq_lens)} sequences")
@@ -105,13 +106,17 @@ def build_plan(meta: AttentionMetadata, device: torch.device) -> AttentionPlan:
         slots = torch.where(valid, slots, slots[:, :1])
         plan.decode_slots = slots.reshape(-1)
         plan.decode_batch, plan.decode_len = len(decode_seqs), n
-        plan.decode_mask = valid.view(len(lens), 1, 1, n)
+        # Additive float mask (0 / -inf), built once: SDPA would convert a bool one per layer.
+        zeros = torch.zeros(valid.shape, dtype=dtype, device=device)
+        plan.decode_mask = zeros.masked_fill(~valid, float("-inf")).view(len(lens), 1, 1, n)
     return plan
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
           mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-    """SDPA on `[..., H, L, D]` tensors with fewer kv heads than q heads (GQA)."""
+    """SDPA on `[H, L, D]` or `[B, H, L, D]` tensors with fewer kv heads than q heads (GQA)."""
+    if q.dim() == 3:  # the CPU flash kernel needs a batch dim (3-D falls back to math)
+        return _sdpa(q[None], k[None], v[None], scale, mask, causal)[0]
     groups = q.shape[-3] // k.shape[-3]
     if groups > 1:
         # Measured on torch 2.13 CPU: expanding kv heads beats enable_gqa=True by ~1.5x.
@@ -142,15 +147,28 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       scale, mask=p.mask)
         out[p.start:p.end] = o.transpose(0, 1)
     if plan.decode_batch:
-        b, n = plan.decode_batch, plan.decode_len
-        flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
-        kv = flat.index_select(1, plan.decode_slots).view(2, b, n, *kv_cache.shape[-2:])
-        kd = kv[0].transpose(1, 2).to(q.dtype)
-        vd = kv[1].transpose(1, 2).to(q.dtype)
-        qd = q[plan.decode_rows].unsqueeze(2)  # (B, Hq, 1, D)
-        o = _sdpa(qd, kd, vd, scale, mask=plan.decode_mask).squeeze(2)
+        o = _decode_attention(q[plan.decode_rows], kv_cache, plan, scale)
+        if plan.decode_batch == plan.num_tokens:  # decode-only step: no output copy
+            return o
         if isinstance(plan.decode_rows, slice):
             out[plan.decode_rows] = o
         else:
             out.index_copy_(0, plan.decode_rows, o)
     return out
+
+
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan,
+                      scale: float) -> torch.Tensor:
+    """One SDPA call for all decode rows `q` `[B, Hq, D]`; returns `[B, Hq, D]`.
+
+    With one query per sequence, the G query heads sharing a kv head can ride along as G
+    query "positions" of that kv head (`[B, Hkv, G, D]`): GQA without expanding K/V.
+    """
+    b, n = plan.decode_batch, plan.decode_len
+    h_kv, d = kv_cache.shape[-2:]
+    flat = kv_cache.view(2, -1, h_kv, d)
+    kv = flat.index_select(1, plan.decode_slots).view(2, b, n, h_kv, d).transpose(2, 3)
+    qg = q.reshape(b, h_kv, -1, d)
+    o = F.scaled_dot_product_attention(qg, kv[0].to(q.dtype), kv[1].to(q.dtype),
+                                       attn_mask=plan.decode_mask, scale=scale)
+    return o.reshape(b, -1, d)

@@ -122,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
         per layer, K after RoPE) and returns the final-normed hidden states `[T, hidden]`."""
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"expected {self.config.num_layers} kv caches, got {len(kv_caches)}")
-        plan = build_plan(attn_metadata, input_ids.device)
+        plan = build_plan(attn_metadata, input_ids.device, self.model.embed_tokens.weight.dtype)
         if plan.num_tokens != input_ids.shape[0]:
             raise ValueError(f"attn_metadata describes {plan.num_tokens} tokens, "
                              f"input_ids has {input_ids.shape[0]}")
