@@ -93,8 +93,8 @@ def gather_chunk(kv_caches: Sequence[torch.Tensor], slots: torch.Tensor) -> torc
     `slots` from every layer, on the caches' device and dtype (the caches are not changed)."""
     _check_caches(kv_caches)
     two, nb, bs, h, d = kv_caches[0].shape
-    slots = slots.to(kv_caches[0].device)
-    _check_slots(slots, nb * bs)
+    _check_slots(slots, nb * bs)  # before the move: host-side slots need no device sync
+    slots = slots.to(kv_caches[0].device, non_blocking=True)
     stacked = _stacked_view(kv_caches)
     if stacked is not None:
         return stacked.index_select(2, slots)
@@ -122,8 +122,8 @@ def scatter_chunk(
     if tuple(chunk.shape) != expected:
         raise ValueError(f"chunk shape {tuple(chunk.shape)} does not match expected {expected}")
     dev = kv_caches[0].device
-    slots = slots.to(dev)
     _check_slots(slots, nb * bs)
+    slots = slots.to(dev, non_blocking=True)
     chunk = chunk.to(device=dev, dtype=kv_caches[0].dtype, non_blocking=True)
     stacked = _stacked_view(kv_caches)
     if stacked is not None:
