@@ -22,7 +22,7 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def llm(default_model_path: Path) -> LLM:
-    return LLM(str(default_model_path), device="cpu", dtype="float32")
+    return LLM(str(default_model_path), device="cpu", dtype="float32", num_gpu_blocks=512)
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -102,7 +102,7 @@ def engine_prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 
 def test_chunked_and_prefix_cached_prefill_logits_match(default_model_path: Path, hf_default_model) -> None:
-    llm = LLM(str(default_model_path), device="cpu", max_num_batched_tokens=200)
+    llm = LLM(str(default_model_path), device="cpu", max_num_batched_tokens=200, num_gpu_blocks=64)
     ids = llm.tokenizer.encode(long_text(20))[:500]
     with torch.no_grad():
         want = hf_default_model(torch.tensor([ids])).logits[0].float()
@@ -120,7 +120,7 @@ def test_tiny_architectures_match_transformers(tmp_path: Path, model_type: str, 
 
     path = make_tiny_checkpoint(tmp_path, model_type=model_type, tokenizer_dir=default_model_path)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    llm = LLM(str(path), device="cpu", block_size=8, max_num_batched_tokens=64)
+    llm = LLM(str(path), device="cpu", block_size=8, max_num_batched_tokens=64, num_gpu_blocks=128)
     prompts = [[5, 17, 300, 41], list(range(1000, 1077)), [9] * 33]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)

@@ -1,0 +1,198 @@
+"""The connector protocol, exercised by a small in-memory connector that records every call.
+
+It saves each request's prompt K/V through `save_kv_layer` and loads it for a later request
+with the same prompt prefix through `start_load_kv`, so the test checks both the call order
+and that loaded tokens really replace compute (and really are read by the model).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.block_manager import request_slot_mapping
+from engine.kv_connector import KVConnectorBase
+from tests.engine.text import long_text
+
+pytestmark = pytest.mark.slow
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+@dataclass
+class StepMeta:
+    # (request id, slots, first position, count) to load / to save this step
+    loads: list[tuple[str, torch.Tensor, tuple[int, ...], int, int]] = field(default_factory=list)
+    saves: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+
+
+class RecordingConnector(KVConnectorBase):
+    def __init__(self, block_size: int = 16) -> None:
+        self.block_size = block_size
+        self.calls: list[tuple] = []
+        self.kv_caches: list[torch.Tensor] = []
+        self.store: dict[tuple[int, ...], list[torch.Tensor]] = {}  # prompt -> per layer [2, n, H, D]
+        self.pending: dict[str, tuple[tuple[int, ...], int, int, list[int]]] = {}
+        self.saving: dict[str, dict[int, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        self.meta: StepMeta | None = None
+        self.corrupt = False
+
+    def _flat(self, layer: torch.Tensor) -> torch.Tensor:
+        return layer.view(2, -1, layer.shape[-2], layer.shape[-1])
+
+    # scheduler side
+    def get_num_new_matched_tokens(self, seq, num_computed_tokens: int) -> int:
+        self.calls.append(("get_num_new_matched_tokens", seq.request_id, num_computed_tokens))
+        toks = tuple(seq.all_token_ids)
+        best = max((len(k) for k in self.store if toks[: len(k)] == k), default=0)
+        return max(0, best - num_computed_tokens)
+
+    def update_state_after_alloc(self, seq, block_ids, num_external_tokens) -> None:
+        self.calls.append(("update_state_after_alloc", seq.request_id, list(block_ids), num_external_tokens,
+                           seq.num_computed_tokens))
+        if num_external_tokens:
+            key = max((k for k in self.store if tuple(seq.all_token_ids[: len(k)]) == k), key=len)
+            self.pending[seq.request_id] = (key, seq.num_computed_tokens, num_external_tokens, list(block_ids))
+
+    def build_connector_meta(self, scheduler_output) -> StepMeta:
+        meta = StepMeta()
+        for r in scheduler_output.requests:
+            if r.request_id in self.pending:
+                key, start, n, blocks = self.pending.pop(r.request_id)
+                meta.loads.append((r.request_id, request_slot_mapping(blocks, self.block_size, start, start + n), key, start, n))
+            end = min(r.num_computed_tokens + r.num_new_tokens, r.num_prompt_tokens)
+            if end > r.num_computed_tokens:  # prompt tokens computed this step
+                meta.saves.append((r.request_id, request_slot_mapping(r.block_ids, self.block_size, r.num_computed_tokens, end)))
+        self.calls.append(("build_connector_meta", [(r.request_id, r.num_computed_tokens, r.num_new_tokens) for r in scheduler_output.requests]))
+        return meta
+
+    def request_finished(self, seq, block_ids) -> None:
+        self.calls.append(("request_finished", seq.request_id, list(block_ids)))
+        parts = self.saving.pop(seq.request_id, None)
+        if parts is not None:
+            kv = [torch.cat(parts[i], dim=1) for i in range(len(self.kv_caches))]
+            if kv[0].shape[1] == seq.num_prompt_tokens:  # whole prompt saved (not loaded)
+                self.store[tuple(seq.prompt_token_ids)] = kv
+
+    # worker side
+    def register_kv_caches(self, kv_caches) -> None:
+        self.calls.append(("register_kv_caches", len(kv_caches), tuple(kv_caches[0].shape)))
+        self.kv_caches = kv_caches
+
+    def bind_connector_metadata(self, metadata) -> None:
+        self.calls.append(("bind_connector_metadata",))
+        self.meta = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self.calls.append(("clear_connector_metadata",))
+        self.meta = None
+
+    def start_load_kv(self, attn_metadata) -> None:
+        self.calls.append(("start_load_kv", [(rid, start, n) for rid, _, _, start, n in self.meta.loads]))
+        for _rid, slots, key, start, n in self.meta.loads:
+            for layer, stored in zip(self.kv_caches, self.store[key]):
+                src = stored[:, start : start + n]
+                self._flat(layer)[:, slots] = torch.zeros_like(src) if self.corrupt else src.to(layer.dtype)
+
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        self.calls.append(("wait_for_layer_load", layer_idx))
+
+    def save_kv_layer(self, layer_idx, kv_layer, attn_metadata) -> None:
+        self.calls.append(("save_kv_layer", layer_idx))
+        for rid, slots in self.meta.saves:
+            self.saving[rid][layer_idx].append(self._flat(kv_layer)[:, slots].clone())
+
+    def wait_for_save(self) -> None:
+        self.calls.append(("wait_for_save",))
+
+    def shutdown(self) -> None:
+        self.calls.append(("shutdown",))
+
+
+@pytest.fixture(scope="module")
+def prompt(default_model_path: Path) -> dict:
+    from engine.model_loader import load_tokenizer
+
+    return {"prompt_token_ids": load_tokenizer(default_model_path).encode(long_text(6))[:203]}
+
+
+@pytest.fixture(scope="module")
+def reference(default_model_path: Path, prompt: dict) -> list[int]:
+    return LLM(str(default_model_path), device="cpu", num_gpu_blocks=64).generate(prompt, PARAMS)[0].outputs[0].token_ids
+
+
+def step_calls(calls: list[tuple]) -> list[list[tuple]]:
+    steps, cur = [], None
+    for c in calls:
+        if c[0] == "bind_connector_metadata":
+            cur = []
+        if cur is not None:
+            cur.append(c)
+        if c[0] == "clear_connector_metadata":
+            steps.append(cur)
+            cur = None
+    return steps
+
+
+def test_hooks_order_and_arguments(default_model_path: Path, prompt: dict, reference: list[int]) -> None:
+    conn = RecordingConnector()
+    llm = LLM(str(default_model_path), device="cpu", num_gpu_blocks=64, kv_connector=conn, enable_prefix_caching=False)
+    num_layers = llm.model_config.num_layers
+    assert conn.calls[0] == ("register_kv_caches", num_layers, (2, llm.get_stats()["num_gpu_blocks"], 16, 3, 64))
+    out = llm.generate(prompt, PARAMS)[0]
+    assert out.outputs[0].token_ids == reference and out.num_cached_tokens == 0
+    names = [c[0] for c in conn.calls]
+    assert names.count("get_num_new_matched_tokens") == 1 and names.count("update_state_after_alloc") == 1
+    assert conn.calls[names.index("update_state_after_alloc")][3] == 0
+    steps = step_calls(conn.calls)
+    assert len(steps) == len(reference)  # one prefill step, then one decode step per token
+    for s in steps:
+        layer_calls = [c for c in s if c[0] in ("wait_for_layer_load", "save_kv_layer")]
+        assert layer_calls == [(n, i) for i in range(num_layers) for n in ("wait_for_layer_load", "save_kv_layer")]
+        assert [c[0] for c in s][:2] == ["bind_connector_metadata", "start_load_kv"]
+        assert [c[0] for c in s][-2:] == ["wait_for_save", "clear_connector_metadata"]
+    # request_finished comes after the last step and before the blocks are freed.
+    fin = conn.calls[names.index("request_finished")]
+    assert len(fin[2]) == -(-(203 + 11) // 16)
+    assert names.index("request_finished") > max(i for i, n in enumerate(names) if n == "clear_connector_metadata")
+    assert tuple(prompt["prompt_token_ids"]) in conn.store
+    llm.shutdown()
+    assert conn.calls[-1] == ("shutdown",)
+
+
+def test_loaded_tokens_are_not_recomputed_and_are_used(default_model_path: Path, prompt: dict, reference: list[int]) -> None:
+    conn = RecordingConnector()
+    llm = LLM(str(default_model_path), device="cpu", num_gpu_blocks=64, kv_connector=conn, enable_prefix_caching=False)
+    llm.generate(prompt, PARAMS)
+    conn.calls.clear()
+    out = llm.generate(prompt, PARAMS)[0]
+    # All but the last prompt token come from the connector; only 1 token is computed.
+    assert out.num_cached_tokens == 202
+    assert out.outputs[0].token_ids == reference
+    first_step = step_calls(conn.calls)[0]
+    assert first_step[1][1] == [(out.request_id, 0, 202)]
+    assert ("build_connector_meta", [(out.request_id, 202, 1)]) in conn.calls
+    assert llm.get_stats()["connector_hit_tokens"] == 202
+    # Proof the model reads what was loaded: zeroed K/V changes the continuation.
+    conn.corrupt = True
+    bad = llm.generate(prompt, PARAMS)[0]
+    assert bad.num_cached_tokens == 202 and bad.outputs[0].token_ids != reference
+    stats = llm.get_stats()
+    assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
+
+
+def test_connector_only_asked_beyond_the_engine_prefix_cache(default_model_path: Path, prompt: dict, reference: list[int]) -> None:
+    conn = RecordingConnector()
+    llm = LLM(str(default_model_path), device="cpu", num_gpu_blocks=64, kv_connector=conn)
+    llm.generate(prompt, PARAMS)
+    conn.calls.clear()
+    out = llm.generate(prompt, PARAMS)[0]
+    (ask,) = [c for c in conn.calls if c[0] == "get_num_new_matched_tokens"]
+    assert ask[2] == 192  # 12 full blocks from the engine's own cache
+    (alloc,) = [c for c in conn.calls if c[0] == "update_state_after_alloc"]
+    assert alloc[3] == 10 and alloc[4] == 192  # the connector loads 192..202; 202 is computed
+    assert out.num_cached_tokens == 202 and out.outputs[0].token_ids == reference
