@@ -115,6 +115,8 @@ class BlendConnector(KVTierConnector):
         if end <= num_computed_tokens:
             return 0
         self._blend_plans[rid] = _BlendJob(rid, num_computed_tokens, end, context_segments(lens))
+        m = self.metrics.live(rid)
+        m.num_prompt_tokens, m.engine_hit_tokens = seq.num_prompt_tokens, num_computed_tokens
         return end - num_computed_tokens
 
     def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_external_tokens: int) -> None:
@@ -127,6 +129,7 @@ class BlendConnector(KVTierConnector):
         job.end = min(job.end, job.start + num_external_tokens)
         self._to_blend[seq.request_id] = job
         self._blended.add(seq.request_id)
+        self.metrics.add(seq.request_id, connector_hit_tokens=job.end - job.start)
         # Exact: the engine's own hit, and the first segment (standalone at position 0 it is
         # what a full prefill computes). Nothing past it may be shared.
         first = job.segments[0]
@@ -197,6 +200,9 @@ class BlendConnector(KVTierConnector):
         s.blended_tokens += job.end - job.start
         s.recomputed_tokens += recomputed
         s.blend_seconds += time.perf_counter() - t0
+        # load_seconds of a blend: fetch (or standalone compute), re-rotation, scatter, recompute.
+        self.metrics.add(job.request_id, load_seconds=time.perf_counter() - t0,
+                         bytes_loaded=cached.numel() * cached.element_size())
 
     def _segment_kv(self, tokens: list[int]) -> torch.Tensor:
         """Returns a segment's standalone K/V `(L, 2, n, H, D)`: from the tiers when every chunk

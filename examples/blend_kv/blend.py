@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from connector.blend import BlendConfig, build_blend_connector  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from qa_dataset import chat_segments, make_documents, Question  # noqa: E402
+from qa_dataset import FACT_KINDS, Question, chat_segments, make_documents  # noqa: E402
 
 
 def ttft(out) -> float:
@@ -32,9 +32,15 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.15, help="fraction of document tokens recomputed")
     ap.add_argument("--check-layer", type=int, default=1)
     ap.add_argument("--doc-tokens", type=int, default=256, help="approximate tokens per document")
-    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (1 avoids thread thrashing on an oversubscribed machine)")
     args = ap.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     conn = build_blend_connector("cpu", blend=BlendConfig(ratio=args.ratio, check_layer=args.check_layer))
     blend = LLM(kv_connector=conn, device=args.device)
@@ -44,12 +50,12 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
     def question(order: tuple[int, ...]) -> Question:
-        return Question(f"What is the access code for the {docs[1].site}?", docs[1].code, order, 1)
+        return Question(FACT_KINDS[docs[1].kind][1].format(site=docs[1].site), docs[1].value, order, 1)
 
     warm = blend.generate([chat_segments(tok, docs, question((0, 1, 2)))], params)[0]
     print(f"warm-up (segments computed and stored): {len(warm.prompt_token_ids)} prompt tokens, "
           f"TTFT {ttft(warm):.3f}s, segment stats {conn.blend_stats()}")
-    print(f"expected answer: {docs[1].code}\n")
+    print(f"question: {question((0, 1, 2)).question}  expected answer: {docs[1].value}\n")
     print(f"{'order':<10} {'blend TTFT':>11} {'full TTFT':>10} {'speed-up':>9}  answers (blend | full)")
     for order in itertools.islice(itertools.permutations(range(3)), 1, 5):
         segments = chat_segments(tok, docs, question(order))

@@ -1,12 +1,12 @@
 """A deterministic multi-document QA set for CacheBlend evaluation, generated here (no download).
 
 Each document is ~`doc_tokens` tokens of neutral filler about one site, with one planted fact
-("The access code for the north warehouse is 4817."). Each question asks for one site's code;
-its context is `docs_per_question` documents from a shared pool (the answer in one of them),
-in a seeded order, so documents recur across questions in different positions, as in RAG.
+("The access code for the north warehouse is 4817.", "The manager of the river depot is Ines
+Kovac.", ...). Each question asks for one document's fact; its context is `docs_per_question`
+documents from a shared pool, the answer in one of them and every other document holding a
+fact of another kind (so the answer is findable, not a guess between look-alikes), in a seeded
+order, so documents recur across questions in different positions, as in RAG.
 """
-
-from __future__ import annotations
 
 import random
 from collections.abc import Callable
@@ -42,6 +42,22 @@ FILLER = [
     "The floors are swept every evening, and the bins are emptied on Tuesdays and Fridays.",
 ]
 
+# (fact sentence, question, value maker): one kind of planted fact each.
+FACT_KINDS: list[tuple[str, str, Callable[[random.Random], str]]] = [
+    ("The access code for the {site} is {value}.", "What is the access code for the {site}?",
+     lambda r: str(r.randint(1000, 9999))),
+    ("The manager of the {site} is {value}.", "Who is the manager of the {site}?",
+     lambda r: r.choice(["Ines Kovac", "Tomas Berg", "Alma Reyes", "Jonas Weber", "Mira Ito", "Paul Okafor"])),
+    ("The front door of the {site} is painted {value}.", "What colour is the front door of the {site}?",
+     lambda r: r.choice(["green", "orange", "purple", "yellow", "red", "blue"])),
+    ("The {site} was founded in {value}.", "In which year was the {site} founded?",
+     lambda r: str(r.randint(1850, 1990))),
+    ("The nearest town to the {site} is {value}.", "What is the nearest town to the {site}?",
+     lambda r: r.choice(["Dunmore", "Kestrel Bay", "Ashford", "Lindholm", "Marrow", "Pell"])),
+    ("The mascot of the {site} is a {value}.", "What animal is the mascot of the {site}?",
+     lambda r: r.choice(["fox", "heron", "badger", "otter", "owl", "lynx"])),
+]
+
 SYSTEM = ("You answer questions using only the documents the user provides. "
           "Reply with the requested value only.")
 
@@ -49,7 +65,8 @@ SYSTEM = ("You answer questions using only the documents the user provides. "
 @dataclass(frozen=True)
 class Document:
     site: str
-    code: str
+    kind: int  # index into FACT_KINDS
+    value: str
     text: str
 
 
@@ -63,37 +80,47 @@ class Question:
 
 def make_documents(num_docs: int, doc_tokens: int, count_tokens: Callable[[str], int],
                    seed: int = 0) -> list[Document]:
-    """Returns `num_docs` documents of about `doc_tokens` tokens (per `count_tokens`), each with
-    one planted access-code fact at a seeded sentence position."""
+    """Returns `num_docs` documents of about `doc_tokens` tokens (per `count_tokens`); document
+    i plants one fact of kind `i % len(FACT_KINDS)` at a seeded sentence position."""
     if not 1 <= num_docs <= len(SITES):
         raise ValueError(f"num_docs must be in [1, {len(SITES)}], got {num_docs}")
     rng = random.Random(seed)
     docs = []
-    for site in SITES[:num_docs]:
-        code = str(rng.randint(1000, 9999))
+    for i, site in enumerate(SITES[:num_docs]):
+        kind = i % len(FACT_KINDS)
+        fact, _q, make_value = FACT_KINDS[kind]
+        value = make_value(rng)
         sentences = [f"This report describes the {site}."]
         while count_tokens(" ".join(sentences)) < doc_tokens:
             sentences.append(rng.choice(FILLER))
-        sentences.insert(rng.randint(1, len(sentences)), f"The access code for the {site} is {code}.")
-        docs.append(Document(site, code, " ".join(sentences)))
+        sentences.insert(rng.randint(1, len(sentences)), fact.format(site=site, value=value))
+        docs.append(Document(site, kind, value, " ".join(sentences)))
     return docs
 
 
 def make_questions(docs: list[Document], num_questions: int, docs_per_question: int,
                    seed: int = 0) -> list[Question]:
-    """Returns `num_questions` questions; each picks its answer document round-robin and
-    `docs_per_question - 1` distractors from the pool, in a seeded order."""
-    if not 1 <= docs_per_question <= len(docs):
-        raise ValueError(f"docs_per_question must be in [1, {len(docs)}], got {docs_per_question}")
+    """Returns `num_questions` questions; each takes its answer document round-robin and
+    `docs_per_question - 1` distractors of other fact kinds (distinct kinds) from the pool, in a
+    seeded order."""
+    kinds = {d.kind for d in docs}
+    if not 1 <= docs_per_question <= len(kinds):
+        raise ValueError(f"docs_per_question must be in [1, {len(kinds)}] (fact kinds in the pool), "
+                         f"got {docs_per_question}")
     rng = random.Random(seed + 1)
     out = []
     for i in range(num_questions):
         answer = i % len(docs)
-        others = rng.sample([j for j in range(len(docs)) if j != answer], docs_per_question - 1)
-        ids = [answer, *others]
+        ids, used = [answer], {docs[answer].kind}
+        for j in rng.sample(range(len(docs)), len(docs)):
+            if len(ids) == docs_per_question:
+                break
+            if docs[j].kind not in used:
+                ids.append(j)
+                used.add(docs[j].kind)
         rng.shuffle(ids)
-        out.append(Question(f"What is the access code for the {docs[answer].site}?", docs[answer].code,
-                            tuple(ids), answer))
+        d = docs[answer]
+        out.append(Question(FACT_KINDS[d.kind][1].format(site=d.site), d.value, tuple(ids), answer))
     return out
 
 

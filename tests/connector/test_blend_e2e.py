@@ -106,6 +106,8 @@ def test_ratio_one_gives_full_prefill_tokens(default_model_path, segments, refer
     st = conn.blend_stats()
     assert st["requests"] == 1 and st["recomputed_tokens"] == st["blended_tokens"] > 0
     assert out.num_cached_tokens == st["blended_tokens"]  # the engine computed only the query
+    m = conn.request_metrics(out.request_id)
+    assert m is not None and m.connector_hit_tokens == st["blended_tokens"] and m.load_seconds > 0
     assert_idle(llm, conn)
 
 

@@ -93,3 +93,75 @@ def test_blend_config_check_layer_must_exist_in_model():
     assert BlendConfig.from_dict(True).enabled
     with pytest.raises(ValueError, match="blend.check_layer"):
         BlendConfig(check_layer=30).validate(num_layers=30)
+
+
+def test_blend_recompute_in_a_paged_cache(default_model, tokenizer):
+    """ratio 1 turns standalone segment K/V into exactly the full prefill's K/V; a narrowed
+    selection rewrites only its tokens; positions before `start` (exact) are never touched."""
+    from connector.blend.executor import blend_recompute
+    from connector.gather import gather_chunk, scatter_chunk, slots_for
+
+    model, mc = default_model
+    segs = [tokenizer.encode("Short system prompt for the test.\n"),
+            tokenizer.encode(long_text(1)), tokenizer.encode(long_text(2)[-120:])]
+    ids = [t for s in segs for t in s]
+    n, bs, start = len(ids), 16, 16
+    nb = -(-n // bs)
+    block_ids = list(reversed(range(nb)))  # a non-trivial block table
+    inv_freq = model.model.rotary.inv_freq
+    full = compute_segment_kv(model, ids)  # what a full prefill writes
+    offsets = [0, len(segs[0]), len(segs[0]) + len(segs[1])]
+    cached = torch.cat([rerotate_kv(compute_segment_kv(model, s), o, inv_freq) for s, o in zip(segs, offsets)], dim=2)
+    cached[:, :, :start] = full[:, :, :start]  # the engine's exact prefix-cache hit
+    slots = slots_for(block_ids, bs, 0, n)
+
+    def fresh_caches() -> list[torch.Tensor]:
+        caches = [torch.zeros(2, nb, bs, mc.num_kv_heads, mc.head_size) for _ in range(mc.num_layers)]
+        scatter_chunk(caches, slots, cached)
+        return caches
+
+    caches = fresh_caches()
+    assert blend_recompute(model, caches, block_ids, bs, ids[start:], start, n, ratio=1.0) == n - start
+    torch.testing.assert_close(gather_chunk(caches, slots), full, atol=1e-4, rtol=1e-4)
+
+    caches = fresh_caches()
+    kept = blend_recompute(model, caches, block_ids, bs, ids[start:], start, n, ratio=0.3, narrowing=[(6, 0.1)])
+    assert kept == -(-(n - start) // 10)
+    got = gather_chunk(caches, slots)
+    assert torch.equal(got[:, :, :start], cached[:, :, :start])
+    torch.testing.assert_close(got[0], full[0], atol=1e-4, rtol=1e-4)  # below the check layer: all fresh
+    changed = (got != cached).any(-1).any(-1).any(1)  # [layers, tokens]
+    assert 0 < int(changed[3].sum()) <= -(-(n - start) * 3 // 10)
+    assert 0 < int(changed[10].sum()) <= kept
+    before = gather_chunk(caches, slots)
+    assert blend_recompute(model, caches, block_ids, bs, ids[start:], start, n, ratio=0.0) == 0
+    assert torch.equal(gather_chunk(caches, slots), before)  # ratio 0: the cache is left as is
+
+
+def test_blend_from_connector_config_and_cli_flags():
+    import argparse
+
+    from connector.blend import BlendConnector
+    from connector.cli import add_connector_arguments, connector_from_args
+    from connector.config import ConnectorConfig
+    from connector.kvtier_connector import KVTierConnector, build_connector
+
+    cfg = ConnectorConfig.from_dict({"tiers": ["cpu"], "blend": {"enabled": True, "ratio": 0.3}})
+    conn = build_connector(cfg)
+    assert isinstance(conn, BlendConnector) and conn.blend.ratio == 0.3 and conn.segment_separator == " # # "
+    conn.shutdown()
+    plain = build_connector("cpu")
+    assert type(plain) is KVTierConnector and plain.segment_separator is None
+    plain.shutdown()
+    with pytest.raises(ValueError, match="blend.check_layer"):
+        ConnectorConfig.from_dict({"blend": {"check_layer": "one"}})
+
+    ap = argparse.ArgumentParser()
+    add_connector_arguments(ap)
+    conn = connector_from_args(ap.parse_args(["--blend", "--blend-ratio", "0.05", "--blend-check-layer", "2"]))
+    assert isinstance(conn, BlendConnector) and (conn.blend.ratio, conn.blend.check_layer) == (0.05, 2)
+    conn.shutdown()
+    with pytest.raises(ValueError, match="--blend-ratio"):
+        connector_from_args(ap.parse_args(["--blend-ratio", "0.2"]))
+    with pytest.raises(ValueError, match="blend.ratio"):
+        connector_from_args(ap.parse_args(["--blend", "--blend-ratio", "1.5"]))
