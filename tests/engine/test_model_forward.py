@@ -148,6 +148,37 @@ def test_mixed_batch_fresh_cached_and_decode(default_model, default_model_path: 
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
 
 
+def test_greedy_chat_matches_generate(default_model, hf_default_model,
+                                      default_model_path: Path) -> None:
+    from engine.model_loader import load_tokenizer
+    model, cfg = default_model
+    tok = load_tokenizer(default_model_path)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Name three primary colours."}],
+                                     add_generation_prompt=True, tokenize=False)
+    ids = tok(prompt)["input_ids"]
+    with torch.inference_mode():
+        ref = hf_default_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24,
+                                        pad_token_id=cfg.eos_token_ids[0])[0, len(ids):].tolist()
+    ref = ref[:ref.index(cfg.eos_token_ids[0]) + 1] if cfg.eos_token_ids[0] in ref else ref
+    got = PagedDriver(model).greedy(0, ids, len(ref))
+    assert got == ref and len(ref) > 3
+
+
+def test_bfloat16_matches_transformers_bfloat16(default_model_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+    ours, _ = load_model(default_model_path, torch.device("cpu"), torch.bfloat16)
+    assert ours.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    hf = AutoModelForCausalLM.from_pretrained(str(default_model_path), dtype=torch.bfloat16).eval()
+    ids = _prompt_ids(default_model_path, 150, seed=4)
+    d = PagedDriver(ours)
+    got = d.step([(0, ids)])[0]
+    assert d.kv_caches[0].dtype == torch.bfloat16 and got.dtype == torch.float32
+    ref = _hf_logits(hf, ids)
+    # Same op order as transformers in bf16; allow a few bf16 ulps at logit scale.
+    torch.testing.assert_close(got, ref, atol=0.1, rtol=0)
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.97
+
+
 class RecordingConnector:
     """A real (minimal) worker-side connector that records the hook calls it receives."""
 
