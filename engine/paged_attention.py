@@ -73,6 +73,12 @@ def build_plan(meta: AttentionMetadata, device: torch.device,
     if len(qsl) != len(seq_lens) + 1:
         raise ValueError(f"query_start_loc has {len(qsl)} entries for {len(seq_lens)} sequences")
     plan = AttentionPlan(num_tokens=qsl[-1], prefills=[])
+    if meta.slot_mapping.shape[0] != plan.num_tokens:
+        raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} entries for "
+                         f"{plan.num_tokens} tokens")
+    if seq_lens and max(seq_lens) > meta.block_tables.shape[1] * bs:
+        raise ValueError(f"block_tables has {meta.block_tables.shape[1]} blocks per sequence, "
+                         f"too few for seq_len {max(seq_lens)} at block_size {bs}")
     decode_seqs: list[int] = []
     for i, seq_len in enumerate(seq_lens):
         start, end = qsl[i], qsl[i + 1]

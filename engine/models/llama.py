@@ -123,9 +123,9 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"expected {self.config.num_layers} kv caches, got {len(kv_caches)}")
         plan = build_plan(attn_metadata, input_ids.device, self.model.embed_tokens.weight.dtype)
-        if plan.num_tokens != input_ids.shape[0]:
-            raise ValueError(f"attn_metadata describes {plan.num_tokens} tokens, "
-                             f"input_ids has {input_ids.shape[0]}")
+        if not plan.num_tokens == input_ids.shape[0] == positions.shape[0]:
+            raise ValueError(f"attn_metadata describes {plan.num_tokens} tokens, input_ids has "
+                             f"{input_ids.shape[0]}, positions {positions.shape[0]}")
         x = self.model.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(x, positions, kv_cache, attn_metadata, plan)

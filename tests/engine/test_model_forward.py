@@ -216,6 +216,19 @@ def test_inconsistent_metadata_is_value_error(default_model) -> None:
         model(torch.tensor([1, 2, 3]), torch.arange(3), kv, meta)
     with pytest.raises(ValueError, match="kv caches"):
         model(torch.tensor([1, 2, 3]), torch.arange(3), kv[:2], meta)
+    short_table = AttentionMetadata(slot_mapping=torch.arange(20), block_tables=torch.zeros(1, 1, dtype=torch.long),
+                                    query_start_loc=[0, 20], seq_lens=[20], block_size=BLOCK)
+    with pytest.raises(ValueError, match="block_tables"):
+        model(torch.arange(20), torch.arange(20), kv, short_table)
+    ok = AttentionMetadata(slot_mapping=torch.arange(3), block_tables=torch.zeros(1, 1, dtype=torch.long),
+                           query_start_loc=[0, 3], seq_lens=[3], block_size=BLOCK)
+    with pytest.raises(ValueError, match="positions"):
+        model(torch.tensor([1, 2, 3]), torch.arange(2), kv, ok)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        model(torch.tensor([1, 2]), torch.arange(2), kv,
+              AttentionMetadata(slot_mapping=torch.arange(3), block_tables=ok.block_tables,
+                                query_start_loc=[0, 2], seq_lens=[2], block_size=BLOCK))
+    assert all(bool((c == 0).all()) for c in kv)  # rejected before anything was written
 
 
 # ---------------------------------------------------------------- tiny random architectures
