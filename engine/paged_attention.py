@@ -43,7 +43,8 @@ def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor,
 class _Prefill:
     start: int
     end: int
-    # Cached-context prefills only: the sequence's block ids and its [q_len, seq_len] mask.
+    # Cached-context prefills only: the sequence's block ids and its additive causal mask
+    # [q_len, seq_len] (query i sees keys 0..context_len + i).
     block_ids: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     seq_len: int = 0
@@ -94,7 +95,8 @@ def build_plan(meta: AttentionMetadata, device: torch.device,
             n_blocks = -(-seq_len // bs)
             block_ids = meta.block_tables[i, :n_blocks].to(device)
             q_pos = torch.arange(ctx, seq_len, device=device).unsqueeze(1)
-            mask = torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
+            future = torch.arange(seq_len, device=device).unsqueeze(0) > q_pos
+            mask = _additive(future, dtype)
             plan.prefills.append(_Prefill(start, end, block_ids, mask, seq_len))
     if decode_seqs:
         rows = [qsl[i] for i in decode_seqs]
@@ -112,10 +114,15 @@ def build_plan(meta: AttentionMetadata, device: torch.device,
         slots = torch.where(valid, slots, slots[:, :1])
         plan.decode_slots = slots.reshape(-1)
         plan.decode_batch, plan.decode_len = len(decode_seqs), n
-        # Additive float mask (0 / -inf), built once: SDPA would convert a bool one per layer.
-        zeros = torch.zeros(valid.shape, dtype=dtype, device=device)
-        plan.decode_mask = zeros.masked_fill(~valid, float("-inf")).view(len(lens), 1, 1, n)
+        plan.decode_mask = _additive(~valid, dtype).view(len(lens), 1, 1, n)
     return plan
+
+
+def _additive(blocked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Returns a 0 / -inf mask of `dtype`; built once per step, since SDPA would convert a
+    bool mask again in every layer."""
+    zeros = torch.zeros(blocked.shape, dtype=dtype, device=blocked.device)
+    return zeros.masked_fill(blocked, float("-inf"))
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
