@@ -127,6 +127,9 @@ class KVTierConnector(KVConnectorBase):
             raise RuntimeError("register_model must be called before register_kv_caches")
         if not kv_caches:
             raise ValueError("kv_caches is empty")
+        if self._stores is not None:
+            raise ValueError("this connector already serves an engine; build one per LLM "
+                             "(share tiers by passing the same StorageManager)")
         mc = self.model_config
         two, _nb, bs, h, d = kv_caches[0].shape
         if len(kv_caches) != mc.num_layers or (h, d) != (mc.num_kv_heads, mc.head_size):

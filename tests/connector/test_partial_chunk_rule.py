@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from connector.gather import gather_chunk
@@ -46,4 +47,13 @@ def test_load_straddling_the_engine_hit_is_sliced(tmp_path: Path, default_model_
     assert not set((loads[0].slots // 16).tolist()) & set(cached_ids.tolist())
     got = gather_chunk(llm.engine.runner.kv_caches, loads[0].slots)
     assert torch.equal(got, poisoned[:, :, 112 - 96:117 - 96])
+    llm.shutdown()
+
+
+def test_a_connector_serves_one_engine(tmp_path: Path, default_model_path: Path):
+    model = make_tiny_checkpoint(tmp_path, "llama", seed=0, tokenizer_dir=default_model_path)
+    conn = build_connector(["cpu"], chunk_size=48)
+    llm = LLM(str(model), device="cpu", num_gpu_blocks=8, kv_connector=conn)
+    with pytest.raises(ValueError, match="already serves an engine"):
+        LLM(str(model), device="cpu", num_gpu_blocks=8, kv_connector=conn)
     llm.shutdown()
