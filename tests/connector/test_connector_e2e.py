@@ -63,10 +63,12 @@ def tier_url(tier: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
         return f"disk://{tmp_path / 'kv'}"
     if tier == "redis":
         return request.getfixturevalue("redis_server").url
+    if tier == "kvtier":
+        return request.getfixturevalue("cache_server").url
     return tier
 
 
-@pytest.mark.parametrize("tier", ["device", "cpu", "disk", "redis"])
+@pytest.mark.parametrize("tier", ["device", "cpu", "disk", "redis", "kvtier"])
 def test_reuse_gives_identical_tokens_on_each_tier(tier, default_model_path, prompt_ids, reference,
                                                    tmp_path, request):
     conn = build_connector([tier_url(tier, tmp_path, request)], chunk_size=CHUNK)
