@@ -138,41 +138,44 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies HF-named tensors into our (fused) parameters. Raises ValueError on an unknown
-        name, a shape mismatch, or any parameter left unloaded."""
-        params = dict(self.named_parameters())
-        loaded: dict[str, set[int]] = {}
+        name, a shape mismatch, or any parameter (or fused shard) left unloaded."""
         cfg = self.config
         shard_sizes = {".qkv_proj.": [cfg.q_size, cfg.kv_size, cfg.kv_size],
                        ".gate_up_proj.": [cfg.intermediate_size] * 2}
+        params = dict(self.named_parameters())
+        # Every (parameter, shard) the checkpoint must provide; shard None = the whole tensor.
+        expected: set[tuple[str, int | None]] = set()
+        for n in params:
+            fused = next((f for f in shard_sizes if f in n), None)
+            if fused is None:
+                expected.add((n, None))
+            else:
+                expected.update((n, i) for i in range(len(shard_sizes[fused])))
+        loaded: set[tuple[str, int | None]] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints still carry a copy
-            target, shard = name, None
-            for frag, (fused, idx) in self._FUSED.items():
+            target, fused, shard = name, None, None
+            for frag, (fused_frag, idx) in self._FUSED.items():
                 if frag in name:
-                    target, shard = name.replace(frag, fused), idx
+                    target, fused, shard = name.replace(frag, fused_frag), fused_frag, idx
                     break
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
+            dst = param
+            if fused is not None:
+                sizes = shard_sizes[fused]
+                dst = param.narrow(0, sum(sizes[:shard]), sizes[shard])
+            _check_shape(name, tensor, dst.shape)
             with torch.no_grad():
-                if shard is None:
-                    _check_shape(name, tensor, param.shape)
-                    param.copy_(tensor)
-                else:
-                    sizes = shard_sizes[fused]
-                    offset = sum(sizes[:shard])
-                    dst = param.narrow(0, offset, sizes[shard])
-                    _check_shape(name, tensor, dst.shape)
-                    dst.copy_(tensor)
-            loaded.setdefault(target, set()).add(-1 if shard is None else shard)
-        missing = [n for n in params if n not in loaded]
-        partial = [n for n, s in loaded.items() if -1 not in s and len(s) != len(shard_sizes[
-            ".qkv_proj." if ".qkv_proj." in n else ".gate_up_proj."])]
-        if missing or partial:
-            raise ValueError(f"checkpoint is missing weights for {sorted(missing + partial)[:8]}")
+                dst.copy_(tensor)
+            loaded.add((target, shard))
+        missing = sorted({n for n, _ in expected - loaded})
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for {missing[:8]}")
 
 
 def _check_shape(name: str, tensor: torch.Tensor, shape: torch.Size) -> None:

@@ -274,6 +274,20 @@ def test_tiny_greedy_decode_matches_generate(tiny_pair) -> None:
     assert PagedDriver(ours).greedy(0, prompt, 20) == ref
 
 
+def test_incomplete_or_misshapen_checkpoint_is_value_error(tmp_path: Path,
+                                                          default_model_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+    ckpt = make_tiny_checkpoint(tmp_path, "qwen2", tokenizer_dir=default_model_path)
+    f = ckpt / "model.safetensors"
+    tensors = load_file(f)
+    save_file({k: v for k, v in tensors.items() if k != "model.layers.1.self_attn.k_proj.bias"}, f)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.qkv_proj\.bias"):
+        load_model(ckpt, torch.device("cpu"), torch.float32)
+    save_file({**tensors, "model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)}, f)
+    with pytest.raises(ValueError, match="up_proj.weight.*shape"):
+        load_model(ckpt, torch.device("cpu"), torch.float32)
+
+
 # ---------------------------------------------------------------- rotary
 
 def test_rerotate_moves_keys_between_positions() -> None:
