@@ -274,6 +274,21 @@ def test_tiny_greedy_decode_matches_generate(tiny_pair) -> None:
     assert PagedDriver(ours).greedy(0, prompt, 20) == ref
 
 
+def test_sharded_checkpoint_loads_like_single_file(tmp_path: Path,
+                                                   default_model_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+    ckpt = make_tiny_checkpoint(tmp_path, "mistral", tokenizer_dir=default_model_path,
+                                sliding_window=None)
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(str(ckpt)).save_pretrained(sharded, max_shard_size="2MB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    a, _ = load_model(ckpt, torch.device("cpu"), torch.float32)
+    b, _ = load_model(sharded, torch.device("cpu"), torch.float32)
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert na == nb and torch.equal(pa, pb)
+
+
 def test_incomplete_or_misshapen_checkpoint_is_value_error(tmp_path: Path,
                                                           default_model_path: Path) -> None:
     from safetensors.torch import load_file, save_file
