@@ -42,14 +42,20 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_out_bias)
         self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, plan: AttentionPlan) -> torch.Tensor:
+    def project_qkv(self, x: torch.Tensor,
+                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns q `[T, Hq, D]`, k (after RoPE) and v `[T, Hkv, D]` for normed hidden states
+        `x` `[T, hidden]` at `positions` `[T]` (views into one fused projection)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_size)
         qk_heads = self.num_heads + self.num_kv_heads
         qk = apply_rotary(qkv[:, :qk_heads], positions, self.rotary.cos_sin_cache(x.device, x.dtype))
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, qk_heads:]
+        return qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, qk_heads:]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, plan: AttentionPlan) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.project_qkv(x, positions)
         connector = meta.kv_connector
         if connector is not None:  # loaded context must be in place before we read the cache
             connector.wait_for_layer_load(self.layer_idx)
