@@ -102,6 +102,7 @@ def test_max_model_len_above_the_model_limit(default_model_path: Path) -> None:
 
 def test_unsupported_architecture_names_it(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "model.safetensors").write_bytes(b"")  # weights present; only the architecture is wrong
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         LLM(str(tmp_path), device="cpu")
     with pytest.raises(ValueError, match="not a local Hugging Face checkpoint"):

@@ -67,5 +67,6 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None
 
 def test_unsupported_architecture_exit_2(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "model.safetensors").write_bytes(b"")  # weights present; only the architecture is wrong
     r = kvtier("hi", "--model", str(tmp_path), "--device", "cpu")
     assert r.returncode == 2 and "GPT2LMHeadModel" in r.stderr and len(r.stderr.strip().splitlines()) == 1
