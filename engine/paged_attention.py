@@ -69,7 +69,8 @@ class AttentionPlan:
 
 def build_plan(meta: AttentionMetadata, device: torch.device,
                dtype: torch.dtype = torch.float32) -> AttentionPlan:
-    """Returns the plan for one step (masks in `dtype`, the model's). Raises ValueError if the metadata is inconsistent."""
+    """Returns the plan for one step (masks in `dtype`, the model's). Raises ValueError if
+    the metadata is inconsistent, before anything is written to the cache."""
     qsl, seq_lens, bs = meta.query_start_loc, meta.seq_lens, meta.block_size
     if len(qsl) != len(seq_lens) + 1:
         raise ValueError(f"query_start_loc has {len(qsl)} entries for {len(seq_lens)} sequences")
