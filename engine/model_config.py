@@ -89,6 +89,7 @@ class ModelConfig:
         if not cfg_file.is_file():
             raise ValueError(f"{path}: not a Hugging Face checkpoint dir (no config.json)")
         hf = json.loads(cfg_file.read_text())
+        _check_architecture(hf)  # before touching weights: the clearest error comes first
         eos = _collect_eos_ids(path, hf)
         return cls.from_hf_dict(hf, weights_identity=weights_identity(path), eos_token_ids=eos,
                                 path=path)
@@ -98,13 +99,7 @@ class ModelConfig:
                      eos_token_ids: list[int] | None = None,
                      path: Path | None = None) -> ModelConfig:
         """Builds a config from a parsed HF `config.json` dict; validates every field we use."""
-        model_type = hf.get("model_type")
-        archs = hf.get("architectures") or [SUPPORTED_MODEL_TYPES.get(model_type, "")]
-        arch = archs[0]
-        if model_type not in SUPPORTED_MODEL_TYPES or arch not in SUPPORTED_MODEL_TYPES.values():
-            raise ValueError(
-                f"unsupported architecture {arch!r} (model_type {model_type!r}); supported: "
-                + ", ".join(f"{a} ({t})" for t, a in SUPPORTED_MODEL_TYPES.items()))
+        model_type, arch = _check_architecture(hf)
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} for {arch}; only 'silu'")
@@ -153,6 +148,18 @@ class ModelConfig:
         d = asdict(self)
         d["path"] = str(self.path) if self.path else None
         return d
+
+
+def _check_architecture(hf: dict[str, Any]) -> tuple[str, str]:
+    """Returns (model_type, architecture); ValueError naming them if unsupported."""
+    model_type = hf.get("model_type")
+    archs = hf.get("architectures") or [SUPPORTED_MODEL_TYPES.get(model_type, "")]
+    arch = archs[0]
+    if model_type not in SUPPORTED_MODEL_TYPES or arch not in SUPPORTED_MODEL_TYPES.values():
+        raise ValueError(
+            f"unsupported architecture {arch!r} (model_type {model_type!r}); supported: "
+            + ", ".join(f"{a} ({t})" for t, a in SUPPORTED_MODEL_TYPES.items()))
+    return model_type, arch
 
 
 def _req_int(hf: dict[str, Any], key: str) -> int:

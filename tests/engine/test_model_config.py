@@ -49,6 +49,9 @@ def test_unsupported_architecture_names_it(tmp_path: Path, default_model_path: P
                        model_type="gpt2")
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         ModelConfig.from_pretrained(bad)
+    (bad / "model.safetensors").unlink()  # a bare config names the architecture too
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        ModelConfig.from_pretrained(bad)
 
 
 def test_not_a_checkpoint_dir(tmp_path: Path) -> None:
