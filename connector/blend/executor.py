@@ -34,13 +34,39 @@ def _layer_qkv(layer: nn.Module, h: torch.Tensor, positions: torch.Tensor,
     return qk[:, :attn.num_heads], qk[:, attn.num_heads:], qkv[:, qk_heads:]
 
 
+# Query buckets of a subset attention: (first row, end row, keys read, mask [rows, keys]).
+Buckets = list[tuple[int, int, int, torch.Tensor]]
+
+_NUM_BUCKETS = 8  # more buckets skip more masked keys, at one SDPA call each
+
+
+def _causal_buckets(q_positions: torch.Tensor) -> Buckets:
+    """Returns query buckets for rows at sorted `q_positions`: each bucket reads keys only up
+    to its last position (later keys are masked anyway), so a causal subset costs about half
+    of attending to the whole context. Built once per selection, reused by every layer."""
+    t = q_positions.numel()
+    pos = q_positions.tolist()
+    cuts = sorted({round(i * t / _NUM_BUCKETS) for i in range(_NUM_BUCKETS + 1)})
+    out: Buckets = []
+    for a, b in zip(cuts, cuts[1:]):
+        kend = pos[b - 1] + 1
+        mask = torch.arange(kend, device=q_positions.device).unsqueeze(0) <= q_positions[a:b].unsqueeze(1)
+        out.append((a, b, kend, mask))
+    return out
+
+
 def _layer_attend_mlp(layer: nn.Module, h: torch.Tensor, q: torch.Tensor, keys: torch.Tensor,
-                      values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Returns the layer's output for queries `q` over `keys`/`values` `[S, Hkv, D]`; `mask`
-    `[T, S]` (True = attend) or None for plain causal attention (T == S)."""
+                      values: torch.Tensor, buckets: Buckets | None) -> torch.Tensor:
+    """Returns the layer's output for queries `q` over `keys`/`values` `[S, Hkv, D]`, causal by
+    position: through `buckets` (`_causal_buckets`), or plain causal when None (T == S)."""
     attn = layer.self_attn
-    o = _sdpa(q.transpose(0, 1), keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype),
-              attn.scale, mask=mask, causal=mask is None).transpose(0, 1)
+    kt, vt = keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype)
+    if buckets is None:
+        o = _sdpa(q.transpose(0, 1), kt, vt, attn.scale, causal=True).transpose(0, 1)
+    else:
+        o = torch.empty_like(q)
+        for a, b, kend, mask in buckets:
+            o[a:b] = _sdpa(q[a:b].transpose(0, 1), kt[:, :kend], vt[:, :kend], attn.scale, mask=mask).transpose(0, 1)
     h = h + attn.o_proj(o.reshape(h.shape[0], attn.q_size))
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
@@ -118,10 +144,10 @@ def blend_recompute(model: nn.Module, kv_caches: Sequence[torch.Tensor], block_i
     table = torch.as_tensor(list(block_ids)[: -(-end // block_size)], dtype=torch.long, device=dev)
     slots = slots_for(block_ids, block_size, start, end, device=dev)
     positions = torch.arange(start, end, device=dev)
-    key_pos = torch.arange(end, device=dev)
     cos_sin = inner.rotary.cos_sin_cache(dev, dtype)
     keep_at = {check_layer: ratio, **dict(narrowing)}
     rows = torch.arange(n, device=dev)  # tokens still recomputed, relative to `start`
+    buckets = _causal_buckets(positions)
     h = inner.embed_tokens(ids)
     last = len(inner.layers) - 1
     for i, (layer, kv_cache) in enumerate(zip(inner.layers, kv_caches)):
@@ -135,10 +161,10 @@ def blend_recompute(model: nn.Module, kv_caches: Sequence[torch.Tensor], block_i
             rows, h, q, k, v = rows[top], h[top], q[top], k[top], v[top]
             if keep == 0:
                 break
+            buckets = _causal_buckets(positions[rows])
         write_kv(kv_cache, k, v, slots[rows])
         if i == last:
             break
         keys, values = gather_kv(kv_cache, table, end)
-        mask = key_pos.unsqueeze(0) <= positions[rows].unsqueeze(1)
-        h = _layer_attend_mlp(layer, h, q, keys, values, mask)
+        h = _layer_attend_mlp(layer, h, q, keys, values, buckets)
     return int(rows.numel())
