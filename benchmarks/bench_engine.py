@@ -76,6 +76,7 @@ def bench_prefill(llm: LLM, hf, lengths: list[int], repeats: int, device: torch.
         engine_prefill(), hf_forward()  # warm-up at this shape
         e, h = median_time(engine_prefill, repeats), median_time(hf_forward, repeats)
         rows.append({"tokens": n, "engine_s": e, "transformers_s": h, "ratio": e / h})
+        print(f"prefill {n}: engine {e:.3f}s, transformers {h:.3f}s", file=sys.stderr, flush=True)
     return rows
 
 
@@ -105,6 +106,7 @@ def bench_decode(llm: LLM, hf, batches: list[int], prompt_len: int, new_tokens: 
         assert out.shape[1] == prompt_len + new_tokens
         e_tps, h_tps = b * new_tokens / e, b * new_tokens / h
         rows.append({"batch": b, "engine_tok_s": e_tps, "transformers_tok_s": h_tps, "ratio": e_tps / h_tps})
+        print(f"decode batch {b}: engine {e_tps:.1f} tok/s, transformers {h_tps:.1f} tok/s", file=sys.stderr, flush=True)
     return rows
 
 
