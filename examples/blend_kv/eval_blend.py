@@ -159,9 +159,12 @@ def main() -> None:
     for r in results:
         r["ttft_speedup_vs_full"] = full_ttft / r["mean_ttft_s"]
     md = table(results, full_ttft)
-    setup = (f"{args.num_questions} questions, {args.docs_per_question} documents of ~{args.doc_tokens} tokens each "
-             f"(prompts {min(prompt_lens)}-{max(prompt_lens)} tokens), check layer {args.check_layer}, "
-             f"greedy {args.max_tokens} tokens, model {full.model_config.path.name}, device {full.engine.runner.device}")
+    import torch
+
+    setup = (f"{args.num_questions} questions, {args.docs_per_question} documents of ~{args.doc_tokens} "
+             f"tokens each (prompts {min(prompt_lens)}-{max(prompt_lens)} tokens), check layer "
+             f"{args.check_layer}, greedy {args.max_tokens} tokens, model {full.model_config.path.name}, "
+             f"device {full.engine.runner.device}, {torch.get_num_threads()} CPU threads")
     record = {
         "name": out_name, "quick": args.quick, "setup": setup, "args": vars(args),
         "prompt_tokens": prompt_lens, "expected_answers": answers, "results": results,
