@@ -1,7 +1,7 @@
 """CacheBlend's forward passes, run with the model's own modules one layer at a time.
 
-One implementation of "run layer i for some tokens over a given K/V" (`_layer_qkv` then
-`_layer_attend_mlp`) serves both:
+One implementation of "run layer i for some tokens over a given K/V" (`_layer_qkv`, the
+model's own `project_qkv`, then `_layer_attend_mlp`) serves both:
 - `compute_segment_kv`: a segment's standalone K/V (its own sequence, no paged cache);
 - `blend_recompute`: the selective recompute over K/V already scattered into the paged cache.
 
@@ -19,19 +19,14 @@ from torch import nn
 
 from connector.gather import slots_for
 from engine.paged_attention import _sdpa, gather_kv, write_kv
-from engine.rotary import apply_rotary, rerotate
+from engine.rotary import rerotate
 
 
-def _layer_qkv(layer: nn.Module, h: torch.Tensor, positions: torch.Tensor,
-               cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _layer_qkv(layer: nn.Module, h: torch.Tensor,
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns q `[T, Hq, D]`, k (after RoPE) and v `[T, Hkv, D]` of decoder `layer` for
-    hidden states `h` `[T, hidden]` at `positions` `[T]`."""
-    attn = layer.self_attn
-    t = h.shape[0]
-    qkv = attn.qkv_proj(layer.input_layernorm(h)).view(t, attn.num_heads + 2 * attn.num_kv_heads, attn.head_size)
-    qk_heads = attn.num_heads + attn.num_kv_heads
-    qk = apply_rotary(qkv[:, :qk_heads], positions, cos_sin)
-    return qk[:, :attn.num_heads], qk[:, attn.num_heads:], qkv[:, qk_heads:]
+    hidden states `h` `[T, hidden]` at `positions` `[T]` (the model's own projection)."""
+    return layer.self_attn.project_qkv(layer.input_layernorm(h), positions)
 
 
 # Query buckets of a subset attention: (first row, end row, keys read, mask [rows, keys]).
@@ -88,13 +83,12 @@ def compute_segment_kv(model: nn.Module, token_ids: Sequence[int] | torch.Tensor
         raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
     t = ids.numel()
     positions = torch.arange(start_position, start_position + t, device=dev)
-    cos_sin = inner.rotary.cos_sin_cache(dev, dtype)
     attn0 = inner.layers[0].self_attn
     out = torch.empty((len(inner.layers), 2, t, attn0.num_kv_heads, attn0.head_size), dtype=dtype, device=dev)
     h = inner.embed_tokens(ids)
     last = len(inner.layers) - 1
     for i, layer in enumerate(inner.layers):
-        q, k, v = _layer_qkv(layer, h, positions, cos_sin)
+        q, k, v = _layer_qkv(layer, h, positions)
         out[i, 0], out[i, 1] = k, v
         if i == last:  # only this layer's K/V is wanted, not its output
             break
@@ -137,21 +131,20 @@ def blend_recompute(model: nn.Module, kv_caches: Sequence[torch.Tensor], block_i
     n = end - start
     if n <= 0 or _num_selected(ratio, n) == 0:
         return 0
-    inner, dev, dtype = _model_parts(model)
+    inner, dev, _dtype = _model_parts(model)
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=dev)
     if ids.numel() != n:
         raise ValueError(f"{ids.numel()} token ids for positions [{start}, {end})")
     table = torch.as_tensor(list(block_ids)[: -(-end // block_size)], dtype=torch.long, device=dev)
     slots = slots_for(block_ids, block_size, start, end, device=dev)
     positions = torch.arange(start, end, device=dev)
-    cos_sin = inner.rotary.cos_sin_cache(dev, dtype)
     keep_at = {check_layer: ratio, **dict(narrowing)}
     rows = torch.arange(n, device=dev)  # tokens still recomputed, relative to `start`
     buckets = _causal_buckets(positions)
     h = inner.embed_tokens(ids)
     last = len(inner.layers) - 1
     for i, (layer, kv_cache) in enumerate(zip(inner.layers, kv_caches)):
-        q, k, v = _layer_qkv(layer, h, positions[rows], cos_sin)
+        q, k, v = _layer_qkv(layer, h, positions[rows])
         if i in keep_at:
             flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
             old = flat.index_select(1, slots[rows]).to(k.dtype)
