@@ -10,6 +10,7 @@ import torch
 
 from engine.attention_metadata import AttentionMetadata
 from engine.model_loader import load_model
+from engine.paged_attention import build_plan
 from engine.rotary import apply_rotary, build_cos_sin_cache, compute_inv_freq, rerotate
 from tests.fixtures.model import make_tiny_checkpoint
 
@@ -97,14 +98,23 @@ def test_prefill_logits_match_transformers(default_model, hf_default_model,
     torch.testing.assert_close(ours, _hf_logits(hf_default_model, ids), atol=1e-3, rtol=0)
 
 
-def test_two_step_prefill_equals_one_step(default_model, default_model_path: Path) -> None:
+# (prompt length, first step's length): the second step attends over cached context through
+# an explicit mask (few new tokens) or through front-padded queries (1k+ new, short context).
+@pytest.mark.parametrize("n,cut", [(300, 117), (1300, 150)])
+def test_two_step_prefill_equals_one_step(default_model, default_model_path: Path,
+                                          n: int, cut: int) -> None:
     model, _ = default_model
-    ids = _prompt_ids(default_model_path, 300, seed=3)
-    whole = PagedDriver(model, seed=1).step([(0, ids)])[0]
-    split = PagedDriver(model, seed=2)  # different shuffled block ids
-    first = split.step([(0, ids[:117])])[0]  # not block aligned
-    second = split.step([(0, ids[117:])])[0]
+    ids = _prompt_ids(default_model_path, n, seed=3)
+    whole = PagedDriver(model, seed=1, num_blocks=100).step([(0, ids)])[0]
+    split = PagedDriver(model, seed=2, num_blocks=100)  # different shuffled block ids
+    first = split.step([(0, ids[:cut])])[0]  # not block aligned
+    second = split.step([(0, ids[cut:])])[0]
     torch.testing.assert_close(torch.cat([first, second]), whole, atol=1e-4, rtol=0)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(n - cut, dtype=torch.long),
+                             block_tables=torch.zeros(1, 100, dtype=torch.long),
+                             query_start_loc=[0, n - cut], seq_lens=[n], block_size=16)
+    padded = build_plan(meta, torch.device("cpu")).prefills[0].pad
+    assert padded == (cut if n - cut >= 1024 else 0)  # both attention paths are exercised
 
 
 def test_batched_decode_equals_per_sequence(default_model, default_model_path: Path) -> None:
