@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from connector.blend.config import BlendConfig
-from kvstore.config import KVStoreConfig, TierSpec, _env_overrides, parse_size
+from kvstore.config import KVStoreConfig, TierSpec, env_overrides, parse_size
 
 _CONNECTOR_KEYS = ("save_unfull_chunk", "max_pending_store_bytes", "blend")
 
@@ -87,7 +87,7 @@ class ConnectorConfig:
             if not isinstance(data, Mapping):
                 raise ValueError(f"config: {path} must hold a mapping, got {type(data).__name__}")
         # kvstore's own env parsing, so both loaders read KVTIER_* identically.
-        return cls.from_dict({**data, **_env_overrides(env)})
+        return cls.from_dict({**data, **env_overrides(env)})
 
 
 def make_config(

@@ -207,7 +207,7 @@ class KVStoreConfig:
         env = os.environ if env is None else env
         path = path or env.get("KVTIER_CONFIG")
         cfg = cls.from_yaml(path) if path else cls()
-        return cls.from_dict({**dataclasses.asdict(cfg) | {"tiers": cfg.tiers}, **_env_overrides(env)})
+        return cls.from_dict({**dataclasses.asdict(cfg) | {"tiers": cfg.tiers}, **env_overrides(env)})
 
 
 _ENV_FIELDS: dict[str, tuple[str, type]] = {
@@ -220,7 +220,7 @@ _ENV_FIELDS: dict[str, tuple[str, type]] = {
 }
 
 
-def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for var, (name, typ) in _ENV_FIELDS.items():
         if var not in env:
