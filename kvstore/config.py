@@ -221,6 +221,8 @@ _ENV_FIELDS: dict[str, tuple[str, type]] = {
 
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    """Returns the config fields set by `KVTIER_*` variables in `env`, parsed to their types;
+    raises ValueError naming the variable whose value is malformed."""
     out: dict[str, Any] = {}
     for var, (name, typ) in _ENV_FIELDS.items():
         if var not in env:
