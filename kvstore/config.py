@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,37 +25,9 @@ from urllib.parse import parse_qsl, urlsplit
 
 from kvstore.codecs import CODEC_NAMES
 from kvstore.eviction import POLICIES
+from kvstore.sizes import parse_size
 
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 QUEUE_FULL_POLICIES = ("drop_oldest", "drop_new")
-
-
-def parse_size(value: int | str | None, key: str = "size") -> int | None:
-    """Returns a byte count for `value` ("4GiB", "512MB", "1.5G", 1024, None -> None).
-
-    KB/MB/GB are decimal, KiB/MiB/GiB and bare K/M/G binary. Raises ValueError naming `key`
-    for a negative, malformed or unit-less-but-fractional size.
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ValueError(f"{key}: expected a size like '4GiB' or an integer, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{key}: size must be >= 0, got {value}")
-        return value
-    if not isinstance(value, str):
-        raise ValueError(f"{key}: expected a size like '4GiB' or an integer, got {value!r}")
-    m = _SIZE_RE.match(value)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{key}: cannot parse size {value!r} (examples: 4GiB, 512MB, 1048576)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 @dataclass

@@ -5,31 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import re
 import sys
 
-HELP = "run the standalone KV cache server that engines on one or many machines share"
+from kvstore import sizes
 
-# Same units as kvstore.config.parse_size (KB decimal; KiB and bare K binary), which this
-# command does not import because kvstore.config pulls in torch and the server must start light.
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+HELP = "run the standalone KV cache server that engines on one or many machines share"
 
 
 def parse_size(text: str, name: str) -> int:
     """Returns the byte count of '4GiB', '512MiB', '1.5GB', '65536'; raises ValueError
     naming the option `name` if it is not a positive size."""
-    m = _SIZE.match(str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise ValueError(f"{name}: invalid size {text!r} (use e.g. 4GiB, 512MiB, 100MB or a byte count)")
-    n = int(float(m.group(1)) * _UNITS[unit])
-    if n <= 0:
+    n = sizes.parse_size(str(text), name)
+    if not n:
         raise ValueError(f"{name}: size {text!r} must be positive")
     return n
 
