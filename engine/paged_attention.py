@@ -53,6 +53,8 @@ class _Prefill:
     mask: torch.Tensor | None = None
     seq_len: int = 0
     pad: int = 0
+    # `mask` tiled for the query heads folded per kv head; made by the first layer, reused.
+    folded_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -174,7 +176,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ks, vs = gather_kv(kv_cache, p.block_ids, p.seq_len)
             ks, vs = ks.transpose(0, 1).to(q.dtype), vs.transpose(0, 1).to(q.dtype)
             if p.mask is not None:
-                o = _sdpa(qs, ks, vs, scale, mask=p.mask)
+                o = _masked_gqa(qs, ks, vs, scale, p)
             else:  # query j of the padded batch is position j: exactly causal over the keys
                 padded = torch.cat([qs.new_zeros(qs.shape[0], p.pad, qs.shape[2]), qs], dim=1)
                 o = _sdpa(padded, ks, vs, scale, causal=True)[:, p.pad:]
@@ -188,6 +190,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             out.index_copy_(0, plan.decode_rows, o)
     return out
+
+
+def _masked_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                p: _Prefill) -> torch.Tensor:
+    """Masked attention of `q` `[Hq, Lq, D]` over `k`/`v` `[Hkv, L, D]`; returns `[Hq, Lq, D]`.
+
+    The G query heads sharing a kv head become G x Lq query rows of that head (the mask is
+    the same for every head), so K/V are never expanded: for a long cached context that
+    expansion copied G times the context's K/V in every layer.
+    """
+    h_kv, (h_q, l_q, d) = k.shape[0], q.shape
+    groups = h_q // h_kv
+    if p.folded_mask is None:
+        p.folded_mask = p.mask.repeat(groups, 1)
+    o = F.scaled_dot_product_attention(q.reshape(1, h_kv, groups * l_q, d), k[None], v[None],
+                                       attn_mask=p.folded_mask, scale=scale)
+    return o.view(h_q, l_q, d)
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan,
