@@ -69,7 +69,9 @@ class _Fetched:
 class LoadSpec:
     request_id: str
     slots: torch.Tensor  # [end - start] int64
-    kv: torch.Tensor  # (layers, 2, end - start, H, D)
+    # The fetched chunks, sliced to [start, end) and in order: scattered one by one, since
+    # joining them first would copy the whole load once more.
+    pieces: list[torch.Tensor]  # each (layers, 2, n_i, H, D), sum(n_i) == end - start
 
 
 @dataclass
@@ -222,9 +224,8 @@ class KVTierConnector(KVConnectorBase):
                     raise RuntimeError(f"request {rid}: load starts at {start}, lookup at {fetched.start}")
                 pieces = [kv[:, :, max(s, start) - s: min(e, fetched.end) - s]
                           for s, e, kv in fetched.chunks if s < fetched.end and e > start]
-                kv = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
                 slots = slots_for(r.block_ids, self.block_size, start, fetched.end)
-                meta.loads.append(LoadSpec(rid, slots, kv))
+                meta.loads.append(LoadSpec(rid, slots, pieces))
             spans = self._spans_to_save(r.seq, r.num_computed_tokens + r.num_new_tokens)
             if spans:
                 meta.saves.append(SaveSpec(rid, list(r.block_ids), spans))
@@ -287,7 +288,11 @@ class KVTierConnector(KVConnectorBase):
             return
         for load in self._meta.loads:
             t0 = time.perf_counter()
-            scatter_chunk(self.kv_caches, load.slots, load.kv)
+            offset = 0
+            for kv in load.pieces:
+                n = kv.shape[2]
+                scatter_chunk(self.kv_caches, load.slots[offset:offset + n], kv)
+                offset += n
             self.metrics.add(load.request_id, load_seconds=time.perf_counter() - t0)
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
