@@ -209,15 +209,20 @@ llm = LLM(sys.argv[3], device="cpu", dtype="float32", block_size=16, num_gpu_blo
           enable_prefix_caching=False, kv_connector=conn)
 ids = json.loads(sys.argv[4])
 out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=6))[0]
-llm.shutdown()  # flushes the store to Redis before exit
+llm.shutdown()  # flushes the store to the shared tier before exit
 print(json.dumps({"cached": out.num_cached_tokens, "tokens": out.outputs[0].token_ids}))
 """
 
 
-def test_second_process_reuses_prefix_from_redis(default_model_path, prompt_ids, reference, redis_server):
+@pytest.mark.parametrize("shared", ["redis_server", "cache_server"])
+def test_second_process_reuses_prefix_through_a_shared_tier(shared, default_model_path, prompt_ids, reference,
+                                                            request):
+    """Two engine processes (different PYTHONHASHSEED) share a prefix through Redis or the cache server."""
+    url = request.getfixturevalue(shared).url
+
     def child(seed: str) -> dict:
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO)}
-        proc = subprocess.run([sys.executable, "-c", _CHILD, redis_server.url, str(CHUNK),
+        proc = subprocess.run([sys.executable, "-c", _CHILD, url, str(CHUNK),
                                str(default_model_path), json.dumps(prompt_ids)],
                               capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
