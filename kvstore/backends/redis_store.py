@@ -146,17 +146,17 @@ class RedisBackend(BytesBackend):
     def _contains(self, key: str) -> bool:
         return bool(self._call("exists", lambda: self.client.exists(key)))
 
+    def _per_key(self, command: str, keys: Sequence[str]) -> list[Any]:
+        """Returns the replies to `command` sent once per key, in one pipelined round trip."""
+        pipe = self._pipeline()
+        for key in keys:
+            getattr(pipe, command)(key)
+        return pipe.execute()
+
     def _batched_contains(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
-
-        def run() -> list[Any]:
-            pipe = self._pipeline()
-            for key in keys:
-                pipe.exists(key)
-            return pipe.execute()
-
-        return [bool(x) for x in self._call("exists", run)]
+        return [bool(x) for x in self._call("exists", lambda: self._per_key("exists", keys))]
 
     def _get_bytes(self, key: str) -> Buffer | None:
         value = self._call("get", lambda: self.client.get(key))
@@ -167,13 +167,7 @@ class RedisBackend(BytesBackend):
         if not keys:
             return []
 
-        def run() -> list[Any]:
-            pipe = self._pipeline()
-            for key in keys:
-                pipe.get(key)
-            return pipe.execute()
-
-        values = self._call("get", run)
+        values = self._call("get", lambda: self._per_key("get", keys))
         self._touch(keys, values)
         return values
 
@@ -252,10 +246,7 @@ class RedisBackend(BytesBackend):
                 keys.extend(self._budget.sizes)
                 self._budget.clear()
             for i in range(0, len(keys), 500):
-                pipe = self._pipeline()
-                for key in keys[i : i + 500]:
-                    pipe.delete(key)
-                pipe.execute()
+                self._per_key("delete", keys[i : i + 500])
 
         self._call("clear", run)
 
