@@ -59,8 +59,11 @@ class ModelConfig:
     mlp_bias: bool
     eos_token_ids: list[int]
     bos_token_id: int | None
-    # Mistral-style sliding window; we attend fully, so the usable length is capped by it.
+    # Mistral-style sliding window W: in the layers listed in `sliding_window_layers`, the
+    # token at position i attends keys j with i - W < j <= i (transformers' convention); None
+    # (and no layers) when every layer attends fully.
     sliding_window: int | None
+    sliding_window_layers: tuple[int, ...]
     # The checkpoint's stored dtype name ("float32", "bfloat16", ...), informational.
     checkpoint_dtype: str
     fingerprint: str
@@ -76,10 +79,12 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence this engine computes exactly (sliding window caps it)."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence this engine computes exactly (a sliding window does not cap it)."""
         return self.max_position_embeddings
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """Returns the window layer `layer_idx` attends over, or None for full attention."""
+        return self.sliding_window if layer_idx in self.sliding_window_layers else None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -115,16 +120,15 @@ class ModelConfig:
             raise ValueError("partial_rotary_factor != 1 is not supported")
         is_qwen2 = model_type == "qwen2"
         attn_bias = True if is_qwen2 else bool(hf.get("attention_bias", False))
-        window = hf.get("sliding_window")
-        if is_qwen2 and not hf.get("use_sliding_window", False):
-            window = None
+        num_layers = _req_int(hf, "num_hidden_layers")
+        window, window_layers = _parse_sliding_window(hf, model_type, num_layers)
         eos = sorted(set(eos_token_ids if eos_token_ids is not None else _as_id_list(hf.get("eos_token_id"))))
         cfg = dict(
             architecture=arch,
             model_type=model_type,
             hidden_size=hidden,
             intermediate_size=_req_int(hf, "intermediate_size"),
-            num_layers=_req_int(hf, "num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_size=head_size,
@@ -139,7 +143,8 @@ class ModelConfig:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             eos_token_ids=eos,
             bos_token_id=hf.get("bos_token_id"),
-            sliding_window=int(window) if window else None,
+            sliding_window=window,
+            sliding_window_layers=window_layers,
             checkpoint_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
         )
         return cls(**cfg, fingerprint=_fingerprint(cfg, weights_identity), path=path)
@@ -193,6 +198,32 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             if k not in scaling:
                 raise ValueError(f"rope type 'llama3' needs {k!r}")
     return float(theta), {"rope_type": rope_type, **scaling}
+
+
+def _parse_sliding_window(hf: dict[str, Any], model_type: str,
+                          num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """Returns (window, the layers using it) exactly as transformers' modeling applies them:
+    Mistral slides in every layer; Qwen2 only with `use_sliding_window`, in the layers its
+    `layer_types` mark "sliding_attention" (default: index >= `max_window_layers`); Llama
+    ignores the key. (None, ()) when no layer slides."""
+    window = hf.get("sliding_window")
+    if model_type == "llama" or not window:
+        return None, ()
+    if not isinstance(window, int) or window <= 0:
+        raise ValueError(f"config.json: 'sliding_window' must be a positive integer, got {window!r}")
+    if model_type != "qwen2":
+        return window, tuple(range(num_layers))
+    if not hf.get("use_sliding_window", False):
+        return None, ()
+    types = hf.get("layer_types")
+    if types is None:
+        first = int(hf.get("max_window_layers", 28))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers or not set(types) <= {"full_attention", "sliding_attention"}:
+        raise ValueError(f"config.json: 'layer_types' must name 'full_attention' or "
+                         f"'sliding_attention' for each of {num_layers} layers, got {types!r}")
+    layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return (window, layers) if layers else (None, ())
 
 
 def _as_id_list(v: Any) -> list[int]:
@@ -253,6 +284,10 @@ def _fingerprint(cfg: dict[str, Any], weights_id: str) -> str:
             "rope_theta", "rope_scaling", "tie_word_embeddings", "attention_bias",
             "attention_out_bias", "mlp_bias")
     ident = {k: cfg[k] for k in keys}
+    if cfg["sliding_window"] is not None:
+        # The window changes the KV of every layer after the first sliding one. Named only
+        # when set, so full-attention models keep the fingerprints (and stored chunks) they had.
+        ident["sliding_window"] = [cfg["sliding_window"], list(cfg["sliding_window_layers"])]
     for k, v in ident.items():  # floats through repr so 1e5 and 100000.0 hash alike
         if isinstance(v, float) and math.isfinite(v):
             ident[k] = repr(v)

@@ -13,6 +13,15 @@ layer then reuses it. Three paths, chosen per sequence:
   the context length;
 - decode (query_len 1): all such sequences in ONE SDPA call, gathered and padded to the
   longest context with a key mask.
+
+Sliding window W (Mistral, Qwen2's sliding layers; transformers' convention): the query at
+position i attends keys j with i - W < j <= i. A plan is built per distinct window, and a
+sequence no longer than W takes exactly the paths above (the window cannot bite). A longer
+prefill (fresh or over cached context) becomes query tiles, each gathering only the blocks
+from its first query's window start, with a causal-and-window mask; a longer decode reads
+only its last W keys. Blocks that fell out of the window are NOT freed: the block manager
+and the prefix cache stay window-agnostic (a cached prefix must hold every block to be
+reusable by a longer prompt), attention just never reads them.
 """
 
 from __future__ import annotations
@@ -46,12 +55,13 @@ def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor,
 class _Prefill:
     start: int
     end: int
-    # Cached-context prefills only: the sequence's block ids, and either `pad` (front-pad the
-    # queries with that many zero rows and run causal SDPA) or an additive causal mask
-    # [q_len, seq_len] (query i sees keys 0..context_len + i).
+    # Cached-context prefills and window tiles only: the block ids to gather, and either `pad`
+    # (front-pad the queries with that many zero rows and run causal SDPA) or an additive
+    # mask [q_len, seq_len] over the gathered keys (causal: query i sees keys 0..context_len
+    # + i; window tile: also none at or before i - W).
     block_ids: torch.Tensor | None = None
     mask: torch.Tensor | None = None
-    seq_len: int = 0
+    seq_len: int = 0  # keys gathered: the first seq_len tokens of `block_ids`' blocks
     pad: int = 0
     # `mask` tiled for the query heads folded per kv head; made by the first layer, reused.
     folded_mask: torch.Tensor | None = None
@@ -75,9 +85,11 @@ class AttentionPlan:
 
 
 def build_plan(meta: AttentionMetadata, device: torch.device,
-               dtype: torch.dtype = torch.float32) -> AttentionPlan:
-    """Returns the plan for one step (masks in `dtype`, the model's). Raises ValueError if
-    the metadata is inconsistent, before anything is written to the cache."""
+               dtype: torch.dtype = torch.float32,
+               sliding_window: int | None = None) -> AttentionPlan:
+    """Returns the plan for one step (masks in `dtype`, the model's) of layers attending over
+    `sliding_window` keys (None: full causal attention). Raises ValueError if the metadata is
+    inconsistent, before anything is written to the cache."""
     qsl, seq_lens, bs = meta.query_start_loc, meta.seq_lens, meta.block_size
     if len(qsl) != len(seq_lens) + 1:
         raise ValueError(f"query_start_loc has {len(qsl)} entries for {len(seq_lens)} sequences")
@@ -97,6 +109,9 @@ def build_plan(meta: AttentionMetadata, device: torch.device,
             raise ValueError(f"sequence {i}: query_len {q_len} and seq_len {seq_len} are inconsistent")
         if q_len == 1 and ctx > 0:
             decode_seqs.append(i)
+        elif sliding_window is not None and seq_len > sliding_window:
+            plan.prefills += _window_tiles(meta.block_tables[i], start, ctx, seq_len,
+                                           sliding_window, bs, device, dtype)
         elif ctx == 0:
             plan.prefills.append(_Prefill(start, end))
         else:
@@ -115,14 +130,19 @@ def build_plan(meta: AttentionMetadata, device: torch.device,
         plan.decode_rows = (slice(rows[0], rows[0] + len(rows)) if contiguous
                             else torch.tensor(rows, device=device))
         lens = [seq_lens[i] for i in decode_seqs]
-        max_blocks = -(-max(lens) // bs)
-        n = max(lens)
         idx = torch.tensor(decode_seqs, device=meta.block_tables.device)
-        tables = meta.block_tables.index_select(0, idx)[:, :max_blocks].to(device)
-        offsets = torch.arange(bs, device=device)
-        slots = (tables.unsqueeze(-1) * bs + offsets).flatten(1)[:, :n]  # [B, n]
-        valid = torch.arange(n, device=device) < torch.tensor(lens, device=device).unsqueeze(1)
-        slots = torch.where(valid, slots, slots[:, :1])
+        if sliding_window is not None and max(lens) > sliding_window:
+            slots, valid = _window_decode_slots(meta.block_tables.index_select(0, idx), lens,
+                                                sliding_window, bs, device)
+        else:
+            max_blocks = -(-max(lens) // bs)
+            n = max(lens)
+            tables = meta.block_tables.index_select(0, idx)[:, :max_blocks].to(device)
+            offsets = torch.arange(bs, device=device)
+            slots = (tables.unsqueeze(-1) * bs + offsets).flatten(1)[:, :n]  # [B, n]
+            valid = torch.arange(n, device=device) < torch.tensor(lens, device=device).unsqueeze(1)
+            slots = torch.where(valid, slots, slots[:, :1])
+        n = slots.shape[1]
         plan.decode_slots = slots.reshape(-1)
         plan.decode_batch, plan.decode_len = len(decode_seqs), n
         plan.decode_mask = _additive(~valid, dtype).view(len(lens), 1, 1, n)
@@ -134,6 +154,46 @@ def build_plan(meta: AttentionMetadata, device: torch.device,
 # 1k new tokens with context <= half of them (q 3200 / ctx 256: 1.8x; q 2048 / ctx 1024:
 # 1.2x), the mask wins below that (q 512 / ctx 256: 0.83x) and when context >= new tokens.
 _PAD_MIN_QUERY = 1024
+
+
+# Query rows per tile of a windowed prefill: a tile costs rows x (rows + window) scores, so
+# small tiles approach the q_len x window minimum, at one SDPA call per tile and layer.
+_WINDOW_TILE = 512
+
+
+def _window_tiles(table: torch.Tensor, start: int, ctx: int, seq_len: int, window: int,
+                  bs: int, device: torch.device, dtype: torch.dtype) -> list[_Prefill]:
+    """Returns the prefill of positions `ctx..seq_len - 1` (flat rows from `start`; their K/V
+    already in the blocks of `table`) under a sliding `window`, as query tiles of at most
+    `_WINDOW_TILE` rows. A tile gathers the blocks from the one holding its first query's
+    window start (a block-aligned key range) and masks every key outside i - W < j <= i."""
+    tiles = []
+    for a in range(ctx, seq_len, _WINDOW_TILE):
+        b = min(a + _WINDOW_TILE, seq_len)
+        first_block = max(0, a - window + 1) // bs
+        key0 = first_block * bs
+        q_pos = torch.arange(a, b, device=device).unsqueeze(1)
+        k_pos = torch.arange(key0, b, device=device).unsqueeze(0)
+        blocked = (k_pos > q_pos) | (k_pos <= q_pos - window)
+        block_ids = table[first_block:-(-b // bs)].to(device)
+        tiles.append(_Prefill(start + a - ctx, start + b - ctx, block_ids,
+                              _additive(blocked, dtype), seq_len=b - key0))
+    return tiles
+
+
+def _window_decode_slots(tables: torch.Tensor, lens: list[int], window: int, bs: int,
+                         device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (slots `[B, n]`, valid `[B, n]`) of the keys the decode queries at positions
+    `lens[b] - 1` see under a sliding `window`: only the last min(len, window) positions, so
+    nothing before the window is read. Padding repeats the first slot (finite, masked)."""
+    tables = tables.to(device)
+    seq_lens = torch.tensor(lens, device=device).unsqueeze(1)
+    first = (seq_lens - window).clamp(min=0)
+    n = min(max(lens), window)
+    pos = first + torch.arange(n, device=device)
+    valid = pos < seq_lens
+    pos = torch.where(valid, pos, first)
+    return tables.gather(1, pos // bs) * bs + pos % bs, valid
 
 
 def _additive(blocked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The Llama family (Llama, Mistral, Qwen2, SmolLM) on a paged KV cache.
 
 One implementation: the variants differ only in config flags (qkv bias, o_proj bias, tied
-embeddings, rope scaling). q/k/v and gate/up are fused into one matmul each at load time.
+embeddings, rope scaling, per-layer sliding window). q/k/v and gate/up are fused into one
+matmul each at load time.
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        # Per layer: the sliding window it attends over (None: full attention).
+        self.layer_windows = [config.layer_sliding_window(i) for i in range(config.num_layers)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -128,13 +131,19 @@ class LlamaForCausalLM(nn.Module):
         per layer, K after RoPE) and returns the final-normed hidden states `[T, hidden]`."""
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"expected {self.config.num_layers} kv caches, got {len(kv_caches)}")
-        plan = build_plan(attn_metadata, input_ids.device, self.model.embed_tokens.weight.dtype)
-        if not plan.num_tokens == input_ids.shape[0] == positions.shape[0]:
-            raise ValueError(f"attn_metadata describes {plan.num_tokens} tokens, input_ids has "
+        # One plan per distinct window that bites this step: a window no shorter than every
+        # sequence is full attention, so such layers share the full-attention plan.
+        longest = max(attn_metadata.seq_lens, default=0)
+        windows = [w if w is not None and w < longest else None for w in self.layer_windows]
+        dtype = self.model.embed_tokens.weight.dtype
+        plans = {w: build_plan(attn_metadata, input_ids.device, dtype, w) for w in set(windows)}
+        num_tokens = next(iter(plans.values())).num_tokens
+        if not num_tokens == input_ids.shape[0] == positions.shape[0]:
+            raise ValueError(f"attn_metadata describes {num_tokens} tokens, input_ids has "
                              f"{input_ids.shape[0]}, positions {positions.shape[0]}")
         x = self.model.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, kv_cache, attn_metadata, plan)
+        for layer, kv_cache, w in zip(self.model.layers, kv_caches, windows):
+            x = layer(x, positions, kv_cache, attn_metadata, plans[w])
         return self.model.norm(x)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

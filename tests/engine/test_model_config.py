@@ -158,3 +158,44 @@ def test_fingerprint_sees_a_changed_weight_in_a_large_file(tmp_path: Path,
         fh.seek(size - 100)
         fh.write(bytes(b ^ 0xFF for b in tail))
     assert ModelConfig.from_pretrained(copy).fingerprint != before
+
+
+_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=100, max_position_embeddings=4096)
+
+
+@pytest.mark.parametrize("hf,window,layers", [
+    (dict(model_type="mistral", sliding_window=16), 16, (0, 1, 2)),
+    (dict(model_type="mistral", sliding_window=None), None, ()),
+    # transformers' Llama ignores the key: no layer slides.
+    (dict(model_type="llama", sliding_window=16), None, ()),
+    (dict(model_type="qwen2", use_sliding_window=False, sliding_window=16), None, ()),
+    # Qwen2 slides from layer max_window_layers on, unless layer_types says which.
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1),
+     16, (1, 2)),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=5),
+     None, ()),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0,
+          layer_types=["sliding_attention", "full_attention", "sliding_attention"]), 16, (0, 2)),
+])
+def test_sliding_window_is_kept_per_layer_and_never_caps_the_length(hf, window, layers) -> None:
+    cfg = ModelConfig.from_hf_dict({**_SIZES, **hf})
+    assert (cfg.sliding_window, cfg.sliding_window_layers) == (window, layers)
+    assert [cfg.layer_sliding_window(i) for i in range(3)] == [window if i in layers else None
+                                                               for i in range(3)]
+    assert cfg.max_model_len == 4096  # max_position_embeddings, whatever the window
+
+
+def test_sliding_window_is_part_of_the_fingerprint() -> None:
+    full = ModelConfig.from_hf_dict({**_SIZES, "model_type": "mistral", "sliding_window": None})
+    w16, w32 = (ModelConfig.from_hf_dict({**_SIZES, "model_type": "mistral", "sliding_window": w})
+                for w in (16, 32))
+    assert len({full.fingerprint, w16.fingerprint, w32.fingerprint}) == 3
+
+
+def test_bad_sliding_window_config_is_value_error() -> None:
+    with pytest.raises(ValueError, match="sliding_window"):
+        ModelConfig.from_hf_dict({**_SIZES, "model_type": "mistral", "sliding_window": "16"})
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_hf_dict({**_SIZES, "model_type": "qwen2", "use_sliding_window": True,
+                                  "sliding_window": 16, "layer_types": ["sliding_attention"]})

@@ -22,11 +22,12 @@ class PagedDriver:
     slot that was never written poisons the result) and per-sequence block tables drawn
     from a shuffled free list, so block ids are non-contiguous."""
 
-    def __init__(self, model, num_blocks: int = 512, seed: int = 0) -> None:
+    def __init__(self, model, num_blocks: int = 512, seed: int = 0, block_size: int = BLOCK) -> None:
         cfg = model.config
         self.model = model
+        self.block_size = bs = block_size
         dtype = next(model.parameters()).dtype
-        self.kv_caches = [torch.full((2, num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_size),
+        self.kv_caches = [torch.full((2, num_blocks, bs, cfg.num_kv_heads, cfg.head_size),
                                      float("nan"), dtype=dtype) for _ in range(cfg.num_layers)]
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
@@ -36,17 +37,18 @@ class PagedDriver:
     def step(self, batch: list[tuple[int, list[int]]], connector=None) -> list[torch.Tensor]:
         """Appends each (seq_id, new_tokens); returns each sequence's logits `[n_new, vocab]`."""
         ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
+        bs = self.block_size
         for sid, new in batch:
             toks = self.tokens.setdefault(sid, [])
             table = self.tables.setdefault(sid, [])
             ctx = len(toks)
             toks.extend(new)
-            while len(table) * BLOCK < len(toks):
+            while len(table) * bs < len(toks):
                 table.append(self.free.pop())
             p = torch.arange(ctx, len(toks))
             ids.extend(new)
             pos.append(p)
-            slots.append(torch.tensor(table)[p // BLOCK] * BLOCK + p % BLOCK)
+            slots.append(torch.tensor(table)[p // bs] * bs + p % bs)
             qsl.append(qsl[-1] + len(new))
             seq_lens.append(len(toks))
         width = max(len(self.tables[sid]) for sid, _ in batch)
@@ -54,7 +56,7 @@ class PagedDriver:
         for i, (sid, _) in enumerate(batch):
             tables[i, :len(self.tables[sid])] = torch.tensor(self.tables[sid])
         meta = AttentionMetadata(slot_mapping=torch.cat(slots), block_tables=tables,
-                                 query_start_loc=qsl, seq_lens=seq_lens, block_size=BLOCK,
+                                 query_start_loc=qsl, seq_lens=seq_lens, block_size=bs,
                                  kv_connector=connector)
         with torch.inference_mode():
             h = self.model(torch.tensor(ids), torch.cat(pos), self.kv_caches, meta)
