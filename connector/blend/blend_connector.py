@@ -96,6 +96,10 @@ class BlendConnector(KVTierConnector):
         self._blend_meta: BlendMeta | None = None
 
     def register_model(self, model_config: Any) -> None:
+        if getattr(model_config, "sliding_window_layers", ()):
+            # blend_recompute attends over the whole context; a windowed layer would differ.
+            raise ValueError(f"CacheBlend does not support sliding-window attention "
+                             f"({model_config.model_type}, window {model_config.sliding_window})")
         super().register_model(model_config)
         self.blend.validate(model_config.num_layers)
 

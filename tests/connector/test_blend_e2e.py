@@ -187,3 +187,13 @@ def test_segmented_prompt_forms(default_model_path, segments):
     llm.generate([{"prompt_token_ids": seq.prompt_token_ids, "segment_lens": [len(seq.prompt_token_ids)]}], GREEDY)
     assert conn.blend_stats()["requests"] == 0
     assert_idle(llm, conn)
+
+
+def test_sliding_window_models_are_refused(tmp_path):
+    """The recompute attends over the whole context, so a windowed model would be wrong."""
+    from engine.model_config import ModelConfig
+    from tests.fixtures.model import make_tiny_checkpoint
+
+    cfg = ModelConfig.from_pretrained(make_tiny_checkpoint(tmp_path, "mistral", sliding_window=8))
+    with pytest.raises(ValueError, match="sliding-window"):
+        BlendConnector().register_model(cfg)
