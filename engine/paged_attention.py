@@ -42,11 +42,13 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
-def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor,
-              num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int,
+              out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns the first `num_tokens` K and V `[num_tokens, Hkv, D]` of the sequence whose
-    blocks are `block_ids` (a copy; the cache is not modified)."""
-    blocks = kv_cache.index_select(1, block_ids)  # (2, n, bs, H, D)
+    blocks are `block_ids` (a copy, into `out` `(2, n, bs, Hkv, D)` when given; the cache is
+    not modified)."""
+    blocks = torch.index_select(kv_cache, 1, block_ids, out=out) if out is not None \
+        else kv_cache.index_select(1, block_ids)  # (2, n, bs, H, D)
     kv = blocks.flatten(1, 2)[:, :num_tokens]
     return kv[0], kv[1]
 
@@ -65,6 +67,9 @@ class _Prefill:
     pad: int = 0
     # `mask` tiled for the query heads folded per kv head; made by the first layer, reused.
     folded_mask: torch.Tensor | None = None
+    # The gathered context, allocated by the first layer and refilled by the others: a fresh
+    # multi-MB tensor per layer costs page faults that took longer than the copy itself.
+    kv_buf: torch.Tensor | None = None
 
 
 @dataclass
@@ -82,6 +87,7 @@ class AttentionPlan:
     decode_mask: torch.Tensor | None = None
     decode_batch: int = 0
     decode_len: int = 0
+    decode_buf: torch.Tensor | None = None  # the decode keys' K/V, refilled by every layer
 
 
 def build_plan(meta: AttentionMetadata, device: torch.device,
@@ -233,7 +239,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ks, vs = k[p.start:p.end], v[p.start:p.end]
             o = _sdpa(qs, ks.transpose(0, 1), vs.transpose(0, 1), scale, causal=True)
         else:
-            ks, vs = gather_kv(kv_cache, p.block_ids, p.seq_len)
+            if p.kv_buf is None:
+                p.kv_buf = kv_cache.new_empty((2, p.block_ids.numel(), *kv_cache.shape[2:]))
+            ks, vs = gather_kv(kv_cache, p.block_ids, p.seq_len, out=p.kv_buf)
             ks, vs = ks.transpose(0, 1).to(q.dtype), vs.transpose(0, 1).to(q.dtype)
             if p.mask is not None:
                 o = _masked_gqa(qs, ks, vs, scale, p)
@@ -279,7 +287,10 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPl
     b, n = plan.decode_batch, plan.decode_len
     h_kv, d = kv_cache.shape[-2:]
     flat = kv_cache.view(2, -1, h_kv, d)
-    kv = flat.index_select(1, plan.decode_slots).view(2, b, n, h_kv, d).transpose(2, 3)
+    if plan.decode_buf is None:
+        plan.decode_buf = flat.new_empty((2, plan.decode_slots.numel(), h_kv, d))
+    kv = torch.index_select(flat, 1, plan.decode_slots, out=plan.decode_buf)
+    kv = kv.view(2, b, n, h_kv, d).transpose(2, 3)
     qg = q.reshape(b, h_kv, -1, d)
     o = F.scaled_dot_product_attention(qg, kv[0].to(q.dtype), kv[1].to(q.dtype),
                                        attn_mask=plan.decode_mask, scale=scale)
