@@ -186,7 +186,7 @@ class KVTierConnector(KVConnectorBase):
         if num_hit == 0:
             return 0
         wanted = candidates[:num_hit]
-        values = self.storage.batched_get([k for _, _, k in wanted])
+        values = self.storage.batched_get([k for _, _, k in wanted], read_only=True)  # only scattered
         fetched = _Fetched(num_tokens=n, start=num_computed_tokens, end=num_computed_tokens)
         for (s, e, _k), kv in zip(wanted, values):
             if not self._chunk_ok(kv, e - s):

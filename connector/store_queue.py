@@ -54,10 +54,10 @@ class StoreQueue:
                 if event is not None:
                     with torch.cuda.stream(self._stream):
                         self._stream.wait_event(event)
-                        self.storage.batched_put(items)
+                        self.storage.batched_put(items, owned=True)
                         self._stream.synchronize()
                 else:
-                    self.storage.batched_put(items)
+                    self.storage.batched_put(items, owned=True)
                 if on_done is not None:
                     on_done()
             finally:

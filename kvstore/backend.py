@@ -84,6 +84,11 @@ class StorageBackend(ABC):
         """Returns one result per key, in order (None for each miss)."""
         return [self.get(k) for k in keys]
 
+    def batched_read(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
+        """Returns what `batched_get` does, for reading only: a result may be the tier's own
+        stored tensor (memory tiers skip the copy), so the caller must never modify it."""
+        return self.batched_get(keys)
+
     @abstractmethod
     def put(self, key: str, kv: torch.Tensor) -> None:
         """Stores `kv` under `key`, evicting as needed to stay within the byte budget."""
@@ -92,6 +97,11 @@ class StorageBackend(ABC):
         """Stores every item (same guarantees as `put`)."""
         for key, kv in items:
             self.put(key, kv)
+
+    def batched_adopt(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Stores every item like `batched_put`, but the tensors are handed over: memory tiers
+        may keep them as they are instead of copying, so nobody may modify them afterwards."""
+        self.batched_put(items)
 
     @abstractmethod
     def delete(self, key: str) -> bool:

@@ -82,7 +82,7 @@ class StorageManager:
         self._health = [TierHealth(n, backoff_initial_s, backoff_max_s) for n in names]
         self._stats = [TierStats(name=n) for n in names]
         self._stats_lock = threading.Lock()
-        self._writer = BackgroundWriter(queue_size, queue_full) if len(self.tiers) > 1 else None
+        self._writer = BackgroundWriter(queue_size, queue_full, nice=10) if len(self.tiers) > 1 else None
         self._closed = False
 
     @classmethod
@@ -122,10 +122,10 @@ class StorageManager:
         health.succeeded(started)
         return result
 
-    def _store(self, i: int, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def _store(self, i: int, items: Sequence[tuple[str, torch.Tensor]], owned: bool = False) -> None:
         t0 = time.perf_counter()
         tier = self.tiers[i]
-        result = self._call(i, lambda: tier.batched_put(items))
+        result = self._call(i, lambda: tier.batched_adopt(items) if owned else tier.batched_put(items))
         if result is not _SKIPPED:
             with self._stats_lock:
                 self._stats[i].bytes_stored += sum(_nbytes(kv) for _, kv in items)
@@ -149,14 +149,16 @@ class StorageManager:
         """Stores a chunk in every tier: the fastest now, the rest in the background."""
         self.batched_put([(key, kv)])
 
-    def batched_put(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Stores every item like `put`. Raises ValueError for a malformed chunk (storing nothing)."""
+    def batched_put(self, items: Sequence[tuple[str, torch.Tensor]], *, owned: bool = False) -> None:
+        """Stores every item like `put`. Raises ValueError for a malformed chunk (storing nothing).
+        `owned`: the tensors are handed over (never modified again), so a memory tier may keep
+        them without a copy."""
         items = list(items)
         for key, kv in items:
             _check_chunk(key, kv)
         if not items:
             return
-        self._store(0, items)
+        self._store(0, items, owned)
         self._store_slow(range(1, len(self.tiers)), items)
 
     def contains(self, key: str) -> bool:
@@ -187,9 +189,11 @@ class StorageManager:
         move it where they need it. It is the caller's own (a copy, or a fresh decode)."""
         return self.batched_get([key])[0]
 
-    def batched_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
+    def batched_get(self, keys: Sequence[str], *, read_only: bool = False) -> list[torch.Tensor | None]:
         """Returns one chunk or None per key. Keys are pinned while they load; every hit from
-        a slower tier is promoted into the faster ones (fastest synchronously)."""
+        a slower tier is promoted into the faster ones (fastest synchronously). `read_only`:
+        the caller never modifies the results, so memory tiers return (and, promoting, keep)
+        their tensors without copying them."""
         keys = list(keys)
         out: list[torch.Tensor | None] = [None] * len(keys)
         self.pins.pin(keys)
@@ -200,7 +204,7 @@ class StorageManager:
                     break
                 want = [keys[j] for j in missing]
                 t0 = time.perf_counter()
-                got = self._call(i, lambda: tier.batched_get(want))
+                got = self._call(i, lambda: tier.batched_read(want) if read_only else tier.batched_get(want))
                 if got is _SKIPPED:
                     continue
                 elapsed = time.perf_counter() - t0
@@ -219,7 +223,7 @@ class StorageManager:
                     s.bytes_loaded += sum(_nbytes(kv) for _, kv in found)
                     s.load_seconds += elapsed
                 if found and i > 0:
-                    self._store(0, found)
+                    self._store(0, found, owned=read_only)
                     self._store_slow(range(1, i), found)
                 missing = still
         finally:

@@ -26,6 +26,13 @@ def _stored_nbytes(value: torch.Tensor | Buffer) -> int:
     return len(value)
 
 
+def _whole_tensor(kv: torch.Tensor, device: torch.device) -> bool:
+    """Whether `kv` is contiguous on `device` and spans its whole storage, so keeping it keeps
+    exactly its own bytes alive (a view of something larger would hide memory from the budget)."""
+    return (kv.device == device and kv.is_contiguous()
+            and kv.untyped_storage().nbytes() == kv.numel() * kv.element_size())
+
+
 class MemoryBackend(StorageBackend):
     """Chunks held in this process's memory on `device`, within a hard byte budget."""
 
@@ -50,12 +57,14 @@ class MemoryBackend(StorageBackend):
             return host_copy(kv)
         return kv.detach().to(self.device, copy=True).contiguous()
 
-    def _to_stored(self, key: str, kv: torch.Tensor) -> torch.Tensor | Buffer:
+    def _to_stored(self, key: str, kv: torch.Tensor, owned: bool = False) -> torch.Tensor | Buffer:
         if self.codec.name != "raw":
             return serde.encode(key, kv, self.codec)
         if self.pin_memory:
             out = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
             return out.copy_(kv, non_blocking=False)
+        if owned and _whole_tensor(kv, self.device):
+            return kv.detach()
         # a copy: the caller's tensor may be a view into the engine's kv cache that changes later
         return self._copy(kv)
 
@@ -72,8 +81,8 @@ class MemoryBackend(StorageBackend):
                 n += 1
             return n
 
-    def get(self, key: str) -> torch.Tensor | None:
-        """Returns a copy of the chunk (on this tier's device for raw), or None on a miss."""
+    def _lookup(self, key: str) -> torch.Tensor | Buffer | None:
+        """Returns the stored value of `key` (counting the hit or miss and touching it)."""
         with self._lock:
             value = self._store.get(key)
             if value is None:
@@ -81,14 +90,40 @@ class MemoryBackend(StorageBackend):
                 return None
             self._budget.touch(key)
             self._stats.hits += 1
+            return value
+
+    def get(self, key: str) -> torch.Tensor | None:
+        """Returns a copy of the chunk (on this tier's device for raw), or None on a miss."""
+        value = self._lookup(key)
+        if value is None:
+            return None
         # stored values are never mutated in place (a put replaces them), so copy outside the lock
         if isinstance(value, torch.Tensor):
             return self._copy(value)
         return serde.decode(key, value).to(self.device)
 
+    def batched_read(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
+        """Returns the stored tensors themselves (raw codec; others decode), or None per miss."""
+        out: list[torch.Tensor | None] = []
+        for key in keys:
+            value = self._lookup(key)
+            if value is None or isinstance(value, torch.Tensor):
+                out.append(value)
+            else:
+                out.append(serde.decode(key, value).to(self.device))
+        return out
+
     def put(self, key: str, kv: torch.Tensor) -> None:
         """Stores a copy of `kv`, evicting by policy; a chunk that cannot fit is refused (counted)."""
-        stored = self._to_stored(key, kv)
+        self._put(key, self._to_stored(key, kv))
+
+    def batched_adopt(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Stores each tensor itself when it is a whole contiguous tensor on this tier's device
+        (raw codec, unpinned), else a copy; same budget rules as `put`."""
+        for key, kv in items:
+            self._put(key, self._to_stored(key, kv, owned=True))
+
+    def _put(self, key: str, stored: torch.Tensor | Buffer) -> None:
         nbytes = _stored_nbytes(stored)
         with self._lock:
             victims = self._budget.plan(key, nbytes)

@@ -20,11 +20,18 @@ class _GatedTier(CPUBackend):
         self.gate = threading.Event()
         self.fail = False
 
-    def batched_put(self, items) -> None:
+    def _wait(self) -> None:
         self.gate.wait(30)
         if self.fail:
             raise BackendError("disk full")
+
+    def batched_put(self, items) -> None:
+        self._wait()
         super().batched_put(items)
+
+    def batched_adopt(self, items) -> None:  # the queue hands its chunks over
+        self._wait()
+        super().batched_adopt(items)
 
 
 def chunk(tokens: int = 4) -> torch.Tensor:

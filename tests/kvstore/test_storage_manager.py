@@ -4,6 +4,7 @@ budgets under random workloads, failing tiers, and concurrent readers/writers.""
 from __future__ import annotations
 
 import logging
+import os
 import random
 import shutil
 import threading
@@ -53,6 +54,53 @@ def test_write_through_and_promotion(tmp_path: Path) -> None:
         assert s["disk"].bytes_loaded == 2 * _chunk_bytes() and s["disk"].load_seconds > 0
         assert s["cpu"].bytes_stored >= 3 * _chunk_bytes()
         assert mgr.pins.total() == 0
+
+
+def test_read_only_gets_and_owned_puts_skip_copies_but_keep_the_tier_intact(tmp_path: Path) -> None:
+    cpu, disk = CPUBackend(byte_budget=4 * _chunk_bytes()), DiskBackend(tmp_path)
+    with StorageManager([cpu, disk], names=["cpu", "disk"]) as mgr:
+        owned, caller_kept = chunk(1), chunk(2)
+        mgr.batched_put([(ckey(1), owned)], owned=True)
+        mgr.batched_put([(ckey(2), caller_kept)])
+        caller_kept.zero_()  # not handed over: the tier holds its own copy
+        assert torch.equal(mgr.get(ckey(2)), chunk(2))
+        # A read-only get hands out the tier's tensor itself; a plain get a private copy.
+        ro = mgr.batched_get([ckey(1)], read_only=True)[0]
+        assert ro.data_ptr() == owned.data_ptr()
+        mine = mgr.get(ckey(1))
+        assert mine.data_ptr() != owned.data_ptr()
+        mine.add_(1)
+        assert torch.equal(mgr.get(ckey(1)), chunk(1))
+        # A view of a larger tensor is copied even when handed over: keeping it would keep
+        # bytes the budget does not see.
+        big = torch.cat([chunk(3), chunk(4)], dim=2)
+        mgr.batched_put([(ckey(3), big[:, :, : chunk(3).shape[2]])], owned=True)
+        assert cpu.batched_read([ckey(3)])[0].data_ptr() != big.data_ptr()
+        assert cpu.stats().bytes_used == 3 * _chunk_bytes()
+        # Promotion of a read-only hit keeps the decoded tensor in the faster tier as it is.
+        assert mgr.flush(timeout=10)
+        cpu.clear()
+        got = mgr.batched_get([ckey(1)], read_only=True)[0]
+        assert torch.equal(got, chunk(1)) and cpu.batched_read([ckey(1)])[0].data_ptr() == got.data_ptr()
+        cpu.clear()
+        got = mgr.batched_get([ckey(1)])[0]  # a plain get: the caller's own, the tier a copy
+        assert cpu.batched_read([ckey(1)])[0].data_ptr() != got.data_ptr()
+        assert mgr.pins.total() == 0
+
+
+def test_slow_tier_writes_run_at_lower_priority(tmp_path: Path) -> None:
+    """Serving threads win the CPU over background writes to slow tiers."""
+    seen: list[int] = []
+
+    class _Recording(DiskBackend):
+        def batched_put(self, items) -> None:
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            super().batched_put(items)
+
+    with StorageManager([CPUBackend(), _Recording(tmp_path)]) as mgr:
+        mgr.put(ckey(0), chunk(0))
+        assert mgr.flush(timeout=10)
+    assert seen == [min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)]
 
 
 def test_prefix_hits_combines_tiers(tmp_path: Path) -> None:
