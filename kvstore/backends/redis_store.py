@@ -15,6 +15,7 @@ Connection failures and timeouts raise BackendError.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -80,11 +81,19 @@ def _client_kwargs(options: dict[str, Any]) -> dict[str, Any]:
         "socket_connect_timeout": float(options.get("connect_timeout_s", 1.0)),
         # the storage manager handles failures with backoff; redis-py must not stall a caller retrying
         "retry": Retry(NoBackoff(), 0),
+        # chunks are MBs: 1 MiB socket reads instead of redis-py's 64 KiB (fewer recv calls)
+        "socket_read_size": int(options.get("socket_read_size", 1 << 20)),
     }
     if "max_connections" in options:
         kw["max_connections"] = int(options["max_connections"])
     kw.update({k: v for k, v in options.items() if k.startswith("ssl_")})
     return kw
+
+
+# Batched GETs of at least this many keys (single node) are split over two connections: the
+# client's share of a large GET (recv, reply parsing) is single-threaded per connection, and
+# two halves in flight read MB-sized chunks ~1.3x faster over loopback (measured, 12 MB values).
+_SPLIT_GET_MIN_KEYS = 4
 
 
 class RedisBackend(BytesBackend):
@@ -116,6 +125,7 @@ class RedisBackend(BytesBackend):
         self._stripes = [threading.Lock() for _ in range(64)]
         self._budget = ByteBudget(byte_budget, make_policy(eviction))
         self._evictions = 0
+        self._fetcher: ThreadPoolExecutor | None = None  # the second half of a split GET
 
     @classmethod
     def from_spec(cls, spec: TierSpec) -> RedisBackend:
@@ -167,7 +177,19 @@ class RedisBackend(BytesBackend):
         if not keys:
             return []
 
-        values = self._call("get", lambda: self._per_key("get", keys))
+        if self.cluster or len(keys) < _SPLIT_GET_MIN_KEYS:
+            values = self._call("get", lambda: self._per_key("get", keys))
+        else:
+            with self._lock:
+                if self._fetcher is None:
+                    self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-redis-get")
+            half = len(keys) // 2
+            rest = self._fetcher.submit(self._per_key, "get", keys[half:])
+            try:
+                values = self._call("get", lambda: self._per_key("get", keys[:half]))
+            finally:
+                tail = self._call("get", rest.result)  # waited for even on failure: no stray reader
+            values = list(values) + list(tail)
         self._touch(keys, values)
         return values
 
@@ -255,6 +277,8 @@ class RedisBackend(BytesBackend):
             return len(self._budget), self._budget.used, self._budget.budget, self._evictions
 
     def close(self) -> None:
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=True)
         try:
             self.client.close()
         except (RedisError, OSError):

@@ -62,6 +62,20 @@ def test_connection_failure_is_a_backend_error(redis_server) -> None:
     assert torch.equal(tier.get(ckey(0)), chunk(0))
 
 
+def test_split_batched_get_keeps_order_and_fails_whole(redis_server) -> None:
+    tier = RedisBackend(redis_server.url)
+    tier.batched_put([(ckey(i), chunk(i)) for i in range(0, 10, 2)])
+    wanted = list(range(10))  # misses in both halves of the split
+    got = tier.batched_get([ckey(i) for i in wanted])
+    for i, kv in zip(wanted, got):
+        assert (kv is None) if i % 2 else torch.equal(kv, chunk(i))
+    assert redis_server.client().info("clients")["connected_clients"] >= 3  # both halves had a connection
+    redis_server.kill()
+    with pytest.raises(BackendError, match="redis tier"):
+        tier.batched_get([ckey(i) for i in wanted])
+    tier.close()
+
+
 def test_redis_killed_mid_workload_manager_recovers(redis_server, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="kvtier.kvstore")
     tiers = [create_backend(TierSpec("cpu", budget=3 * chunk(0).numel() * 2)), RedisBackend(redis_server.url)]
