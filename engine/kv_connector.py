@@ -56,6 +56,7 @@ tensors `(2, num_blocks, block_size, num_kv_heads, head_size)`; `shutdown()` on
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -127,3 +128,26 @@ class KVConnectorBase(ABC):
 
     def shutdown(self) -> None:
         """Flushes pending work and releases resources (default: nothing to do)."""
+
+
+# Connector factories register here (pyproject entry points), so `LLM(kv_connector=<config>)`
+# can build one without the engine importing any connector package (DESIGN §1).
+CONNECTOR_FACTORY_GROUP = "kvtier.kv_connectors"
+DEFAULT_CONNECTOR_FACTORY = "kvtier"
+
+
+def resolve_kv_connector(spec: Any) -> tuple[KVConnectorBase | None, bool]:
+    """Returns (connector, built_here): `spec` itself if it is a connector (or None), else the
+    connector the installed factory builds from `spec` (tier URLs, a mapping, a YAML path: what
+    the factory accepts). Raises ValueError if no factory is installed or it rejects `spec`."""
+    if spec is None or isinstance(spec, KVConnectorBase):
+        return spec, False
+    found = entry_points(group=CONNECTOR_FACTORY_GROUP, name=DEFAULT_CONNECTOR_FACTORY)
+    if not found:
+        raise ValueError(f"kv_connector: got a {type(spec).__name__} config but no connector factory is "
+                         f"installed (entry point group {CONNECTOR_FACTORY_GROUP!r}); install kvtier "
+                         f"(pip install -e .) or pass a KVConnectorBase")
+    connector = next(iter(found)).load()(spec)
+    if not isinstance(connector, KVConnectorBase):
+        raise ValueError(f"kv_connector: the factory returned a {type(connector).__name__}, not a KVConnectorBase")
+    return connector, True

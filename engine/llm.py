@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence as SequenceT
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.kv_connector import KVConnectorBase
+from engine.kv_connector import KVConnectorBase, resolve_kv_connector
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -16,14 +16,22 @@ class LLM:
     """A paged engine over one local Llama-family checkpoint (None = the bundled default).
 
     Every keyword is an `EngineConfig` field (validated; errors name the key), plus the
-    optional `kv_connector` object.
+    optional `kv_connector`: a connector object, or a connector config (tier URL or list of
+    them, mapping, YAML path) built by the installed factory, e.g. `kv_connector=["cpu"]`.
     """
 
-    def __init__(self, model: str | None = None, *, kv_connector: KVConnectorBase | None = None, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, *, kv_connector: KVConnectorBase | Any = None,
+                 **kwargs: Any) -> None:
         if model is not None:
             model = str(model)
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
-        self.engine = LLMEngine(self.config, kv_connector)
+        connector, built = resolve_kv_connector(kv_connector)
+        try:
+            self.engine = LLMEngine(self.config, connector)
+        except BaseException:
+            if built:  # ours to close: its threads and connections must not outlive the error
+                connector.shutdown()
+            raise
         self._closed = False
 
     # ---- accessors ----

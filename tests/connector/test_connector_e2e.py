@@ -92,6 +92,30 @@ def test_reuse_gives_identical_tokens_on_each_tier(tier, default_model_path, pro
     llm.shutdown()
 
 
+def test_llm_builds_its_connector_from_a_config(default_model_path, prompt_ids, reference, tmp_path):
+    """`LLM(kv_connector=<config>)`: the engine finds the factory by entry point, not by import."""
+    cfg = {"chunk_size": CHUNK, "tiers": ["cpu", f"disk://{tmp_path / 'kv'}"]}
+    llm = make_llm(default_model_path, cfg, enable_prefix_caching=False)
+    conn = llm.engine.kv_connector
+    assert isinstance(conn, KVTierConnector) and conn.chunk_size == CHUNK
+    assert run(llm, prompt_ids).outputs[0].token_ids == reference
+    warm = run(llm, prompt_ids)
+    assert warm.outputs[0].token_ids == reference and warm.num_cached_tokens == len(prompt_ids) - 1
+    assert_idle(llm, conn)
+    llm.shutdown()
+
+
+def test_bad_connector_config_names_the_key_and_leaks_nothing(default_model_path, tmp_path):
+    import threading
+
+    before = set(threading.enumerate())
+    with pytest.raises(ValueError, match="chunk_sise"):
+        make_llm(default_model_path, {"chunk_sise": 64, "tiers": ["cpu"]})
+    with pytest.raises(ValueError, match="does-not-exist"):  # the engine fails after the connector is built
+        LLM(str(tmp_path / "does-not-exist"), kv_connector=["cpu", f"disk://{tmp_path / 'kv'}"])
+    assert {t for t in threading.enumerate() if t.is_alive()} <= before  # its writer threads were stopped
+
+
 def test_connector_restores_what_the_engine_prefix_cache_evicted(default_model_path, prompt_ids, reference):
     conn = build_connector(["cpu"], chunk_size=CHUNK)
     llm = make_llm(default_model_path, conn, enable_prefix_caching=True)
