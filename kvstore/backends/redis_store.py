@@ -15,12 +15,12 @@ Connection failures and timeouts raise BackendError.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import numpy as np
 import redis
 import redis.cluster
 import torch
@@ -81,8 +81,8 @@ def _client_kwargs(options: dict[str, Any]) -> dict[str, Any]:
         "socket_connect_timeout": float(options.get("connect_timeout_s", 1.0)),
         # the storage manager handles failures with backoff; redis-py must not stall a caller retrying
         "retry": Retry(NoBackoff(), 0),
-        # chunks are MBs: 1 MiB socket reads instead of redis-py's 64 KiB (fewer recv calls)
-        "socket_read_size": int(options.get("socket_read_size", 1 << 20)),
+        # RESP2: no server push frames can interleave with the GET replies `_read_bulk_replies` parses
+        "protocol": 2,
     }
     if "max_connections" in options:
         kw["max_connections"] = int(options["max_connections"])
@@ -90,10 +90,46 @@ def _client_kwargs(options: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
-# Batched GETs of at least this many keys (single node) are split over two connections: the
-# client's share of a large GET (recv, reply parsing) is single-threaded per connection, and
-# two halves in flight read MB-sized chunks ~1.3x faster over loopback (measured, 12 MB values).
-_SPLIT_GET_MIN_KEYS = 4
+class _ReplyError(RedisError):
+    """Redis answered a GET with an error reply, or with something that is not a bulk string."""
+
+
+def _read_bulk_replies(sock: Any, count: int) -> list[memoryview | None]:
+    """Returns `count` RESP bulk-string replies (None for a null) read from `sock`, each received straight
+    into its own numpy-allocated (huge-page) buffer: hiredis grows one buffer and copies every
+    value out of it, and fresh small-page buffers fault on every 4 KiB. Raises _ReplyError /
+    OSError; the caller then drops the connection, since the stream position is lost."""
+    pending = bytearray()  # received, not yet consumed: reply headers and value tails
+    out: list[memoryview | None] = []
+    for _ in range(count):
+        while (eol := pending.find(b"\r\n")) < 0:
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                raise OSError("connection closed mid-reply")
+            pending += chunk
+        line = bytes(pending[:eol])
+        del pending[: eol + 2]
+        if line == b"_" or line == b"$-1":  # RESP3 / RESP2 null: a missing key
+            out.append(None)
+            continue
+        if line[:1] != b"$" or not line[1:].isdigit():
+            raise _ReplyError(f"unexpected reply to GET: {line[:80]!r}")
+        n = int(line[1:])
+        value = memoryview(np.empty(n + 2, dtype=np.uint8))  # the value and its CRLF
+        have = min(len(pending), n + 2)
+        value[:have] = pending[:have]
+        del pending[:have]
+        while have < n + 2:
+            got = sock.recv_into(value[have:], n + 2 - have)
+            if not got:
+                raise OSError("connection closed mid-value")
+            have += got
+        if value[n:] != b"\r\n":
+            raise _ReplyError("bulk reply not terminated by CRLF")
+        out.append(value[:n])
+    if pending:
+        raise _ReplyError("unexpected bytes after the GET replies")
+    return out
 
 
 class RedisBackend(BytesBackend):
@@ -125,7 +161,6 @@ class RedisBackend(BytesBackend):
         self._stripes = [threading.Lock() for _ in range(64)]
         self._budget = ByteBudget(byte_budget, make_policy(eviction))
         self._evictions = 0
-        self._fetcher: ThreadPoolExecutor | None = None  # the second half of a split GET
 
     @classmethod
     def from_spec(cls, spec: TierSpec) -> RedisBackend:
@@ -156,6 +191,25 @@ class RedisBackend(BytesBackend):
     def _contains(self, key: str) -> bool:
         return bool(self._call("exists", lambda: self.client.exists(key)))
 
+    def _get_many(self, keys: Sequence[str]) -> list[Any]:
+        """Returns the values of `keys` (None per missing key) in one pipelined round trip,
+        read by `_read_bulk_replies` on a pooled connection (redis-py's reader for a cluster)."""
+        if self.cluster:
+            return self._per_key("get", keys)
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(conn.pack_commands([("GET", k) for k in keys]))
+            sock = conn._get_socket()
+            if sock is None:
+                raise OSError("no socket after sending")
+            return _read_bulk_replies(sock, len(keys))
+        except BaseException:
+            conn.disconnect()  # its stream position is unknown: never reuse it
+            raise
+        finally:
+            pool.release(conn)
+
     def _per_key(self, command: str, keys: Sequence[str]) -> list[Any]:
         """Returns the replies to `command` sent once per key, in one pipelined round trip."""
         pipe = self._pipeline()
@@ -169,27 +223,12 @@ class RedisBackend(BytesBackend):
         return [bool(x) for x in self._call("exists", lambda: self._per_key("exists", keys))]
 
     def _get_bytes(self, key: str) -> Buffer | None:
-        value = self._call("get", lambda: self.client.get(key))
-        self._touch([key], [value])
-        return value
+        return self._batched_get_bytes([key])[0]
 
     def _batched_get_bytes(self, keys: Sequence[str]) -> list[Buffer | None]:
         if not keys:
             return []
-
-        if self.cluster or len(keys) < _SPLIT_GET_MIN_KEYS:
-            values = self._call("get", lambda: self._per_key("get", keys))
-        else:
-            with self._lock:
-                if self._fetcher is None:
-                    self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-redis-get")
-            half = len(keys) // 2
-            rest = self._fetcher.submit(self._per_key, "get", keys[half:])
-            try:
-                values = self._call("get", lambda: self._per_key("get", keys[:half]))
-            finally:
-                tail = self._call("get", rest.result)  # waited for even on failure: no stray reader
-            values = list(values) + list(tail)
+        values = self._call("get", lambda: self._get_many(keys))
         self._touch(keys, values)
         return values
 
@@ -277,8 +316,6 @@ class RedisBackend(BytesBackend):
             return len(self._budget), self._budget.used, self._budget.budget, self._evictions
 
     def close(self) -> None:
-        if self._fetcher is not None:
-            self._fetcher.shutdown(wait=True)
         try:
             self.client.close()
         except (RedisError, OSError):
