@@ -95,10 +95,11 @@ class _ReplyError(RedisError):
 
 
 def _read_bulk_replies(sock: Any, count: int) -> list[memoryview | None]:
-    """Returns `count` RESP bulk-string replies (None for a null) read from `sock`, each received straight
-    into its own numpy-allocated (huge-page) buffer: hiredis grows one buffer and copies every
-    value out of it, and fresh small-page buffers fault on every 4 KiB. Raises _ReplyError /
-    OSError; the caller then drops the connection, since the stream position is lost."""
+    """Returns `count` RESP bulk-string replies (None for a null) read from `sock`, each
+    received straight into its own numpy-allocated (huge-page) buffer: hiredis grows one
+    buffer and copies every value out of it, and fresh small-page buffers fault on every
+    4 KiB. Raises _ReplyError / OSError; the caller then drops the connection, since the
+    stream position is lost."""
     pending = bytearray()  # received, not yet consumed: reply headers and value tails
     out: list[memoryview | None] = []
     for _ in range(count):
