@@ -257,13 +257,20 @@ TINY_VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(TINY_VARIANTS))
-def tiny_pair(request, tmp_path_factory, default_model_path: Path):
+def load_tiny_pair(tmp_dir: Path, tokenizer_dir: Path, **overrides):
+    """Returns (our model, transformers' model, ModelConfig, checkpoint dir) of a tiny random
+    checkpoint saved under `tmp_dir` with config `overrides` (fp32, CPU)."""
     from transformers import AutoModelForCausalLM
-    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param),
-                                tokenizer_dir=default_model_path, **TINY_VARIANTS[request.param])
+    ckpt = make_tiny_checkpoint(tmp_dir, tokenizer_dir=tokenizer_dir, **overrides)
     ours, cfg = load_model(ckpt, torch.device("cpu"), torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    return ours, hf, cfg, ckpt
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_VARIANTS))
+def tiny_pair(request, tmp_path_factory, default_model_path: Path):
+    ours, hf, cfg, _ckpt = load_tiny_pair(tmp_path_factory.mktemp(request.param), default_model_path,
+                                          **TINY_VARIANTS[request.param])
     return ours, hf, cfg
 
 

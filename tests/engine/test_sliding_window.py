@@ -15,9 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.model_loader import load_model
-from tests.engine.test_model_forward import PagedDriver
-from tests.fixtures.model import make_tiny_checkpoint
+from tests.engine.test_model_forward import PagedDriver, load_tiny_pair
 
 WINDOW = 8
 WINDOW_VARIANTS = {
@@ -32,12 +30,8 @@ DECODE = 20
 @pytest.fixture(scope="module", params=sorted(WINDOW_VARIANTS))
 def window_pair(request, tmp_path_factory, default_model_path: Path):
     """(our model, transformers' model, ModelConfig, checkpoint dir) of one windowed variant."""
-    from transformers import AutoModelForCausalLM
-    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param),
-                                tokenizer_dir=default_model_path, **WINDOW_VARIANTS[request.param])
-    ours, cfg = load_model(ckpt, torch.device("cpu"), torch.float32)
-    hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
-    return ours, hf, cfg, ckpt
+    return load_tiny_pair(tmp_path_factory.mktemp(request.param), default_model_path,
+                          **WINDOW_VARIANTS[request.param])
 
 
 def _tokens(n: int, seed: int) -> list[int]:
