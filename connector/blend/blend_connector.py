@@ -210,9 +210,10 @@ class BlendConnector(KVTierConnector):
 
     def _segment_kv(self, tokens: list[int]) -> torch.Tensor:
         """Returns a segment's standalone K/V `(L, 2, n, H, D)`: from the tiers when every chunk
-        is there and well-formed, else computed now and stored (chunks that were missing)."""
+        is there and well-formed, else computed now and stored (chunks that were missing).
+        Read only: it may be a tier's own tensor (callers re-rotate a copy of it)."""
         spans = segment_spans(tokens, self.chunk_size, self.model_config.fingerprint, self._kv_dtype)
-        values = self.storage.batched_get([k for _, _, k in spans])
+        values = self.storage.batched_get([k for _, _, k in spans], read_only=True)
         ok = [self._chunk_ok(kv, e - s) for (s, e, _), kv in zip(spans, values)]
         if all(ok):
             self.stats.segment_hits += 1
