@@ -20,6 +20,9 @@ HEADER_SIZE = HEADER.size  # 24
 _unpack_header = HEADER.unpack_from
 MAX_KEY_LEN = 4096
 DEFAULT_MAX_PAYLOAD = 512 << 20
+# Bodies of requests other than PUT (key lists): 16 MiB holds ~150k keys. A longer one is
+# refused from its header, so no request but a PUT makes the server buffer MBs per connection.
+MAX_REQUEST_BODY = 16 << 20
 Buffer = bytes | bytearray | memoryview
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")

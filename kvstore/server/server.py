@@ -251,6 +251,9 @@ class _Connection(asyncio.BufferedProtocol):
             return Status.UNKNOWN_OP, f"unknown op {h.code}"
         if h.code == Op.PUT and not self.store.fits(h.key_len, h.payload_len):
             return Status.TOO_LARGE, f"entry of {h.body_len} bytes exceeds the server's memory budget"
+        if h.code != Op.PUT and h.body_len > P.MAX_REQUEST_BODY:
+            return (Status.TOO_LARGE,
+                    f"request body of {h.body_len} bytes exceeds {P.MAX_REQUEST_BODY} (only PUT may be larger)")
         return None
 
     def _fail(self, status: Status, request_id: int, message: str) -> None:

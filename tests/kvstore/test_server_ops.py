@@ -235,3 +235,13 @@ def test_mixed_pipelines_of_large_gets_and_puts(cache_server: CacheServerProcess
     assert [r.payload for r in replies[0::2]] == values and all(r.status == Status.OK for r in replies)
     assert c.get_many([f"w{i}".encode() for i in range(6)]) == values
     c.close()
+
+
+def test_oversized_non_put_body_is_refused_without_buffering(cache_server: CacheServerProcess) -> None:
+    body = bytes(P.MAX_REQUEST_BODY + 1)  # under --max-payload: well framed, but no key list is this long
+    data = P.encode_header(Op.EXISTS, 1, 0, len(body)) + body + P.encode_frame(Op.PING, 2)
+    replies = raw_exchange(cache_server.port, data)
+    first = P.decode_header(replies, max_payload=1 << 20)
+    assert first.code == Status.TOO_LARGE and first.request_id == 1
+    second = P.decode_header(replies, max_payload=1 << 20, offset=P.HEADER_SIZE + first.payload_len)
+    assert (second.code, second.request_id) == (Status.OK, 2)  # the connection stayed usable
