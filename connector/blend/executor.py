@@ -121,9 +121,9 @@ def blend_recompute(model: nn.Module, kv_caches: Sequence[torch.Tensor], block_i
     """Selectively recomputes positions [start, end) of a request whose paged cache already
     holds exact K/V for [0, start) and cached (re-rotated) K/V for [start, end).
 
-    Layers below `check_layer` are recomputed for every token; at `check_layer` (and at each
+    Layers up to `check_layer` are recomputed for every token; at `check_layer` (and at each
     `narrowing` layer) the tokens whose fresh K/V deviate most from what the cache holds are
-    kept (`ratio` of them); from there on only those go through the layers, attending over the
+    kept (`ratio` of them); past it only those go through the layers, attending over the
     whole context with an exact causal mask, their fresh K/V overwriting the cached K/V.
     `token_ids` are the tokens of [start, end). Returns how many tokens reached the last
     layer; ratio 0 changes nothing (plain reuse), ratio 1 equals a full prefill.
@@ -149,13 +149,16 @@ def blend_recompute(model: nn.Module, kv_caches: Sequence[torch.Tensor], block_i
             flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
             old = flat.index_select(1, slots[rows]).to(k.dtype)
             deviation = (k - old[0]).float().pow(2).sum((1, 2)) + (v - old[1]).float().pow(2).sum((1, 2))
+            # Every row's fresh K/V at this layer is already computed: keep it all.
+            write_kv(kv_cache, k, v, slots[rows])
             keep = min(rows.numel(), _num_selected(keep_at[i], n))
             top = deviation.topk(keep).indices.sort().values
             rows, h, q, k, v = rows[top], h[top], q[top], k[top], v[top]
             if keep == 0:
                 break
             buckets = _causal_buckets(positions[rows])
-        write_kv(kv_cache, k, v, slots[rows])
+        else:
+            write_kv(kv_cache, k, v, slots[rows])
         if i == last:
             break
         keys, values = gather_kv(kv_cache, table, end)

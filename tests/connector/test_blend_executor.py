@@ -130,6 +130,8 @@ def test_blend_recompute_in_a_paged_cache(default_model, tokenizer):
     got = gather_chunk(caches, slots)
     assert torch.equal(got[:, :, :start], cached[:, :, :start])
     torch.testing.assert_close(got[0], full[0], atol=1e-4, rtol=1e-4)  # below the check layer: all fresh
+    # At the check layer every token's fresh K/V was computed to select from, so all of it is kept.
+    torch.testing.assert_close(got[1], full[1], atol=1e-4, rtol=1e-4)
     changed = (got != cached).any(-1).any(-1).any(1)  # [layers, tokens]
     assert 0 < int(changed[3].sum()) <= -(-(n - start) * 3 // 10)
     assert 0 < int(changed[10].sum()) <= kept
