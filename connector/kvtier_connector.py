@@ -5,6 +5,8 @@ Flow for one request:
   tokens keyed by the model fingerprint and KV dtype, so only the same model with the same
   prefix can ever hit. Starting at the chunk that holds the engine's own prefix-cache hit,
   the longest run of stored chunks is *fetched now*, capped so the last token is computed.
+  Where that run stops, the longest stored partial chunk starting there is taken too: a
+  prompt that grew (a chat's next round) finds the partial tail its last round stored.
   Fetching at lookup means the number returned is backed by tensors in hand: a chunk that is
   corrupt, evicted or on a tier that just died shortens the hit (those tokens are computed),
   it can never leave the engine believing in K/V that does not arrive.
@@ -43,7 +45,7 @@ from connector.gather import gather_chunk, scatter_chunk, slots_for
 from connector.metrics import ConnectorMetrics, RequestKVMetrics, TierKVMetrics
 from connector.store_queue import StoreQueue
 from engine.kv_connector import KVConnectorBase
-from kvstore.keys import dtype_name, process_tokens
+from kvstore.keys import ROOT_HASH, ChunkKey, dtype_name, partial_chunk_keys, process_tokens
 from kvstore.storage_manager import StorageManager
 
 if TYPE_CHECKING:
@@ -183,9 +185,13 @@ class KVTierConnector(KVConnectorBase):
             return 0
         self._stores.wait_for([k for _, _, k in candidates])
         num_hit = self.storage.prefix_hits([k for _, _, k in candidates])
-        if num_hit == 0:
-            return 0
         wanted = candidates[:num_hit]
+        if num_hit < len(candidates):
+            tail = self._stored_partial(seq.all_token_ids, spans, first + num_hit, num_computed_tokens)
+            if tail is not None:
+                wanted.append(tail)
+        if not wanted:
+            return 0
         values = self.storage.batched_get([k for _, _, k in wanted], read_only=True)  # only scattered
         fetched = _Fetched(num_tokens=n, start=num_computed_tokens, end=num_computed_tokens)
         for (s, e, _k), kv in zip(wanted, values):
@@ -199,6 +205,23 @@ class KVTierConnector(KVConnectorBase):
         nbytes = sum(kv.numel() * kv.element_size() for _, _, kv in fetched.chunks)
         self.metrics.add(rid, bytes_loaded=nbytes, load_seconds=time.perf_counter() - t0)
         return fetched.end - num_computed_tokens
+
+    def _stored_partial(self, tokens: SequenceT[int], spans: list[Span], j: int, after: int) -> Span | None:
+        """Returns the longest stored partial chunk that starts where span `j` starts and ends
+        past position `after`, or None: one batched existence query over its possible lengths."""
+        s, e, _ = spans[j]
+        if e - s < 2 or e - 1 <= after:
+            return None
+        parent = ROOT_HASH if j == 0 else ChunkKey.from_str(spans[j - 1][2]).chunk_hash
+        skip = max(0, after - s)  # lengths that would end at or before `after` load nothing
+        probe = [k.to_str() for k in partial_chunk_keys(
+            tokens[s:e], self.chunk_size, parent_hash=parent, model=self.model_config.fingerprint,
+            kv_dtype=self._kv_dtype)][skip:]
+        self._stores.wait_for(probe)
+        held = [i for i, present in enumerate(self.storage.batched_contains(probe)) if present]
+        if not held:
+            return None
+        return s, s + skip + held[-1] + 1, probe[held[-1]]
 
     def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_external_tokens: int) -> None:
         fetched = self._fetched.pop(seq.request_id, None)

@@ -67,6 +67,10 @@ class StorageBackend(ABC):
     def contains(self, key: str) -> bool:
         """Returns whether `key` is stored (a later get may still miss if it is evicted)."""
 
+    def batched_contains(self, keys: Sequence[str]) -> list[bool]:
+        """Returns, per key, whether it is stored (one query where the tier can batch)."""
+        return [self.contains(k) for k in keys]
+
     def prefix_hits(self, keys: Sequence[str]) -> int:
         """Returns how many of `keys`, counted from the start, are stored."""
         n = 0
@@ -195,6 +199,9 @@ class BytesBackend(StorageBackend):
 
     def contains(self, key: str) -> bool:
         return self._contains(key)
+
+    def batched_contains(self, keys: Sequence[str]) -> list[bool]:
+        return self._batched_contains(keys) if keys else []
 
     def prefix_hits(self, keys: Sequence[str]) -> int:
         n = 0

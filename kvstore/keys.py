@@ -91,6 +91,29 @@ def chain_hash(parent_hash: str, tokens: TokenIds) -> str:
     return h.hexdigest()
 
 
+def partial_chunk_keys(
+    tokens: TokenIds,
+    chunk_size: int,
+    *,
+    parent_hash: str,
+    model: str = "",
+    kv_dtype: torch.dtype | str = "",
+    layout_version: int = LAYOUT_VERSION,
+) -> list[ChunkKey]:
+    """Returns, for m = 1 .. len(tokens) - 1, the key `tokens[:m]` has as a partial last chunk
+    after `parent_hash` (entry m - 1): what `process_tokens` yields for a sequence ending there.
+    A chunk that was stored partial, and later grew, is found again through these keys."""
+    arr = _as_le_int64(tokens)
+    dtype = dtype_name(kv_dtype)
+    h = hashlib.blake2b(bytes.fromhex(parent_hash), digest_size=16)
+    out: list[ChunkKey] = []
+    raw = arr.tobytes()
+    for m in range(1, arr.size):  # blake2b is sequential: one update per token, one copy per key
+        h.update(raw[8 * (m - 1): 8 * m])
+        out.append(ChunkKey(model, dtype, layout_version, chunk_size, h.copy().hexdigest()))
+    return out
+
+
 def process_tokens(
     tokens: TokenIds,
     chunk_size: int = 256,

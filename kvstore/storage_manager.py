@@ -183,6 +183,21 @@ class StorageManager:
                     break
         return n
 
+    def batched_contains(self, keys: Sequence[str]) -> list[bool]:
+        """Returns, per key, whether some tier holds it (one batched query per tier, asking
+        each only for the keys not found yet; tiers backing off count as holding nothing)."""
+        keys = list(keys)
+        held = [False] * len(keys)
+        for i, tier in enumerate(self.tiers):
+            todo = [j for j, h in enumerate(held) if not h]
+            if not todo:
+                break
+            got = self._call(i, lambda: tier.batched_contains([keys[j] for j in todo]))
+            if got is not _SKIPPED:
+                for j, present in zip(todo, got):
+                    held[j] = bool(present)
+        return held
+
     def get(self, key: str) -> torch.Tensor | None:
         """Returns the chunk from the fastest tier holding it (promoting it upward), or None.
         The tensor lives where that tier keeps chunks (GPU for `device`, else CPU); callers

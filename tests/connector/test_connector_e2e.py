@@ -154,6 +154,26 @@ def test_prefix_shared_by_different_suffixes(default_model_path, prompt_ids):
     llm.shutdown()
 
 
+@pytest.mark.parametrize("tier", ["cpu", "disk", "redis", "kvtier"])
+def test_a_grown_prompt_finds_the_partial_chunk_its_shorter_version_stored(tier, default_model_path, prompt_ids,
+                                                                           tmp_path, request):
+    """A chat's next round: the chunk that was partial has grown, so its full key misses, and
+    the partial tail stored last time is found through its own key instead of recomputed."""
+    conn = build_connector([tier_url(tier, tmp_path, request)], chunk_size=CHUNK)
+    llm = make_llm(default_model_path, conn, enable_prefix_caching=False)
+    short, grown = prompt_ids[:100], prompt_ids[:130]  # [96, 100) stored partial; [96, 130) now
+    plain = make_llm(default_model_path, None, enable_prefix_caching=False)
+    want = run(plain, grown).outputs[0].token_ids
+    plain.shutdown()
+    run(llm, short)
+    assert conn.flush(timeout=60)
+    out = run(llm, grown)
+    assert out.num_cached_tokens == 100  # two whole chunks and the 4-token partial one
+    assert out.outputs[0].token_ids == want
+    assert_idle(llm, conn)
+    llm.shutdown()
+
+
 def test_decode_tokens_are_saved_when_enabled(default_model_path, prompt_ids):
     conn = build_connector(["cpu"], chunk_size=CHUNK, save_decode_tokens=True)
     llm = make_llm(default_model_path, conn, enable_prefix_caching=False)
@@ -162,8 +182,9 @@ def test_decode_tokens_are_saved_when_enabled(default_model_path, prompt_ids):
     history = prompt_ids + first.outputs[0].token_ids
     assert conn.flush(timeout=60)
     follow = run(llm, history + prompt_ids[:8])
-    # The whole history had K/V except its last generated token (never computed).
-    assert follow.num_cached_tokens == (len(history) - 1) // CHUNK * CHUNK
+    # The whole history had K/V except its last generated token (never computed): whole
+    # chunks, then the partial tail saved when the first request finished.
+    assert follow.num_cached_tokens == len(history) - 1
     assert follow.num_cached_tokens > len(prompt_ids)
     assert_idle(llm, conn)
     llm.shutdown()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.keys import ROOT_HASH, ChunkKey, chain_hash, model_fingerprint, process_tokens
+from kvstore.keys import ROOT_HASH, ChunkKey, chain_hash, model_fingerprint, partial_chunk_keys, process_tokens
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,6 +70,16 @@ def test_partial_chunk_optional_and_parent_hash() -> None:
     assert k1 == k2
     other_parent = chain_hash(ROOT_HASH, [1, 2, 3])
     assert next(process_tokens(seg, 256, parent_hash=other_parent))[2] != k1
+
+
+def test_partial_chunk_keys_are_the_keys_of_every_shorter_partial_chunk() -> None:
+    toks = list(range(1000, 1100))
+    parent = next(process_tokens(toks[:64], 64, model="m", kv_dtype="float16"))[2].chunk_hash
+    probe = partial_chunk_keys(toks[64:], 64, parent_hash=parent, model="m", kv_dtype="float16")
+    assert len(probe) == 35  # tokens[64:64+m] for m = 1..35 (m = 36 is the chunk itself)
+    for m in (1, 17, 35):
+        assert probe[m - 1] == list(process_tokens(toks[:64 + m], 64, model="m", kv_dtype="float16"))[-1][2]
+    assert partial_chunk_keys([5], 64, parent_hash=ROOT_HASH) == []
 
 
 def test_key_names_everything_that_makes_kv_incompatible() -> None:

@@ -110,6 +110,7 @@ def test_prefix_hits_combines_tiers(tmp_path: Path) -> None:
         cpu.put(ckey(3), chunk(3))  # chunk 3 only in the fast tier, 0-2 only in the slow one
         assert mgr.prefix_hits([ckey(i) for i in range(5)]) == 4
         assert mgr.contains(ckey(3)) and not mgr.contains(ckey(4))
+        assert mgr.batched_contains([ckey(4), ckey(1), ckey(3), ckey(9)]) == [False, True, True, False]
 
 
 def test_pins_protect_and_never_go_negative(tmp_path: Path) -> None:
