@@ -5,16 +5,19 @@ is blended; any other request takes the plain prefix path of `KVTierConnector`.
 
 - Lookup (scheduler): the context, every segment but the query (and never the last token), is
   reported as loadable from where the engine's own prefix cache stops. A segment missing from
-  every tier is computed standalone at load time, so the answer never over-promises.
-- Load (worker, `start_load_kv`): each segment's standalone K/V (positions 0..n-1, keyed from
-  the segment root, see `segments`) is fetched or computed and stored, its keys re-rotated to
-  the segment's offset in this prompt, scattered into the request's fresh blocks (only
-  positions after the engine's hit: those blocks are exact and never rewritten), then
-  `blend_recompute` restores cross-segment attention for `ratio` of the tokens. The engine then
+  every tier is computed at load time, so the answer never over-promises.
+- Load (worker, `start_load_kv`): each segment's stored K/V (positions 0..n-1, keyed from the
+  segment root of `BlendConfig.segment_kv`, see `segments`) is fetched, its keys re-rotated to
+  the segment's offset in this prompt and scattered into the request's fresh blocks (only
+  positions after the engine's hit: those blocks are exact and never rewritten); then
+  `blend_recompute` restores cross-segment attention for `ratio` of the tokens. A missing
+  segment is recomputed there through every layer, inside this prompt, and stored from it
+  (`in_context`, the default), or computed on its own first (`standalone`). The engine then
   prefills the query suffix over the blended cache.
 - Blended K/V is approximate: the request's `max_cacheable_tokens` stops the engine's prefix
-  cache at the exact part (the engine's hit, or the first segment, which standalone is exact),
-  and blended requests are never stored as prefix chunks.
+  cache at the exact part (the engine's hit, or the first segment: at position 0 its stored
+  K/V is its standalone K/V, which is exact), and blended requests are never stored as prefix
+  chunks.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ import torch
 
 from connector.blend.config import BlendConfig
 from connector.blend.executor import blend_recompute, compute_segment_kv, rerotate_kv
-from connector.blend.segments import Segment, context_segments, segment_spans
+from connector.blend.segments import Segment, Span, context_segments, segment_spans
 from connector.config import ConnectorConfig, make_config
-from connector.gather import scatter_chunk, slots_for
+from connector.gather import gather_chunk, scatter_chunk, slots_for
 from connector.kvtier_connector import ConnectorMeta, KVTierConnector
 from kvstore.storage_manager import StorageManager
 
@@ -66,7 +69,7 @@ class BlendStats:
 
     requests: int = 0
     segment_hits: int = 0  # segments found in a tier
-    segment_misses: int = 0  # segments computed standalone (and stored)
+    segment_misses: int = 0  # segments computed (in context or standalone, per segment_kv) and stored
     blended_tokens: int = 0  # positions filled from segment K/V
     recomputed_tokens: int = 0  # of those, recomputed through every layer
     blend_seconds: float = 0.0
@@ -186,43 +189,58 @@ class BlendConnector(KVTierConnector):
         t0 = time.perf_counter()
         dev = self.kv_caches[0].device
         inv_freq = self.model.model.rotary.inv_freq
-        pieces = []
+        b = self.blend
+        missing = torch.zeros(job.end - job.start, dtype=torch.bool, device=dev)
+        pieces, piece_slots, to_store = [], [], []
         for seg in job.segments:
             lo, hi = max(seg.start, job.start), min(seg.end, job.end)
             if lo >= hi:
                 continue
-            kv = self._segment_kv(job.token_ids[seg.start:seg.end]).to(dev)
-            pieces.append(rerotate_kv(kv[:, :, lo - seg.start: hi - seg.start], seg.start, inv_freq))
-        cached = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
-        scatter_chunk(self.kv_caches, slots_for(job.block_ids, self.block_size, job.start, job.end), cached)
-        b = self.blend
+            tokens = job.token_ids[seg.start:seg.end]
+            # At position 0 a segment's K/V is its standalone K/V, exact, whichever way computed.
+            mode = "standalone" if seg.start == 0 else b.segment_kv
+            spans = segment_spans(tokens, self.chunk_size, self.model_config.fingerprint, self._kv_dtype, mode)
+            kv, ok = self._fetch_segment(spans)
+            if kv is None:
+                self.stats.segment_misses += 1
+                if b.segment_kv == "in_context":  # recomputed below, inside this prompt
+                    missing[lo - job.start:hi - job.start] = True
+                    to_store.append((seg, [sp for sp, good in zip(spans, ok) if not good and seg.start + sp[1] <= hi]))
+                    continue
+                kv = compute_segment_kv(self.model, tokens).to(self.kv_caches[0].dtype)
+                self.storage.batched_put([(k, kv[:, :, s:e].contiguous()) for (s, e, k), good in zip(spans, ok) if not good])
+            else:
+                self.stats.segment_hits += 1
+            pieces.append(rerotate_kv(kv.to(dev)[:, :, lo - seg.start: hi - seg.start], seg.start, inv_freq))
+            piece_slots.append(slots_for(job.block_ids, self.block_size, lo, hi, device=dev))
+        if pieces:
+            scatter_chunk(self.kv_caches, torch.cat(piece_slots), torch.cat(pieces, dim=2))
         recomputed = blend_recompute(self.model, self.kv_caches, job.block_ids, self.block_size,
                                      job.token_ids[job.start:job.end], job.start, job.end,
-                                     b.ratio, b.check_layer, b.narrowing)
+                                     b.ratio, b.check_layer, b.narrowing, missing=missing)
+        for seg, spans in to_store:
+            # Every layer of it was just computed in this prompt: store it at positions 0..
+            kv = gather_chunk(self.kv_caches, slots_for(job.block_ids, self.block_size, seg.start, seg.end, device=dev))
+            kv = rerotate_kv(kv, -seg.start, inv_freq)
+            self.storage.batched_put([(k, kv[:, :, s:e].contiguous()) for s, e, k in spans])
         s = self.stats
         s.requests += 1
         s.blended_tokens += job.end - job.start
         s.recomputed_tokens += recomputed
         s.blend_seconds += time.perf_counter() - t0
-        # load_seconds of a blend: fetch (or standalone compute), re-rotation, scatter, recompute.
-        self.metrics.add(job.request_id, load_seconds=time.perf_counter() - t0,
-                         bytes_loaded=cached.numel() * cached.element_size())
+        # load_seconds of a blend: fetch (or compute), re-rotation, scatter, recompute, store.
+        loaded = sum(p.numel() * p.element_size() for p in pieces)
+        self.metrics.add(job.request_id, load_seconds=time.perf_counter() - t0, bytes_loaded=loaded)
 
-    def _segment_kv(self, tokens: list[int]) -> torch.Tensor:
-        """Returns a segment's standalone K/V `(L, 2, n, H, D)`: from the tiers when every chunk
-        is there and well-formed, else computed now and stored (chunks that were missing).
-        Read only: it may be a tier's own tensor (callers re-rotate a copy of it)."""
-        spans = segment_spans(tokens, self.chunk_size, self.model_config.fingerprint, self._kv_dtype)
+    def _fetch_segment(self, spans: list[Span]) -> tuple[torch.Tensor | None, list[bool]]:
+        """Returns a segment's stored K/V `(L, 2, n, H, D)` (None unless every chunk is there
+        and well-formed) and which chunks were. Read only: it may be a tier's own tensor
+        (callers re-rotate a copy of it)."""
         values = self.storage.batched_get([k for _, _, k in spans], read_only=True)
         ok = [self._chunk_ok(kv, e - s) for (s, e, _), kv in zip(spans, values)]
-        if all(ok):
-            self.stats.segment_hits += 1
-            return values[0] if len(values) == 1 else torch.cat(values, dim=2)
-        self.stats.segment_misses += 1
-        kv = compute_segment_kv(self.model, tokens).to(self.kv_caches[0].dtype)
-        items = [(k, kv[:, :, s:e].contiguous()) for (s, e, k), good in zip(spans, ok) if not good]
-        self.storage.batched_put(items)
-        return kv
+        if not all(ok):
+            return None, ok
+        return (values[0] if len(values) == 1 else torch.cat(values, dim=2)), ok
 
     def blend_stats(self) -> dict[str, Any]:
         """Returns the blend totals since start-up (see `BlendStats`)."""

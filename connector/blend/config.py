@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 DEFAULT_SEPARATOR = " # # "  # LMCache's blend_special_str
+SEGMENT_KV_MODES = ("in_context", "standalone")
 
 
 @dataclass
@@ -14,13 +15,20 @@ class BlendConfig:
     """`ratio`: fraction of the blended tokens recomputed past `check_layer` (0 = plain reuse of
     the cached K/V, 1 = full prefill). `narrowing`: optional `[layer, ratio]` steps, later layers
     and smaller ratios, that shrink the recomputed set further. `separator`: string prompts are
-    split into segments on it (None: only list / `segment_lens` prompts are segmented)."""
+    split into segments on it (None: only list / `segment_lens` prompts are segmented).
+    `segment_kv`: how a segment missing from every tier gets its K/V: `in_context` recomputes it
+    through every layer inside the prompt that first uses it (so a cold prompt is a full
+    prefill) and stores that; `standalone` computes it as a sequence of its own, as LMCache
+    precomputes chunks. In-context K/V carry what a segment draws from a preceding context and
+    blend far closer to a full prefill (see the README); the two are stored under different
+    keys."""
 
     enabled: bool = False
     ratio: float = 0.15
     check_layer: int = 1
     separator: str | None = DEFAULT_SEPARATOR
     narrowing: list[tuple[int, float]] = field(default_factory=list)
+    segment_kv: str = "in_context"
 
     def validate(self, num_layers: int | None = None) -> BlendConfig:
         """Returns self after checking every field; raises ValueError naming the key."""
@@ -35,6 +43,9 @@ class BlendConfig:
             raise ValueError(f"blend.check_layer: {self.check_layer} is not below the model's {num_layers} layers")
         if self.separator is not None and (not isinstance(self.separator, str) or not self.separator):
             raise ValueError(f"blend.separator: expected a non-empty str or null, got {self.separator!r}")
+        if self.segment_kv not in SEGMENT_KV_MODES:
+            raise ValueError(f"blend.segment_kv: expected one of {', '.join(SEGMENT_KV_MODES)}, "
+                             f"got {self.segment_kv!r}")
         steps: list[tuple[int, float]] = []
         prev_layer, prev_ratio = self.check_layer, self.ratio
         for i, step in enumerate(self.narrowing or []):

@@ -3,7 +3,8 @@
 One implementation of "run layer i for some tokens over a given K/V" (`_layer_qkv`, the
 model's own `project_qkv`, then `_layer_attend_mlp`) serves both:
 - `compute_segment_kv`: a segment's standalone K/V (its own sequence, no paged cache);
-- `blend_recompute`: the selective recompute over K/V already scattered into the paged cache.
+- `blend_recompute`: the selective recompute over K/V already scattered into the paged cache
+  (which also computes, in place, the segments that had no stored K/V).
 
 Keys are stored after RoPE, so a segment computed at positions 0..n-1 is moved to its place
 in a prompt by `rerotate_kv` (RoPE rotations compose additively).
@@ -117,21 +118,30 @@ def _num_selected(ratio: float, n: int) -> int:
 def blend_recompute(model: nn.Module, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
                     block_size: int, token_ids: Sequence[int] | torch.Tensor, start: int, end: int,
                     ratio: float, check_layer: int = 1,
-                    narrowing: Sequence[tuple[int, float]] = ()) -> int:
+                    narrowing: Sequence[tuple[int, float]] = (),
+                    missing: torch.Tensor | None = None) -> int:
     """Selectively recomputes positions [start, end) of a request whose paged cache already
-    holds exact K/V for [0, start) and cached (re-rotated) K/V for [start, end).
+    holds exact K/V for [0, start) and cached (re-rotated) K/V for [start, end), except at
+    the `missing` positions (bool `[end - start]`), which hold nothing usable.
 
     Layers up to `check_layer` are recomputed for every token; at `check_layer` (and at each
-    `narrowing` layer) the tokens whose fresh K/V deviate most from what the cache holds are
-    kept (`ratio` of them); past it only those go through the layers, attending over the
-    whole context with an exact causal mask, their fresh K/V overwriting the cached K/V.
-    `token_ids` are the tokens of [start, end). Returns how many tokens reached the last
-    layer; ratio 0 changes nothing (plain reuse), ratio 1 equals a full prefill.
+    `narrowing` layer) the cached tokens whose fresh K/V deviate most from what the cache holds
+    are kept (`ratio` of them), and every missing one; past it only those go through the
+    layers, attending over the whole context with an exact causal mask, their fresh K/V
+    overwriting the cache. `token_ids` are the tokens of [start, end). Returns how many tokens
+    reached the last layer; with nothing missing, ratio 0 changes nothing (plain reuse) and
+    ratio 1 equals a full prefill; with everything missing, any ratio is a full prefill.
     """
     n = end - start
-    if n <= 0 or _num_selected(ratio, n) == 0:
+    if n <= 0:
         return 0
     inner, dev, _dtype = _model_parts(model)
+    missing = torch.zeros(n, dtype=torch.bool, device=dev) if missing is None else missing.to(dev)
+    if missing.shape != (n,):
+        raise ValueError(f"missing has shape {tuple(missing.shape)}, expected ({n},)")
+    num_missing = int(missing.sum())
+    if _num_selected(ratio, n - num_missing) + num_missing == 0:
+        return 0
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=dev)
     if ids.numel() != n:
         raise ValueError(f"{ids.numel()} token ids for positions [{start}, {end})")
@@ -149,9 +159,10 @@ def blend_recompute(model: nn.Module, kv_caches: Sequence[torch.Tensor], block_i
             flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
             old = flat.index_select(1, slots[rows]).to(k.dtype)
             deviation = (k - old[0]).float().pow(2).sum((1, 2)) + (v - old[1]).float().pow(2).sum((1, 2))
+            deviation[missing[rows]] = math.inf  # nothing cached to fall back on
             # Every row's fresh K/V at this layer is already computed: keep it all.
             write_kv(kv_cache, k, v, slots[rows])
-            keep = min(rows.numel(), _num_selected(keep_at[i], n))
+            keep = min(rows.numel(), _num_selected(keep_at[i], n - num_missing) + num_missing)
             top = deviation.topk(keep).indices.sort().values
             rows, h, q, k, v = rows[top], h[top], q[top], k[top], v[top]
             if keep == 0:

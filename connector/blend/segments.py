@@ -1,8 +1,10 @@
 """Segment keys and segment geometry for CacheBlend (pure functions).
 
-A segment's K/V is computed standalone (positions 0..n-1), so it is keyed by its own tokens
-only: the chunk hash chain starts at `SEGMENT_ROOT`, not at the prompt prefix. Prefix chains
-start at kvstore's `ROOT_HASH`, so a segment key can never equal a prefix key.
+A segment's K/V is stored at positions 0..n-1 (keys re-rotated there), whatever prompt it was
+computed in, so it is keyed by its own tokens only: the chunk hash chain starts at a segment
+root, not at the prompt prefix. Each way of computing it (`BlendConfig.segment_kv`) has its own
+root, so the two never mix; prefix chains start at kvstore's `ROOT_HASH`, so a segment key can
+never equal a prefix key.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from dataclasses import dataclass
 
 from kvstore.keys import process_tokens
 
-SEGMENT_ROOT = hashlib.blake2b(b"kvtier/blend-segment-root/v1", digest_size=16).hexdigest()
+SEGMENT_ROOT = hashlib.blake2b(b"kvtier/blend-segment-root/v1", digest_size=16).hexdigest()  # standalone
+IN_CONTEXT_ROOT = hashlib.blake2b(b"kvtier/blend-segment-root/in-context/v1", digest_size=16).hexdigest()
+SEGMENT_ROOTS = {"standalone": SEGMENT_ROOT, "in_context": IN_CONTEXT_ROOT}
 
 # (start, end, key) of one chunk, positions relative to the segment's first token.
 Span = tuple[int, int, str]
@@ -32,11 +36,13 @@ class Segment:
         return self.end - self.start
 
 
-def segment_spans(tokens: Sequence[int], chunk_size: int, model: str, kv_dtype: str) -> list[Span]:
-    """Returns the chunk spans of one segment keyed from `SEGMENT_ROOT` (the last one may be
-    short); the keys depend on the segment's tokens alone, never on its position."""
+def segment_spans(tokens: Sequence[int], chunk_size: int, model: str, kv_dtype: str,
+                  mode: str) -> list[Span]:
+    """Returns the chunk spans of one segment keyed from the root of `mode` (a
+    `BlendConfig.segment_kv`; the last span may be short); the keys depend on the segment's
+    tokens and `mode` alone, never on its position."""
     return [(s, e, k.to_str()) for s, e, k in process_tokens(
-        tokens, chunk_size, model=model, kv_dtype=kv_dtype, parent_hash=SEGMENT_ROOT, save_unfull_chunk=True)]
+        tokens, chunk_size, model=model, kv_dtype=kv_dtype, parent_hash=SEGMENT_ROOTS[mode], save_unfull_chunk=True)]
 
 
 def context_segments(segment_lens: Sequence[int]) -> list[Segment]:

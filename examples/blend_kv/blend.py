@@ -2,10 +2,11 @@
 
     .venv/bin/python examples/blend_kv/blend.py [--ratio 0.15] [--doc-tokens 256]
 
-The first request computes each document's K/V on its own and stores it (embedded CPU tier);
-then, for several orders of the documents, the same question is answered by blending the
-cached documents (re-rotated to their new positions, `ratio` of the tokens recomputed) and by
-a full prefill of the very same token ids, printing both TTFTs and answers.
+The first request finds no document stored, so it computes them all inside its prompt (a full
+prefill) and stores each document's K/V (embedded CPU tier); then, for several orders of the
+documents, the same question is answered by blending the cached documents (re-rotated to their
+new positions, `ratio` of the tokens recomputed) and by a full prefill of the very same token
+ids, printing both TTFTs and answers.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def main() -> None:
         return Question(FACT_KINDS[docs[1].kind][1].format(site=docs[1].site), docs[1].value, order, 1)
 
     warm = blend.generate([chat_segments(tok, docs, question((0, 1, 2)))], params)[0]
-    print(f"warm-up (segments computed and stored): {len(warm.prompt_token_ids)} prompt tokens, "
+    print(f"warm-up (segments computed in the prompt and stored): {len(warm.prompt_token_ids)} prompt tokens, "
           f"TTFT {ttft(warm):.3f}s, segment stats {conn.blend_stats()}")
     print(f"question: {question((0, 1, 2)).question}  expected answer: {docs[1].value}\n")
     print(f"{'order':<10} {'blend TTFT':>11} {'full TTFT':>10} {'speed-up':>9}  answers (blend | full)")

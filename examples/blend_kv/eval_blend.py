@@ -7,8 +7,12 @@ Modes, each over the same questions and the same token ids:
 - full_prefill: no reuse at all (engine prefix cache off);
 - prefix_caching: the engine's prefix cache only (warm: the shared chat-template head hits);
 - full_kv_reuse: CacheBlend at ratio 0 (re-rotated document K/V, nothing recomputed);
-- cacheblend_5/15/30: CacheBlend recomputing 5/15/30% of the document tokens.
-Document K/V is warmed first (in RAG, documents recur across questions): TTFTs are warm.
+- cacheblend_5/15/30: CacheBlend recomputing 5/15/30% of the document tokens;
+- standalone_*: the same over document K/V computed standalone (LMCache's precompute) instead
+  of in context (`BlendConfig.segment_kv`).
+Document K/V is warmed first, by other questions over the same documents (in RAG, documents
+recur across questions in other company and order): TTFTs are warm, and no measured question
+reuses K/V computed inside its own prompt.
 
 Per mode: mean TTFT and its ratio to full prefill (ratios within one run: the machine is
 shared), exact match (the planted value is in the answer), token F1 against the full-prefill
@@ -36,7 +40,12 @@ from connector.blend import BlendConfig, build_blend_connector  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from qa_dataset import chat_segments, make_documents, make_questions  # noqa: E402
 
-RATIOS = {"full_kv_reuse": 0.0, "cacheblend_5": 0.05, "cacheblend_15": 0.15, "cacheblend_30": 0.30}
+# mode -> (BlendConfig.segment_kv, ratio)
+BLEND_MODES = {
+    "full_kv_reuse": ("in_context", 0.0), "cacheblend_5": ("in_context", 0.05),
+    "cacheblend_15": ("in_context", 0.15), "cacheblend_30": ("in_context", 0.30),
+    "standalone_kv_reuse": ("standalone", 0.0), "standalone_cacheblend_15": ("standalone", 0.15),
+}
 
 
 def words(text: str) -> list[str]:
@@ -116,18 +125,19 @@ def main() -> None:
     docs = make_documents(args.pool, args.doc_tokens, lambda s: len(tok.encode(s)), seed=args.seed)
     questions = make_questions(docs, args.num_questions, args.docs_per_question, seed=args.seed)
     seg_prompts = [chat_segments(tok, docs, q) for q in questions]
+    # One question per pool document (each answers one), drawn with another seed: every
+    # document is warmed, in other company and order than where it is measured.
+    warm_prompts = [chat_segments(tok, docs, q)
+                    for q in make_questions(docs, args.pool, args.docs_per_question, seed=args.seed + 1)]
     answers = [q.answer for q in questions]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     t_start = time.perf_counter()
 
-    # CacheBlend first: it also fixes the token ids (segments tokenized one by one) that
-    # every other mode then uses, so all modes see identical prompts.
     conn = build_blend_connector("cpu", blend=BlendConfig(check_layer=args.check_layer))
     blend = LLM(kv_connector=conn, **llm_kw)
-    print(f"warming {args.pool} documents' K/V ...", flush=True)
-    warm = run_mode(blend, seg_prompts, params)
-    id_prompts = [{"prompt_token_ids": o.prompt_token_ids} for o in warm]
-    prompt_lens = [len(o.prompt_token_ids) for o in warm]
+    # The token ids of the segments tokenized one by one, which every mode then uses.
+    id_prompts = [{"prompt_token_ids": blend.engine.make_sequence(p, params).prompt_token_ids} for p in seg_prompts]
+    prompt_lens = [len(p["prompt_token_ids"]) for p in id_prompts]
 
     print("full prefill ...", flush=True)
     ref = run_mode(full, id_prompts, params)
@@ -142,15 +152,20 @@ def main() -> None:
                              {"mean_cached_tokens": statistics.fmean(o.num_cached_tokens for o in outs)}))
     pc.shutdown()
 
-    for name, ratio in RATIOS.items():
+    warmed = set()
+    for name, (segment_kv, ratio) in BLEND_MODES.items():
+        conn.blend = dataclasses.replace(conn.blend, ratio=ratio, segment_kv=segment_kv).validate()
+        if segment_kv not in warmed:  # each kind of segment K/V has its own keys
+            print(f"warming {args.pool} documents' K/V ({segment_kv}) ...", flush=True)
+            run_mode(blend, warm_prompts, params)
+            warmed.add(segment_kv)
         print(f"{name} ...", flush=True)
-        conn.blend = dataclasses.replace(conn.blend, ratio=ratio).validate()
         before = conn.blend_stats()
         outs = run_mode(blend, seg_prompts, params)
         after = conn.blend_stats()
         blended = after["blended_tokens"] - before["blended_tokens"]
         results.append(summarise(name, outs, ref, answers, {
-            "ratio": ratio,
+            "segment_kv": segment_kv, "ratio": ratio,
             "recomputed_fraction": (after["recomputed_tokens"] - before["recomputed_tokens"]) / max(blended, 1),
             "segment_misses": after["segment_misses"] - before["segment_misses"],
         }))

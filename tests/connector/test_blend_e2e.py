@@ -1,7 +1,8 @@
 """CacheBlend end to end on the default model: ratio 1 is a full prefill, ratio 0 is plain reuse
-of the re-rotated segment K/V (checked against transformers with a hand-built cache), segments
-hit in any order, missing or corrupt segments are computed, and approximate K/V never leaks
-into the engine's prefix cache or the prefix tiers."""
+of the re-rotated segment K/V (in context and standalone, each checked against transformers
+with a hand-built cache), segments hit in any order, missing or corrupt segments are computed
+(inside the prompt: a cold prompt is a full prefill) and stored as computed, and approximate
+K/V never leaks into the engine's prefix cache or the prefix tiers."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ def make_llm(model: Path, connector=None, **kw) -> LLM:
     return LLM(str(model), device="cpu", dtype="float32", block_size=16, kv_connector=connector, **kw)
 
 
-def blend_llm(model: Path, ratio: float, **kw) -> tuple[LLM, BlendConnector]:
-    conn = build_blend_connector("cpu", chunk_size=CHUNK, blend=BlendConfig(ratio=ratio))
+def blend_llm(model: Path, ratio: float, segment_kv: str = "in_context", **kw) -> tuple[LLM, BlendConnector]:
+    conn = build_blend_connector("cpu", chunk_size=CHUNK, blend=BlendConfig(ratio=ratio, segment_kv=segment_kv))
     return make_llm(model, conn, **kw), conn
 
 
@@ -69,27 +70,26 @@ def reference(default_model_path: Path, segments: dict) -> list[int]:
     return tokens(llm.generate([{"prompt_token_ids": prompt(segments)["prompt_token_ids"]}], GREEDY)[0])
 
 
-def hf_full_reuse(hf_model, segments: dict, steps: int) -> list[int]:
-    """Greedy tokens of transformers over a hand-built cache: each context segment run on its
-    own at its offset in the prompt (what re-rotated standalone K/V is), concatenated, then
-    the query decoded over it. Independent of kvtier's executor and rotary code."""
+def hf_layers_kv(hf_model, ids: list[int], offset: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer keys (after RoPE) and values `[1, H, T, D]` of transformers running `ids` as
+    a sequence of their own at positions `offset..`."""
+    pos = torch.arange(offset, offset + len(ids))[None]
+    with torch.no_grad():
+        layers = hf_model(torch.tensor([ids]), position_ids=pos, use_cache=True).past_key_values.layers
+    return [l.keys for l in layers], [l.values for l in layers]
+
+
+def hf_decode(hf_model, keys: list[torch.Tensor], values: list[torch.Tensor], query: list[int],
+              steps: int) -> list[int]:
+    """Greedy tokens of transformers decoding `query` over a hand-built cache (per layer
+    `[1, H, T, D]`, T = the query's first position)."""
     from transformers import DynamicCache
 
-    parts = [segments["system"], *segments["docs"]]
-    ks: list[list[torch.Tensor]] = []
-    vs: list[list[torch.Tensor]] = []
-    offset = 0
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(zip(keys, values)):
+        cache.update(k, v, i)
+    offset, ids, out = keys[0].shape[2], query, []
     with torch.no_grad():
-        for ids in parts:
-            pos = torch.arange(offset, offset + len(ids))[None]
-            layers = hf_model(torch.tensor([ids]), position_ids=pos, use_cache=True).past_key_values.layers
-            ks.append([l.keys for l in layers])
-            vs.append([l.values for l in layers])
-            offset += len(ids)
-        cache = DynamicCache()
-        for i in range(len(ks[0])):
-            cache.update(torch.cat([k[i] for k in ks], dim=2), torch.cat([v[i] for v in vs], dim=2), i)
-        ids, out = segments["query"], []
         for _ in range(steps):
             pos = torch.arange(offset, offset + len(ids))[None]
             logits = hf_model(torch.tensor([ids]), position_ids=pos, past_key_values=cache, use_cache=True).logits
@@ -97,6 +97,42 @@ def hf_full_reuse(hf_model, segments: dict, steps: int) -> list[int]:
             ids = [int(logits[0, -1].argmax())]
             out.append(ids[0])
     return out
+
+
+def hf_full_reuse(hf_model, segments: dict, steps: int) -> list[int]:
+    """Greedy tokens over standalone segment K/V: each context segment run on its own at its
+    offset in the prompt (what re-rotated standalone K/V is), concatenated, then the query.
+    Independent of kvtier's executor and rotary code."""
+    parts = [segments["system"], *segments["docs"]]
+    offsets = [sum(map(len, parts[:i])) for i in range(len(parts))]
+    runs = [hf_layers_kv(hf_model, ids, o) for ids, o in zip(parts, offsets)]
+    keys = [torch.cat([r[0][i] for r in runs], dim=2) for i in range(len(runs[0][0]))]
+    values = [torch.cat([r[1][i] for r in runs], dim=2) for i in range(len(runs[0][0]))]
+    return hf_decode(hf_model, keys, values, segments["query"], steps)
+
+
+def hf_in_context_reuse(hf_model, segments: dict, first_order: tuple, order: tuple, steps: int) -> list[int]:
+    """Greedy tokens of `order`'s prompt over the K/V each document had inside a full prefill
+    of `first_order`'s context, its keys moved to their new offsets by transformers' own
+    rotary embedding (RoPE rotations compose). Independent of kvtier's executor and rotary."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    sys_ids, docs = segments["system"], segments["docs"]
+    keys, values = hf_layers_kv(hf_model, sys_ids + [t for i in first_order for t in docs[i]], 0)
+    old = {d: len(sys_ids) + sum(len(docs[i]) for i in first_order[:j]) for j, d in enumerate(first_order)}
+    new = {d: len(sys_ids) + sum(len(docs[i]) for i in order[:j]) for j, d in enumerate(order)}
+    moved_k, moved_v = [], []
+    for k, v in zip(keys, values):
+        ks, vs = [k[:, :, :len(sys_ids)]], [v[:, :, :len(sys_ids)]]
+        for d in order:
+            seg = slice(old[d], old[d] + len(docs[d]))
+            shift = torch.full((1, len(docs[d])), new[d] - old[d])
+            cos, sin = hf_model.model.rotary_emb(v, shift)
+            ks.append(apply_rotary_pos_emb(k[:, :, seg], k[:, :, seg], cos, sin)[1])
+            vs.append(v[:, :, seg])
+        moved_k.append(torch.cat(ks, dim=2))
+        moved_v.append(torch.cat(vs, dim=2))
+    return hf_decode(hf_model, moved_k, moved_v, segments["query"], steps)
 
 
 def test_ratio_one_gives_full_prefill_tokens(default_model_path, segments, reference):
@@ -112,45 +148,86 @@ def test_ratio_one_gives_full_prefill_tokens(default_model_path, segments, refer
 
 
 def test_ratio_zero_gives_full_reuse_tokens(default_model_path, segments, hf_default_model, reference):
+    # In context (the default): a cold prompt computes every segment inside itself, which is a
+    # full prefill; another order then reuses those K/V, re-rotated, with nothing recomputed.
     llm, conn = blend_llm(default_model_path, 0.0, enable_prefix_caching=False)
+    assert tokens(llm.generate([prompt(segments, (0, 1, 2))], GREEDY)[0]) == reference
+    out = tokens(llm.generate([prompt(segments, (2, 0, 1))], GREEDY)[0])
+    st = conn.blend_stats()
+    assert (st["segment_hits"], st["segment_misses"]) == (4, 4)
+    assert st["recomputed_tokens"] == st["blended_tokens"] // 2  # the cold prompt only
+    assert out == hf_in_context_reuse(hf_default_model, segments, (0, 1, 2), (2, 0, 1), GREEDY.max_tokens)
+    assert_idle(llm, conn)
+
+    # Standalone (LMCache's precompute): each segment's K/V is computed on its own.
+    llm, conn = blend_llm(default_model_path, 0.0, "standalone", enable_prefix_caching=False)
     out = tokens(llm.generate([prompt(segments)], GREEDY)[0])
     assert conn.blend_stats()["recomputed_tokens"] == 0
     assert out == hf_full_reuse(hf_default_model, segments, GREEDY.max_tokens)
     assert_idle(llm, conn)
 
 
-def test_segments_hit_in_any_order_and_missing_ones_are_computed(default_model_path, segments):
+def test_a_missing_segment_is_stored_as_its_prompt_computed_it(default_model_path, segments):
+    """In context: the stored K/V of a cold prompt's documents are the full prefill's K/V of
+    that prompt, moved to positions 0.. (the system prompt, at position 0, is standalone)."""
+    from connector.blend.executor import compute_segment_kv, rerotate_kv
+
+    llm, conn = blend_llm(default_model_path, 0.15, enable_prefix_caching=False)
+    p = prompt(segments, (1, 2, 0))
+    llm.generate([p], GREEDY)
+    assert conn.flush(timeout=60)
+    model = llm.engine.runner.model
+    full = compute_segment_kv(model, p["prompt_token_ids"])
+    fp, dt = llm.model_config.fingerprint, conn._kv_dtype
+    offset = len(segments["system"])
+    for d in (1, 2, 0):
+        ids = segments["docs"][d]
+        want = rerotate_kv(full[:, :, offset:offset + len(ids)], -offset, model.model.rotary.inv_freq)
+        got = torch.cat([conn.storage.get(k) for _, _, k in segment_spans(ids, CHUNK, fp, dt, "in_context")], dim=2)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert not any(conn.storage.contains(k) for _, _, k in segment_spans(ids, CHUNK, fp, dt, "standalone"))
+        offset += len(ids)
+    head = segment_spans(segments["system"], CHUNK, fp, dt, "standalone")
+    got = torch.cat([conn.storage.get(k) for _, _, k in head], dim=2)
+    torch.testing.assert_close(got, compute_segment_kv(model, segments["system"]), atol=1e-4, rtol=1e-4)
+    assert_idle(llm, conn)
+
+
+def test_segments_hit_in_any_order_and_missing_ones_are_computed(default_model_path, segments, reference):
     llm, conn = blend_llm(default_model_path, 0.15)
     first = llm.generate([prompt(segments, (0, 1, 2))], GREEDY)[0]  # cold: every segment computed
     st = conn.blend_stats()
     assert (st["segment_hits"], st["segment_misses"]) == (0, 4)
     assert first.num_cached_tokens == sum(prompt(segments)["segment_lens"][:-1])
+    assert tokens(first) == reference  # computed inside the prompt: a full prefill
 
     for order in [(2, 0, 1), (1, 2, 0)]:
         llm.generate([prompt(segments, order)], GREEDY)
     st = conn.blend_stats()
-    assert st["segment_misses"] == 4  # nothing recomputed standalone: all hits
+    assert st["segment_misses"] == 4  # nothing computed again: all hits
     assert st["segment_hits"] == 8  # 3 documents + the system prompt's tail past the engine's hit
     assert 0 < st["recomputed_tokens"] < st["blended_tokens"]
 
     # One chunk of a document evicted, one replaced by a foreign-shaped value: both segments are
     # computed again (a miss, never an error or wrong K/V) and their chunks stored again.
     fp, dt = llm.model_config.fingerprint, conn._kv_dtype
-    evicted = segment_spans(segments["docs"][0], CHUNK, fp, dt)[1][2]
-    corrupt = segment_spans(segments["docs"][1], CHUNK, fp, dt)[0][2]
+    evicted = segment_spans(segments["docs"][0], CHUNK, fp, dt, "in_context")[1][2]
+    corrupt = segment_spans(segments["docs"][1], CHUNK, fp, dt, "in_context")[0][2]
     conn.storage.delete(evicted)
     good = conn.storage.get(corrupt)
     conn.storage.put(corrupt, good[:, :, :3].clone())
     again = llm.generate([prompt(segments, (0, 1, 2))], GREEDY)[0]
     st = conn.blend_stats()
     assert st["segment_misses"] == 6
-    assert tokens(again) == tokens(first)  # recomputed standalone K/V is the same K/V
-    assert conn.storage.contains(evicted) and torch.equal(conn.storage.get(corrupt), good)
+    assert tokens(again) == tokens(first)  # recomputed in the first prompt's order: the same K/V
+    assert conn.storage.contains(evicted)
+    torch.testing.assert_close(conn.storage.get(corrupt), good, atol=1e-4, rtol=1e-4)
     assert_idle(llm, conn)
 
 
 def test_blended_kv_never_enters_the_prefix_cache_or_prefix_tiers(default_model_path, segments, reference):
-    llm, conn = blend_llm(default_model_path, 0.0)  # ratio 0: the most approximate K/V
+    # Ratio 0 over standalone K/V: the most approximate K/V (in context, the tokens come out equal).
+    llm, conn = blend_llm(default_model_path, 0.0, "standalone")
     p = prompt(segments)
     blended = tokens(llm.generate([p], GREEDY)[0])
     assert blended != reference  # otherwise this test could not tell poisoned from clean

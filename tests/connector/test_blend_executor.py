@@ -8,7 +8,7 @@ import torch
 
 from connector.blend.config import BlendConfig
 from connector.blend.executor import compute_segment_kv, rerotate_kv
-from connector.blend.segments import SEGMENT_ROOT, context_segments, segment_spans
+from connector.blend.segments import SEGMENT_ROOTS, context_segments, segment_spans
 from kvstore.keys import ROOT_HASH, process_tokens
 from tests.engine.text import long_text
 
@@ -57,13 +57,15 @@ def test_rerotated_key_equals_fresh_key_at_new_position(default_model, hf_defaul
 
 def test_segment_keys_are_position_independent_and_never_prefix_keys():
     seg = list(range(100, 170))
-    a = segment_spans(seg, 32, "m", "float32")
+    a = segment_spans(seg, 32, "m", "float32", "in_context")
     assert [(s, e) for s, e, _ in a] == [(0, 32), (32, 64), (64, 70)]
-    assert a == segment_spans(seg, 32, "m", "float32")
+    assert a == segment_spans(seg, 32, "m", "float32", "in_context")
     prefix_keys = {k.to_str() for _, _, k in process_tokens(seg, 32, model="m", kv_dtype="float32")}
-    assert not prefix_keys & {k for _, _, k in a}
-    assert SEGMENT_ROOT != ROOT_HASH
-    assert segment_spans(seg, 32, "other-model", "float32")[0][2] != a[0][2]
+    standalone = segment_spans(seg, 32, "m", "float32", "standalone")
+    assert not prefix_keys & {k for _, _, k in a + standalone}
+    assert not {k for _, _, k in a} & {k for _, _, k in standalone}  # the two kinds never mix
+    assert len({ROOT_HASH, *SEGMENT_ROOTS.values()}) == 3
+    assert segment_spans(seg, 32, "other-model", "float32", "in_context")[0][2] != a[0][2]
 
 
 def test_context_segments_leave_out_the_query():
@@ -81,6 +83,7 @@ def test_context_segments_leave_out_the_query():
     (dict(narrowing=[[0, 0.1]]), r"blend.narrowing\[0\]"),
     (dict(narrowing=[[5, 0.5]]), r"blend.narrowing\[0\]"),
     (dict(narrowing=[[5, 0.1], [4, 0.05]]), r"blend.narrowing\[1\]"),
+    (dict(segment_kv="prefix"), "blend.segment_kv"),
     (dict(colour="red"), "blend: unknown key"),
 ])
 def test_blend_config_errors_name_the_key(bad, key):
@@ -91,13 +94,16 @@ def test_blend_config_errors_name_the_key(bad, key):
 def test_blend_config_check_layer_must_exist_in_model():
     assert BlendConfig.from_dict({"ratio": 0.3, "narrowing": [[8, 0.1]]}).narrowing == [(8, 0.1)]
     assert BlendConfig.from_dict(True).enabled
+    assert BlendConfig.from_dict({"segment_kv": "standalone"}).segment_kv == "standalone"
+    assert BlendConfig().segment_kv == "in_context"
     with pytest.raises(ValueError, match="blend.check_layer"):
         BlendConfig(check_layer=30).validate(num_layers=30)
 
 
 def test_blend_recompute_in_a_paged_cache(default_model, tokenizer):
     """ratio 1 turns standalone segment K/V into exactly the full prefill's K/V; a narrowed
-    selection rewrites only its tokens; positions before `start` (exact) are never touched."""
+    selection rewrites only its tokens; positions before `start` (exact) are never touched;
+    missing positions are always recomputed."""
     from connector.blend.executor import blend_recompute
     from connector.gather import gather_chunk, scatter_chunk, slots_for
 
@@ -138,6 +144,22 @@ def test_blend_recompute_in_a_paged_cache(default_model, tokenizer):
     before = gather_chunk(caches, slots)
     assert blend_recompute(model, caches, block_ids, bs, ids[start:], start, n, ratio=0.0) == 0
     assert torch.equal(gather_chunk(caches, slots), before)  # ratio 0: the cache is left as is
+
+    # A segment with nothing stored (NaN in its slots: never read) is recomputed through every
+    # layer inside the prompt; after the exact prefix that is the full prefill's K/V.
+    a, b = start, len(segs[0]) + len(segs[1])  # segment 1, past the engine's hit
+    caches = fresh_caches()
+    for c in caches:
+        c.view(2, -1, *c.shape[-2:])[:, slots[a:b]] = float("nan")
+    missing = torch.zeros(n - start, dtype=torch.bool)
+    missing[a - start:b - start] = True
+    assert blend_recompute(model, caches, block_ids, bs, ids[start:], start, n, ratio=0.0, missing=missing) == b - a
+    got = gather_chunk(caches, slots)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got[:, :, a:b], full[:, :, a:b], atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[2:, :, b:], cached[2:, :, b:])  # past the check layer, reused as is
+    with pytest.raises(ValueError, match="missing has shape"):
+        blend_recompute(model, caches, block_ids, bs, ids[start:], start, n, ratio=0.1, missing=missing[1:])
 
 
 def test_blend_from_connector_config_and_cli_flags():
