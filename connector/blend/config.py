@@ -6,8 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from connector.blend.segments import SEGMENT_ROOTS
+
 DEFAULT_SEPARATOR = " # # "  # LMCache's blend_special_str
-SEGMENT_KV_MODES = ("in_context", "standalone")
 
 
 @dataclass
@@ -43,8 +44,8 @@ class BlendConfig:
             raise ValueError(f"blend.check_layer: {self.check_layer} is not below the model's {num_layers} layers")
         if self.separator is not None and (not isinstance(self.separator, str) or not self.separator):
             raise ValueError(f"blend.separator: expected a non-empty str or null, got {self.separator!r}")
-        if self.segment_kv not in SEGMENT_KV_MODES:
-            raise ValueError(f"blend.segment_kv: expected one of {', '.join(SEGMENT_KV_MODES)}, "
+        if self.segment_kv not in SEGMENT_ROOTS:
+            raise ValueError(f"blend.segment_kv: expected one of {', '.join(SEGMENT_ROOTS)}, "
                              f"got {self.segment_kv!r}")
         steps: list[tuple[int, float]] = []
         prev_layer, prev_ratio = self.check_layer, self.ratio

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 from kvstore.keys import process_tokens
 
-SEGMENT_ROOT = hashlib.blake2b(b"kvtier/blend-segment-root/v1", digest_size=16).hexdigest()  # standalone
-IN_CONTEXT_ROOT = hashlib.blake2b(b"kvtier/blend-segment-root/in-context/v1", digest_size=16).hexdigest()
-SEGMENT_ROOTS = {"standalone": SEGMENT_ROOT, "in_context": IN_CONTEXT_ROOT}
+# BlendConfig.segment_kv -> the root its segment key chains start from.
+SEGMENT_ROOTS = {
+    "in_context": hashlib.blake2b(b"kvtier/blend-segment-root/in-context/v1", digest_size=16).hexdigest(),
+    "standalone": hashlib.blake2b(b"kvtier/blend-segment-root/v1", digest_size=16).hexdigest(),
+}
 
 # (start, end, key) of one chunk, positions relative to the segment's first token.
 Span = tuple[int, int, str]
