@@ -15,9 +15,10 @@ is blended; any other request takes the plain prefix path of `KVTierConnector`.
   (`in_context`, the default), or computed on its own first (`standalone`). The engine then
   prefills the query suffix over the blended cache.
 - Blended K/V is approximate: the request's `max_cacheable_tokens` stops the engine's prefix
-  cache at the exact part (the engine's hit, or the first segment: at position 0 its stored
-  K/V is its standalone K/V, which is exact), and blended requests are never stored as prefix
-  chunks.
+  cache at the exact part (the engine's hit; the first segment: at position 0 its stored K/V
+  is its standalone K/V, which is exact; and, in context, the segments after it that no tier
+  held at admission, computed in this prompt over exact K/V: a cold prompt is cached whole),
+  and blended requests are never stored as prefix chunks.
 """
 
 from __future__ import annotations
@@ -45,12 +46,16 @@ if TYPE_CHECKING:
 
 @dataclass
 class _BlendJob:
-    """Blend positions [start, end) of a request (start = the engine's prefix-cache hit)."""
+    """Blend positions [start, end) of a request (start = the engine's prefix-cache hit).
+    Positions [0, exact_end) come out exact: the engine's hit, the first segment, and the
+    segments after it that no tier held at admission, computed in this prompt whatever the
+    tiers hold by load time."""
 
     request_id: str
     start: int
     end: int
     segments: list[Segment]
+    exact_end: int = 0
     token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
 
@@ -137,11 +142,28 @@ class BlendConnector(KVTierConnector):
         self._to_blend[seq.request_id] = job
         self._blended.add(seq.request_id)
         self.metrics.add(seq.request_id, connector_hit_tokens=job.end - job.start)
-        # Exact: the engine's own hit, and the first segment (standalone at position 0 it is
-        # what a full prefill computes). Nothing past it may be shared.
-        first = job.segments[0]
-        exact = min(first.end, job.end) if job.start < first.end else 0
-        seq.max_cacheable_tokens = max(job.start, exact // self.block_size * self.block_size)
+        job.exact_end = min(self._exact_end(seq, job), job.end)
+        # Only the exact part may be shared through the engine's prefix cache.
+        seq.max_cacheable_tokens = max(job.start, job.exact_end // self.block_size * self.block_size)
+
+    def _exact_end(self, seq: Sequence, job: _BlendJob) -> int:
+        """Returns where the exact part of a blend ends: past the engine's hit, the first
+        segment (standalone at position 0 it is what a full prefill computes) and, in context,
+        every following segment up to the first that a tier holds (one existence query)."""
+        exact = job.start
+        todo = [g for g in job.segments if g.end > exact]
+        if todo and todo[0].index == 0:
+            exact = todo.pop(0).end
+        if self.blend.segment_kv != "in_context" or not todo:
+            return exact
+        spans = [segment_spans(seq.token_ids_slice(g.start, g.end), self.chunk_size, self.model_config.fingerprint,
+                               self._kv_dtype, "in_context") for g in todo]
+        held = iter(self.storage.batched_contains([k for sp in spans for _, _, k in sp]))
+        for g, sp in zip(todo, spans):
+            if all([next(held) for _ in sp]):  # a tier holds it: blended from here on
+                break
+            exact = g.end
+        return exact
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> BlendMeta:
         """Returns the prefix connector's meta for plain requests (blended ones are never
@@ -200,7 +222,10 @@ class BlendConnector(KVTierConnector):
             # At position 0 a segment's K/V is its standalone K/V, exact, whichever way computed.
             mode = "standalone" if seg.start == 0 else b.segment_kv
             spans = segment_spans(tokens, self.chunk_size, self.model_config.fingerprint, self._kv_dtype, mode)
-            kv, ok = self._fetch_segment(spans)
+            if seg.start > 0 and seg.end <= job.exact_end:  # promised exact: computed here
+                kv, ok = None, [False] * len(spans)
+            else:
+                kv, ok = self._fetch_segment(spans)
             if kv is None:
                 self.stats.segment_misses += 1
                 if b.segment_kv == "in_context":  # recomputed below, inside this prompt
@@ -231,6 +256,14 @@ class BlendConnector(KVTierConnector):
         # load_seconds of a blend: fetch (or compute), re-rotation, scatter, recompute, store.
         loaded = sum(p.numel() * p.element_size() for p in pieces)
         self.metrics.add(job.request_id, load_seconds=time.perf_counter() - t0, bytes_loaded=loaded)
+
+    def stored_segment(self, token_ids: list[int], segment_kv: str | None = None) -> torch.Tensor | None:
+        """Returns the stored K/V `(L, 2, n, H, D)` of a segment of `token_ids` at positions 0..
+        of kind `segment_kv` (default: the config's), or None unless all of it is stored and
+        well-formed. Read only (it may be a tier's own tensor)."""
+        mode = segment_kv or self.blend.segment_kv
+        return self._fetch_segment(segment_spans(token_ids, self.chunk_size, self.model_config.fingerprint,
+                                                 self._kv_dtype, mode))[0]
 
     def _fetch_segment(self, spans: list[Span]) -> tuple[torch.Tensor | None, list[bool]]:
         """Returns a segment's stored K/V `(L, 2, n, H, D)` (None unless every chunk is there

@@ -178,18 +178,15 @@ def test_a_missing_segment_is_stored_as_its_prompt_computed_it(default_model_pat
     assert conn.flush(timeout=60)
     model = llm.engine.runner.model
     full = compute_segment_kv(model, p["prompt_token_ids"])
-    fp, dt = llm.model_config.fingerprint, conn._kv_dtype
     offset = len(segments["system"])
     for d in (1, 2, 0):
         ids = segments["docs"][d]
         want = rerotate_kv(full[:, :, offset:offset + len(ids)], -offset, model.model.rotary.inv_freq)
-        got = torch.cat([conn.storage.get(k) for _, _, k in segment_spans(ids, CHUNK, fp, dt, "in_context")], dim=2)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-        assert not any(conn.storage.contains(k) for _, _, k in segment_spans(ids, CHUNK, fp, dt, "standalone"))
+        torch.testing.assert_close(conn.stored_segment(ids), want, atol=1e-4, rtol=1e-4)
+        assert conn.stored_segment(ids, "standalone") is None
         offset += len(ids)
-    head = segment_spans(segments["system"], CHUNK, fp, dt, "standalone")
-    got = torch.cat([conn.storage.get(k) for _, _, k in head], dim=2)
-    torch.testing.assert_close(got, compute_segment_kv(model, segments["system"]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(conn.stored_segment(segments["system"], "standalone"),
+                               compute_segment_kv(model, segments["system"]), atol=1e-4, rtol=1e-4)
     assert_idle(llm, conn)
 
 
@@ -198,14 +195,24 @@ def test_segments_hit_in_any_order_and_missing_ones_are_computed(default_model_p
     first = llm.generate([prompt(segments, (0, 1, 2))], GREEDY)[0]  # cold: every segment computed
     st = conn.blend_stats()
     assert (st["segment_hits"], st["segment_misses"]) == (0, 4)
-    assert first.num_cached_tokens == sum(prompt(segments)["segment_lens"][:-1])
+    context = sum(prompt(segments)["segment_lens"][:-1])
+    assert first.num_cached_tokens == context
     assert tokens(first) == reference  # computed inside the prompt: a full prefill
+    # ... so all of its context is exact and enters the engine's prefix cache: a repeat hits
+    # it there (every full block), and blends nothing but the partial last block.
+    assert llm.get_stats()["num_cached_blocks"] == context // 16
+    repeat = llm.generate([prompt(segments, (0, 1, 2))], GREEDY)[0]
+    assert tokens(repeat) == reference
+    assert conn.blend_stats()["blended_tokens"] - st["blended_tokens"] == context % 16
+    llm.reset_prefix_cache()
 
     for order in [(2, 0, 1), (1, 2, 0)]:
         llm.generate([prompt(segments, order)], GREEDY)
     st = conn.blend_stats()
     assert st["segment_misses"] == 4  # nothing computed again: all hits
-    assert st["segment_hits"] == 8  # 3 documents + the system prompt's tail past the engine's hit
+    # The repeat's last document, then per order 3 documents + the system prompt (its tail past
+    # the engine's hit once the first order has cached it).
+    assert st["segment_hits"] == 9
     assert 0 < st["recomputed_tokens"] < st["blended_tokens"]
 
     # One chunk of a document evicted, one replaced by a foreign-shaped value: both segments are
@@ -216,6 +223,7 @@ def test_segments_hit_in_any_order_and_missing_ones_are_computed(default_model_p
     conn.storage.delete(evicted)
     good = conn.storage.get(corrupt)
     conn.storage.put(corrupt, good[:, :, :3].clone())
+    assert conn.stored_segment(segments["docs"][0]) is None and conn.stored_segment(segments["docs"][1]) is None
     again = llm.generate([prompt(segments, (0, 1, 2))], GREEDY)[0]
     st = conn.blend_stats()
     assert st["segment_misses"] == 6
