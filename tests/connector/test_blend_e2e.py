@@ -233,6 +233,27 @@ def test_segments_hit_in_any_order_and_missing_ones_are_computed(default_model_p
     assert_idle(llm, conn)
 
 
+def test_segments_promised_exact_are_computed_even_if_stored_meanwhile(default_model_path, segments):
+    """Two cold prompts admitted in one step: the second's documents are stored (by the first,
+    in another order) between its admission and its load. It promised them exact (its prefix
+    cache keeps them), so it computes them itself instead of loading the other order's K/V."""
+    plain = make_llm(default_model_path, enable_prefix_caching=False)
+    want = tokens(plain.generate([{"prompt_token_ids": prompt(segments, (0, 2, 1))["prompt_token_ids"]}], GREEDY)[0])
+    llm, conn = blend_llm(default_model_path, 0.15)
+    first, second = llm.generate([prompt(segments, (0, 1, 2)), prompt(segments, (0, 2, 1))], GREEDY)
+    st = conn.blend_stats()
+    assert st["requests"] == 2
+    # The first: all 4 computed. The second: the system prompt loaded (exact at position 0),
+    # its 3 documents computed again in its own order.
+    assert (st["segment_hits"], st["segment_misses"]) == (1, 7)
+    assert tokens(second) == want
+    context = sum(prompt(segments)["segment_lens"][:-1])
+    again = llm.generate([prompt(segments, (0, 2, 1))], GREEDY)[0]
+    assert conn.blend_stats()["blended_tokens"] - st["blended_tokens"] == context % 16  # an exact prefix hit
+    assert tokens(again) == want
+    assert_idle(llm, conn)
+
+
 def test_blended_kv_never_enters_the_prefix_cache_or_prefix_tiers(default_model_path, segments, reference):
     # Ratio 0 over standalone K/V: the most approximate K/V (in context, the tokens come out equal).
     llm, conn = blend_llm(default_model_path, 0.0, "standalone")
