@@ -156,8 +156,7 @@ class BlendConnector(KVTierConnector):
             exact = todo.pop(0).end
         if self.blend.segment_kv != "in_context" or not todo:
             return exact
-        spans = [segment_spans(seq.token_ids_slice(g.start, g.end), self.chunk_size, self.model_config.fingerprint,
-                               self._kv_dtype, "in_context") for g in todo]
+        spans = [self._segment_spans(seq.token_ids_slice(g.start, g.end), "in_context") for g in todo]
         held = iter(self.storage.batched_contains([k for sp in spans for _, _, k in sp]))
         for g, sp in zip(todo, spans):
             if all([next(held) for _ in sp]):  # a tier holds it: blended from here on
@@ -221,7 +220,7 @@ class BlendConnector(KVTierConnector):
             tokens = job.token_ids[seg.start:seg.end]
             # At position 0 a segment's K/V is its standalone K/V, exact, whichever way computed.
             mode = "standalone" if seg.start == 0 else b.segment_kv
-            spans = segment_spans(tokens, self.chunk_size, self.model_config.fingerprint, self._kv_dtype, mode)
+            spans = self._segment_spans(tokens, mode)
             if seg.start > 0 and seg.end <= job.exact_end:  # promised exact: computed here
                 kv, ok = None, [False] * len(spans)
             else:
@@ -261,9 +260,11 @@ class BlendConnector(KVTierConnector):
         """Returns the stored K/V `(L, 2, n, H, D)` of a segment of `token_ids` at positions 0..
         of kind `segment_kv` (default: the config's), or None unless all of it is stored and
         well-formed. Read only (it may be a tier's own tensor)."""
-        mode = segment_kv or self.blend.segment_kv
-        return self._fetch_segment(segment_spans(token_ids, self.chunk_size, self.model_config.fingerprint,
-                                                 self._kv_dtype, mode))[0]
+        return self._fetch_segment(self._segment_spans(token_ids, segment_kv or self.blend.segment_kv))[0]
+
+    def _segment_spans(self, token_ids: list[int], segment_kv: str) -> list[Span]:
+        """Returns the chunk spans of a segment's K/V of kind `segment_kv` for this model."""
+        return segment_spans(token_ids, self.chunk_size, self.model_config.fingerprint, self._kv_dtype, segment_kv)
 
     def _fetch_segment(self, spans: list[Span]) -> tuple[torch.Tensor | None, list[bool]]:
         """Returns a segment's stored K/V `(L, 2, n, H, D)` (None unless every chunk is there
