@@ -235,7 +235,7 @@ class BlendConnector(KVTierConnector):
                 self.storage.batched_put([(k, kv[:, :, s:e].contiguous()) for (s, e, k), good in zip(spans, ok) if not good])
             else:
                 self.stats.segment_hits += 1
-            pieces.append(rerotate_kv(kv.to(dev)[:, :, lo - seg.start: hi - seg.start], seg.start, inv_freq))
+            pieces.append(rerotate_kv(kv[:, :, lo - seg.start: hi - seg.start].to(dev), seg.start, inv_freq))
             piece_slots.append(slots_for(job.block_ids, self.block_size, lo, hi, device=dev))
         if pieces:
             scatter_chunk(self.kv_caches, torch.cat(piece_slots), torch.cat(pieces, dim=2))
