@@ -93,7 +93,7 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 for o in self.engine.step():
-                    if o.request_id in order:
+                    if o.finished and o.request_id in order:
                         results[order[o.request_id]] = o
                         if bar is not None:
                             bar.update(1)

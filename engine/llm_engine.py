@@ -8,13 +8,14 @@ from typing import Any
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from engine.kv_connector import KVConnectorBase
 from engine.model_loader import load_tokenizer
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 
 PromptType = str | list[str] | Mapping[str, Any]  # list[str]: one prompt in segments
 
@@ -107,7 +108,8 @@ class LLMEngine:
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduled forward; returns outputs of the requests that finished in it."""
+        """Runs one scheduled forward; returns an output (cumulative tokens and text, with a
+        `finished` flag) for every request that got a new token in it, as vLLM's `step()`."""
         out = self.scheduler.schedule()
         if out.is_empty:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -115,15 +117,34 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with an idle engine")
             return []
         sampled = self.runner.execute_model(out)
-        finished = self.scheduler.update_from_output(out, sampled)
-        return [self.make_output(s) for s in finished]
+        progressed = self.scheduler.update_from_output(out, sampled)
+        for seq in progressed:
+            self._detokenize(seq)
+        return [self.make_output(s) for s in progressed]
+
+    def _detokenize(self, seq: Sequence) -> None:
+        """Extends `seq`'s text by its new token and applies the stop strings: a match cuts
+        the text and finishes the request (a length finish becomes a stop)."""
+        p = seq.sampling_params
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)
+        detok = seq.detokenizer
+        new = detok.update(seq.output_token_ids, final=seq.is_finished)
+        hit = find_stop_string(detok.text, len(new), p.stop)
+        if hit is None:
+            return
+        pos, stop = hit
+        detok.text = detok.text[: pos + len(stop) if p.include_stop_str_in_output else pos]
+        seq.stop_reason = stop
+        if seq.is_finished:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_request(seq, SequenceStatus.FINISHED_STOPPED)
 
     def make_output(self, seq: Sequence) -> RequestOutput:
-        p = seq.sampling_params
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
         completion = CompletionOutput(
             index=0,
-            text=text,
+            text=seq.output_text,
             token_ids=list(seq.output_token_ids),
             finish_reason=seq.status.value if seq.is_finished else None,
             stop_reason=seq.stop_reason,

@@ -10,9 +10,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    # "stop" (eos or a stop token id; the token is the last of `token_ids`), "length" or "abort".
+    # "stop" (eos, a stop token id, the last of `token_ids`, or a stop string), "length" or
+    # "abort"; None while the request runs.
     finish_reason: str | None = None
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass

@@ -14,8 +14,10 @@ class SamplingParams:
 
     `temperature == 0` is greedy. `top_k <= 0` (or -1) and `top_p == 1.0` disable those filters.
     `seed` makes a sampled request reproducible regardless of what else is batched with it.
-    Generation stops at an eos token (unless `ignore_eos`), at any of `stop_token_ids`, or after
-    `max_tokens`; the stopping token is included in `token_ids` (vLLM behaviour).
+    Generation stops at an eos token (unless `ignore_eos`), at any of `stop_token_ids`, at any
+    of the `stop` strings (matched on the decoded text, which is cut before the stop string
+    unless `include_stop_str_in_output`), or after `max_tokens`; a stopping token is included
+    in `token_ids` (vLLM behaviour).
     """
 
     temperature: float = 1.0
@@ -24,11 +26,14 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 16
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.validate()
 
     def validate(self) -> None:
@@ -54,6 +59,9 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
+        for stop in self.stop:
+            if not isinstance(stop, str) or not stop:
+                raise ValueError(f"stop must hold non-empty strings, got {stop!r}")
 
     @property
     def greedy(self) -> bool:

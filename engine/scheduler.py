@@ -192,9 +192,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
-        """Advances each scheduled sequence by its tokens, appends sampled tokens, applies stop
-        conditions and frees finished sequences. Returns the sequences that finished."""
-        finished: list[Sequence] = []
+        """Advances each scheduled sequence by its tokens, appends sampled tokens, applies the
+        token stop conditions and frees finished sequences. Returns the sequences that got a
+        new token, finished or not."""
+        progressed: list[Sequence] = []
         now = time.monotonic()
         for req, token in zip(out.requests, sampled, strict=True):
             seq = req.seq
@@ -205,11 +206,11 @@ class Scheduler:
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            progressed.append(seq)
             status = self._stop_status(seq, token)
             if status is not None:
                 self._finish(seq, status, now)
-                finished.append(seq)
-        return finished
+        return progressed
 
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
         p = seq.sampling_params
@@ -219,6 +220,12 @@ class Scheduler:
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
+
+    def finish_request(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Finishes an unfinished `seq` with `status` (a stop string matched, an abort): its
+        blocks are freed now, after the connector's `request_finished`."""
+        if not seq.is_finished:
+            self._finish(seq, status, time.monotonic())
 
     def _finish(self, seq: Sequence, status: SequenceStatus, now: float) -> None:
         seq.status = status

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 
 
@@ -54,7 +55,8 @@ class Sequence:
     # Prompt tokens served without compute on first scheduling (prefix cache + connector).
     num_cached_tokens: int = -1
     num_preemptions: int = 0
-    stop_reason: int | None = None
+    # The stop token id, or the stop string that ended the request.
+    stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -66,6 +68,12 @@ class Sequence:
     # Leading tokens whose K/V is exact and may enter the prefix cache; None = all. A connector
     # that loads approximate K/V (CacheBlend) lowers it so nothing approximate is ever shared.
     max_cacheable_tokens: int | None = None
+    # The output's text so far, extended each step by the engine (None before the first token).
+    detokenizer: IncrementalDetokenizer | None = None
+
+    @property
+    def output_text(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""
 
     @property
     def num_prompt_tokens(self) -> int:
