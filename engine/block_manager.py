@@ -93,6 +93,19 @@ class BlockManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
+    def num_cached_prefix_tokens(self, token_ids: SequenceT[int]) -> int:
+        """Returns how many leading tokens of `token_ids` the prefix cache holds now (whole
+        blocks, never the last token). Read-only: takes no references, counts no query."""
+        if not self.enable_prefix_caching or len(token_ids) < 2:
+            return 0
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        n = 0
+        for h in hash_full_blocks(list(token_ids[: max_blocks * self.block_size]), self.block_size, None):
+            if self.pool.get_cached_block(h) is None:
+                break
+            n += 1
+        return n * self.block_size
+
     def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
         """Counts one admitted request's lookup (called once per admission, not per retry)."""
         self.prefix_cache_queries += num_queried

@@ -112,3 +112,18 @@ def test_prefix_caching_off_never_hits() -> None:
     bm.free(a)
     assert run_prefill(bm, seq_of(list(range(20)), "b")) == 0
     assert not bm.pool.cached
+
+
+def test_num_cached_prefix_tokens_is_a_read_only_lookup() -> None:
+    bm = BlockManager(num_blocks=10, block_size=16)
+    tokens = list(range(100, 150))  # 50 tokens: 3 full blocks
+    assert bm.num_cached_prefix_tokens(tokens) == 0
+    first = seq_of(tokens, "a")
+    run_prefill(bm, first)
+    bm.free(first)
+    queries, refs = bm.prefix_cache_queries, bm.ref_counts()
+    assert bm.num_cached_prefix_tokens(tokens) == 48
+    assert bm.num_cached_prefix_tokens(tokens[:48]) == 32  # never the last token
+    assert bm.num_cached_prefix_tokens(tokens[:20] + [7] * 30) == 16  # diverges in block 2
+    assert (bm.prefix_cache_queries, bm.ref_counts()) == (queries, refs)  # no side effects
+    assert run_prefill(bm, seq_of(tokens, "b")) == 48  # what the engine then really finds
