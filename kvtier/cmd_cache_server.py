@@ -38,6 +38,22 @@ def keep_freed_memory() -> bool:
         return False
 
 
+def raise_fd_limit(max_connections: int) -> None:
+    """Raises the soft open-file limit so that `max_connections` sockets (plus spill files
+    and slack) can be open; warns when the hard limit is lower."""
+    import resource
+
+    want = max_connections + 64
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < want:
+            logging.getLogger(__name__).warning(
+                "open-file limit %d is below --max-connections %d + 64: connections past it fail",
+                new, max_connections)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default loopback; use 0.0.0.0 explicitly to serve the network)")
@@ -50,6 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-payload", default="512MiB", help="largest payload one frame may carry")
     parser.add_argument("--idle-timeout", type=float, default=300.0,
                         help="close connections that send nothing for this many seconds")
+    parser.add_argument("--frame-timeout", type=float, default=30.0,
+                        help="each request frame must arrive whole, and each reply piece be read, "
+                             "within this many seconds (also the TLS handshake limit)")
+    parser.add_argument("--max-connections", type=int, default=256,
+                        help="connections served at once; more are refused with TOO_MANY_CONNECTIONS")
+    parser.add_argument("--tls-cert", default=None, metavar="PEM",
+                        help="serve TLS with this certificate chain (needs --tls-key; clients use kvtiers://)")
+    parser.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
 
 
@@ -64,20 +88,39 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.idle_timeout <= 0:
         raise ValueError(f"--idle-timeout must be positive, got {args.idle_timeout}")
+    if args.frame_timeout <= 0:
+        raise ValueError(f"--frame-timeout must be positive, got {args.frame_timeout}")
+    if args.max_connections < 1:
+        raise ValueError(f"--max-connections must be at least 1, got {args.max_connections}")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
     level = logging.getLevelName(str(args.log_level).upper())
     if not isinstance(level, int):
         raise ValueError(f"--log-level: unknown level {args.log_level!r}")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = args.auth_token if args.auth_token is not None else os.environ.get("KVTIER_AUTH_TOKEN")
+    if token is not None and not token:
+        # An empty token would silently mean "no auth": refuse it rather than guess.
+        source = "--auth-token" if args.auth_token is not None else "$KVTIER_AUTH_TOKEN"
+        raise ValueError(f"{source} is empty; give a non-empty token, or leave both unset to run without auth")
     spill = DiskSpill(args.disk, parse_size(args.max_disk_bytes, '--max-disk-bytes')) if args.disk else None
     store = ByteStore(parse_size(args.max_bytes, '--max-bytes'), spill)
     config = ServerConfig(
         host=args.host,
         port=args.port,
         max_payload=parse_size(args.max_payload, '--max-payload'),
-        auth_token=token or None,
+        auth_token=token,
         idle_timeout=args.idle_timeout,
+        frame_timeout=args.frame_timeout,
+        max_connections=args.max_connections,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
+    if args.tls_cert:
+        from kvstore.server.server import server_tls_context
+
+        server_tls_context(args.tls_cert, args.tls_key)  # a bad file fails here, named
+    raise_fd_limit(args.max_connections)
 
     def listening(host: str, port: int) -> None:
         # One line, flushed, so scripts and tests can wait for it.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Sequence
@@ -26,6 +27,10 @@ _WINDOW = 32
 _INLINE = 64 << 10  # payloads up to this size are coalesced with their header in one send
 # A reply claiming more than this is treated as a garbled stream rather than allocated.
 _MAX_REPLY = 4 << 30
+
+
+# Statuses after which the server closes the connection (some answer request id 0).
+_CLOSING = frozenset({Status.BAD_FRAME, Status.AUTH_REQUIRED, Status.AUTH_FAILED, Status.TOO_MANY_CONNECTIONS})
 
 
 class ServerUnavailable(ConnectionError):
@@ -74,17 +79,28 @@ class Reply:
 class _Connection:
     """One socket with a buffered reader; replies are checked against request ids."""
 
-    def __init__(self, host: str, port: int, connect_timeout: float, timeout: float) -> None:
+    def __init__(self, host: str, port: int, connect_timeout: float, timeout: float,
+                 tls: ssl.SSLContext | None = None) -> None:
+        scheme = "kvtiers" if tls is not None else "kvtier"
         try:
             self.sock = socket.create_connection((host, port), timeout=connect_timeout)
+            if tls is not None:  # the handshake runs under the connect timeout
+                self.sock = tls.wrap_socket(self.sock, server_hostname=host)
+        except ssl.SSLError as exc:
+            raise ServerUnavailable(f"TLS handshake with {scheme}://{host}:{port} failed: {exc}") from exc
         except OSError as exc:
-            raise ServerUnavailable(f"cannot connect to kvtier://{host}:{port}: {exc}") from exc
-        # Kernel-enforced timeouts on a blocking socket: Python's own socket timeout costs a
-        # poll() before every send and recv, which dominates small calls.
-        self.sock.settimeout(None)
-        tv = struct.pack("ll", int(timeout), int((timeout % 1) * 1e6))
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            raise ServerUnavailable(f"cannot connect to {scheme}://{host}:{port}: {exc}") from exc
+        if tls is not None:
+            # TLS reads report a kernel timeout as an SSL error, not as "would block": use
+            # Python's socket timeout there (a poll per call, small next to the cipher).
+            self.sock.settimeout(timeout)
+        else:
+            # Kernel-enforced timeouts on a blocking socket: Python's own socket timeout costs
+            # a poll() before every send and recv, which dominates small calls.
+            self.sock.settimeout(None)
+            tv = struct.pack("ll", int(timeout), int((timeout % 1) * 1e6))
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.rfile = self.sock.makefile("rb", buffering=_INLINE)
         self.timeout = timeout
@@ -127,7 +143,7 @@ class _Connection:
         payload = P.empty_buffer(h.payload_len)
         if h.payload_len:
             self._read_into(payload)
-        if h.request_id != request_id and h.code not in (Status.BAD_FRAME, Status.AUTH_REQUIRED):
+        if h.request_id != request_id and h.code not in _CLOSING:
             raise ServerUnavailable(f"reply for request {h.request_id} while waiting for {request_id}")
         return Reply(h.code, payload)
 
@@ -149,7 +165,8 @@ class _Connection:
 
 
 class CacheServerClient:
-    """Byte-level client for `kvtier://host:port`. Safe to share between threads.
+    """Byte-level client for `kvtier://host:port` (`tls`: a client SSLContext for a server
+    started with --tls-cert, i.e. `kvtiers://`). Safe to share between threads.
 
     Raises ServerUnavailable when the server cannot be reached (the next call reconnects)
     and ServerReplyError when it refuses a request. Up to `pool_size` idle connections are
@@ -165,6 +182,7 @@ class CacheServerClient:
         connect_timeout: float = 2.0,
         timeout: float = 10.0,
         pool_size: int = 8,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         if not 0 < port <= 65535:
             raise ValueError(f"cache server port must be in 1..65535, got {port}")
@@ -176,6 +194,7 @@ class CacheServerClient:
         self._token = auth_token.encode() if auth_token else None
         self.connect_timeout, self.timeout = connect_timeout, timeout
         self.pool_size = pool_size
+        self.tls = tls
         self._idle: list[_Connection] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -184,7 +203,7 @@ class CacheServerClient:
     # ---- pool ----
 
     def _connect(self) -> _Connection:
-        conn = _Connection(self.host, self.port, self.connect_timeout, self.timeout)
+        conn = _Connection(self.host, self.port, self.connect_timeout, self.timeout, self.tls)
         if self._token is not None:
             try:
                 [rid] = conn.send([Request(Op.AUTH, payload=self._token)])
@@ -263,7 +282,7 @@ class CacheServerClient:
             ids = conn.send(window)
             for rid in ids:
                 reply = conn.recv(rid)
-                if reply.status in (Status.BAD_FRAME, Status.AUTH_REQUIRED, Status.AUTH_FAILED):
+                if reply.status in _CLOSING:
                     # The server closes the connection after these; surface them as refusals.
                     raise ServerReplyError(reply.status, bytes(reply.payload).decode(errors="replace"))
                 replies.append(reply)
@@ -282,10 +301,11 @@ class CacheServerClient:
 
     def put_many(self, items: Sequence[tuple[bytes, Payload]]) -> list[bool]:
         """Stores every item, pipelined; returns per item whether it was stored (False: too
-        large for the server). Other refusals raise ServerReplyError."""
+        large for the server, or no memory free for it now). Other refusals raise
+        ServerReplyError."""
         out: list[bool] = []
         for reply in self.call([Request(Op.PUT, k, v) for k, v in items]):
-            out.append(reply.status != Status.TOO_LARGE and _expect_ok(reply) is reply)
+            out.append(reply.status not in (Status.TOO_LARGE, Status.BUSY) and _expect_ok(reply) is reply)
         return out
 
     def get(self, key: bytes) -> memoryview | None:
@@ -307,11 +327,17 @@ class CacheServerClient:
         return [_found(r) for r in self.call([Request(Op.EXISTS, k) for k in keys])]
 
     def prefix_hits(self, keys: Sequence[bytes]) -> int:
-        """Returns how many of `keys`, counted from the start, are stored: one round trip."""
-        if not keys:
-            return 0
-        reply = _expect_ok(self._one(Request(Op.PREFIX_HITS, payload=P.encode_key_list(keys))))
-        return P.decode_count(reply.payload)
+        """Returns how many of `keys`, counted from the start, are stored: one round trip
+        per MAX_KEYS_PER_REQUEST keys (the next only while every earlier key hit)."""
+        total, step = 0, P.MAX_KEYS_PER_REQUEST
+        for start in range(0, len(keys), step):
+            part = keys[start : start + step]
+            reply = _expect_ok(self._one(Request(Op.PREFIX_HITS, payload=P.encode_key_list(part))))
+            hits = P.decode_count(reply.payload)
+            total += hits
+            if hits < len(part):
+                break
+        return total
 
     def delete(self, key: bytes) -> bool:
         """Removes `key`; returns whether it was present."""

@@ -23,6 +23,9 @@ DEFAULT_MAX_PAYLOAD = 512 << 20
 # Bodies of requests other than PUT (key lists): 16 MiB holds ~150k keys. A longer one is
 # refused from its header, so no request but a PUT makes the server buffer MBs per connection.
 MAX_REQUEST_BODY = 16 << 20
+# Keys one PREFIX_HITS may carry: the work of one request on the server's event loop is
+# bounded (4096 chunks of 256 tokens cover a 1M-token prompt; the client splits longer lists).
+MAX_KEYS_PER_REQUEST = 4096
 Buffer = bytes | bytearray | memoryview
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -50,6 +53,8 @@ class Status(IntEnum):
     AUTH_FAILED = 6
     BAD_REQUEST = 7  # well-framed but invalid (e.g. a malformed key list)
     INTERNAL = 8
+    BUSY = 9  # the memory budget is held by other bodies in flight and replies: retry later
+    TOO_MANY_CONNECTIONS = 10  # --max-connections reached: the server closes at once
 
 
 def empty_buffer(n: int) -> memoryview:
@@ -117,12 +122,15 @@ def encode_key_list(keys: Iterable[bytes]) -> bytes:
     return b"".join(parts)
 
 
-def decode_key_list(payload: Buffer) -> list[bytes]:
-    """Returns the keys of a PREFIX_HITS payload; raises ProtocolError if it is malformed."""
+def decode_key_list(payload: Buffer, max_keys: int = MAX_KEYS_PER_REQUEST) -> list[bytes]:
+    """Returns the keys of a PREFIX_HITS payload; raises ProtocolError if it is malformed or
+    holds more than `max_keys` keys (found after decoding at most that many)."""
     view = memoryview(payload)
     keys: list[bytes] = []
     pos, end = 0, len(view)
     while pos < end:
+        if len(keys) == max_keys:
+            raise ProtocolError(f"key list holds more than {max_keys} keys (split it into several requests)")
         if end - pos < 4:
             raise ProtocolError("key list truncated inside a length prefix")
         (n,) = _U32.unpack_from(view, pos)

@@ -15,7 +15,9 @@ import json
 import logging
 import signal
 import socket
+import ssl
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,7 +28,12 @@ from kvstore.server.store import ByteStore
 log = logging.getLogger(__name__)
 
 _SCRATCH = 64 << 10
-_WRITE_HIGH = 1 << 20  # unsent reply bytes above which a connection stops being served
+# Largest piece of a reply handed to the transport at once. asyncio copies what the kernel
+# does not take into its own buffer, and the next piece waits until that buffer is empty: so
+# a connection holds at most this much copied reply, whatever the value's size.
+_SEND_SLICE = 256 << 10
+_INLINE_REPLY = 4096  # replies up to this size are sent as one copied piece
+_OUT_MAX_ITEMS = 64  # queued reply pieces past which a connection's requests wait
 _EMPTY = b""
 _OPS = frozenset(int(op) for op in Op)
 
@@ -40,35 +47,96 @@ class ServerConfig:
     max_payload: int = P.DEFAULT_MAX_PAYLOAD
     auth_token: str | None = None
     idle_timeout: float = 300.0  # a connection that sends nothing for this long is closed
+    # Every frame must arrive whole (header and body) within this many seconds of its first
+    # byte, and every reply piece must drain within it; also the TLS handshake's limit.
+    frame_timeout: float = 30.0
+    max_connections: int = 256
+    tls_cert: str | None = None  # PEM certificate chain; with tls_key, clients must use TLS
+    tls_key: str | None = None
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first invalid field."""
+        if self.max_payload <= 0:
+            raise ValueError(f"max_payload must be positive, got {self.max_payload}")
+        if self.idle_timeout <= 0:
+            raise ValueError(f"idle_timeout must be positive, got {self.idle_timeout}")
+        if self.frame_timeout <= 0:
+            raise ValueError(f"frame_timeout must be positive, got {self.frame_timeout}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
+        if self.auth_token is not None and not self.auth_token:
+            raise ValueError("auth_token must not be empty (leave it unset to disable auth)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
+
+
+def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
+    """Returns a TLS 1.2+ server context for `cert` (PEM chain) and `key`; raises ValueError
+    naming the file when either cannot be loaded."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"cannot load TLS certificate {cert!r} with key {key!r}: {exc}") from exc
+    return ctx
 
 
 class CacheServer:
-    """Serves one ByteStore over TCP. Start with `await start()`; stop with `close()`."""
+    """Serves one ByteStore over TCP (or TLS). Start with `await start()`; stop with `close()`."""
 
     def __init__(self, store: ByteStore, config: ServerConfig) -> None:
-        if config.max_payload <= 0:
-            raise ValueError(f"max_payload must be positive, got {config.max_payload}")
-        if config.idle_timeout <= 0:
-            raise ValueError(f"idle_timeout must be positive, got {config.idle_timeout}")
-        if config.auth_token is not None and not config.auth_token:
-            raise ValueError("auth_token must not be empty (leave it unset to disable auth)")
+        config.validate()
         self.store = store
         self.config = config
         self._token = config.auth_token.encode() if config.auth_token is not None else None
+        self._tls = server_tls_context(config.tls_cert, config.tls_key) if config.tls_cert else None
         self.max_payload = config.max_payload
         self.connections: set[_Connection] = set()
+        # Connections whose next body waits for memory, oldest first.
+        self.waiting: dict[_Connection, None] = {}
         self.total_connections = 0
         self.protocol_errors = 0
+        self.refused_connections = 0
+        self.frame_timeouts = 0
+        self.busy_refusals = 0
         self._server: asyncio.AbstractServer | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._wake_scheduled = False
 
     async def start(self) -> tuple[str, int]:
         """Binds and starts accepting; returns the bound (host, port) (a free port for 0)."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: _Connection(self), self.config.host, self.config.port, reuse_address=True
+            lambda: _Connection(self), self.config.host, self.config.port, reuse_address=True,
+            ssl=self._tls, ssl_handshake_timeout=self.config.frame_timeout if self._tls else None,
         )
+        self._sweeper = loop.call_later(self._sweep_period, self._sweep)
         host, port = self._server.sockets[0].getsockname()[:2]
         return host, port
+
+    @property
+    def _sweep_period(self) -> float:
+        return min(1.0, self.config.frame_timeout / 4, self.config.idle_timeout / 4)
+
+    def _sweep(self) -> None:
+        # One timer for the whole server: deadlines are checked a few times per timeout.
+        now = asyncio.get_running_loop().time()
+        for conn in list(self.connections):
+            conn.check_deadlines(now)
+        self._sweeper = asyncio.get_running_loop().call_later(self._sweep_period, self._sweep)
+
+    def memory_freed(self) -> None:
+        """Schedules a retry of the connections waiting for memory (once per loop turn)."""
+        if self.waiting and not self._wake_scheduled:
+            self._wake_scheduled = True
+            asyncio.get_running_loop().call_soon(self._wake_waiters)
+
+    def _wake_waiters(self) -> None:
+        self._wake_scheduled = False
+        for conn in list(self.waiting):
+            self.waiting.pop(conn, None)
+            conn.retry_admission()
 
     async def serve_until(self, stop: asyncio.Event) -> None:
         """Serves until `stop` is set, then closes every connection."""
@@ -77,6 +145,9 @@ class CacheServer:
 
     async def close(self) -> None:
         """Stops accepting and drops every connection (in-flight replies are abandoned)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         if self._server is not None:
             self._server.close()
             for conn in list(self.connections):
@@ -99,6 +170,10 @@ class CacheServer:
         stats["connections"] = len(self.connections)
         stats["total_connections"] = self.total_connections
         stats["protocol_errors"] = self.protocol_errors
+        stats["refused_connections"] = self.refused_connections
+        stats["frame_timeouts"] = self.frame_timeouts
+        stats["busy_refusals"] = self.busy_refusals
+        stats["waiting_for_memory"] = len(self.waiting)
         return json.dumps(stats).encode()
 
 
@@ -111,41 +186,70 @@ class _Connection(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.authed = not server.auth_required
         self.closing = False
-        self.write_paused = False
         self.scratch = bytearray(_SCRATCH)
         self.scratch_view = memoryview(self.scratch)  # never resized, so one view serves
         self.scratch_len = 0
-        # Set while a frame too large for scratch is being received into its own buffer.
+        # Set while a frame too large for scratch is being received into its own buffer,
+        # whose bytes are reserved in the store's budget until it is stored or dropped.
         self.big: memoryview | None = None
         self.big_header: P.Header | None = None
         self.big_filled = 0
+        self.big_reserved = 0
         # Bytes of a refused frame's body still to be read and dropped.
         self.discard_left = 0
-        self.last_active = 0.0
-        self.timer: asyncio.TimerHandle | None = None
+        # When the frame being received began (None: between frames); its deadline.
+        self.frame_start: float | None = None
+        self.waiting = False  # the next body waits for memory (reading paused)
+        # Reply pieces not yet handed to the transport: (bytes, the stored value they are
+        # part of, pinned in the store, or None for a copied piece).
+        self.out: deque[tuple[P.Buffer, P.Buffer | None]] = deque()
+        self.out_copied = 0
+        self.write_blocked = False  # the transport holds unsent bytes
+        self.reading_paused = False
         self.loop = asyncio.get_running_loop()
+        self.last_active = self.send_progress = self.loop.time()
 
     # ---- asyncio callbacks ----
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        transport.set_write_buffer_limits(high=_WRITE_HIGH)
+        server = self.server
+        if len(server.connections) >= server.config.max_connections:
+            # Refuse in words rather than leave the client hanging, then close.
+            self.closing = True
+            server.refused_connections += 1
+            limit = server.config.max_connections
+            log.warning("refusing connection %s: --max-connections %d reached", self._peer(), limit)
+            transport.write(P.encode_frame(Status.TOO_MANY_CONNECTIONS, 0,
+                                           payload=f"too many connections (limit {limit})".encode()))
+            transport.close()
+            return
+        # Pause as soon as anything is left unsent: the next piece is written only once the
+        # transport's (copying) buffer is empty. (high=1: TLS transports pause at >= high.)
+        transport.set_write_buffer_limits(high=1, low=0)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.server.connections.add(self)
-        self.server.total_connections += 1
-        loop = asyncio.get_running_loop()
-        self.last_active = loop.time()
-        self.timer = loop.call_later(self.server.config.idle_timeout, self._check_idle)
+        server.connections.add(self)
+        server.total_connections += 1
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
-        self.server.connections.discard(self)
-        if self.timer is not None:
-            self.timer.cancel()
-        self.big = None
+        server = self.server
+        if self not in server.connections:
+            return  # refused at connect
+        server.connections.discard(self)
+        server.waiting.pop(self, None)
+        freed = bool(self.big_reserved)
+        self.store.release(self.big_reserved)
+        self.big_reserved, self.big = 0, None
+        while self.out:
+            _, pinned = self.out.popleft()
+            if pinned is not None:
+                freed |= self.store.unpin(pinned)
+        if freed:
+            server.memory_freed()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.big is not None:
@@ -160,35 +264,38 @@ class _Connection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.closing:
             return
-        self.last_active = self.loop.time()
+        self.last_active = now = self.loop.time()
+        if self.frame_start is None:
+            self.frame_start = now
         if self.big is not None:
             self.big_filled += nbytes
             if self.big_filled == len(self.big):
-                body, header = self.big, self.big_header
-                self.big, self.big_header = None, None
+                body, header, reserved = self.big, self.big_header, self.big_reserved
+                self.big, self.big_header, self.big_reserved = None, None, 0
+                self.frame_start = None
                 assert header is not None
-                self._dispatch(header, bytes(body[: header.key_len]), body[header.key_len :])
+                self._dispatch(header, bytes(body[: header.key_len]), body[header.key_len :], reserved)
+                if header.code != Op.PUT:  # the body was only read: its bytes go back
+                    self.store.release(reserved)
+                    self.server.memory_freed()
             return
         if self.discard_left:
             self.discard_left -= nbytes
+            if not self.discard_left:
+                self.frame_start = None
             return
         self.scratch_len += nbytes
         self._parse_scratch()
 
     def pause_writing(self) -> None:
-        # Replies are piling up (a large GET, or a client not reading): stop answering and
-        # reading until they drain, so at most about one large reply is ever buffered.
-        self.write_paused = True
-        if self.transport is not None:
-            self.transport.pause_reading()
+        self.write_blocked = True
 
     def resume_writing(self) -> None:
-        self.write_paused = False
+        self.write_blocked = False
         if self.closing or self.transport is None:
             return
-        self._parse_scratch()  # requests that arrived while paused
-        if not self.write_paused and not self.closing:
-            self.transport.resume_reading()
+        self._pump()
+        self._parse_scratch()  # requests that waited for the replies to drain
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -198,11 +305,59 @@ class _Connection(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.abort()
 
+    def check_deadlines(self, now: float) -> None:
+        """Closes this connection if it idled, or a frame or reply overran its deadline
+        (called by the server's sweep)."""
+        if self.closing:
+            return
+        cfg = self.server.config
+        if self.waiting and now - (self.frame_start or now) > cfg.frame_timeout:
+            # Our side made it wait: tell it so, then close (its body cannot be skipped cheaply).
+            self.server.busy_refusals += 1
+            self.server.waiting.pop(self, None)
+            self.waiting = False
+            request_id = P.decode_header(self.scratch, self.server.max_payload).request_id
+            self._fail(Status.BUSY, request_id, "server memory is held by other bodies in flight and "
+                       f"replies being sent; waited {cfg.frame_timeout:g} s, retry later")
+            return
+        if now - self.last_active >= cfg.idle_timeout:
+            reason = "idle"
+        elif (self.frame_start is not None and not self.waiting and not self._backlogged()
+              and now - self.frame_start > cfg.frame_timeout):
+            reason = f"a frame not received whole within {cfg.frame_timeout:g} s"
+        elif (self.out or self.write_blocked) and now - self.send_progress > cfg.frame_timeout:
+            reason = f"a reply not read for {cfg.frame_timeout:g} s"
+        else:
+            return
+        self.server.frame_timeouts += reason != "idle"
+        log.info("closing connection %s: %s", self._peer(), reason)
+        self.abort()
+
+    def retry_admission(self) -> None:
+        """Called when memory was freed: tries again to admit the waiting body."""
+        self.waiting = False
+        if not self.closing:
+            self.frame_start = self.loop.time()  # the wait was ours: its deadline starts now
+            self._parse_scratch()
+
     # ---- framing ----
+
+    def _backlogged(self) -> bool:
+        return len(self.out) >= _OUT_MAX_ITEMS or self.out_copied >= _SCRATCH
+
+    def _update_reading(self) -> None:
+        want_paused = self.waiting or self._backlogged()
+        if want_paused != self.reading_paused and self.transport is not None and not self.closing:
+            self.reading_paused = want_paused
+            if want_paused:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
 
     def _parse_scratch(self) -> None:
         buf, view, pos, end = self.scratch, self.scratch_view, 0, self.scratch_len
-        while not self.closing and not self.write_paused and end - pos >= P.HEADER_SIZE:
+        framed = False
+        while not self.closing and not self.waiting and not self._backlogged() and end - pos >= P.HEADER_SIZE:
             limit = self.server.max_payload if self.authed else _SCRATCH  # AUTH may precede
             try:
                 header = P.decode_header(buf, limit, pos)
@@ -218,6 +373,7 @@ class _Connection(asyncio.BufferedProtocol):
                 skip = min(total, end - pos)
                 self.discard_left = total - skip
                 pos += skip
+                framed = True
                 if self.discard_left:
                     break
                 continue
@@ -226,15 +382,21 @@ class _Connection(asyncio.BufferedProtocol):
                 key = bytes(view[start : start + header.key_len])
                 payload = view[start + header.key_len : pos + total]
                 pos += total
+                framed = True
                 if header.code == Op.PUT:
                     payload = memoryview(bytes(payload))  # scratch is reused: own the value
                 self._dispatch(header, key, payload)
                 continue
             if total > _SCRATCH:
-                # Receive the body straight into its own buffer; copy what already arrived.
+                # Receive the body straight into its own buffer, once the budget admits it.
+                if not self.store.reserve(header.body_len):
+                    self.waiting = True
+                    self.server.waiting[self] = None
+                    break
                 have = end - start
+                self.big_reserved = header.body_len
                 self.big = P.empty_buffer(header.body_len)
-                self.big[:have] = view[start:end]
+                self.big[:have] = view[start:end]  # copy what already arrived
                 self.big_filled = have
                 self.big_header = header
                 pos = end
@@ -243,6 +405,11 @@ class _Connection(asyncio.BufferedProtocol):
         if rest and pos:
             buf[:rest] = buf[pos:end]
         self.scratch_len = rest
+        if not rest and self.big is None and not self.discard_left:
+            self.frame_start = None  # between frames
+        elif framed:
+            self.frame_start = self.loop.time()  # what is left began with this read at the latest
+        self._update_reading()
 
     def _refusal(self, h: P.Header) -> tuple[Status, str] | None:
         if not self.authed:
@@ -254,11 +421,13 @@ class _Connection(asyncio.BufferedProtocol):
         if h.code != Op.PUT and h.body_len > P.MAX_REQUEST_BODY:
             return (Status.TOO_LARGE,
                     f"request body of {h.body_len} bytes exceeds {P.MAX_REQUEST_BODY} (only PUT may be larger)")
+        if P.HEADER_SIZE + h.body_len > _SCRATCH and not self.store.fits(0, h.body_len):
+            return Status.TOO_LARGE, f"request body of {h.body_len} bytes exceeds the server's memory budget"
         return None
 
     def _fail(self, status: Status, request_id: int, message: str) -> None:
         """Sends an error reply and closes: after a framing error the stream cannot be trusted."""
-        self.server.protocol_errors += 1
+        self.server.protocol_errors += status != Status.BUSY
         log.info("closing connection %s: %s", self._peer(), message)
         self._reply(status, request_id, message.encode())
         self.closing = True
@@ -268,32 +437,53 @@ class _Connection(asyncio.BufferedProtocol):
     def _peer(self) -> object:
         return self.transport.get_extra_info("peername") if self.transport else None
 
-    def _reply(self, status: int, request_id: int, payload: P.Buffer = _EMPTY) -> None:
+    def _reply(self, status: int, request_id: int, payload: P.Buffer = _EMPTY, stored: bool = False) -> None:
+        """Queues one reply. A `stored` value over _INLINE_REPLY bytes is pinned in the store
+        and sent from its own buffer, never copied per connection."""
         transport = self.transport
         if transport is None or transport.is_closing():
             return
         header = P.encode_header(status, request_id, 0, len(payload))
-        if len(payload) <= 4096:
-            transport.write(header + payload)
+        if not stored or len(payload) <= _INLINE_REPLY:
+            piece = header + bytes(payload)
+            self.out.append((piece, None))
+            self.out_copied += len(piece)
         else:
-            transport.write(header)
-            transport.write(payload)
+            self.out.append((header, None))
+            self.out_copied += len(header)
+            self.store.pin(payload)
+            self.out.append((payload, payload))
+        self._pump()
 
-    def _check_idle(self) -> None:
-        loop = asyncio.get_running_loop()
-        timeout = self.server.config.idle_timeout
-        idle = loop.time() - self.last_active
-        if self.closing:
+    def _pump(self) -> None:
+        """Hands queued reply pieces to the transport while it takes them without buffering,
+        at most _SEND_SLICE bytes at a time."""
+        transport, out = self.transport, self.out
+        if transport is None:
             return
-        if idle >= timeout:
-            log.info("closing idle or slow connection %s", self._peer())
-            self.abort()
-            return
-        self.timer = loop.call_later(timeout - idle, self._check_idle)
+        freed = False
+        while out and not self.write_blocked and not self.closing:
+            piece, pinned = out[0]
+            self.send_progress = self.loop.time()
+            if len(piece) > _SEND_SLICE:
+                view = memoryview(piece)
+                out[0] = (view[_SEND_SLICE:], pinned)
+                transport.write(view[:_SEND_SLICE])
+                continue
+            out.popleft()
+            transport.write(piece)
+            if pinned is None:
+                self.out_copied -= len(piece)
+            else:
+                freed |= self.store.unpin(pinned)
+        if freed:
+            self.server.memory_freed()
 
     # ---- ops ----
 
-    def _dispatch(self, h: P.Header, key: bytes, payload: memoryview) -> None:
+    def _dispatch(self, h: P.Header, key: bytes, payload: memoryview, reserved: int = 0) -> None:
+        """Runs one request. `reserved`: budget bytes held by this PUT's body buffer, which
+        the store takes over (the caller releases them for any other op)."""
         rid = h.request_id
         if not self.authed:
             if h.code != Op.AUTH:
@@ -311,21 +501,25 @@ class _Connection(asyncio.BufferedProtocol):
             if value is None:
                 self._reply(Status.NOT_FOUND, rid)
             else:
-                self._reply(Status.OK, rid, value)
+                self._reply(Status.OK, rid, value, stored=True)
         elif code == Op.EXISTS:
             self._reply(Status.OK if store.contains(key) else Status.NOT_FOUND, rid)
         elif code == Op.PREFIX_HITS:
             try:
-                keys = P.decode_key_list(payload)
+                keys = P.decode_key_list(payload, P.MAX_KEYS_PER_REQUEST)
             except P.ProtocolError as exc:
                 self._reply(Status.BAD_REQUEST, rid, str(exc).encode())
                 return
             self._reply(Status.OK, rid, P.encode_count(store.prefix_hits(keys)))
         elif code == Op.PUT:
-            if store.put(key, payload):
+            if store.put(key, payload, reserved):
                 self._reply(Status.OK, rid)
-            else:
+            elif not store.fits(len(key), len(payload)):
                 self._reply(Status.TOO_LARGE, rid, b"entry exceeds the server's memory budget")
+            else:
+                self.server.busy_refusals += 1
+                self._reply(Status.BUSY, rid, b"no memory free for this entry now: replies being sent "
+                            b"and bodies in flight hold it; retry later")
         elif code == Op.DELETE:
             self._reply(Status.OK if store.delete(key) else Status.NOT_FOUND, rid)
         elif code == Op.PING:
@@ -337,8 +531,10 @@ class _Connection(asyncio.BufferedProtocol):
             self._reply(Status.OK, rid, self.server.stats_json())
         elif code == Op.AUTH:
             # Already authenticated (or auth disabled): a correct token is a no-op.
-            ok = not self.server.auth_required or self.server.check_token(bytes(payload))
-            self._reply(Status.OK if ok else Status.AUTH_FAILED, rid)
+            if not self.server.auth_required or self.server.check_token(bytes(payload)):
+                self._reply(Status.OK, rid)
+            else:  # a wrong token is a wrong token, whenever it comes: close
+                self._fail(Status.AUTH_FAILED, rid, "wrong auth token")
         else:  # unreachable: unknown ops are refused while framing
             self._reply(Status.UNKNOWN_OP, rid, f"unknown op {code}".encode())
 

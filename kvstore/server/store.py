@@ -1,10 +1,18 @@
 """The cache server's in-memory LRU byte store, with optional spill to disk.
 
-Values are opaque bytes; the server never decodes them. The memory budget counts
-`len(key) + len(value)` of every entry and is never exceeded: a put evicts least recently
-used entries first (to the disk spill when there is one) and a value that cannot fit at
-all is refused. Memory and disk hold disjoint sets of keys: a GET that finds its key on
-disk moves it back into memory.
+Values are opaque bytes; the server never decodes them. One memory budget (`max_bytes`)
+covers every large buffer the server holds, and is never exceeded:
+
+- stored entries: `len(key) + len(value)` each (`bytes_used`);
+- bodies being received: reserved from their header before their buffer is allocated
+  (`reserved`), and turned into the entry when a PUT completes;
+- values being sent: a reply pins the stored buffer it sends (no copy); a pinned value that
+  leaves the store (evicted, deleted, replaced) still counts (`retired`) until its last
+  reply is written.
+
+Making room evicts least recently used entries (to the disk spill when there is one); a
+value that cannot fit at all is refused. Memory and disk hold disjoint sets of keys: a GET
+that finds its key on disk moves it back into memory.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ class StoreStats:
     disk_hits: int
     disk_evictions: int
     disk_corrupt: int
+    reserved_bytes: int
+    pinned_bytes: int
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -52,7 +62,13 @@ class ByteStore:
         self.bytes_used = 0
         self.hits = self.misses = self.puts = self.evictions = self.rejected = 0
         self.disk_hits = 0
+        self.reserved = 0  # bytes committed to bodies being received
+        self.retired = 0  # bytes of values gone from the store that replies still send
         self._lru: OrderedDict[bytes, Buffer] = OrderedDict()  # least recently used first
+        # Bytes each entry holds: key + value, or the whole file buffer of one read from disk.
+        self._sizes: dict[bytes, int] = {}
+        # id(value) -> [replies sending it, bytes it holds once it has left the store, or 0]
+        self._pins: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
         return len(self._lru) + (len(self.spill) if self.spill is not None else 0)
@@ -61,18 +77,63 @@ class ByteStore:
         """Returns whether an entry of these sizes can be stored in memory at all."""
         return key_len + value_len <= self.max_bytes
 
-    def put(self, key: bytes, value: Buffer) -> bool:
-        """Stores `value` (kept by reference, not copied); returns False if it can never fit.
-        Guarantees bytes_used <= max_bytes afterwards."""
+    @property
+    def committed(self) -> int:
+        """Bytes the budget covers now: stored + reserved for bodies + retired but sending."""
+        return self.bytes_used + self.reserved + self.retired
+
+    def _room(self) -> int:
+        # What stored entries may use: the rest is held by bodies in flight and replies.
+        return self.max_bytes - self.reserved - self.retired
+
+    def reserve(self, n: int) -> bool:
+        """Commits `n` bytes for a body about to be received, evicting LRU entries to make
+        room; returns False (evicting nothing) while bodies in flight and replies being sent
+        leave less than `n`. Guarantees committed <= max_bytes."""
+        if n > self._room():
+            return False
+        self._evict_to(self._room() - n)
+        self.reserved += n
+        return True
+
+    def release(self, n: int) -> None:
+        """Returns `n` reserved bytes whose body was dropped or consumed without being stored."""
+        self.reserved -= n
+
+    def pin(self, value: Buffer) -> None:
+        """Marks a stored `value` as being sent: it stays counted until `unpin`."""
+        entry = self._pins.get(id(value))
+        if entry is None:
+            self._pins[id(value)] = [1, 0]
+        else:
+            entry[0] += 1
+
+    def unpin(self, value: Buffer) -> bool:
+        """Ends one reply's hold on `value`; returns whether budget was freed by it (the
+        value had left the store and this was its last reply)."""
+        entry = self._pins[id(value)]
+        entry[0] -= 1
+        if entry[0]:
+            return False
+        del self._pins[id(value)]
+        self.retired -= entry[1]
+        return entry[1] > 0
+
+    def put(self, key: bytes, value: Buffer, reserved: int = 0) -> bool:
+        """Stores `value` (kept by reference, not copied), consuming `reserved` bytes reserved
+        for its body; returns False if it does not fit (never, or not while replies and
+        bodies in flight hold the rest). Guarantees committed <= max_bytes afterwards."""
         size = len(key) + len(value)
+        self.reserved -= reserved
         self._remove(key)
         if self.spill is not None:
             self.spill.delete(key)  # memory and disk hold disjoint keys
-        if size > self.max_bytes:
+        if size > self._room():
             self.rejected += 1
             return False
-        self._evict_to(self.max_bytes - size)
+        self._evict_to(self._room() - size)
         self._lru[key] = value
+        self._sizes[key] = size
         self.bytes_used += size
         self.puts += 1
         return True
@@ -86,16 +147,27 @@ class ByteStore:
             self.hits += 1
             return value
         if self.spill is not None and key in self.spill:
-            value = self.spill.get(key)
-            if value is not None:
-                self.spill.delete(key)
-                self.hits += 1
-                self.disk_hits += 1
-                if self.fits(len(key), len(value)):
-                    self._evict_to(self.max_bytes - len(key) - len(value))
+            # The file is read into a buffer of its size: commit that first. While replies and
+            # bodies in flight leave no room, the entry stays on disk and this GET misses.
+            file_size = self.spill.file_size(key)
+            if file_size <= self._room():
+                reserved: list[int] = []
+
+                def make_room(n: int) -> None:
+                    ok = self.reserve(n)  # the file left the disk's budget: spills may use it
+                    assert ok, "room was checked before the file was taken"
+                    reserved.append(n)
+
+                value = self.spill.pop(key, make_room)
+                self.reserved -= sum(reserved)
+                if value is not None:
+                    # The buffer is the whole file (>= key + value): its room becomes the entry.
                     self._lru[key] = value
-                    self.bytes_used += len(key) + len(value)
-                return value
+                    self._sizes[key] = file_size
+                    self.bytes_used += file_size
+                    self.hits += 1
+                    self.disk_hits += 1
+                    return value
         self.misses += 1
         return None
 
@@ -119,8 +191,8 @@ class ByteStore:
         return in_memory or on_disk
 
     def clear(self) -> None:
-        self._lru.clear()
-        self.bytes_used = 0
+        for key in list(self._lru):
+            self._remove(key)
         if self.spill is not None:
             self.spill.clear()
 
@@ -152,20 +224,30 @@ class ByteStore:
             disk_hits=self.disk_hits,
             disk_evictions=spill.evictions if spill is not None else 0,
             disk_corrupt=spill.corrupt if spill is not None else 0,
+            reserved_bytes=self.reserved,
+            pinned_bytes=self.retired,
         )
 
     def _remove(self, key: bytes) -> bool:
         value = self._lru.pop(key, None)
         if value is None:
             return False
-        self.bytes_used -= len(key) + len(value)
+        self._forget(key, value)
         return True
+
+    def _forget(self, key: bytes, value: Buffer) -> None:
+        size = self._sizes.pop(key)
+        self.bytes_used -= size
+        entry = self._pins.get(id(value))
+        if entry is not None:  # still being sent: its bytes stay counted until then
+            entry[1] = size
+            self.retired += size
 
     def _evict_to(self, limit: int) -> None:
         # Evicted entries go to disk when a spill exists; otherwise they are dropped.
         while self.bytes_used > limit and self._lru:
             key, value = self._lru.popitem(last=False)
-            self.bytes_used -= len(key) + len(value)
+            self._forget(key, value)
             self.evictions += 1
             if self.spill is not None:
                 self.spill.put(key, value)
