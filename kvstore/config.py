@@ -25,6 +25,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from kvstore.codecs import CODEC_NAMES
 from kvstore.eviction import POLICIES
+from kvstore.health import BACKOFF_INITIAL_S, BACKOFF_MAX_S
 from kvstore.sizes import parse_size
 
 QUEUE_FULL_POLICIES = ("drop_oldest", "drop_new")
@@ -120,8 +121,8 @@ class KVStoreConfig:
     save_decode_tokens: bool = False
     queue_size: int = 64
     queue_full: str = "drop_oldest"
-    backoff_initial_s: float = 0.5
-    backoff_max_s: float = 30.0
+    backoff_initial_s: float = BACKOFF_INITIAL_S
+    backoff_max_s: float = BACKOFF_MAX_S
 
     def validate(self) -> KVStoreConfig:
         """Returns self after checking every field; raises ValueError naming the key."""

@@ -1,6 +1,8 @@
-"""Health of one tier: a failing tier is skipped with exponential backoff and probed again later.
+"""Health of one tier: a failing tier is skipped with capped exponential backoff and probed again.
 
-Transitions are logged once (healthy -> unhealthy, unhealthy -> healthy), never per call.
+The storage manager keeps one `TierHealth` for a tier's reads and one for its writes, so a
+tier that refuses writes (a full Redis under `noeviction`, a read-only directory) still
+serves reads. Transitions are logged once (failing -> recovered), never per call.
 """
 
 from __future__ import annotations
@@ -11,12 +13,19 @@ import time
 
 logger = logging.getLogger("kvtier.kvstore")
 
+BACKOFF_INITIAL_S = 0.25
+"""Default first backoff after a failure."""
+BACKOFF_MAX_S = 1.0
+"""Default cap of the backoff: a tier that is back is used again within about this long."""
+
 
 class TierHealth:
-    """Tracks whether a tier may be called now."""
+    """Tracks whether one kind of call (`what`: "reads" or "writes") to a tier may be made now."""
 
-    def __init__(self, name: str, backoff_initial_s: float = 0.5, backoff_max_s: float = 30.0) -> None:
+    def __init__(self, name: str, backoff_initial_s: float = BACKOFF_INITIAL_S,
+                 backoff_max_s: float = BACKOFF_MAX_S, what: str = "calls") -> None:
         self.name = name
+        self.what = what
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.healthy = True
@@ -40,14 +49,15 @@ class TierHealth:
             return True
 
     def failed(self, exc: BaseException) -> None:
-        """Records a failed call: marks the tier unhealthy and doubles the backoff."""
+        """Records a failed call: marks the tier unhealthy and doubles the backoff (capped)."""
         with self._lock:
             self.failures += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
             if self.healthy:
                 self.healthy = False
                 self._backoff = self.backoff_initial_s
-                logger.warning("kvstore tier %s is unhealthy, skipping it for now: %s", self.name, self.last_error)
+                logger.warning("kvstore tier %s: %s failing, skipping them for now: %s", self.name, self.what,
+                               self.last_error)
             else:
                 self._backoff = min(self._backoff * 2, self.backoff_max_s)
             self._failed_at = time.monotonic()
@@ -63,4 +73,4 @@ class TierHealth:
             if not self.healthy and started_at > self._failed_at:
                 self.healthy = True
                 self._backoff = self.backoff_initial_s
-                logger.warning("kvstore tier %s recovered", self.name)
+                logger.warning("kvstore tier %s: %s recovered", self.name, self.what)

@@ -5,8 +5,10 @@
 - `get`/`batched_get` read from the fastest tier holding a chunk and promote it upward.
 - Each tier evicts by its own policy within its byte budget; keys pinned here (chunks being
   loaded) are never evicted. Pin counts cannot go negative.
-- A tier that raises is marked unhealthy and skipped with exponential backoff, then probed
-  again; the caller only ever sees a miss (recompute), never the exception.
+- A tier that raises is marked unhealthy and skipped with capped exponential backoff, then
+  probed again; the caller only ever sees a miss (recompute), never the exception. Reads and
+  writes have separate health: a tier refusing writes (a full Redis, a read-only directory)
+  keeps serving reads.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from kvstore.backend import BackendStats, StorageBackend
 from kvstore.config import KVStoreConfig
-from kvstore.health import TierHealth
+from kvstore.health import BACKOFF_INITIAL_S, BACKOFF_MAX_S, TierHealth
 from kvstore.pins import PinTable
 from kvstore.writer import BackgroundWriter
 
@@ -36,7 +38,9 @@ class TierStats:
     """What the manager saw of one tier, plus the tier's own counters."""
 
     name: str
-    healthy: bool = True
+    healthy: bool = True  # reads and writes both healthy
+    read_healthy: bool = True
+    write_healthy: bool = True
     hits: int = 0
     misses: int = 0
     bytes_loaded: int = 0
@@ -68,7 +72,7 @@ class StorageManager:
 
     def __init__(self, tiers: Sequence[StorageBackend], names: Sequence[str] | None = None,
                  queue_size: int = 64, queue_full: str = "drop_oldest",
-                 backoff_initial_s: float = 0.5, backoff_max_s: float = 30.0) -> None:
+                 backoff_initial_s: float = BACKOFF_INITIAL_S, backoff_max_s: float = BACKOFF_MAX_S) -> None:
         if not tiers:
             raise ValueError("tiers: a storage manager needs at least one tier")
         self.tiers = list(tiers)
@@ -79,7 +83,8 @@ class StorageManager:
         self.pins = PinTable()
         for tier in self.tiers:
             tier.set_pin_check(self.pins.is_pinned)
-        self._health = [TierHealth(n, backoff_initial_s, backoff_max_s) for n in names]
+        self._read_health = [TierHealth(n, backoff_initial_s, backoff_max_s, "reads") for n in names]
+        self._write_health = [TierHealth(n, backoff_initial_s, backoff_max_s, "writes") for n in names]
         self._stats = [TierStats(name=n) for n in names]
         self._stats_lock = threading.Lock()
         self._writer = BackgroundWriter(queue_size, queue_full, nice=10) if len(self.tiers) > 1 else None
@@ -104,9 +109,10 @@ class StorageManager:
                    backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s)
 
     # -- guarded tier calls --------------------------------------------------------------
-    def _call(self, i: int, fn: Callable[[], T]) -> T | object:
-        """Returns fn()'s result, or _SKIPPED if tier i is backing off or just failed."""
-        health = self._health[i]
+    def _call(self, i: int, fn: Callable[[], T], write: bool = False) -> T | object:
+        """Returns fn()'s result, or _SKIPPED if tier i's reads (or writes) are backing off or
+        this call just failed."""
+        health = (self._write_health if write else self._read_health)[i]
         if not health.available():
             with self._stats_lock:
                 self._stats[i].skipped += 1
@@ -118,6 +124,7 @@ class StorageManager:
             health.failed(exc)
             with self._stats_lock:
                 self._stats[i].errors += 1
+                self._stats[i].last_error = health.last_error
             return _SKIPPED
         health.succeeded(started)
         return result
@@ -125,7 +132,7 @@ class StorageManager:
     def _store(self, i: int, items: Sequence[tuple[str, torch.Tensor]], owned: bool = False) -> None:
         t0 = time.perf_counter()
         tier = self.tiers[i]
-        result = self._call(i, lambda: tier.batched_adopt(items) if owned else tier.batched_put(items))
+        result = self._call(i, lambda: tier.batched_adopt(items) if owned else tier.batched_put(items), write=True)
         if result is not _SKIPPED:
             with self._stats_lock:
                 self._stats[i].bytes_stored += sum(_nbytes(kv) for _, kv in items)
@@ -257,13 +264,13 @@ class StorageManager:
         """Removes `key` from every healthy tier (slow tiers after queued writes)."""
         self.flush()
         for i, tier in enumerate(self.tiers):
-            self._call(i, lambda: tier.delete(key))
+            self._call(i, lambda: tier.delete(key), write=True)
 
     def clear(self) -> None:
-        """Removes every chunk from every healthy tier."""
+        """Removes every chunk each healthy tier owns (see each tier's `clear`)."""
         self.flush()
         for i, tier in enumerate(self.tiers):
-            self._call(i, tier.clear)
+            self._call(i, tier.clear, write=True)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until background writes are done; returns False on timeout."""
@@ -276,8 +283,9 @@ class StorageManager:
             backend = self._call(i, tier.stats)
             with self._stats_lock:
                 s = TierStats(**{**vars(self._stats[i])})
-            s.healthy = self._health[i].healthy
-            s.last_error = self._health[i].last_error
+            s.read_healthy = self._read_health[i].healthy
+            s.write_healthy = self._write_health[i].healthy
+            s.healthy = s.read_healthy and s.write_healthy
             s.backend = backend if isinstance(backend, BackendStats) else BackendStats()
             out[self.names[i]] = s
         return out

@@ -5,11 +5,21 @@ redis-py), `redis+cluster://host:port` / `rediss+cluster://...` (Redis Cluster: 
 across slots; pipelines are split per node by redis-py). Batched get/put and `prefix_hits`
 are one pipelined round trip (per node). hiredis is used by redis-py when installed.
 
-Options: `ttl_s` (expire chunks), `socket_timeout_s` (default 5), `connect_timeout_s`
-(default 1), `max_connections`, and any `ssl_*` keyword of redis-py. The byte budget bounds
-what this client has written (evicting its own least recently used chunks); for a bound
-across all clients of a shared server, set the server's `maxmemory` and an LRU policy.
-Connection failures and timeouts raise BackendError.
+Options: `ttl_s` (expire chunks), `read_timeout_s` (default 0.5: the serving path, i.e.
+existence checks and GETs, on its own connection pool, so a frozen server stalls a caller at
+most this long per call), `socket_timeout_s` (default 5: writes, which run in the background),
+`connect_timeout_s` (default 1; at most `read_timeout_s` for the serving pool),
+`max_connections`, and any `ssl_*` keyword of redis-py. The byte budget bounds what this
+client has written (evicting its own least recently used chunks); for a bound across all
+clients of a shared server, set the server's `maxmemory` and an LRU policy.
+
+A key that does not hold a chunk (another type, a garbage string) is a miss for that key
+alone and is removed; it never fails its batch or the tier. Connection failures, timeouts
+and refused writes (e.g. OOM under `noeviction`) raise BackendError.
+
+The GET fast path reads replies off the connection's socket (`Connection._get_socket`) and
+packs commands with redis-py's `Encoder`: both redis-py internals present in 7.x and 8.x,
+hence the `redis>=7.0,<9` pin; `_check_redis_py` refuses other versions by name.
 """
 
 from __future__ import annotations
@@ -38,7 +48,21 @@ from kvstore.config import TierSpec
 from kvstore.eviction import make_policy
 
 CHUNK_KEY_PATTERN = "kvtier:*"
-"""Every `ChunkKey.to_str()` matches this; `clear()` removes what matches it."""
+"""Every `ChunkKey.to_str()` matches this; `wipe_all_chunks()` removes what matches it."""
+
+_NOT_A_CHUNK = b""
+"""Stands for a key whose GET was an error reply (WRONGTYPE): it fails `serde.decode` like any
+garbage, so the key is a miss, counted corrupt and removed."""
+
+
+def _check_redis_py() -> None:
+    """Raises ImportError naming the version if redis-py lacks the internals used here."""
+    if not hasattr(redis.connection.AbstractConnection, "_get_socket"):
+        raise ImportError(f"kvtier's redis tier needs redis-py >=7.0,<9 (Connection._get_socket); "
+                          f"installed: {redis.__version__}")
+
+
+_check_redis_py()
 
 
 class SplitValuePacker:
@@ -75,10 +99,16 @@ class SplitValuePacker:
         return out
 
 
-def _client_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+def _client_kwargs(options: dict[str, Any], serving: bool) -> dict[str, Any]:
+    """Returns redis-py client keywords; `serving`: the pool for existence checks and GETs."""
+    timeout = float(options.get("socket_timeout_s", 5.0))
+    connect = float(options.get("connect_timeout_s", 1.0))
+    if serving:
+        timeout = float(options.get("read_timeout_s", 0.5))
+        connect = min(connect, timeout)
     kw: dict[str, Any] = {
-        "socket_timeout": float(options.get("socket_timeout_s", 5.0)),
-        "socket_connect_timeout": float(options.get("connect_timeout_s", 1.0)),
+        "socket_timeout": timeout,
+        "socket_connect_timeout": connect,
         # the storage manager handles failures with backoff; redis-py must not stall a caller retrying
         "retry": Retry(NoBackoff(), 0),
         # RESP2: no server push frames can interleave with the GET replies `_read_bulk_replies` parses
@@ -87,6 +117,11 @@ def _client_kwargs(options: dict[str, Any]) -> dict[str, Any]:
     if "max_connections" in options:
         kw["max_connections"] = int(options["max_connections"])
     kw.update({k: v for k, v in options.items() if k.startswith("ssl_")})
+    unknown = set(options) - {"socket_timeout_s", "read_timeout_s", "connect_timeout_s", "max_connections"}
+    unknown = {k for k in unknown if not k.startswith("ssl_")}
+    if unknown:
+        raise ValueError(f"redis tier: unknown option(s) {sorted(unknown)}; known: ttl_s, read_timeout_s, "
+                         "socket_timeout_s, connect_timeout_s, max_connections, ssl_*")
     return kw
 
 
@@ -112,6 +147,9 @@ def _read_bulk_replies(sock: Any, count: int) -> list[memoryview | None]:
         del pending[: eol + 2]
         if line == b"_" or line == b"$-1":  # RESP3 / RESP2 null: a missing key
             out.append(None)
+            continue
+        if line[:1] == b"-":  # an error reply (WRONGTYPE): this key only; the stream is intact
+            out.append(_NOT_A_CHUNK)
             continue
         if line[:1] != b"$" or not line[1:].isdigit():
             raise _ReplyError(f"unexpected reply to GET: {line[:80]!r}")
@@ -147,14 +185,11 @@ class RedisBackend(BytesBackend):
             raise ValueError(f"not a redis URL: {url!r}")
         self.cluster = scheme.endswith("+cluster")
         plain_url = urlunsplit((scheme.removesuffix("+cluster"), *parts[1:]))
-        kw = _client_kwargs(client_options)
         self.ttl_ms = int(ttl_s * 1000) if ttl_s else None
         try:
-            if self.cluster:
-                kw.pop("max_connections", None)
-                self.client: redis.Redis | redis.cluster.RedisCluster = redis.cluster.RedisCluster.from_url(plain_url, **kw)
-            else:
-                self.client = redis.Redis.from_url(plain_url, command_packer=SplitValuePacker(), **kw)
+            # two pools: the serving path (short timeouts) never queues behind a slow write
+            self.client = self._connect(plain_url, _client_kwargs(client_options, serving=False))
+            self.reader = self._connect(plain_url, _client_kwargs(client_options, serving=True))
         except RedisError as exc:
             raise BackendError(f"redis tier cannot connect to {url}: {exc}") from exc
         self.url = url
@@ -162,6 +197,12 @@ class RedisBackend(BytesBackend):
         self._stripes = [threading.Lock() for _ in range(64)]
         self._budget = ByteBudget(byte_budget, make_policy(eviction))
         self._evictions = 0
+
+    def _connect(self, url: str, kw: dict[str, Any]) -> redis.Redis | redis.cluster.RedisCluster:
+        if self.cluster:
+            kw.pop("max_connections", None)
+            return redis.cluster.RedisCluster.from_url(url, **kw)
+        return redis.Redis.from_url(url, command_packer=SplitValuePacker(), **kw)
 
     @classmethod
     def from_spec(cls, spec: TierSpec) -> RedisBackend:
@@ -190,14 +231,14 @@ class RedisBackend(BytesBackend):
 
     # -- BytesBackend hooks --------------------------------------------------------------
     def _contains(self, key: str) -> bool:
-        return bool(self._call("exists", lambda: self.client.exists(key)))
+        return self._batched_contains([key])[0]
 
     def _get_many(self, keys: Sequence[str]) -> list[Any]:
         """Returns the values of `keys` (None per missing key) in one pipelined round trip,
         read by `_read_bulk_replies` on a pooled connection (redis-py's reader for a cluster)."""
         if self.cluster:
-            return self._per_key("get", keys)
-        pool = self.client.connection_pool
+            return [_NOT_A_CHUNK if isinstance(r, redis.ResponseError) else r for r in self._per_key("get", keys)]
+        pool = self.reader.connection_pool
         conn = pool.get_connection()
         try:
             conn.send_packed_command(conn.pack_commands([("GET", k) for k in keys]))
@@ -211,17 +252,33 @@ class RedisBackend(BytesBackend):
         finally:
             pool.release(conn)
 
-    def _per_key(self, command: str, keys: Sequence[str]) -> list[Any]:
-        """Returns the replies to `command` sent once per key, in one pipelined round trip."""
-        pipe = self._pipeline()
+    def _per_key(self, command: str, keys: Sequence[str], *args: Any, client: Any = None) -> list[Any]:
+        """Returns the replies to `command key *args` sent once per key, in one pipelined round
+        trip on `client` (default: the serving one). A key's error reply (WRONGTYPE) comes back
+        as a ResponseError in its place; a connection failure raises."""
+        pipe = (client or self.reader).pipeline(transaction=False)
         for key in keys:
-            getattr(pipe, command)(key)
-        return pipe.execute()
+            getattr(pipe, command)(key, *args)
+        replies = pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, Exception) and not isinstance(reply, redis.ResponseError):
+                raise reply
+        return replies
 
     def _batched_contains(self, keys: Sequence[str]) -> list[bool]:
+        """Returns, per key, whether it holds something that starts like a chunk (one GETRANGE
+        of the header per key, one round trip); a key holding anything else is removed."""
         if not keys:
             return []
-        return [bool(x) for x in self._call("exists", lambda: self._per_key("exists", keys))]
+        replies = self._call("exists", lambda: self._per_key("getrange", keys, 0, serde.MAX_HEADER_LEN - 1))
+        held = [isinstance(r, bytes) and serde.looks_like_value(r) for r in replies]
+        bad = [k for k, r, h in zip(keys, replies, held) if not h and r != b""]
+        if bad:
+            with self._stats_lock:
+                self._corrupt += len(bad)
+            for key in bad:
+                self._delete(key)
+        return held
 
     def _get_bytes(self, key: str) -> Buffer | None:
         return self._batched_get_bytes([key])[0]
@@ -299,25 +356,39 @@ class RedisBackend(BytesBackend):
         with self._key_locks([key]):
             with self._lock:
                 self._budget.remove(key)
-            return bool(self._call("delete", lambda: self.client.delete(key)))
+            # on the serving pool: a bad value found by a read is removed within that read's bounds
+            return bool(self._call("delete", lambda: self.reader.unlink(key)))
 
     def _clear(self) -> None:
-        def run() -> None:
-            keys = list(self.client.scan_iter(match=CHUNK_KEY_PATTERN, count=1000))
-            with self._lock:
-                keys.extend(self._budget.sizes)
-                self._budget.clear()
-            for i in range(0, len(keys), 500):
-                self._per_key("delete", keys[i : i + 500])
+        """Removes the chunks this client wrote (other clients' chunks stay: see wipe_all_chunks)."""
+        with self._lock:
+            keys = list(self._budget.sizes)
+            self._budget.clear()
+        self._call("clear", lambda: self._unlink_all(keys))
 
-        self._call("clear", run)
+    def wipe_all_chunks(self) -> int:
+        """Removes every chunk key (`kvtier:*`) on the server, whoever wrote it; returns how many.
+        Meant for operators resetting a shared cache, never called by kvtier itself."""
+        def run() -> int:
+            keys = list(self.client.scan_iter(match=CHUNK_KEY_PATTERN, count=1000))
+            self._unlink_all(keys)
+            return len(keys)
+
+        with self._lock:
+            self._budget.clear()
+        return int(self._call("wipe", run))
+
+    def _unlink_all(self, keys: Sequence[str]) -> None:
+        for i in range(0, len(keys), 500):
+            self._per_key("unlink", keys[i : i + 500], client=self.client)
 
     def _usage(self) -> tuple[int, int, int | None, int]:
         with self._lock:
             return len(self._budget), self._budget.used, self._budget.budget, self._evictions
 
     def close(self) -> None:
-        try:
-            self.client.close()
-        except (RedisError, OSError):
-            pass
+        for client in (self.client, self.reader):
+            try:
+                client.close()
+            except (RedisError, OSError):
+                pass

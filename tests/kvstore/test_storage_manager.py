@@ -198,8 +198,8 @@ def test_failing_tier_is_skipped_with_backoff_and_recovers(tmp_path: Path, caplo
     mgr.put(ckey(50), chunk(50))
     assert mgr.stats()["disk"].healthy and disk.contains(ckey(50))
     messages = [r.getMessage() for r in caplog.records]
-    assert sum("disk is unhealthy" in m for m in messages) == 1
-    assert sum("disk recovered" in m for m in messages) == 1
+    assert sum("disk: writes failing" in m for m in messages) == 1
+    assert sum("disk: writes recovered" in m for m in messages) == 1
     mgr.close()
 
 
