@@ -11,8 +11,13 @@ ratios within this run:
 - cpu tier get / numpy copy            (target >= 0.5)
 - redis tier put / best plain SET, redis tier get / best plain GET   (target >= 0.8 each)
 - fp16 size / int8 size                (target >= 1.9); lz4 ratios reported per dtype
+- K/V integrity (a keyed MAC on every value): a 4k-token load (16 fp16 chunks) from the disk
+  and redis tiers with and without `integrity_key`, interleaved in one run, as a time ratio;
+  and keyed BLAKE3 / BLAKE2b / HMAC-SHA256 GB/s on the same bytes (why BLAKE3)
 
-    .venv/bin/python benchmarks/bench_store.py [--quick] [--model DIR]
+    .venv/bin/python benchmarks/bench_store.py [--quick] [--model DIR] [--only-integrity]
+
+`--only-integrity` measures just the integrity section and merges it into the existing results.
 
 Writes benchmarks/results/store.json and store.md and prints the table.
 """
@@ -156,11 +161,74 @@ def bench_tier(url: str, codec: str, chunks: list[torch.Tensor], reps: int) -> d
             "size_ratio": nbytes / stored, "max_abs_err": err, "rel_err": rel}
 
 
+INTEGRITY_SECRET = "bench secret, 32 bytes long ...."
+
+
+def bench_mac_algorithms(chunks: list[torch.Tensor], reps: int) -> dict[str, float]:
+    """Returns GB/s of each keyed MAC candidate over the chunks' bytes (one thread each)."""
+    import hashlib
+    import hmac
+
+    import blake3
+
+    views = [memoryview(c.view(torch.uint8).reshape(-1).numpy()) for c in chunks]
+    nbytes = sum(v.nbytes for v in views)
+    key = b"k" * 32
+
+    def run(make: Callable[[], object]) -> float:
+        def once() -> None:
+            for v in views:
+                h = make()
+                h.update(v)  # type: ignore[attr-defined]
+                h.digest()  # type: ignore[attr-defined]
+        return nbytes / timed(once, reps) / 1e9
+
+    return {"blake3_keyed": run(lambda: blake3.blake3(key=key)),
+            "blake2b_keyed": run(lambda: hashlib.blake2b(key=key, digest_size=32)),
+            "hmac_sha256": run(lambda: hmac.new(key, digestmod="sha256"))}
+
+
+def bench_integrity(base: torch.Tensor, urls: dict[str, str], reps: int) -> dict:
+    """Returns, per byte tier, the best put/get seconds of a 4k-token load (16 fp16 chunks) with
+    and without an integrity key, interleaved rep by rep, and their ratios."""
+    chunks = [(base * (1 + 1e-3 * i)).to(torch.float16).contiguous() for i in range(4096 // CHUNK)]
+    keys = [k.to_str() for _, _, k in process_tokens(np.arange(4096) + 7, CHUNK, model="bench-mac",
+                                                       kv_dtype=torch.float16)]
+    items = list(zip(keys, chunks))
+    out: dict = {"tokens": 4096, "chunks": len(chunks), "mb": sum(c.numel() * 2 for c in chunks) / 1e6,
+                 "mac_gbps": bench_mac_algorithms(chunks, reps), "tiers": {}}
+    for name, url in urls.items():
+        tier = create_backend(TierSpec(url))
+        best = {m: {"put_s": float("inf"), "get_s": float("inf")} for m in ("plain", "mac")}
+        try:
+            for _ in range(reps + 1):
+                for mode in ("plain", "mac"):
+                    serde.set_integrity_key(INTEGRITY_SECRET if mode == "mac" else None)
+                    t0 = time.perf_counter()
+                    tier.batched_put(items)
+                    best[mode]["put_s"] = min(best[mode]["put_s"], time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    got = tier.batched_get(keys)
+                    best[mode]["get_s"] = min(best[mode]["get_s"], time.perf_counter() - t0)
+                    assert all(g is not None for g in got), f"{name}: miss in the integrity benchmark"
+        finally:
+            serde.set_integrity_key(None)
+            tier.clear()
+            tier.close()
+        out["tiers"][name] = {**best, "get_ratio": best["mac"]["get_s"] / best["plain"]["get_s"],
+                              "put_ratio": best["mac"]["put_s"] / best["plain"]["put_s"]}
+        print(f"  integrity {name:6s} load x{out['tiers'][name]['get_ratio']:.2f}  "
+              f"store x{out['tiers'][name]['put_ratio']:.2f}", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer chunks and repetitions (validates the script)")
     ap.add_argument("--model", help="HF checkpoint dir (default: the converted default model)")
     ap.add_argument("--out", default=str(RESULTS / "store"), help="output path without extension")
+    ap.add_argument("--only-integrity", action="store_true",
+                    help="measure only the integrity section and merge it into the existing results")
     args = ap.parse_args()
     n_chunks, reps = (2, 3) if args.quick else (8, 7)
 
@@ -170,6 +238,14 @@ def main() -> int:
     server = start_redis()
     tmp = tempfile.TemporaryDirectory(prefix="kvtier-bench-disk-")
     tiers = {"cpu": "cpu", "device": "device", "disk": f"disk://{tmp.name}", "redis": server.url}
+    if args.only_integrity:
+        try:
+            integrity = bench_integrity(base, {"disk": tiers["disk"], "redis": tiers["redis"]}, reps)
+        finally:
+            server.stop()
+            tmp.cleanup()
+        return write_results({**json.loads(Path(args.out).with_suffix(".json").read_text()),
+                              "integrity": integrity}, Path(args.out))
     results: dict = {"config": {"chunk_tokens": CHUNK, "chunk_shape": list(base.shape), "chunks_per_batch": n_chunks,
                                 "reps": reps, "quick": args.quick, "model": str(model_dir),
                                 "python": platform.python_version(), "torch": torch.__version__,
@@ -207,12 +283,16 @@ def main() -> int:
             "redis_get_vs_best_plain>=0.8": all(d["ratios"]["redis_get_vs_best_plain"] >= 0.8 for d in results["dtypes"].values()),
             "int8_vs_fp16_size>=1.9": fp16["ratios"]["int8_size_ratio"] >= 1.9,
         }
+        results["integrity"] = bench_integrity(base, {"disk": tiers["disk"], "redis": tiers["redis"]}, reps)
     finally:
         server.stop()
         tmp.cleanup()
+    return write_results(results, Path(args.out))
 
+
+def write_results(results: dict, out: Path) -> int:
+    """Writes `out`.json and `out`.md and prints the table; returns the exit status."""
     md = render_markdown(results)
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
     out.with_suffix(".md").write_text(md)
@@ -242,7 +322,25 @@ def render_markdown(results: dict) -> str:
                   f"- lz4 (byte-shuffled) size ratio: **{ratios['lz4_size_ratio']:.2f}x**; "
                   f"int8: **{ratios['int8_size_ratio']:.2f}x** smaller than {name}", ""]
     lines += ["Targets met: " + ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in results["targets"].items()), ""]
+    if "integrity" in results:
+        lines += render_integrity(results["integrity"])
     return "\n".join(lines)
+
+
+def render_integrity(r: dict) -> list[str]:
+    mac = r["mac_gbps"]
+    lines = [f"## K/V integrity: a {r['tokens']}-token load ({r['chunks']} fp16 chunks, {r['mb']:.0f} MB) "
+             "with and without `integrity_key`", "",
+             "| tier | load ms (no MAC) | load ms (MAC) | load ratio | store ms (no MAC) | store ms (MAC) | store ratio |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, t in r["tiers"].items():
+        lines.append(f"| {name}/raw | {t['plain']['get_s'] * 1e3:.1f} | {t['mac']['get_s'] * 1e3:.1f} | "
+                     f"{t['get_ratio']:.2f}x | {t['plain']['put_s'] * 1e3:.1f} | {t['mac']['put_s'] * 1e3:.1f} | "
+                     f"{t['put_ratio']:.2f}x |")
+    lines += ["", "Keyed MAC candidates on the same bytes, one thread: "
+              f"BLAKE3 **{mac['blake3_keyed']:.2f} GB/s**, keyed BLAKE2b {mac['blake2b_keyed']:.2f} GB/s, "
+              f"HMAC-SHA256 {mac['hmac_sha256']:.2f} GB/s (BLAKE3 is used).", ""]
+    return lines
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ YAML:
 
 Environment (overrides YAML): KVTIER_CONFIG (path to the YAML), KVTIER_CHUNK_SIZE,
 KVTIER_SAVE_DECODE_TOKENS, KVTIER_QUEUE_SIZE, KVTIER_QUEUE_FULL, KVTIER_BACKOFF_INITIAL_S,
-KVTIER_BACKOFF_MAX_S, and KVTIER_TIERS: comma-separated tier URLs whose query string carries
-budget/codec/eviction and options, e.g. `cpu?budget=4GiB,redis://h:6379/0?codec=lz4&ttl_s=60`.
+KVTIER_BACKOFF_MAX_S, KVTIER_KV_KEY (the `integrity_key` secret), and KVTIER_TIERS:
+comma-separated tier URLs whose query string carries budget/codec/eviction and options, e.g.
+`cpu?budget=4GiB,redis://h:6379/0?codec=lz4&ttl_s=60`.
 Every validation error is a ValueError that names the offending key.
 """
 
@@ -123,6 +124,8 @@ class KVStoreConfig:
     queue_full: str = "drop_oldest"
     backoff_initial_s: float = BACKOFF_INITIAL_S
     backoff_max_s: float = BACKOFF_MAX_S
+    # shared secret: stored K/V carries a keyed MAC and unverified values are misses (kvstore.serde)
+    integrity_key: str | None = field(default=None, repr=False)
 
     def validate(self) -> KVStoreConfig:
         """Returns self after checking every field; raises ValueError naming the key."""
@@ -140,6 +143,11 @@ class KVStoreConfig:
             _check_type(name, value, (int, float))
             if value <= 0:
                 raise ValueError(f"{name}: must be > 0, got {value}")
+        if self.integrity_key is not None:
+            _check_type("integrity_key", self.integrity_key, str)
+            if len(self.integrity_key.encode()) < 16:
+                raise ValueError("integrity_key: a shared secret needs at least 16 bytes "
+                                 f"(got {len(self.integrity_key.encode())}); e.g. `openssl rand -hex 32`")
         if not isinstance(self.tiers, list) or not self.tiers:
             raise ValueError("tiers: expected a non-empty list of tiers")
         for i, tier in enumerate(self.tiers):
@@ -189,6 +197,7 @@ _ENV_FIELDS: dict[str, tuple[str, type]] = {
     "KVTIER_QUEUE_FULL": ("queue_full", str),
     "KVTIER_BACKOFF_INITIAL_S": ("backoff_initial_s", float),
     "KVTIER_BACKOFF_MAX_S": ("backoff_max_s", float),
+    "KVTIER_KV_KEY": ("integrity_key", str),
 }
 
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
+from kvstore import serde
 from kvstore.backend import BackendStats, StorageBackend
 from kvstore.config import KVStoreConfig
 from kvstore.health import BACKOFF_INITIAL_S, BACKOFF_MAX_S, TierHealth
@@ -92,10 +93,13 @@ class StorageManager:
 
     @classmethod
     def from_config(cls, config: KVStoreConfig) -> StorageManager:
-        """Returns a manager with one backend per configured tier (built by URL scheme)."""
+        """Returns a manager with one backend per configured tier (built by URL scheme). Sets
+        this process's K/V integrity key to `config.integrity_key` (None: no MACs); the key is
+        per process, so the last manager built from a config decides it."""
         from kvstore.registry import create_backend
 
         config.validate()
+        serde.set_integrity_key(config.integrity_key)
         tiers: list[StorageBackend] = []
         try:
             for spec in config.tiers:
@@ -189,6 +193,17 @@ class StorageManager:
                 if n == len(keys):
                     break
         return n
+
+    def tier_prefix_hits(self, keys: Sequence[str]) -> dict[str, int]:
+        """Returns, per tier name (fastest first), how many of `keys` from the start that tier
+        holds by itself: one batched existence query per tier, no data read (a tier backing
+        off answers 0)."""
+        keys = list(keys)
+        hits: dict[str, int] = {}
+        for i, tier in enumerate(self.tiers):
+            got = self._call(i, lambda: tier.prefix_hits(keys)) if keys else 0
+            hits[self.names[i]] = 0 if got is _SKIPPED else int(got)  # type: ignore[call-overload]
+        return hits
 
     def batched_contains(self, keys: Sequence[str]) -> list[bool]:
         """Returns, per key, whether some tier holds it (one batched query per tier, asking
