@@ -13,6 +13,7 @@ import sys
 # subcommand name -> module implementing it
 SUBCOMMANDS: dict[str, str] = {
     "generate": "kvtier.cmd_generate",
+    "serve": "kvtier.cmd_serve",
     "cache-server": "kvtier.cmd_cache_server",
 }
 

@@ -15,21 +15,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-file", action="append", default=[], metavar="F",
                         help="read a prompt from file F ('-' = stdin); repeatable, one prompt per file")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the chat template")
-    parser.add_argument("--model", default=None, metavar="PATH", help="local HF checkpoint dir (default: bundled model)")
     parser.add_argument("--max-tokens", type=int, default=64, metavar="N")
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--num-gpu-blocks", type=int, default=None)
-    parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per prompt: prompt_token_ids, token_ids, text, num_cached_tokens, ttft_s")
-    # KV connector flags (connector/cli.py): --kv-tier URL (repeatable), --chunk-size, --kv-codec, --config.
+    # Engine flags (kvtier/engine_args.py), then the KV connector flags (connector/cli.py):
+    # --kv-tier URL (repeatable), --chunk-size, --kv-codec, --config, --blend.
     from connector.cli import add_connector_arguments
+    from kvtier.engine_args import add_engine_arguments
 
+    add_engine_arguments(parser)
     add_connector_arguments(parser)
 
 
@@ -53,21 +51,14 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Generates for each prompt in turn (so TTFT and prefix-cache reuse show per prompt)."""
-    from engine import LLM, SamplingParams  # heavy imports only when this command runs
+    from engine import SamplingParams  # heavy imports only when this command runs
+    from kvtier.engine_args import build_llm
 
     prompts = _read_prompts(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
-    from connector.cli import connector_from_args
-
-    connector = connector_from_args(args)  # None without --kv-tier/--config
-    try:
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, num_gpu_blocks=args.num_gpu_blocks,
-                  enable_prefix_caching=not args.no_prefix_caching, kv_connector=connector)
-    except BaseException:
-        if connector is not None:
-            connector.shutdown()
-        raise
+    llm = build_llm(args)
+    connector = llm.engine.kv_connector
     try:
         for prompt in prompts:
             if args.chat:

@@ -1,0 +1,144 @@
+"""The FastAPI application: OpenAI routes, `/kv/*` admin routes, health, version, metrics.
+
+`/v1/*` and `/kv/*` need `Authorization: Bearer <api key>` when the server has one;
+`/health`, `/version` and `/metrics` are open (as in vLLM). Every error is OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from connector.kvtier_connector import KVTierConnector
+from connector.lookup import tier_prefix_tokens
+from kvtier import __version__
+from kvtier.server.metrics import ServerMetrics
+from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, LookupRequest, now
+from kvtier.server.serving import (ServingContext, check_model, create_chat_completion, create_completion,
+                                   render_chat)
+
+logger = logging.getLogger("kvtier.server")
+
+MAX_BODY_BYTES = 64 << 20  # a request body past this is refused before it is read
+
+
+def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """Returns the server's application over a started engine loop."""
+    app = FastAPI(title="kvtier", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    engine = ctx.engine
+
+    async def require_key(request: Request) -> None:
+        if api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        if not secrets.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "Invalid or missing API key (send Authorization: Bearer <key>).",
+                           "authentication_error", code="invalid_api_key")
+
+    auth = [Depends(require_key)]
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        msg = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        return JSONResponse(APIError(400, msg, param=param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}", "internal_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = ctx.engine_loop.alive
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": now(),
+                                            "owned_by": "kvtier", "root": engine.model_config.path,
+                                            "max_model_len": engine.max_model_len}]}
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await create_completion(ctx, body, request)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        return await create_chat_completion(ctx, body, request)
+
+    @app.post("/kv/lookup", dependencies=auth)
+    async def lookup(body: LookupRequest) -> dict[str, Any]:
+        """How many leading tokens the engine's prefix cache and each tier hold; runs, loads
+        and counts nothing."""
+        check_model(ctx, body.model)
+        forms = [f for f in ("prompt", "prompt_token_ids", "messages") if getattr(body, f) is not None]
+        if len(forms) != 1:
+            raise APIError(400, "give exactly one of prompt, prompt_token_ids or messages", param="prompt")
+        if body.prompt_token_ids is not None:
+            ids = list(body.prompt_token_ids)
+        else:
+            text = body.prompt if body.prompt is not None else render_chat(engine, body.messages or [])
+            ids = list(engine.tokenizer.encode(text))
+        in_engine = await ctx.engine_loop.call(lambda: engine.block_manager.num_cached_prefix_tokens(ids))
+        tiers: dict[str, int] = {}
+        connector = engine.kv_connector
+        if isinstance(connector, KVTierConnector):
+            tiers = await asyncio.to_thread(tier_prefix_tokens, connector, ids)
+        return {"model": ctx.model_name, "num_tokens": len(ids), "engine_prefix_cache_tokens": in_engine,
+                "tiers": tiers, "max_hit_tokens": max([in_engine, *tiers.values()])}
+
+    @app.post("/kv/reset_prefix_cache", dependencies=auth)
+    async def reset_prefix_cache() -> dict[str, bool]:
+        """Drops the engine's prefix cache (refused, `reset: false`, while requests hold blocks)."""
+        return {"reset": await ctx.engine_loop.call(engine.block_manager.pool.reset_prefix_cache)}
+
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # type: ignore[arg-type]
+    return app
+
+
+class BodyLimit:
+    """Refuses (413) a request whose Content-Length exceeds `max_bytes`, before reading it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            for name, value in scope.get("headers", []):
+                if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                    body = APIError(413, f"request body over {self.max_bytes} bytes").body()
+                    await JSONResponse(body, status_code=413)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)

@@ -1,0 +1,233 @@
+"""The engine's own thread: HTTP handlers submit requests and stream their outputs from it.
+
+The engine is not thread-safe, so exactly one thread (this loop) touches it: it runs the
+commands handlers queue (add, abort, read-only calls), steps the engine while it has work,
+and hands each step's outputs to the asyncio queue of the request they belong to. An
+exception in a step fails every request in flight with `EngineDeadError`, marks the loop
+dead (`/health` answers 503) and is logged; the loop does not restart on a broken engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sequence import Sequence
+
+logger = logging.getLogger("kvtier.server")
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (an exception in a step, or shutdown): no request can run."""
+
+
+class QueueFullError(RuntimeError):
+    """`max_queue` requests already wait: the server refuses more instead of growing."""
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away: its requests are aborted."""
+
+
+@dataclass
+class _Subscriber:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Hands `item` to the subscriber's event loop (called from the engine thread)."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class RequestStream:
+    """The outputs of one HTTP call's requests, in step order, until all finished.
+
+    Iterate it on the event loop that created it; `close()` (idempotent, also on error or
+    disconnect) aborts the requests that have not finished, so their blocks are freed.
+    """
+
+    def __init__(self, engine_loop: EngineLoop, request_ids: list[str], sub: _Subscriber) -> None:
+        self._loop = engine_loop
+        self._sub = sub
+        self.num_requests = len(request_ids)
+        self.remaining = set(request_ids)
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self.remaining:
+            raise StopAsyncIteration
+        item = await self._sub.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            self.remaining.discard(item.request_id)
+        return item
+
+    def cancel(self, exc: BaseException) -> None:
+        """Makes the next (or pending) `__anext__` raise `exc` (from the event loop's thread)."""
+        self._sub.queue.put_nowait(exc)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._loop._release(self)
+
+
+class EngineLoop:
+    """Owns an `LLMEngine` on one daemon thread.
+
+    `max_waiting` bounds the requests admitted beyond what one batch runs
+    (`max_num_seqs`): past it `submit` raises QueueFullError, so a flood of clients costs
+    a refusal each, not memory. `num_in_flight` counts requests submitted and not finished.
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting: int,
+                 on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
+                 on_forget: Callable[[str], None] | None = None) -> None:
+        self.engine = engine
+        self.max_in_flight = engine.scheduler.max_num_seqs + max_waiting
+        self.num_in_flight = 0  # event-loop side only
+        self._on_step = on_step
+        self._on_forget = on_forget
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._subs: dict[str, _Subscriber] = {}  # engine thread only
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
+
+    # ---- lifecycle ----
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None and not self._stop.is_set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Aborts every unfinished request and ends the thread (waits up to `timeout` s)."""
+        if self._thread.is_alive():
+            self._commands.put(self._abort_all)
+            self._commands.put(self._stop.set)
+            self._thread.join(timeout)
+        self._stop.set()
+
+    # ---- the event-loop side ----
+    def submit(self, seqs: list[Sequence]) -> RequestStream:
+        """Queues `seqs` (validated) and returns their stream. Raises EngineDeadError if the
+        loop is not running, QueueFullError past `max_waiting`."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        if self.num_in_flight + len(seqs) > self.max_in_flight:
+            raise QueueFullError(f"{self.num_in_flight} requests are in flight (at most "
+                                 f"{self.max_in_flight}: max_num_seqs + max_queue); retry later")
+        sub = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
+        self.num_in_flight += len(seqs)
+        stream = RequestStream(self, [s.request_id for s in seqs], sub)
+        self._commands.put(lambda: self._add(seqs, sub))
+        return stream
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Returns `fn()` run on the engine thread (for reads of engine state)."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as exc:  # handed to the caller, never kills the loop
+                loop.call_soon_threadsafe(_set_exception, fut, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._commands.put(run)
+        return await fut
+
+    def _release(self, stream: RequestStream) -> None:
+        self.num_in_flight -= stream.num_requests
+        unfinished = list(stream.remaining)
+        if unfinished:
+            self._commands.put(lambda: self._abort(unfinished))
+
+    # ---- the engine thread ----
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                self._run_commands(block=not engine.has_unfinished_requests())
+                if self._stop.is_set():
+                    break
+                outputs = engine.step() if engine.has_unfinished_requests() else []
+                if self._on_step is not None:
+                    self._on_step(engine, outputs)
+                for out in outputs:
+                    sub = self._subs.get(out.request_id)
+                    if out.finished:
+                        self._subs.pop(out.request_id, None)
+                    if sub is not None:
+                        sub.put(out)
+        except BaseException as exc:
+            self.error = exc
+            logger.exception("engine loop failed; failing %d request(s) in flight", len(self._subs))
+            dead = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
+            for sub in self._subs.values():
+                sub.put(dead)
+            self._subs.clear()
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            cmd()
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, seqs: list[Sequence], sub: _Subscriber) -> None:
+        for seq in seqs:
+            try:
+                self.engine.add_sequence(seq)
+            except ValueError as exc:  # validated before; a changed engine state still answers
+                sub.put(exc)
+                return
+            self._subs[seq.request_id] = sub
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            if self._subs.pop(rid, None) is None:
+                continue  # finished (or failed to add) before the abort arrived
+            self.engine.abort_request(rid)
+            if self._on_forget is not None:
+                self._on_forget(rid)
+
+    def _abort_all(self) -> None:
+        dead = EngineDeadError("the server is shutting down")
+        for sub in self._subs.values():
+            sub.put(dead)
+        self._abort(list(self._subs))
+
+
+def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,130 @@
+"""Prometheus metrics of one server, named `kvtier:*` as vLLM names its own `vllm:*`.
+
+Engine-side values are updated by the engine thread after every step (`on_step`), so a
+scrape never reads engine state mid-step. Per-tier connector figures are read at scrape time
+from the connector's thread-safe counters (`ConnectorCollector`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from connector.kvtier_connector import KVTierConnector
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0)
+
+
+class ServerMetrics:
+    """The server's registry and the engine thread's hooks that keep it current."""
+
+    def __init__(self, model_name: str, connector: Any = None) -> None:
+        disable_created_metrics()  # no `*_created` series: vLLM's exposition has none either
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"kvtier:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"kvtier:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(f"kvtier:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).")
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between a request's tokens.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced a token.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.prefix_queries = counter("prefix_cache_queries", "Tokens looked up in the engine's prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Tokens found in the engine's prefix cache.")
+        self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
+        self.external_hits = counter("kv_connector_hit_tokens", "Prompt tokens loaded by the KV connector.")
+        self._finished = Counter("kvtier:request_success", "Finished requests by finish reason.",
+                                 ["model_name", "finished_reason"], registry=r)
+        self._model_name = model_name
+        self._last: dict[str, int] = {}
+        self._tokens_seen: dict[str, tuple[int, float]] = {}  # request -> (tokens, last token time)
+        if isinstance(connector, KVTierConnector):
+            r.register(ConnectorCollector(connector))
+
+    def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        """Engine thread: records the step's tokens and the engine's counters and gauges."""
+        now = time.monotonic()
+        for out in outputs:
+            n = len(out.outputs[0].token_ids)
+            seen, last = self._tokens_seen.get(out.request_id, (0, 0.0))
+            if seen == 0 and n:
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                if out.metrics is not None and out.metrics.ttft is not None:
+                    self.ttft.observe(out.metrics.ttft)
+            elif n > seen:
+                self.itl.observe((now - last) / (n - seen))
+            if n > seen:
+                self.generation_tokens.inc(n - seen)
+            if out.finished:
+                self._tokens_seen.pop(out.request_id, None)
+                if out.metrics is not None:
+                    self.e2e.observe(now - out.metrics.arrival_time)
+                self._finished.labels(self._model_name, out.outputs[0].finish_reason or "unknown").inc()
+            else:
+                self._tokens_seen[out.request_id] = (n, now)
+        stats = engine.get_stats()
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        self.kv_usage.set(stats["block_usage"])
+        for key, metric in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
+                            ("num_preemptions", self.preemptions), ("connector_hit_tokens", self.external_hits)):
+            delta = stats[key] - self._last.get(key, 0)
+            if delta > 0:
+                metric.inc(delta)
+            self._last[key] = stats[key]
+
+    def forget(self, request_id: str) -> None:
+        """Engine thread: counts an aborted request and drops its token record."""
+        self._tokens_seen.pop(request_id, None)
+        self._finished.labels(self._model_name, "abort").inc()
+
+
+class ConnectorCollector(Collector):
+    """Per-tier connector figures (label `tier`), read from the connector at scrape time."""
+
+    def __init__(self, connector: KVTierConnector) -> None:
+        self.connector = connector
+
+    def collect(self) -> Iterator[Any]:
+        tiers = self.connector.tier_metrics()
+        families = {
+            "tokens_hit": CounterMetricFamily("kvtier:kv_tier_hit_tokens", "Tokens loaded from the tier.", labels=["tier"]),
+            "bytes_loaded": CounterMetricFamily("kvtier:kv_tier_loaded_bytes", "Bytes loaded from the tier.", labels=["tier"]),
+            "bytes_stored": CounterMetricFamily("kvtier:kv_tier_stored_bytes", "Bytes the tier accepted.", labels=["tier"]),
+            "load_seconds": CounterMetricFamily("kvtier:kv_tier_load_seconds", "Seconds spent loading from the tier.", labels=["tier"]),
+            "errors": CounterMetricFamily("kvtier:kv_tier_errors", "Failed calls to the tier.", labels=["tier"]),
+            "dropped_writes": CounterMetricFamily("kvtier:kv_tier_dropped_writes", "Background writes dropped (queue full).", labels=["tier"]),
+        }
+        healthy = GaugeMetricFamily("kvtier:kv_tier_healthy", "1 while the tier is in use, 0 while it backs off.", labels=["tier"])
+        for t in tiers:
+            for attr, fam in families.items():
+                fam.add_metric([t.name], float(getattr(t, attr)))
+            healthy.add_metric([t.name], 1.0 if t.healthy else 0.0)
+        yield from families.values()
+        yield healthy
+        dropped = CounterMetricFamily("kvtier:kv_dropped_store_bytes", "Chunk bytes not stored: the pending-store budget was full.")
+        dropped.add_metric([], float(self.connector.metrics.totals.dropped_store_bytes))
+        yield dropped
+        pending = GaugeMetricFamily("kvtier:kv_pending_stores", "Gathered chunks waiting for the store thread.")
+        pending.add_metric([], float(self.connector.pending_stores()))
+        yield pending
