@@ -1,18 +1,31 @@
 """The `disk` tier: one file per chunk under a directory (`disk:///path`).
 
 Writes go to a temporary file, optionally fsync'd, then atomically renamed into place, so a
-reader never sees a partial value and a crash leaves only a stray temp file (removed on
-start). On start the index is rebuilt by scanning the directory: sizes from stat, LRU order
-from mtime (reads touch mtime, so the order survives restarts). A full or read-only disk
-raises BackendError.
+reader never sees a partial value and a crash leaves only a stray temp file (removed later).
+Reads touch mtime (best effort), so the LRU order survives restarts.
+
+The byte budget is a property of the directory, held across processes: every process using
+the directory keeps its accounting in one state file (`.kvtier-dir`: bytes used, budget),
+changed only under an exclusive `flock` of that file. A write reserves its bytes there before
+its temp file is written (temp files count), evicting least recently used files (any
+process's) until the reservation fits. The process that opened the directory last sets its
+budget. Temp files are named `.tmp-<pid>-<bytes>-<id>`, so a recount (on open, and whenever
+a write does not fit) keeps the reservations of live writers and removes dead writers' files.
+
+A directory that cannot be written (a read-only mount of a pre-warmed cache, another user's
+files) is served read-only: reads work, writes raise BackendError.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import struct
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
@@ -27,26 +40,104 @@ from kvstore.eviction import make_policy
 
 _SUFFIX = ".kvc"
 _TMP_PREFIX = ".tmp-"
+STATE_FILE = ".kvtier-dir"
+"""The directory's shared accounting; holding its flock freezes every change to the directory."""
+_STATE = struct.Struct("<8sqq")  # magic, bytes used (files + reserved temp files), budget (-1: none)
+_STATE_MAGIC = b"KVTDIR01"
+STATE_BYTES = _STATE.size
+"""The state file's size: counted in the directory's budget like every file in it."""
+
+
+@dataclass
+class _DirState:
+    used: int
+    budget: int | None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def _temp_reservation(name: str) -> tuple[int, int] | None:
+    """Returns (pid, reserved bytes) encoded in a temp file's name, or None if it has none."""
+    parts = name[len(_TMP_PREFIX):].split("-")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+class _SharedDir:
+    """The state file of a directory: (bytes used, budget), read and written under its flock.
+    Not thread-safe: the tier calls it under its own lock (flock is per open file, not thread)."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / STATE_FILE
+        try:
+            self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self.why_read_only = ""
+        except OSError as exc:  # read-only mount, another user's directory
+            self.fd = None
+            self.why_read_only = f"{type(exc).__name__}: {exc}"
+
+    @contextmanager
+    def locked(self) -> Iterator[_DirState]:
+        """Yields the state under the exclusive lock and writes it back when the block ends."""
+        assert self.fd is not None
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            raw = os.pread(self.fd, _STATE.size, 0)
+            if len(raw) == _STATE.size and raw[:8] == _STATE_MAGIC:
+                _, used, budget = _STATE.unpack(raw)
+                state = _DirState(used, None if budget < 0 else budget)
+            else:
+                state = _DirState(-1, None)  # fresh: the caller recounts
+            yield state
+            os.pwrite(self.fd, _STATE.pack(_STATE_MAGIC, state.used, -1 if state.budget is None else state.budget), 0)
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class DiskBackend(BytesBackend):
-    """Chunks as files in `root`, within a hard byte budget (file sizes)."""
+    """Chunks as files in `root`, within a hard byte budget shared by every process using it."""
 
     name = "disk"
 
     def __init__(self, root: str | os.PathLike[str], byte_budget: int | None = None,
                  codec: Codec | str = "raw", eviction: str = "lru", fsync: bool = False) -> None:
         super().__init__(codec)
+        if byte_budget is not None and byte_budget < 0:
+            raise ValueError(f"byte budget must be >= 0, got {byte_budget}")
         self.root = Path(root)
         self.fsync = fsync
         self._lock = threading.Lock()
-        self._budget = ByteBudget(byte_budget, make_policy(eviction))
+        # this process's view: the files it knows, in eviction order (the budget lives in _dir)
+        self._index = ByteBudget(None, make_policy(eviction))
         self._evictions = 0
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise BackendError(f"disk tier cannot create {self.root}: {exc}") from exc
-        self._recover()
+        self._dir = _SharedDir(self.root)
+        self.read_only = self._dir.fd is None
+        with self._lock:
+            if self.read_only:
+                self._scan()
+            else:
+                with self._dir.locked() as state:
+                    state.budget = byte_budget  # the latest opener sets the directory's budget
+                    self._recount(state)
+                    self._make_room(state, 0)  # a lowered budget trims the directory now
 
     @classmethod
     def from_spec(cls, spec: TierSpec) -> DiskBackend:
@@ -55,53 +146,98 @@ class DiskBackend(BytesBackend):
                    fsync=bool(spec.options.get("fsync", False)))
 
     def set_pin_check(self, is_pinned: Callable[[str], bool]) -> None:
-        self._budget.is_pinned = is_pinned
+        self._index.is_pinned = is_pinned
 
-    # -- files ---------------------------------------------------------------------------
+    # -- files and accounting (callers hold self._lock, and the dir lock to change anything) --
     def _path(self, key: str) -> Path:
         name = quote(key, safe="") + _SUFFIX
         if len(name) > 255:
             raise ValueError(f"key too long for a file name ({len(name)} > 255 bytes): {key[:40]}...")
         return self.root / name
 
-    def _recover(self) -> None:
-        """Rebuilds the index from the directory: stray temp files removed, LRU by mtime."""
+    def _scan(self) -> int:
+        """Indexes every chunk file (unknown ones oldest first), forgets vanished ones, removes
+        dead writers' temp files (unless read-only); returns the bytes in use: chunk files
+        plus live writers' reservations."""
+        used = 0
         found: list[tuple[float, str, int]] = []
         with os.scandir(self.root) as it:
             for entry in it:
                 if entry.name.startswith(_TMP_PREFIX):
+                    res = _temp_reservation(entry.name)
+                    if res is not None and _pid_alive(res[0]):
+                        used += res[1]
+                    elif not self.read_only:
+                        try:
+                            os.unlink(entry.path)
+                        except OSError:
+                            pass
+                elif entry.name.endswith(_SUFFIX):
                     try:
-                        os.unlink(entry.path)
+                        if not entry.is_file():
+                            continue
+                        st = entry.stat()
                     except OSError:
-                        pass
-                elif entry.name.endswith(_SUFFIX) and entry.is_file():
-                    st = entry.stat()
+                        continue
+                    used += st.st_size
                     found.append((st.st_mtime, unquote(entry.name[: -len(_SUFFIX)]), st.st_size))
         found.sort()
-        with self._lock:
-            for _, key, size in found:
-                self._budget.add(key, size)
-            # an over-budget directory (budget lowered since last run) is trimmed oldest first
-            if self._budget.budget is not None and self._budget.used > self._budget.budget:
-                for key in list(self._budget.policy.victims()):
-                    if self._budget.used <= self._budget.budget:
-                        break
-                    self._unlink(key)
+        present = {key for _, key, _ in found}
+        for key in [k for k in self._index.sizes if k not in present]:
+            self._index.remove(key)
+        for _, key, size in found:
+            if key not in self._index:
+                self._index.add(key, size)
+        return used
 
-    def _unlink(self, key: str) -> None:
-        """Removes `key`'s file and index entry (under the lock)."""
+    def _recount(self, state: _DirState) -> None:
+        state.used = self._scan() + STATE_BYTES
+
+    def _make_room(self, state: _DirState, nbytes: int) -> bool:
+        """Evicts files (least recently used first, never pinned ones) until `nbytes` more fit
+        in the directory's budget; recounts once if this process's index is not enough.
+        Returns whether they fit."""
+        budget = state.budget
+        if budget is None:
+            return True
+        if nbytes > budget:
+            return False
+        for attempt in range(2):
+            for victim in self._index.policy.victims():
+                if state.used + nbytes <= budget:
+                    return True
+                if self._index.is_pinned(victim):
+                    continue
+                state.used -= self._unlink(victim)
+                self._evictions += 1
+            if state.used + nbytes <= budget:
+                return True
+            if attempt == 0:
+                self._recount(state)  # other processes' files, dead writers' reservations
+        return False
+
+    def _unlink(self, key: str) -> int:
+        """Removes `key`'s file and index entry; returns the bytes freed (0 if already gone)."""
+        path = self._path(key)
         try:
-            os.unlink(self._path(key))
+            size = os.stat(path).st_size
+            os.unlink(path)
         except FileNotFoundError:
-            pass
+            size = 0
         except OSError as exc:
             raise BackendError(f"disk tier cannot delete {key}: {exc}") from exc
-        self._budget.remove(key)
+        self._index.remove(key)
+        return size
+
+    def _writable(self) -> None:
+        if self.read_only:
+            raise BackendError(f"disk tier {self.root} is read-only, writes refused "
+                               f"(cannot open {STATE_FILE}: {self._dir.why_read_only})")
 
     # -- BytesBackend hooks --------------------------------------------------------------
     def _contains(self, key: str) -> bool:
         with self._lock:
-            if key in self._budget:
+            if key in self._index:
                 return True
         return self._adopt(key)
 
@@ -115,8 +251,8 @@ class DiskBackend(BytesBackend):
                 return False
             except OSError as exc:
                 raise BackendError(f"disk tier cannot stat {key}: {exc}") from exc
-            if key not in self._budget and self._budget.plan(key, size) == []:
-                self._budget.add(key, size)
+            if key not in self._index:
+                self._index.add(key, size)  # counted in the directory's state by its writer
         return True
 
     def _batched_contains(self, keys: Sequence[str]) -> list[bool]:
@@ -132,19 +268,16 @@ class DiskBackend(BytesBackend):
         except FileNotFoundError:
             with self._lock:  # forget it only if still absent: a writer may have just renamed it in
                 if not path.exists():
-                    self._budget.remove(key)
+                    self._index.remove(key)
             return None
         except OSError as exc:
             raise BackendError(f"disk tier cannot read {key}: {exc}") from exc
         try:
             os.utime(path)  # the LRU order survives restarts through mtime
-        except FileNotFoundError:
-            pass  # evicted or replaced since we opened it; what we read is still a whole value
-        except OSError as exc:
-            raise BackendError(f"disk tier cannot touch {key}: {exc}") from exc
+        except OSError:
+            pass  # read-only, another user's file, or replaced since: the value read is whole
         with self._lock:
-            if key in self._budget:
-                self._budget.touch(key)
+            self._index.touch(key)
         return buf if n == size else memoryview(buf)[:n]
 
     def encode(self, key: str, kv: torch.Tensor) -> serde.SplitValue:
@@ -152,54 +285,69 @@ class DiskBackend(BytesBackend):
         return serde.encode_split(key, kv, self.codec)
 
     def _put_bytes(self, key: str, value: Buffer | serde.SplitValue) -> None:
+        self._writable()
         path = self._path(key)
         nbytes = len(value)
-        if self._budget.budget is not None and nbytes > self._budget.budget:
-            self._rejected_one()  # can never fit: do not write it just to delete it
-            return
-        parts = [value.header, value.payload] if isinstance(value, serde.SplitValue) else [value]
-        tmp = self.root / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+        tmp = self.root / f"{_TMP_PREFIX}{os.getpid()}-{nbytes}-{uuid.uuid4().hex}"
         try:
-            with open(tmp, "wb", buffering=0) as f:
+            with self._lock, self._dir.locked() as state:
+                if not self._make_room(state, nbytes):
+                    with self._stats_lock:
+                        self._rejected += 1
+                    return
+                # reserved, and the temp file exists before the lock is released, so a recount
+                # by any process sees the reservation in its name
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                state.used += nbytes
+        except OSError as exc:
+            raise BackendError(f"disk tier cannot write {key}: {exc}") from exc
+        parts = [value.header, value.payload] if isinstance(value, serde.SplitValue) else [value]
+        try:
+            with open(fd, "wb", buffering=0) as f:
                 for part in parts:
                     view = memoryview(part).cast("B")
                     while view:  # raw writes may be short
                         view = view[f.write(view):]
                 if self.fsync:
                     os.fsync(f.fileno())
-            with self._lock:
-                victims = self._budget.plan(key, nbytes)
-                if victims is None:
-                    os.unlink(tmp)
-                    self._rejected_one()
-                    return
-                for victim in victims:
-                    self._unlink(victim)
-                    self._evictions += 1
+            with self._lock, self._dir.locked() as state:
+                try:
+                    old = os.stat(path).st_size
+                except FileNotFoundError:
+                    old = 0
                 os.replace(tmp, path)
-                self._budget.add(key, nbytes)
+                state.used -= old  # the replaced file; the reservation is now this file
+                self._index.add(key, nbytes)
         except OSError as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            with self._lock, self._dir.locked() as state:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                state.used -= nbytes
             raise BackendError(f"disk tier cannot write {key}: {exc}") from exc
 
-    def _rejected_one(self) -> None:
-        with self._stats_lock:
-            self._rejected += 1
-
     def _delete(self, key: str) -> bool:
-        with self._lock:
-            present = key in self._budget or self._path(key).exists()
-            self._unlink(key)
-            return present
+        self._writable()
+        with self._lock, self._dir.locked() as state:
+            freed = self._unlink(key)
+            state.used -= freed
+            return freed > 0
 
     def _clear(self) -> None:
-        with self._lock:
-            for key in list(self._budget.sizes):
-                self._unlink(key)
+        self._writable()
+        with self._lock, self._dir.locked() as state:
+            for key in list(self._index.sizes):
+                state.used -= self._unlink(key)
 
     def _usage(self) -> tuple[int, int, int | None, int]:
+        """Returns (files this process knows, the directory's bytes in use, its budget, evictions)."""
         with self._lock:
-            return len(self._budget), self._budget.used, self._budget.budget, self._evictions
+            if self.read_only:
+                return len(self._index), self._index.used, None, self._evictions
+            with self._dir.locked() as state:
+                return len(self._index), state.used, state.budget, self._evictions
+
+    def close(self) -> None:
+        with self._lock:
+            self._dir.close()

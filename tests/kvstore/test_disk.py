@@ -12,7 +12,7 @@ import torch
 
 from kvstore import serde
 from kvstore.backend import BackendError
-from kvstore.backends.disk import DiskBackend
+from kvstore.backends.disk import STATE_BYTES, DiskBackend
 from tests.kvstore.tiers import chunk, ckey
 
 
@@ -23,7 +23,8 @@ def _files(root: Path) -> list[Path]:
 def test_survives_restart_with_lru_order(tmp_path: Path) -> None:
     root = tmp_path / "d"
     one = len(DiskBackend(tmp_path / "probe").encode(ckey(0), chunk(0)))
-    disk = DiskBackend(root, byte_budget=3 * one, codec="raw")
+    budget = 3 * one + STATE_BYTES  # the directory's state file counts too
+    disk = DiskBackend(root, byte_budget=budget, codec="raw")
     for i in range(3):
         disk.put(ckey(i), chunk(i))
         time.sleep(0.01)
@@ -31,14 +32,14 @@ def test_survives_restart_with_lru_order(tmp_path: Path) -> None:
     disk.close()
     (root / ".tmp-leftover").write_bytes(b"half a write")  # a crash mid-write
 
-    again = DiskBackend(root, byte_budget=3 * one, codec="raw")
+    again = DiskBackend(root, byte_budget=budget, codec="raw")
     assert not (root / ".tmp-leftover").exists()
     s = again.stats()
-    assert s.entries == 3 and s.bytes_used == sum(p.stat().st_size for p in _files(root))
+    assert s.entries == 3 and s.bytes_used == sum(p.stat().st_size for p in _files(root)) + STATE_BYTES
     for i in range(3):
         assert torch.equal(again.get(ckey(i)), chunk(i))
     # reads above were 0,1,2 in order; a fresh restart keeps that order (mtime)
-    again = DiskBackend(root, byte_budget=3 * one, codec="raw")
+    again = DiskBackend(root, byte_budget=budget, codec="raw")
     again.put(ckey(3), chunk(3))
     assert [again.contains(ckey(i)) for i in range(4)] == [False, True, True, True]
 
@@ -49,8 +50,8 @@ def test_lowered_budget_trims_on_start(tmp_path: Path) -> None:
         disk.put(ckey(i), chunk(i))
         time.sleep(0.01)
     one = _files(tmp_path)[0].stat().st_size
-    small = DiskBackend(tmp_path, byte_budget=2 * one)
-    assert small.stats().bytes_used <= 2 * one
+    small = DiskBackend(tmp_path, byte_budget=2 * one + STATE_BYTES)
+    assert small.stats().bytes_used <= 2 * one + STATE_BYTES
     assert [small.contains(ckey(i)) for i in range(4)] == [False, False, True, True]
 
 

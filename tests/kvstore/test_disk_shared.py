@@ -1,0 +1,115 @@
+"""The disk tier's directory as a shared resource: a read-only, pre-warmed directory serves
+reads, and processes sharing one directory keep it within one byte budget (temp files included)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.backends.disk import STATE_BYTES, STATE_FILE, DiskBackend
+from kvstore.storage_manager import StorageManager
+from tests.kvstore.tiers import chunk, ckey
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@contextmanager
+def read_only_mount(src: Path, dst: Path) -> Iterator[Path]:
+    """Yields `dst`: `src` bind-mounted read-only (EROFS for every write, root included)."""
+    if os.geteuid() != 0:
+        pytest.skip("a read-only bind mount needs root")
+    dst.mkdir()
+    done = subprocess.run(["mount", "--bind", "-o", "ro", str(src), str(dst)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot bind-mount read-only here: {done.stderr.strip()}")
+    try:
+        yield dst
+    finally:
+        subprocess.run(["umount", str(dst)], check=True)
+
+
+def test_a_read_only_directory_serves_reads_and_refuses_writes_clearly(tmp_path: Path) -> None:
+    warm = DiskBackend(tmp_path / "warm")
+    warm.batched_put([(ckey(i), chunk(i)) for i in range(20)])
+    warm.close()
+    with read_only_mount(tmp_path / "warm", tmp_path / "ro") as ro:
+        tier = DiskBackend(ro)
+        assert tier.read_only
+        mgr = StorageManager([tier], names=["disk"])
+        keys = [ckey(i) for i in range(20)]
+        assert mgr.prefix_hits(keys) == 20
+        got = mgr.batched_get(keys)  # reads used to fail touching mtime (EROFS)
+        assert all(torch.equal(kv, chunk(i)) for i, kv in enumerate(got))
+        mgr.put(ckey(99), chunk(99))  # refused, never raised to the caller
+        s = mgr.stats()["disk"]
+        assert s.read_healthy and not s.write_healthy and "read-only" in s.last_error
+        assert s.hits == 20 and torch.equal(mgr.get(ckey(3)), chunk(3))  # reads go on
+        mgr.close()
+
+
+_WRITER = """
+import sys
+sys.path.insert(0, {repo!r})
+from kvstore.backends.disk import DiskBackend
+from tests.kvstore.tiers import chunk, ckey
+tier = DiskBackend({root!r}, byte_budget={budget})
+for i in range({n}):
+    tier.put(ckey({seed} * 100000 + i), chunk(i, tokens=64))
+    assert tier.stats().bytes_used <= {budget}
+"""
+
+
+def _dir_bytes_locked(root: Path) -> int:
+    """Bytes of every file in `root`, counted while holding the directory's lock (so no file
+    is renamed, removed or reserved mid-count; temp files being written grow within their
+    reservation)."""
+    fd = os.open(root / STATE_FILE, os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        total = 0
+        for entry in os.scandir(root):
+            try:
+                total += entry.stat().st_size
+            except FileNotFoundError:
+                pass
+        return total
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def test_processes_sharing_a_directory_stay_within_one_budget(tmp_path: Path) -> None:
+    root = tmp_path / "shared"
+    one = len(DiskBackend(tmp_path / "probe").encode(ckey(0), chunk(0, tokens=64)))
+    budget = 10 * one + STATE_BYTES  # the state file counts too
+    DiskBackend(root, byte_budget=budget).close()
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER.format(repo=str(REPO), root=str(root), budget=budget,
+                                                                        n=150, seed=s)])
+               for s in (1, 2)]
+    peak, samples = 0, 0
+    deadline = time.monotonic() + 120
+    try:
+        while any(w.poll() is None for w in writers) and time.monotonic() < deadline:
+            peak = max(peak, _dir_bytes_locked(root))
+            samples += 1
+    finally:
+        for w in writers:
+            if w.poll() is None:
+                w.kill()
+            w.wait()
+    assert [w.returncode for w in writers] == [0, 0]
+    assert samples > 0
+    # before: each process kept its own 10-chunk budget (the directory held ~2x), plus temp files
+    assert peak <= budget, f"directory peaked at {peak} bytes, budget {budget}"
+    assert _dir_bytes_locked(root) <= budget
+    again = DiskBackend(root, byte_budget=budget)
+    assert again.stats().bytes_used == _dir_bytes_locked(root)  # the shared accounting is exact
+    assert again.stats().entries == 10
