@@ -78,34 +78,49 @@ class _SharedDir:
 
     def __init__(self, root: Path) -> None:
         self.path = root / STATE_FILE
+        self.file = None
+        self.why_read_only = ""
+        self._open()
+
+    def _open(self) -> None:
         try:
-            self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            self.why_read_only = ""
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:  # read-only mount, another user's directory
-            self.fd = None
             self.why_read_only = f"{type(exc).__name__}: {exc}"
+            return
+        self.file = os.fdopen(fd, "r+b", buffering=0)  # closed with the tier, or when collected
+        self._pid = os.getpid()
+
+    @property
+    def writable(self) -> bool:
+        return self.file is not None
 
     @contextmanager
     def locked(self) -> Iterator[_DirState]:
         """Yields the state under the exclusive lock and writes it back when the block ends."""
-        assert self.fd is not None
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        assert self.file is not None
+        if self._pid != os.getpid():  # a forked child shares the parent's open file, hence its lock
+            self.file.close()
+            self._open()
+        fd = self.file.fileno()
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
-            raw = os.pread(self.fd, _STATE.size, 0)
+            raw = os.pread(fd, _STATE.size, 0)
             if len(raw) == _STATE.size and raw[:8] == _STATE_MAGIC:
                 _, used, budget = _STATE.unpack(raw)
                 state = _DirState(used, None if budget < 0 else budget)
             else:
-                state = _DirState(-1, None)  # fresh: the caller recounts
+                state = _DirState(-1, None)  # fresh or foreign: the caller recounts
+                os.ftruncate(fd, _STATE.size)
             yield state
-            os.pwrite(self.fd, _STATE.pack(_STATE_MAGIC, state.used, -1 if state.budget is None else state.budget), 0)
+            os.pwrite(fd, _STATE.pack(_STATE_MAGIC, state.used, -1 if state.budget is None else state.budget), 0)
         finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
 
 class DiskBackend(BytesBackend):
@@ -128,8 +143,9 @@ class DiskBackend(BytesBackend):
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise BackendError(f"disk tier cannot create {self.root}: {exc}") from exc
+        self._own_budget = byte_budget
         self._dir = _SharedDir(self.root)
-        self.read_only = self._dir.fd is None
+        self.read_only = not self._dir.writable
         with self._lock:
             if self.read_only:
                 self._scan()
@@ -189,6 +205,16 @@ class DiskBackend(BytesBackend):
             if key not in self._index:
                 self._index.add(key, size)
         return used
+
+    @contextmanager
+    def _locked(self) -> Iterator[_DirState]:
+        """Yields the directory's state under this tier's lock and the directory's lock; a state
+        file found empty or foreign (replaced behind our back) is rebuilt from a recount."""
+        with self._lock, self._dir.locked() as state:
+            if state.used < 0:
+                state.budget = self._own_budget
+                self._recount(state)
+            yield state
 
     def _recount(self, state: _DirState) -> None:
         state.used = self._scan() + STATE_BYTES
@@ -290,7 +316,7 @@ class DiskBackend(BytesBackend):
         nbytes = len(value)
         tmp = self.root / f"{_TMP_PREFIX}{os.getpid()}-{nbytes}-{uuid.uuid4().hex}"
         try:
-            with self._lock, self._dir.locked() as state:
+            with self._locked() as state:
                 if not self._make_room(state, nbytes):
                     with self._stats_lock:
                         self._rejected += 1
@@ -310,7 +336,7 @@ class DiskBackend(BytesBackend):
                         view = view[f.write(view):]
                 if self.fsync:
                     os.fsync(f.fileno())
-            with self._lock, self._dir.locked() as state:
+            with self._locked() as state:
                 try:
                     old = os.stat(path).st_size
                 except FileNotFoundError:
@@ -319,7 +345,7 @@ class DiskBackend(BytesBackend):
                 state.used -= old  # the replaced file; the reservation is now this file
                 self._index.add(key, nbytes)
         except OSError as exc:
-            with self._lock, self._dir.locked() as state:
+            with self._locked() as state:
                 try:
                     os.unlink(tmp)
                 except OSError:
@@ -329,24 +355,24 @@ class DiskBackend(BytesBackend):
 
     def _delete(self, key: str) -> bool:
         self._writable()
-        with self._lock, self._dir.locked() as state:
+        with self._locked() as state:
             freed = self._unlink(key)
             state.used -= freed
             return freed > 0
 
     def _clear(self) -> None:
         self._writable()
-        with self._lock, self._dir.locked() as state:
+        with self._locked() as state:
             for key in list(self._index.sizes):
                 state.used -= self._unlink(key)
 
     def _usage(self) -> tuple[int, int, int | None, int]:
         """Returns (files this process knows, the directory's bytes in use, its budget, evictions)."""
-        with self._lock:
-            if self.read_only:
+        if self.read_only:
+            with self._lock:
                 return len(self._index), self._index.used, None, self._evictions
-            with self._dir.locked() as state:
-                return len(self._index), state.used, state.budget, self._evictions
+        with self._locked() as state:
+            return len(self._index), state.used, state.budget, self._evictions
 
     def close(self) -> None:
         with self._lock:

@@ -113,3 +113,14 @@ def test_processes_sharing_a_directory_stay_within_one_budget(tmp_path: Path) ->
     again = DiskBackend(root, byte_budget=budget)
     assert again.stats().bytes_used == _dir_bytes_locked(root)  # the shared accounting is exact
     assert again.stats().entries == 10
+
+
+def test_a_replaced_state_file_is_rebuilt_from_a_recount(tmp_path: Path) -> None:
+    one = len(DiskBackend(tmp_path / "probe").encode(ckey(0), chunk(0)))
+    tier = DiskBackend(tmp_path / "d", byte_budget=3 * one + STATE_BYTES)
+    tier.batched_put([(ckey(i), chunk(i)) for i in range(3)])
+    with open(tmp_path / "d" / STATE_FILE, "r+b") as f:
+        f.write(b"not a state file, garbage instead")
+    tier.put(ckey(3), chunk(3))  # still evicts to stay within its budget
+    assert _dir_bytes_locked(tmp_path / "d") <= 3 * one + STATE_BYTES
+    assert tier.stats().bytes_used == _dir_bytes_locked(tmp_path / "d")
