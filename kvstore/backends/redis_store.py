@@ -126,15 +126,15 @@ def _client_kwargs(options: dict[str, Any], serving: bool) -> dict[str, Any]:
 
 
 class _ReplyError(RedisError):
-    """Redis answered a GET with an error reply, or with something that is not a bulk string."""
+    """Redis answered a GET with something that is neither a bulk string, a null nor an error."""
 
 
 def _read_bulk_replies(sock: Any, count: int) -> list[memoryview | None]:
-    """Returns `count` RESP bulk-string replies (None for a null) read from `sock`, each
-    received straight into its own numpy-allocated (huge-page) buffer: hiredis grows one
-    buffer and copies every value out of it, and fresh small-page buffers fault on every
-    4 KiB. Raises _ReplyError / OSError; the caller then drops the connection, since the
-    stream position is lost."""
+    """Returns `count` RESP bulk-string replies (None for a null, `_NOT_A_CHUNK` for a key's
+    error reply such as WRONGTYPE) read from `sock`, each received straight into its own
+    numpy-allocated (huge-page) buffer: hiredis grows one buffer and copies every value out
+    of it, and fresh small-page buffers fault on every 4 KiB. Raises _ReplyError / OSError;
+    the caller then drops the connection, since the stream position is lost."""
     pending = bytearray()  # received, not yet consumed: reply headers and value tails
     out: list[memoryview | None] = []
     for _ in range(count):
