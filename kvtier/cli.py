@@ -1,4 +1,7 @@
-"""The `kvtier` command: one entry point, one module per subcommand.
+"""kvtier: offload and reuse LLM KV cache across GPU, CPU, disk, Redis and a cache server.
+
+Run the paged engine on prompts (`generate`), serve it over an OpenAI-compatible HTTP API
+with KV reuse (`serve`), or run the standalone KV cache server engines share (`cache-server`).
 
 Each subcommand module exposes `HELP: str`, `add_arguments(parser)` and `run(args) -> int`;
 it is imported only when chosen, so `kvtier cache-server` never loads the model stack.
@@ -10,6 +13,8 @@ import argparse
 import importlib
 import sys
 
+from kvtier import __version__
+
 # subcommand name -> module implementing it
 SUBCOMMANDS: dict[str, str] = {
     "generate": "kvtier.cmd_generate",
@@ -18,20 +23,32 @@ SUBCOMMANDS: dict[str, str] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtier", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """Returns the top-level parser and each subcommand's own parser."""
+    doc = (__doc__ or "").split("\n\nEach subcommand")[0]
+    parser = argparse.ArgumentParser(prog="kvtier", description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = {}
     for name, module_name in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
-    return parser
+        subparsers[name] = p
+    return parser, subparsers
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs one subcommand; a ValueError becomes a one-line error and exit code 2."""
-    args = build_parser().parse_args(argv)
+    parser, subparsers = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if extra:  # a typo'd flag: answer with the subcommand's usage, not the top level's
+        subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args._run(args) or 0)
     except ValueError as exc:

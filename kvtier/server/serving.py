@@ -196,6 +196,8 @@ async def _collect(request: Request, stream: RequestStream, n: int) -> list[Requ
             raise APIError(503, str(exc), "service_unavailable", code="engine_dead") from None
         except ValueError as exc:  # the engine refused a request after validation
             raise APIError(400, str(exc)) from None
+        except ClientDisconnected:  # nobody reads the answer; the requests were aborted
+            raise APIError(499, "client disconnected", code="client_disconnected") from None
     return [finals[k] for k in sorted(finals, key=lambda r: int(r.rsplit("-", 1)[1]))][:n]
 
 
@@ -250,6 +252,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
             yield "data: [DONE]\n\n"
         except (EngineDeadError, ValueError) as exc:
             yield _error_event(exc)
+        except ClientDisconnected:
+            return  # nobody is listening; the requests were aborted
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -296,5 +300,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             yield "data: [DONE]\n\n"
         except (EngineDeadError, ValueError) as exc:
             yield _error_event(exc)
+        except ClientDisconnected:
+            return  # nobody is listening; the requests were aborted
 
     return StreamingResponse(events(), media_type="text/event-stream")
