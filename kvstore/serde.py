@@ -20,10 +20,9 @@ HMAC-SHA256 on 94 MB of K/V on one core: 4.5 vs 0.9 vs 1.8 GB/s. The secret is p
 
 from __future__ import annotations
 
+import hmac
 import struct
 from dataclasses import dataclass
-
-import hmac
 
 import blake3
 import numpy as np
@@ -154,7 +153,7 @@ def encode_split(key: str, kv: torch.Tensor, codec: Codec | str = "raw", num_tok
     _HEADER.pack_into(header, 0, MAGIC, FORMAT_VERSION, codec.codec_id, _DTYPES[kv.dtype], len(shape),
                       FLAG_MAC if mac_len else 0, num_tokens, payload.nbytes, key_tag(key), 0)
     struct.pack_into(f"<{len(shape)}Q", header, _HEADER.size, *shape)
-    if mac_len:
+    if mac_key is not None:
         header[-MAC_LEN:] = _mac(mac_key, key, header, payload)
     h = xxhash.xxh3_64(header)
     h.update(payload)

@@ -19,6 +19,7 @@ files) is served read-only: reads work, writes raise BackendError.
 from __future__ import annotations
 
 import fcntl
+import io
 import os
 import struct
 import threading
@@ -78,7 +79,7 @@ class _SharedDir:
 
     def __init__(self, root: Path) -> None:
         self.path = root / STATE_FILE
-        self.file = None
+        self.file: io.FileIO | None = None
         self.why_read_only = ""
         self._open()
 
@@ -88,7 +89,7 @@ class _SharedDir:
         except OSError as exc:  # read-only mount, another user's directory
             self.why_read_only = f"{type(exc).__name__}: {exc}"
             return
-        self.file = os.fdopen(fd, "r+b", buffering=0)  # closed with the tier, or when collected
+        self.file = io.FileIO(fd, "r+")  # closed with the tier, or when collected
         self._pid = os.getpid()
 
     @property

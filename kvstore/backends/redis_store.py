@@ -129,14 +129,14 @@ class _ReplyError(RedisError):
     """Redis answered a GET with something that is neither a bulk string, a null nor an error."""
 
 
-def _read_bulk_replies(sock: Any, count: int) -> list[memoryview | None]:
+def _read_bulk_replies(sock: Any, count: int) -> list[Buffer | None]:
     """Returns `count` RESP bulk-string replies (None for a null, `_NOT_A_CHUNK` for a key's
     error reply such as WRONGTYPE) read from `sock`, each received straight into its own
     numpy-allocated (huge-page) buffer: hiredis grows one buffer and copies every value out
     of it, and fresh small-page buffers fault on every 4 KiB. Raises _ReplyError / OSError;
     the caller then drops the connection, since the stream position is lost."""
     pending = bytearray()  # received, not yet consumed: reply headers and value tails
-    out: list[memoryview | None] = []
+    out: list[Buffer | None] = []
     for _ in range(count):
         while (eol := pending.find(b"\r\n")) < 0:
             chunk = sock.recv(1 << 16)
