@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.server import protocol as P
+from kvstore.server.heap import ResidentGuard
 from kvstore.server.protocol import Op, Status
 from kvstore.server.store import ByteStore
 
@@ -34,6 +35,10 @@ _SCRATCH = 64 << 10
 _SEND_SLICE = 256 << 10
 _INLINE_REPLY = 4096  # replies up to this size are sent as one copied piece
 _OUT_MAX_ITEMS = 64  # queued reply pieces past which a connection's requests wait
+# Resident bytes outside the budget (docs/protocol.md, "Memory bound"): per connection its
+# receive buffer and one copied reply slice; for the process, allocator slack.
+PER_CONNECTION_BYTES = _SCRATCH + _SEND_SLICE
+HEAP_SLACK_BYTES = 16 << 20
 _EMPTY = b""
 _OPS = frozenset(int(op) for op in Op)
 
@@ -103,6 +108,14 @@ class CacheServer:
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self._wake_scheduled = False
+        self.heap = ResidentGuard()
+
+    def trim_heap(self, pending: int = 0) -> None:
+        """Hands freed memory back to the OS when resident memory exceeds what the budget and
+        the connections explain (called before each large allocation, whose `pending`
+        reserved bytes are not resident yet, and once per sweep)."""
+        allowance = HEAP_SLACK_BYTES + len(self.connections) * PER_CONNECTION_BYTES
+        self.heap.check(self.store.committed - pending, allowance)
 
     async def start(self) -> tuple[str, int]:
         """Binds and starts accepting; returns the bound (host, port) (a free port for 0)."""
@@ -112,6 +125,7 @@ class CacheServer:
             ssl=self._tls, ssl_handshake_timeout=self.config.frame_timeout if self._tls else None,
         )
         self._sweeper = loop.call_later(self._sweep_period, self._sweep)
+        self.heap.reset_baseline()
         host, port = self._server.sockets[0].getsockname()[:2]
         return host, port
 
@@ -124,6 +138,8 @@ class CacheServer:
         now = asyncio.get_running_loop().time()
         for conn in list(self.connections):
             conn.check_deadlines(now)
+        self.memory_freed()  # a safety net: waiters retry at least once per sweep
+        self.trim_heap()
         self._sweeper = asyncio.get_running_loop().call_later(self._sweep_period, self._sweep)
 
     def memory_freed(self) -> None:
@@ -174,6 +190,7 @@ class CacheServer:
         stats["frame_timeouts"] = self.frame_timeouts
         stats["busy_refusals"] = self.busy_refusals
         stats["waiting_for_memory"] = len(self.waiting)
+        stats["heap_trims"] = self.heap.trims
         return json.dumps(stats).encode()
 
 
@@ -277,7 +294,8 @@ class _Connection(asyncio.BufferedProtocol):
                 self._dispatch(header, bytes(body[: header.key_len]), body[header.key_len :], reserved)
                 if header.code != Op.PUT:  # the body was only read: its bytes go back
                     self.store.release(reserved)
-                    self.server.memory_freed()
+                # Reserved bytes are now free or an evictable entry: waiters may fit.
+                self.server.memory_freed()
             return
         if self.discard_left:
             self.discard_left -= nbytes
@@ -337,7 +355,6 @@ class _Connection(asyncio.BufferedProtocol):
         """Called when memory was freed: tries again to admit the waiting body."""
         self.waiting = False
         if not self.closing:
-            self.frame_start = self.loop.time()  # the wait was ours: its deadline starts now
             self._parse_scratch()
 
     # ---- framing ----
@@ -393,7 +410,9 @@ class _Connection(asyncio.BufferedProtocol):
                     self.waiting = True
                     self.server.waiting[self] = None
                     break
+                self.server.trim_heap(pending=header.body_len)  # after evicting, before allocating
                 have = end - start
+                self.frame_start = self.loop.time()  # any wait was ours: the body's deadline starts now
                 self.big_reserved = header.body_len
                 self.big = P.empty_buffer(header.body_len)
                 self.big[:have] = view[start:end]  # copy what already arrived
@@ -437,21 +456,23 @@ class _Connection(asyncio.BufferedProtocol):
     def _peer(self) -> object:
         return self.transport.get_extra_info("peername") if self.transport else None
 
-    def _reply(self, status: int, request_id: int, payload: P.Buffer = _EMPTY, stored: bool = False) -> None:
-        """Queues one reply. A `stored` value over _INLINE_REPLY bytes is pinned in the store
-        and sent from its own buffer, never copied per connection."""
+    def _reply(self, status: int, request_id: int, payload: P.Buffer = _EMPTY, pinned: bool = False) -> None:
+        """Queues one reply. A `pinned` payload (a stored value over _INLINE_REPLY bytes,
+        pinned by the caller) is sent from the store's own buffer, never copied per
+        connection, and unpinned once handed to the transport."""
         transport = self.transport
         if transport is None or transport.is_closing():
+            if pinned and self.store.unpin(payload):
+                self.server.memory_freed()
             return
         header = P.encode_header(status, request_id, 0, len(payload))
-        if not stored or len(payload) <= _INLINE_REPLY:
+        if not pinned:
             piece = header + bytes(payload)
             self.out.append((piece, None))
             self.out_copied += len(piece)
         else:
             self.out.append((header, None))
             self.out_copied += len(header)
-            self.store.pin(payload)
             self.out.append((payload, payload))
         self._pump()
 
@@ -500,8 +521,11 @@ class _Connection(asyncio.BufferedProtocol):
             value = store.get(key)
             if value is None:
                 self._reply(Status.NOT_FOUND, rid)
+            elif len(value) <= _INLINE_REPLY:
+                self._reply(Status.OK, rid, value)
             else:
-                self._reply(Status.OK, rid, value, stored=True)
+                store.pin(key, value)
+                self._reply(Status.OK, rid, value, pinned=True)
         elif code == Op.EXISTS:
             self._reply(Status.OK if store.contains(key) else Status.NOT_FOUND, rid)
         elif code == Op.PREFIX_HITS:

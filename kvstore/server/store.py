@@ -64,10 +64,11 @@ class ByteStore:
         self.disk_hits = 0
         self.reserved = 0  # bytes committed to bodies being received
         self.retired = 0  # bytes of values gone from the store that replies still send
+        self.pinned_stored = 0  # bytes of stored entries that replies are sending (not evictable room)
         self._lru: OrderedDict[bytes, Buffer] = OrderedDict()  # least recently used first
         # Bytes each entry holds: key + value, or the whole file buffer of one read from disk.
         self._sizes: dict[bytes, int] = {}
-        # id(value) -> [replies sending it, bytes it holds once it has left the store, or 0]
+        # id(value) -> [replies sending it, bytes it holds, whether it has left the store]
         self._pins: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
@@ -83,8 +84,9 @@ class ByteStore:
         return self.bytes_used + self.reserved + self.retired
 
     def _room(self) -> int:
-        # What stored entries may use: the rest is held by bodies in flight and replies.
-        return self.max_bytes - self.reserved - self.retired
+        # What eviction can make free: the rest is held by bodies in flight and by values
+        # replies are sending (evicting those frees nothing until the reply is written).
+        return self.max_bytes - self.reserved - self.retired - self.pinned_stored
 
     def reserve(self, n: int) -> bool:
         """Commits `n` bytes for a body about to be received, evicting LRU entries to make
@@ -92,7 +94,7 @@ class ByteStore:
         leave less than `n`. Guarantees committed <= max_bytes."""
         if n > self._room():
             return False
-        self._evict_to(self._room() - n)
+        self._make_room(n)
         self.reserved += n
         return True
 
@@ -100,13 +102,16 @@ class ByteStore:
         """Returns `n` reserved bytes whose body was dropped or consumed without being stored."""
         self.reserved -= n
 
-    def pin(self, value: Buffer) -> None:
-        """Marks a stored `value` as being sent: it stays counted until `unpin`."""
+    def pin(self, key: bytes, value: Buffer) -> None:
+        """Marks `value`, just returned by get(key), as being sent: it stays counted (and
+        resident) until `unpin`, even if it leaves the store meanwhile."""
         entry = self._pins.get(id(value))
-        if entry is None:
-            self._pins[id(value)] = [1, 0]
-        else:
+        if entry is not None:
             entry[0] += 1
+            return
+        size = self._sizes[key]
+        self._pins[id(value)] = [1, size, 0]
+        self.pinned_stored += size
 
     def unpin(self, value: Buffer) -> bool:
         """Ends one reply's hold on `value`; returns whether budget was freed by it (the
@@ -116,8 +121,11 @@ class ByteStore:
         if entry[0]:
             return False
         del self._pins[id(value)]
-        self.retired -= entry[1]
-        return entry[1] > 0
+        if entry[2]:
+            self.retired -= entry[1]
+            return True
+        self.pinned_stored -= entry[1]
+        return False
 
     def put(self, key: bytes, value: Buffer, reserved: int = 0) -> bool:
         """Stores `value` (kept by reference, not copied), consuming `reserved` bytes reserved
@@ -131,7 +139,7 @@ class ByteStore:
         if size > self._room():
             self.rejected += 1
             return False
-        self._evict_to(self._room() - size)
+        self._make_room(size)
         self._lru[key] = value
         self._sizes[key] = size
         self.bytes_used += size
@@ -236,16 +244,17 @@ class ByteStore:
         return True
 
     def _forget(self, key: bytes, value: Buffer) -> None:
-        size = self._sizes.pop(key)
-        self.bytes_used -= size
+        self.bytes_used -= self._sizes.pop(key)
         entry = self._pins.get(id(value))
         if entry is not None:  # still being sent: its bytes stay counted until then
-            entry[1] = size
-            self.retired += size
+            entry[2] = 1
+            self.pinned_stored -= entry[1]
+            self.retired += entry[1]
 
-    def _evict_to(self, limit: int) -> None:
-        # Evicted entries go to disk when a spill exists; otherwise they are dropped.
-        while self.bytes_used > limit and self._lru:
+    def _make_room(self, n: int) -> None:
+        """Evicts LRU entries until `n` more bytes fit (callers check _room() first, so the
+        entries that replies are sending, which free nothing, never leave it short)."""
+        while self._lru and self.committed + n > self.max_bytes:
             key, value = self._lru.popitem(last=False)
             self._forget(key, value)
             self.evictions += 1

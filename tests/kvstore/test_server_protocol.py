@@ -120,3 +120,38 @@ def test_invalid_budgets_are_value_errors(tmp_path) -> None:
         ByteStore(0)
     with pytest.raises(ValueError, match="max_disk_bytes"):
         DiskSpill(tmp_path, 0)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["put", "reserve", "store_reserved", "release", "get_pin", "unpin", "delete"]),
+                          st.integers(0, 5), st.integers(1, 400)), max_size=80))
+def test_store_ledger_never_exceeds_budget(ops: list[tuple[str, int, int]]) -> None:
+    """Stored entries, reserved bodies and values being sent (pinned, maybe evicted) are one
+    budget: whatever the order of operations, committed bytes never exceed it."""
+    store = ByteStore(max_bytes=1000)
+    reservations: list[int] = []
+    pinned: list = []
+    for op, k, n in ops:
+        key = f"k{k}".encode()
+        if op == "put":
+            store.put(key, bytes(n))
+        elif op == "reserve" and store.reserve(n):
+            reservations.append(n)
+        elif op == "store_reserved" and reservations:
+            size = reservations.pop()
+            assert store.put(key, bytes(max(0, size - len(key))), reserved=size) or size < len(key)
+        elif op == "release" and reservations:
+            store.release(reservations.pop())
+        elif op == "get_pin":
+            value = store.get(key)
+            if value is not None:
+                store.pin(key, value)
+                pinned.append(value)
+        elif op == "unpin" and pinned:
+            store.unpin(pinned.pop(0))
+        elif op == "delete":
+            store.delete(key)
+        assert 0 <= store.committed <= store.max_bytes
+        assert store.reserved == sum(reservations)
+    for value in pinned:
+        store.unpin(value)
+    assert store.retired == 0 and store.pinned_stored == 0

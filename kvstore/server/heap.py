@@ -1,0 +1,61 @@
+"""Keeps the cache server's resident memory within what its budget explains.
+
+`kvtier cache-server` asks glibc to keep freed memory for reuse (cmd_cache_server.
+keep_freed_memory): buffers of evicted values then serve the next PUTs without new page
+faults. With values of varied sizes the freed holes may not fit the next buffer, the heap
+grows, and resident memory drifts above the budget. `ResidentGuard.check` measures that
+drift before each large allocation and, past a slack, hands free pages back with
+malloc_trim(0): uniform chunk sizes keep their zero-fault reuse, and no client mix takes
+the process past the budget plus the documented overhead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_bytes() -> int:
+    """Returns this process's resident set size in bytes (0 where /proc is absent)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _malloc_trim():  # -> ctypes function or None
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+class ResidentGuard:
+    """Trims the allocator when resident memory exceeds baseline + committed + allowance."""
+
+    def __init__(self) -> None:
+        self._trim = _malloc_trim()
+        self.baseline = resident_bytes()
+        self.trims = 0
+
+    def reset_baseline(self) -> None:
+        """Takes the current resident size as the idle process's (call once serving)."""
+        self.baseline = resident_bytes()
+
+    def check(self, committed: int, allowance: int) -> bool:
+        """Returns whether it trimmed: it does when resident memory exceeds the baseline plus
+        `committed` (budget bytes in use, all resident) plus `allowance` (buffers outside
+        the budget: per-connection receive and send buffers, allocator slack)."""
+        if self._trim is None:
+            return False
+        if resident_bytes() - self.baseline - committed <= allowance:
+            return False
+        self._trim(0)
+        self.trims += 1
+        return True
