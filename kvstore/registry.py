@@ -1,7 +1,7 @@
 """Tier construction by URL scheme (LMCache-style registry).
 
 Classes are imported lazily, so configuring only `cpu` never imports redis, and the cache
-server's client tier is loaded only when a `kvtier://` URL is used.
+server's client tier is loaded only when a `kvtier://` (or TLS `kvtiers://`) URL is used.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ _REGISTRY: dict[str, str] = {
     "redis+cluster": "kvstore.backends.redis_store:RedisBackend",
     "rediss+cluster": "kvstore.backends.redis_store:RedisBackend",
     "kvtier": "kvstore.backends.cache_server:CacheServerBackend",
+    "kvtiers": "kvstore.backends.cache_server:CacheServerBackend",
 }
 
 

@@ -1,4 +1,5 @@
-"""The `kvtier://host:port` tier: chunks stored in a standalone `kvtier cache-server`.
+"""The `kvtier://host:port` tier: chunks stored in a standalone `kvtier cache-server`
+(`kvtiers://host:port`: the same over TLS, to a server started with --tls-cert/--tls-key).
 
 The server holds opaque values (framed by `kvstore.serde` in BytesBackend) and enforces its
 own byte budget (`--max-bytes`, plus `--max-disk-bytes` with `--disk`); this tier reports
@@ -7,13 +8,16 @@ Connection failures raise BackendError; the next call reconnects (a server resta
 one failed call at most, usually none: a stale pooled connection is retried once).
 
 Options (`TierSpec.options` or the URL query): `auth_token` (default $KVTIER_AUTH_TOKEN),
-`timeout_s` (10), `connect_timeout_s` (2), `pool_size` (8). A `budget` or a non-LRU
-`eviction` is refused (ValueError): the server owns both.
+`timeout_s` (10), `connect_timeout_s` (2), `pool_size` (8), and for kvtiers:// `ca_file`
+(PEM bundle the server's certificate must chain to; default: the system's trust store; the
+certificate must name the URL's host). A `budget` or a non-LRU `eviction` is refused
+(ValueError): the server owns both.
 """
 
 from __future__ import annotations
 
 import os
+import ssl
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit
@@ -47,12 +51,14 @@ class CacheServerBackend(BytesBackend):
         timeout_s: float = 10.0,
         connect_timeout_s: float = 2.0,
         pool_size: int = 8,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         super().__init__(codec)
         if not host:
             raise ValueError("cache server tier needs a host, e.g. kvtier://127.0.0.1:65432")
         self.client = CacheServerClient(host, port, auth_token=auth_token, timeout=timeout_s,
-                                        connect_timeout=connect_timeout_s, pool_size=pool_size)
+                                        connect_timeout=connect_timeout_s, pool_size=pool_size, tls=tls)
+        self.scheme = "kvtiers" if tls is not None else "kvtier"
         self._errors = 0
 
     @classmethod
@@ -65,18 +71,27 @@ class CacheServerBackend(BytesBackend):
             raise ValueError(f"{spec.url}: the cache server always evicts LRU; eviction={spec.eviction!r} "
                              "cannot be honoured")
         opts = dict(spec.options)
-        unknown = set(opts) - {"auth_token", "timeout_s", "connect_timeout_s", "pool_size"}
+        unknown = set(opts) - {"auth_token", "timeout_s", "connect_timeout_s", "pool_size", "ca_file"}
         if unknown:
             raise ValueError(f"{spec.url}: unknown cache server tier option(s) {sorted(unknown)}")
+        tls = None
+        if spec.scheme == "kvtiers":
+            tls = client_tls_context(opts.get("ca_file"), spec.url)
+        elif "ca_file" in opts:
+            raise ValueError(f"{spec.url}: ca_file is for TLS; use kvtiers://")
         token = opts.get("auth_token", os.environ.get("KVTIER_AUTH_TOKEN"))
         return cls(parts.hostname or "", parts.port or DEFAULT_PORT, spec.codec,
                    auth_token=str(token) if token else None,
                    timeout_s=float(opts.get("timeout_s", 10.0)),
                    connect_timeout_s=float(opts.get("connect_timeout_s", 2.0)),
-                   pool_size=int(opts.get("pool_size", 8)))
+                   pool_size=int(opts.get("pool_size", 8)), tls=tls)
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.client.host}:{self.client.port}"
 
     def __repr__(self) -> str:
-        return f"CacheServerBackend(kvtier://{self.client.host}:{self.client.port})"
+        return f"CacheServerBackend({self.url})"
 
     def _io(self, fn: Callable[..., T], *args: object) -> T:
         """Runs one client call; returns its result, or raises BackendError naming the server."""
@@ -85,7 +100,7 @@ class CacheServerBackend(BytesBackend):
         except (ServerUnavailable, ServerReplyError, OSError) as exc:
             with self._stats_lock:
                 self._errors += 1
-            raise BackendError(f"cache server kvtier://{self.client.host}:{self.client.port}: {exc}") from exc
+            raise BackendError(f"cache server {self.url}: {exc}") from exc
 
     def encode(self, key: str, kv: torch.Tensor) -> serde.SplitValue:
         """Returns the value unjoined: the client sends header and tensor bytes back to back."""
@@ -148,3 +163,15 @@ class CacheServerBackend(BytesBackend):
 
 def _payload(value: Buffer | serde.SplitValue) -> Payload:
     return (value.header, value.payload) if isinstance(value, serde.SplitValue) else value
+
+
+def client_tls_context(ca_file: object, url: str) -> ssl.SSLContext:
+    """Returns a TLS 1.2+ client context that verifies the server's certificate and host
+    name against `ca_file` (a PEM bundle) or, when None, the system's trust store; raises
+    ValueError naming the file when it cannot be loaded."""
+    try:
+        ctx = ssl.create_default_context(cafile=str(ca_file) if ca_file is not None else None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"{url}: cannot load ca_file {ca_file!r}: {exc}") from exc
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx

@@ -240,7 +240,13 @@ class _Connection(asyncio.BufferedProtocol):
             log.warning("refusing connection %s: --max-connections %d reached", self._peer(), limit)
             transport.write(P.encode_frame(Status.TOO_MANY_CONNECTIONS, 0,
                                            payload=f"too many connections (limit {limit})".encode()))
-            transport.close()
+            if transport.can_write_eof():
+                # Half-close and drop what the client already sent: closing with unread bytes
+                # would reset the connection and could lose the refusal. Bounded: 1 s at most.
+                transport.write_eof()
+                self.loop.call_later(1.0, transport.abort)
+            else:
+                transport.close()
             return
         # Pause as soon as anything is left unsent: the next piece is written only once the
         # transport's (copying) buffer is empty. (high=1: TLS transports pause at >= high.)

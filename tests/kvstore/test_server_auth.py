@@ -61,3 +61,24 @@ def test_token_from_environment(cache_server_factory: type[CacheServerProcess], 
     assert CacheServerClient("127.0.0.1", server.port, auth_token="from-env").ping()
     with pytest.raises(ServerReplyError):
         CacheServerClient("127.0.0.1", server.port).ping()
+
+
+def test_empty_token_is_an_error(cache_server_factory: type[CacheServerProcess], monkeypatch) -> None:
+    # An empty token would mean "no auth" without anyone having asked for that.
+    monkeypatch.setenv("KVTIER_AUTH_TOKEN", "from-env")
+    with pytest.raises(RuntimeError, match="--auth-token is empty"):
+        cache_server_factory("--auth-token", "")
+    monkeypatch.setenv("KVTIER_AUTH_TOKEN", "")
+    with pytest.raises(RuntimeError, match=r"\$KVTIER_AUTH_TOKEN is empty"):
+        cache_server_factory()
+
+
+def test_a_failed_auth_closes_even_after_a_good_one(server: CacheServerProcess) -> None:
+    frames = (P.encode_frame(Op.AUTH, 1, payload=TOKEN.encode()) + P.encode_frame(Op.AUTH, 2, payload=b"guess")
+              + P.encode_frame(Op.PING, 3))
+    data = raw_exchange(server.port, frames)
+    first = P.decode_header(data, 1 << 20)
+    second = P.decode_header(data, 1 << 20, P.HEADER_SIZE + first.payload_len)
+    assert (first.code, first.request_id) == (Status.OK, 1)
+    assert (second.code, second.request_id) == (Status.AUTH_FAILED, 2)
+    assert len(data) == 2 * P.HEADER_SIZE + first.payload_len + second.payload_len  # no PONG: closed

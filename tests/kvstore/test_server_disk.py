@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+
+import pytest
 
 from kvstore.server.client import CacheServerClient
 from tests.fixtures.cache_server import CacheServerProcess
@@ -65,4 +68,53 @@ def test_damaged_spill_file_is_a_miss(cache_server_factory: type[CacheServerProc
     path.write_bytes(data)
     assert c.exists(b"a") and c.get(b"a") is None and not c.exists(b"a")
     assert c.stats()["disk_corrupt"] == 1 and c.get(b"b") == b
+    c.close()
+
+
+def test_entries_that_are_not_regular_files_are_skipped(cache_server_factory: type[CacheServerProcess], tmp_path) -> None:
+    server = cache_server_factory("--max-bytes", "1MiB", "--disk", str(tmp_path))
+    c = CacheServerClient("127.0.0.1", server.port)
+    a, b = os.urandom(700_000), os.urandom(700_000)
+    assert c.put(b"a", a) and c.put(b"b", b)  # a spills to disk
+    assert server.stop() == 0
+    (tmp_path / ("0" * 64 + ".kvs")).mkdir()  # once an IsADirectoryError at startup
+    os.mkfifo(tmp_path / ("1" * 64 + ".kvs"))  # opening it would block the server forever
+    (tmp_path / ("2" * 64 + ".kvs")).symlink_to("/dev/zero")
+    (tmp_path / "interrupted.kvs.tmp").mkdir()
+    server.start()
+    assert c.get_many([b"a", b"b"]) == [a, b]
+    code, err = server.stop_and_read()
+    assert code == 0 and err.count("not a regular file") == 4
+    assert (tmp_path / ("0" * 64 + ".kvs")).is_dir()  # skipped, not removed
+    c.close()
+
+
+def _unprivileged() -> list[str]:
+    """A command prefix under which permission bits bind (root ignores them otherwise)."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: cannot make a directory read-only to the server")
+    caps = "-dac_override,-dac_read_search,-fowner"
+    return ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}"]
+
+
+def test_a_spill_directory_that_turns_read_only(cache_server_factory: type[CacheServerProcess], tmp_path) -> None:
+    spill = tmp_path / "spill"
+    server = cache_server_factory("--max-bytes", "2MiB", "--disk", str(spill), prefix=_unprivileged())
+    c = CacheServerClient("127.0.0.1", server.port)
+    values = {f"k{i}".encode(): os.urandom(MIB) for i in range(6)}
+    try:
+        assert all(c.put_many(list(values.items())[:3]))  # k0 spills (1 MiB + key bytes: one fits)
+        assert len(list(spill.iterdir())) == 2
+        spill.chmod(0o500)
+        assert all(c.put_many(list(values.items())[3:]))  # evictions cannot be written: dropped
+        assert c.get(b"k5") == values[b"k5"]  # memory keeps serving
+        assert c.get(b"k0") == values[b"k0"]  # reads from the read-only directory still work
+        stats = c.stats()
+        assert stats["bytes"] <= 2 * MIB
+        code, err = server.stop_and_read()  # the flush to disk fails too: logged, exit 0
+        assert code == 0 and "stopped accepting writes" in err and "Traceback" not in err
+    finally:
+        spill.chmod(0o700)
     c.close()
