@@ -1,0 +1,108 @@
+"""--tls-cert/--tls-key and the kvtiers:// tier, with a certificate made for the test by the
+openssl command-line tool (a throwaway CA and a server certificate for 127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.backend import BackendError
+from kvstore.backends.cache_server import CacheServerBackend, client_tls_context
+from kvstore.config import TierSpec
+from kvstore.keys import process_tokens
+from kvstore.registry import create_backend
+from kvstore.server import protocol as P
+from kvstore.server.client import CacheServerClient, ServerUnavailable
+from kvstore.server.protocol import Op
+from tests.fixtures.cache_server import CacheServerProcess, raw_exchange
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+TOKEN = "tls-token"
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory with ca.pem (a throwaway CA), server.pem/server.key (signed by it, for
+    IP 127.0.0.1) and other-ca.pem (a CA that signed nothing here)."""
+    d = tmp_path_factory.mktemp("pki")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=kvtier test CA", cwd=d)
+    _openssl("req", "-x509", *ec, "-keyout", "other.key", "-out", "other-ca.pem", "-days", "2", "-subj", "/CN=other", cwd=d)
+    _openssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1", cwd=d)
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+             "-out", "server.pem", "-days", "2", "-extfile", "ext.cnf", cwd=d)
+    return d
+
+
+@pytest.fixture
+def tls_server(cache_server_factory: type[CacheServerProcess], pki: Path) -> CacheServerProcess:
+    return cache_server_factory("--max-bytes", "64MiB", "--auth-token", TOKEN,
+                                "--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"))
+
+
+def _tls_client(server: CacheServerProcess, ca: Path, **kw: object) -> CacheServerClient:
+    return CacheServerClient("127.0.0.1", server.port, auth_token=TOKEN,
+                             tls=client_tls_context(ca, "test"), **kw)  # type: ignore[arg-type]
+
+
+def test_kvtiers_tier_round_trips_chunks(tls_server: CacheServerProcess, pki: Path) -> None:
+    url = f"kvtiers://127.0.0.1:{tls_server.port}?ca_file={pki / 'ca.pem'}&auth_token={TOKEN}"
+    tier = create_backend(TierSpec.from_url(url))
+    assert isinstance(tier, CacheServerBackend) and repr(tier).startswith("CacheServerBackend(kvtiers://")
+    keys = [k.to_str() for _, _, k in process_tokens(list(range(512)), 256, model="smol-test", kv_dtype="float16")]
+    chunks = [torch.randn(30, 2, 256, 3, 64, generator=torch.Generator().manual_seed(i)).half() for i in range(2)]
+    tier.batched_put(list(zip(keys, chunks)))
+    got = tier.batched_get(keys)
+    assert all(torch.equal(g, c) for g, c in zip(got, chunks)) and tier.prefix_hits(keys) == 2
+    tier.close()
+
+
+def test_large_values_and_pipelines_over_tls(tls_server: CacheServerProcess, pki: Path) -> None:
+    c = _tls_client(tls_server, pki / "ca.pem")
+    values = [os.urandom(9 << 20), os.urandom(100), os.urandom(3 << 20)]
+    keys = [b"a", b"b", b"c"]
+    assert all(c.put_many(list(zip(keys, values))))
+    assert c.get_many(keys + [b"absent"]) == values + [None]
+    assert c.stats()["pinned_bytes"] == 0
+    c.close()
+
+
+def test_clients_that_do_not_verify_or_speak_tls_are_refused(tls_server: CacheServerProcess, pki: Path) -> None:
+    # A certificate from another CA, or none (the system store does not know ours): no session.
+    for ca in (pki / "other-ca.pem", None):
+        c = CacheServerClient("127.0.0.1", tls_server.port, auth_token=TOKEN, tls=client_tls_context(ca, "test"))
+        with pytest.raises(ServerUnavailable, match="TLS handshake .* failed: .*CERTIFICATE_VERIFY_FAILED"):
+            c.ping()
+    # A plaintext client gets no frame back: its bytes are not a TLS handshake.
+    data = raw_exchange(tls_server.port, P.encode_frame(Op.AUTH, 1, payload=TOKEN.encode()) + P.encode_frame(Op.PING, 2))
+    assert P.MAGIC not in data
+    assert _tls_client(tls_server, pki / "ca.pem").ping()  # the server is unharmed
+
+
+def test_tls_options_are_checked(cache_server_factory: type[CacheServerProcess], pki: Path) -> None:
+    with pytest.raises(RuntimeError, match="--tls-cert and --tls-key go together"):
+        cache_server_factory("--tls-cert", str(pki / "server.pem"))
+    with pytest.raises(RuntimeError, match="cannot load TLS certificate .*missing.pem"):
+        cache_server_factory("--tls-cert", str(pki / "missing.pem"), "--tls-key", str(pki / "server.key"))
+    with pytest.raises(RuntimeError, match="cannot load TLS certificate"):
+        cache_server_factory("--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "other.key"))
+    with pytest.raises(ValueError, match="ca_file is for TLS; use kvtiers://"):
+        create_backend(TierSpec.from_url(f"kvtier://127.0.0.1:1?ca_file={pki / 'ca.pem'}"))
+    with pytest.raises(ValueError, match="cannot load ca_file"):
+        create_backend(TierSpec.from_url(f"kvtiers://127.0.0.1:1?ca_file={pki / 'missing.pem'}"))
+
+
+def test_a_tier_over_tls_reports_an_unreachable_server(pki: Path) -> None:
+    tier = create_backend(TierSpec.from_url(f"kvtiers://127.0.0.1:1?ca_file={pki / 'ca.pem'}"))
+    with pytest.raises(BackendError, match="kvtiers://127.0.0.1:1"):
+        tier.contains("x")
