@@ -65,9 +65,10 @@ def test_a_forged_header_flag_cannot_skip_the_mac() -> None:
         serde.decode(ckey(2), good)
 
 
-@pytest.mark.parametrize("kind", ["redis", "disk"])
+@pytest.mark.parametrize("kind", ["redis", "disk", "cache_server"])
 def test_forged_values_in_a_shared_tier_are_misses(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    url = request.getfixturevalue("redis_server").url if kind == "redis" else f"disk://{tmp_path}/d"
+    url = f"disk://{tmp_path}/d" if kind == "disk" else request.getfixturevalue(
+        "redis_server" if kind == "redis" else "cache_server").url
     cfg = KVStoreConfig.load(env={"KVTIER_TIERS": url, "KVTIER_KV_KEY": SECRET})
     assert cfg.integrity_key == SECRET and SECRET not in repr(cfg)
     mgr = StorageManager.from_config(cfg)
