@@ -1,8 +1,10 @@
 """The connector's store queue: gathered chunks go to the storage manager on a background
 thread, so a step never waits for a tier; lookups can wait for the keys still in flight.
 
-Bounded twice: by job count (kvstore's `BackgroundWriter`, new jobs dropped when full) and by
-bytes held (`max_bytes`). A dropped store is counted and forgotten, never waited for.
+Bounded twice: by job count (kvstore's `BackgroundWriter`, under its `queue_full` policy) and
+by bytes held (`max_bytes`). A dropped store is counted and forgotten, never waited for: its
+keys and bytes are released whether the new job or a queued one is dropped (the writer calls
+each dropped job's release), so a lookup waiting for a key never hangs on a dropped store.
 """
 
 from __future__ import annotations
@@ -22,19 +24,21 @@ class StoreQueue:
     """Pending stores with their keys and bytes. Thread-safe; counts never go negative."""
 
     def __init__(self, storage: StorageManager, max_jobs: int, max_bytes: int,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, queue_full: str = "drop_new") -> None:
         self.storage = storage
         self.max_bytes = max_bytes
-        self._writer = BackgroundWriter(max_jobs, "drop_new", "kvtier-connector-store")
+        self._writer = BackgroundWriter(max_jobs, queue_full, "kvtier-connector-store")
         self._cond = threading.Condition()
         self._keys: dict[str, int] = {}
         self._bytes = 0
         # On CUDA, puts copy device -> host on their own stream, after the gather's event.
         self._stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
 
-    def submit(self, items: Sequence[Item], on_done: Callable[[], None] | None = None) -> bool:
+    def submit(self, items: Sequence[Item], on_done: Callable[[], None] | None = None,
+               on_drop: Callable[[], None] | None = None) -> bool:
         """Queues `items` (chunks the caller no longer touches); returns False, having queued
-        nothing, if the byte or job bound is reached. `on_done` runs after a successful put."""
+        nothing, if the byte bound or (drop_new) the job bound refuses them. `on_done` runs
+        after a successful put; `on_drop` if, queued, they are dropped later (drop_oldest)."""
         items = list(items)
         keys = [k for k, _ in items]
         nbytes = sum(kv.numel() * kv.element_size() for _, kv in items)
@@ -63,10 +67,15 @@ class StoreQueue:
             finally:
                 self._release(keys, nbytes)
 
-        if not self._writer.submit(job):
+        queued = [False]
+
+        def dropped() -> None:  # the writer dropped the job: it never runs
             self._release(keys, nbytes)
-            return False
-        return True
+            if queued[0] and on_drop is not None:
+                on_drop()
+
+        queued[0] = self._writer.submit(job, on_drop=dropped) or self._writer.drop == "drop_oldest"
+        return queued[0]
 
     def _release(self, keys: list[str], nbytes: int) -> None:
         with self._cond:

@@ -2,6 +2,8 @@
 
 When the queue is full a write is dropped (the oldest queued one, or the new one) and
 counted; `submit` never blocks. `flush()` waits until everything queued has been written.
+Every submitted job either runs or, dropped under either policy, has its `on_drop` called,
+exactly once: callers that track pending work release it there, whatever the policy.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class BackgroundWriter:
         self.drop = drop
         self.dropped = 0
         self.done = 0
-        self._queue: deque[Job] = deque()
+        self._queue: deque[tuple[Job, Job | None]] = deque()  # (job, on_drop)
         self._busy = False
         self._closed = False
         self._cond = threading.Condition()
@@ -38,21 +40,26 @@ class BackgroundWriter:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, job: Job) -> bool:
-        """Queues `job`; returns False if it (or, with drop_oldest, an older job) was dropped."""
+    def submit(self, job: Job, on_drop: Job | None = None) -> bool:
+        """Queues `job`; returns False if it (or, with drop_oldest, an older job) was dropped.
+        The dropped job's `on_drop` runs (on this thread, after the queue is updated)."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("background writer is closed")
-            accepted = True
-            if len(self._queue) >= self.max_queue:
+            accepted = len(self._queue) < self.max_queue
+            released: Job | None = None
+            if not accepted:
                 self.dropped += 1
                 if self.drop == "drop_new":
-                    return False
-                self._queue.popleft()
-                accepted = False
-            self._queue.append(job)
-            self._cond.notify_all()
-            return accepted
+                    released = on_drop
+                else:
+                    released = self._queue.popleft()[1]
+            if accepted or self.drop == "drop_oldest":
+                self._queue.append((job, on_drop))
+                self._cond.notify_all()
+        if released is not None:
+            released()
+        return accepted
 
     def pending(self) -> int:
         with self._cond:
@@ -78,7 +85,7 @@ class BackgroundWriter:
                 self._cond.wait_for(lambda: self._queue or self._closed)
                 if not self._queue:
                     return  # closed and drained
-                job = self._queue.popleft()
+                job, _ = self._queue.popleft()
                 self._busy = True
             try:
                 job()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from connector.store_queue import StoreQueue
@@ -18,9 +19,11 @@ class _GatedTier(CPUBackend):
     def __init__(self) -> None:
         super().__init__()
         self.gate = threading.Event()
+        self.entered = threading.Event()  # a put is blocked on the gate
         self.fail = False
 
     def _wait(self) -> None:
+        self.entered.set()
         self.gate.wait(30)
         if self.fail:
             raise BackendError("disk full")
@@ -80,5 +83,33 @@ def test_bounded_by_jobs_and_failed_puts_release_their_keys():
     tier.fail = True
     assert q.submit([("z", chunk())])
     assert q.flush(30) and q.pending() == 0 and not q.is_pending("z")
+    q.close()
+    storage.close()
+
+
+@pytest.mark.parametrize("policy", ["drop_new", "drop_oldest"])
+def test_a_dropped_store_releases_its_keys_under_every_queue_policy(policy):
+    tier = _GatedTier()
+    storage = StorageManager([tier])
+    q = StoreQueue(storage, max_jobs=1, max_bytes=1 << 30, queue_full=policy)
+    dropped = []
+    assert q.submit([("a", chunk())])
+    assert tier.entered.wait(30)  # "a" is on the worker, blocked: the queue itself is empty
+    assert q.submit([("b", chunk())], on_drop=lambda: dropped.append("b"))  # queued
+    third = q.submit([("c", chunk())], on_drop=lambda: dropped.append("c"))  # the queue is full
+    # drop_new refuses "c"; drop_oldest queues "c" and drops "b". Either way the dropped
+    # store's key is released at once, so a lookup waiting for it does not hang.
+    gone = "c" if policy == "drop_new" else "b"
+    assert third == (policy == "drop_oldest")
+    assert dropped == ([] if policy == "drop_new" else ["b"])
+    assert not q.is_pending(gone) and q.is_pending("a")
+    waiter = threading.Thread(target=q.wait_for, args=([gone],))
+    waiter.start()
+    waiter.join(10)
+    assert not waiter.is_alive()  # returned while "a" is still blocked on the tier
+    assert q.pending() == 2
+    tier.gate.set()
+    assert q.flush(30) and q.pending() == 0
+    assert storage.batched_contains(["a", "b", "c"]) == [True, policy == "drop_new", policy == "drop_oldest"]
     q.close()
     storage.close()
