@@ -33,11 +33,16 @@ _SCRATCH = 64 << 10
 # does not take into its own buffer, and the next piece waits until that buffer is empty: so
 # a connection holds at most this much copied reply, whatever the value's size.
 _SEND_SLICE = 256 << 10
+# Over TLS a slice is also encrypted into OpenSSL's buffer and copied out of it: smaller.
+_TLS_SEND_SLICE = 64 << 10
 _INLINE_REPLY = 4096  # replies up to this size are sent as one copied piece
 _OUT_MAX_ITEMS = 64  # queued reply pieces past which a connection's requests wait
 # Resident bytes outside the budget (docs/protocol.md, "Memory bound"): per connection its
 # receive buffer and one copied reply slice; for the process, allocator slack.
 PER_CONNECTION_BYTES = _SCRATCH + _SEND_SLICE
+# Over TLS (measured with stalled readers): asyncio's 256 KiB TLS read buffer, OpenSSL's
+# buffers and up to three copies of a 64 KiB slice (plaintext, encrypted, unsent).
+PER_TLS_CONNECTION_BYTES = 640 << 10
 HEAP_SLACK_BYTES = 16 << 20
 _EMPTY = b""
 _OPS = frozenset(int(op) for op in Op)
@@ -114,7 +119,8 @@ class CacheServer:
         """Hands freed memory back to the OS when resident memory exceeds what the budget and
         the connections explain (called before each large allocation, whose `pending`
         reserved bytes are not resident yet, and once per sweep)."""
-        allowance = HEAP_SLACK_BYTES + len(self.connections) * PER_CONNECTION_BYTES
+        per_connection = PER_TLS_CONNECTION_BYTES if self._tls is not None else PER_CONNECTION_BYTES
+        allowance = HEAP_SLACK_BYTES + len(self.connections) * per_connection
         self.heap.check(self.store.committed - pending, allowance)
 
     async def start(self) -> tuple[str, int]:
@@ -222,6 +228,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.out: deque[tuple[P.Buffer, P.Buffer | None]] = deque()
         self.out_copied = 0
         self.write_blocked = False  # the transport holds unsent bytes
+        self.slice = _SEND_SLICE
         self.reading_paused = False
         self.loop = asyncio.get_running_loop()
         self.last_active = self.send_progress = self.loop.time()
@@ -251,6 +258,8 @@ class _Connection(asyncio.BufferedProtocol):
         # Pause as soon as anything is left unsent: the next piece is written only once the
         # transport's (copying) buffer is empty. (high=1: TLS transports pause at >= high.)
         transport.set_write_buffer_limits(high=1, low=0)
+        if transport.get_extra_info("sslcontext") is not None:
+            self.slice = _TLS_SEND_SLICE
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -484,7 +493,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def _pump(self) -> None:
         """Hands queued reply pieces to the transport while it takes them without buffering,
-        at most _SEND_SLICE bytes at a time."""
+        at most one slice (_SEND_SLICE, or _TLS_SEND_SLICE over TLS) at a time."""
         transport, out = self.transport, self.out
         if transport is None:
             return
@@ -492,10 +501,10 @@ class _Connection(asyncio.BufferedProtocol):
         while out and not self.write_blocked and not self.closing:
             piece, pinned = out[0]
             self.send_progress = self.loop.time()
-            if len(piece) > _SEND_SLICE:
+            if len(piece) > self.slice:
                 view = memoryview(piece)
-                out[0] = (view[_SEND_SLICE:], pinned)
-                transport.write(view[:_SEND_SLICE])
+                out[0] = (view[self.slice :], pinned)
+                transport.write(view[: self.slice])
                 continue
             out.popleft()
             transport.write(piece)

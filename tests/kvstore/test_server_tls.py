@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,9 @@ from kvstore.registry import create_backend
 from kvstore.server import protocol as P
 from kvstore.server.client import CacheServerClient, ServerUnavailable
 from kvstore.server.protocol import Op
+from kvstore.server.server import HEAP_SLACK_BYTES, PER_TLS_CONNECTION_BYTES
 from tests.fixtures.cache_server import CacheServerProcess, raw_exchange
+from tests.kvstore.test_server_memory import _proc_kib
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 TOKEN = "tls-token"
@@ -75,6 +79,36 @@ def test_large_values_and_pipelines_over_tls(tls_server: CacheServerProcess, pki
     assert c.get_many(keys + [b"absent"]) == values + [None]
     assert c.stats()["pinned_bytes"] == 0
     c.close()
+
+
+def test_stalled_tls_readers_stay_within_the_bound(tls_server: CacheServerProcess, pki: Path) -> None:
+    """20 TLS clients GET a 32 MiB value and never read: the process stays under the
+    documented bound with the TLS per-connection overhead (docs/protocol.md)."""
+    good = _tls_client(tls_server, pki / "ca.pem")
+    assert good.ping()
+    base = _proc_kib(tls_server.proc.pid, "VmRSS") << 10
+    assert good.put(b"v", os.urandom(32 << 20))
+    ctx = client_tls_context(pki / "ca.pem", "test")
+    readers = []
+    try:
+        for _ in range(20):
+            raw = socket.create_connection(("127.0.0.1", tls_server.port), timeout=10)
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            s = ctx.wrap_socket(raw, server_hostname="127.0.0.1")
+            readers.append(s)
+            s.sendall(P.encode_frame(Op.AUTH, 1, payload=TOKEN.encode()) + P.encode_frame(Op.GET, 2, b"v"))
+        deadline = time.monotonic() + 10
+        while good.stats()["connections"] < 21 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # every reply has started and stalled
+        peak = _proc_kib(tls_server.proc.pid, "VmHWM") << 10
+        bound = base + (64 << 20) + HEAP_SLACK_BYTES + 21 * PER_TLS_CONNECTION_BYTES + (4 << 20)
+        print(f"TLS stalled readers: peak - base {(peak - base) / (1 << 20):.1f} MiB")
+        assert peak <= bound, (peak - base) / (1 << 20)
+    finally:
+        for s in readers:
+            s.close()
+    good.close()
 
 
 def test_clients_that_do_not_verify_or_speak_tls_are_refused(tls_server: CacheServerProcess, pki: Path) -> None:
