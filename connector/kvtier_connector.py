@@ -4,19 +4,23 @@ Flow for one request:
 - Lookup (scheduler, `get_num_new_matched_tokens`): chunk keys are chained hashes of the
   tokens keyed by the model fingerprint and KV dtype, so only the same model with the same
   prefix can ever hit. Starting at the chunk that holds the engine's own prefix-cache hit,
-  the longest run of stored chunks is *fetched now*, capped so the last token is computed.
-  Where that run stops, the longest stored partial chunk starting there is taken too: a
-  prompt that grew (a chat's next round) finds the partial tail its last round stored.
-  Fetching at lookup means the number returned is backed by tensors in hand: a chunk that is
-  corrupt, evicted or on a tier that just died shortens the hit (those tokens are computed),
-  it can never leave the engine believing in K/V that does not arrive.
-- Load (worker, `start_load_kv`): the fetched K/V is scattered into the request's slots,
-  before the forward reads any layer.
+  the longest run of chunks some tier holds (or a pending store carries) is taken, capped so
+  the last token is computed; where that run stops, the longest stored partial chunk starting
+  there is taken too (a prompt that grew, a chat's next round, finds the partial tail its
+  last round stored). The answer comes from existence only (one batched query per tier),
+  never from fetched bytes, and says `load_async`.
+- Load (`update_state_after_alloc`, background): the request's chunks are pinned and a
+  loader thread fetches them and scatters them into the request's fresh blocks while the
+  engine keeps stepping; `get_finished()` then reports the load. Existence is not
+  possession: a chunk evicted, corrupt or on a tier that died since the lookup stops the load
+  there, and `get_block_ids_with_load_errors()` names the blocks from that position on, which
+  the engine recomputes. An aborted request's blocks are released only once the loader let go.
 - Store (worker, `wait_for_save`): after each step, chunks that became complete (full prompt
   chunks, the prompt's partial last chunk, decode chunks if enabled) are gathered from the
   paged cache and handed to a background thread, so serving never waits on a tier. Chunks a
-  tier already holds (or a pending store carries) are skipped. A lookup that needs a chunk
-  still pending waits for those stores (read-your-writes), never returns a false miss.
+  tier already holds (or a pending store carries) are skipped. A load that needs a chunk
+  still pending waits for those stores on the loader thread (read-your-writes), never on the
+  engine's.
 
 The partial-chunk rule (LMCache issue #2206, where a load rounded down to a chunk boundary
 and overwrote blocks vLLM's prefix cache owned): this connector writes only positions at or
@@ -31,7 +35,10 @@ default (`save_unfull_chunk`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
+import logging
+import threading
 import time
 import weakref
 from collections.abc import Sequence as SequenceT
@@ -47,6 +54,7 @@ from connector.store_queue import StoreQueue
 from engine.kv_connector import KVConnectorBase
 from kvstore.keys import ROOT_HASH, ChunkKey, dtype_name, partial_chunk_keys, process_tokens
 from kvstore.storage_manager import StorageManager
+from kvstore.writer import BackgroundWriter
 
 if TYPE_CHECKING:
     from engine.attention_metadata import AttentionMetadata
@@ -55,25 +63,35 @@ if TYPE_CHECKING:
 
 # (start, end, key): token positions [start, end) of a sequence and the chunk key for them.
 Span = tuple[int, int, str]
+# Background loads queued at most; one past it is refused and computed instead.
+LOAD_QUEUE_SIZE = 4096
+logger = logging.getLogger("kvtier.connector")
 
 
 @dataclass
-class _Fetched:
-    """K/V fetched at lookup for positions [start, end) of a waiting request."""
+class _Plan:
+    """A lookup's answer for a waiting request: load positions [start, end) from `spans`."""
 
     num_tokens: int  # sequence length the lookup was made for
     start: int  # the engine's prefix-cache hit the lookup was made against
     end: int
-    chunks: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
 
 
 @dataclass
-class LoadSpec:
+class LoadJob:
+    """One background load: positions [start, end) of a request into its fresh blocks."""
+
     request_id: str
-    slots: torch.Tensor  # [end - start] int64
-    # The fetched chunks, sliced to [start, end) and in order: scattered one by one, since
-    # joining them first would copy the whole load once more.
-    pieces: list[torch.Tensor]  # each (layers, 2, n_i, H, D), sum(n_i) == end - start
+    start: int
+    end: int
+    spans: list[Span]  # in order, covering [start, end) (the first may begin before start)
+    block_ids: list[int]
+    cancelled: bool = False  # the request finished: stop writing its blocks
+
+    @property
+    def keys(self) -> list[str]:
+        return [k for _, _, k in self.spans]
 
 
 @dataclass
@@ -85,18 +103,19 @@ class SaveSpec:
 
 @dataclass
 class ConnectorMeta:
-    """One step's worker-side instructions (built by the scheduler side)."""
+    """One step's worker-side instructions (built by the scheduler side): the stores."""
 
-    loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
 
 
 class KVTierConnector(KVConnectorBase):
     """Loads stored prefixes into the engine and stores what it computes, across tiers.
 
-    Guarantees: a lookup's answer is fully backed by fetched K/V; loads write only blocks the
-    request owns beyond the engine's prefix-cache hit; stores never block a step (they are
-    dropped, counted, when `max_pending_store_bytes` is queued); `shutdown()` flushes them.
+    Guarantees: loads write only blocks the request owns beyond the engine's prefix-cache hit,
+    off the engine's thread, and report every position they did not fill (recomputed);
+    a finished request's blocks are released only after its load stopped writing them; stores
+    never block a step (they are dropped, counted, when `max_pending_store_bytes` is queued);
+    `shutdown()` flushes them.
     """
 
     def __init__(self, config: ConnectorConfig | None = None,
@@ -112,8 +131,15 @@ class KVTierConnector(KVConnectorBase):
         self.block_size = 0
         self._kv_dtype = ""
         self._bytes_per_token = 0
-        self._fetched: dict[str, _Fetched] = {}  # waiting requests with fetched K/V
-        self._to_load: dict[str, _Fetched] = {}  # admitted, load scheduled in this step
+        self._plans: dict[str, _Plan] = {}  # waiting requests with a lookup answer
+        # Background loads: jobs in flight, loads ended but not yet reported (with the blocks
+        # they failed to fill), and the blocks of the loads the last get_finished() reported.
+        self._load_cond = threading.Condition()
+        self._loading: dict[str, LoadJob] = {}
+        self._loads_done: dict[str, set[int]] = {}
+        self._reported_errors: set[int] = set()
+        self._loader: BackgroundWriter | None = None
+        self._load_stream: Any = None
         self._saved_upto: dict[str, int] = {}  # per request: positions already considered
         self._meta: ConnectorMeta | None = None
         self._stores: StoreQueue | None = None  # created with the caches (needs their device)
@@ -144,7 +170,12 @@ class KVTierConnector(KVConnectorBase):
         self._kv_dtype = dtype_name(kv_caches[0].dtype)
         self._bytes_per_token = mc.num_layers * two * h * d * kv_caches[0].element_size()
         self._stores = StoreQueue(self.storage, self.config.kvstore.queue_size,
-                                  self.config.max_pending_store_bytes, kv_caches[0].device)
+                                  self.config.max_pending_store_bytes, kv_caches[0].device,
+                                  self.config.kvstore.queue_full)
+        # A full load queue refuses a job; that load is reported failed (recomputed).
+        self._loader = BackgroundWriter(LOAD_QUEUE_SIZE, "drop_new", "kvtier-connector-load")
+        if kv_caches[0].device.type == "cuda":
+            self._load_stream = torch.cuda.Stream(kv_caches[0].device)
 
     def _spans(self, tokens: SequenceT[int], unfull: bool = True) -> list[Span]:
         """Returns every chunk span of `tokens` with its key (the partial last one if `unfull`)."""
@@ -162,49 +193,49 @@ class KVTierConnector(KVConnectorBase):
         return tuple(kv.shape) == (mc.num_layers, 2, num_tokens, mc.num_kv_heads, mc.head_size)
 
     # ---- scheduler side --------------------------------------------------------------
-    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
-        """Returns how many tokens after `num_computed_tokens` are fetched and ready to load
-        (0 on any miss); never reaches the last token."""
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
+        """Returns (how many tokens after `num_computed_tokens` some tier holds, True: they
+        load in the background), from existence only; (0, False) on a miss. Never reaches
+        the last token."""
         rid = seq.request_id
         n = seq.num_tokens
-        cached = self._fetched.get(rid)
-        if cached is not None and (cached.num_tokens, cached.start) == (n, num_computed_tokens):
-            return cached.end - cached.start
-        self._fetched.pop(rid, None)
+        plan = self._plans.get(rid)
+        if plan is not None and (plan.num_tokens, plan.start) == (n, num_computed_tokens):
+            return plan.end - plan.start, True
+        self._plans.pop(rid, None)
         limit = n - 1  # the last token's logits are needed
         if limit <= num_computed_tokens:
-            return 0
+            return 0, False
         m = self.metrics.live(rid)
         m.num_prompt_tokens = seq.num_prompt_tokens
         m.engine_hit_tokens = num_computed_tokens
-        t0 = time.perf_counter()
         spans = self._spans(seq.all_token_ids)
         first = num_computed_tokens // self.chunk_size
         candidates = [sp for sp in spans[first:] if sp[0] < limit]
         if not candidates:
-            return 0
-        self._stores.wait_for([k for _, _, k in candidates])
-        num_hit = self.storage.prefix_hits([k for _, _, k in candidates])
+            return 0, False
+        held = self._held([k for _, _, k in candidates])
+        num_hit = held.index(False) if False in held else len(held)
         wanted = candidates[:num_hit]
         if num_hit < len(candidates):
             tail = self._stored_partial(seq.all_token_ids, spans, first + num_hit, num_computed_tokens)
             if tail is not None:
                 wanted.append(tail)
-        if not wanted:
-            return 0
-        values = self.storage.batched_get([k for _, _, k in wanted], read_only=True)  # only scattered
-        fetched = _Fetched(num_tokens=n, start=num_computed_tokens, end=num_computed_tokens)
-        for (s, e, _k), kv in zip(wanted, values):
-            if not self._chunk_ok(kv, e - s):
-                break  # corrupt, evicted or foreign: compute from here on
-            fetched.chunks.append((s, e, kv))
-            fetched.end = min(e, limit)
-        if fetched.end <= num_computed_tokens:
-            return 0
-        self._fetched[rid] = fetched
-        nbytes = sum(kv.numel() * kv.element_size() for _, _, kv in fetched.chunks)
-        self.metrics.add(rid, bytes_loaded=nbytes, load_seconds=time.perf_counter() - t0)
-        return fetched.end - num_computed_tokens
+        end = min(wanted[-1][1], limit) if wanted else num_computed_tokens
+        if end <= num_computed_tokens:
+            return 0, False
+        self._plans[rid] = _Plan(n, num_computed_tokens, end, wanted)
+        return end - num_computed_tokens, True
+
+    def _held(self, keys: list[str]) -> list[bool]:
+        """Returns, per key, whether a pending store carries it or some tier holds it (one
+        batched existence query per tier for the rest)."""
+        held = [self._stores.is_pending(k) for k in keys]
+        rest = [k for k, h in zip(keys, held) if not h]
+        if rest:
+            found = iter(self.storage.batched_contains(rest))
+            held = [h or next(found) for h in held]
+        return held
 
     def _stored_partial(self, tokens: SequenceT[int], spans: list[Span], j: int, after: int) -> Span | None:
         """Returns the longest stored partial chunk that starts where span `j` starts and ends
@@ -217,42 +248,102 @@ class KVTierConnector(KVConnectorBase):
         probe = [k.to_str() for k in partial_chunk_keys(
             tokens[s:e], self.chunk_size, parent_hash=parent, model=self.model_config.fingerprint,
             kv_dtype=self._kv_dtype)][skip:]
-        self._stores.wait_for(probe)
-        held = [i for i, present in enumerate(self.storage.batched_contains(probe)) if present]
+        held = [i for i, present in enumerate(self._held(probe)) if present]
         if not held:
             return None
         return s, s + skip + held[-1] + 1, probe[held[-1]]
 
     def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_external_tokens: int) -> None:
-        fetched = self._fetched.pop(seq.request_id, None)
+        """Pins the request's chunks and starts its background load into `block_ids`."""
+        rid = seq.request_id
+        plan = self._plans.pop(rid, None)
         if num_external_tokens <= 0:
             return
-        if fetched is None or fetched.start + num_external_tokens > fetched.end:
-            raise RuntimeError(f"request {seq.request_id}: asked to load {num_external_tokens} tokens "
+        if plan is None or plan.start + num_external_tokens > plan.end:
+            raise RuntimeError(f"request {rid}: asked to load {num_external_tokens} tokens "
                                "the connector did not offer")
-        fetched.end = fetched.start + num_external_tokens
-        self._to_load[seq.request_id] = fetched
-        self.metrics.add(seq.request_id, connector_hit_tokens=num_external_tokens)
+        end = plan.start + num_external_tokens
+        job = LoadJob(rid, plan.start, end, [sp for sp in plan.spans if sp[0] < end], list(block_ids))
+        self.storage.pin(job.keys)  # no local tier evicts them before the loader reads them
+        with self._load_cond:
+            self._loading[rid] = job
+        if not self._loader.submit(functools.partial(self._load, job)):
+            self._end_load(job, job.start)  # load queue full: computed instead
+
+    def _load(self, job: LoadJob) -> None:
+        """Runs on the loader thread: fetches the job's chunks and scatters them in order,
+        stopping at the first chunk that is missing or malformed; then reports the job."""
+        filled = job.start
+        t0 = time.perf_counter()
+        nbytes = 0
+        try:
+            if not job.cancelled:
+                self._stores.wait_for(job.keys)  # read-your-writes, on this thread
+                values = self.storage.batched_get(job.keys, read_only=True)  # only scattered
+                stream = self._load_stream
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    for (s, e, _k), kv in zip(job.spans, values):
+                        if job.cancelled or not self._chunk_ok(kv, e - s):
+                            break  # corrupt, evicted or foreign: computed from here on
+                        lo, hi = max(s, job.start), min(e, job.end)
+                        scatter_chunk(self.kv_caches, slots_for(job.block_ids, self.block_size, lo, hi),
+                                      kv[:, :, lo - s:hi - s])
+                        nbytes += kv.numel() * kv.element_size()
+                        filled = hi
+                    if stream is not None:
+                        stream.synchronize()  # in place before the engine may read the blocks
+        except Exception:  # a failed load is a recompute, never a crash of the loader
+            logger.exception("loading request %s failed", job.request_id)
+        finally:
+            self.metrics.add(job.request_id, bytes_loaded=nbytes, load_seconds=time.perf_counter() - t0)
+            self._end_load(job, filled)
+
+    def _end_load(self, job: LoadJob, filled: int) -> None:
+        """Unpins the job's chunks and queues its report: the blocks from `filled` on failed."""
+        self.storage.unpin(job.keys)
+        bad: set[int] = set()
+        if filled < job.end and not job.cancelled:
+            bad = set(job.block_ids[filled // self.block_size: -(-job.end // self.block_size)])
+        rid = job.request_id
+        if not job.cancelled:
+            self.metrics.add(rid, connector_hit_tokens=filled - job.start, load_error_tokens=job.end - filled)
+        with self._load_cond:
+            if self._loading.get(rid) is job:
+                del self._loading[rid]
+                self._loads_done[rid] = bad
+            self._load_cond.notify_all()
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """Returns (None, the requests whose load ended since the last call); their failed
+        blocks are what `get_block_ids_with_load_errors()` returns next."""
+        with self._load_cond:
+            done, self._loads_done = self._loads_done, {}
+        self._reported_errors = set().union(*done.values()) if done else set()
+        return None, set(done)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Returns the blocks the loads last reported by `get_finished()` did not fill."""
+        errors, self._reported_errors = self._reported_errors, set()
+        return errors
+
+    def wait_for_finished(self, timeout: float) -> None:
+        """Blocks until a load has ended (or `timeout` seconds passed)."""
+        with self._load_cond:
+            self._load_cond.wait_for(lambda: bool(self._loads_done), timeout)
+
+    def loads_in_flight(self) -> int:
+        """Returns how many background loads have not ended yet."""
+        with self._load_cond:
+            return len(self._loading)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMeta:
-        """Returns the step's loads (slots + K/V, sliced to start at the engine's hit) and the
-        spans to store once the step has computed them."""
+        """Returns the spans to store once the step has computed them (loads are not the
+        step's: they run in the background)."""
         meta = ConnectorMeta()
         for r in scheduler_output.requests:
-            rid = r.request_id
-            if r.num_external_tokens:
-                fetched = self._to_load.pop(rid)
-                start = r.num_computed_tokens - r.num_external_tokens
-                if start != fetched.start:
-                    raise RuntimeError(f"request {rid}: load starts at {start}, lookup at {fetched.start}")
-                pieces = [kv[:, :, max(s, start) - s: min(e, fetched.end) - s]
-                          for s, e, kv in fetched.chunks if s < fetched.end and e > start]
-                slots = slots_for(r.block_ids, self.block_size, start, fetched.end)
-                meta.loads.append(LoadSpec(rid, slots, pieces))
             spans = self._spans_to_save(r.seq, r.num_computed_tokens + r.num_new_tokens)
             if spans:
-                meta.saves.append(SaveSpec(rid, list(r.block_ids), spans))
-        self._to_load.clear()
+                meta.saves.append(SaveSpec(r.request_id, list(r.block_ids), spans))
         return meta
 
     def _spans_to_save(self, seq: Sequence, computed: int) -> list[Span]:
@@ -281,10 +372,21 @@ class KVTierConnector(KVConnectorBase):
             return spans
         return spans[self.storage.prefix_hits([k for _, _, k in spans]):]
 
-    def request_finished(self, seq: Sequence, block_ids: list[int]) -> None:
+    def request_finished(self, seq: Sequence, block_ids: list[int]) -> bool:
+        """Stores the generated tail if configured; returns True (free the blocks later) if
+        the request's load is still writing them: the load stops at its next chunk."""
         rid = seq.request_id
-        self._fetched.pop(rid, None)
-        self._to_load.pop(rid, None)
+        self._plans.pop(rid, None)
+        with self._load_cond:
+            job = self._loading.get(rid)
+            if job is not None:  # reported by get_finished() once the loader let go of the blocks
+                job.cancelled = True
+            else:
+                self._loads_done.pop(rid, None)  # ended, not reported: its blocks are free to go
+        if job is not None:
+            self._saved_upto.pop(rid, None)
+            self.metrics.finish(rid)
+            return True
         try:
             if self.save_decode_tokens and self.config.save_unfull_chunk and block_ids:
                 # The tail chunk of the generated text, from blocks still held during this call.
@@ -296,6 +398,7 @@ class KVTierConnector(KVConnectorBase):
         finally:
             self._saved_upto.pop(rid, None)
             self.metrics.finish(rid)
+        return False
 
     # ---- worker side -----------------------------------------------------------------
     def bind_connector_metadata(self, metadata: Any) -> None:
@@ -305,21 +408,10 @@ class KVTierConnector(KVConnectorBase):
         self._meta = None
 
     def start_load_kv(self, attn_metadata: AttentionMetadata) -> None:
-        """Scatters every load of the step into the paged cache (queued on the current stream
-        ahead of the forward, so each layer's attention sees it)."""
-        if self._meta is None:
-            return
-        for load in self._meta.loads:
-            t0 = time.perf_counter()
-            offset = 0
-            for kv in load.pieces:
-                n = kv.shape[2]
-                scatter_chunk(self.kv_caches, load.slots[offset:offset + n], kv)
-                offset += n
-            self.metrics.add(load.request_id, load_seconds=time.perf_counter() - t0)
+        """Nothing: this connector's loads run in the background before a request is scheduled."""
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
-        """Nothing to wait for: loads are issued before the forward on the same stream."""
+        """Nothing to wait for: a request runs only once its load has ended."""
 
     def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata) -> None:
         """Nothing per layer: whole chunks are gathered across layers after the forward."""
@@ -342,8 +434,9 @@ class KVTierConnector(KVConnectorBase):
         ntokens = sum(e - s for s, e, _ in save.spans)
         rid = save.request_id
         done = functools.partial(self.metrics.add, rid, stored_tokens=ntokens, bytes_stored=nbytes)
-        if not self._stores.submit(items, done):
-            self.metrics.add(rid, dropped_store_bytes=nbytes)
+        dropped = functools.partial(self.metrics.add, rid, dropped_store_bytes=nbytes)
+        if not self._stores.submit(items, done, dropped):
+            dropped()
 
     # ---- lifecycle and reporting ----------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
@@ -357,6 +450,8 @@ class KVTierConnector(KVConnectorBase):
             return
         self._closed = True
         atexit.unregister(self._atexit)
+        if self._loader is not None:
+            self._loader.close(timeout=None)  # loads in flight end (and unpin) first
         if self._stores is not None:
             self._stores.close()
         self.storage.flush()

@@ -18,8 +18,9 @@ class RequestKVMetrics:
     num_prompt_tokens: int = 0
     engine_hit_tokens: int = 0  # held by the engine's own prefix cache at admission
     connector_hit_tokens: int = 0  # loaded from a tier instead of computed
+    load_error_tokens: int = 0  # promised at lookup, not loaded (gone or bad at fetch): computed
     bytes_loaded: int = 0
-    load_seconds: float = 0.0  # fetch from the tiers + scatter into the paged cache
+    load_seconds: float = 0.0  # fetch from the tiers + scatter into the paged cache (background)
     stored_tokens: int = 0  # tokens of chunks handed to the tiers
     bytes_stored: int = 0
     dropped_store_bytes: int = 0  # over the pending-store budget: not stored, not waited for

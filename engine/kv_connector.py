@@ -7,30 +7,45 @@ and the engine behaves exactly as without one.
 
 Per step, in order:
 
-Scheduler side (in `Scheduler.schedule`, for each *waiting* request being admitted):
-  1. `get_num_new_matched_tokens(seq, num_computed_tokens) -> int`
+Scheduler side (in `Scheduler.schedule`):
+  0. `get_finished() -> (finished_sending, finished_recving)`, then, if either set is not
+     empty, `get_block_ids_with_load_errors() -> set[int]`. `finished_recving` names requests
+     whose asynchronous load (below) is over; `finished_sending` (and `finished_recving`)
+     names finished requests whose block release was delayed (step 9). A finished load makes
+     its request schedulable with the loaded tokens computed, cut back to the first of its
+     blocks named in the error set (existence at lookup is not possession: those tokens are
+     recomputed). Blocks named there must belong to requests reported in the same call.
+For each *waiting* request being admitted:
+  1. `get_num_new_matched_tokens(seq, num_computed_tokens) -> (num_tokens, load_async)`
      `seq` is the `engine.sequence.Sequence` (request id `seq.request_id`, tokens
      `seq.all_token_ids`); `num_computed_tokens` is what the engine's own prefix cache already
-     holds (block aligned). Return how many further tokens, starting at `num_computed_tokens`,
-     the connector can load. The engine clamps the answer so at least the last token is
-     computed (its logits are needed) and the total stays below `seq.num_tokens`.
+     holds (block aligned). `num_tokens`: how many further tokens, starting at
+     `num_computed_tokens`, the connector can load. The engine clamps it so at least the last
+     token is computed (its logits are needed) and the total stays below `seq.num_tokens`.
+     `load_async`: the load happens in the background, off the engine's steps (see below);
+     False: it happens in this step's `start_load_kv`.
   2. `update_state_after_alloc(seq, block_ids, num_external_tokens)` once blocks are
      allocated: `block_ids` is the request's whole block table (prefix-cache hits first, then
      fresh blocks); `seq.num_computed_tokens` is still the prefix-cache part, and positions
      `[seq.num_computed_tokens, seq.num_computed_tokens + num_external_tokens)` are the ones
-     to load. These tokens count as computed: they are not recomputed and
-     `RequestOutput.num_cached_tokens` includes them.
+     to load, always into fresh blocks only this request holds. These tokens count as
+     computed: they are not recomputed and `RequestOutput.num_cached_tokens` includes them.
+     With `load_async` the request now holds blocks for its whole prompt and is parked
+     (status WAITING_FOR_REMOTE_KVS, not scheduled) until step 0 reports its load; the
+     connector starts the load here and the running batch keeps stepping meanwhile.
   3. `build_connector_meta(scheduler_output) -> Any` once per step, after all requests are
      scheduled. `scheduler_output.requests` lists `ScheduledRequest`s with `request_id`,
      `token_ids`, `block_ids`, `num_computed_tokens` (K/V already in the cache before this
-     step, loaded tokens included), `num_new_tokens`, `num_external_tokens`,
-     `num_prompt_tokens`, and `slot_mapping(block_size)` / `request_slot_mapping(...)` for
-     slots. The returned object is handed to the worker side unchanged.
+     step, loaded tokens included), `num_new_tokens`, `num_external_tokens` (synchronous
+     loads only), `num_prompt_tokens`, and `slot_mapping(block_size)` /
+     `request_slot_mapping(...)` for slots. The returned object is handed to the worker side
+     unchanged.
 
 Worker side (in `ModelRunner.execute_model`):
   4. `bind_connector_metadata(meta)` with the object from step 3.
-  5. `start_load_kv(attn_metadata)` before the forward: write the loaded K/V into the blocks
-     named in step 2 (the kv_cache tensors came from `register_kv_caches` at start-up).
+  5. `start_load_kv(attn_metadata)` before the forward: start writing the synchronous loads'
+     K/V into the blocks named in step 2 (the kv_cache tensors came from
+     `register_kv_caches` at start-up).
   6. Inside the forward, per layer i: `wait_for_layer_load(i)` before attention reads layer
      i, and `save_kv_layer(i, kv_cache[i], attn_metadata)` after this step's K/V for layer i
      is written (`attn_metadata.slot_mapping` holds the slots of this step's new tokens, in
@@ -39,8 +54,16 @@ Worker side (in `ModelRunner.execute_model`):
   8. `clear_connector_metadata()`.
 
 Scheduler side, after the step:
-  9. `request_finished(seq, block_ids)` when a request finishes or is aborted, before its
-     blocks are freed (they still hold its K/V during the call).
+  9. `request_finished(seq, block_ids) -> bool` when a request finishes or is aborted
+     (including one parked for its load), before its blocks are freed (they still hold its
+     K/V during the call). True delays freeing them until step 0 names the request (a
+     background load still writes them); `has_unfinished_requests()` stays True meanwhile.
+
+The engine loop: when nothing can be scheduled and only background loads (or delayed
+releases) are pending, `LLMEngine.step()` calls `wait_for_finished(timeout)` (a bounded block
+until step 0 would report something) and returns []; `LLMEngine.is_waiting_for_kv()` says
+the engine is in that state. A loop driving `step()` therefore never spins hot on a parked
+request and never sees "scheduler made no progress".
 
 Segmented prompts (CacheBlend): a connector whose `segment_separator` is a string makes
 `LLM.generate` split string prompts on it; a prompt given as a list of strings (or a dict with
@@ -55,6 +78,7 @@ tensors `(2, num_blocks, block_size, num_kv_heads, head_size)`; `shutdown()` on
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
@@ -72,8 +96,9 @@ class KVConnectorBase(ABC):
 
     # ---- scheduler side ----
     @abstractmethod
-    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
-        """Returns how many tokens after `num_computed_tokens` the connector can load (>= 0)."""
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
+        """Returns (how many tokens after `num_computed_tokens` the connector can load (>= 0),
+        whether it loads them asynchronously)."""
 
     @abstractmethod
     def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_external_tokens: int) -> None:
@@ -84,8 +109,25 @@ class KVConnectorBase(ABC):
         """Returns this step's instructions for the worker side (loads and saves)."""
 
     @abstractmethod
-    def request_finished(self, seq: Sequence, block_ids: list[int]) -> None:
-        """Called once per finished request before its blocks are freed."""
+    def request_finished(self, seq: Sequence, block_ids: list[int]) -> bool | None:
+        """Called once per finished request before its blocks are freed. Returns True to
+        delay freeing them until `get_finished()` names the request (falsy: free now)."""
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """Returns (requests whose delayed block release may now happen, requests whose
+        asynchronous load ended) since the last call; each id is reported once (default:
+        nothing is ever asynchronous)."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Returns the blocks of loads reported by the last `get_finished()` that did not get
+        their K/V (from each failed load's first bad position to its end); default: none."""
+        return set()
+
+    def wait_for_finished(self, timeout: float) -> None:
+        """Blocks until `get_finished()` has something to report, at most `timeout` seconds
+        (default: sleeps `timeout`; connectors with background loads wake up early)."""
+        time.sleep(timeout)
 
     # ---- worker side ----
     def register_model(self, model_config: Any) -> None:

@@ -18,6 +18,8 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 
 PromptType = str | list[str] | Mapping[str, Any]  # list[str]: one prompt in segments
+# The longest `step()` blocks when nothing can run until a connector's background load ends.
+KV_WAIT_S = 0.05
 
 
 class LLMEngine:
@@ -104,7 +106,15 @@ class LLMEngine:
         self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
+        """Whether `step()` still has work: requests waiting, running or waiting for a
+        connector's background load (or holding blocks a load still writes)."""
         return self.scheduler.has_unfinished()
+
+    def is_waiting_for_kv(self) -> bool:
+        """Whether the engine's only work is a connector's background loads: `step()` then
+        blocks briefly (up to `KV_WAIT_S`) for a load to finish and returns []."""
+        s = self.scheduler
+        return s.has_kv_in_flight() and not s.running
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
@@ -112,6 +122,10 @@ class LLMEngine:
         `finished` flag) for every request that got a new token in it, as vLLM's `step()`."""
         out = self.scheduler.schedule()
         if out.is_empty:
+            if self.scheduler.has_kv_in_flight():
+                # Only background loads are left: wait for one (bounded), never spin hot.
+                self.kv_connector.wait_for_finished(KV_WAIT_S)
+                return []
             if self.scheduler.waiting and not self.scheduler.running:
                 # Cannot happen for requests that passed check_request; fail loudly, not spin.
                 raise RuntimeError("scheduler made no progress with an idle engine")
@@ -169,6 +183,8 @@ class LLMEngine:
             "prefix_cache_hits": h,
             "prefix_cache_hit_rate": h / q if q else 0.0,
             "connector_hit_tokens": self.scheduler.num_external_hit_tokens,
+            "connector_load_error_tokens": self.scheduler.num_load_error_tokens,
+            "num_waiting_for_kv": len(self.scheduler.waiting_for_kv),
             "num_gpu_blocks": bm.num_blocks,
             "num_free_blocks": bm.num_free_blocks,
             "block_usage": bm.pool.usage(),

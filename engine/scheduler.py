@@ -6,6 +6,15 @@ If blocks run out, the newest running sequence is preempted (its blocks freed, i
 discarded) and requeued at the head of the waiting queue; it is recomputed later, usually
 from the prefix cache. Waiting sequences are admitted in arrival order while the budget,
 `max_num_seqs` and the free blocks allow (no admission in a step that preempted).
+
+Asynchronous loads (a connector answering `(n, True)`): the request gets blocks for its whole
+prompt and waits in `waiting_for_kv` (status WAITING_FOR_REMOTE_KVS) while the connector fills
+them in the background; the running batch keeps stepping. Each `schedule()` first collects
+the connector's `get_finished()`: a completed load puts its request back at the head of the
+waiting queue with the loaded tokens computed, cut back to the first block the connector
+reports in `get_block_ids_with_load_errors()` (those tokens are recomputed). A request whose
+connector asked to delay freeing its blocks (`request_finished` returned True: a load still
+writes them) keeps them in `delayed_free` until `get_finished()` names it.
 """
 
 from __future__ import annotations
@@ -99,6 +108,11 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_external_hit_tokens = 0
+        # Async loads in flight: request id -> (sequence, first loaded position, tokens loaded).
+        self.waiting_for_kv: dict[str, tuple[Sequence, int, int]] = {}
+        # Finished requests whose blocks a connector still writes: freed once it reports them.
+        self.delayed_free: dict[str, Sequence] = {}
+        self.num_load_error_tokens = 0  # loaded tokens found bad and recomputed
 
     # ---- admission ----
     def check_request(self, seq: Sequence) -> None:
@@ -122,7 +136,13 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether any request waits, runs or waits for K/V, or any finished one still holds
+        blocks a connector writes (the loop must keep stepping to release them)."""
+        return bool(self.waiting or self.running or self.waiting_for_kv or self.delayed_free)
+
+    def has_kv_in_flight(self) -> bool:
+        """Whether a connector's background load (or a delayed block release) is pending."""
+        return bool(self.waiting_for_kv or self.delayed_free)
 
     # ---- one step ----
     def schedule(self) -> SchedulerOutput:
@@ -148,6 +168,9 @@ class Scheduler:
             budget -= n
             i += 1
 
+        if self.connector is not None:
+            self._collect_finished_kv()
+
         while (
             self.waiting
             and budget > 0
@@ -155,21 +178,37 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             seq = self.waiting[0]
-            hits, num_local = bm.get_computed_blocks(seq)
-            num_external = 0
-            if self.connector is not None:
-                num_external = int(self.connector.get_num_new_matched_tokens(seq, num_local))
-                num_external = max(0, min(num_external, seq.num_tokens - 1 - num_local))
+            num_external, load_async = 0, False
+            resumed = bool(seq.block_table)  # its async load finished: blocks held, tokens computed
+            if resumed:
+                hits, num_local = [], seq.num_computed_tokens
+            else:
+                hits, num_local = bm.get_computed_blocks(seq)
+                if self.connector is not None:
+                    num_external, load_async = self._ask_connector(seq, num_local)
+            if load_async and num_external > 0:
+                # Blocks for the whole prompt now, so the finished load never waits for blocks.
+                rest = seq.num_tokens - num_local - num_external
+                if bm.allocate_slots(seq, rest, hits, num_external) is None:
+                    break  # wait for running sequences to free blocks
+                self.waiting.popleft()
+                seq.num_computed_tokens = num_local
+                self.connector.update_state_after_alloc(seq, seq.block_table, num_external)
+                bm.record_prefix_lookup(seq.num_tokens, num_local)
+                seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+                self.waiting_for_kv[seq.request_id] = (seq, num_local, num_external)
+                continue
             n = min(seq.num_tokens - num_local - num_external, budget)
             if bm.allocate_slots(seq, n, hits, num_external) is None:
                 break  # wait for running sequences to free blocks
             self.waiting.popleft()
-            seq.num_computed_tokens = num_local
-            if self.connector is not None:
-                self.connector.update_state_after_alloc(seq, seq.block_table, num_external)
-            seq.num_computed_tokens += num_external
-            bm.record_prefix_lookup(seq.num_tokens, num_local)
-            self.num_external_hit_tokens += num_external
+            if not resumed:
+                seq.num_computed_tokens = num_local
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(seq, seq.block_table, num_external)
+                seq.num_computed_tokens += num_external
+                bm.record_prefix_lookup(seq.num_tokens, num_local)
+                self.num_external_hit_tokens += num_external
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
             if seq.first_scheduled_time is None:
@@ -182,6 +221,46 @@ class Scheduler:
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def _ask_connector(self, seq: Sequence, num_local: int) -> tuple[int, bool]:
+        """Returns the connector's (tokens it can load after `num_local`, load_async), the
+        count clamped so the last token is computed."""
+        answer = self.connector.get_num_new_matched_tokens(seq, num_local)
+        if not (isinstance(answer, tuple) and len(answer) == 2):
+            raise ValueError(f"get_num_new_matched_tokens must return (num_tokens, load_async), got {answer!r}")
+        num_external = max(0, min(int(answer[0] or 0), seq.num_tokens - 1 - num_local))
+        return num_external, bool(answer[1])
+
+    def _collect_finished_kv(self) -> None:
+        """Applies what the connector reports done: finished loads make their requests
+        schedulable (cut back to the first bad block), released requests free their blocks."""
+        sending, recving = self.connector.get_finished()
+        done = set(sending or ()) | set(recving or ())
+        if not done:
+            return
+        bad_blocks = self.connector.get_block_ids_with_load_errors()
+        resumed: list[Sequence] = []
+        for rid in done:
+            seq = self.delayed_free.pop(rid, None)
+            if seq is not None:
+                self.block_manager.free(seq)
+            entry = self.waiting_for_kv.pop(rid, None)
+            if entry is None:
+                continue
+            seq, start, n = entry
+            end = start + n
+            bad = [i for i, b in enumerate(seq.block_table) if b in bad_blocks]
+            if bad:  # existence was not possession: recompute from the first bad block
+                end = max(start, min(end, bad[0] * self.block_manager.block_size))
+                self.num_load_error_tokens += start + n - end
+            seq.num_computed_tokens = end
+            self.num_external_hit_tokens += end - start
+            self.block_manager.cache_blocks(seq)
+            seq.status = SequenceStatus.WAITING
+            resumed.append(seq)
+        # Back at the head of the queue, in arrival order: they were admitted before the rest.
+        for seq in sorted(resumed, key=lambda q: q.arrival_time, reverse=True):
+            self.waiting.appendleft(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -237,13 +316,19 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
+        self.waiting_for_kv.pop(seq.request_id, None)
+        delay = False
         if self.connector is not None:
-            self.connector.request_finished(seq, list(seq.block_table))
-        self.block_manager.free(seq)
+            delay = bool(self.connector.request_finished(seq, list(seq.block_table)))
+        if delay:  # a load still writes its blocks: freed when get_finished() names it
+            self.delayed_free[seq.request_id] = seq
+        else:
+            self.block_manager.free(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Finishes a request as aborted wherever it is; returns it, or None if unknown."""
-        for seq in [*self.running, *self.waiting]:
+        waiting_for_kv = [entry[0] for entry in self.waiting_for_kv.values()]
+        for seq in [*self.running, *self.waiting, *waiting_for_kv]:
             if seq.request_id == request_id:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED, time.monotonic())
                 return seq

@@ -19,6 +19,9 @@ from engine.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    # Admitted with blocks while a connector loads part of its prefix in the background; it
+    # becomes WAITING (schedulable, those tokens computed) once the load is reported done.
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"  # eos or a stop token id

@@ -115,9 +115,10 @@ class BlendConnector(KVTierConnector):
         self.model = model
 
     # ---- scheduler side --------------------------------------------------------------
-    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
         """Returns, for a segmented prompt, the context tokens after the engine's hit (all of
-        them: missing segments are computed at load); otherwise the prefix connector's answer."""
+        them: missing segments are computed at load) to blend in the step (not async);
+        otherwise the prefix connector's answer."""
         lens = seq.segment_lens
         if not lens or len(lens) < 2:
             return super().get_num_new_matched_tokens(seq, num_computed_tokens)
@@ -125,11 +126,11 @@ class BlendConnector(KVTierConnector):
         self._blend_plans.pop(rid, None)
         end = min(sum(lens[:-1]), seq.num_tokens - 1)
         if end <= num_computed_tokens:
-            return 0
+            return 0, False
         self._blend_plans[rid] = _BlendJob(rid, num_computed_tokens, end, context_segments(lens))
         m = self.metrics.live(rid)
         m.num_prompt_tokens, m.engine_hit_tokens = seq.num_prompt_tokens, num_computed_tokens
-        return end - num_computed_tokens
+        return end - num_computed_tokens, False
 
     def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_external_tokens: int) -> None:
         job = self._blend_plans.pop(seq.request_id, None)
@@ -178,15 +179,15 @@ class BlendConnector(KVTierConnector):
         self._to_blend.clear()
         return meta
 
-    def request_finished(self, seq: Sequence, block_ids: list[int]) -> None:
+    def request_finished(self, seq: Sequence, block_ids: list[int]) -> bool:
         rid = seq.request_id
         self._blend_plans.pop(rid, None)
         self._to_blend.pop(rid, None)
         if rid in self._blended:
             self._blended.discard(rid)  # nothing of it is stored: its K/V is approximate
             self.metrics.finish(rid)
-            return
-        super().request_finished(seq, block_ids)
+            return False
+        return super().request_finished(seq, block_ids)
 
     # ---- worker side -----------------------------------------------------------------
     def bind_connector_metadata(self, metadata: Any) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector.gather import gather_chunk
+from connector.gather import gather_chunk, slots_for
 from connector.kvtier_connector import build_connector
 from engine import LLM, SamplingParams
 from tests.fixtures.model import make_tiny_checkpoint
@@ -34,18 +34,19 @@ def test_load_straddling_the_engine_hit_is_sliced(tmp_path: Path, default_model_
     assert len(cached_ids) == 7  # positions [0, 112) held by the engine's prefix cache
     before = [kv[:, cached_ids].clone() for kv in llm.engine.runner.kv_caches]
 
-    loads = []  # observe what the worker side is asked to scatter
-    start_load = conn.start_load_kv
-    conn.start_load_kv = lambda meta: (loads.extend(conn._meta.loads), start_load(meta))
+    jobs = []  # observe what the background loader is asked to fill
+    load = conn._load
+    conn._load = lambda job: (jobs.append(job), load(job))
     out = llm.generate([{"prompt_token_ids": ids}], params)[0]
     m = conn.request_metrics(out.request_id)
     assert (m.engine_hit_tokens, m.connector_hit_tokens) == (112, 5)  # [112, 117) from [96, 118)
     for kv, old in zip(llm.engine.runner.kv_caches, before):
         assert torch.equal(kv[:, cached_ids], old)  # the engine's blocks were not rewritten
     # ...while the slice past the hit really was loaded, into the request's fresh block.
-    assert len(loads) == 1 and loads[0].slots.numel() == 5
-    assert not set((loads[0].slots // 16).tolist()) & set(cached_ids.tolist())
-    got = gather_chunk(llm.engine.runner.kv_caches, loads[0].slots)
+    assert len(jobs) == 1 and (jobs[0].start, jobs[0].end) == (112, 117)
+    slots = slots_for(jobs[0].block_ids, 16, 112, 117)
+    assert not set((slots // 16).tolist()) & set(cached_ids.tolist())
+    got = gather_chunk(llm.engine.runner.kv_caches, slots)
     assert torch.equal(got, poisoned[:, :, 112 - 96:117 - 96])
     llm.shutdown()
 

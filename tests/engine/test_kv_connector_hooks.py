@@ -49,7 +49,7 @@ class RecordingConnector(KVConnectorBase):
         self.calls.append(("get_num_new_matched_tokens", seq.request_id, num_computed_tokens))
         toks = tuple(seq.all_token_ids)
         best = max((len(k) for k in self.store if toks[: len(k)] == k), default=0)
-        return max(0, best - num_computed_tokens)
+        return max(0, best - num_computed_tokens), False
 
     def update_state_after_alloc(self, seq, block_ids, num_external_tokens) -> None:
         self.calls.append(("update_state_after_alloc", seq.request_id, list(block_ids), num_external_tokens,
@@ -196,3 +196,13 @@ def test_connector_only_asked_beyond_the_engine_prefix_cache(default_model_path:
     (alloc,) = [c for c in conn.calls if c[0] == "update_state_after_alloc"]
     assert alloc[3] == 10 and alloc[4] == 192  # the connector loads 192..202; 202 is computed
     assert out.num_cached_tokens == 202 and out.outputs[0].token_ids == reference
+
+
+def test_a_bare_count_answer_is_refused_naming_the_protocol(default_model_path: Path, prompt: dict) -> None:
+    class CountOnly(RecordingConnector):
+        def get_num_new_matched_tokens(self, seq, num_computed_tokens: int):
+            return 0  # the pre-async protocol: no load_async flag
+
+    llm = LLM(str(default_model_path), device="cpu", num_gpu_blocks=64, kv_connector=CountOnly())
+    with pytest.raises(ValueError, match=r"must return \(num_tokens, load_async\)"):
+        llm.generate(prompt, PARAMS)
