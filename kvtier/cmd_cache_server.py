@@ -25,8 +25,9 @@ def keep_freed_memory() -> bool:
     """Asks glibc to keep freed memory for reuse instead of returning it to the OS; returns
     whether it could. Values are multi-MB buffers that come and go with every PUT and
     eviction: returned memory is faulted in again page by page on the next PUT, which costs
-    about as much CPU as receiving the bytes. The server's RSS then stays near its peak,
-    which the memory budget bounds anyway."""
+    about as much CPU as receiving the bytes. Freed holes that the next buffers do not fit
+    are handed back by the server's heap guard (kvstore/server/heap.py), so RSS stays within
+    --max-bytes plus the overhead documented in docs/protocol.md."""
     try:
         import ctypes
 
