@@ -295,7 +295,14 @@ class StorageManager:
         """Returns a snapshot of per-tier counters keyed by tier name."""
         out: dict[str, TierStats] = {}
         for i, tier in enumerate(self.tiers):
-            backend = self._call(i, tier.stats)
+            # not through _call: a stats read (often local counters) must not count as a
+            # health probe; a tier whose reads are failing is not asked at all
+            backend = BackendStats()
+            if self._read_health[i].healthy:
+                try:
+                    backend = tier.stats()
+                except Exception:
+                    pass
             with self._stats_lock:
                 s = TierStats(**{**vars(self._stats[i])})
             s.read_healthy = self._read_health[i].healthy

@@ -176,3 +176,16 @@ def test_clear_removes_only_this_clients_chunks(redis_server) -> None:
     assert client.keys("kvtier:*") == [] and client.get("unrelated") == b"x"
     a.close()
     b.close()
+
+
+def test_reading_stats_is_not_a_health_probe(own_redis: RedisServer) -> None:
+    mgr = StorageManager([RedisBackend(own_redis.url)], names=["redis"], backoff_initial_s=0.05, backoff_max_s=0.05)
+    own_redis.kill()
+    assert mgr.get(ckey(0)) is None and not mgr.stats()["redis"].read_healthy
+    for _ in range(5):  # backoff elapsed each time: stats() used to be the probe, and always succeeded
+        time.sleep(0.1)
+        assert not mgr.stats()["redis"].read_healthy
+    own_redis.restart()
+    time.sleep(0.1)
+    assert mgr.get(ckey(0)) is None and mgr.stats()["redis"].read_healthy  # a real call is the probe
+    mgr.close()

@@ -195,8 +195,10 @@ def test_failing_tier_is_skipped_with_backoff_and_recovers(tmp_path: Path, caplo
     root.unlink()
     root.mkdir()
     time.sleep(0.15)
-    mgr.put(ckey(50), chunk(50))
-    assert mgr.stats()["disk"].healthy and disk.contains(ckey(50))
+    mgr.put(ckey(50), chunk(50))  # the write probe: writes recover
+    assert mgr.stats()["disk"].write_healthy and disk.contains(ckey(50))
+    assert torch.equal(mgr.get(ckey(50)), chunk(50))  # the read probe: reads recover
+    assert mgr.stats()["disk"].healthy
     messages = [r.getMessage() for r in caplog.records]
     assert sum("disk: writes failing" in m for m in messages) == 1
     assert sum("disk: writes recovered" in m for m in messages) == 1
