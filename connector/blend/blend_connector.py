@@ -12,7 +12,9 @@ is blended; any other request takes the plain prefix path of `KVTierConnector`.
   positions after the engine's hit: those blocks are exact and never rewritten); then
   `blend_recompute` restores cross-segment attention for `ratio` of the tokens. A missing
   segment is recomputed there through every layer, inside this prompt, and stored from it
-  (`in_context`, the default), or computed on its own first (`standalone`). The engine then
+  (`in_context`, the default), or computed on its own first (`standalone`); either way its
+  chunks go through the background store queue prefix stores use (a later fetch waits for
+  them: read-your-writes). The engine then
   prefills the query suffix over the blended cache.
 - Blended K/V is approximate: the request's `max_cacheable_tokens` stops the engine's prefix
   cache at the exact part (the engine's hit; the first segment: at position 0 its stored K/V
@@ -24,6 +26,7 @@ is blended; any other request takes the plain prefix path of `KVTierConnector`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -158,7 +161,7 @@ class BlendConnector(KVTierConnector):
         if self.blend.segment_kv != "in_context" or not todo:
             return exact
         spans = [self._segment_spans(seq.token_ids_slice(g.start, g.end), "in_context") for g in todo]
-        held = iter(self.storage.batched_contains([k for sp in spans for _, _, k in sp]))
+        held = iter(self._held([k for sp in spans for _, _, k in sp]))
         for g, sp in zip(todo, spans):
             if all([next(held) for _ in sp]):  # a tier holds it: blended from here on
                 break
@@ -233,7 +236,8 @@ class BlendConnector(KVTierConnector):
                     to_store.append((seg, [sp for sp, good in zip(spans, ok) if not good and seg.start + sp[1] <= hi]))
                     continue
                 kv = compute_segment_kv(self.model, tokens).to(self.kv_caches[0].dtype)
-                self.storage.batched_put([(k, kv[:, :, s:e].contiguous()) for (s, e, k), good in zip(spans, ok) if not good])
+                self._store_segment(job.request_id, [(k, kv[:, :, s:e].contiguous())
+                                                     for (s, e, k), good in zip(spans, ok) if not good])
             else:
                 self.stats.segment_hits += 1
             pieces.append(rerotate_kv(kv[:, :, lo - seg.start: hi - seg.start].to(dev), seg.start, inv_freq))
@@ -247,7 +251,7 @@ class BlendConnector(KVTierConnector):
             # Every layer of it was just computed in this prompt: store it at positions 0..
             kv = gather_chunk(self.kv_caches, slots_for(job.block_ids, self.block_size, seg.start, seg.end, device=dev))
             kv = rerotate_kv(kv, -seg.start, inv_freq)
-            self.storage.batched_put([(k, kv[:, :, s:e].contiguous()) for s, e, k in spans])
+            self._store_segment(job.request_id, [(k, kv[:, :, s:e].contiguous()) for s, e, k in spans])
         s = self.stats
         s.requests += 1
         s.blended_tokens += job.end - job.start
@@ -256,6 +260,14 @@ class BlendConnector(KVTierConnector):
         # load_seconds of a blend: fetch (or compute), re-rotation, scatter, recompute, store.
         loaded = sum(p.numel() * p.element_size() for p in pieces)
         self.metrics.add(job.request_id, load_seconds=time.perf_counter() - t0, bytes_loaded=loaded)
+
+    def _store_segment(self, request_id: str, items: list[tuple[str, torch.Tensor]]) -> None:
+        """Queues a segment's chunks (fresh tensors) on the background store queue that prefix
+        stores use; a refused store is counted, never waited for."""
+        nbytes = sum(kv.numel() * kv.element_size() for _, kv in items)
+        dropped = functools.partial(self.metrics.add, request_id, dropped_store_bytes=nbytes)
+        if items and not self._stores.submit(items, on_drop=dropped):
+            dropped()
 
     def stored_segment(self, token_ids: list[int], segment_kv: str | None = None) -> torch.Tensor | None:
         """Returns the stored K/V `(L, 2, n, H, D)` of a segment of `token_ids` at positions 0..
@@ -271,7 +283,9 @@ class BlendConnector(KVTierConnector):
         """Returns a segment's stored K/V `(L, 2, n, H, D)` (None unless every chunk is there
         and well-formed) and which chunks were. Read only: it may be a tier's own tensor
         (callers re-rotate a copy of it)."""
-        values = self.storage.batched_get([k for _, _, k in spans], read_only=True)
+        keys = [k for _, _, k in spans]
+        self._stores.wait_for(keys)  # read-your-writes: a segment store may still be queued
+        values = self.storage.batched_get(keys, read_only=True)
         ok = [self._chunk_ok(kv, e - s) for (s, e, _), kv in zip(spans, values)]
         if not all(ok):
             return None, ok

@@ -220,6 +220,7 @@ def test_segments_hit_in_any_order_and_missing_ones_are_computed(default_model_p
     fp, dt = llm.model_config.fingerprint, conn._kv_dtype
     evicted = segment_spans(segments["docs"][0], CHUNK, fp, dt, "in_context")[1][2]
     corrupt = segment_spans(segments["docs"][1], CHUNK, fp, dt, "in_context")[0][2]
+    assert conn.flush(timeout=60)
     conn.storage.delete(evicted)
     good = conn.storage.get(corrupt)
     conn.storage.put(corrupt, good[:, :, :3].clone())
@@ -228,6 +229,7 @@ def test_segments_hit_in_any_order_and_missing_ones_are_computed(default_model_p
     st = conn.blend_stats()
     assert st["segment_misses"] == 6
     assert tokens(again) == tokens(first)  # recomputed in the first prompt's order: the same K/V
+    assert conn.flush(timeout=60)  # segment stores go through the background queue
     assert conn.storage.contains(evicted)
     torch.testing.assert_close(conn.storage.get(corrupt), good, atol=1e-4, rtol=1e-4)
     assert_idle(llm, conn)
