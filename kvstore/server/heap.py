@@ -3,10 +3,10 @@
 `kvtier cache-server` asks glibc to keep freed memory for reuse (cmd_cache_server.
 keep_freed_memory): buffers of evicted values then serve the next PUTs without new page
 faults. With values of varied sizes the freed holes may not fit the next buffer, the heap
-grows, and resident memory drifts above the budget. `ResidentGuard.check` measures that
-drift before each large allocation and, past a slack, hands free pages back with
-malloc_trim(0): uniform chunk sizes keep their zero-fault reuse, and no client mix takes
-the process past the budget plus the documented overhead.
+grows, and resident memory drifts above the budget. `ResidentGuard.check` runs before each
+large allocation and, only when resident memory plus that allocation would pass the bound
+(baseline + budget + allowance), hands free pages back with malloc_trim(0): below the bound
+freed buffers keep their zero-fault reuse, and no client mix takes the process past it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _malloc_trim():  # -> ctypes function or None
 
 
 class ResidentGuard:
-    """Trims the allocator when resident memory exceeds baseline + committed + allowance."""
+    """Trims the allocator when resident memory would pass baseline + a limit."""
 
     def __init__(self) -> None:
         self._trim = _malloc_trim()
@@ -48,13 +48,13 @@ class ResidentGuard:
         """Takes the current resident size as the idle process's (call once serving)."""
         self.baseline = resident_bytes()
 
-    def check(self, committed: int, allowance: int) -> bool:
-        """Returns whether it trimmed: it does when resident memory exceeds the baseline plus
-        `committed` (budget bytes in use, all resident) plus `allowance` (buffers outside
-        the budget: per-connection receive and send buffers, allocator slack)."""
+    def check(self, limit: int, pending: int = 0) -> bool:
+        """Returns whether it trimmed: it does when resident memory plus `pending` (bytes
+        about to be allocated) exceeds the baseline plus `limit` (the budget plus what lives
+        outside it: per-connection buffers, allocator slack)."""
         if self._trim is None:
             return False
-        if resident_bytes() - self.baseline - committed <= allowance:
+        if resident_bytes() + pending - self.baseline <= limit:
             return False
         self._trim(0)
         self.trims += 1

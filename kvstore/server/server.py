@@ -116,12 +116,12 @@ class CacheServer:
         self.heap = ResidentGuard()
 
     def trim_heap(self, pending: int = 0) -> None:
-        """Hands freed memory back to the OS when resident memory exceeds what the budget and
-        the connections explain (called before each large allocation, whose `pending`
-        reserved bytes are not resident yet, and once per sweep)."""
+        """Hands freed memory back to the OS when resident memory plus `pending` (a buffer
+        about to be allocated) would pass the bound: the budget plus the allowance for the
+        open connections and allocator slack (docs/protocol.md, "Memory bound")."""
         per_connection = PER_TLS_CONNECTION_BYTES if self._tls is not None else PER_CONNECTION_BYTES
         allowance = HEAP_SLACK_BYTES + len(self.connections) * per_connection
-        self.heap.check(self.store.committed - pending, allowance)
+        self.heap.check(self.store.max_bytes + allowance, pending)
 
     async def start(self) -> tuple[str, int]:
         """Binds and starts accepting; returns the bound (host, port) (a free port for 0)."""
