@@ -27,7 +27,12 @@ import torch
 from kvstore import serde
 from kvstore.backend import BackendError, BackendStats, BytesBackend
 from kvstore.codecs import Buffer, Codec
-from kvstore.server.client import CacheServerClient, Payload, ServerReplyError, ServerUnavailable
+from kvstore.server.client import (
+    CacheServerClient,
+    Payload,
+    ServerReplyError,
+    ServerUnavailable,
+)
 
 if TYPE_CHECKING:
     from kvstore.config import TierSpec

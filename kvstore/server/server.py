@@ -100,7 +100,9 @@ class CacheServer:
         self.store = store
         self.config = config
         self._token = config.auth_token.encode() if config.auth_token is not None else None
-        self._tls = server_tls_context(config.tls_cert, config.tls_key) if config.tls_cert else None
+        self._tls = None
+        if config.tls_cert is not None and config.tls_key is not None:
+            self._tls = server_tls_context(config.tls_cert, config.tls_key)
         self.max_payload = config.max_payload
         self.connections: set[_Connection] = set()
         # Connections whose next body waits for memory, oldest first.

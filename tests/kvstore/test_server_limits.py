@@ -54,3 +54,13 @@ def test_prefix_hits_caps_keys_per_request(cache_server: CacheServerProcess) -> 
     assert c.prefix_hits(keys) == P.MAX_KEYS_PER_REQUEST + 5
     assert c.prefix_hits(keys[:P.MAX_KEYS_PER_REQUEST]) == P.MAX_KEYS_PER_REQUEST
     c.close()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--max-connections", "0"), "--max-connections must be at least 1, got 0"),
+    (("--frame-timeout", "0"), "--frame-timeout must be positive, got 0.0"),
+])
+def test_limit_options_are_checked(cache_server_factory: type[CacheServerProcess], args: tuple[str, ...],
+                                   message: str) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        cache_server_factory(*args)
