@@ -52,7 +52,13 @@ from connector.gather import gather_chunk, scatter_chunk, slots_for
 from connector.metrics import ConnectorMetrics, RequestKVMetrics, TierKVMetrics
 from connector.store_queue import StoreQueue
 from engine.kv_connector import KVConnectorBase
-from kvstore.keys import ROOT_HASH, ChunkKey, dtype_name, partial_chunk_keys, process_tokens
+from kvstore.keys import (
+    ROOT_HASH,
+    ChunkKey,
+    dtype_name,
+    partial_chunk_keys,
+    process_tokens,
+)
 from kvstore.storage_manager import StorageManager
 from kvstore.writer import BackgroundWriter
 
@@ -88,6 +94,9 @@ class LoadJob:
     spans: list[Span]  # in order, covering [start, end) (the first may begin before start)
     block_ids: list[int]
     cancelled: bool = False  # the request finished: stop writing its blocks
+    # CUDA: recorded on the engine's stream at admission; the load stream waits for it, so
+    # kernels still using these blocks for their previous owner finish before they are written.
+    ready: Any = None
 
     @property
     def keys(self) -> list[str]:
@@ -265,6 +274,9 @@ class KVTierConnector(KVConnectorBase):
         end = plan.start + num_external_tokens
         job = LoadJob(rid, plan.start, end, [sp for sp in plan.spans if sp[0] < end], list(block_ids))
         self.storage.pin(job.keys)  # no local tier evicts them before the loader reads them
+        if self._load_stream is not None:
+            job.ready = torch.cuda.Event()
+            job.ready.record()
         with self._load_cond:
             self._loading[rid] = job
         if not self._loader.submit(functools.partial(self._load, job)):
@@ -282,6 +294,8 @@ class KVTierConnector(KVConnectorBase):
                 values = self.storage.batched_get(job.keys, read_only=True)  # only scattered
                 stream = self._load_stream
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    if job.ready is not None:
+                        stream.wait_event(job.ready)
                     for (s, e, _k), kv in zip(job.spans, values):
                         if job.cancelled or not self._chunk_ok(kv, e - s):
                             break  # corrupt, evicted or foreign: computed from here on
