@@ -41,7 +41,9 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceT
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +73,8 @@ if TYPE_CHECKING:
 Span = tuple[int, int, str]
 # Background loads queued at most; one past it is refused and computed instead.
 LOAD_QUEUE_SIZE = 4096
+# Chunks per fetch of a load: the next group is fetched while this one is scattered.
+FETCH_GROUP = 2
 logger = logging.getLogger("kvtier.connector")
 
 
@@ -183,6 +187,7 @@ class KVTierConnector(KVConnectorBase):
                                   self.config.kvstore.queue_full)
         # A full load queue refuses a job; that load is reported failed (recomputed).
         self._loader = BackgroundWriter(LOAD_QUEUE_SIZE, "drop_new", "kvtier-connector-load")
+        self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="kvtier-connector-fetch")
         if kv_caches[0].device.type == "cuda":
             self._load_stream = torch.cuda.Stream(kv_caches[0].device)
 
@@ -291,12 +296,12 @@ class KVTierConnector(KVConnectorBase):
         try:
             if not job.cancelled:
                 self._stores.wait_for(job.keys)  # read-your-writes, on this thread
-                values = self.storage.batched_get(job.keys, read_only=True)  # only scattered
                 stream = self._load_stream
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     if job.ready is not None:
                         stream.wait_event(job.ready)
-                    for (s, e, _k), kv in zip(job.spans, values):
+                    for span, kv in self._fetch_pipelined(job):
+                        s, e, _ = span
                         if job.cancelled or not self._chunk_ok(kv, e - s):
                             break  # corrupt, evicted or foreign: computed from here on
                         lo, hi = max(s, job.start), min(e, job.end)
@@ -311,6 +316,23 @@ class KVTierConnector(KVConnectorBase):
         finally:
             self.metrics.add(job.request_id, bytes_loaded=nbytes, load_seconds=time.perf_counter() - t0)
             self._end_load(job, filled)
+
+    def _fetch_pipelined(self, job: LoadJob) -> Iterator[tuple[Span, torch.Tensor | None]]:
+        """Yields each span of `job` with its fetched value (None: missing), in order. Groups
+        of FETCH_GROUP chunks are fetched one batched call each, the next group on the
+        prefetch thread while the caller scatters this one; stops fetching once the job is
+        cancelled or a group comes back short."""
+        groups = [job.spans[i:i + FETCH_GROUP] for i in range(0, len(job.spans), FETCH_GROUP)]
+        get = functools.partial(self.storage.batched_get, read_only=True)  # only scattered
+        pending = self._prefetch.submit(get, [k for _, _, k in groups[0]])
+        for g, group in enumerate(groups):
+            values = pending.result()
+            last = g + 1 == len(groups) or job.cancelled or any(v is None for v in values)
+            if not last:
+                pending = self._prefetch.submit(get, [k for _, _, k in groups[g + 1]])
+            yield from zip(group, values)
+            if last:
+                return
 
     def _end_load(self, job: LoadJob, filled: int) -> None:
         """Unpins the job's chunks and queues its report: the blocks from `filled` on failed."""
@@ -466,6 +488,7 @@ class KVTierConnector(KVConnectorBase):
         atexit.unregister(self._atexit)
         if self._loader is not None:
             self._loader.close(timeout=None)  # loads in flight end (and unpin) first
+            self._prefetch.shutdown()
         if self._stores is not None:
             self._stores.close()
         self.storage.flush()
