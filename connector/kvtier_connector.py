@@ -10,8 +10,10 @@ Flow for one request:
   last round stored). The answer comes from existence only (one batched query per tier),
   never from fetched bytes, and says `load_async`.
 - Load (`update_state_after_alloc`, background): the request's chunks are pinned and a
-  loader thread fetches them and scatters them into the request's fresh blocks while the
-  engine keeps stepping; `get_finished()` then reports the load. Existence is not
+  loader thread fetches them (FETCH_GROUP at a time, the next group on a prefetch thread
+  while this one is scattered) into the request's fresh blocks while the engine keeps
+  stepping; `get_finished()` then reports the load. A slow-tier hit is promoted to the faster
+  tiers by that fetch, on the loader's thread, never on the engine's. Existence is not
   possession: a chunk evicted, corrupt or on a tier that died since the lookup stops the load
   there, and `get_block_ids_with_load_errors()` names the blocks from that position on, which
   the engine recomputes. An aborted request's blocks are released only once the loader let go.
