@@ -83,9 +83,9 @@ async def chat_stream(client: httpx.AsyncClient, messages: list[dict[str, str]],
                 usage = chunk["usage"]
             if not chunk["choices"]:
                 continue
+            if "role" in chunk["choices"][0]["delta"]:
+                continue  # the role chunk is sent at once, before any token exists
             delta = chunk["choices"][0]["delta"].get("content")
-            if delta is None and "role" in chunk["choices"][0]["delta"]:
-                continue  # the role chunk is sent before any token exists
             if ttft is None:
                 ttft = now - t0
             else:

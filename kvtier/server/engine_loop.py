@@ -186,6 +186,10 @@ class EngineLoop:
             for sub in self._subs.values():
                 sub.put(dead)
             self._subs.clear()
+            # Commands queued around the failure still get an answer (`_add` refuses), so
+            # no client waits forever on a request the dead engine will never run.
+            while not self._stop.is_set():
+                self._run_commands(block=True)
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -200,6 +204,9 @@ class EngineLoop:
                 return
 
     def _add(self, seqs: list[Sequence], sub: _Subscriber) -> None:
+        if self.error is not None:
+            sub.put(EngineDeadError(f"the engine failed: {type(self.error).__name__}: {self.error}"))
+            return
         for seq in seqs:
             try:
                 self.engine.add_sequence(seq)
