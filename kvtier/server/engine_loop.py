@@ -3,8 +3,9 @@
 The engine is not thread-safe, so exactly one thread (this loop) touches it: it runs the
 commands handlers queue (add, abort, read-only calls), steps the engine while it has work,
 and hands each step's outputs to the asyncio queue of the request they belong to. An
-exception in a step fails every request in flight with `EngineDeadError`, marks the loop
-dead (`/health` answers 503) and is logged; the loop does not restart on a broken engine.
+exception in a step fails every request in flight with `EngineFailedError` (500), marks the
+loop dead (`/health` and later requests answer 503) and is logged; the loop does not restart
+on a broken engine.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ T = TypeVar("T")
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped (an exception in a step, or shutdown): no request can run."""
+
+
+class EngineFailedError(EngineDeadError):
+    """The engine failed while this request was in it (answered 500; later requests get 503)."""
 
 
 class QueueFullError(RuntimeError):
@@ -182,7 +187,7 @@ class EngineLoop:
         except BaseException as exc:
             self.error = exc
             logger.exception("engine loop failed; failing %d request(s) in flight", len(self._subs))
-            dead = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
+            dead = EngineFailedError(f"the engine failed: {type(exc).__name__}: {exc}")
             for sub in self._subs.values():
                 sub.put(dead)
             self._subs.clear()

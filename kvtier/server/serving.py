@@ -22,7 +22,8 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from kvtier.server.engine_loop import ClientDisconnected, EngineDeadError, EngineLoop, QueueFullError, RequestStream
+from kvtier.server.engine_loop import (ClientDisconnected, EngineDeadError, EngineFailedError, EngineLoop,
+                                      QueueFullError, RequestStream)
 from kvtier.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                     SamplingRequest, new_id, now, usage)
 
@@ -163,10 +164,18 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
+def _engine_error(exc: BaseException) -> APIError:
+    """Returns the answer to a request the engine could not serve: 500 if it failed while the
+    request was in it, 503 if it was already down, 400 if it refused the request."""
+    if isinstance(exc, EngineFailedError):
+        return APIError(500, str(exc), "internal_error", code="engine_failed")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), "service_unavailable", code="engine_dead")
+    return APIError(400, str(exc))
+
+
 def _error_event(exc: BaseException) -> str:
-    err = APIError(503 if isinstance(exc, EngineDeadError) else 500, str(exc),
-                   "service_unavailable" if isinstance(exc, EngineDeadError) else "internal_error")
-    return _sse(err.body())
+    return _sse(_engine_error(exc).body())
 
 
 @dataclass
@@ -192,10 +201,8 @@ async def _collect(request: Request, stream: RequestStream, n: int) -> list[Requ
             async for out in stream:
                 if out.finished:
                     finals[out.request_id] = out
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), "service_unavailable", code="engine_dead") from None
-        except ValueError as exc:  # the engine refused a request after validation
-            raise APIError(400, str(exc)) from None
+        except (EngineDeadError, ValueError) as exc:  # ValueError: refused after validation
+            raise _engine_error(exc) from None
         except ClientDisconnected:  # nobody reads the answer; the requests were aborted
             raise APIError(499, "client disconnected", code="client_disconnected") from None
     return [finals[k] for k in sorted(finals, key=lambda r: int(r.rsplit("-", 1)[1]))][:n]

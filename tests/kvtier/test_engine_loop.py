@@ -1,5 +1,5 @@
 """The server's engine loop in-process, over a tiny random checkpoint: a failing engine step
-fails the requests in flight (503), flips /health to 503 and refuses new work; requests are
+fails the requests in flight (500), flips /health to 503 and refuses new work (503); requests are
 streamed per step; the in-flight bound refuses past max_num_seqs + max_queue."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def test_engine_failure_fails_requests_and_health(llm: LLM) -> None:
 
             llm.engine.runner.execute_model = broken  # type: ignore[method-assign]
             r = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
-            assert r.status_code == 503 and "injected fault" in r.json()["error"]["message"]
+            assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
             assert (await client.get("/health")).status_code == 503
             again = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
             assert again.status_code == 503 and again.json()["error"]["code"] == "engine_dead"
