@@ -117,14 +117,15 @@ class LLMEngine:
         return s.has_kv_in_flight() and not s.running
 
     # ---- the loop ----
-    def step(self) -> list[RequestOutput]:
+    def step(self, kv_wait_s: float = KV_WAIT_S) -> list[RequestOutput]:
         """Runs one scheduled forward; returns an output (cumulative tokens and text, with a
-        `finished` flag) for every request that got a new token in it, as vLLM's `step()`."""
+        `finished` flag) for every request that got a new token in it, as vLLM's `step()`.
+        With only background loads left, it waits up to `kv_wait_s` for one and returns []."""
         out = self.scheduler.schedule()
         if out.is_empty:
             if self.scheduler.has_kv_in_flight():
                 # Only background loads are left: wait for one (bounded), never spin hot.
-                self.kv_connector.wait_for_finished(KV_WAIT_S)
+                self.kv_connector.wait_for_finished(kv_wait_s)
                 return []
             if self.scheduler.waiting and not self.scheduler.running:
                 # Cannot happen for requests that passed check_request; fail loudly, not spin.

@@ -175,7 +175,8 @@ class EngineLoop:
                 self._run_commands(block=not engine.has_unfinished_requests())
                 if self._stop.is_set():
                     break
-                outputs = engine.step() if engine.has_unfinished_requests() else []
+                # A short wait for loads keeps new requests and aborts from waiting behind it.
+                outputs = engine.step(kv_wait_s=0.005) if engine.has_unfinished_requests() else []
                 if self._on_step is not None:
                     self._on_step(engine, outputs)
                 for out in outputs:
