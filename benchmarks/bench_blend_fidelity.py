@@ -39,13 +39,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples" / "blend_kv"))
 
+from eval_blend import token_f1  # noqa: E402
+from qa_dataset import chat_segments, make_documents, make_questions  # noqa: E402
+
 from connector.blend import BlendConfig, build_blend_connector  # noqa: E402
 from connector.blend.executor import blend_recompute, compute_segment_kv, rerotate_kv  # noqa: E402
 from connector.gather import gather_chunk, scatter_chunk, slots_for  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.attention_metadata import AttentionMetadata  # noqa: E402
-from eval_blend import token_f1  # noqa: E402
-from qa_dataset import chat_segments, make_documents, make_questions  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 BLOCK = 16

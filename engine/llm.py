@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence as SequenceT
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceT
 from typing import Any
 
 from engine.config import EngineConfig

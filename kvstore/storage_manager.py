@@ -1,4 +1,5 @@
-"""The storage manager: tiers ordered fast to slow behind one get/put interface (DESIGN §4).
+"""The storage manager: tiers ordered fast to slow behind one get/put interface
+(docs/architecture.md, "Tiers and the storage manager").
 
 - `put` writes the fastest tier synchronously and the slower tiers through a background
   writer with a bounded queue (full queue: a write is dropped and counted, never waited for).
@@ -13,12 +14,14 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from functools import partial
+from typing import Any, Final, Literal, TypeVar
 
 import torch
 
@@ -31,7 +34,14 @@ from kvstore.writer import BackgroundWriter
 
 logger = logging.getLogger("kvtier.kvstore")
 T = TypeVar("T")
-_SKIPPED = object()
+
+
+class _Skip(enum.Enum):
+    SKIPPED = enum.auto()
+
+
+# What `_call` answers when a tier is backing off or just failed (an enum member so `is` narrows types).
+_SKIPPED: Final = _Skip.SKIPPED
 
 
 @dataclass
@@ -113,7 +123,7 @@ class StorageManager:
                    backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s)
 
     # -- guarded tier calls --------------------------------------------------------------
-    def _call(self, i: int, fn: Callable[[], T], write: bool = False) -> T | object:
+    def _call(self, i: int, fn: Callable[[], T], write: bool = False) -> T | Literal[_Skip.SKIPPED]:
         """Returns fn()'s result, or _SKIPPED if tier i's reads (or writes) are backing off or
         this call just failed."""
         health = (self._write_health if write else self._read_health)[i]
@@ -136,7 +146,7 @@ class StorageManager:
     def _store(self, i: int, items: Sequence[tuple[str, torch.Tensor]], owned: bool = False) -> None:
         t0 = time.perf_counter()
         tier = self.tiers[i]
-        result = self._call(i, lambda: tier.batched_adopt(items) if owned else tier.batched_put(items), write=True)
+        result = self._call(i, partial(tier.batched_adopt if owned else tier.batched_put, items), write=True)
         if result is not _SKIPPED:
             with self._stats_lock:
                 self._stats[i].bytes_stored += sum(_nbytes(kv) for _, kv in items)
@@ -185,10 +195,9 @@ class StorageManager:
         while progress and n < len(keys):
             progress = False
             for i, tier in enumerate(self.tiers):
-                start = n
-                got = self._call(i, lambda: tier.prefix_hits(keys[start:]))
+                got = self._call(i, partial(tier.prefix_hits, keys[n:]))
                 if got is not _SKIPPED and got:
-                    n += int(got)
+                    n += got
                     progress = True
                 if n == len(keys):
                     break
@@ -201,8 +210,8 @@ class StorageManager:
         keys = list(keys)
         hits: dict[str, int] = {}
         for i, tier in enumerate(self.tiers):
-            got = self._call(i, lambda: tier.prefix_hits(keys)) if keys else 0
-            hits[self.names[i]] = 0 if got is _SKIPPED else int(got)  # type: ignore[call-overload]
+            got = self._call(i, partial(tier.prefix_hits, keys)) if keys else 0
+            hits[self.names[i]] = 0 if got is _SKIPPED else got
         return hits
 
     def batched_contains(self, keys: Sequence[str]) -> list[bool]:
@@ -214,7 +223,7 @@ class StorageManager:
             todo = [j for j, h in enumerate(held) if not h]
             if not todo:
                 break
-            got = self._call(i, lambda: tier.batched_contains([keys[j] for j in todo]))
+            got = self._call(i, partial(tier.batched_contains, [keys[j] for j in todo]))
             if got is not _SKIPPED:
                 for j, present in zip(todo, got):
                     held[j] = bool(present)
@@ -241,7 +250,7 @@ class StorageManager:
                     break
                 want = [keys[j] for j in missing]
                 t0 = time.perf_counter()
-                got = self._call(i, lambda: tier.batched_read(want) if read_only else tier.batched_get(want))
+                got = self._call(i, partial(tier.batched_read if read_only else tier.batched_get, want))
                 if got is _SKIPPED:
                     continue
                 elapsed = time.perf_counter() - t0
@@ -279,7 +288,7 @@ class StorageManager:
         """Removes `key` from every healthy tier (slow tiers after queued writes)."""
         self.flush()
         for i, tier in enumerate(self.tiers):
-            self._call(i, lambda: tier.delete(key), write=True)
+            self._call(i, partial(tier.delete, key), write=True)
 
     def clear(self) -> None:
         """Removes every chunk each healthy tier owns (see each tier's `clear`)."""

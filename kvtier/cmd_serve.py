@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 from collections.abc import Iterator
 from typing import Any
 

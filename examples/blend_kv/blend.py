@@ -19,9 +19,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from qa_dataset import FACT_KINDS, Question, chat_segments, make_documents  # noqa: E402
+
 from connector.blend import BlendConfig, build_blend_connector  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from qa_dataset import FACT_KINDS, Question, chat_segments, make_documents  # noqa: E402
 
 
 def ttft(out) -> float:

@@ -36,9 +36,10 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from qa_dataset import chat_segments, make_documents, make_questions  # noqa: E402
+
 from connector.blend import BlendConfig, build_blend_connector  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from qa_dataset import chat_segments, make_documents, make_questions  # noqa: E402
 
 # mode -> (BlendConfig.segment_kv, ratio)
 BLEND_MODES = {

@@ -23,8 +23,7 @@ from connector.lookup import tier_prefix_tokens
 from kvtier import __version__
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, LookupRequest, now
-from kvtier.server.serving import (ServingContext, check_model, create_chat_completion, create_completion,
-                                   render_chat)
+from kvtier.server.serving import ServingContext, check_model, create_chat_completion, create_completion, render_chat
 
 logger = logging.getLogger("kvtier.server")
 

@@ -22,10 +22,24 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from kvtier.server.engine_loop import (ClientDisconnected, EngineDeadError, EngineFailedError, EngineLoop,
-                                      QueueFullError, RequestStream)
-from kvtier.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                    SamplingRequest, new_id, now, usage)
+from kvtier.server.engine_loop import (
+    ClientDisconnected,
+    EngineDeadError,
+    EngineFailedError,
+    EngineLoop,
+    QueueFullError,
+    RequestStream,
+)
+from kvtier.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingRequest,
+    new_id,
+    now,
+    usage,
+)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
