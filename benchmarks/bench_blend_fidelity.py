@@ -200,8 +200,19 @@ def main() -> None:
                 dev = (run.kv(head, n_ctx) - full_kv[:, :, head:]).float().pow(2).sum((0, 1, 3, 4))
                 forced = torch.zeros_like(dev, dtype=torch.bool)
                 forced[dev.topk(min(dev.numel(), round(mode.ratio * dev.numel()))).indices] = True
-            blend_recompute(model, run.caches, run.blocks, BLOCK, ids[head:n_ctx], head, n_ctx,
-                            0.0 if mode.by_true_deviation else mode.ratio, args.check_layer, mode.narrowing, missing=forced)
+            blend_recompute(
+                model,
+                run.caches,
+                run.blocks,
+                BLOCK,
+                ids[head:n_ctx],
+                head,
+                n_ctx,
+                0.0 if mode.by_true_deviation else mode.ratio,
+                args.check_layer,
+                mode.narrowing,
+                missing=forced,
+            )
 
             logits = run.forward(suffix + answer[:-1], n_ctx)[len(suffix) - 1:]
             logp = logits.log_softmax(-1)

@@ -62,13 +62,13 @@ def bench_prefill(llm: LLM, hf, lengths: list[int], repeats: int, device: torch.
     for n in lengths:
         ids = token_ids(n, vocab, salt=n)
 
-        def engine_prefill() -> None:
+        def engine_prefill(ids: list[int] = ids) -> None:
             llm.reset_prefix_cache()
             llm.generate({"prompt_token_ids": ids}, one)
 
         x = torch.tensor([ids], device=device)
 
-        def hf_forward() -> None:
+        def hf_forward(x: torch.Tensor = x) -> None:
             with torch.inference_mode():
                 hf(x, use_cache=False)
             sync(device)
@@ -106,7 +106,9 @@ def bench_decode(llm: LLM, hf, batches: list[int], prompt_len: int, new_tokens: 
         assert out.shape[1] == prompt_len + new_tokens
         e_tps, h_tps = b * new_tokens / e, b * new_tokens / h
         rows.append({"batch": b, "engine_tok_s": e_tps, "transformers_tok_s": h_tps, "ratio": e_tps / h_tps})
-        print(f"decode batch {b}: engine {e_tps:.1f} tok/s, transformers {h_tps:.1f} tok/s", file=sys.stderr, flush=True)
+        print(
+            f"decode batch {b}: engine {e_tps:.1f} tok/s, transformers {h_tps:.1f} tok/s", file=sys.stderr, flush=True
+        )
     return rows
 
 
@@ -129,11 +131,15 @@ def to_markdown(res: dict) -> str:
              "| measurement | engine | transformers | ratio (engine/transformers) | target |",
              "|---|---|---|---|---|"]
     for r in res["prefill"]:
-        lines.append(f"| prefill {r['tokens']} tokens | {r['engine_s'] * 1e3:.1f} ms | {r['transformers_s'] * 1e3:.1f} ms "
-                     f"| {r['ratio']:.2f}x | <= 1.0x |")
+        lines.append(
+            f"| prefill {r['tokens']} tokens | {r['engine_s'] * 1e3:.1f} ms | {r['transformers_s'] * 1e3:.1f} ms "
+            f"| {r['ratio']:.2f}x | <= 1.0x |"
+        )
     for r in res["decode"]:
-        lines.append(f"| decode batch {r['batch']} | {r['engine_tok_s']:.1f} tok/s | {r['transformers_tok_s']:.1f} tok/s "
-                     f"| {r['ratio']:.2f}x | {'>= 2x' if r['batch'] >= 16 else '-'} |")
+        lines.append(
+            f"| decode batch {r['batch']} | {r['engine_tok_s']:.1f} tok/s | {r['transformers_tok_s']:.1f} tok/s "
+            f"| {r['ratio']:.2f}x | {'>= 2x' if r['batch'] >= 16 else '-'} |"
+        )
     t = res["ttft"]
     lines += ["", "| prefix caching | cold TTFT | warm TTFT | cached tokens | warm/cold | target |",
               "|---|---|---|---|---|---|",

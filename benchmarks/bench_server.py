@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -81,7 +82,9 @@ def throughput(tier: BytesBackend, server_pid: int, chunks: list[torch.Tensor], 
     wall-clock figures mostly measure the scheduler). Fresh keys every round, so PUTs never
     just overwrite; every chunk is checked to round-trip."""
     nbytes = sum(c.numel() * c.element_size() for c in chunks)
-    out: dict[str, list[float]] = {m: [] for m in ("put", "get", "put_wire", "get_wire", "put_wire_cpu", "get_wire_cpu")}
+    out: dict[str, list[float]] = {
+        m: [] for m in ("put", "get", "put_wire", "get_wire", "put_wire_cpu", "get_wire_cpu")
+    }
 
     def timed(metric: str, fn: Callable[[], object]) -> object:
         c0, t0 = server_cpu_s(server_pid), time.perf_counter()
@@ -93,14 +96,14 @@ def throughput(tier: BytesBackend, server_pid: int, chunks: list[torch.Tensor], 
 
     for r in range(rounds):
         keys = _keys(len(chunks), 2 * r)
-        timed("put", lambda: tier.batched_put(list(zip(keys, chunks))))
-        got = timed("get", lambda: tier.batched_get(keys))
+        timed("put", partial(tier.batched_put, list(zip(keys, chunks))))
+        got = timed("get", partial(tier.batched_get, keys))
         if any(g is None or not torch.equal(g, c) for g, c in zip(got, chunks)):
             raise RuntimeError(f"{tier.name}: a chunk did not round-trip")
         wire_keys = _keys(len(chunks), 2 * r + 1)
         values = [(k, tier.encode(k, c)) for k, c in zip(wire_keys, chunks)]
-        timed("put_wire", lambda: tier._batched_put_bytes(values))
-        raw = timed("get_wire", lambda: tier._batched_get_bytes(wire_keys))
+        timed("put_wire", partial(tier._batched_put_bytes, values))
+        raw = timed("get_wire", partial(tier._batched_get_bytes, wire_keys))
         if [bytes(v) for v in raw] != [bytes(serde.encode(k, c, tier.codec)) for k, c in zip(wire_keys, chunks)]:
             raise RuntimeError(f"{tier.name}: a value did not round-trip")
         for key in keys + wire_keys:
@@ -162,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                 present = _keys(8, 999)
                 tier.batched_put([(k, chunks[0][:1, :, :16].contiguous()) for k in present])
                 probe = present + _keys(8, 998)  # 8 present, then 8 absent
-                raw[name]["exists"] += latencies(lambda: tier.contains(present[0]), calls)
-                raw[name]["prefix"] += latencies(lambda: tier.prefix_hits(probe), calls)
+                raw[name]["exists"] += latencies(partial(tier.contains, present[0]), calls)
+                raw[name]["prefix"] += latencies(partial(tier.prefix_hits, probe), calls)
                 assert tier.prefix_hits(probe) == 8
                 tier.clear()
     finally:

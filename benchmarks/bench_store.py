@@ -118,13 +118,13 @@ def bench_plain_redis(port: int, chunks: list[torch.Tensor], reps: int) -> dict[
                                     command_packer=packer)
         client = redis.Redis(connection_pool=pool)
 
-        def put() -> None:
+        def put(client: redis.Redis = client) -> None:
             pipe = client.pipeline(transaction=False)
             for k, v in zip(keys, values):
                 pipe.set(k, v)
             pipe.execute()
 
-        def get() -> None:
+        def get(client: redis.Redis = client) -> None:
             pipe = client.pipeline(transaction=False)
             for k in keys:
                 pipe.get(k)
@@ -201,7 +201,9 @@ def bench_integrity(base: torch.Tensor, urls: dict[str, str], reps: int) -> dict
     for mode in ("plain", "mac"):
         serde.set_integrity_key(INTEGRITY_SECRET if mode == "mac" else None)
         values = [bytearray(serde.encode(k, c)) for k, c in items]
-        out["decode_ms"][mode] = 1e3 * timed(lambda: [serde.decode(k, v) for k, v in zip(keys, values)], 2 * reps)
+        out["decode_ms"][mode] = 1e3 * timed(
+            lambda values=values: [serde.decode(k, v) for k, v in zip(keys, values)], 2 * reps
+        )
     serde.set_integrity_key(None)
     for name, url in urls.items():
         tier = create_backend(TierSpec(url))
@@ -262,7 +264,9 @@ def main() -> int:
             # distinct chunks per slot (like different prompts): the real chunk, slightly perturbed
             chunks = [(base * (1 + 1e-3 * i)).to(dtype).contiguous() for i in range(n_chunks)]
             name = str(dtype).removeprefix("torch.")
-            print(f"[{name}] chunk {chunks[0].numel() * chunks[0].element_size() / 1e6:.1f} MB x {n_chunks}", flush=True)
+            print(
+                f"[{name}] chunk {chunks[0].numel() * chunks[0].element_size() / 1e6:.1f} MB x {n_chunks}", flush=True
+            )
             entry: dict = {"chunk_mb": chunks[0].numel() * chunks[0].element_size() / 1e6,
                            "numpy_copy_gbps": bench_numpy_copy(chunks, reps),
                            "plain_redis": bench_plain_redis(server.port, chunks, reps), "tiers": {}}
@@ -284,9 +288,15 @@ def main() -> int:
             results["dtypes"][name] = entry
         fp16 = results["dtypes"]["float16"]
         results["targets"] = {
-            "cpu_get_vs_numpy_copy>=0.5": all(d["ratios"]["cpu_get_vs_numpy_copy"] >= 0.5 for d in results["dtypes"].values()),
-            "redis_put_vs_best_plain>=0.8": all(d["ratios"]["redis_put_vs_best_plain"] >= 0.8 for d in results["dtypes"].values()),
-            "redis_get_vs_best_plain>=0.8": all(d["ratios"]["redis_get_vs_best_plain"] >= 0.8 for d in results["dtypes"].values()),
+            "cpu_get_vs_numpy_copy>=0.5": all(
+                d["ratios"]["cpu_get_vs_numpy_copy"] >= 0.5 for d in results["dtypes"].values()
+            ),
+            "redis_put_vs_best_plain>=0.8": all(
+                d["ratios"]["redis_put_vs_best_plain"] >= 0.8 for d in results["dtypes"].values()
+            ),
+            "redis_get_vs_best_plain>=0.8": all(
+                d["ratios"]["redis_get_vs_best_plain"] >= 0.8 for d in results["dtypes"].values()
+            ),
             "int8_vs_fp16_size>=1.9": fp16["ratios"]["int8_size_ratio"] >= 1.9,
         }
         results["integrity"] = bench_integrity(base, {"disk": tiers["disk"], "redis": tiers["redis"]}, reps)
@@ -308,25 +318,36 @@ def write_results(results: dict, out: Path) -> int:
 
 def render_markdown(results: dict) -> str:
     cfg = results["config"]
-    lines = [f"# kvstore: tiers and codecs ({'quick' if cfg['quick'] else 'full'} run)", "",
-             f"Real KV chunks of the default model, {cfg['chunk_tokens']} tokens, shape {tuple(cfg['chunk_shape'])}, "
-             f"{cfg['chunks_per_batch']} chunks per batched call, best of {cfg['reps']}. GB/s of logical chunk bytes.", ""]
+    lines = [
+        f"# kvstore: tiers and codecs ({'quick' if cfg['quick'] else 'full'} run)",
+        "",
+        f"Real KV chunks of the default model, {cfg['chunk_tokens']} tokens, shape {tuple(cfg['chunk_shape'])}, "
+        f"{cfg['chunks_per_batch']} chunks per batched call, best of {cfg['reps']}. GB/s of logical chunk bytes.",
+        "",
+    ]
     for name, d in results["dtypes"].items():
         lines += [f"## {name} ({d['chunk_mb']:.1f} MB per chunk)", "",
                   "| tier/codec | put GB/s | get GB/s | size ratio | max abs err | rel err |",
                   "|---|---:|---:|---:|---:|---:|"]
         lines.append(f"| numpy copy (baseline) | | {d['numpy_copy_gbps']:.2f} | | | |")
         for parser, r in d["plain_redis"].items():
-            lines.append(f"| plain redis-py, {'no hiredis' if parser == 'python' else 'hiredis'} (baseline) | {r['put_gbps']:.2f} | {r['get_gbps']:.2f} | | | |")
+            lines.append(
+                f"| plain redis-py, {'no hiredis' if parser == 'python' else 'hiredis'} (baseline) "
+                f"| {r['put_gbps']:.2f} | {r['get_gbps']:.2f} | | | |"
+            )
         for tc, r in d["tiers"].items():
             lines.append(f"| {tc} | {r['put_gbps']:.2f} | {r['get_gbps']:.2f} | {r['size_ratio']:.2f}x "
                          f"| {r['max_abs_err']:.3g} | {r['rel_err']:.3g} |")
         ratios = d["ratios"]
-        lines += ["", f"- cpu get / numpy copy: **{ratios['cpu_get_vs_numpy_copy']:.2f}x** (target >= 0.5)",
-                  f"- redis put / best plain redis-py SET: **{ratios['redis_put_vs_best_plain']:.2f}x** (target >= 0.8)",
-                  f"- redis get / best plain redis-py GET: **{ratios['redis_get_vs_best_plain']:.2f}x** (target >= 0.8)",
-                  f"- lz4 (byte-shuffled) size ratio: **{ratios['lz4_size_ratio']:.2f}x**; "
-                  f"int8: **{ratios['int8_size_ratio']:.2f}x** smaller than {name}", ""]
+        lines += [
+            "",
+            f"- cpu get / numpy copy: **{ratios['cpu_get_vs_numpy_copy']:.2f}x** (target >= 0.5)",
+            f"- redis put / best plain redis-py SET: **{ratios['redis_put_vs_best_plain']:.2f}x** (target >= 0.8)",
+            f"- redis get / best plain redis-py GET: **{ratios['redis_get_vs_best_plain']:.2f}x** (target >= 0.8)",
+            f"- lz4 (byte-shuffled) size ratio: **{ratios['lz4_size_ratio']:.2f}x**; "
+            f"int8: **{ratios['int8_size_ratio']:.2f}x** smaller than {name}",
+            "",
+        ]
     lines += ["Targets met: " + ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in results["targets"].items()), ""]
     if "integrity" in results:
         lines += render_integrity(results["integrity"])
@@ -335,10 +356,13 @@ def render_markdown(results: dict) -> str:
 
 def render_integrity(r: dict) -> list[str]:
     mac = r["mac_gbps"]
-    lines = [f"## K/V integrity: a {r['tokens']}-token load ({r['chunks']} fp16 chunks, {r['mb']:.0f} MB) "
-             "with and without `integrity_key`", "",
-             "| tier | load ms (no MAC) | load ms (MAC) | load ratio | store ms (no MAC) | store ms (MAC) | store ratio |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"## K/V integrity: a {r['tokens']}-token load ({r['chunks']} fp16 chunks, {r['mb']:.0f} MB) "
+        "with and without `integrity_key`",
+        "",
+        "| tier | load ms (no MAC) | load ms (MAC) | load ratio | store ms (no MAC) | store ms (MAC) | store ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, t in r["tiers"].items():
         lines.append(f"| {name}/raw | {t['plain']['get_s'] * 1e3:.1f} | {t['mac']['get_s'] * 1e3:.1f} | "
                      f"{t['get_ratio']:.2f}x | {t['plain']['put_s'] * 1e3:.1f} | {t['mac']['put_s'] * 1e3:.1f} | "

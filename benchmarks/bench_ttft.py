@@ -133,11 +133,20 @@ def bench_multi_round(args, sizes: dict, device: str) -> dict:
         results[name] = multi_round(llm, users, rounds, sys_len, ctx_len, q_len, answer)
         llm.shutdown()
         del llm
-    return {"users": users, "rounds": rounds, "system_tokens": sys_len, "user_context_tokens": ctx_len,
-            "question_tokens": q_len,
-            "answer_tokens": answer, "num_gpu_blocks": blocks, "chunk_size": sizes["mr_chunk"], **results,
-            "speedup": results["prefix_cache_only"]["followup_mean_ttft_s"] / results["with_connector"]["followup_mean_ttft_s"],
-            "speedup_all_rounds": results["prefix_cache_only"]["mean_ttft_s"] / results["with_connector"]["mean_ttft_s"]}
+    return {
+        "users": users,
+        "rounds": rounds,
+        "system_tokens": sys_len,
+        "user_context_tokens": ctx_len,
+        "question_tokens": q_len,
+        "answer_tokens": answer,
+        "num_gpu_blocks": blocks,
+        "chunk_size": sizes["mr_chunk"],
+        **results,
+        "speedup": results["prefix_cache_only"]["followup_mean_ttft_s"]
+        / results["with_connector"]["followup_mean_ttft_s"],
+        "speedup_all_rounds": results["prefix_cache_only"]["mean_ttft_s"] / results["with_connector"]["mean_ttft_s"],
+    }
 
 
 def bench_store_overhead(plain: LLM, with_conn: LLM, n: int, reps: int) -> dict:
@@ -253,19 +262,24 @@ def table(res: dict) -> str:
                      f"(cpu warm/cold) | {ld['redis_over_cpu']:.2f}x | <= 1.3x |")
     st = res.get("stall")
     if st:
-        lines.append(f"| stall ({st['decoders']} decoding + {st['doc_tokens']}-tok prefix arriving) | "
-                     f"redis (background load) vs engine prefix cache | longest step arrival..first token "
-                     f"({st['redis']['max_step_s'] * 1e3:.1f} / {st['prefix_cache']['max_step_s'] * 1e3:.1f} ms; "
-                     f"decode step {st['prefix_cache']['decode_step_s'] * 1e3:.1f} ms; arrival to token "
-                     f"{st['redis']['arrival_to_token_s'] * 1e3:.0f} / {st['prefix_cache']['arrival_to_token_s'] * 1e3:.0f} ms) | "
-                     f"{st['stall_ratio']:.2f} | <= 1.5 |")
+        lines.append(
+            f"| stall ({st['decoders']} decoding + {st['doc_tokens']}-tok prefix arriving) | "
+            f"redis (background load) vs engine prefix cache | longest step arrival..first token "
+            f"({st['redis']['max_step_s'] * 1e3:.1f} / {st['prefix_cache']['max_step_s'] * 1e3:.1f} ms; "
+            f"decode step {st['prefix_cache']['decode_step_s'] * 1e3:.1f} ms; arrival to token "
+            f"{st['redis']['arrival_to_token_s'] * 1e3:.0f} / "
+            f"{st['prefix_cache']['arrival_to_token_s'] * 1e3:.0f} ms) | "
+            f"{st['stall_ratio']:.2f} | <= 1.5 |"
+        )
     mr = res.get("multi_round_qa")
     if mr:
-        lines.append(f"| multi-round QA ({mr['users']} users x {mr['rounds']} rounds) | {mr['num_gpu_blocks']} blocks | "
-                     f"prefix-cache-only / connector mean TTFT, follow-up rounds "
-                     f"({mr['prefix_cache_only']['followup_mean_ttft_s'] * 1e3:.1f} / "
-                     f"{mr['with_connector']['followup_mean_ttft_s'] * 1e3:.1f} ms; all rounds "
-                     f"{mr['speedup_all_rounds']:.2f}x) | {mr['speedup']:.2f}x | >= 3x |")
+        lines.append(
+            f"| multi-round QA ({mr['users']} users x {mr['rounds']} rounds) | {mr['num_gpu_blocks']} blocks | "
+            f"prefix-cache-only / connector mean TTFT, follow-up rounds "
+            f"({mr['prefix_cache_only']['followup_mean_ttft_s'] * 1e3:.1f} / "
+            f"{mr['with_connector']['followup_mean_ttft_s'] * 1e3:.1f} ms; all rounds "
+            f"{mr['speedup_all_rounds']:.2f}x) | {mr['speedup']:.2f}x | >= 3x |"
+        )
     so = res.get("store_overhead")
     if so:
         lines.append(f"| store overhead ({so['prompt_tokens']} tok, cold) | cpu tier | with store / without TTFT "
@@ -333,7 +347,9 @@ def main() -> int:
             if "overhead" in only:
                 print("store overhead ...", file=sys.stderr)
                 plain = LLM(args.model, device=args.device, enable_prefix_caching=False)
-                res["store_overhead"] = bench_store_overhead(plain, llm, sizes["overhead_tokens"], sizes["overhead_reps"])
+                res["store_overhead"] = bench_store_overhead(
+                    plain, llm, sizes["overhead_tokens"], sizes["overhead_reps"]
+                )
                 targets["store_overhead<=5%"] = res["store_overhead"]["with_over_without"] <= 1.05
                 plain.shutdown()
                 del plain
@@ -342,7 +358,9 @@ def main() -> int:
             del llm
         if "stall" in only and redis_url:
             print("stall ...", file=sys.stderr)
-            res["stall"] = bench_stall(args, redis_url, sizes["doc"], sizes["qtok"], sizes["chunk"], sizes["stall_reps"])
+            res["stall"] = bench_stall(
+                args, redis_url, sizes["doc"], sizes["qtok"], sizes["chunk"], sizes["stall_reps"]
+            )
             targets["stall<=1.5"] = res["stall"]["stall_ratio"] <= 1.5
         if "multi_round" in only:
             print("multi-round QA ...", file=sys.stderr)

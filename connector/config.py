@@ -49,9 +49,10 @@ class ConnectorConfig:
         self.kvstore.validate()
         if not isinstance(self.save_unfull_chunk, bool):
             raise ValueError(f"save_unfull_chunk: expected bool, got {self.save_unfull_chunk!r}")
-        self.max_pending_store_bytes = parse_size(self.max_pending_store_bytes, "max_pending_store_bytes")
-        if not self.max_pending_store_bytes:
+        pending = parse_size(self.max_pending_store_bytes, "max_pending_store_bytes")
+        if not pending:
             raise ValueError("max_pending_store_bytes: must be > 0")
+        self.max_pending_store_bytes = pending
         if not isinstance(self.blend, BlendConfig):
             raise ValueError(f"blend: expected a BlendConfig, got {type(self.blend).__name__}")
         self.blend.validate()

@@ -1,11 +1,12 @@
 """Pure, vectorised moves between the engine's paged kv_caches and kvstore chunk tensors.
 
 Engine side: one tensor per layer, `(2, num_blocks, block_size, num_kv_heads, head_size)`
-(DESIGN §2). Chunk side: one tensor `(num_layers, 2, num_tokens, num_kv_heads, head_size)`
-(DESIGN §3). Tokens are addressed by flat slot ids `block_id * block_size + pos % block_size`,
-so any block_size/chunk_size alignment is just a different slot vector. No per-token loops:
-one index_select / index_copy_ per layer, or a single one when the layers are views of one
-stacked allocation.
+(docs/architecture.md, "Engine"). Chunk side: one tensor
+`(num_layers, 2, num_tokens, num_kv_heads, head_size)` (docs/architecture.md, "Chunks, keys and
+codecs"). Tokens are addressed by flat slot ids `block_id * block_size + pos % block_size`, so
+any block_size/chunk_size alignment is just a different slot vector. No per-token loops: one
+index_select / index_copy_ per layer, or a single one when the layers are views of one stacked
+allocation.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`KVTierConnector`: the engine's KV connector over kvstore tiers (DESIGN §5).
+"""`KVTierConnector`: the engine's KV connector over kvstore tiers
+(docs/architecture.md, "Connector").
 
 Flow for one request:
 - Lookup (scheduler, `get_num_new_matched_tokens`): chunk keys are chained hashes of the
@@ -47,7 +48,7 @@ from collections.abc import Iterator
 from collections.abc import Sequence as SequenceT
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
@@ -178,8 +179,10 @@ class KVTierConnector(KVConnectorBase):
         mc = self.model_config
         two, _nb, bs, h, d = kv_caches[0].shape
         if len(kv_caches) != mc.num_layers or (h, d) != (mc.num_kv_heads, mc.head_size):
-            raise ValueError(f"kv_caches ({len(kv_caches)} x {tuple(kv_caches[0].shape)}) do not match "
-                             f"the model ({mc.num_layers} layers, {mc.num_kv_heads} kv heads, head size {mc.head_size})")
+            raise ValueError(
+                f"kv_caches ({len(kv_caches)} x {tuple(kv_caches[0].shape)}) do not match "
+                f"the model ({mc.num_layers} layers, {mc.num_kv_heads} kv heads, head size {mc.head_size})"
+            )
         self.kv_caches = list(kv_caches)
         self.block_size = bs
         self._kv_dtype = dtype_name(kv_caches[0].dtype)
@@ -201,7 +204,13 @@ class KVTierConnector(KVConnectorBase):
             tokens, self.chunk_size, model=self.model_config.fingerprint, kv_dtype=self._kv_dtype,
             save_unfull_chunk=unfull)]
 
-    def _chunk_ok(self, kv: torch.Tensor | None, num_tokens: int) -> bool:
+    def _queue(self) -> StoreQueue:
+        """Returns the store queue; RuntimeError before `register_kv_caches` created it."""
+        if self._stores is None:
+            raise RuntimeError("the connector has no KV caches yet (register_kv_caches)")
+        return self._stores
+
+    def _chunk_ok(self, kv: torch.Tensor | None, num_tokens: int) -> TypeGuard[torch.Tensor]:
         """Whether a fetched value has exactly the shape this model's chunk must have."""
         if not isinstance(kv, torch.Tensor) or not kv.is_floating_point():
             return False
@@ -246,7 +255,7 @@ class KVTierConnector(KVConnectorBase):
     def _held(self, keys: list[str]) -> list[bool]:
         """Returns, per key, whether a pending store carries it or some tier holds it (one
         batched existence query per tier for the rest)."""
-        held = [self._stores.is_pending(k) for k in keys]
+        held = [self._queue().is_pending(k) for k in keys]
         rest = [k for k, h in zip(keys, held) if not h]
         if rest:
             found = iter(self.storage.batched_contains(rest))
@@ -275,6 +284,9 @@ class KVTierConnector(KVConnectorBase):
         plan = self._plans.pop(rid, None)
         if num_external_tokens <= 0:
             return
+        loader = self._loader
+        if loader is None:
+            raise RuntimeError("the connector has no KV caches yet (register_kv_caches)")
         if plan is None or plan.start + num_external_tokens > plan.end:
             raise RuntimeError(f"request {rid}: asked to load {num_external_tokens} tokens "
                                "the connector did not offer")
@@ -286,7 +298,7 @@ class KVTierConnector(KVConnectorBase):
             job.ready.record()
         with self._load_cond:
             self._loading[rid] = job
-        if not self._loader.submit(functools.partial(self._load, job)):
+        if not loader.submit(functools.partial(self._load, job)):
             self._end_load(job, job.start)  # load queue full: computed instead
 
     def _load(self, job: LoadJob) -> None:
@@ -297,7 +309,7 @@ class KVTierConnector(KVConnectorBase):
         nbytes = 0
         try:
             if not job.cancelled:
-                self._stores.wait_for(job.keys)  # read-your-writes, on this thread
+                self._queue().wait_for(job.keys)  # read-your-writes, on this thread
                 stream = self._load_stream
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     if job.ready is not None:
@@ -405,7 +417,7 @@ class KVTierConnector(KVConnectorBase):
 
     def _not_stored(self, spans: list[Span]) -> list[Span]:
         """Returns the spans neither a tier nor a pending store holds (stored prefix skipped)."""
-        spans = [sp for sp in spans if not self._stores.is_pending(sp[2])]
+        spans = [sp for sp in spans if not self._queue().is_pending(sp[2])]
         if not spans:
             return spans
         return spans[self.storage.prefix_hits([k for _, _, k in spans]):]
@@ -473,7 +485,7 @@ class KVTierConnector(KVConnectorBase):
         rid = save.request_id
         done = functools.partial(self.metrics.add, rid, stored_tokens=ntokens, bytes_stored=nbytes)
         dropped = functools.partial(self.metrics.add, rid, dropped_store_bytes=nbytes)
-        if not self._stores.submit(items, done, dropped):
+        if not self._queue().submit(items, done, dropped):
             dropped()
 
     # ---- lifecycle and reporting ----------------------------------------------------

@@ -48,18 +48,19 @@ class StoreQueue:
             self._bytes += nbytes
             for k in keys:
                 self._keys[k] = self._keys.get(k, 0) + 1
+        stream = self._stream
         event = None
-        if self._stream is not None:  # the gathers are queued on the compute stream
+        if stream is not None:  # the gathers are queued on the compute stream
             event = torch.cuda.Event()
             event.record()
 
         def job() -> None:
             try:
-                if event is not None:
-                    with torch.cuda.stream(self._stream):
-                        self._stream.wait_event(event)
+                if stream is not None and event is not None:
+                    with torch.cuda.stream(stream):
+                        stream.wait_event(event)
                         self.storage.batched_put(items, owned=True)
-                        self._stream.synchronize()
+                        stream.synchronize()
                 else:
                     self.storage.batched_put(items, owned=True)
                 if on_done is not None:

@@ -33,15 +33,6 @@ class AttentionMetadata:
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens)
-
-    @property
     def query_lens(self) -> list[int]:
         q = self.query_start_loc
         return [q[i + 1] - q[i] for i in range(len(q) - 1)]
-
-    @property
-    def context_lens(self) -> list[int]:
-        """Tokens each sequence had in the cache before this step."""
-        return [s - q for s, q in zip(self.seq_lens, self.query_lens)]

@@ -53,7 +53,11 @@ class EngineConfig:
             _positive_int("num_gpu_blocks", self.num_gpu_blocks)
         if self.kv_cache_memory_bytes is not None:
             _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
-        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) or not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if (
+            isinstance(self.gpu_memory_utilization, bool)
+            or not isinstance(self.gpu_memory_utilization, (int, float))
+            or not 0.0 < self.gpu_memory_utilization <= 1.0
+        ):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")

@@ -115,6 +115,7 @@ def _dequantise(gguf_dir: Path):
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=GGUF_NAME)
     # save_pretrained refuses GGUF-quantised models; after dequantising the weights are plain
     # float32, so drop the quantiser record.
-    model.hf_quantizer = None
+    # transformers declares no hf_quantizer attribute, so nn.Module.__getattr__ types it Tensor | Module
+    model.hf_quantizer = None  # type: ignore[assignment]
     model.config.__dict__.pop("quantization_config", None)
     return model, tokenizer

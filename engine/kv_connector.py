@@ -1,4 +1,5 @@
-"""The KV connector protocol: how an external KV store plugs into the engine (DESIGN §5).
+"""The KV connector protocol: how an external KV store plugs into the engine
+(docs/architecture.md, "Connector").
 
 Modelled on vLLM's KV connector v1. One object plays both roles (one process): the scheduler
 calls the scheduler-side hooks while it plans a step, the model runner calls the worker-side
@@ -71,9 +72,10 @@ Segmented prompts (CacheBlend): a connector whose `segment_separator` is a strin
 `seq.segment_lens`. A connector that loads approximate K/V sets `seq.max_cacheable_tokens` (in
 `update_state_after_alloc`) so the engine's prefix cache never shares blocks beyond it.
 
-`register_model(model_config)`, `register_model_module(model)` then `register_kv_caches(kv_caches)` are called once when the runner allocates the per-layer
-tensors `(2, num_blocks, block_size, num_kv_heads, head_size)`; `shutdown()` on
-`LLM.shutdown()` (flush pending stores).
+`register_model(model_config)`, `register_model_module(model)` then `register_kv_caches(kv_caches)`
+are called once when the runner allocates the per-layer tensors
+`(2, num_blocks, block_size, num_kv_heads, head_size)`; `shutdown()` on `LLM.shutdown()` (flush
+pending stores).
 """
 
 from __future__ import annotations
@@ -172,8 +174,9 @@ class KVConnectorBase(ABC):
         """Flushes pending work and releases resources (default: nothing to do)."""
 
 
-# Connector factories register here (pyproject entry points), so `LLM(kv_connector=<config>)`
-# can build one without the engine importing any connector package (DESIGN §1).
+# Connector factories register here (pyproject entry points), so `LLM(kv_connector=<config>)` can
+# build one without the engine importing any connector package (docs/architecture.md, "Layout and
+# import rules").
 CONNECTOR_FACTORY_GROUP = "kvtier.kv_connectors"
 DEFAULT_CONNECTOR_FACTORY = "kvtier"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceT
-from typing import Any
+from typing import Any, cast
 
 from engine.config import EngineConfig
 from engine.kv_connector import KVConnectorBase, resolve_kv_connector
@@ -30,7 +30,7 @@ class LLM:
         try:
             self.engine = LLMEngine(self.config, connector)
         except BaseException:
-            if built:  # ours to close: its threads and connections must not outlive the error
+            if built and connector is not None:  # ours to close: its threads and connections must not outlive the error
                 connector.shutdown()
             raise
         self._closed = False
@@ -108,9 +108,14 @@ class LLM:
                 bar.close()
         return [r for r in results if r is not None]
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]], sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+    def chat(
+        self, messages: list[dict[str, str]] | list[list[dict[str, str]]], sampling_params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
         """Generates from one conversation or a list of them, via the chat template."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if messages and isinstance(messages[0], dict):  # one conversation
+            convs = [messages]
+        else:  # a list of conversations (mypy cannot narrow this branch)
+            convs = cast("list[list[dict[str, str]]]", messages)
         return self.generate([self.apply_chat_template(c) for c in convs], sampling_params)
 
     # ---- stats and lifecycle ----

@@ -36,6 +36,7 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > mc.max_model_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit {mc.max_model_len}")
         self.max_model_len = config.max_model_len or mc.max_model_len
+        assert mc.path is not None  # ModelConfig.from_pretrained records the checkpoint's path
         self.tokenizer = load_tokenizer(mc.path)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -61,13 +62,15 @@ class LLMEngine:
             prompt = prompt.split(sep)
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             # Segments are tokenized one by one so each has the same ids wherever it appears.
-            token_ids, segment_lens = [], []
+            token_ids: list[int] = []
+            lens: list[int] = []
             for i, part in enumerate(prompt):
                 ids = self.tokenizer.encode(part, add_special_tokens=i == 0) if part else []
                 if not ids:
                     raise ValueError(f"prompt segment {i} is empty (0 tokens)")
                 token_ids += ids
-                segment_lens.append(len(ids))
+                lens.append(len(ids))
+            segment_lens = lens
             text = "".join(prompt)
         elif isinstance(prompt, str):
             if not prompt:
@@ -82,8 +85,11 @@ class LLMEngine:
                     raise ValueError(f"prompt_token_ids holds {t!r}, not a token id in [0, {vocab})")
             if prompt.get("segment_lens") is not None:
                 segment_lens = list(prompt["segment_lens"])
-                if (not segment_lens or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in segment_lens)
-                        or sum(segment_lens) != len(token_ids)):
+                if (
+                    not segment_lens
+                    or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in segment_lens)
+                    or sum(segment_lens) != len(token_ids)
+                ):
                     raise ValueError(f"segment_lens {segment_lens!r} must be positive ints summing to "
                                      f"the {len(token_ids)} prompt tokens")
         else:
@@ -123,7 +129,7 @@ class LLMEngine:
         With only background loads left, it waits up to `kv_wait_s` for one and returns []."""
         out = self.scheduler.schedule()
         if out.is_empty:
-            if self.scheduler.has_kv_in_flight():
+            if self.kv_connector is not None and self.scheduler.has_kv_in_flight():
                 # Only background loads are left: wait for one (bounded), never spin hot.
                 self.kv_connector.wait_for_finished(kv_wait_s)
                 return []

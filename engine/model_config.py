@@ -123,7 +123,7 @@ class ModelConfig:
         num_layers = _req_int(hf, "num_hidden_layers")
         window, window_layers = _parse_sliding_window(hf, model_type, num_layers)
         eos = sorted(set(eos_token_ids if eos_token_ids is not None else _as_id_list(hf.get("eos_token_id"))))
-        cfg = dict(
+        cfg: dict[str, Any] = dict(
             architecture=arch,
             model_type=model_type,
             hidden_size=hidden,
@@ -158,7 +158,7 @@ class ModelConfig:
 def _check_architecture(hf: dict[str, Any]) -> tuple[str, str]:
     """Returns (model_type, architecture); ValueError naming them if unsupported."""
     model_type = hf.get("model_type")
-    archs = hf.get("architectures") or [SUPPORTED_MODEL_TYPES.get(model_type, "")]
+    archs = hf.get("architectures") or [SUPPORTED_MODEL_TYPES.get(model_type or "", "")]
     arch = archs[0]
     if model_type not in SUPPORTED_MODEL_TYPES or arch not in SUPPORTED_MODEL_TYPES.values():
         raise ValueError(

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from engine.model_config import ModelConfig
-from engine.models import get_model_class
+from engine.models import LlamaForCausalLM, get_model_class
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -84,7 +83,7 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(model: str | Path | None, device: torch.device,
-               dtype: torch.dtype) -> tuple[nn.Module, ModelConfig]:
+               dtype: torch.dtype) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Returns (model in eval mode on `device` in `dtype`, its ModelConfig). Every parameter
     comes from the checkpoint (ValueError if any is missing or misshapen)."""
     path = resolve_model_path(model)

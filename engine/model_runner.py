@@ -66,7 +66,8 @@ class ModelRunner:
         n = budget // per_block
         if n < 1:
             raise ValueError(
-                f"kv_cache_memory_bytes={budget} holds no block ({per_block} bytes per block of {self.block_size} tokens)"
+                f"kv_cache_memory_bytes={budget} holds no block "
+                f"({per_block} bytes per block of {self.block_size} tokens)"
             )
         return int(n)
 

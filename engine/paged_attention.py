@@ -256,6 +256,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if isinstance(plan.decode_rows, slice):
             out[plan.decode_rows] = o
         else:
+            assert plan.decode_rows is not None  # build_plan sets it with decode_batch
             out.index_copy_(0, plan.decode_rows, o)
     return out
 
@@ -271,6 +272,7 @@ def _masked_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     h_kv, (h_q, l_q, d) = k.shape[0], q.shape
     groups = h_q // h_kv
     if p.folded_mask is None:
+        assert p.mask is not None  # build_plan gives every masked prefill its mask
         p.folded_mask = p.mask.repeat(groups, 1)
     o = F.scaled_dot_product_attention(q.reshape(1, h_kv, groups * l_q, d), k[None], v[None],
                                        attn_mask=p.folded_mask, scale=scale)
@@ -287,6 +289,7 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPl
     b, n = plan.decode_batch, plan.decode_len
     h_kv, d = kv_cache.shape[-2:]
     flat = kv_cache.view(2, -1, h_kv, d)
+    assert plan.decode_slots is not None  # build_plan sets it with decode_batch
     if plan.decode_buf is None:
         plan.decode_buf = flat.new_empty((2, plan.decode_slots.numel(), h_kv, d))
     kv = torch.index_select(flat, 1, plan.decode_slots, out=plan.decode_buf)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from engine.block_manager import BlockManager, request_slot_mapping
+from engine.block_pool import KVCacheBlock
 from engine.kv_connector import KVConnectorBase
 from engine.sequence import Sequence, SequenceStatus
 
@@ -169,7 +170,7 @@ class Scheduler:
             i += 1
 
         if self.connector is not None:
-            self._collect_finished_kv()
+            self._collect_finished_kv(self.connector)
 
         while (
             self.waiting
@@ -180,13 +181,14 @@ class Scheduler:
             seq = self.waiting[0]
             num_external, load_async = 0, False
             resumed = bool(seq.block_table)  # its async load finished: blocks held, tokens computed
+            hits: list[KVCacheBlock]
             if resumed:
                 hits, num_local = [], seq.num_computed_tokens
             else:
                 hits, num_local = bm.get_computed_blocks(seq)
                 if self.connector is not None:
-                    num_external, load_async = self._ask_connector(seq, num_local)
-            if load_async and num_external > 0:
+                    num_external, load_async = self._ask_connector(self.connector, seq, num_local)
+            if load_async and num_external > 0 and self.connector is not None:  # only a connector loads async
                 # Blocks for the whole prompt now, so the finished load never waits for blocks.
                 rest = seq.num_tokens - num_local - num_external
                 if bm.allocate_slots(seq, rest, hits, num_external) is None:
@@ -222,23 +224,24 @@ class Scheduler:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
-    def _ask_connector(self, seq: Sequence, num_local: int) -> tuple[int, bool]:
+    @staticmethod
+    def _ask_connector(connector: KVConnectorBase, seq: Sequence, num_local: int) -> tuple[int, bool]:
         """Returns the connector's (tokens it can load after `num_local`, load_async), the
         count clamped so the last token is computed."""
-        answer = self.connector.get_num_new_matched_tokens(seq, num_local)
+        answer = connector.get_num_new_matched_tokens(seq, num_local)
         if not (isinstance(answer, tuple) and len(answer) == 2):
             raise ValueError(f"get_num_new_matched_tokens must return (num_tokens, load_async), got {answer!r}")
         num_external = max(0, min(int(answer[0] or 0), seq.num_tokens - 1 - num_local))
         return num_external, bool(answer[1])
 
-    def _collect_finished_kv(self) -> None:
+    def _collect_finished_kv(self, connector: KVConnectorBase) -> None:
         """Applies what the connector reports done: finished loads make their requests
         schedulable (cut back to the first bad block), released requests free their blocks."""
-        sending, recving = self.connector.get_finished()
+        sending, recving = connector.get_finished()
         done = set(sending or ()) | set(recving or ())
         if not done:
             return
-        bad_blocks = self.connector.get_block_ids_with_load_errors()
+        bad_blocks = connector.get_block_ids_with_load_errors()
         resumed: list[Sequence] = []
         for rid in done:
             seq = self.delayed_free.pop(rid, None)

@@ -1,4 +1,5 @@
-"""The one storage-backend interface every tier implements (DESIGN §4).
+"""The one storage-backend interface every tier implements
+(docs/architecture.md, "Tiers and the storage manager").
 
 Keys are strings (`ChunkKey.to_str()`), identical across processes and machines. Values are
 KV chunk tensors `(num_layers, 2, num_tokens, num_kv_heads, head_size)`. Memory tiers hold
@@ -22,6 +23,10 @@ from kvstore.codecs import Buffer, Codec, get_codec
 
 if TYPE_CHECKING:
     from kvstore.config import TierSpec
+
+# What a BytesBackend's `encode` returns and its `_put_bytes` stores: one buffer, or header and
+# payload unjoined for tiers that write the two parts separately.
+StoredValue = Buffer | serde.SplitValue
 
 
 class BackendError(RuntimeError):
@@ -143,8 +148,8 @@ class BytesBackend(StorageBackend):
         """Returns the stored value of `key`, or None if absent."""
 
     @abstractmethod
-    def _put_bytes(self, key: str, value: Buffer) -> None:
-        """Stores `value` (one contiguous buffer) under `key`, replacing any earlier value."""
+    def _put_bytes(self, key: str, value: StoredValue) -> None:
+        """Stores `value` (what this tier's `encode` returned) under `key`, replacing any earlier value."""
 
     @abstractmethod
     def _contains(self, key: str) -> bool: ...
@@ -159,10 +164,10 @@ class BytesBackend(StorageBackend):
     def _usage(self) -> tuple[int, int, int | None, int]:
         """Returns (entries, bytes_used, byte_budget, evictions) as far as this tier knows."""
 
-    def _batched_get_bytes(self, keys: Sequence[str]) -> list[Buffer | None]:
+    def _batched_get_bytes(self, keys: Sequence[str]) -> Sequence[Buffer | None]:
         return [self._get_bytes(k) for k in keys]
 
-    def _batched_put_bytes(self, items: Sequence[tuple[str, Buffer]]) -> None:
+    def _batched_put_bytes(self, items: Sequence[tuple[str, StoredValue]]) -> None:
         for key, value in items:
             self._put_bytes(key, value)
 
@@ -170,7 +175,7 @@ class BytesBackend(StorageBackend):
         return [self._contains(k) for k in keys]
 
     # -- the StorageBackend interface on top ---------------------------------------------
-    def encode(self, key: str, kv: torch.Tensor) -> Buffer:
+    def encode(self, key: str, kv: torch.Tensor) -> StoredValue:
         """Returns the stored value for `kv` under `key` with this tier's codec (one buffer).
         Tiers that write header and payload separately may return `serde.SplitValue` instead
         (it has `len()`), and then get it in their `_put_bytes`."""

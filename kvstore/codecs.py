@@ -1,4 +1,4 @@
-"""Payload codecs for one KV chunk (DESIGN §3).
+"""Payload codecs for one KV chunk (docs/architecture.md, "Chunks, keys and codecs").
 
 A codec turns a tensor into payload bytes and back, given the dtype and shape the serde header
 records. `raw` and `lz4` are exact; `int8` and `int4` are lossy KIVI-style quantisers (keys per
@@ -57,7 +57,7 @@ def tensor_bytes(kv: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous().reshape(-1).view(torch.uint8)
-    return memoryview(t.numpy()).cast("B")
+    return t.numpy().data.cast("B")
 
 
 def tensor_from_bytes(buf: Buffer, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -123,7 +123,7 @@ class LZ4Codec(Codec):
         if arr.size % itemsize:
             raise CodecError("lz4 payload size is not a multiple of the element size")
         unshuffled = np.ascontiguousarray(arr.reshape(itemsize, -1).T).reshape(-1)
-        return tensor_from_bytes(memoryview(unshuffled), dtype, shape)
+        return tensor_from_bytes(unshuffled.data, dtype, shape)
 
 
 class QuantCodec(Codec):
@@ -147,7 +147,9 @@ class QuantCodec(Codec):
 
     def _check_shape(self, shape: tuple[int, ...]) -> None:
         if len(shape) != 5 or shape[1] != 2:
-            raise CodecError(f"{self.name} codec needs a (layers, 2, tokens, heads, head_size) chunk, got {tuple(shape)}")
+            raise CodecError(
+                f"{self.name} codec needs a (layers, 2, tokens, heads, head_size) chunk, got {tuple(shape)}"
+            )
 
     def _quantise(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lo = x.amin(dim=dim, keepdim=True).to(torch.float16)

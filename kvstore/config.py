@@ -1,4 +1,5 @@
-"""kvstore configuration: one dataclass tree, loadable from YAML and `KVTIER_*` env vars (DESIGN §7).
+"""kvstore configuration: one dataclass tree, loadable from YAML and `KVTIER_*` env vars
+(docs/architecture.md, "Tiers and the storage manager").
 
 YAML:
     chunk_size: 256
@@ -66,7 +67,7 @@ class TierSpec:
         if self.scheme.startswith(("redis", "rediss", "kvtier")) and not parts.hostname:
             raise ValueError(f"{where}.url: {self.url!r} has no host")
         try:
-            parts.port
+            _ = parts.port  # urllib parses the port lazily: reading it validates it
         except ValueError:
             raise ValueError(f"{where}.url: bad port in {self.url!r}") from None
         self.budget = parse_size(self.budget, f"{where}.budget")

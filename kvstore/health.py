@@ -29,7 +29,6 @@ class TierHealth:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.healthy = True
-        self.failures = 0
         self.last_error = ""
         self._backoff = backoff_initial_s
         self._next_try = 0.0
@@ -51,7 +50,6 @@ class TierHealth:
     def failed(self, exc: BaseException) -> None:
         """Records a failed call: marks the tier unhealthy and doubles the backoff (capped)."""
         with self._lock:
-            self.failures += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
             if self.healthy:
                 self.healthy = False

@@ -1,4 +1,4 @@
-"""Chunk keys and the chunked token database (DESIGN §3).
+"""Chunk keys and the chunked token database (docs/architecture.md, "Chunks, keys and codecs").
 
 A key names everything that makes stored KV incompatible: model fingerprint, KV dtype,
 layout version, chunk size, and the chained hash of the tokens up to and including the chunk:

@@ -1,4 +1,4 @@
-"""One self-describing stored value per chunk (DESIGN §3).
+"""One self-describing stored value per chunk (docs/architecture.md, "Chunks, keys and codecs").
 
 Layout: a fixed little-endian header, the shape, then the codec payload:
 
@@ -128,7 +128,7 @@ class SplitValue:
         hlen = len(self.header)
         out[:hlen] = np.frombuffer(self.header, dtype=np.uint8)
         out[hlen:] = np.frombuffer(self.payload, dtype=np.uint8)
-        return memoryview(out)
+        return out.data
 
 
 def encode_split(key: str, kv: torch.Tensor, codec: Codec | str = "raw", num_tokens: int | None = None) -> SplitValue:

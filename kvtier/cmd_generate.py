@@ -20,8 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object per prompt: prompt_token_ids, token_ids, text, num_cached_tokens, ttft_s")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per prompt: prompt_token_ids, token_ids, text, num_cached_tokens, ttft_s",
+    )
     # Engine flags (kvtier/engine_args.py), then the KV connector flags (connector/cli.py):
     # --kv-tier URL (repeatable), --chunk-size, --kv-codec, --config, --blend.
     from connector.cli import add_connector_arguments
@@ -66,15 +69,24 @@ def run(args: argparse.Namespace) -> int:
             (out,) = llm.generate(prompt, params)
             completion = out.outputs[0]
             if args.json:
-                print(json.dumps({
-                    "prompt_token_ids": out.prompt_token_ids,
-                    "token_ids": completion.token_ids,
-                    "text": completion.text,
-                    "num_cached_tokens": out.num_cached_tokens,
-                    "ttft_s": out.metrics.ttft,
-                    "finish_reason": completion.finish_reason,
-                    **({} if connector is None else {"kv_connector": connector.request_metrics(out.request_id).to_dict()}),
-                }), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "prompt_token_ids": out.prompt_token_ids,
+                            "token_ids": completion.token_ids,
+                            "text": completion.text,
+                            "num_cached_tokens": out.num_cached_tokens,
+                            "ttft_s": out.metrics.ttft,
+                            "finish_reason": completion.finish_reason,
+                            **(
+                                {}
+                                if connector is None
+                                else {"kv_connector": connector.request_metrics(out.request_id).to_dict()}
+                            ),
+                        }
+                    ),
+                    flush=True,
+                )
             else:
                 print(completion.text, flush=True)
     finally:

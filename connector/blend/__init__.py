@@ -1,5 +1,5 @@
-"""CacheBlend (DESIGN §6): reuse the K/V of prompt segments wherever they appear, with a
-selective recompute that restores cross-segment attention.
+"""CacheBlend (docs/architecture.md, "CacheBlend"): reuse the K/V of prompt segments wherever
+they appear, with a selective recompute that restores cross-segment attention.
 
 `BlendConfig` is imported eagerly (the connector config embeds it); the connector lazily, so
 `connector.config` can import this package without a cycle.

@@ -39,6 +39,7 @@ from connector.blend.segments import Segment, Span, context_segments, segment_sp
 from connector.config import ConnectorConfig, make_config
 from connector.gather import gather_chunk, scatter_chunk, slots_for
 from connector.kvtier_connector import ConnectorMeta, KVTierConnector
+from engine.models.llama import LlamaForCausalLM
 from kvstore.storage_manager import StorageManager
 
 if TYPE_CHECKING:
@@ -64,10 +65,9 @@ class _BlendJob:
 
 
 @dataclass
-class BlendMeta:
-    """One step's worker-side instructions: the prefix connector's plus the blends."""
+class BlendMeta(ConnectorMeta):
+    """One step's worker-side instructions: the prefix connector's (its stores) plus the blends."""
 
-    prefix: ConnectorMeta
     blends: list[_BlendJob] = field(default_factory=list)
 
 
@@ -99,7 +99,7 @@ class BlendConnector(KVTierConnector):
         super().__init__(config, storage)
         self.blend = dataclasses.replace(blend or self.config.blend, enabled=True).validate()
         self.segment_separator = self.blend.separator
-        self.model: torch.nn.Module | None = None
+        self.model: LlamaForCausalLM | None = None
         self.stats = BlendStats()
         self._blend_plans: dict[str, _BlendJob] = {}  # looked up, not yet admitted
         self._to_blend: dict[str, _BlendJob] = {}  # admitted, blended in this step
@@ -115,6 +115,8 @@ class BlendConnector(KVTierConnector):
         self.blend.validate(model_config.num_layers)
 
     def register_model_module(self, model: torch.nn.Module) -> None:
+        if not isinstance(model, LlamaForCausalLM):  # the executor runs its layers one by one
+            raise TypeError(f"CacheBlend needs the engine's Llama-family model, got {type(model).__name__}")
         self.model = model
 
     # ---- scheduler side --------------------------------------------------------------
@@ -172,7 +174,8 @@ class BlendConnector(KVTierConnector):
         """Returns the prefix connector's meta for plain requests (blended ones are never
         stored as prefix chunks) plus this step's blends."""
         plain = [r for r in scheduler_output.requests if r.request_id not in self._blended]
-        meta = BlendMeta(super().build_connector_meta(dataclasses.replace(scheduler_output, requests=plain)))
+        prefix = super().build_connector_meta(dataclasses.replace(scheduler_output, requests=plain))
+        meta = BlendMeta(saves=prefix.saves)
         for r in scheduler_output.requests:
             job = self._to_blend.pop(r.request_id, None)
             if job is not None:
@@ -195,7 +198,7 @@ class BlendConnector(KVTierConnector):
     # ---- worker side -----------------------------------------------------------------
     def bind_connector_metadata(self, metadata: Any) -> None:
         self._blend_meta = metadata if isinstance(metadata, BlendMeta) else None
-        super().bind_connector_metadata(metadata.prefix if isinstance(metadata, BlendMeta) else metadata)
+        super().bind_connector_metadata(metadata)
 
     def clear_connector_metadata(self) -> None:
         self._blend_meta = None
@@ -266,7 +269,7 @@ class BlendConnector(KVTierConnector):
         stores use; a refused store is counted, never waited for."""
         nbytes = sum(kv.numel() * kv.element_size() for _, kv in items)
         dropped = functools.partial(self.metrics.add, request_id, dropped_store_bytes=nbytes)
-        if items and not self._stores.submit(items, on_drop=dropped):
+        if items and not self._queue().submit(items, on_drop=dropped):
             dropped()
 
     def stored_segment(self, token_ids: list[int], segment_kv: str | None = None) -> torch.Tensor | None:
@@ -284,12 +287,13 @@ class BlendConnector(KVTierConnector):
         and well-formed) and which chunks were. Read only: it may be a tier's own tensor
         (callers re-rotate a copy of it)."""
         keys = [k for _, _, k in spans]
-        self._stores.wait_for(keys)  # read-your-writes: a segment store may still be queued
+        self._queue().wait_for(keys)  # read-your-writes: a segment store may still be queued
         values = self.storage.batched_get(keys, read_only=True)
         ok = [self._chunk_ok(kv, e - s) for (s, e, _), kv in zip(spans, values)]
         if not all(ok):
             return None, ok
-        return (values[0] if len(values) == 1 else torch.cat(values, dim=2)), ok
+        chunks = [kv for kv in values if kv is not None]  # all ok: every one is there
+        return (chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)), ok
 
     def blend_stats(self) -> dict[str, Any]:
         """Returns the blend totals since start-up (see `BlendStats`)."""

@@ -16,14 +16,14 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from connector.gather import slots_for
+from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from engine.paged_attention import _sdpa, gather_kv, write_kv
 from engine.rotary import rerotate
 
 
-def _layer_qkv(layer: nn.Module, h: torch.Tensor,
+def _layer_qkv(layer: LlamaDecoderLayer, h: torch.Tensor,
                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns q `[T, Hq, D]`, k (after RoPE) and v `[T, Hkv, D]` of decoder `layer` for
     hidden states `h` `[T, hidden]` at `positions` `[T]` (the model's own projection)."""
@@ -51,7 +51,7 @@ def _causal_buckets(q_positions: torch.Tensor) -> Buckets:
     return out
 
 
-def _layer_attend_mlp(layer: nn.Module, h: torch.Tensor, q: torch.Tensor, keys: torch.Tensor,
+def _layer_attend_mlp(layer: LlamaDecoderLayer, h: torch.Tensor, q: torch.Tensor, keys: torch.Tensor,
                       values: torch.Tensor, buckets: Buckets | None) -> torch.Tensor:
     """Returns the layer's output for queries `q` over `keys`/`values` `[S, Hkv, D]`, causal by
     position: through `buckets` (`_causal_buckets`), or plain causal when None (T == S)."""
@@ -67,14 +67,14 @@ def _layer_attend_mlp(layer: nn.Module, h: torch.Tensor, q: torch.Tensor, keys: 
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def _model_parts(model: nn.Module) -> tuple[nn.Module, torch.device, torch.dtype]:
+def _model_parts(model: LlamaForCausalLM) -> tuple[LlamaModel, torch.device, torch.dtype]:
     inner = model.model
     w = inner.embed_tokens.weight
     return inner, w.device, w.dtype
 
 
 @torch.inference_mode()
-def compute_segment_kv(model: nn.Module, token_ids: Sequence[int] | torch.Tensor,
+def compute_segment_kv(model: LlamaForCausalLM, token_ids: Sequence[int] | torch.Tensor,
                        start_position: int = 0) -> torch.Tensor:
     """Returns the K/V `(num_layers, 2, T, Hkv, D)` (model dtype and device) of `token_ids`
     computed as a sequence of their own at positions `start_position..` (keys after RoPE)."""
@@ -84,11 +84,12 @@ def compute_segment_kv(model: nn.Module, token_ids: Sequence[int] | torch.Tensor
         raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
     t = ids.numel()
     positions = torch.arange(start_position, start_position + t, device=dev)
-    attn0 = inner.layers[0].self_attn
-    out = torch.empty((len(inner.layers), 2, t, attn0.num_kv_heads, attn0.head_size), dtype=dtype, device=dev)
+    layers = inner.decoder_layers()
+    attn0 = layers[0].self_attn
+    out = torch.empty((len(layers), 2, t, attn0.num_kv_heads, attn0.head_size), dtype=dtype, device=dev)
     h = inner.embed_tokens(ids)
-    last = len(inner.layers) - 1
-    for i, layer in enumerate(inner.layers):
+    last = len(layers) - 1
+    for i, layer in enumerate(layers):
         q, k, v = _layer_qkv(layer, h, positions)
         out[i, 0], out[i, 1] = k, v
         if i == last:  # only this layer's K/V is wanted, not its output
@@ -115,7 +116,7 @@ def _num_selected(ratio: float, n: int) -> int:
 
 
 @torch.inference_mode()
-def blend_recompute(model: nn.Module, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
+def blend_recompute(model: LlamaForCausalLM, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
                     block_size: int, token_ids: Sequence[int] | torch.Tensor, start: int, end: int,
                     ratio: float, check_layer: int = 1,
                     narrowing: Sequence[tuple[int, float]] = (),
@@ -152,8 +153,9 @@ def blend_recompute(model: nn.Module, kv_caches: Sequence[torch.Tensor], block_i
     rows = torch.arange(n, device=dev)  # tokens still recomputed, relative to `start`
     buckets = _causal_buckets(positions)
     h = inner.embed_tokens(ids)
-    last = len(inner.layers) - 1
-    for i, (layer, kv_cache) in enumerate(zip(inner.layers, kv_caches)):
+    layers = inner.decoder_layers()
+    last = len(layers) - 1
+    for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
         q, k, v = _layer_qkv(layer, h, positions[rows])
         if i in keep_at:
             flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from engine.models.llama import LlamaForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
 }
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     """Returns the class implementing `architecture`; ValueError naming it if unsupported."""
     try:
         return MODEL_REGISTRY[architecture]

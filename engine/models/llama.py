@@ -8,6 +8,7 @@ matmul each at load time.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +104,10 @@ class LlamaModel(nn.Module):
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """Returns the decoder layers in order, typed (nn.ModuleList types its items as Module)."""
+        return cast(list[LlamaDecoderLayer], list(self.layers))
+
 
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM over a paged KV cache (also registered for Mistral and Qwen2)."""
@@ -180,8 +185,8 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
-            dst = param
-            if fused is not None:
+            dst: torch.Tensor = param
+            if fused is not None and shard is not None:  # set together above
                 sizes = shard_sizes[fused]
                 dst = param.narrow(0, sum(sizes[:shard]), sizes[shard])
             _check_shape(name, tensor, dst.shape)

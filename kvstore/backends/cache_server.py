@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import torch
 
 from kvstore import serde
-from kvstore.backend import BackendError, BackendStats, BytesBackend
+from kvstore.backend import BackendError, BackendStats, BytesBackend, StoredValue
 from kvstore.codecs import Buffer, Codec
 from kvstore.server.client import (
     CacheServerClient,
@@ -115,13 +115,13 @@ class CacheServerBackend(BytesBackend):
     def _get_bytes(self, key: str) -> Buffer | None:
         return self._io(self.client.get, key.encode())
 
-    def _batched_get_bytes(self, keys: Sequence[str]) -> list[Buffer | None]:
+    def _batched_get_bytes(self, keys: Sequence[str]) -> Sequence[Buffer | None]:
         return self._io(self.client.get_many, [k.encode() for k in keys])
 
-    def _put_bytes(self, key: str, value: Buffer | serde.SplitValue) -> None:
+    def _put_bytes(self, key: str, value: StoredValue) -> None:
         self._batched_put_bytes([(key, value)])
 
-    def _batched_put_bytes(self, items: Sequence[tuple[str, Buffer | serde.SplitValue]]) -> None:
+    def _batched_put_bytes(self, items: Sequence[tuple[str, StoredValue]]) -> None:
         stored = self._io(self.client.put_many, [(k.encode(), _payload(v)) for k, v in items])
         refused = len(stored) - sum(stored)
         if refused:  # larger than the server's whole budget: not a tier failure
@@ -166,7 +166,7 @@ class CacheServerBackend(BytesBackend):
         self.client.close()
 
 
-def _payload(value: Buffer | serde.SplitValue) -> Payload:
+def _payload(value: StoredValue) -> Payload:
     return (value.header, value.payload) if isinstance(value, serde.SplitValue) else value
 
 

@@ -33,7 +33,7 @@ from urllib.parse import quote, unquote, urlsplit
 import torch
 
 from kvstore import serde
-from kvstore.backend import BackendError, BytesBackend
+from kvstore.backend import BackendError, BytesBackend, StoredValue
 from kvstore.budget import ByteBudget
 from kvstore.codecs import Buffer, Codec
 from kvstore.config import TierSpec
@@ -311,7 +311,7 @@ class DiskBackend(BytesBackend):
         """Returns header + payload unjoined: the file gets them in two writes, no copy."""
         return serde.encode_split(key, kv, self.codec)
 
-    def _put_bytes(self, key: str, value: Buffer | serde.SplitValue) -> None:
+    def _put_bytes(self, key: str, value: StoredValue) -> None:
         self._writable()
         path = self._path(key)
         nbytes = len(value)
@@ -328,7 +328,7 @@ class DiskBackend(BytesBackend):
                 state.used += nbytes
         except OSError as exc:
             raise BackendError(f"disk tier cannot write {key}: {exc}") from exc
-        parts = [value.header, value.payload] if isinstance(value, serde.SplitValue) else [value]
+        parts: list[Buffer] = [value.header, value.payload] if isinstance(value, serde.SplitValue) else [value]
         try:
             with open(fd, "wb", buffering=0) as f:
                 for part in parts:

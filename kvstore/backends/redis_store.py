@@ -41,7 +41,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from kvstore import serde
-from kvstore.backend import BackendError, BytesBackend
+from kvstore.backend import BackendError, BytesBackend, StoredValue
 from kvstore.budget import ByteBudget
 from kvstore.codecs import Buffer, Codec
 from kvstore.config import TierSpec
@@ -154,7 +154,7 @@ def _read_bulk_replies(sock: Any, count: int) -> list[Buffer | None]:
         if line[:1] != b"$" or not line[1:].isdigit():
             raise _ReplyError(f"unexpected reply to GET: {line[:80]!r}")
         n = int(line[1:])
-        value = memoryview(np.empty(n + 2, dtype=np.uint8))  # the value and its CRLF
+        value = np.empty(n + 2, dtype=np.uint8).data  # the value and its CRLF
         have = min(len(pending), n + 2)
         value[:have] = pending[:have]
         del pending[:have]
@@ -213,7 +213,7 @@ class RedisBackend(BytesBackend):
     def set_pin_check(self, is_pinned: Callable[[str], bool]) -> None:
         self._budget.is_pinned = is_pinned
 
-    def encode(self, key: str, kv: torch.Tensor) -> Any:
+    def encode(self, key: str, kv: torch.Tensor) -> StoredValue:
         """Returns the value unjoined for a single node (sent in two parts by SplitValuePacker);
         joined for a cluster, whose per-node clients use redis-py's own packer."""
         if self.cluster:
@@ -238,6 +238,7 @@ class RedisBackend(BytesBackend):
         read by `_read_bulk_replies` on a pooled connection (redis-py's reader for a cluster)."""
         if self.cluster:
             return [_NOT_A_CHUNK if isinstance(r, redis.ResponseError) else r for r in self._per_key("get", keys)]
+        assert isinstance(self.reader, redis.Redis)  # a single node (clusters returned above)
         pool = self.reader.connection_pool
         conn = pool.get_connection()
         try:
@@ -296,9 +297,9 @@ class RedisBackend(BytesBackend):
                 if value is not None:
                     self._budget.touch(key)
 
-    def _admit(self, items: Sequence[tuple[str, Buffer]]) -> tuple[list[tuple[str, Buffer]], list[str]]:
+    def _admit(self, items: Sequence[tuple[str, StoredValue]]) -> tuple[list[tuple[str, StoredValue]], list[str]]:
         """Returns (items that fit, keys to evict first), recording the admitted sizes."""
-        admitted: dict[str, Buffer] = {}
+        admitted: dict[str, StoredValue] = {}
         victims: list[str] = []
         with self._lock:
             for key, value in items:
@@ -317,7 +318,7 @@ class RedisBackend(BytesBackend):
                 admitted[key] = value
         return list(admitted.items()), victims
 
-    def _put_bytes(self, key: str, value: Buffer) -> None:
+    def _put_bytes(self, key: str, value: StoredValue) -> None:
         self._batched_put_bytes([(key, value)])
 
     @contextmanager
@@ -334,7 +335,7 @@ class RedisBackend(BytesBackend):
             for i in reversed(idx):
                 self._stripes[i].release()
 
-    def _batched_put_bytes(self, items: Sequence[tuple[str, Buffer]]) -> None:
+    def _batched_put_bytes(self, items: Sequence[tuple[str, StoredValue]]) -> None:
         with self._key_locks(k for k, _ in items):
             admitted, victims = self._admit(items)
             if not admitted and not victims:

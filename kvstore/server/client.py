@@ -16,7 +16,9 @@ import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from io import BufferedReader
 from itertools import count
+from typing import cast
 
 from kvstore.server import protocol as P
 from kvstore.server.protocol import Op, Status
@@ -102,7 +104,8 @@ class _Connection:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.rfile = self.sock.makefile("rb", buffering=_INLINE)
+        # typeshed types makefile("rb") as IOBase unless buffering is -1/1; it is a BufferedReader
+        self.rfile = cast(BufferedReader, self.sock.makefile("rb", buffering=_INLINE))
         self.timeout = timeout
         self._ids = count(1)
         self._header = bytearray(P.HEADER_SIZE)

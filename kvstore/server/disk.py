@@ -99,9 +99,6 @@ class DiskSpill:
     def __contains__(self, key: bytes) -> bool:
         return key in self._index
 
-    def keys_lru_first(self) -> list[bytes]:
-        return list(self._index)
-
     def file_size(self, key: bytes) -> int:
         """Returns the size of `key`'s file (what `get` allocates to read it); 0 if absent."""
         return self._index.get(key, 0)

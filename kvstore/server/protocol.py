@@ -52,7 +52,7 @@ class Status(IntEnum):
     AUTH_REQUIRED = 5
     AUTH_FAILED = 6
     BAD_REQUEST = 7  # well-framed but invalid (e.g. a malformed key list)
-    INTERNAL = 8
+    # 8 is reserved (docs/protocol.md): never sent
     BUSY = 9  # the memory budget is held by other bodies in flight and replies: retry later
     TOO_MANY_CONNECTIONS = 10  # --max-connections reached: the server closes at once
 

@@ -123,7 +123,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
         """Drops the engine's prefix cache (refused, `reset: false`, while requests hold blocks)."""
         return {"reset": await ctx.engine_loop.call(engine.block_manager.pool.reset_prefix_cache)}
 
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # type: ignore[arg-type]
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     return app
 
 

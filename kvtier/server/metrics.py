@@ -108,21 +108,35 @@ class ConnectorCollector(Collector):
     def collect(self) -> Iterator[Any]:
         tiers = self.connector.tier_metrics()
         families = {
-            "tokens_hit": CounterMetricFamily("kvtier:kv_tier_hit_tokens", "Tokens loaded from the tier.", labels=["tier"]),
-            "bytes_loaded": CounterMetricFamily("kvtier:kv_tier_loaded_bytes", "Bytes loaded from the tier.", labels=["tier"]),
-            "bytes_stored": CounterMetricFamily("kvtier:kv_tier_stored_bytes", "Bytes the tier accepted.", labels=["tier"]),
-            "load_seconds": CounterMetricFamily("kvtier:kv_tier_load_seconds", "Seconds spent loading from the tier.", labels=["tier"]),
+            "tokens_hit": CounterMetricFamily(
+                "kvtier:kv_tier_hit_tokens", "Tokens loaded from the tier.", labels=["tier"]
+            ),
+            "bytes_loaded": CounterMetricFamily(
+                "kvtier:kv_tier_loaded_bytes", "Bytes loaded from the tier.", labels=["tier"]
+            ),
+            "bytes_stored": CounterMetricFamily(
+                "kvtier:kv_tier_stored_bytes", "Bytes the tier accepted.", labels=["tier"]
+            ),
+            "load_seconds": CounterMetricFamily(
+                "kvtier:kv_tier_load_seconds", "Seconds spent loading from the tier.", labels=["tier"]
+            ),
             "errors": CounterMetricFamily("kvtier:kv_tier_errors", "Failed calls to the tier.", labels=["tier"]),
-            "dropped_writes": CounterMetricFamily("kvtier:kv_tier_dropped_writes", "Background writes dropped (queue full).", labels=["tier"]),
+            "dropped_writes": CounterMetricFamily(
+                "kvtier:kv_tier_dropped_writes", "Background writes dropped (queue full).", labels=["tier"]
+            ),
         }
-        healthy = GaugeMetricFamily("kvtier:kv_tier_healthy", "1 while the tier is in use, 0 while it backs off.", labels=["tier"])
+        healthy = GaugeMetricFamily(
+            "kvtier:kv_tier_healthy", "1 while the tier is in use, 0 while it backs off.", labels=["tier"]
+        )
         for t in tiers:
             for attr, fam in families.items():
                 fam.add_metric([t.name], float(getattr(t, attr)))
             healthy.add_metric([t.name], 1.0 if t.healthy else 0.0)
         yield from families.values()
         yield healthy
-        dropped = CounterMetricFamily("kvtier:kv_dropped_store_bytes", "Chunk bytes not stored: the pending-store budget was full.")
+        dropped = CounterMetricFamily(
+            "kvtier:kv_dropped_store_bytes", "Chunk bytes not stored: the pending-store budget was full."
+        )
         dropped.add_metric([], float(self.connector.metrics.totals.dropped_store_bytes))
         yield dropped
         pending = GaugeMetricFamily("kvtier:kv_pending_stores", "Gathered chunks waiting for the store thread.")

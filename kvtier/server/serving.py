@@ -94,7 +94,8 @@ def make_sequences(ctx: ServingContext, prompts: list[Any], req: SamplingRequest
     try:
         base = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
                               max_tokens=1, stop_token_ids=list(req.stop_token_ids or []),
-                              stop=req.stop or [], include_stop_str_in_output=req.include_stop_str_in_output,
+                              stop=[req.stop] if isinstance(req.stop, str) else req.stop or [],
+                              include_stop_str_in_output=req.include_stop_str_in_output,
                               ignore_eos=req.ignore_eos)
     except ValueError as exc:
         raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
@@ -137,7 +138,7 @@ def completion_prompts(req: CompletionRequest) -> list[Any]:
     if all(isinstance(x, str) for x in p):
         return list(p)
     if all(isinstance(x, list) for x in p):
-        return [{"prompt_token_ids": list(x)} for x in p]
+        return [{"prompt_token_ids": list(x)} for x in p if isinstance(x, list)]  # all are
     raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of those lists",
                    param="prompt")
 
@@ -222,7 +223,9 @@ async def _collect(request: Request, stream: RequestStream, n: int) -> list[Requ
     return [finals[k] for k in sorted(finals, key=lambda r: int(r.rsplit("-", 1)[1]))][:n]
 
 
-async def _deltas(request: Request, stream: RequestStream, holdback: int) -> AsyncIterator[tuple[int, str, RequestOutput]]:
+async def _deltas(
+    request: Request, stream: RequestStream, holdback: int
+) -> AsyncIterator[tuple[int, str, RequestOutput]]:
     """Yields (prompt index, new final text, output) per output of the stream: the text a
     stop string can no longer take back."""
     sent: dict[str, int] = {}

@@ -76,7 +76,7 @@ def hf_layers_kv(hf_model, ids: list[int], offset: int) -> tuple[list[torch.Tens
     pos = torch.arange(offset, offset + len(ids))[None]
     with torch.no_grad():
         layers = hf_model(torch.tensor([ids]), position_ids=pos, use_cache=True).past_key_values.layers
-    return [l.keys for l in layers], [l.values for l in layers]
+    return [layer.keys for layer in layers], [layer.values for layer in layers]
 
 
 def hf_decode(hf_model, keys: list[torch.Tensor], values: list[torch.Tensor], query: list[int],

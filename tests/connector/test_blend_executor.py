@@ -28,7 +28,9 @@ def hf_kv(hf_model, ids: list[int], start: int = 0) -> torch.Tensor:
         out = hf_model(torch.tensor([ids]), position_ids=torch.arange(start, start + len(ids))[None],
                        use_cache=True)
     layers = out.past_key_values.layers
-    return torch.stack([torch.stack([l.keys[0].transpose(0, 1), l.values[0].transpose(0, 1)]) for l in layers])
+    return torch.stack(
+        [torch.stack([layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)]) for layer in layers]
+    )
 
 
 def test_segment_kv_matches_transformers(default_model, hf_default_model, tokenizer):

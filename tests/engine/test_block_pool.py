@@ -31,7 +31,11 @@ def test_hash_identical_across_processes_and_hashseeds() -> None:
     outs = set()
     for seed in ("0", "1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": REPO}
-        outs.add(subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True).stdout.strip())
+        outs.add(
+            subprocess.run(
+                [sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True
+            ).stdout.strip()
+        )
     assert outs == {hash_full_blocks(list(range(64)), 16)[-1].hex()}
 
 

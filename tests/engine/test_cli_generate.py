@@ -24,8 +24,22 @@ def test_json_output_per_prompt_and_prefix_reuse(tmp_path: Path, default_model_p
     long_prompt = "The harbour master wrote down every ship that arrived. " * 12
     f = tmp_path / "p.txt"
     f.write_text(long_prompt)
-    r = kvtier("The capital of France is", "--prompt-file", str(f), "--prompt-file", str(f),
-               "--model", str(default_model_path), "--max-tokens", "6", "--json", "--device", "cpu", "--num-gpu-blocks", "64")
+    r = kvtier(
+        "The capital of France is",
+        "--prompt-file",
+        str(f),
+        "--prompt-file",
+        str(f),
+        "--model",
+        str(default_model_path),
+        "--max-tokens",
+        "6",
+        "--json",
+        "--device",
+        "cpu",
+        "--num-gpu-blocks",
+        "64",
+    )
     assert r.returncode == 0, r.stderr
     lines = [json.loads(line) for line in r.stdout.splitlines()]
     assert len(lines) == 3
@@ -41,7 +55,18 @@ def test_json_output_per_prompt_and_prefix_reuse(tmp_path: Path, default_model_p
 
 
 def test_chat_plain_text_output(default_model_path: Path) -> None:
-    r = kvtier("-", "--chat", "--model", str(default_model_path), "--max-tokens", "5", "--device", "cpu", "--num-gpu-blocks", "64")
+    r = kvtier(
+        "-",
+        "--chat",
+        "--model",
+        str(default_model_path),
+        "--max-tokens",
+        "5",
+        "--device",
+        "cpu",
+        "--num-gpu-blocks",
+        "64",
+    )
     # "-" is a prompt here, not stdin: a one-character user turn through the chat template.
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()

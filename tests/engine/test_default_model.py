@@ -24,7 +24,7 @@ def test_concurrent_first_runs_convert_once(tmp_path: Path, default_model_path: 
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
     results = [p.communicate(timeout=600) for p in procs]
-    for p, (out, err) in zip(procs, results):
+    for p, (_out, err) in zip(procs, results):
         assert p.returncode == 0, err[-2000:]
     expected = home / "models" / MODEL_DIR_NAME
     assert [Path(out.strip().splitlines()[-1]) for out, _ in results] == [expected, expected]

@@ -63,11 +63,20 @@ class RecordingConnector(KVConnectorBase):
         for r in scheduler_output.requests:
             if r.request_id in self.pending:
                 key, start, n, blocks = self.pending.pop(r.request_id)
-                meta.loads.append((r.request_id, request_slot_mapping(blocks, self.block_size, start, start + n), key, start, n))
+                meta.loads.append(
+                    (r.request_id, request_slot_mapping(blocks, self.block_size, start, start + n), key, start, n)
+                )
             end = min(r.num_computed_tokens + r.num_new_tokens, r.num_prompt_tokens)
             if end > r.num_computed_tokens:  # prompt tokens computed this step
-                meta.saves.append((r.request_id, request_slot_mapping(r.block_ids, self.block_size, r.num_computed_tokens, end)))
-        self.calls.append(("build_connector_meta", [(r.request_id, r.num_computed_tokens, r.num_new_tokens) for r in scheduler_output.requests]))
+                meta.saves.append(
+                    (r.request_id, request_slot_mapping(r.block_ids, self.block_size, r.num_computed_tokens, end))
+                )
+        self.calls.append(
+            (
+                "build_connector_meta",
+                [(r.request_id, r.num_computed_tokens, r.num_new_tokens) for r in scheduler_output.requests],
+            )
+        )
         return meta
 
     def request_finished(self, seq, block_ids) -> None:
@@ -122,7 +131,9 @@ def prompt(default_model_path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(default_model_path: Path, prompt: dict) -> list[int]:
-    return LLM(str(default_model_path), device="cpu", num_gpu_blocks=64).generate(prompt, PARAMS)[0].outputs[0].token_ids
+    return (
+        LLM(str(default_model_path), device="cpu", num_gpu_blocks=64).generate(prompt, PARAMS)[0].outputs[0].token_ids
+    )
 
 
 def step_calls(calls: list[tuple]) -> list[list[tuple]]:
@@ -164,7 +175,9 @@ def test_hooks_order_and_arguments(default_model_path: Path, prompt: dict, refer
     assert conn.calls[-1] == ("shutdown",)
 
 
-def test_loaded_tokens_are_not_recomputed_and_are_used(default_model_path: Path, prompt: dict, reference: list[int]) -> None:
+def test_loaded_tokens_are_not_recomputed_and_are_used(
+    default_model_path: Path, prompt: dict, reference: list[int]
+) -> None:
     conn = RecordingConnector()
     llm = LLM(str(default_model_path), device="cpu", num_gpu_blocks=64, kv_connector=conn, enable_prefix_caching=False)
     llm.generate(prompt, PARAMS)
@@ -185,7 +198,9 @@ def test_loaded_tokens_are_not_recomputed_and_are_used(default_model_path: Path,
     assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
 
 
-def test_connector_only_asked_beyond_the_engine_prefix_cache(default_model_path: Path, prompt: dict, reference: list[int]) -> None:
+def test_connector_only_asked_beyond_the_engine_prefix_cache(
+    default_model_path: Path, prompt: dict, reference: list[int]
+) -> None:
     conn = RecordingConnector()
     llm = LLM(str(default_model_path), device="cpu", num_gpu_blocks=64, kv_connector=conn)
     llm.generate(prompt, PARAMS)

@@ -97,7 +97,9 @@ def engine_prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
             hidden = eng.runner.model(input_ids, positions, eng.runner.kv_caches, meta)
             chunks.append(eng.runner.model.compute_logits(hidden))
-        eng.scheduler.update_from_output(out, [int(chunks[-1][-1].argmax()) if r.samples else None for r in out.requests])
+        eng.scheduler.update_from_output(
+            out, [int(chunks[-1][-1].argmax()) if r.samples else None for r in out.requests]
+        )
     return torch.cat(chunks)
 
 

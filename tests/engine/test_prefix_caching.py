@@ -63,7 +63,9 @@ def test_num_cached_tokens_on_repeat_and_shared_prefix(llm_on: LLM, shared_promp
     assert other.num_cached_tokens == doc_len // 16 * 16
     after = llm_on.get_stats()
     assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == n + n + len(other.prompt_token_ids)
-    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == repeat.num_cached_tokens + other.num_cached_tokens
+    assert (
+        after["prefix_cache_hits"] - before["prefix_cache_hits"] == repeat.num_cached_tokens + other.num_cached_tokens
+    )
     assert_all_blocks_free(llm_on)
 
 

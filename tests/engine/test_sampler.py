@@ -45,8 +45,12 @@ def test_seeded_rows_do_not_depend_on_batch_neighbours() -> None:
     s1 = Sampler()(logits[1:2], [p], [g]).item()
     s2 = Sampler()(logits[1:2], [p], [g]).item()
     g_b = gen(7)
-    batched = [Sampler()(logits, [SamplingParams(temperature=0), p, SamplingParams(temperature=0.7)], [None, g_b, gen(99)])[1].item()
-               for _ in range(2)]
+    batched = [
+        Sampler()(logits, [SamplingParams(temperature=0), p, SamplingParams(temperature=0.7)], [None, g_b, gen(99)])[
+            1
+        ].item()
+        for _ in range(2)
+    ]
     assert alone[0] == s1 and batched == [s1, s2]
 
 

@@ -28,7 +28,9 @@ def read_only_mount(src: Path, dst: Path) -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.skip("a read-only bind mount needs root")
     dst.mkdir()
-    done = subprocess.run(["mount", "--bind", "-o", "ro", str(src), str(dst)], check=False, capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "--bind", "-o", "ro", str(src), str(dst)], check=False, capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot bind-mount read-only here: {done.stderr.strip()}")
     try:

@@ -143,7 +143,9 @@ def test_rediss_passes_tls_options(tmp_path: Path) -> None:
     # no TLS server here: check the client is built for TLS with the given options, without connecting
     ca = tmp_path / "ca.pem"
     ca.write_text("")
-    tier = create_backend(TierSpec("rediss://127.0.0.1:1/0", options={"ssl_ca_certs": str(ca), "ssl_cert_reqs": "none"}))
+    tier = create_backend(
+        TierSpec("rediss://127.0.0.1:1/0", options={"ssl_ca_certs": str(ca), "ssl_cert_reqs": "none"})
+    )
     pool = tier.client.connection_pool
     assert pool.connection_class.__name__ == "SSLConnection"
     assert pool.connection_kwargs["ssl_ca_certs"] == str(ca)

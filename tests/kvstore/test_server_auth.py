@@ -44,7 +44,10 @@ def test_missing_or_wrong_token_is_refused(server: CacheServerProcess, token: st
 def test_unauthenticated_frames_get_a_refusal_and_a_close(server: CacheServerProcess) -> None:
     # Requests pipelined behind the refused one are never executed.
     data = raw_exchange(server.port, P.encode_frame(Op.PUT, 1, b"a", b"v") + P.encode_frame(Op.STATS, 2))
-    assert _status(data) == Status.AUTH_REQUIRED and len(data) == P.HEADER_SIZE + P.decode_header(data, 1 << 20).payload_len
+    assert (
+        _status(data) == Status.AUTH_REQUIRED
+        and len(data) == P.HEADER_SIZE + P.decode_header(data, 1 << 20).payload_len
+    )
     data = raw_exchange(server.port, P.encode_frame(Op.AUTH, 1, payload=b"nope") + P.encode_frame(Op.STATS, 2))
     assert _status(data) == Status.AUTH_FAILED and b"wrong auth token" in data
     # Before auth, a frame may not announce a large body (no memory for strangers).

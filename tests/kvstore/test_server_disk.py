@@ -71,7 +71,9 @@ def test_damaged_spill_file_is_a_miss(cache_server_factory: type[CacheServerProc
     c.close()
 
 
-def test_entries_that_are_not_regular_files_are_skipped(cache_server_factory: type[CacheServerProcess], tmp_path) -> None:
+def test_entries_that_are_not_regular_files_are_skipped(
+    cache_server_factory: type[CacheServerProcess], tmp_path
+) -> None:
     server = cache_server_factory("--max-bytes", "1MiB", "--disk", str(tmp_path))
     c = CacheServerClient("127.0.0.1", server.port)
     a, b = os.urandom(700_000), os.urandom(700_000)

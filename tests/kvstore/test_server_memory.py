@@ -182,7 +182,22 @@ def test_churn_of_varied_sizes_stays_bounded(cache_server_factory: type[CacheSer
                 n = rng.randint(1, 40 * MIB) if rng.random() < 0.2 else rng.randint(1000, 6 * MIB)
                 key = f"{seed}/{rng.randint(0, 20)}".encode()
                 if rng.random() < 0.6:
-                    assert c.put(key, memoryview(blob)[:n]), (n, {k: v for k, v in c.stats().items() if k in ("busy_refusals", "rejected", "reserved_bytes", "pinned_bytes", "bytes", "frame_timeouts")})
+                    assert c.put(key, memoryview(blob)[:n]), (
+                        n,
+                        {
+                            k: v
+                            for k, v in c.stats().items()
+                            if k
+                            in (
+                                "busy_refusals",
+                                "rejected",
+                                "reserved_bytes",
+                                "pinned_bytes",
+                                "bytes",
+                                "frame_timeouts",
+                            )
+                        },
+                    )
                 else:
                     got = c.get(key)
                     assert got is None or got == blob[: len(got)]

@@ -122,8 +122,16 @@ def test_invalid_budgets_are_value_errors(tmp_path) -> None:
         DiskSpill(tmp_path, 0)
 
 
-@given(st.lists(st.tuples(st.sampled_from(["put", "reserve", "store_reserved", "release", "get_pin", "unpin", "delete"]),
-                          st.integers(0, 5), st.integers(1, 400)), max_size=80))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["put", "reserve", "store_reserved", "release", "get_pin", "unpin", "delete"]),
+            st.integers(0, 5),
+            st.integers(1, 400),
+        ),
+        max_size=80,
+    )
+)
 def test_store_ledger_never_exceeds_budget(ops: list[tuple[str, int, int]]) -> None:
     """Stored entries, reserved bodies and values being sent (pinned, maybe evicted) are one
     budget: whatever the order of operations, committed bytes never exceed it."""

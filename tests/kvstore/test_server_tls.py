@@ -39,8 +39,12 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     IP 127.0.0.1) and other-ca.pem (a CA that signed nothing here)."""
     d = tmp_path_factory.mktemp("pki")
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=kvtier test CA", cwd=d)
-    _openssl("req", "-x509", *ec, "-keyout", "other.key", "-out", "other-ca.pem", "-days", "2", "-subj", "/CN=other", cwd=d)
+    _openssl(
+        "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=kvtier test CA", cwd=d
+    )
+    _openssl(
+        "req", "-x509", *ec, "-keyout", "other.key", "-out", "other-ca.pem", "-days", "2", "-subj", "/CN=other", cwd=d
+    )
     _openssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1", cwd=d)
     (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
     _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
@@ -118,7 +122,9 @@ def test_clients_that_do_not_verify_or_speak_tls_are_refused(tls_server: CacheSe
         with pytest.raises(ServerUnavailable, match="TLS handshake .* failed: .*CERTIFICATE_VERIFY_FAILED"):
             c.ping()
     # A plaintext client gets no frame back: its bytes are not a TLS handshake.
-    data = raw_exchange(tls_server.port, P.encode_frame(Op.AUTH, 1, payload=TOKEN.encode()) + P.encode_frame(Op.PING, 2))
+    data = raw_exchange(
+        tls_server.port, P.encode_frame(Op.AUTH, 1, payload=TOKEN.encode()) + P.encode_frame(Op.PING, 2)
+    )
     assert P.MAGIC not in data
     assert _tls_client(tls_server, pki / "ca.pem").ping()  # the server is unharmed
 

@@ -150,7 +150,9 @@ def test_bad_requests_get_openai_errors(server: ServeProcess, client: openai.Ope
     with pytest.raises(openai.NotFoundError, match="gpt-4"):
         client.completions.create(model="gpt-4", prompt="hi")
     # unknown fields are ignored, as OpenAI does
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "no_such_field": 1}, timeout=60)
+    r = httpx.post(
+        server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "no_such_field": 1}, timeout=60
+    )
     assert r.status_code == 200
     r = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=60,
                    headers={"content-type": "application/json"})
