@@ -19,7 +19,10 @@ $(STAMP): pyproject.toml
 demo: install
 	$(PY) examples/prefix_caching.py
 
+# Lint and type-check first (config in pyproject.toml); any failure, pytest's exit code 5 included, fails the target.
 test: install
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 bench: install
