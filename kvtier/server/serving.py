@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -239,6 +239,31 @@ async def _deltas(
             yield int(out.request_id.rsplit("-", 1)[1]), visible[start:], out
 
 
+async def _events(request: Request, stream: RequestStream, req: SamplingRequest, head: dict[str, Any],
+                  choice: Callable[[int, str, RequestOutput], dict[str, Any] | None],
+                  first: dict[str, Any] | None = None) -> AsyncIterator[str]:
+    """Yields the SSE events of a streamed call: `first` (chat's role chunk), one chunk per
+    output that `choice` renders (None: nothing to send), the usage chunk if asked, [DONE];
+    an engine failure ends the stream with an error event."""
+    totals = _Totals()
+    if first is not None:
+        yield _sse({**head, "choices": [first]})
+    try:
+        async for i, delta, out in _deltas(request, stream, _holdback(req)):
+            rendered = choice(i, delta, out)
+            if rendered is not None:
+                yield _sse({**head, "choices": [rendered]})
+            if out.finished:
+                totals.add(out)
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield _sse({**head, "choices": [], "usage": totals.usage()})
+        yield "data: [DONE]\n\n"
+    except (EngineDeadError, ValueError) as exc:
+        yield _error_event(exc)
+    except ClientDisconnected:
+        return  # nobody is listening; the requests were aborted
+
+
 async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request) -> Any:
     check_model(ctx, req.model)
     _unsupported(req)
@@ -257,29 +282,17 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
                             "stop_reason": c.stop_reason})
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
                              "choices": choices, "usage": totals.usage()})
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    async def events() -> AsyncIterator[str]:
-        totals = _Totals()
-        head = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
-        try:
-            async for i, delta, out in _deltas(request, stream, _holdback(req)):
-                c = out.outputs[0]
-                if delta or out.finished:
-                    yield _sse({**head, "choices": [{"index": i, "text": delta, "logprobs": None,
-                                                     "finish_reason": c.finish_reason if out.finished else None,
-                                                     "stop_reason": c.stop_reason if out.finished else None}]})
-                if out.finished:
-                    totals.add(out)
-            if include_usage:
-                yield _sse({**head, "choices": [], "usage": totals.usage()})
-            yield "data: [DONE]\n\n"
-        except (EngineDeadError, ValueError) as exc:
-            yield _error_event(exc)
-        except ClientDisconnected:
-            return  # nobody is listening; the requests were aborted
+    def choice(i: int, delta: str, out: RequestOutput) -> dict[str, Any] | None:
+        if not (delta or out.finished):
+            return None
+        c = out.outputs[0]
+        return {"index": i, "text": delta, "logprobs": None,
+                "finish_reason": c.finish_reason if out.finished else None,
+                "stop_reason": c.stop_reason if out.finished else None}
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    head = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
+    return StreamingResponse(_events(request, stream, req, head, choice), media_type="text/event-stream")
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request) -> Any:
@@ -301,30 +314,14 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                           "logprobs": None, "finish_reason": c.finish_reason,
                                           "stop_reason": c.stop_reason}],
                              "usage": totals.usage()})
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    async def events() -> AsyncIterator[str]:
-        totals = _Totals()
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
-        yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}]})
-        try:
-            async for _i, delta, out in _deltas(request, stream, _holdback(req)):
-                c = out.outputs[0]
-                if delta and not out.finished:
-                    yield _sse({**head, "choices": [{"index": 0, "delta": {"content": delta}, "logprobs": None,
-                                                     "finish_reason": None}]})
-                elif out.finished:
-                    yield _sse({**head, "choices": [{"index": 0, "delta": {"content": delta} if delta else {},
-                                                     "logprobs": None, "finish_reason": c.finish_reason,
-                                                     "stop_reason": c.stop_reason}]})
-                    totals.add(out)
-            if include_usage:
-                yield _sse({**head, "choices": [], "usage": totals.usage()})
-            yield "data: [DONE]\n\n"
-        except (EngineDeadError, ValueError) as exc:
-            yield _error_event(exc)
-        except ClientDisconnected:
-            return  # nobody is listening; the requests were aborted
+    def choice(_i: int, delta: str, out: RequestOutput) -> dict[str, Any] | None:
+        if not out.finished:
+            return {"index": 0, "delta": {"content": delta}, "logprobs": None, "finish_reason": None} if delta else None
+        c = out.outputs[0]
+        return {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
+    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    return StreamingResponse(_events(request, stream, req, head, choice, first), media_type="text/event-stream")
