@@ -102,7 +102,7 @@ def make_sequences(ctx: ServingContext, prompts: list[Any], req: SamplingRequest
     seqs = []
     for i, prompt in enumerate(prompts):
         try:
-            seq = engine.make_sequence(prompt, dataclasses.replace(base), f"{rid}-{i}")
+            seq = engine.make_sequence(prompt, dataclasses.replace(base), f"{rid}-{i}")  # see prompt_index
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt" if "prompt" in str(exc) else None) from None
         n = seq.num_prompt_tokens
@@ -124,6 +124,12 @@ def make_sequences(ctx: ServingContext, prompts: list[Any], req: SamplingRequest
             raise APIError(400, str(exc), param="max_tokens") from None
         seqs.append(seq)
     return seqs
+
+
+def prompt_index(request_id: str) -> int:
+    """Returns the position in its HTTP call's prompt list of an engine request made by
+    `make_sequences` (ids are `<call id>-<index>`)."""
+    return int(request_id.rsplit("-", 1)[1])
 
 
 def completion_prompts(req: CompletionRequest) -> list[Any]:
@@ -208,8 +214,8 @@ class _Totals:
         return usage(self.prompt, self.completion, self.cached)
 
 
-async def _collect(request: Request, stream: RequestStream, n: int) -> list[RequestOutput]:
-    """Returns the final output of each of the stream's `n` requests, in prompt order."""
+async def _collect(request: Request, stream: RequestStream) -> list[RequestOutput]:
+    """Returns the final output of each of the stream's requests, in prompt order."""
     finals: dict[str, RequestOutput] = {}
     async with watching(request, stream):
         try:
@@ -220,7 +226,7 @@ async def _collect(request: Request, stream: RequestStream, n: int) -> list[Requ
             raise _engine_error(exc) from None
         except ClientDisconnected:  # nobody reads the answer; the requests were aborted
             raise APIError(499, "client disconnected", code="client_disconnected") from None
-    return [finals[k] for k in sorted(finals, key=lambda r: int(r.rsplit("-", 1)[1]))][:n]
+    return [finals[k] for k in sorted(finals, key=prompt_index)]
 
 
 async def _deltas(
@@ -236,7 +242,7 @@ async def _deltas(
             start = sent.get(out.request_id, 0)
             if len(visible) > start:
                 sent[out.request_id] = len(visible)
-            yield int(out.request_id.rsplit("-", 1)[1]), visible[start:], out
+            yield prompt_index(out.request_id), visible[start:], out
 
 
 async def _events(request: Request, stream: RequestStream, req: SamplingRequest, head: dict[str, Any],
@@ -272,7 +278,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     created = now()
     stream = _submit(ctx, seqs)
     if not req.stream:
-        outs = await _collect(request, stream, len(seqs))
+        outs = await _collect(request, stream)
         totals = _Totals()
         choices = []
         for i, out in enumerate(outs):
@@ -305,7 +311,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     created = now()
     stream = _submit(ctx, seqs)
     if not req.stream:
-        (out,) = await _collect(request, stream, 1)
+        (out,) = await _collect(request, stream)
         c = out.outputs[0]
         totals = _Totals()
         totals.add(out)
