@@ -20,9 +20,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from connector.kvtier_connector import KVTierConnector
 from connector.lookup import tier_prefix_tokens
+from engine.sampling_params import SamplingParams
 from kvtier import __version__
 from kvtier.server.metrics import ServerMetrics
-from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, LookupRequest, now
+from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, LookupRequest, new_id, now
 from kvtier.server.serving import ServingContext, check_model, create_chat_completion, create_completion, render_chat
 
 logger = logging.getLogger("kvtier.server")
@@ -105,11 +106,15 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
         forms = [f for f in ("prompt", "prompt_token_ids", "messages") if getattr(body, f) is not None]
         if len(forms) != 1:
             raise APIError(400, "give exactly one of prompt, prompt_token_ids or messages", param="prompt")
+        prompt: str | dict[str, list[int]]
         if body.prompt_token_ids is not None:
-            ids = list(body.prompt_token_ids)
+            prompt = {"prompt_token_ids": list(body.prompt_token_ids)}
         else:
-            text = body.prompt if body.prompt is not None else render_chat(engine, body.messages or [])
-            ids = list(engine.tokenizer.encode(text))
+            prompt = body.prompt if body.prompt is not None else render_chat(engine, body.messages or [])
+        try:  # the tokens generation would use (segments, token-id checks), never queued
+            ids = engine.make_sequence(prompt, SamplingParams(max_tokens=1), new_id("lookup")).prompt_token_ids
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="prompt") from None
         in_engine = await ctx.engine_loop.call(lambda: engine.block_manager.num_cached_prefix_tokens(ids))
         tiers: dict[str, int] = {}
         connector = engine.kv_connector
