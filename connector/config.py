@@ -20,7 +20,7 @@ from typing import Any
 from connector.blend.config import BlendConfig
 from kvstore.config import KVStoreConfig, TierSpec, env_overrides, parse_size
 
-_CONNECTOR_KEYS = ("save_unfull_chunk", "max_pending_store_bytes", "blend")
+_CONNECTOR_KEYS = ("save_unfull_chunk", "max_pending_store_bytes", "use_layerwise", "blend")
 
 
 @dataclass
@@ -35,6 +35,9 @@ class ConnectorConfig:
     kvstore: KVStoreConfig = field(default_factory=KVStoreConfig)
     save_unfull_chunk: bool = True
     max_pending_store_bytes: int = 1 << 30
+    # Layer-pipelined loads: chunks stored one value per layer; a hit is scheduled at once and
+    # its forward's layer i waits only for layer i (connector/layerwise.py).
+    use_layerwise: bool = False
     # CacheBlend (`blend: {enabled: true, ratio: 0.15, check_layer: 1, ...}`, see BlendConfig).
     blend: BlendConfig = field(default_factory=BlendConfig)
 
@@ -49,6 +52,8 @@ class ConnectorConfig:
         self.kvstore.validate()
         if not isinstance(self.save_unfull_chunk, bool):
             raise ValueError(f"save_unfull_chunk: expected bool, got {self.save_unfull_chunk!r}")
+        if not isinstance(self.use_layerwise, bool):
+            raise ValueError(f"use_layerwise: expected bool, got {self.use_layerwise!r}")
         pending = parse_size(self.max_pending_store_bytes, "max_pending_store_bytes")
         if not pending:
             raise ValueError("max_pending_store_bytes: must be > 0")
@@ -56,6 +61,8 @@ class ConnectorConfig:
         if not isinstance(self.blend, BlendConfig):
             raise ValueError(f"blend: expected a BlendConfig, got {type(self.blend).__name__}")
         self.blend.validate()
+        if self.use_layerwise and self.blend.enabled:
+            raise ValueError("use_layerwise: CacheBlend (blend.enabled) loads whole chunks; turn one of them off")
         return self
 
     @classmethod
@@ -99,6 +106,7 @@ def make_config(
     codec: str | None = None,
     save_decode_tokens: bool | None = None,
     save_unfull_chunk: bool | None = None,
+    use_layerwise: bool | None = None,
 ) -> ConnectorConfig:
     """Returns a validated ConnectorConfig from any accepted form, overrides applied.
 
@@ -141,4 +149,6 @@ def make_config(
             t.codec = codec
     if save_unfull_chunk is not None:
         cfg.save_unfull_chunk = save_unfull_chunk
+    if use_layerwise is not None:
+        cfg.use_layerwise = use_layerwise
     return cfg.validate()
