@@ -68,6 +68,10 @@ class StorageBackend(ABC):
         """Installs the storage manager's pin predicate: pinned keys are never evicted.
         Tiers without eviction ignore it."""
 
+    def check(self) -> None:
+        """Returns when the tier answers now; raises BackendError when it cannot be reached.
+        Local tiers always answer; network tiers make one round trip."""
+
     @abstractmethod
     def contains(self, key: str) -> bool:
         """Returns whether `key` is stored (a later get may still miss if it is evicted)."""
@@ -99,18 +103,19 @@ class StorageBackend(ABC):
         return self.batched_get(keys)
 
     @abstractmethod
-    def put(self, key: str, kv: torch.Tensor) -> None:
-        """Stores `kv` under `key`, evicting as needed to stay within the byte budget."""
+    def put(self, key: str, kv: torch.Tensor) -> bool:
+        """Stores `kv` under `key`, evicting as needed to stay within the byte budget; returns
+        whether the tier accepted it (False: it cannot fit, counted in `stats().rejected`)."""
 
-    def batched_put(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Stores every item (same guarantees as `put`)."""
-        for key, kv in items:
-            self.put(key, kv)
+    def batched_put(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[bool]:
+        """Stores every item (same guarantees as `put`); returns per item whether it was accepted."""
+        return [self.put(key, kv) for key, kv in items]
 
-    def batched_adopt(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def batched_adopt(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[bool]:
         """Stores every item like `batched_put`, but the tensors are handed over: memory tiers
-        may keep them as they are instead of copying, so nobody may modify them afterwards."""
-        self.batched_put(items)
+        may keep them as they are instead of copying, so nobody may modify them afterwards.
+        Returns per item whether it was accepted."""
+        return self.batched_put(items)
 
     @abstractmethod
     def delete(self, key: str) -> bool:
@@ -148,8 +153,9 @@ class BytesBackend(StorageBackend):
         """Returns the stored value of `key`, or None if absent."""
 
     @abstractmethod
-    def _put_bytes(self, key: str, value: StoredValue) -> None:
-        """Stores `value` (what this tier's `encode` returned) under `key`, replacing any earlier value."""
+    def _put_bytes(self, key: str, value: StoredValue) -> bool:
+        """Stores `value` (what this tier's `encode` returned) under `key`, replacing any earlier
+        value; returns whether it was accepted (False: refused for lack of room, counted)."""
 
     @abstractmethod
     def _contains(self, key: str) -> bool: ...
@@ -167,9 +173,9 @@ class BytesBackend(StorageBackend):
     def _batched_get_bytes(self, keys: Sequence[str]) -> Sequence[Buffer | None]:
         return [self._get_bytes(k) for k in keys]
 
-    def _batched_put_bytes(self, items: Sequence[tuple[str, StoredValue]]) -> None:
-        for key, value in items:
-            self._put_bytes(key, value)
+    def _batched_put_bytes(self, items: Sequence[tuple[str, StoredValue]]) -> list[bool]:
+        # `is not False`: an override that answers nothing (None) stored the value
+        return [self._put_bytes(key, value) is not False for key, value in items]
 
     def _batched_contains(self, keys: Sequence[str]) -> list[bool]:
         return [self._contains(k) for k in keys]
@@ -222,15 +228,16 @@ class BytesBackend(StorageBackend):
     def batched_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
         return [self.decode(k, v) for k, v in zip(keys, self._batched_get_bytes(keys))]
 
-    def put(self, key: str, kv: torch.Tensor) -> None:
-        self._put_bytes(key, self.encode(key, kv))
-        with self._stats_lock:
-            self._puts += 1
+    def put(self, key: str, kv: torch.Tensor) -> bool:
+        return self.batched_put([(key, kv)])[0]
 
-    def batched_put(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
-        self._batched_put_bytes([(k, self.encode(k, kv)) for k, kv in items])
+    def batched_put(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[bool]:
+        accepted = self._batched_put_bytes([(k, self.encode(k, kv)) for k, kv in items])
+        if accepted is None:  # an override that answers nothing stored everything
+            accepted = [True] * len(items)
         with self._stats_lock:
-            self._puts += len(items)
+            self._puts += sum(accepted)
+        return accepted
 
     def delete(self, key: str) -> bool:
         return self._delete(key)

@@ -47,15 +47,17 @@ class TierHealth:
             self._next_try = now + self._backoff
             return True
 
-    def failed(self, exc: BaseException) -> None:
-        """Records a failed call: marks the tier unhealthy and doubles the backoff (capped)."""
+    def failed(self, exc: BaseException, log: bool = True) -> None:
+        """Records a failed call: marks the tier unhealthy and doubles the backoff (capped).
+        `log=False`: the caller has already said why (one warning for reads and writes)."""
         with self._lock:
             self.last_error = f"{type(exc).__name__}: {exc}"
             if self.healthy:
                 self.healthy = False
                 self._backoff = self.backoff_initial_s
-                logger.warning("kvstore tier %s: %s failing, skipping them for now: %s", self.name, self.what,
-                               self.last_error)
+                if log:
+                    logger.warning("kvstore tier %s: %s failing, skipping them for now: %s", self.name, self.what,
+                                   self.last_error)
             else:
                 self._backoff = min(self._backoff * 2, self.backoff_max_s)
             self._failed_at = time.monotonic()

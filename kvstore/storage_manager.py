@@ -118,9 +118,28 @@ class StorageManager:
             for tier in tiers:
                 tier.close()
             raise
-        return cls(tiers, names=[f"{i}:{s.url}" for i, s in enumerate(config.tiers)],
-                   queue_size=config.queue_size, queue_full=config.queue_full,
-                   backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s)
+        manager = cls(tiers, names=[f"{i}:{s.url}" for i, s in enumerate(config.tiers)],
+                      queue_size=config.queue_size, queue_full=config.queue_full,
+                      backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s)
+        manager.check_tiers()
+        return manager
+
+    def check_tiers(self) -> list[str]:
+        """Asks every tier once whether it answers; returns the names of those that do not.
+        Each unreachable tier gets one warning naming it and starts out backing off (its reads
+        and writes are misses until a retry reaches it), so requests do not warn again."""
+        down = []
+        for i, tier in enumerate(self.tiers):
+            try:
+                tier.check()
+            except Exception as exc:
+                logger.warning("kvstore tier %s is unreachable (%s: %s); it is skipped (a miss, so requests "
+                               "recompute) and retried after a backoff",
+                               self.names[i], type(exc).__name__, exc)
+                self._read_health[i].failed(exc, log=False)
+                self._write_health[i].failed(exc, log=False)
+                down.append(self.names[i])
+        return down
 
     # -- guarded tier calls --------------------------------------------------------------
     def _call(self, i: int, fn: Callable[[], T], write: bool = False) -> T | Literal[_Skip.SKIPPED]:
@@ -148,8 +167,11 @@ class StorageManager:
         tier = self.tiers[i]
         result = self._call(i, partial(tier.batched_adopt if owned else tier.batched_put, items), write=True)
         if result is not _SKIPPED:
+            # only what the tier accepted (a chunk larger than its budget is refused, not stored);
+            # a backend that answers None predates per-item answers and accepted everything
+            accepted = [True] * len(items) if result is None else result
             with self._stats_lock:
-                self._stats[i].bytes_stored += sum(_nbytes(kv) for _, kv in items)
+                self._stats[i].bytes_stored += sum(_nbytes(kv) for (_, kv), ok in zip(items, accepted) if ok)
                 self._stats[i].store_seconds += time.perf_counter() - t0
 
     def _store_slow(self, tiers: Sequence[int], items: Sequence[tuple[str, torch.Tensor]]) -> None:

@@ -107,6 +107,9 @@ class CacheServerBackend(BytesBackend):
                 self._errors += 1
             raise BackendError(f"cache server {self.url}: {exc}") from exc
 
+    def check(self) -> None:
+        self._io(self.client.ping)
+
     def encode(self, key: str, kv: torch.Tensor) -> serde.SplitValue:
         """Returns the value unjoined: the client sends header and tensor bytes back to back."""
         return serde.encode_split(key, kv, self.codec)
@@ -118,15 +121,16 @@ class CacheServerBackend(BytesBackend):
     def _batched_get_bytes(self, keys: Sequence[str]) -> Sequence[Buffer | None]:
         return self._io(self.client.get_many, [k.encode() for k in keys])
 
-    def _put_bytes(self, key: str, value: StoredValue) -> None:
-        self._batched_put_bytes([(key, value)])
+    def _put_bytes(self, key: str, value: StoredValue) -> bool:
+        return self._batched_put_bytes([(key, value)])[0]
 
-    def _batched_put_bytes(self, items: Sequence[tuple[str, StoredValue]]) -> None:
+    def _batched_put_bytes(self, items: Sequence[tuple[str, StoredValue]]) -> list[bool]:
         stored = self._io(self.client.put_many, [(k.encode(), _payload(v)) for k, v in items])
         refused = len(stored) - sum(stored)
         if refused:  # larger than the server's whole budget: not a tier failure
             with self._stats_lock:
                 self._rejected += refused
+        return stored
 
     def _contains(self, key: str) -> bool:
         return self._io(self.client.exists, key.encode())

@@ -311,7 +311,7 @@ class DiskBackend(BytesBackend):
         """Returns header + payload unjoined: the file gets them in two writes, no copy."""
         return serde.encode_split(key, kv, self.codec)
 
-    def _put_bytes(self, key: str, value: StoredValue) -> None:
+    def _put_bytes(self, key: str, value: StoredValue) -> bool:
         self._writable()
         path = self._path(key)
         nbytes = len(value)
@@ -321,7 +321,7 @@ class DiskBackend(BytesBackend):
                 if not self._make_room(state, nbytes):
                     with self._stats_lock:
                         self._rejected += 1
-                    return
+                    return False
                 # reserved, and the temp file exists before the lock is released, so a recount
                 # by any process sees the reservation in its name
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -345,6 +345,7 @@ class DiskBackend(BytesBackend):
                 os.replace(tmp, path)
                 state.used -= old  # the replaced file; the reservation is now this file
                 self._index.add(key, nbytes)
+            return True
         except OSError as exc:
             with self._locked() as state:
                 try:

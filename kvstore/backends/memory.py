@@ -113,23 +113,23 @@ class MemoryBackend(StorageBackend):
                 out.append(serde.decode(key, value).to(self.device))
         return out
 
-    def put(self, key: str, kv: torch.Tensor) -> None:
-        """Stores a copy of `kv`, evicting by policy; a chunk that cannot fit is refused (counted)."""
-        self._put(key, self._to_stored(key, kv))
+    def put(self, key: str, kv: torch.Tensor) -> bool:
+        """Stores a copy of `kv`, evicting by policy; returns False when the chunk cannot fit
+        (refused, counted)."""
+        return self._put(key, self._to_stored(key, kv))
 
-    def batched_adopt(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def batched_adopt(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[bool]:
         """Stores each tensor itself when it is a whole contiguous tensor on this tier's device
         (raw codec, unpinned), else a copy; same budget rules as `put`."""
-        for key, kv in items:
-            self._put(key, self._to_stored(key, kv, owned=True))
+        return [self._put(key, self._to_stored(key, kv, owned=True)) for key, kv in items]
 
-    def _put(self, key: str, stored: torch.Tensor | Buffer) -> None:
+    def _put(self, key: str, stored: torch.Tensor | Buffer) -> bool:
         nbytes = _stored_nbytes(stored)
         with self._lock:
             victims = self._budget.plan(key, nbytes)
             if victims is None:
                 self._stats.rejected += 1
-                return
+                return False
             for victim in victims:
                 self._store.pop(victim, None)
                 self._budget.remove(victim)
@@ -137,6 +137,7 @@ class MemoryBackend(StorageBackend):
             self._store[key] = stored
             self._budget.add(key, nbytes)
             self._stats.puts += 1
+        return True
 
     def delete(self, key: str) -> bool:
         with self._lock:

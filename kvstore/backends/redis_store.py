@@ -220,6 +220,9 @@ class RedisBackend(BytesBackend):
             return serde.encode(key, kv, self.codec)
         return serde.encode_split(key, kv, self.codec)
 
+    def check(self) -> None:
+        self._call("ping", self.client.ping)
+
     def _pipeline(self) -> Any:
         return self.client.pipeline(transaction=False)
 
@@ -318,8 +321,8 @@ class RedisBackend(BytesBackend):
                 admitted[key] = value
         return list(admitted.items()), victims
 
-    def _put_bytes(self, key: str, value: StoredValue) -> None:
-        self._batched_put_bytes([(key, value)])
+    def _put_bytes(self, key: str, value: StoredValue) -> bool:
+        return self._batched_put_bytes([(key, value)])[0]
 
     @contextmanager
     def _key_locks(self, keys: Iterable[str]) -> Iterator[None]:
@@ -335,11 +338,12 @@ class RedisBackend(BytesBackend):
             for i in reversed(idx):
                 self._stripes[i].release()
 
-    def _batched_put_bytes(self, items: Sequence[tuple[str, StoredValue]]) -> None:
+    def _batched_put_bytes(self, items: Sequence[tuple[str, StoredValue]]) -> list[bool]:
         with self._key_locks(k for k, _ in items):
             admitted, victims = self._admit(items)
+            kept = {k for k, _ in admitted}
             if not admitted and not victims:
-                return
+                return [False] * len(items)
 
             def run() -> None:
                 pipe = self._pipeline()
@@ -352,6 +356,7 @@ class RedisBackend(BytesBackend):
             # on failure the writes stay accounted: their outcome is unknown, and over-counting
             # only evicts early, while under-counting could exceed the budget
             self._call("set", run)
+            return [k in kept for k, _ in items]
 
     def _delete(self, key: str) -> bool:
         with self._key_locks([key]):
