@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, str] = {
     "generate": "kvtier.cmd_generate",
     "serve": "kvtier.cmd_serve",
     "cache-server": "kvtier.cmd_cache_server",
+    "router": "kvtier.cmd_router",
 }
 
 
