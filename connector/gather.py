@@ -134,3 +134,28 @@ def scatter_chunk(
         # reshape of a contiguous cache is a view, so index_copy_ lands in the cache itself.
         flat = kv.view(two, nb * bs, h, d)
         flat.index_copy_(1, slots, chunk[layer])
+
+
+def gather_layers(kv_caches: Sequence[torch.Tensor], slots: torch.Tensor) -> list[torch.Tensor]:
+    """Returns one new tensor `(1, 2, len(slots), H, D)` per layer holding the K/V of `slots`
+    (layerwise storage: each is a whole allocation a memory tier can keep without a copy)."""
+    _check_caches(kv_caches)
+    two, nb, bs, h, d = kv_caches[0].shape
+    _check_slots(slots, nb * bs)
+    slots = slots.to(kv_caches[0].device, non_blocking=True)
+    return [kv.reshape(two, nb * bs, h, d).index_select(1, slots).unsqueeze(0) for kv in kv_caches]
+
+
+def scatter_layer(kv_cache: torch.Tensor, slots: torch.Tensor, layer_kv: torch.Tensor) -> None:
+    """Writes `layer_kv` `(2, len(slots), H, D)` into `slots` of one layer's cache, in place,
+    casting to its dtype/device; a mismatched shape raises ValueError before anything is written."""
+    _check_caches([kv_cache])
+    if not kv_cache.is_contiguous():
+        raise ValueError("scatter_layer needs a contiguous kv_cache (a copy would drop the write)")
+    two, nb, bs, h, d = kv_cache.shape
+    if tuple(layer_kv.shape) != (two, slots.numel(), h, d):
+        raise ValueError(f"layer shape {tuple(layer_kv.shape)} does not match {(two, slots.numel(), h, d)}")
+    _check_slots(slots, nb * bs)
+    slots = slots.to(kv_cache.device, non_blocking=True)
+    src = layer_kv.to(device=kv_cache.device, dtype=kv_cache.dtype, non_blocking=True)
+    kv_cache.view(two, nb * bs, h, d).index_copy_(1, slots, src)

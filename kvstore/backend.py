@@ -54,6 +54,9 @@ class StorageBackend(ABC):
     """A tier. Every method may raise BackendError on an I/O failure; none returns wrong data."""
 
     name: str = "backend"
+    # Where this tier keeps chunks: puts of chunks elsewhere are staged there once for all
+    # tiers on that device (memory tiers on a GPU say so; byte tiers read host memory).
+    device: torch.device = torch.device("cpu")
 
     @classmethod
     def from_spec(cls, spec: TierSpec) -> StorageBackend:

@@ -69,6 +69,15 @@ def _nbytes(kv: torch.Tensor) -> int:
     return kv.numel() * kv.element_size()
 
 
+def _on(actual: torch.device, wanted: torch.device) -> bool:
+    """Whether a tensor on `actual` is on `wanted` ("cuda" means the current CUDA device)."""
+    if actual.type != wanted.type:
+        return False
+    if wanted.index is None and actual.type == "cuda":
+        return actual.index == torch.cuda.current_device()
+    return wanted.index is None or actual.index == wanted.index
+
+
 def _check_chunk(key: str, kv: Any) -> None:
     if not isinstance(key, str) or not key:
         raise ValueError(f"chunk key must be a non-empty str, got {key!r}")
@@ -99,6 +108,7 @@ class StorageManager:
         self._stats = [TierStats(name=n) for n in names]
         self._stats_lock = threading.Lock()
         self._writer = BackgroundWriter(queue_size, queue_full, nice=10) if len(self.tiers) > 1 else None
+        self.staging_copies = 0  # chunks copied to another device by `batched_put` (once per device)
         self._closed = False
 
     @classmethod
@@ -195,14 +205,48 @@ class StorageManager:
     def batched_put(self, items: Sequence[tuple[str, torch.Tensor]], *, owned: bool = False) -> None:
         """Stores every item like `put`. Raises ValueError for a malformed chunk (storing nothing).
         `owned`: the tensors are handed over (never modified again), so a memory tier may keep
-        them without a copy."""
+        them without a copy. A chunk on another device than a tier's (a GPU gather, host tiers)
+        is copied there once, and that one copy feeds every tier on that device."""
         items = list(items)
         for key, kv in items:
             _check_chunk(key, kv)
         if not items:
             return
-        self._store(0, items, owned)
-        self._store_slow(range(1, len(self.tiers)), items)
+        staged = self._staged(items, {t.device for t in self.tiers})
+        first = staged[self.tiers[0].device]
+        self._store(0, first, owned or first is not items)
+        slow = range(1, len(self.tiers))
+        for device in {self.tiers[i].device for i in slow}:
+            self._store_slow([i for i in slow if self.tiers[i].device == device], staged[device])
+
+    def _staged(self, items: list[tuple[str, torch.Tensor]],
+                devices: Iterable[torch.device]) -> dict[torch.device, list[tuple[str, torch.Tensor]]]:
+        """Returns `items` on each of `devices`: as they are where they already live, else one
+        copy each (into pinned host memory from a GPU, copied without blocking and then
+        synchronised once, so the copies of one batch overlap)."""
+        out: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+        streams: list[Any] = []
+        for device in devices:
+            if all(_on(kv.device, device) for _, kv in items):
+                out[device] = items
+                continue
+            pin = device.type == "cpu" and torch.cuda.is_available()
+            copies = []
+            for key, kv in items:
+                if _on(kv.device, device):
+                    copies.append((key, kv))
+                    continue
+                dst = torch.empty(kv.shape, dtype=kv.dtype, device=device, pin_memory=pin)
+                dst.copy_(kv, non_blocking=True)
+                copies.append((key, dst))
+                if kv.device.type == "cuda":
+                    streams.append(torch.cuda.current_stream(kv.device))
+                with self._stats_lock:
+                    self.staging_copies += 1
+            out[device] = copies
+        for stream in set(streams):
+            stream.synchronize()  # the copies are complete before any tier reads them
+        return out
 
     def contains(self, key: str) -> bool:
         """Returns whether any healthy tier holds `key`."""
@@ -262,8 +306,17 @@ class StorageManager:
         a slower tier is promoted into the faster ones (fastest synchronously). `read_only`:
         the caller never modifies the results, so memory tiers return (and, promoting, keep)
         their tensors without copying them."""
+        found = self.fetch(keys, read_only=read_only)
+        self.promote([(k, kv, tier) for k, (kv, tier) in zip(keys, found) if kv is not None and tier > 0],
+                     owned=read_only)
+        return [kv for kv, _ in found]
+
+    def fetch(self, keys: Sequence[str], *, read_only: bool = False) -> list[tuple[torch.Tensor | None, int]]:
+        """Returns per key (the chunk from the fastest tier holding it, that tier's index) or
+        (None, -1); promotes nothing (see `promote`). Keys are pinned while they load;
+        `read_only` as in `batched_get`."""
         keys = list(keys)
-        out: list[torch.Tensor | None] = [None] * len(keys)
+        out: list[tuple[torch.Tensor | None, int]] = [(None, -1)] * len(keys)
         self.pins.pin(keys)
         try:
             missing = list(range(len(keys)))
@@ -276,27 +329,35 @@ class StorageManager:
                 if got is _SKIPPED:
                     continue
                 elapsed = time.perf_counter() - t0
-                found: list[tuple[str, torch.Tensor]] = []
+                nbytes = 0
                 still: list[int] = []
                 for j, kv in zip(missing, got):
                     if kv is None:
                         still.append(j)
                     else:
-                        out[j] = kv
-                        found.append((keys[j], kv))
+                        out[j] = (kv, i)
+                        nbytes += _nbytes(kv)
                 with self._stats_lock:
                     s = self._stats[i]
-                    s.hits += len(found)
+                    s.hits += len(missing) - len(still)
                     s.misses += len(still)
-                    s.bytes_loaded += sum(_nbytes(kv) for _, kv in found)
+                    s.bytes_loaded += nbytes
                     s.load_seconds += elapsed
-                if found and i > 0:
-                    self._store(0, found, owned=read_only)
-                    self._store_slow(range(1, i), found)
                 missing = still
         finally:
             self.pins.unpin(keys)
         return out
+
+    def promote(self, items: Sequence[tuple[str, torch.Tensor, int]], *, owned: bool = True) -> None:
+        """Writes each `(key, chunk, tier)` from `fetch` into the tiers faster than `tier`: the
+        fastest now, the others through the background writer. `owned` as in `batched_put`."""
+        by_tier: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        for key, kv, tier in items:
+            by_tier.setdefault(tier, []).append((key, kv))
+        for tier, found in sorted(by_tier.items()):
+            if tier > 0:
+                self._store(0, found, owned=owned)
+                self._store_slow(range(1, tier), found)
 
     def pin(self, keys: Iterable[str]) -> None:
         """Pins chunks (e.g. between a prefix lookup and their load) so no tier evicts them."""

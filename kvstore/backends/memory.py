@@ -60,11 +60,11 @@ class MemoryBackend(StorageBackend):
     def _to_stored(self, key: str, kv: torch.Tensor, owned: bool = False) -> torch.Tensor | Buffer:
         if self.codec.name != "raw":
             return serde.encode(key, kv, self.codec)
+        if owned and _whole_tensor(kv, self.device) and (not self.pin_memory or kv.is_pinned()):
+            return kv.detach()  # e.g. the storage manager's (pinned) staging copy: kept as is
         if self.pin_memory:
             out = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
             return out.copy_(kv, non_blocking=False)
-        if owned and _whole_tensor(kv, self.device):
-            return kv.detach()
         # a copy: the caller's tensor may be a view into the engine's kv cache that changes later
         return self._copy(kv)
 
