@@ -8,24 +8,25 @@ YAML:
       - {url: "disk:///var/cache/kvtier", budget: 50GiB, codec: lz4}
       - {url: "redis://localhost:6379/0", budget: 20GiB, options: {ttl_s: 3600}}
 
-Environment (overrides YAML): KVTIER_CONFIG (path to the YAML), KVTIER_CHUNK_SIZE,
-KVTIER_SAVE_DECODE_TOKENS, KVTIER_QUEUE_SIZE, KVTIER_QUEUE_FULL, KVTIER_BACKOFF_INITIAL_S,
-KVTIER_BACKOFF_MAX_S, KVTIER_KV_KEY (the `integrity_key` secret), and KVTIER_TIERS:
-comma-separated tier URLs whose query string carries budget/codec/eviction and options, e.g.
+Environment (overrides YAML): KVTIER_CONFIG (path to the YAML) and one `KVTIER_<KEY>` per key
+(`KVSTORE_SETTINGS`, listed in docs/configuration.md); KVTIER_TIERS is comma-separated tier URLs
+whose query string carries budget/codec/eviction and options, e.g.
 `cpu?budget=4GiB,redis://h:6379/0?codec=lz4&ttl_s=60`.
-Every validation error is a ValueError that names the offending key.
+Every validation error is a ValueError that names the offending key (or file and line).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from kvstore.codecs import CODEC_NAMES
+from kvstore.env import Setting, env_bool, env_float, env_int, env_str, parse_env
 from kvstore.eviction import POLICIES
 from kvstore.health import BACKOFF_INITIAL_S, BACKOFF_MAX_S
 from kvstore.sizes import parse_size
@@ -165,7 +166,7 @@ class KVStoreConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         for key in data:
             if key not in known:
-                raise ValueError(f"{key}: unknown config key; known keys: {sorted(known)}")
+                raise unknown_key(key, known)
         kw = dict(data)
         if "tiers" in kw:
             kw["tiers"] = _tiers_from_data(kw["tiers"])
@@ -174,11 +175,7 @@ class KVStoreConfig:
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> KVStoreConfig:
         """Returns a validated config read from a YAML file."""
-        import yaml
-
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
-        return cls.from_dict(data)
+        return cls.from_dict(read_yaml(path))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None,
@@ -191,40 +188,68 @@ class KVStoreConfig:
         return cls.from_dict({**dataclasses.asdict(cfg) | {"tiers": cfg.tiers}, **env_overrides(env)})
 
 
-_ENV_FIELDS: dict[str, tuple[str, type]] = {
-    "KVTIER_CHUNK_SIZE": ("chunk_size", int),
-    "KVTIER_SAVE_DECODE_TOKENS": ("save_decode_tokens", bool),
-    "KVTIER_QUEUE_SIZE": ("queue_size", int),
-    "KVTIER_QUEUE_FULL": ("queue_full", str),
-    "KVTIER_BACKOFF_INITIAL_S": ("backoff_initial_s", float),
-    "KVTIER_BACKOFF_MAX_S": ("backoff_max_s", float),
-    "KVTIER_KV_KEY": ("integrity_key", str),
-}
+def read_yaml(path: str | os.PathLike[str]) -> Any:
+    """Returns the parsed YAML file at `path` ({} when empty); raises a one-line ValueError
+    naming the file (and the line and column of a syntax error)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise ValueError(f"config: cannot read {os.fspath(path)}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"config: {os.fspath(path)} is not UTF-8 text") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"config: {os.fspath(path)}{where}: YAML syntax error: {problem}") from None
+
+
+def unknown_key(key: Any, known: Iterable[str], where: str = "") -> ValueError:
+    """Returns the error for an unknown config key: names it, suggests a close match, lists
+    every valid key."""
+    known = sorted(known)
+    close = difflib.get_close_matches(str(key), known, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return ValueError(f"{where}{key}: unknown config key{hint}; valid keys: {', '.join(known)}")
+
+
+def _env_tiers(var: str, text: str) -> list[TierSpec]:
+    urls = [u.strip() for u in text.split(",") if u.strip()]
+    if not urls:
+        raise ValueError(f"{var}: expected comma-separated tier URLs, got {text!r}")
+    return [TierSpec.from_url(u, f"{var}[{i}]") for i, u in enumerate(urls)]
+
+
+KVSTORE_SETTINGS: tuple[Setting, ...] = (
+    Setting("tiers", "KVTIER_TIERS", _env_tiers, "cpu?budget=4GiB",
+            "storage tiers, fastest first: `cpu`, `device`, `disk:///path`, `redis://host:port/db`, "
+            "`kvtier://host:port`; each with `budget`, `codec` (raw, lz4, int8, int4), `eviction` "
+            "(lru, fifo) and backend options (env: comma-separated URLs, `?budget=4GiB&codec=lz4`)"),
+    Setting("chunk_size", "KVTIER_CHUNK_SIZE", env_int, "256", "tokens per stored chunk (the unit of reuse)"),
+    Setting("save_decode_tokens", "KVTIER_SAVE_DECODE_TOKENS", env_bool, "false",
+            "also store the K/V of generated tokens, so a follow-up turn reuses them"),
+    Setting("queue_size", "KVTIER_QUEUE_SIZE", env_int, "64",
+            "background writes (slower tiers) that may wait; beyond it one is dropped (counted)"),
+    Setting("queue_full", "KVTIER_QUEUE_FULL", env_str, "drop_oldest",
+            "which write a full queue drops: drop_oldest or drop_new"),
+    Setting("backoff_initial_s", "KVTIER_BACKOFF_INITIAL_S", env_float, str(BACKOFF_INITIAL_S),
+            "first pause before retrying a failing tier (seconds)"),
+    Setting("backoff_max_s", "KVTIER_BACKOFF_MAX_S", env_float, str(BACKOFF_MAX_S),
+            "longest pause between retries of a failing tier (seconds)"),
+    Setting("integrity_key", "KVTIER_INTEGRITY_KEY", env_str, "unset",
+            "shared secret (>= 16 bytes): stored K/V carries a keyed MAC, unverified values are misses",
+            aliases=("KVTIER_KV_KEY",)),
+)
+"""kvstore's keys, one row each: the YAML key, its `KVTIER_*` variable, default and meaning."""
 
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
-    """Returns the config fields set by `KVTIER_*` variables in `env`, parsed to their types;
+    """Returns the kvstore keys set by `KVTIER_*` variables in `env`, parsed to their types;
     raises ValueError naming the variable whose value is malformed."""
-    out: dict[str, Any] = {}
-    for var, (name, typ) in _ENV_FIELDS.items():
-        if var not in env:
-            continue
-        text = env[var].strip()
-        if typ is bool:
-            if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(f"{var}: expected a boolean (1/0/true/false), got {text!r}")
-            out[name] = text.lower() in ("1", "true", "yes")
-        elif typ is str:
-            out[name] = text
-        else:
-            try:
-                out[name] = typ(text)
-            except ValueError:
-                raise ValueError(f"{var}: expected {typ.__name__}, got {text!r}") from None
-    if "KVTIER_TIERS" in env:
-        urls = [u.strip() for u in env["KVTIER_TIERS"].split(",") if u.strip()]
-        out["tiers"] = [TierSpec.from_url(u, f"KVTIER_TIERS[{i}]") for i, u in enumerate(urls)]
-    return out
+    return parse_env(KVSTORE_SETTINGS, env)
 
 
 def _tiers_from_data(items: Any) -> list[TierSpec]:
@@ -240,7 +265,7 @@ def _tiers_from_data(items: Any) -> list[TierSpec]:
         elif isinstance(item, Mapping):
             for key in item:
                 if key not in known:
-                    raise ValueError(f"tiers[{i}].{key}: unknown tier key; known keys: {sorted(known)}")
+                    raise unknown_key(key, known, f"tiers[{i}].")
             if "url" not in item:
                 raise ValueError(f"tiers[{i}].url: missing")
             tiers.append(TierSpec(**item))

@@ -82,3 +82,48 @@ def test_registry_builds_by_scheme(tmp_path: Path) -> None:
     assert backend_class("kvtier").__name__ == "CacheServerBackend"
     with pytest.raises(ValueError, match="unknown tier scheme"):
         backend_class("s3")
+
+
+def test_every_key_has_a_kvtier_variable() -> None:
+    from dataclasses import fields
+
+    from kvstore.config import KVSTORE_SETTINGS
+
+    rows = {s.key: s.env for s in KVSTORE_SETTINGS}
+    assert set(rows) == {f.name for f in fields(KVStoreConfig)}
+    env = {"KVTIER_TIERS": "cpu?budget=1GiB", "KVTIER_CHUNK_SIZE": "64", "KVTIER_SAVE_DECODE_TOKENS": "yes",
+           "KVTIER_QUEUE_SIZE": "8", "KVTIER_QUEUE_FULL": "drop_new", "KVTIER_BACKOFF_INITIAL_S": "0.5",
+           "KVTIER_BACKOFF_MAX_S": "2", "KVTIER_INTEGRITY_KEY": "k" * 16}
+    assert set(env) == set(rows.values())
+    cfg = KVStoreConfig.load(env=env)
+    assert (cfg.tiers[0].budget, cfg.chunk_size, cfg.save_decode_tokens, cfg.queue_size, cfg.queue_full,
+            cfg.backoff_initial_s, cfg.backoff_max_s, cfg.integrity_key) == (
+        2**30, 64, True, 8, "drop_new", 0.5, 2.0, "k" * 16)
+    # the older name of the secret still works; the documented one wins
+    assert KVStoreConfig.load(env={"KVTIER_KV_KEY": "a" * 16}).integrity_key == "a" * 16
+    both = {"KVTIER_KV_KEY": "a" * 16, "KVTIER_INTEGRITY_KEY": "b" * 16}
+    assert KVStoreConfig.load(env=both).integrity_key == "b" * 16
+
+
+def test_unknown_key_suggests_and_lists_every_key() -> None:
+    with pytest.raises(ValueError) as info:
+        KVStoreConfig.from_dict({"chunksize": 64})
+    msg = str(info.value)
+    assert msg.startswith("chunksize: unknown config key (did you mean chunk_size?)")
+    assert all(k in msg for k in ("tiers", "queue_full", "integrity_key"))
+
+
+@pytest.mark.parametrize("text,where", [
+    ("chunk_size: 64\ntiers: [cpu\n", ":3:1"),
+    ("chunk_size: 64\n  queue_size: 3\n", ":2:13"),
+    ("tiers:\n\t- cpu\n", ":2:1"),
+])
+def test_yaml_syntax_error_names_file_and_line(tmp_path: Path, text: str, where: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        KVStoreConfig.from_yaml(path)
+    msg = str(info.value)
+    assert msg.startswith(f"config: {path}{where}: YAML syntax error: ") and "\n" not in msg, msg
+    with pytest.raises(ValueError, match="cannot read"):
+        KVStoreConfig.from_yaml(tmp_path / "missing.yaml")
