@@ -35,12 +35,14 @@ def socket_url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def serve_app(app: Any, sock: socket.socket, ready_line: str, log_level: str, shutdown_grace: float) -> None:
+def serve_app(app: Any, sock: socket.socket, ready_line: str, log_level: str, shutdown_grace: float,
+              lifespan: bool = False) -> None:
     """Serves `app` on `sock` until SIGINT/SIGTERM, printing `ready_line` once it accepts
-    connections; returns after a graceful shutdown (never re-raises the signal)."""
+    connections (after the app's lifespan start-up, if `lifespan`); returns after a graceful
+    shutdown (never re-raises the signal)."""
     import uvicorn
 
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on" if lifespan else "off",
                             timeout_graceful_shutdown=math.ceil(shutdown_grace))
     _make_server_class()(config, ready_line=ready_line).run(sockets=[sock])
 

@@ -100,8 +100,8 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
 
     @app.post("/kv/lookup", dependencies=auth)
     async def lookup(body: LookupRequest) -> dict[str, Any]:
-        """How many leading tokens the engine's prefix cache and each tier hold; runs, loads
-        and counts nothing."""
+        """How many leading tokens the engine's prefix cache and each tier hold, and the
+        engine's load (what a KV-aware router needs); runs, loads and counts nothing."""
         check_model(ctx, body.model)
         forms = [f for f in ("prompt", "prompt_token_ids", "messages") if getattr(body, f) is not None]
         if len(forms) != 1:
@@ -115,13 +115,22 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
             ids = engine.make_sequence(prompt, SamplingParams(max_tokens=1), new_id("lookup")).prompt_token_ids
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt") from None
-        in_engine = await ctx.engine_loop.call(lambda: engine.block_manager.num_cached_prefix_tokens(ids))
+        def engine_side() -> tuple[int, int, int]:
+            # Off the engine thread on purpose: a router's lookup must not wait for a long
+            # prefill step. Dict reads and len() are atomic, so the answer is at most one
+            # step stale, never torn.
+            s = engine.scheduler
+            return (engine.block_manager.num_cached_prefix_tokens(ids), len(s.running),
+                    len(s.waiting) + len(s.waiting_for_kv))
+
+        in_engine, running, waiting = await asyncio.to_thread(engine_side)
         tiers: dict[str, int] = {}
         connector = engine.kv_connector
         if isinstance(connector, KVTierConnector):
             tiers = await asyncio.to_thread(tier_prefix_tokens, connector, ids)
         return {"model": ctx.model_name, "num_tokens": len(ids), "engine_prefix_cache_tokens": in_engine,
-                "tiers": tiers, "max_hit_tokens": max([in_engine, *tiers.values()])}
+                "tiers": tiers, "max_hit_tokens": max([in_engine, *tiers.values()]),
+                "num_requests_running": running, "num_requests_waiting": waiting}
 
     @app.post("/kv/reset_prefix_cache", dependencies=auth)
     async def reset_prefix_cache() -> dict[str, bool]:

@@ -1,0 +1,100 @@
+"""The router's FastAPI application: the OpenAI routes `kvtier serve` has, proxied, plus its
+own `/health` and `/metrics`."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvtier import __version__
+from kvtier.router.backends import BackendPool
+from kvtier.router.disagg import prefill_then_decode
+from kvtier.router.metrics import RouterMetrics
+from kvtier.router.proxy import Proxy, error_response
+
+MAX_BODY_BYTES = 64 << 20
+
+
+def build_app(proxy: Proxy, pool: BackendPool, metrics: RouterMetrics, disaggregated: bool,
+              api_key: str | None = None) -> FastAPI:
+    """Returns the router application; health checks run while it serves."""
+    app = FastAPI(title="kvtier router", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    serving_role = "decode" if disaggregated else "any"
+
+    def unauthorized(request: Request) -> Response | None:
+        if api_key is None:
+            return None
+        got = request.headers.get("authorization", "")
+        if secrets.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+            return None
+        return error_response(401, "Invalid or missing API key (send Authorization: Bearer <key>).",
+                              "authentication_error")
+
+    async def read_json(request: Request) -> dict[str, Any] | Response:
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return error_response(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error")
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError):
+            return error_response(400, "the request body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return error_response(400, "the request body must be a JSON object", "invalid_request_error")
+        return body
+
+    async def route(request: Request, path: str) -> Response:
+        denied = unauthorized(request)
+        if denied is not None:
+            return denied
+        body = await read_json(request)
+        if isinstance(body, Response):
+            return body
+        headers = dict(request.headers)
+        if disaggregated:
+            return await prefill_then_decode(proxy, path, body, headers)
+        return await proxy.forward(path, body, headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await route(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await route(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        denied = unauthorized(request)
+        if denied is not None:
+            return denied
+        for backend in pool.available(serving_role):
+            try:
+                r = await proxy.client.get(backend.url + "/v1/models", headers=proxy.headers(dict(request.headers)),
+                                           timeout=5.0)
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+        return error_response(503, "no healthy backend")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if pool.available(serving_role) else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        for b in pool.backends:
+            metrics.healthy.labels(b.url).set(1.0 if b.healthy else 0.0)
+            metrics.in_flight.labels(b.url).set(b.in_flight)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

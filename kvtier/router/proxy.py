@@ -1,0 +1,148 @@
+"""Forwarding one OpenAI request to a backend chosen by the policy, with failover.
+
+A backend that refuses the connection, drops it before answering, or answers 503 is marked
+down and the request goes to the next backend in the policy's ranking; a 429 moves on
+without marking it down. Nothing is retried once the client has received a byte, and no
+request is sent to the same backend twice. A stream cut mid-way ends with an SSE error
+event, so the client sees the failure instead of a truncated answer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvtier.router.backends import Backend, BackendPool
+from kvtier.router.metrics import RouterMetrics
+from kvtier.router.policy import Policy
+from kvtier.router.prompt_view import view_request
+
+logger = logging.getLogger("kvtier.router")
+
+_MOVE_ON = {429, 503}  # another backend may serve it; 503 also means this one is down
+
+
+def error_response(status: int, message: str, kind: str = "service_unavailable") -> JSONResponse:
+    """Returns an error in OpenAI's shape."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                        status_code=status)
+
+
+@dataclass
+class _Failed:
+    """A try that ended before the client got anything: the next backend may take it."""
+
+    response: Response | None  # the backend's answer to pass on if no other backend serves it
+
+
+class Proxy:
+    """Sends requests to the pool's backends in the policy's order."""
+
+    def __init__(self, pool: BackendPool, policy: Policy, metrics: RouterMetrics, request_timeout_s: float,
+                 backend_api_key: str | None = None) -> None:
+        self.pool, self.policy, self.metrics = pool, policy, metrics
+        self.client = pool.client
+        self.timeout = httpx.Timeout(request_timeout_s, connect=2.0)
+        self.backend_api_key = backend_api_key
+
+    def headers(self, client_headers: dict[str, str]) -> dict[str, str]:
+        """Returns the headers a backend call carries: JSON, and the backend key if the router
+        has one, else the client's own Authorization."""
+        out = {"content-type": "application/json"}
+        auth = f"Bearer {self.backend_api_key}" if self.backend_api_key else client_headers.get("authorization")
+        if auth:
+            out["authorization"] = auth
+        return out
+
+    async def forward(self, path: str, body: dict[str, Any], headers: dict[str, str], role: str = "any") -> Response:
+        """Returns the response of the first backend (policy order, `role`) that serves
+        `body` at `path`; 503 if none can."""
+        view = view_request(body)
+        candidates = self.pool.available(role)
+        if not candidates:
+            self.metrics.no_backend.inc()
+            return error_response(503, f"no healthy {'backend' if role == 'any' else role + ' backend'}")
+        backend_headers = self.headers(headers)
+        ranking = await self.policy.rank(view, candidates, backend_headers)
+        content = json.dumps(body).encode()
+        last: Response | None = None
+        for backend in ranking.order:
+            if not backend.healthy:  # went down while we ranked or tried another
+                continue
+            self.metrics.requests.labels(backend.url, role).inc()
+            if backend in ranking.hit_tokens:
+                self.metrics.hit_tokens.labels(backend.url).inc(ranking.hit_tokens[backend])
+            result = await self._try(backend, path, content, backend_headers, body.get("stream") is True)
+            if not isinstance(result, _Failed):
+                return result
+            last = result.response or last
+        if last is not None:
+            return last
+        self.metrics.no_backend.inc()
+        return error_response(503, "every backend failed this request; see the router's log")
+
+    async def _try(self, backend: Backend, path: str, content: bytes, headers: dict[str, str],
+                   stream: bool) -> Response | _Failed:
+        request = self.client.build_request("POST", backend.url + path, content=content, headers=headers,
+                                            timeout=self.timeout)
+        backend.in_flight += 1
+        handed_off = False
+        try:
+            try:
+                resp = await self.client.send(request, stream=True)
+            except httpx.TimeoutException as exc:
+                return self._fail(backend, "timeout", exc, down=isinstance(exc, httpx.ConnectTimeout))
+            except httpx.HTTPError as exc:
+                return self._fail(backend, "connect", exc, down=True)
+            try:
+                if resp.status_code != 200 or not stream:
+                    data = await resp.aread()
+                    out = Response(data, status_code=resp.status_code,
+                                   media_type=resp.headers.get("content-type", "application/json"))
+                    if resp.status_code in _MOVE_ON:
+                        self.metrics.backend_errors.labels(backend.url, "status").inc()
+                        if resp.status_code == 503:
+                            self.pool.mark_down(backend, "answered 503")
+                        return _Failed(out)
+                    return out
+                chunks = resp.aiter_raw()
+                first = await chunks.__anext__()  # a backend dying before its first byte: next one
+            except (httpx.HTTPError, StopAsyncIteration) as exc:
+                await resp.aclose()
+                return self._fail(backend, "connect", exc, down=True)
+            handed_off = True
+            return StreamingResponse(self._relay(backend, resp, first, chunks), media_type="text/event-stream")
+        finally:
+            if not handed_off:
+                backend.in_flight -= 1
+
+    def _fail(self, backend: Backend, kind: str, exc: BaseException, down: bool) -> _Failed:
+        self.metrics.backend_errors.labels(backend.url, kind).inc()
+        if down:
+            self.pool.mark_down(backend, f"{type(exc).__name__}: {exc}")
+        return _Failed(None)
+
+    async def _relay(self, backend: Backend, resp: httpx.Response, first: bytes,
+                     chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """Yields the backend's SSE bytes; a cut stream ends with an error event. Closing it
+        (the client hung up) closes the backend's response, so the backend aborts."""
+        try:
+            yield first
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except httpx.HTTPError as exc:
+                self.metrics.backend_errors.labels(backend.url, "stream").inc()
+                self.pool.mark_down(backend, f"stream cut: {type(exc).__name__}")
+                err = {"error": {"message": f"backend {backend.url} failed mid-stream", "type": "internal_error",
+                                 "param": None, "code": None}}
+                yield f"data: {json.dumps(err)}\n\n".encode()
+        finally:
+            backend.in_flight -= 1
+            await resp.aclose()
