@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,12 +43,18 @@ from kvtier.server.protocol import (
 )
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+STORE_FLUSH_TIMEOUT_S = 30.0
+
+logger = logging.getLogger("kvtier.server")
 
 
 @dataclass
 class ServingContext:
     engine_loop: EngineLoop
     model_name: str
+    # "producer": one token per request, answered once its K/V reached every tier (the
+    # router's prefill step); "consumer" and "both" serve normally.
+    kv_role: str = "both"
 
     @property
     def engine(self) -> LLMEngine:
@@ -117,7 +124,7 @@ def make_sequences(ctx: ServingContext, prompts: list[Any], req: SamplingRequest
                            param="max_tokens", code="context_length_exceeded")
         else:
             want = max_tokens
-        seq.sampling_params.max_tokens = want
+        seq.sampling_params.max_tokens = 1 if ctx.kv_role == "producer" else want
         try:
             engine.scheduler.check_request(seq)
         except ValueError as exc:
@@ -174,6 +181,16 @@ async def watching(request: Request, stream: RequestStream) -> AsyncIterator[Non
     finally:
         watcher.cancel()
         stream.close()
+
+
+async def stores_landed(ctx: ServingContext, timeout_s: float = STORE_FLUSH_TIMEOUT_S) -> None:
+    """Producer only: returns once every queued K/V store reached its tiers (or after
+    `timeout_s`, logged: the consumer then prefills what is missing)."""
+    if ctx.kv_role != "producer":
+        return
+    flush = getattr(ctx.engine.kv_connector, "flush", None)
+    if flush is not None and not await asyncio.to_thread(flush, timeout_s):
+        logger.warning("producer: K/V stores did not land within %.0fs; consumers will prefill the rest", timeout_s)
 
 
 def _holdback(req: SamplingRequest) -> int:
@@ -245,8 +262,8 @@ async def _deltas(
             yield prompt_index(out.request_id), visible[start:], out
 
 
-async def _events(request: Request, stream: RequestStream, req: SamplingRequest, head: dict[str, Any],
-                  choice: Callable[[int, str, RequestOutput], dict[str, Any] | None],
+async def _events(ctx: ServingContext, request: Request, stream: RequestStream, req: SamplingRequest,
+                  head: dict[str, Any], choice: Callable[[int, str, RequestOutput], dict[str, Any] | None],
                   first: dict[str, Any] | None = None) -> AsyncIterator[str]:
     """Yields the SSE events of a streamed call: `first` (chat's role chunk), one chunk per
     output that `choice` renders (None: nothing to send), the usage chunk if asked, [DONE];
@@ -263,6 +280,7 @@ async def _events(request: Request, stream: RequestStream, req: SamplingRequest,
                 totals.add(out)
         if req.stream_options is not None and req.stream_options.include_usage:
             yield _sse({**head, "choices": [], "usage": totals.usage()})
+        await stores_landed(ctx)
         yield "data: [DONE]\n\n"
     except (EngineDeadError, ValueError) as exc:
         yield _error_event(exc)
@@ -279,6 +297,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     stream = _submit(ctx, seqs)
     if not req.stream:
         outs = await _collect(request, stream)
+        await stores_landed(ctx)
         totals = _Totals()
         choices = []
         for i, out in enumerate(outs):
@@ -298,7 +317,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
                 "stop_reason": c.stop_reason if out.finished else None}
 
     head = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
-    return StreamingResponse(_events(request, stream, req, head, choice), media_type="text/event-stream")
+    return StreamingResponse(_events(ctx, request, stream, req, head, choice), media_type="text/event-stream")
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request) -> Any:
@@ -312,6 +331,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     stream = _submit(ctx, seqs)
     if not req.stream:
         (out,) = await _collect(request, stream)
+        await stores_landed(ctx)
         c = out.outputs[0]
         totals = _Totals()
         totals.add(out)
@@ -330,4 +350,4 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
     first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-    return StreamingResponse(_events(request, stream, req, head, choice, first), media_type="text/event-stream")
+    return StreamingResponse(_events(ctx, request, stream, req, head, choice, first), media_type="text/event-stream")
