@@ -6,6 +6,9 @@ to kvstore's); errors are ValueErrors naming the key.
     save_unfull_chunk: true          # connector
     max_pending_store_bytes: 1GiB    # connector
     tiers: [cpu, "disk:///var/cache/kvtier"]
+
+An LMCache config (a mapping with LMCache's keys) is translated by `connector.lmcache_compat`.
+Every key has a `KVTIER_*` variable (`ALL_SETTINGS`, listed in docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -17,10 +20,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from connector.blend.config import BlendConfig
-from kvstore.config import KVStoreConfig, TierSpec, env_overrides, parse_size
+from connector import lmcache_compat
+from connector.blend.config import BLEND_SETTINGS, BlendConfig
+from kvstore.config import KVSTORE_SETTINGS, KVStoreConfig, TierSpec, parse_size, read_yaml, unknown_key
+from kvstore.env import Setting, env_bool, env_str, merge, parse_env
 
 _CONNECTOR_KEYS = ("save_unfull_chunk", "max_pending_store_bytes", "use_layerwise", "blend")
+
+CONNECTOR_SETTINGS: tuple[Setting, ...] = (
+    Setting("save_unfull_chunk", "KVTIER_SAVE_UNFULL_CHUNK", env_bool, "true",
+            "also store a prompt's partial last chunk (so prompts shorter than a chunk are reused)"),
+    Setting("max_pending_store_bytes", "KVTIER_MAX_PENDING_STORE_BYTES", env_str, "1GiB",
+            "gathered K/V waiting to be stored; beyond it new stores are dropped (counted), never waited for"),
+    Setting("use_layerwise", "KVTIER_USE_LAYERWISE", env_bool, "false",
+            "layer-pipelined loads: a hit is scheduled at once and layer i waits only for layer i "
+            "(not with CacheBlend)"),
+)
+ALL_SETTINGS: tuple[Setting, ...] = KVSTORE_SETTINGS + CONNECTOR_SETTINGS + BLEND_SETTINGS
+"""Every config key, one row each (kvstore's, the connector's, CacheBlend's)."""
+
+CONFIG_ENV = ("KVTIER_CONFIG", "LMCACHE_CONFIG_FILE")
+"""Variables naming the config file, first one set wins (LMCache's name reads an LMCache YAML)."""
+
+
+def valid_keys() -> frozenset[str]:
+    """Returns every top-level key a kvtier config may have (kvstore's and the connector's)."""
+    return frozenset({f.name for f in dataclasses.fields(KVStoreConfig)} | set(_CONNECTOR_KEYS))
+
+
+def translate(data: Mapping[str, Any], source: str = "config") -> Mapping[str, Any]:
+    """Returns `data` as a kvtier config: an LMCache config is mapped (connector.lmcache_compat),
+    anything else is returned as it is."""
+    if lmcache_compat.is_lmcache(data):
+        return lmcache_compat.to_kvtier(data, source, valid_keys())
+    return data
 
 
 @dataclass
@@ -70,6 +103,11 @@ class ConnectorConfig:
         """Returns a validated config from a mapping (kvstore keys + connector keys)."""
         if not isinstance(data, Mapping):
             raise ValueError(f"config: expected a mapping at the top level, got {type(data).__name__}")
+        data = translate(data)
+        known = valid_keys()
+        for key in data:
+            if key not in known:
+                raise unknown_key(key, known)
         rest = {k: v for k, v in data.items() if k not in _CONNECTOR_KEYS}
         own = {k: data[k] for k in _CONNECTOR_KEYS if k in data}
         if "blend" in own:
@@ -79,28 +117,23 @@ class ConnectorConfig:
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None,
              env: Mapping[str, str] | None = None) -> ConnectorConfig:
-        """Returns the config from YAML (`path`, else $KVTIER_CONFIG, else defaults) with the
-        `KVTIER_*` environment overrides kvstore defines applied on top."""
+        """Returns the config from YAML (`path`, else $KVTIER_CONFIG, else $LMCACHE_CONFIG_FILE,
+        else defaults; kvtier's or LMCache's keys) with every `KVTIER_*` variable in `env`
+        applied on top."""
         env = os.environ if env is None else env
-        path = path or env.get("KVTIER_CONFIG")
+        path = path or next((env[v] for v in CONFIG_ENV if env.get(v)), None)
         data: Any = {}
         if path:
-            import yaml
-
-            try:
-                with open(path, encoding="utf-8") as f:
-                    data = yaml.safe_load(f) or {}
-            except OSError as exc:
-                raise ValueError(f"config: cannot read {path}: {exc.strerror}") from None
+            data = read_yaml(path)
             if not isinstance(data, Mapping):
-                raise ValueError(f"config: {path} must hold a mapping, got {type(data).__name__}")
-        # kvstore's own env parsing, so both loaders read KVTIER_* identically.
-        return cls.from_dict({**data, **env_overrides(env)})
+                raise ValueError(f"config: {os.fspath(path)} must hold a mapping, got {type(data).__name__}")
+            data = translate(data, os.fspath(path))
+        return cls.from_dict(merge(data, parse_env(ALL_SETTINGS, env)))
 
 
 def make_config(
     source: ConnectorConfig | KVStoreConfig | Mapping[str, Any] | str | os.PathLike[str]
-    | Sequence[str | TierSpec] | None = None,
+    | Sequence[str | TierSpec] | bool | None = None,
     *,
     chunk_size: int | None = None,
     codec: str | None = None,
@@ -110,12 +143,15 @@ def make_config(
 ) -> ConnectorConfig:
     """Returns a validated ConnectorConfig from any accepted form, overrides applied.
 
-    `source`: a ConnectorConfig or KVStoreConfig; a mapping (parsed YAML); a YAML path; one
-    tier URL; or a list of tier URLs / TierSpecs ordered fastest first; None = defaults.
+    `source`: a ConnectorConfig or KVStoreConfig; a mapping (parsed YAML, kvtier's or
+    LMCache's keys); a YAML path; one tier URL; or a list of tier URLs / TierSpecs ordered
+    fastest first; None = defaults; True = from the environment (`ConnectorConfig.load()`).
     `codec` replaces the codec of every tier.
     """
     if source is None:
         cfg = ConnectorConfig()
+    elif source is True:
+        cfg = ConnectorConfig.load()
     elif isinstance(source, ConnectorConfig):
         cfg = dataclasses.replace(source, kvstore=dataclasses.replace(source.kvstore),
                                   blend=dataclasses.replace(source.blend))

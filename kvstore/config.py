@@ -211,9 +211,13 @@ def unknown_key(key: Any, known: Iterable[str], where: str = "") -> ValueError:
     """Returns the error for an unknown config key: names it, suggests a close match, lists
     every valid key."""
     known = sorted(known)
-    close = difflib.get_close_matches(str(key), known, n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    return ValueError(f"{where}{key}: unknown config key{hint}; valid keys: {', '.join(known)}")
+    return ValueError(f"{where}{key}: unknown config key{did_you_mean(key, known)}; valid keys: {', '.join(known)}")
+
+
+def did_you_mean(key: Any, known: Iterable[str]) -> str:
+    """Returns " (did you mean X?)" for the closest of `known` to `key`, or "" when none is close."""
+    close = difflib.get_close_matches(str(key), list(known), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _env_tiers(var: str, text: str) -> list[TierSpec]:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from connector.blend.segments import SEGMENT_ROOTS
+from kvstore.config import did_you_mean
+from kvstore.env import Setting, env_bool, env_float, env_int, env_raw, env_str
 
 DEFAULT_SEPARATOR = " # # "  # LMCache's blend_special_str
 
@@ -74,7 +76,35 @@ class BlendConfig:
         if not isinstance(data, Mapping):
             raise ValueError(f"blend: expected a mapping, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"blend: unknown key(s) {', '.join(map(str, unknown))}")
+        for key in data:
+            if key not in known:
+                raise ValueError(f"blend: unknown key {key!r}{did_you_mean(key, known)}; "
+                                 f"valid keys: {', '.join(sorted(known))}")
         return cls(**dict(data)).validate()
+
+
+def _env_narrowing(var: str, text: str) -> list[tuple[int, float]]:
+    steps = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        layer, sep, ratio = item.partition(":")
+        if not sep:
+            raise ValueError(f"{var}: expected layer:ratio pairs like 8:0.1,16:0.05, got {text!r}")
+        steps.append((env_int(var, layer), env_float(var, ratio)))
+    return steps
+
+
+BLEND_SETTINGS: tuple[Setting, ...] = (
+    Setting("blend.enabled", "KVTIER_BLEND_ENABLED", env_bool, "false",
+            "CacheBlend: reuse each prompt segment's K/V wherever it appears, recomputing a few tokens"),
+    Setting("blend.ratio", "KVTIER_BLEND_RATIO", env_float, "0.15",
+            "fraction of blended tokens recomputed past `check_layer` (0 = plain reuse, 1 = full prefill)"),
+    Setting("blend.check_layer", "KVTIER_BLEND_CHECK_LAYER", env_int, "1",
+            "layer at which the tokens to recompute are selected"),
+    Setting("blend.narrowing", "KVTIER_BLEND_NARROWING", _env_narrowing, "[]",
+            "later `[layer, ratio]` steps that shrink the recomputed set (env: `8:0.1,16:0.05`)"),
+    Setting("blend.separator", "KVTIER_BLEND_SEPARATOR", env_raw, repr(DEFAULT_SEPARATOR),
+            "string prompts are split into segments on it"),
+    Setting("blend.segment_kv", "KVTIER_BLEND_SEGMENT_KV", env_str, "in_context",
+            "how an uncached segment's K/V is made: in_context or standalone"),
+)
+"""CacheBlend's keys (the `blend:` section), one row each."""
