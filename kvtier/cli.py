@@ -3,8 +3,10 @@
 Run the paged engine on prompts (`generate`), serve it over an OpenAI-compatible HTTP API
 with KV reuse (`serve`), or run the standalone KV cache server engines share (`cache-server`).
 
-Each subcommand module exposes `HELP: str`, `add_arguments(parser)` and `run(args) -> int`;
-it is imported only when chosen, so `kvtier cache-server` never loads the model stack.
+Each subcommand module exposes `HELP: str`, `add_arguments(parser)` and `run(args) -> int`
+(and may set `DEFAULT_LOG_LEVEL`); its heavy imports happen in `run`, so a bad flag fails
+before torch loads and `kvtier cache-server` never loads the model stack. Exit codes: 0 done,
+2 bad input (a flag, a file or a config the user named), 1 a failure at run time.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import importlib
 import sys
 
 from kvtier import __version__
+from kvtier.cli_help import HelpFormatter, has_option
+from kvtier.log_setup import add_log_level_argument, configure_logging
 
 # subcommand name -> module implementing it
 SUBCOMMANDS: dict[str, str] = {
@@ -34,15 +38,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     subparsers = {}
     for name, module_name in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP, formatter_class=HelpFormatter)
         module.add_arguments(p)
+        if not has_option(p, "--log-level"):
+            add_log_level_argument(p, getattr(module, "DEFAULT_LOG_LEVEL", "info"))
         p.set_defaults(_run=module.run)
         subparsers[name] = p
     return parser, subparsers
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs one subcommand; a ValueError becomes a one-line error and exit code 2."""
+    """Runs one subcommand after configuring logging once (subcommands never do); returns
+    its exit code. A ValueError becomes a one-line error and exit code 2."""
     parser, subparsers = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command is None:
@@ -50,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if extra:  # a typo'd flag: answer with the subcommand's usage, not the top level's
         subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    configure_logging(args.log_level)
     try:
         return int(args._run(args) or 0)
     except ValueError as exc:

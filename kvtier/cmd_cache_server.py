@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+import tempfile
 
 from kvstore import sizes
 
@@ -55,32 +57,50 @@ def raise_fd_limit(max_connections: int) -> None:
                 new, max_connections)
 
 
+DEFAULT_LOG_LEVEL = "warning"  # a server: quiet unless asked
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to bind (default loopback; use 0.0.0.0 explicitly to serve the network)")
-    parser.add_argument("--port", type=int, default=65432, help="TCP port (0 picks a free one and prints it)")
-    parser.add_argument("--max-bytes", default="4GiB", help="memory budget: key + value bytes of all entries")
-    parser.add_argument("--disk", default=None, metavar="DIR", help="spill evicted entries to this directory")
-    parser.add_argument("--max-disk-bytes", default="16GiB", help="budget of the disk spill (file sizes)")
-    parser.add_argument("--auth-token", default=None,
-                        help="require clients to send this token first (also $KVTIER_AUTH_TOKEN)")
-    parser.add_argument("--max-payload", default="512MiB", help="largest payload one frame may carry")
-    parser.add_argument("--idle-timeout", type=float, default=300.0,
-                        help="close connections that send nothing for this many seconds")
-    parser.add_argument("--frame-timeout", type=float, default=30.0,
+    parser.add_argument("--host", default="127.0.0.1", metavar="HOST",
+                        help="address to bind (default: 127.0.0.1, loopback; use 0.0.0.0 explicitly to serve "
+                             "the network)")
+    parser.add_argument("--port", type=int, default=65432, metavar="N",
+                        help="TCP port; 0 picks a free one and prints it")
+    parser.add_argument("--max-bytes", default="4GiB", metavar="SIZE",
+                        help="memory budget: key + value bytes of all entries")
+    parser.add_argument("--disk", default=None, metavar="DIR",
+                        help="spill evicted entries to this directory, created if absent (default: none, "
+                             "evicted entries are dropped)")
+    parser.add_argument("--max-disk-bytes", default="16GiB", metavar="SIZE",
+                        help="budget of the disk spill (file sizes)")
+    parser.add_argument("--auth-token", default=None, metavar="TOKEN",
+                        help="require clients to send this token first (default: $KVTIER_AUTH_TOKEN, else none)")
+    parser.add_argument("--max-payload", default="512MiB", metavar="SIZE", help="largest payload one frame may carry")
+    parser.add_argument("--idle-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="close connections that send nothing for this long")
+    parser.add_argument("--frame-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="each request frame must arrive whole, and each reply piece be read, "
-                             "within this many seconds (also the TLS handshake limit)")
-    parser.add_argument("--max-connections", type=int, default=256,
+                             "within this long (also the TLS handshake limit)")
+    parser.add_argument("--max-connections", type=int, default=256, metavar="N",
                         help="connections served at once; more are refused with TOO_MANY_CONNECTIONS")
-    parser.add_argument("--tls-cert", default=None, metavar="PEM",
-                        help="serve TLS with this certificate chain (needs --tls-key; clients use kvtiers://)")
-    parser.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
+    parser.add_argument("--tls-cert", default=None, metavar="FILE",
+                        help="serve TLS with this PEM certificate chain (needs --tls-key; clients use kvtiers://)")
+    parser.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
+
+
+def writable_dir(path: str, flag: str) -> str:
+    """Returns `path` once it is a directory files can be created in (created if absent);
+    raises ValueError naming `flag` and `path` otherwise."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: not a writable directory ({exc.strerror or exc})") from None
+    return path
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
-
     from kvstore.server.disk import DiskSpill
     from kvstore.server.server import ServerConfig, serve
     from kvstore.server.store import ByteStore
@@ -95,16 +115,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-connections must be at least 1, got {args.max_connections}")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
-    level = logging.getLevelName(str(args.log_level).upper())
-    if not isinstance(level, int):
-        raise ValueError(f"--log-level: unknown level {args.log_level!r}")
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = args.auth_token if args.auth_token is not None else os.environ.get("KVTIER_AUTH_TOKEN")
     if token is not None and not token:
         # An empty token would silently mean "no auth": refuse it rather than guess.
         source = "--auth-token" if args.auth_token is not None else "$KVTIER_AUTH_TOKEN"
         raise ValueError(f"{source} is empty; give a non-empty token, or leave both unset to run without auth")
-    spill = DiskSpill(args.disk, parse_size(args.max_disk_bytes, '--max-disk-bytes')) if args.disk else None
+    spill = None
+    if args.disk:
+        spill = DiskSpill(writable_dir(args.disk, "--disk"), parse_size(args.max_disk_bytes, '--max-disk-bytes'))
     store = ByteStore(parse_size(args.max_bytes, '--max-bytes'), spill)
     config = ServerConfig(
         host=args.host,
@@ -139,10 +157,16 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvtier.cmd_cache_server ...`: the same command without the CLI dispatcher
     (which imports every subcommand), for scripts and test fixtures that want a light start."""
-    parser = argparse.ArgumentParser(prog="kvtier cache-server", description=HELP)
+    from kvtier.cli_help import HelpFormatter
+    from kvtier.log_setup import add_log_level_argument, configure_logging
+
+    parser = argparse.ArgumentParser(prog="kvtier cache-server", description=HELP, formatter_class=HelpFormatter)
     add_arguments(parser)
+    add_log_level_argument(parser, DEFAULT_LOG_LEVEL)
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
     try:
-        return run(parser.parse_args(argv))
+        return run(args)
     except ValueError as exc:
         print(f"kvtier cache-server: error: {exc}", file=sys.stderr)
         return 2

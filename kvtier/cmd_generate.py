@@ -12,58 +12,78 @@ HELP = "generate text with the paged engine (default model: bundled SmolLM2-135M
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", help="prompt text (or use --prompt-file)")
-    parser.add_argument("--prompt-file", action="append", default=[], metavar="F",
-                        help="read a prompt from file F ('-' = stdin); repeatable, one prompt per file")
+    parser.add_argument("--prompt-file", action="append", default=[], metavar="FILE",
+                        help="read a prompt from FILE ('-' = stdin); repeatable, one prompt per file")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the chat template")
-    parser.add_argument("--max-tokens", type=int, default=64, metavar="N")
-    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    parser.add_argument("--max-tokens", type=int, default=64, metavar="N",
+                        help="most tokens generated per prompt (default: 64; SamplingParams and the "
+                             "server's API default to 16)")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="X",
+                        help="sampling temperature; 0 = greedy (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="X",
+                        help="nucleus sampling: keep the smallest set of tokens with this much probability")
+    parser.add_argument("--top-k", type=int, default=-1, metavar="N",
+                        help="keep only the N most likely tokens; -1 = all")
+    parser.add_argument("--seed", type=int, default=None, metavar="N",
+                        help="per-request sampling seed (default: none, not reproducible)")
     parser.add_argument(
         "--json",
         action="store_true",
-        help="print one JSON object per prompt: prompt_token_ids, token_ids, text, num_cached_tokens, ttft_s",
+        help="print one JSON object per prompt: prompt_token_ids, token_ids, text, num_cached_tokens, ttft_s, "
+             "finish_reason, kv_connector (default: off, plain text)",
     )
     # Engine flags (kvtier/engine_args.py), then the KV connector flags (connector/cli.py):
     # --kv-tier URL (repeatable), --chunk-size, --kv-codec, --config, --blend.
-    from connector.cli import add_connector_arguments
-    from kvtier.engine_args import add_engine_arguments
+    from kvtier.engine_args import add_model_arguments
 
-    add_engine_arguments(parser)
-    add_connector_arguments(parser)
+    add_model_arguments(parser)
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
+    """Returns the prompts in command-line order; ValueError names a file that is missing, a
+    directory, unreadable or not UTF-8 text, and an empty prompt."""
     prompts = [] if args.prompt is None else [args.prompt]
-    for f in args.prompt_file:
-        if f == "-":
-            prompts.append(sys.stdin.read())
-            continue
-        path = Path(f)
-        if not path.is_file():
-            raise ValueError(f"--prompt-file {f}: no such file")
-        prompts.append(path.read_text())
+    prompts.extend(_read_text(f) for f in args.prompt_file)
     if not prompts:
-        raise ValueError("no prompt given (pass PROMPT or --prompt-file F)")
+        raise ValueError("no prompt given (pass PROMPT or --prompt-file FILE)")
     for i, p in enumerate(prompts):
         if not p.strip():
             raise ValueError(f"prompt {i + 1} is empty")
     return prompts
 
 
+def _read_text(f: str) -> str:
+    """Returns the UTF-8 text of file `f` ('-': stdin); ValueError naming `f` otherwise."""
+    path = Path(f)
+    try:
+        data = sys.stdin.buffer.read() if f == "-" else path.read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"--prompt-file {f}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"--prompt-file {f}: is a directory, not a file") from None
+    except OSError as exc:
+        raise ValueError(f"--prompt-file {f}: cannot read ({exc.strerror or exc})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--prompt-file {f}: not UTF-8 text (byte 0x{data[exc.start]:02x} "
+                         f"at offset {exc.start})") from None
+
+
 def run(args: argparse.Namespace) -> int:
-    """Generates for each prompt in turn (so TTFT and prefix-cache reuse show per prompt)."""
-    from engine import SamplingParams  # heavy imports only when this command runs
+    """Generates for each prompt in turn (so TTFT and prefix-cache reuse show per prompt).
+    Text mode prints each completion; several are each headed "--- prompt i/n ---"."""
+    prompts = _read_prompts(args)  # bad files fail before the heavy imports
+
+    from engine import SamplingParams
     from kvtier.engine_args import build_llm
 
-    prompts = _read_prompts(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
     llm = build_llm(args)
     connector = llm.engine.kv_connector
     try:
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             if args.chat:
                 prompt = llm.apply_chat_template([{"role": "user", "content": prompt}])
             (out,) = llm.generate(prompt, params)
@@ -88,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
                     flush=True,
                 )
             else:
+                if len(prompts) > 1:
+                    print(f"--- prompt {i + 1}/{len(prompts)} ---")
                 print(completion.text, flush=True)
     finally:
         llm.shutdown()

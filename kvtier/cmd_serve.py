@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 
 from kvtier.http_server import bind_socket, serve_app, socket_url
@@ -23,15 +22,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="require Authorization: Bearer KEY on /v1/* and /kv/* (default: $KVTIER_API_KEY, else none)")
     g.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="requests admitted beyond one batch (--max-num-seqs); more get 429 (default: 256)")
-    g.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
+    g.add_argument("--shutdown-grace", type=float, default=5.0, metavar="SECONDS",
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default: 5)")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="log level (default: info)")
-    from connector.cli import add_connector_arguments
-    from kvtier.engine_args import add_engine_arguments
+    g.add_argument("--kv-role", default="both", choices=["both", "producer", "consumer"],
+                   help="disaggregated prefill: a producer answers one token and returns once the prompt's K/V is "
+                        "in its tiers; a consumer loads it from the shared tier and decodes; both = a plain server "
+                        "(default: both)")
+    from kvtier.engine_args import add_model_arguments
 
-    add_engine_arguments(parser)
-    add_connector_arguments(parser)
+    add_model_arguments(parser)  # --log-level: kvtier/cli.py adds it and configures logging
 
 
 def _resolve_api_key(args: argparse.Namespace) -> str | None:
@@ -41,9 +40,22 @@ def _resolve_api_key(args: argparse.Namespace) -> str | None:
     return key
 
 
+def _check_kv_role(role: str, connector: object) -> None:
+    """Raises ValueError unless a producer or consumer has a tier another process can read."""
+    if role == "both":
+        return
+    from connector.kvtier_connector import KVTierConnector
+
+    if not isinstance(connector, KVTierConnector):
+        raise ValueError(f"--kv-role {role} needs a KV connector with a shared tier (--kv-tier redis://... or kvtier://...)")
+    schemes = [t.scheme for t in connector.config.kvstore.tiers]
+    if all(s in ("device", "cpu") for s in schemes):
+        raise ValueError(f"--kv-role {role}: tiers {schemes} are private to this process; add a shared one "
+                         "(redis://, kvtier://, or a disk:// directory both servers use)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Loads the model, serves until SIGINT/SIGTERM, then drains, flushes stores and exits 0."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = _resolve_api_key(args)
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -61,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
                                           else DEFAULT_MODEL_NAME)
         metrics = ServerMetrics(name, llm.engine.kv_connector)
         loop = EngineLoop(llm.engine, args.max_queue, on_step=metrics.on_step, on_forget=metrics.forget)
-        app = build_app(ServingContext(loop, name), metrics, api_key)
+        _check_kv_role(args.kv_role, llm.engine.kv_connector)
+        app = build_app(ServingContext(loop, name, args.kv_role), metrics, api_key)
         loop.start()
         serve_app(app, sock, f"kvtier serve listening on {socket_url(sock)}", args.log_level, args.shutdown_grace)
         loop.stop()

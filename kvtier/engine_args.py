@@ -8,19 +8,22 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from kvtier.cli_help import KV_CODECS, device_arg, restrict_choices
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the engine flags to `parser` (one argument group)."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, metavar="PATH",
                    help="local Hugging Face checkpoint dir (default: the bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--device", default="auto", metavar="DEVICE", help="auto, cpu, cuda or cuda:N (default: auto)")
+    g.add_argument("--device", default="auto", type=device_arg, metavar="DEVICE",
+                   help="auto (CUDA when available), cpu, cuda or cuda:N (default: auto)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="weights and KV dtype (default: auto = float32 on CPU, the checkpoint's on CUDA)")
     g.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (default: 16)")
     g.add_argument("--num-gpu-blocks", type=int, default=None, metavar="N",
                    help="KV pool size in blocks (default: from --gpu-memory-utilization on CUDA, 1 GiB on CPU)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.5, metavar="F",
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.5, metavar="X",
                    help="fraction of free CUDA memory for the KV pool (default: 0.5)")
     g.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="longest prompt + output in tokens (default: the model's limit)")
@@ -29,6 +32,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
                    help="token budget of one step; longer prefills are chunked (default: 2048)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the engine's automatic prefix caching")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the engine flags and the KV connector flags (connector/cli.py) to `parser`, with
+    --kv-codec restricted to the codecs kvstore has."""
+    from connector.cli import add_connector_arguments
+
+    add_engine_arguments(parser)
+    add_connector_arguments(parser)
+    restrict_choices(parser, "--kv-codec", KV_CODECS)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

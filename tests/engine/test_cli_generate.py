@@ -72,6 +72,18 @@ def test_chat_plain_text_output(default_model_path: Path) -> None:
     assert r.stdout.strip()
 
 
+def test_several_prompts_in_text_mode_are_separated(tmp_path: Path, default_model_path: Path) -> None:
+    f = tmp_path / "p.txt"
+    f.write_text("The capital of France is")
+    r = kvtier("The capital of France is", "--prompt-file", str(f), "--model", str(default_model_path),
+               "--max-tokens", "3", "--device", "cpu", "--num-gpu-blocks", "64")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "--- prompt 1/2 ---" and "--- prompt 2/2 ---" in lines
+    second = lines.index("--- prompt 2/2 ---")
+    assert lines[1:second] == lines[second + 1:] and "Paris" in lines[1]  # greedy: the same answer twice
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -80,9 +92,15 @@ def test_chat_plain_text_output(default_model_path: Path) -> None:
         ([], "no prompt given"),
         (["--prompt-file", "/nonexistent/prompt.txt"], "no such file"),
         (["   "], "prompt 1 is empty"),
+        (["--prompt-file", "{tmp}"], "--prompt-file {tmp}: is a directory, not a file"),
+        (["--prompt-file", "{tmp}/latin1.txt"],
+         "--prompt-file {tmp}/latin1.txt: not UTF-8 text (byte 0xe9 at offset 3)"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:
+def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    args = [a.format(tmp=tmp_path) for a in args]
+    message = message.format(tmp=tmp_path)
     r = kvtier(*args)
     assert r.returncode == 2
     err = r.stderr.strip().splitlines()
