@@ -1,0 +1,1 @@
+"""A small trace-driven simulator for sizing kvtier deployments (docs/scaling.md)."""
