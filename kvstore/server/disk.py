@@ -1,208 +1,266 @@
 """The cache server's disk spill: one file per entry, LRU within its own byte budget.
 
-Values are opaque bytes. Each file holds a small header (magic, key length, value length,
-CRC-32 of the value), the key and the value; it is written to a temporary name and renamed,
-so a crash never leaves a half-written entry under a real name. A file that fails its
-checks is deleted and reported as a miss. The budget counts whole file sizes.
+The index (which keys are on disk, and the disk budget) lives on the event loop's thread;
+every file operation runs on one worker thread (`worker.IOWorker`), in the order the loop
+issued them, so a slow or stalled disk never stalls a client. Files and directories:
+`spillfile.py`.
 
-The directory is a cache, never a reason to stop serving: entries that are not regular
-files are skipped with a warning (never opened: a FIFO would block), and when it stops
-accepting writes (read-only, full) the failure is logged and evicted entries are dropped.
+- `put` queues a write: the key counts as on disk at once, while the write is pending its
+  value is still in memory (`take` hands it back, so a GET of a value being spilled is
+  answered from memory), and `done(ok)` tells the store when the buffer is no longer held.
+- `detach` takes a key out of the disk budget while memory is made for it, then `read`
+  queues a read that also removes the file (memory and disk hold disjoint keys); GETs of a
+  key being read join that read.
+- `clear` forgets every entry at once and switches to a new generation directory; the old
+  one is removed by a second thread, so neither the loop nor later spills wait for it.
+
+The directory is a cache, never a reason to stop serving: when it stops accepting writes
+(read-only, full) the failure is logged once per episode and evicted entries are dropped.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
 import logging
 import os
-import stat
-import struct
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
-from kvstore.server.protocol import Buffer, empty_buffer
+from kvstore.server import spillfile as F
+from kvstore.server.protocol import Buffer
+from kvstore.server.worker import IOWorker
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"KVSD"
-# magic, key length, value length, crc32(value)
-_HEAD = struct.Struct("<4sIQI")
-_SUFFIX = ".kvs"
-_TMP_SUFFIX = ".tmp"
+
+@dataclass(eq=False)
+class _Write:
+    key: bytes
+    value: Buffer
+    path: Path
+    size: int
+    cancelled: bool = False  # read by the worker: a write not started yet is skipped
 
 
-def _file_name(key: bytes) -> str:
-    # Keys are arbitrary bytes: name files by a digest; the key itself is stored inside.
-    return hashlib.sha256(key).hexdigest() + _SUFFIX
+@dataclass(eq=False)
+class _Read:
+    key: bytes
+    path: Path
+    size: int
+    waiters: list[Callable[[memoryview | None], None]] = field(default_factory=list)
+    stale: bool = False  # the key was deleted, replaced or cleared meanwhile
 
 
 class DiskSpill:
     """Entries evicted from memory, kept on disk until their own LRU evicts them.
 
-    Not thread-safe: the server calls it only from its event loop thread.
+    Call its methods from one thread only (the server's event loop); `attach` routes the
+    worker's completions there.
     """
 
     def __init__(self, directory: str | os.PathLike[str], max_bytes: int) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_disk_bytes must be positive, got {max_bytes}")
-        self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.root = Path(directory)
+        self.root.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
-        self.bytes_used = 0
+        self.bytes_used = 0  # file sizes of the entries in the index (written or being written)
         self.evictions = 0
         self.corrupt = 0
         self.write_failures = 0
         self._failing = False  # the last write or removal failed (logged once per episode)
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, LRU first
-        self._load_index()
-
-    def _load_index(self) -> None:
-        """Rebuilds the index from the directory (oldest mtime = least recently used)."""
-        found: list[tuple[float, bytes, int, Path]] = []
-        for path in self.dir.iterdir():
-            if not path.name.endswith((_TMP_SUFFIX, _SUFFIX)):
-                continue
-            try:
-                st = path.lstat()
-            except OSError:
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                log.warning("disk spill: skipping %s: not a regular file", path)
-                continue
-            if path.name.endswith(_TMP_SUFFIX):
-                self._unlink(path)  # an interrupted write
-                continue
-            try:
-                with _open_regular(path) as f:
-                    head = f.read(_HEAD.size)
-                    magic, key_len, value_len, _ = _HEAD.unpack(head)
-                    key = f.read(key_len)
-            except (OSError, struct.error):
-                self._unlink(path)
-                continue
-            size = _HEAD.size + key_len + value_len
-            if magic != _MAGIC or len(key) != key_len or st.st_size != size or path.name != _file_name(key):
-                self._unlink(path)
-                continue
-            found.append((st.st_mtime, key, size, path))
-        for _, key, size, _ in sorted(found, key=lambda t: t[0]):
-            self._index[key] = size
-            self.bytes_used += size
+        self._writing: dict[bytes, _Write] = {}
+        self._reading: dict[bytes, _Read] = {}
+        self._detached: dict[bytes, int] = {}  # key -> file size: out of the budget, read next
+        self.worker = IOWorker("kvtier-spill")
+        self.janitor = IOWorker("kvtier-spill-clear")  # removes cleared generations
+        # Startup (before serving): reuse the newest generation, remove the older ones.
+        gens = F.generations(self.root)
+        self.generation = gens[-1] if gens else 0
+        self.dir = F.generation_dir(self.root, self.generation)
+        self.dir.mkdir(exist_ok=True)
+        for old in gens[:-1]:
+            self.janitor.submit(partial(F.remove_tree, F.generation_dir(self.root, old)))
+        for entry in F.scan(self.dir):
+            self._index[entry.key] = entry.size
+            self.bytes_used += entry.size
         self._evict_to(self.max_bytes)
 
+    def attach(self, wake: Callable[[Callable[[], None]], object]) -> None:
+        """Has completions run through `wake` (the event loop's call_soon_threadsafe)."""
+        self.worker.wake = wake
+        self.worker.run_completions()
+
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self._index) + len(self._reading) + len(self._detached)
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._index
+        return key in self._index or key in self._reading or key in self._detached
 
-    def file_size(self, key: bytes) -> int:
-        """Returns the size of `key`'s file (what `get` allocates to read it); 0 if absent."""
-        return self._index.get(key, 0)
+    @property
+    def pending_writes(self) -> int:
+        return len(self._writing)
 
-    def put(self, key: bytes, value: Buffer) -> bool:
-        """Writes `value` under `key`, evicting LRU files first; returns False (and stores
-        nothing) if the entry alone exceeds the disk budget or the write fails."""
-        size = _HEAD.size + len(key) + len(value)
+    def _path(self, key: bytes) -> Path:
+        return self.dir / F.file_name(key)
+
+    def put(self, key: bytes, value: Buffer, done: Callable[[bool], None]) -> bool:
+        """Queues a write of `value` under `key`, evicting LRU files first; returns False
+        (queuing nothing, and `done` is never called) if the entry alone exceeds the disk
+        budget. Otherwise `done(written)` runs on this thread once the worker no longer
+        holds `value` (written, failed, or cancelled by `take`/`delete`/`clear`)."""
+        size = F.file_size(len(key), len(value))
         self.delete(key)
         if size > self.max_bytes:
             return False
         self._evict_to(self.max_bytes - size)
-        path = self.dir / _file_name(key)
-        tmp = path.with_name(path.name + _TMP_SUFFIX)
-        try:
-            with open(tmp, "wb") as f:
-                f.write(_HEAD.pack(_MAGIC, len(key), len(value), zlib.crc32(value)))
-                f.write(key)
-                f.write(value)
-            os.replace(tmp, path)
-        except OSError as exc:
-            self._write_failed(exc)
-            self._unlink(tmp)
-            return False
-        self._failing = False
+        job = _Write(key, value, self._path(key), size)
         self._index[key] = size
         self.bytes_used += size
+        self._writing[key] = job
+        self.worker.submit(lambda: _run_write(job), lambda error: self._written(job, error, done))
         return True
 
-    def get(self, key: bytes) -> memoryview | None:
-        """Returns the value stored under `key`, or None on a miss or a damaged file
-        (which is deleted)."""
-        size = self._index.get(key)
-        if size is None:
-            return None
-        try:
-            with _open_regular(self.dir / _file_name(key)) as f:
-                value = self._read(f, key, size)
-        except OSError:
-            value = None
-        if value is None:
-            self.corrupt += 1
-            self.delete(key)
-            return None
-        self._index.move_to_end(key)
-        return value
+    def _written(self, job: _Write, error: OSError | None, done: Callable[[bool], None]) -> None:
+        ok = error is None and not job.cancelled
+        if self._writing.get(job.key) is job:
+            del self._writing[job.key]
+            if not ok:  # the entry is not on disk after all
+                self._index.pop(job.key, None)
+                self.bytes_used -= job.size
+        if error is not None:
+            self._write_failed(error)
+        elif ok:
+            self._failing = False
+        done(ok)
 
-    def pop(self, key: bytes, make_room: Callable[[int], None]) -> memoryview | None:
-        """Removes `key` and returns its value, or None if absent or damaged. The file is
-        unlinked before `make_room(file size)` runs, so what the caller spills to make room
-        may use its disk space, and read after it, so the caller can commit memory first."""
-        size = self._index.get(key)
-        if size is None:
+    def take(self, key: bytes) -> Buffer | None:
+        """Returns the value of `key` if its write is still pending (removing the entry from
+        disk: the caller keeps it in memory again), else None."""
+        job = self._writing.get(key)
+        if job is None:
             return None
-        try:
-            f: io.FileIO | None = _open_regular(self.dir / _file_name(key))
-        except OSError:
-            f = None
         self.delete(key)
-        value = None
-        if f is not None:
-            with f:
-                make_room(size)
-                try:
-                    value = self._read(f, key, size)
-                except OSError:
-                    value = None
-        if value is None:
-            self.corrupt += 1
-        return value
+        return job.value
 
-    @staticmethod
-    def _read(f: io.FileIO, key: bytes, size: int) -> memoryview | None:
-        """Returns the value of the open entry file `f` (a view of one buffer of the whole
-        file), or None if it fails any check."""
-        buf = empty_buffer(size)
-        if f.readinto(buf) != size:
-            return None
-        magic, key_len, value_len, crc = _HEAD.unpack_from(buf)
-        start = _HEAD.size + key_len
-        value = buf[start:]
-        if (magic == _MAGIC and key_len == len(key) and buf[_HEAD.size : start] == key
-                and len(value) == value_len and zlib.crc32(value) == crc):
-            return value
-        return None
+    def detach(self, key: bytes) -> int:
+        """Takes `key` out of the disk budget ahead of reading it (its file stays until the
+        read), so that spills made to free memory for it may use its space; returns its
+        file size (what reading it allocates), or 0 if it is not on disk or is being
+        written (then `take` answers from memory). A detached key is still held: `read`
+        it, or `restore` it."""
+        size = self._detached.get(key)
+        if size is not None:
+            return size
+        if key in self._reading or key in self._writing or key not in self._index:
+            return 0
+        size = self._index.pop(key)
+        self.bytes_used -= size
+        self._detached[key] = size
+        return size
 
-    def delete(self, key: bytes) -> bool:
-        """Removes `key`; returns whether it was present."""
-        size = self._index.pop(key, None)
+    def detached(self, key: bytes) -> bool:
+        """Returns whether `key` is still detached (not deleted, replaced or cleared)."""
+        return key in self._detached
+
+    def restore(self, key: bytes) -> None:
+        """Puts a detached key back under the disk budget (most recently used)."""
+        size = self._detached.pop(key, None)
+        if size is not None:
+            self._evict_to(self.max_bytes - size)
+            self._index[key] = size
+            self.bytes_used += size
+
+    def reading(self, key: bytes) -> bool:
+        return key in self._reading
+
+    def read(self, key: bytes, done: Callable[[memoryview | None], None]) -> bool:
+        """Reads a detached `key`, whose file then leaves the disk (memory and disk hold
+        disjoint keys), or joins the read of `key` under way; returns False (and `done` is
+        never called) if it is neither. `done(value)` runs on this thread when read: None
+        if damaged, or if the key was deleted, replaced or cleared meanwhile."""
+        pending = self._reading.get(key)
+        if pending is not None:
+            pending.waiters.append(done)
+            return True
+        size = self._detached.pop(key, None)
         if size is None:
             return False
-        self.bytes_used -= size
-        self._unlink(self.dir / _file_name(key))
+        job = _Read(key, self._path(key), size, [done])
+        self._reading[key] = job
+        self.worker.submit(lambda: F.take(job.path, key, size), lambda value: self._read_done(job, value))
         return True
 
-    def clear(self) -> None:
-        for key in list(self._index):
-            self.delete(key)
+    def _read_done(self, job: _Read, value: memoryview | None) -> None:
+        if self._reading.get(job.key) is job:
+            del self._reading[job.key]
+        if value is None and not job.stale:
+            self.corrupt += 1
+        result = None if job.stale else value
+        for done in job.waiters:
+            done(result)
 
-    def _unlink(self, path: Path) -> None:
-        try:
-            path.unlink(missing_ok=True)
-        except OSError as exc:
-            self._write_failed(exc)
+    def delete(self, key: bytes) -> bool:
+        """Removes `key` (its file is removed in order after any pending I/O on it);
+        returns whether it was present."""
+        read = self._reading.pop(key, None)
+        if read is not None:
+            read.stale = True  # the read removes the file itself
+        write = self._writing.pop(key, None)
+        if write is not None:
+            write.cancelled = True
+        size = self._index.pop(key, None)
+        detached = self._detached.pop(key, None) is not None
+        if size is None and not detached:
+            return read is not None
+        self.bytes_used -= size or 0
+        path = self._path(key)
+        self.worker.submit(lambda: F.unlink(path), self._unlinked)
+        return True
+
+    def _unlinked(self, error: OSError | None) -> None:
+        if error is not None:
+            self._write_failed(error)
+
+    def clear(self) -> None:
+        """Forgets every entry now; the files go with their generation directory, removed
+        in the background (after the writes already queued, which are cancelled)."""
+        for read in self._reading.values():
+            read.stale = True
+        for write in self._writing.values():
+            write.cancelled = True
+        self._reading.clear()
+        self._detached.clear()
+        self._writing.clear()
+        self._index.clear()
+        self.bytes_used = 0
+        old = self.dir
+        self.generation += 1
+        self.dir = new = F.generation_dir(self.root, self.generation)
+        janitor = self.janitor
+
+        def switch() -> OSError | None:
+            try:
+                new.mkdir(exist_ok=True)
+            except OSError as exc:
+                return exc  # later writes fail and are dropped; old files are never read again
+            janitor.submit(lambda: F.remove_tree(old))
+            return None
+
+        self.worker.submit(switch, self._unlinked)
+
+    def flush(self) -> None:
+        """Blocks until every queued file operation is done and its completion has run."""
+        self.worker.drain()
+
+    def close(self) -> None:
+        """Finishes the queued writes (not the background removal of cleared generations,
+        which a restart completes) and stops both threads."""
+        self.worker.close()
+        self.janitor.stop()
 
     def _write_failed(self, exc: OSError) -> None:
         """Counts a failed write or removal; logs the first of a run of them, so a directory
@@ -211,23 +269,20 @@ class DiskSpill:
         if not self._failing:
             self._failing = True
             log.error("disk spill %s stopped accepting writes (%s): evicted entries are dropped, "
-                      "memory keeps serving", self.dir, exc)
+                      "memory keeps serving", self.root, exc)
 
     def _evict_to(self, limit: int) -> None:
         while self.bytes_used > limit and self._index:
-            key = next(iter(self._index))
-            self.delete(key)
+            self.delete(next(iter(self._index)))
             self.evictions += 1
 
 
-def _open_regular(path: Path) -> io.FileIO:
-    """Returns `path` opened for binary reading; raises OSError unless it is a regular file
-    (not following a symlink, and never blocking on a FIFO)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+def _run_write(job: _Write) -> OSError | None:
+    """Worker side of `put`: returns the error of a failed write (None if written or skipped)."""
+    if job.cancelled:
+        return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        return io.FileIO(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+        F.write(job.path, job.key, job.value)
+    except OSError as exc:
+        return exc
+    return None

@@ -10,15 +10,19 @@ covers every large buffer the server holds, and is never exceeded:
   leaves the store (evicted, deleted, replaced) still counts (`retired`) until its last
   reply is written.
 
+- values being spilled: an entry evicted to the disk spill stays counted (`retired`, and
+  `spilling`) until the spill's worker thread has written it; a GET meanwhile takes it
+  straight back into memory.
+
 Making room evicts least recently used entries (to the disk spill when there is one); a
 value that cannot fit at all is refused. Memory and disk hold disjoint sets of keys: a GET
-that finds its key on disk moves it back into memory.
+that finds its key on disk reads it back into memory (`load`, off the event loop).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from kvstore.server.disk import DiskSpill
@@ -43,8 +47,10 @@ class StoreStats:
     disk_hits: int
     disk_evictions: int
     disk_corrupt: int
+    disk_write_failures: int
     reserved_bytes: int
     pinned_bytes: int
+    spilling_bytes: int
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -52,7 +58,7 @@ class StoreStats:
 
 class ByteStore:
     """LRU map of byte keys to byte values within `max_bytes`. Not thread-safe: the server
-    touches it only from its event loop thread."""
+    touches it only from its event loop thread (the spill's completions run there too)."""
 
     def __init__(self, max_bytes: int, spill: DiskSpill | None = None) -> None:
         if max_bytes <= 0:
@@ -65,10 +71,15 @@ class ByteStore:
         self.reserved = 0  # bytes committed to bodies being received
         self.retired = 0  # bytes of values gone from the store that replies still send
         self.pinned_stored = 0  # bytes of stored entries that replies are sending (not evictable room)
+        self.spilling = 0  # bytes of retired values that pending spill writes hold (room once written)
+        self._spilling: dict[int, object] = {}  # id(value) -> token of the write that frees it
+        self.on_freed: Callable[[], None] | None = None  # told when spill completions free budget
+        # Disk reads waiting for memory: key -> (file size, callbacks of the GETs asking)
+        self._loads: dict[bytes, tuple[int, list[Callable[[Buffer | None], None]]]] = {}
         self._lru: OrderedDict[bytes, Buffer] = OrderedDict()  # least recently used first
         # Bytes each entry holds: key + value, or the whole file buffer of one read from disk.
         self._sizes: dict[bytes, int] = {}
-        # id(value) -> [replies sending it, bytes it holds, whether it has left the store]
+        # id(value) -> [replies (and spill writes) holding it, bytes it holds, whether it has left the store]
         self._pins: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
@@ -86,21 +97,32 @@ class ByteStore:
     def _room(self) -> int:
         # What eviction can make free: the rest is held by bodies in flight and by values
         # replies are sending (evicting those frees nothing until the reply is written).
-        return self.max_bytes - self.reserved - self.retired - self.pinned_stored
+        # Values being spilled free their bytes once written: they count as room.
+        return self.max_bytes - self.reserved - (self.retired - self.spilling) - self.pinned_stored
+
+    def can_make_room(self, n: int) -> bool:
+        """Returns whether evicting (and waiting for spill writes) can make `n` bytes free,
+        i.e. they are not held by bodies in flight and replies being sent."""
+        return n <= self._room()
 
     def reserve(self, n: int) -> bool:
         """Commits `n` bytes for a body about to be received, evicting LRU entries to make
-        room; returns False (evicting nothing) while bodies in flight and replies being sent
-        leave less than `n`. Guarantees committed <= max_bytes."""
+        room; returns False while bodies in flight, replies being sent and spill writes
+        still pending leave less than `n` (evicting nothing in the first two cases).
+        Guarantees committed <= max_bytes."""
         if n > self._room():
             return False
         self._make_room(n)
+        if self.committed + n > self.max_bytes:
+            return False  # evicted entries are still being written to disk
         self.reserved += n
         return True
 
     def release(self, n: int) -> None:
         """Returns `n` reserved bytes whose body was dropped or consumed without being stored."""
         self.reserved -= n
+        if n:
+            self._freed()
 
     def pin(self, key: bytes, value: Buffer) -> None:
         """Marks `value`, just returned by get(key), as being sent: it stays counted (and
@@ -140,6 +162,8 @@ class ByteStore:
             self.rejected += 1
             return False
         self._make_room(size)
+        if self.committed + size > self.max_bytes:
+            return False  # room comes when queued spill writes finish (the server reserves first)
         self._lru[key] = value
         self._sizes[key] = size
         self.bytes_used += size
@@ -147,37 +171,95 @@ class ByteStore:
         return True
 
     def get(self, key: bytes) -> Buffer | None:
-        """Returns the value (promoted to most recently used, and into memory from disk),
-        or None on a miss."""
+        """Returns the value held in memory (promoted to most recently used; a value still
+        being written to the disk spill is taken back), or None: then it may be on disk
+        (`load`)."""
         value = self._lru.get(key)
         if value is not None:
             self._lru.move_to_end(key)
             self.hits += 1
             return value
-        if self.spill is not None and key in self.spill:
-            # The file is read into a buffer of its size: commit that first. While replies and
-            # bodies in flight leave no room, the entry stays on disk and this GET misses.
-            file_size = self.spill.file_size(key)
-            if file_size <= self._room():
-                reserved: list[int] = []
-
-                def make_room(n: int) -> None:
-                    ok = self.reserve(n)  # the file left the disk's budget: spills may use it
-                    assert ok, "room was checked before the file was taken"
-                    reserved.append(n)
-
-                value = self.spill.pop(key, make_room)
-                self.reserved -= sum(reserved)
-                if value is not None:
-                    # The buffer is the whole file (>= key + value): its room becomes the entry.
-                    self._lru[key] = value
-                    self._sizes[key] = file_size
-                    self.bytes_used += file_size
-                    self.hits += 1
-                    self.disk_hits += 1
-                    return value
-        self.misses += 1
+        if self.spill is not None:
+            value = self.spill.take(key)
+            if value is not None:
+                self._reclaim(key, value)
+                self.hits += 1
+                return value
         return None
+
+    def load(self, key: bytes, done: Callable[[Buffer | None], None]) -> bool:
+        """Reads `key` back from the disk spill (or joins the read under way); returns
+        False on a miss. Otherwise `done(value)` runs later with the value, now in memory,
+        or None (damaged, deleted or replaced meanwhile, or memory held by replies and
+        bodies in flight). Call after get() returned None."""
+        spill = self.spill
+        if spill is None or key not in spill:
+            self.misses += 1
+            return False
+        if spill.reading(key):
+            spill.read(key, lambda value: self._count_load(value, done))
+            return True
+        waiting = self._loads.get(key)
+        if waiting is not None:
+            waiting[1].append(done)
+            return True
+        size = spill.detach(key)  # its disk space may take the spills that make room for it
+        if not size:
+            self.misses += 1
+            return False
+        self._loads[key] = (size, [done])
+        self._try_load(key)
+        return True
+
+    @property
+    def loads_waiting(self) -> int:
+        """Disk reads waiting for memory (retry_loads when memory frees)."""
+        return len(self._loads)
+
+    def retry_loads(self) -> None:
+        """Starts the disk reads that were waiting for memory and now fit."""
+        for key in list(self._loads):
+            self._try_load(key)
+
+    def _try_load(self, key: bytes) -> None:
+        size, waiters = self._loads[key]
+        spill = self.spill
+        assert spill is not None
+        if spill.detached(key) and self.can_make_room(size):
+            # The file is read into a buffer of its size: commit that first.
+            if not self.reserve(size):
+                return  # room comes when the spill writes just queued are done
+            del self._loads[key]
+            spill.read(key, lambda value: self._loaded(key, size, value, waiters))
+            return
+        # Deleted, replaced or cleared meanwhile; or replies and bodies in flight hold the
+        # memory: then the entry stays on disk and these GETs miss.
+        del self._loads[key]
+        spill.restore(key)
+        for done in waiters:
+            self._count_load(None, done)
+
+    def _loaded(self, key: bytes, size: int, value: memoryview | None,
+                waiters: list[Callable[[Buffer | None], None]]) -> None:
+        self.reserved -= size
+        if value is None:
+            self._freed()
+        else:
+            # The buffer is the whole file (>= key + value): its reserved room becomes the entry.
+            # (A PUT or DELETE of the key meanwhile made the read stale: value None.)
+            self._lru[key] = value
+            self._sizes[key] = size
+            self.bytes_used += size
+            self.disk_hits += 1
+        for done in waiters:
+            self._count_load(value, done)
+
+    def _count_load(self, value: Buffer | None, done: Callable[[Buffer | None], None]) -> None:
+        if value is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        done(value)
 
     def contains(self, key: bytes) -> bool:
         """Returns whether `key` is held in memory or on disk (touches no LRU order)."""
@@ -199,6 +281,7 @@ class ByteStore:
         return in_memory or on_disk
 
     def clear(self) -> None:
+        """Empties memory now, and the disk spill (its files are removed in the background)."""
         for key in list(self._lru):
             self._remove(key)
         if self.spill is not None:
@@ -206,14 +289,16 @@ class ByteStore:
 
     def flush_to_disk(self) -> int:
         """Writes every in-memory entry to the disk spill (most recent last, so that the
-        disk LRU keeps the hottest); returns how many were written. Used at shutdown so a
-        restart with the same --disk keeps the data."""
+        disk LRU keeps the hottest), waits for every queued write, and stops the spill's
+        worker; returns how many entries this wrote. Used at shutdown so a restart with the
+        same --disk keeps the data."""
         if self.spill is None:
             return 0
-        written = 0
+        written: list[bool] = []
         for key, value in self._lru.items():
-            written += self.spill.put(key, value)
-        return written
+            self.spill.put(key, value, written.append)
+        self.spill.close()
+        return sum(written)
 
     def stats(self) -> StoreStats:
         spill = self.spill
@@ -232,8 +317,10 @@ class ByteStore:
             disk_hits=self.disk_hits,
             disk_evictions=spill.evictions if spill is not None else 0,
             disk_corrupt=spill.corrupt if spill is not None else 0,
+            disk_write_failures=spill.write_failures if spill is not None else 0,
             reserved_bytes=self.reserved,
-            pinned_bytes=self.retired,
+            pinned_bytes=self.retired - self.spilling,
+            spilling_bytes=self.spilling,
         )
 
     def _remove(self, key: bytes) -> bool:
@@ -252,11 +339,50 @@ class ByteStore:
             self.retired += entry[1]
 
     def _make_room(self, n: int) -> None:
-        """Evicts LRU entries until `n` more bytes fit (callers check _room() first, so the
-        entries that replies are sending, which free nothing, never leave it short)."""
-        while self._lru and self.committed + n > self.max_bytes:
+        """Evicts LRU entries until `n` more bytes fit once queued spill writes finish
+        (callers check _room() first, so the entries that replies are sending, which free
+        nothing, never leave it short)."""
+        while self._lru and self.committed - self.spilling + n > self.max_bytes:
             key, value = self._lru.popitem(last=False)
-            self._forget(key, value)
             self.evictions += 1
-            if self.spill is not None:
-                self.spill.put(key, value)
+            if self.spill is None:
+                self._forget(key, value)
+            else:
+                self._spill(key, value)
+
+    def _spill(self, key: bytes, value: Buffer) -> None:
+        # The write holds the buffer like a reply does: its bytes stay counted until written.
+        size = self._sizes[key]
+        self.pin(key, value)
+        self._forget(key, value)
+        token = object()
+        self._spilling[id(value)] = token
+        self.spilling += size
+        assert self.spill is not None
+        if not self.spill.put(key, value, lambda _ok: self._spilled(value, size, token)):
+            self._spilled(value, size, token)  # larger than the whole disk budget: dropped
+
+    def _spilled(self, value: Buffer, size: int, token: object) -> None:
+        if self._spilling.get(id(value)) is token:
+            del self._spilling[id(value)]
+            self.spilling -= size
+        if self.unpin(value):
+            self._freed()
+
+    def _reclaim(self, key: bytes, value: Buffer) -> None:
+        """Puts back a value whose spill write was cancelled: retired becomes stored again
+        (the write still holds it until its completion runs)."""
+        entry = self._pins[id(value)]
+        size = entry[1]
+        if self._spilling.pop(id(value), None) is not None:
+            self.spilling -= size
+        entry[2] = 0
+        self.retired -= size
+        self.pinned_stored += size
+        self._lru[key] = value
+        self._sizes[key] = size
+        self.bytes_used += size
+
+    def _freed(self) -> None:
+        if self.on_freed is not None:
+            self.on_freed()

@@ -1,0 +1,79 @@
+"""The cache server's request handlers: one framed request in, its reply queued.
+
+Every handler runs on the event loop and does bounded work. A GET whose value is on the
+disk spill starts a read on the spill's worker thread (after memory is made for it) and
+parks its connection (no later request of that connection runs, so replies stay in order)
+until the value is read.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING
+
+from kvstore.server import protocol as P
+from kvstore.server.protocol import Op, Status
+
+if TYPE_CHECKING:
+    from kvstore.server.connection import Connection
+
+
+def dispatch(conn: Connection, h: P.Header, key: bytes, payload: memoryview, reserved: int = 0) -> None:
+    """Runs one request of `conn`, queuing its reply (a GET of a spilled value parks `conn`
+    until the value is read). `reserved`: budget bytes held by this PUT's body, which the
+    store takes over (the caller releases them for any other op)."""
+    rid = h.request_id
+    if not conn.authed:
+        if h.code != Op.AUTH:
+            conn.fail(Status.AUTH_REQUIRED, rid, "authentication required: send AUTH first")
+        elif not conn.server.check_token(bytes(payload)):
+            conn.fail(Status.AUTH_FAILED, rid, "wrong auth token")
+        else:
+            conn.authed = True
+            conn.reply(Status.OK, rid)
+        return
+    store = conn.store
+    code = h.code
+    if code == Op.GET:
+        value = store.get(key)
+        if value is not None:
+            conn.send_value(rid, key, value)
+        elif store.load(key, partial(conn.loaded, rid, key)):
+            conn.loading = True  # answered by conn.loaded, from the spill's completion
+        else:
+            conn.reply(Status.NOT_FOUND, rid)
+    elif code == Op.EXISTS:
+        conn.reply(Status.OK if store.contains(key) else Status.NOT_FOUND, rid)
+    elif code == Op.PREFIX_HITS:
+        try:
+            keys = P.decode_key_list(payload, P.MAX_KEYS_PER_REQUEST)
+        except P.ProtocolError as exc:
+            conn.reply(Status.BAD_REQUEST, rid, str(exc).encode())
+            return
+        conn.reply(Status.OK, rid, P.encode_count(store.prefix_hits(keys)))
+    elif code == Op.PUT:
+        if store.put(key, payload, reserved):
+            conn.reply(Status.OK, rid)
+        elif not store.fits(len(key), len(payload)):
+            conn.reply(Status.TOO_LARGE, rid, b"entry exceeds the server's memory budget")
+        else:
+            conn.server.busy_refusals += 1
+            conn.reply(Status.BUSY, rid, b"no memory free for this entry now: replies being sent "
+                       b"and bodies in flight hold it; retry later")
+    elif code == Op.DELETE:
+        conn.reply(Status.OK if store.delete(key) else Status.NOT_FOUND, rid)
+    elif code == Op.PING:
+        conn.reply(Status.OK, rid, b"PONG")
+    elif code == Op.CLEAR:
+        store.clear()  # the spill's files go in the background: bounded work here
+        conn.reply(Status.OK, rid)
+    elif code == Op.STATS:
+        conn.reply(Status.OK, rid, conn.server.stats_json())
+    elif code == Op.AUTH:
+        # Already authenticated (or auth disabled): a correct token is a no-op.
+        if not conn.server.auth_required or conn.server.check_token(bytes(payload)):
+            conn.reply(Status.OK, rid)
+        else:  # a wrong token is a wrong token, whenever it comes: close
+            conn.fail(Status.AUTH_FAILED, rid, "wrong auth token")
+    else:  # unreachable: unknown ops are refused while framing
+        conn.reply(Status.UNKNOWN_OP, rid, f"unknown op {code}".encode())
