@@ -2,8 +2,10 @@
 
 `--kv-tier URL` (repeatable, fastest first), `--chunk-size`, `--kv-codec`, `--config FILE`;
 CacheBlend: `--blend`, `--blend-ratio R`, `--blend-check-layer L`.
-With neither `--kv-tier`, `--config` nor `--blend`, there is no connector. Only argparse is
-imported at module level: the CLI builds every subcommand's parser on start-up.
+With neither `--kv-tier`, `--config` nor `--blend`, there is a connector only when the
+environment names one (KVTIER_CONFIG, KVTIER_TIERS or LMCACHE_CONFIG_FILE, as `LLM()` reads
+it); every `KVTIER_*` variable applies on top of `--config`. Only argparse is imported at
+module level: the CLI builds every subcommand's parser on start-up.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ def add_connector_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-codec", default=None, metavar="NAME",
                    help="codec for every tier: raw, lz4 (exact) or int8, int4 (lossy)")
     g.add_argument("--config", default=None, metavar="FILE",
-                   help="connector YAML (tiers, chunk_size, save_decode_tokens, ...); --kv-tier "
-                        "replaces its tiers")
+                   help="connector YAML, kvtier's keys or an LMCache config (default: $KVTIER_CONFIG, "
+                        "else $LMCACHE_CONFIG_FILE); --kv-tier replaces its tiers. See docs/configuration.md")
     b = parser.add_argument_group("CacheBlend (reuse documents' KV in any position; prompt segments "
                                   "separated by ' # # ')")
     b.add_argument("--blend", action="store_true",
@@ -39,16 +41,18 @@ def add_connector_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def connector_from_args(args: argparse.Namespace) -> KVTierConnector | None:
-    """Returns the connector the flags describe, or None when no tier or config is given.
-    Raises ValueError naming the bad flag or config key."""
+    """Returns the connector the flags describe (or the environment names), or None when
+    neither gives a tier or config. Raises ValueError naming the bad flag or config key."""
     blend = getattr(args, "blend", False)
     blend_knobs = {k: v for k, v in (("ratio", getattr(args, "blend_ratio", None)),
                                       ("check_layer", getattr(args, "blend_check_layer", None))) if v is not None}
     if blend_knobs and not blend:
         raise ValueError("--blend-ratio/--blend-check-layer need --blend")
-    if not args.kv_tier and not args.config and not blend:
+    from engine.llm import connector_env
+
+    if not args.kv_tier and not args.config and not blend and not connector_env():
         if args.chunk_size is not None or args.kv_codec is not None:
-            raise ValueError("--chunk-size/--kv-codec need a --kv-tier or --config")
+            raise ValueError("--chunk-size/--kv-codec need a --kv-tier or --config (or KVTIER_TIERS/KVTIER_CONFIG)")
         return None
     from connector.config import ConnectorConfig, make_config
     from connector.kvtier_connector import KVTierConnector

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceT
 from typing import Any, cast
@@ -12,6 +13,15 @@ from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
+CONNECTOR_ENV = ("KVTIER_CONFIG", "KVTIER_TIERS", "LMCACHE_CONFIG_FILE")
+"""Variables that alone enable the KV connector, as LMCACHE_CONFIG_FILE does for LMCache."""
+
+
+def connector_env(env: Mapping[str, str] | None = None) -> str | None:
+    """Returns the first of CONNECTOR_ENV set (non-empty) in `env` (default os.environ), or None."""
+    env = os.environ if env is None else env
+    return next((v for v in CONNECTOR_ENV if env.get(v)), None)
+
 
 class LLM:
     """A paged engine over one local Llama-family checkpoint (None = the bundled default).
@@ -19,6 +29,9 @@ class LLM:
     Every keyword is an `EngineConfig` field (validated; errors name the key), plus the
     optional `kv_connector`: a connector object, or a connector config (tier URL or list of
     them, mapping, YAML path) built by the installed factory, e.g. `kv_connector=["cpu"]`.
+    Left out (None), the connector is built from the environment when KVTIER_CONFIG,
+    KVTIER_TIERS or LMCACHE_CONFIG_FILE is set (`kv_connector=True` asks for that always);
+    `kv_connector=False` means no connector whatever the environment says.
     """
 
     def __init__(self, model: str | None = None, *, kv_connector: KVConnectorBase | Any = None,
@@ -26,7 +39,9 @@ class LLM:
         if model is not None:
             model = str(model)
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
-        connector, built = resolve_kv_connector(kv_connector)
+        if kv_connector is None and connector_env():
+            kv_connector = True  # the factory reads the environment
+        connector, built = resolve_kv_connector(None if kv_connector is False else kv_connector)
         try:
             self.engine = LLMEngine(self.config, connector)
         except BaseException:
