@@ -39,8 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--port", type=int, default=8000, metavar="N", help="TCP port; 0 picks a free one (default: 8000)")
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help="require Authorization: Bearer KEY on /v1/* (default: $KVTIER_API_KEY, else none)")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="log level (default: info)")
 
 
 def _backends(args: argparse.Namespace) -> tuple[list[tuple[str, str]], bool]:
@@ -61,7 +59,6 @@ def _backends(args: argparse.Namespace) -> tuple[list[tuple[str, str]], bool]:
 
 def run(args: argparse.Namespace) -> int:
     """Serves the router until SIGINT/SIGTERM; returns 0."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level != "debug":  # httpx logs every proxied call at INFO
         logging.getLogger("httpx").setLevel(logging.WARNING)
     pairs, disaggregated = _backends(args)
