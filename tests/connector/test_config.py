@@ -62,3 +62,55 @@ def test_build_connector_passes_instances_through_and_needs_an_engine():
             conn.register_kv_caches([])
     finally:
         conn.shutdown()
+
+
+def test_every_key_has_a_kvtier_variable():
+    from dataclasses import fields
+
+    from connector.blend.config import BlendConfig
+    from connector.config import ALL_SETTINGS
+
+    keys = {s.key for s in ALL_SETTINGS}
+    want = ({f.name for f in fields(KVStoreConfig)} | {f.name for f in fields(ConnectorConfig)} - {"kvstore", "blend"}
+            | {f"blend.{f.name}" for f in fields(BlendConfig)})
+    assert keys == want
+    assert all(s.env == "KVTIER_" + s.key.replace(".", "_").upper() for s in ALL_SETTINGS)
+    env = {"KVTIER_TIERS": "cpu", "KVTIER_SAVE_UNFULL_CHUNK": "false", "KVTIER_MAX_PENDING_STORE_BYTES": "64MiB",
+           "KVTIER_USE_LAYERWISE": "0", "KVTIER_BLEND_ENABLED": "1", "KVTIER_BLEND_RATIO": "0.3",
+           "KVTIER_BLEND_CHECK_LAYER": "2", "KVTIER_BLEND_NARROWING": "8:0.1,12:0.05",
+           "KVTIER_BLEND_SEPARATOR": " || ", "KVTIER_BLEND_SEGMENT_KV": "standalone"}
+    cfg = ConnectorConfig.load(env=env)
+    assert (cfg.save_unfull_chunk, cfg.max_pending_store_bytes, cfg.use_layerwise) == (False, 64 * 2**20, False)
+    b = cfg.blend
+    assert (b.enabled, b.ratio, b.check_layer, b.narrowing, b.separator, b.segment_kv) == (
+        True, 0.3, 2, [(8, 0.1), (12, 0.05)], " || ", "standalone")
+
+
+def test_env_blend_keys_merge_into_the_yaml_section(tmp_path):
+    path = tmp_path / "kv.yaml"
+    path.write_text("tiers: [cpu]\nblend: {enabled: true, ratio: 0.5}\n")
+    cfg = ConnectorConfig.load(path, env={"KVTIER_BLEND_CHECK_LAYER": "3"})
+    assert (cfg.blend.enabled, cfg.blend.ratio, cfg.blend.check_layer) == (True, 0.5, 3)
+    path.write_text("tiers: [cpu]\nblend: true\n")
+    assert ConnectorConfig.load(path, env={"KVTIER_BLEND_RATIO": "0.25"}).blend.ratio == 0.25
+    with pytest.raises(ValueError, match="^KVTIER_BLEND_NARROWING: expected layer:ratio"):
+        ConnectorConfig.load(env={"KVTIER_BLEND_NARROWING": "8"})
+
+
+def test_unknown_key_lists_connector_keys_too():
+    with pytest.raises(ValueError) as info:
+        make_config({"tiers": ["cpu"], "save_unfull_chunks": True})
+    msg = str(info.value)
+    assert msg.startswith("save_unfull_chunks: unknown config key (did you mean save_unfull_chunk?)")
+    for key in ("tiers", "chunk_size", "save_unfull_chunk", "max_pending_store_bytes", "blend", "use_layerwise"):
+        assert key in msg
+
+
+def test_yaml_syntax_error_names_the_file_and_line(tmp_path):
+    path = tmp_path / "kv.yaml"
+    path.write_text("tiers: [cpu]\nchunk_size: 64\nblend: {enabled: true\n")
+    with pytest.raises(ValueError) as info:
+        ConnectorConfig.load(path, env={})
+    assert str(info.value).startswith(f"config: {path}:4:1: YAML syntax error")
+    with pytest.raises(ValueError, match=f"config: {path}:4:1"):
+        ConnectorConfig.load(env={"KVTIER_CONFIG": str(path)})
