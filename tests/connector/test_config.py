@@ -114,3 +114,13 @@ def test_yaml_syntax_error_names_the_file_and_line(tmp_path):
     assert str(info.value).startswith(f"config: {path}:4:1: YAML syntax error")
     with pytest.raises(ValueError, match=f"config: {path}:4:1"):
         ConnectorConfig.load(env={"KVTIER_CONFIG": str(path)})
+
+
+def test_cli_reports_a_yaml_syntax_error_in_one_line(tmp_path, capsys):
+    from kvtier.cli import main
+
+    path = tmp_path / "kv.yaml"
+    path.write_text("tiers: [cpu\n")
+    assert main(["generate", "hello", "--device", "cpu", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"config: {path}:2:1: YAML syntax error" in err and "Traceback" not in err
