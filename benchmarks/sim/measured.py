@@ -33,6 +33,15 @@ class StepFit:
         """Returns the seconds of one step with these amounts of work."""
         return self.scale * (self.a0 + self.b_prefill * prefill_tokens + self.b_decode * decodes + self.k_attn * attn)
 
+    def prefill_s(self, new_tokens: int, cached: int = 0, budget: int = 2048) -> float:
+        """Returns the seconds to prefill `new_tokens` after `cached` ones, alone, `budget` per step."""
+        secs, done = 0.0, cached
+        while done < cached + new_tokens:
+            n = min(budget, cached + new_tokens - done)
+            secs += self.step_s(n, 0, n * (done + n / 2))
+            done += n
+        return secs
+
 
 @dataclass(frozen=True)
 class ShardCapacity:

@@ -63,22 +63,28 @@ class SimResult:
         }
 
 
-def first_chunk_engine(req: Request, chunk_tokens: int, n: int) -> int:
-    """Returns prefix-hash's engine: a stable hash of the prompt's first chunk, mod n."""
+def prefix_hash_order(req: Request, chunk_tokens: int, n: int) -> list[int]:
+    """Returns engine indices in prefix-hash order: rendezvous hashing of the prompt's first
+    chunk (as `kvtier router` does), best first."""
     keys = req.block_keys(chunk_tokens)
-    key = keys[0] if keys else ("u", req.user, 0)
-    return zlib.crc32(repr(key).encode()) % n
+    head = repr(keys[0] if keys else ("u", req.user, 0))
+    return sorted(range(n), key=lambda i: zlib.crc32(f"{head}/{i}".encode()), reverse=True)
 
 
 def route(policy: str, req: Request, engines: list[SimEngine], rr: itertools.count) -> int:
-    """Returns the engine index `policy` sends `req` to."""
+    """Returns the engine index `policy` sends `req` to, ranked as `kvtier router` ranks."""
     if policy == "round-robin":
         return next(rr) % len(engines)
+    order = prefix_hash_order(req, engines[0].cfg.chunk_tokens, len(engines))
     if policy == "prefix-hash":
-        return first_chunk_engine(req, engines[0].cfg.chunk_tokens, len(engines))
-    if policy == "kv-aware":  # longest hit, then the least loaded, then the lowest index
-        scores = [(e.lookup(req)[1], -e.queue_len(), -e.idx) for e in engines]
-        return -max(scores)[2]
+        return order[0]
+    if policy == "kv-aware":  # longest hit, then a hit in the engine's own cache, then load, then prefix-hash
+        rank = {e: r for r, e in enumerate(order)}
+        scores = []
+        for e in engines:
+            own, best = e.lookup(req)
+            scores.append((-best, -own, e.queue_len(), rank[e.idx], e.idx))
+        return min(scores)[-1]
     raise ValueError(f"unknown policy {policy!r} (one of {', '.join(POLICIES)})")
 
 
