@@ -48,9 +48,10 @@ def test_slow_tier_counts_only_accepted_chunks(tmp_path: Path) -> None:
         assert stats[f"1:disk://{tmp_path}/kv"].bytes_stored == 0
 
 
-def test_unreachable_redis_is_one_warning_and_a_miss(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("scheme", ["redis", "kvtier"])
+def test_unreachable_tier_is_one_warning_and_a_miss(caplog: pytest.LogCaptureFixture, scheme: str) -> None:
     caplog.set_level(logging.WARNING, logger="kvtier.kvstore")
-    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    url = f"{scheme}://127.0.0.1:{free_port()}" + ("/0" if scheme == "redis" else "")  # nothing listens there
     cfg = KVStoreConfig(tiers=[TierSpec("cpu"), TierSpec(url, options={"connect_timeout_s": 0.5})],
                         backoff_initial_s=0.01, backoff_max_s=0.02)
     with StorageManager.from_config(cfg) as sm:
