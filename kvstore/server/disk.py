@@ -226,31 +226,30 @@ class DiskSpill:
             self._write_failed(error)
 
     def clear(self) -> None:
-        """Forgets every entry now; the files go with their generation directory, removed
-        in the background (after the writes already queued, which are cancelled)."""
+        """Forgets every entry now and starts a new generation directory (one mkdir here, so
+        a restart after a crash never sees the cleared entries); the old directory is
+        removed in the background, after the writes already queued (which are cancelled)."""
         for read in self._reading.values():
             read.stale = True
         for write in self._writing.values():
             write.cancelled = True
+        paths = [self._path(key) for key in (*self._index, *self._detached)]
         self._reading.clear()
         self._detached.clear()
         self._writing.clear()
         self._index.clear()
         self.bytes_used = 0
-        old = self.dir
+        old, new = self.dir, F.generation_dir(self.root, self.generation + 1)
+        try:
+            new.mkdir(exist_ok=True)
+        except OSError as exc:  # read-only or full: stay, and remove the files one by one
+            self._write_failed(exc)
+            self.worker.submit(lambda: _unlink_all(paths), self._unlinked)
+            return
         self.generation += 1
-        self.dir = new = F.generation_dir(self.root, self.generation)
+        self.dir = new
         janitor = self.janitor
-
-        def switch() -> OSError | None:
-            try:
-                new.mkdir(exist_ok=True)
-            except OSError as exc:
-                return exc  # later writes fail and are dropped; old files are never read again
-            janitor.submit(lambda: F.remove_tree(old))
-            return None
-
-        self.worker.submit(switch, self._unlinked)
+        self.worker.submit(lambda: janitor.submit(partial(F.remove_tree, old)))
 
     def flush(self) -> None:
         """Blocks until every queued file operation is done and its completion has run."""
@@ -286,3 +285,12 @@ def _run_write(job: _Write) -> OSError | None:
     except OSError as exc:
         return exc
     return None
+
+
+def _unlink_all(paths: list[Path]) -> OSError | None:
+    """Worker side of a clear that could not switch directories: returns the first error."""
+    first = None
+    for path in paths:
+        error = F.unlink(path)
+        first = first or error
+    return first

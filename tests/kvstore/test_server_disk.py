@@ -5,31 +5,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import time
-from pathlib import Path
 
 import pytest
 
 from kvstore.server.client import CacheServerClient
-from tests.fixtures.cache_server import CacheServerProcess
+from tests.fixtures.cache_server import CacheServerProcess, live_dir, settled
 
 MIB = 1 << 20
-
-
-def live_dir(root: Path) -> Path:
-    """Returns the spill's live generation directory under `root` (`--disk`)."""
-    [gen] = sorted((p for p in root.iterdir() if p.name.startswith("gen-")), key=lambda p: int(p.name[4:]))[-1:]
-    return gen
-
-
-def settled(c: CacheServerClient, timeout: float = 30.0) -> dict:
-    """Returns STATS once no spill write is pending (the worker thread has caught up)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = c.stats()
-        if stats["spilling_bytes"] == 0 or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.01)
 
 
 def test_spill_within_both_budgets(cache_server_factory: type[CacheServerProcess], tmp_path) -> None:

@@ -1,0 +1,203 @@
+"""The disk spill's I/O runs off the event loop: a stalled disk write, a disk read or a
+CLEAR of thousands of files never stops the server answering other requests, and a GET
+racing a spill gets the right value.
+
+The stalled disk is deterministic: a FIFO planted at the temporary name a spill write
+opens blocks that write until the test reads the FIFO.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import select
+import signal
+import threading
+import time
+from pathlib import Path
+
+from kvstore.server.client import CacheServerClient, ServerUnavailable
+from tests.fixtures.cache_server import CacheServerProcess, live_dir, settled
+
+MIB = 1 << 20
+_TIMEOUT = 5.0  # client timeout: a blocked event loop fails the test instead of hanging it
+
+
+def _plant_fifo(directory: Path, key: bytes) -> Path:
+    """Puts a FIFO where the spill write of `key` opens its temporary file."""
+    fifo = directory / (hashlib.sha256(key).hexdigest() + ".kvs.tmp")
+    os.mkfifo(fifo)
+    return fifo
+
+
+def _drain_fifo(fifo: Path, expect: int, timeout: float = 30.0) -> bytes:
+    """Reads what the stalled write sends through `fifo` (`expect` bytes), releasing it."""
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    data = bytearray()
+    deadline = time.monotonic() + timeout
+    try:
+        while len(data) < expect and time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.1)
+            if ready:
+                data += os.read(fd, 1 << 20)  # b"" before the writer has opened: poll again
+    finally:
+        os.close(fd)
+    return bytes(data)
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_stalled_spill_write_does_not_stall_other_clients(
+    cache_server_factory: type[CacheServerProcess], tmp_path
+) -> None:
+    server = cache_server_factory("--max-bytes", "2MiB", "--disk", str(tmp_path))
+    c = CacheServerClient("127.0.0.1", server.port, timeout=_TIMEOUT)
+    v0, v1 = os.urandom(MIB), os.urandom(MIB)
+    fifo = _plant_fifo(live_dir(tmp_path), b"k0")
+    assert c.put(b"k0", v0)
+    # k1 evicts k0 to disk; its write blocks on the FIFO, so k1 waits for k0's bytes.
+    writer = CacheServerClient("127.0.0.1", server.port, timeout=60)
+    put_k1: list[bool] = []
+    thread = threading.Thread(target=lambda: put_k1.append(writer.put(b"k1", v1)))
+    thread.start()
+    try:
+        assert _wait_for(lambda: c.stats()["waiting_for_memory"] == 1)
+        # The event loop keeps serving everything that does not need the disk.
+        assert c.ping() and c.exists(b"k0") and c.put(b"small", b"s" * 100)
+        assert c.get(b"k0") == v0  # its write is stuck: answered from memory, exactly
+        assert c.get(b"small") == b"s" * 100 and not put_k1
+        stats = c.stats()
+        assert stats["bytes"] + stats["reserved_bytes"] + stats["pinned_bytes"] + stats["spilling_bytes"] <= 2 * MIB
+    finally:
+        written = _drain_fifo(fifo, 20 + 2 + MIB)
+        thread.join(30)
+    assert written.endswith(v0)  # the stalled write was k0's entry, whole
+    assert put_k1 == [True]
+    assert c.get_many([b"k0", b"k1", b"small"]) == [v0, v1, b"s" * 100]
+    stats = settled(c)
+    assert stats["spilling_bytes"] == 0 and stats["reserved_bytes"] == 0 and stats["pinned_bytes"] == 0
+    assert stats["disk_bytes"] == sum(p.stat().st_size for p in live_dir(tmp_path).iterdir() if p.is_file())
+    assert server.stop() == 0
+    c.close()
+    writer.close()
+
+
+def test_clear_answers_at_once_and_removes_files_in_the_background(
+    cache_server_factory: type[CacheServerProcess], tmp_path
+) -> None:
+    server = cache_server_factory("--max-bytes", "1MiB", "--disk", str(tmp_path), "--max-disk-bytes", "256MiB")
+    c = CacheServerClient("127.0.0.1", server.port, timeout=_TIMEOUT)
+    values = [(f"old{i}".encode(), os.urandom(4096)) for i in range(3000)]
+    assert all(c.put_many(values))
+    stats = settled(c)
+    old = live_dir(tmp_path)
+    n_files = len(list(old.iterdir()))
+    assert n_files == stats["disk_entries"] > 2500
+    # Stall the disk worker: k's spill write blocks on a FIFO until the test reads it.
+    fifo = _plant_fifo(old, b"k")
+    blob = os.urandom(600 << 10)
+    assert c.put(b"k", blob)
+    writer = CacheServerClient("127.0.0.1", server.port, timeout=60)
+    thread = threading.Thread(target=lambda: writer.put(b"k2", blob))  # evicts k: the write stalls
+    thread.start()
+    try:
+        assert _wait_for(lambda: c.stats()["waiting_for_memory"] == 1)
+        c.clear()  # answered although the disk worker is stuck and thousands of files remain
+        assert c.ping() and c.get(values[0][0]) is None and not c.exists(values[-1][0])
+        stats = c.stats()
+        assert stats["disk_entries"] == 0 and stats["disk_bytes"] == 0
+        assert len(list(old.iterdir())) >= n_files  # nothing removed yet: the loop did not wait
+        assert live_dir(tmp_path) != old  # a new generation is live
+        assert c.put(b"new", b"n" * 10) and c.get(b"new") == b"n" * 10
+    finally:
+        _drain_fifo(fifo, 20 + 1 + len(blob))
+        thread.join(30)
+    assert _wait_for(lambda: not old.exists(), timeout=60)  # removed in the background
+    assert c.get(values[1][0]) is None and c.get(b"new") == b"n" * 10
+    assert c.prefix_hits([k for k, _ in values[:10]]) == 0
+    c.close()
+    writer.close()
+
+
+def test_a_crash_after_clear_never_brings_cleared_entries_back(
+    cache_server_factory: type[CacheServerProcess], tmp_path
+) -> None:
+    server = cache_server_factory("--max-bytes", "1MiB", "--disk", str(tmp_path), "--max-disk-bytes", "64MiB")
+    c = CacheServerClient("127.0.0.1", server.port, timeout=_TIMEOUT)
+    values = [(f"old{i}".encode(), os.urandom(4096)) for i in range(1000)]
+    assert all(c.put_many(values))
+    n_files = settled(c)["disk_entries"]
+    old = live_dir(tmp_path)
+    fifo = _plant_fifo(old, b"k")  # the worker stalls, so the old generation is still whole
+    assert c.put(b"k", os.urandom(600 << 10))
+    fresh = CacheServerClient("127.0.0.1", server.port, timeout=_TIMEOUT)
+
+    def put_k2() -> None:  # evicts k: its write stalls; the server is killed under it
+        try:
+            c.put(b"k2", os.urandom(600 << 10))
+        except ServerUnavailable:
+            pass
+
+    threading.Thread(target=put_k2, daemon=True).start()
+    assert _wait_for(lambda: fresh.stats()["waiting_for_memory"] == 1)
+    fresh.clear()
+    assert len(list(old.iterdir())) > n_files > 500  # the files are still there when it dies
+    server.stop(signal.SIGKILL)
+    server.start()
+    assert fresh.prefix_hits([k for k, _ in values]) == 0 and fresh.get(values[0][0]) is None
+    assert _wait_for(lambda: not old.exists(), timeout=60)  # the restart removes what CLEAR left
+    assert not fifo.exists()
+    c.close()
+    fresh.close()
+
+
+def test_gets_racing_spills_get_the_right_value(cache_server_factory: type[CacheServerProcess], tmp_path) -> None:
+    """Clients PUT and GET over a small memory budget, so entries keep moving to disk (and
+    back) while others read them: a GET answers the stored value or, rarely, a miss."""
+    server = cache_server_factory("--max-bytes", "4MiB", "--disk", str(tmp_path), "--max-disk-bytes", "512MiB")
+    keys = [f"key{i}".encode() for i in range(48)]
+    value = {k: hashlib.sha256(k).digest() * (2048 + 512 * i) for i, k in enumerate(keys)}  # 64..~800 KiB
+    errors: list[str] = []
+    hits = [0]
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        c = CacheServerClient("127.0.0.1", server.port, timeout=30)
+        try:
+            for _ in range(150):
+                key = rng.choice(keys)
+                if rng.random() < 0.4:
+                    if not c.put(key, value[key]):
+                        errors.append(f"put {key!r} refused")
+                else:
+                    got = c.get(key)
+                    if got is not None:
+                        hits[0] += 1
+                        if got != value[key]:
+                            errors.append(f"wrong value for {key!r}")
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=client, args=(seed,)) for seed in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == [] and hits[0] > 100
+    c = CacheServerClient("127.0.0.1", server.port, timeout=30)
+    stored = [k for k in keys if c.exists(k)]
+    assert stored and c.get_many(stored) == [value[k] for k in stored]  # all on disk or in memory, exact
+    stats = settled(c)
+    assert stats["reserved_bytes"] == 0 and stats["pinned_bytes"] == 0 and stats["spilling_bytes"] == 0
+    assert stats["disk_corrupt"] == 0
+    c.close()
