@@ -26,11 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a `kvtier serve --kv-role consumer` URL (repeatable; needs --prefill)")
     g.add_argument("--policy", default="kv-aware", choices=POLICIES,
                    help="how a backend is picked per request (default: kv-aware)")
-    g.add_argument("--lookup-timeout", type=float, default=0.5, metavar="S",
+    g.add_argument("--lookup-timeout", type=float, default=0.5, metavar="SECONDS",
                    help="kv-aware: seconds to wait for each backend's /kv/lookup; late = no hit (default: 0.5)")
-    g.add_argument("--health-interval", type=float, default=1.0, metavar="S",
+    g.add_argument("--health-interval", type=float, default=1.0, metavar="SECONDS",
                    help="seconds between health checks of each backend (default: 1.0)")
-    g.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+    g.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="seconds a backend may take to answer or between stream chunks (default: 600)")
     g.add_argument("--backend-api-key", default=None, metavar="KEY",
                    help="API key sent to the backends (default: forward the client's Authorization header)")
