@@ -17,11 +17,13 @@ class RequestKVMetrics:
     request_id: str
     num_prompt_tokens: int = 0
     engine_hit_tokens: int = 0  # held by the engine's own prefix cache at admission
-    connector_hit_tokens: int = 0  # loaded from a tier instead of computed
+    # Loaded from a tier instead of computed (CacheBlend: the segments fetched; segments it
+    # computes, cold or promised exact, are not counted, and neither is their compute time).
+    connector_hit_tokens: int = 0
     load_error_tokens: int = 0  # promised at lookup, not loaded (gone or bad at fetch): computed
     bytes_loaded: int = 0
-    load_seconds: float = 0.0  # fetch from the tiers + scatter into the paged cache (background)
-    stored_tokens: int = 0  # tokens of chunks handed to the tiers
+    load_seconds: float = 0.0  # fetch from the tiers + scatter into the paged cache (CacheBlend: + re-rotation)
+    stored_tokens: int = 0  # tokens of chunks put into the tiers (counted once the put ran)
     bytes_stored: int = 0
     dropped_store_bytes: int = 0  # over the pending-store budget: not stored, not waited for
 

@@ -21,6 +21,9 @@ is blended; any other request takes the plain prefix path of `KVTierConnector`.
   is its standalone K/V, which is exact; and, in context, the segments after it that no tier
   held at admission, computed in this prompt over exact K/V: a cold prompt is cached whole),
   and blended requests are never stored as prefix chunks.
+- Metrics: only segments fetched from a tier count as loaded (`connector_hit_tokens`, bytes,
+  load time: fetch, re-rotation, scatter) and as the request's `num_cached_tokens` (with the
+  engine's hit); computed segments and the recompute do not. Segment stores count as stored.
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ class _BlendJob:
     exact_end: int = 0
     token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    # The request, so the blend can report how many of its tokens were loaded rather than
+    # computed (`num_cached_tokens`): known only once its segments are fetched.
+    seq: Sequence | None = None
 
 
 @dataclass
@@ -145,9 +151,9 @@ class BlendConnector(KVTierConnector):
         if num_external_tokens <= 0:
             return
         job.end = min(job.end, job.start + num_external_tokens)
+        job.seq = seq
         self._to_blend[seq.request_id] = job
         self._blended.add(seq.request_id)
-        self.metrics.add(seq.request_id, connector_hit_tokens=job.end - job.start)
         job.exact_end = min(self._exact_end(seq, job), job.end)
         # Only the exact part may be shared through the engine's prefix cache.
         seq.max_cacheable_tokens = max(job.start, job.exact_end // self.block_size * self.block_size)
@@ -212,6 +218,10 @@ class BlendConnector(KVTierConnector):
                 self._run_blend(job)
 
     def _run_blend(self, job: _BlendJob) -> None:
+        """Fills positions [job.start, job.end): segments a tier holds are loaded (fetched,
+        re-rotated, scattered), the others computed; then the selective recompute. Only
+        loaded segments count as loaded tokens and load time, and as the request's cached
+        tokens; computing and recomputing are not loading."""
         if self.model is None:
             raise RuntimeError("BlendConnector needs the model module (register_model_module)")
         t0 = time.perf_counter()
@@ -219,7 +229,10 @@ class BlendConnector(KVTierConnector):
         inv_freq = self.model.model.rotary.inv_freq
         b = self.blend
         missing = torch.zeros(job.end - job.start, dtype=torch.bool, device=dev)
-        pieces, piece_slots, to_store = [], [], []
+        loaded: list[tuple[torch.Tensor, torch.Tensor]] = []  # (slots, K/V) fetched from a tier
+        computed: list[tuple[torch.Tensor, torch.Tensor]] = []  # standalone, computed here
+        to_store = []
+        load_s = 0.0
         for seg in job.segments:
             lo, hi = max(seg.start, job.start), min(seg.end, job.end)
             if lo >= hi:
@@ -228,25 +241,32 @@ class BlendConnector(KVTierConnector):
             # At position 0 a segment's K/V is its standalone K/V, exact, whichever way computed.
             mode = "standalone" if seg.start == 0 else b.segment_kv
             spans = self._segment_spans(tokens, mode)
+            t_fetch = time.perf_counter()
             if seg.start > 0 and seg.end <= job.exact_end:  # promised exact: computed here
                 kv, ok = None, [False] * len(spans)
             else:
                 kv, ok = self._fetch_segment(spans)
-            if kv is None:
-                self.stats.segment_misses += 1
-                if b.segment_kv == "in_context":  # recomputed below, inside this prompt
-                    missing[lo - job.start:hi - job.start] = True
-                    to_store.append((seg, [sp for sp, good in zip(spans, ok) if not good and seg.start + sp[1] <= hi]))
-                    continue
-                kv = compute_segment_kv(self.model, tokens).to(self.kv_caches[0].dtype)
-                self._store_segment(job.request_id, [(k, kv[:, :, s:e].contiguous())
-                                                     for (s, e, k), good in zip(spans, ok) if not good])
-            else:
+            slots = slots_for(job.block_ids, self.block_size, lo, hi, device=dev)
+            if kv is not None:
                 self.stats.segment_hits += 1
-            pieces.append(rerotate_kv(kv[:, :, lo - seg.start: hi - seg.start].to(dev), seg.start, inv_freq))
-            piece_slots.append(slots_for(job.block_ids, self.block_size, lo, hi, device=dev))
-        if pieces:
-            scatter_chunk(self.kv_caches, torch.cat(piece_slots), torch.cat(pieces, dim=2))
+                loaded.append((slots, rerotate_kv(kv[:, :, lo - seg.start: hi - seg.start].to(dev), seg.start,
+                                                  inv_freq)))
+                load_s += time.perf_counter() - t_fetch
+                continue
+            self.stats.segment_misses += 1
+            if b.segment_kv == "in_context":  # recomputed below, inside this prompt
+                missing[lo - job.start:hi - job.start] = True
+                to_store.append((seg, [sp for sp, good in zip(spans, ok) if not good and seg.start + sp[1] <= hi]))
+                continue
+            kv = compute_segment_kv(self.model, tokens).to(self.kv_caches[0].dtype)
+            self._store_segment(job.request_id, [(k, kv[:, :, s:e].contiguous())
+                                                 for (s, e, k), good in zip(spans, ok) if not good])
+            computed.append((slots, rerotate_kv(kv[:, :, lo - seg.start: hi - seg.start], seg.start, inv_freq)))
+        if loaded:
+            t_scatter = time.perf_counter()
+            self._scatter(loaded)
+            load_s += time.perf_counter() - t_scatter
+        self._scatter(computed)
         recomputed = blend_recompute(self.model, self.kv_caches, job.block_ids, self.block_size,
                                      job.token_ids[job.start:job.end], job.start, job.end,
                                      b.ratio, b.check_layer, b.narrowing, missing=missing)
@@ -260,16 +280,29 @@ class BlendConnector(KVTierConnector):
         s.blended_tokens += job.end - job.start
         s.recomputed_tokens += recomputed
         s.blend_seconds += time.perf_counter() - t0
-        # load_seconds of a blend: fetch (or compute), re-rotation, scatter, recompute, store.
-        loaded = sum(p.numel() * p.element_size() for p in pieces)
-        self.metrics.add(job.request_id, load_seconds=time.perf_counter() - t0, bytes_loaded=loaded)
+        num_loaded = sum(slots.numel() for slots, _ in loaded)
+        self.metrics.add(job.request_id, connector_hit_tokens=num_loaded, load_seconds=load_s,
+                         bytes_loaded=sum(kv.numel() * kv.element_size() for _, kv in loaded))
+        if job.seq is not None:
+            # The scheduler counted the whole blend as cached at admission; only the engine's
+            # hit and the loaded segments were (what vLLM's num_cached_tokens means).
+            job.seq.num_cached_tokens = job.start + num_loaded
+
+    def _scatter(self, pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Writes (slots, K/V) pieces into the paged cache in one scatter."""
+        if pieces:
+            slots, kvs = zip(*pieces)
+            scatter_chunk(self.kv_caches, torch.cat(slots), torch.cat(kvs, dim=2))
 
     def _store_segment(self, request_id: str, items: list[tuple[str, torch.Tensor]]) -> None:
         """Queues a segment's chunks (fresh tensors) on the background store queue that prefix
-        stores use; a refused store is counted, never waited for."""
+        stores use; once put they count as the request's stored tokens; a refused store is
+        counted, never waited for."""
         nbytes = sum(kv.numel() * kv.element_size() for _, kv in items)
+        ntokens = sum(kv.shape[2] for _, kv in items)
+        done = functools.partial(self.metrics.add, request_id, stored_tokens=ntokens, bytes_stored=nbytes)
         dropped = functools.partial(self.metrics.add, request_id, dropped_store_bytes=nbytes)
-        if items and not self._queue().submit(items, on_drop=dropped):
+        if items and not self._queue().submit(items, done, dropped):
             dropped()
 
     def stored_segment(self, token_ids: list[int], segment_kv: str | None = None) -> torch.Tensor | None:

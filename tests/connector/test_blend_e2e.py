@@ -141,9 +141,10 @@ def test_ratio_one_gives_full_prefill_tokens(default_model_path, segments, refer
     assert tokens(out) == reference
     st = conn.blend_stats()
     assert st["requests"] == 1 and st["recomputed_tokens"] == st["blended_tokens"] > 0
-    assert out.num_cached_tokens == st["blended_tokens"]  # the engine computed only the query
+    # Cold: the connector computed every segment inside the prompt; nothing was cached or loaded.
+    assert out.num_cached_tokens == 0
     m = conn.request_metrics(out.request_id)
-    assert m is not None and m.connector_hit_tokens == st["blended_tokens"] and m.load_seconds > 0
+    assert (m.connector_hit_tokens, m.bytes_loaded, m.load_seconds) == (0, 0, 0.0)
     assert_idle(llm, conn)
 
 
@@ -164,6 +165,37 @@ def test_ratio_zero_gives_full_reuse_tokens(default_model_path, segments, hf_def
     out = tokens(llm.generate([prompt(segments)], GREEDY)[0])
     assert conn.blend_stats()["recomputed_tokens"] == 0
     assert out == hf_full_reuse(hf_default_model, segments, GREEDY.max_tokens)
+    assert_idle(llm, conn)
+
+
+def test_metrics_count_only_the_segments_loaded(default_model_path, segments):
+    """Tokens a blend computes (cold segments, in the prompt or standalone) are neither cached
+    nor loaded, and computing is not load time; loaded segments are, with their bytes."""
+    llm, conn = blend_llm(default_model_path, 0.15, enable_prefix_caching=False)
+    lens = prompt(segments)["segment_lens"]
+    context = sum(lens[:-1])
+    cold = llm.generate([prompt(segments, (0, 1, 2))], GREEDY)[0]
+    m = conn.request_metrics(cold.request_id)
+    assert cold.num_cached_tokens == 0 and (m.connector_hit_tokens, m.bytes_loaded, m.load_seconds) == (0, 0, 0.0)
+    assert conn.flush(timeout=60)
+    assert conn.request_metrics(cold.request_id).stored_tokens == context  # every segment, as computed
+
+    warm = llm.generate([prompt(segments, (2, 0, 1))], GREEDY)[0]
+    m = conn.request_metrics(warm.request_id)
+    assert warm.num_cached_tokens == m.connector_hit_tokens == context
+    assert m.bytes_loaded == context * conn._bytes_per_token and m.load_seconds > 0
+
+    # A new document right after the system prompt is computed in context; the rest is loaded.
+    new_doc = llm.get_tokenizer().encode(f"Document: {PARAGRAPHS[3]}\n")
+    parts = [segments["system"], new_doc, segments["docs"][2], segments["docs"][0], segments["query"]]
+    mixed = llm.generate([{"prompt_token_ids": [t for p in parts for t in p],
+                           "segment_lens": [len(p) for p in parts]}], GREEDY)[0]
+    m = conn.request_metrics(mixed.request_id)
+    loaded = len(segments["system"]) + len(segments["docs"][2]) + len(segments["docs"][0])
+    assert mixed.num_cached_tokens == m.connector_hit_tokens == loaded
+    assert m.bytes_loaded == loaded * conn._bytes_per_token
+    assert conn.flush(timeout=60)
+    assert conn.request_metrics(mixed.request_id).stored_tokens == len(new_doc)
     assert_idle(llm, conn)
 
 
@@ -196,7 +228,7 @@ def test_segments_hit_in_any_order_and_missing_ones_are_computed(default_model_p
     st = conn.blend_stats()
     assert (st["segment_hits"], st["segment_misses"]) == (0, 4)
     context = sum(prompt(segments)["segment_lens"][:-1])
-    assert first.num_cached_tokens == context
+    assert first.num_cached_tokens == 0  # computed, not cached
     assert tokens(first) == reference  # computed inside the prompt: a full prefill
     # ... so all of its context is exact and enters the engine's prefix cache: a repeat hits
     # it there (every full block), and blends nothing but the partial last block.
