@@ -3,8 +3,11 @@ own `/health` and `/metrics`."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import secrets
+from collections.abc import Awaitable
 from typing import Any
 
 import httpx
@@ -37,11 +40,17 @@ def build_app(proxy: Proxy, pool: BackendPool, metrics: RouterMetrics, disaggreg
                               "authentication_error")
 
     async def read_json(request: Request) -> dict[str, Any] | Response:
+        too_big = error_response(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error")
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return error_response(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error")
+            return too_big
+        data = bytearray()
+        async for part in request.stream():  # counted as it arrives: a chunked body has no length
+            data += part
+            if len(data) > MAX_BODY_BYTES:
+                return too_big
         try:
-            body = json.loads(await request.body())
+            body = json.loads(data)
         except (ValueError, UnicodeDecodeError):
             return error_response(400, "the request body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
@@ -56,9 +65,8 @@ def build_app(proxy: Proxy, pool: BackendPool, metrics: RouterMetrics, disaggreg
         if isinstance(body, Response):
             return body
         headers = dict(request.headers)
-        if disaggregated:
-            return await prefill_then_decode(proxy, path, body, headers)
-        return await proxy.forward(path, body, headers)
+        work = prefill_then_decode(proxy, path, body, headers) if disaggregated else proxy.forward(path, body, headers)
+        return await unless_disconnected(request, work)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -98,3 +106,25 @@ def build_app(proxy: Proxy, pool: BackendPool, metrics: RouterMetrics, disaggreg
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """Returns `work`'s response; if the client hangs up first, cancels it (closing the
+    backend call, so the backend aborts the request) and returns a 499 nobody reads."""
+    task = asyncio.ensure_future(work)
+
+    async def hang_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(hang_up())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return error_response(499, "client disconnected", "client_disconnected")

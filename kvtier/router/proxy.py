@@ -100,6 +100,7 @@ class Proxy:
                 return self._fail(backend, "timeout", exc, down=isinstance(exc, httpx.ConnectTimeout))
             except httpx.HTTPError as exc:
                 return self._fail(backend, "connect", exc, down=True)
+            streaming = False
             try:
                 if resp.status_code != 200 or not stream:
                     data = await resp.aread()
@@ -113,9 +114,12 @@ class Proxy:
                     return out
                 chunks = resp.aiter_raw()
                 first = await chunks.__anext__()  # a backend dying before its first byte: next one
+                streaming = True
             except (httpx.HTTPError, StopAsyncIteration) as exc:
-                await resp.aclose()
                 return self._fail(backend, "connect", exc, down=True)
+            finally:
+                if not streaming:
+                    await resp.aclose()  # also when cancelled (the client hung up): the backend aborts
             handed_off = True
             return StreamingResponse(self._relay(backend, resp, first, chunks), media_type="text/event-stream")
         finally:

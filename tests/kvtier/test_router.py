@@ -122,6 +122,35 @@ def test_round_robin_and_prefix_hash_routers_serve_the_same_answers(cluster) -> 
         assert sorted(counts) == ([1.0, 1.0] if policy == "round-robin" else [0.0, 2.0])
 
 
+def _aborts(url: str) -> float:
+    key = ("kvtier:request_success_total", (("finished_reason", "abort"), ("model_name", NAME)))
+    return _metrics(url).get(key, 0.0)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_hanging_up_aborts_the_request_on_its_backend(cluster, stream: bool) -> None:
+    _, servers, router = cluster
+    before = sum(_aborts(s.url) for s in servers)
+    body = {"prompt": _prompt(f"hangup-{stream}"), "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    with httpx.Client(base_url=router.url, timeout=60) as c:
+        if stream:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                for n, _ in enumerate(r.iter_lines()):
+                    if n >= 4:
+                        break  # leaving the block closes the connection mid-stream
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                c.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=3.0))
+    for _ in range(300):  # bounded: 30 s
+        if sum(_aborts(s.url) for s in servers) > before:
+            break
+        time.sleep(0.1)
+    assert sum(_aborts(s.url) for s in servers) == before + 1
+    running = [_metrics(s.url)[("kvtier:num_requests_running", (("model_name", NAME),))] for s in servers]
+    assert running == [0.0, 0.0]
+
+
 def test_a_backend_killed_mid_request_is_routed_around(cluster) -> None:
     """Runs last of the cluster tests: it kills one instance."""
     _, servers, router = cluster
