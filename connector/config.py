@@ -14,6 +14,7 @@ Every key has a `KVTIER_*` variable (`ALL_SETTINGS`, listed in docs/configuratio
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ CONNECTOR_SETTINGS: tuple[Setting, ...] = (
 )
 ALL_SETTINGS: tuple[Setting, ...] = KVSTORE_SETTINGS + CONNECTOR_SETTINGS + BLEND_SETTINGS
 """Every config key, one row each (kvstore's, the connector's, CacheBlend's)."""
+
+logger = logging.getLogger("kvtier.connector")
 
 CONFIG_ENV = ("KVTIER_CONFIG", "LMCACHE_CONFIG_FILE")
 """Variables naming the config file, first one set wins (LMCache's name reads an LMCache YAML)."""
@@ -121,6 +124,10 @@ class ConnectorConfig:
         else defaults; kvtier's or LMCache's keys) with every `KVTIER_*` variable in `env`
         applied on top."""
         env = os.environ if env is None else env
+        unread = sorted(v for v in env if v.startswith("LMCACHE_") and v not in CONFIG_ENV)
+        if unread:  # LMCache's env-only configuration: say so rather than ignore it silently
+            logger.warning("%s not read by kvtier (only LMCACHE_CONFIG_FILE is); use the KVTIER_* variables, "
+                           "see docs/configuration.md", ", ".join(unread))
         path = path or next((env[v] for v in CONFIG_ENV if env.get(v)), None)
         data: Any = {}
         if path:

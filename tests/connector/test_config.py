@@ -124,3 +124,13 @@ def test_cli_reports_a_yaml_syntax_error_in_one_line(tmp_path, capsys):
     assert main(["generate", "hello", "--device", "cpu", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"config: {path}:2:1: YAML syntax error" in err and "Traceback" not in err
+
+
+def test_lmcache_env_variables_other_than_the_config_file_are_one_warning(caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="kvtier.connector")
+    cfg = ConnectorConfig.load(env={"LMCACHE_CHUNK_SIZE": "64", "LMCACHE_LOCAL_CPU": "True"})
+    assert cfg.chunk_size == 256
+    assert caplog.messages == ["LMCACHE_CHUNK_SIZE, LMCACHE_LOCAL_CPU not read by kvtier (only LMCACHE_CONFIG_FILE "
+                               "is); use the KVTIER_* variables, see docs/configuration.md"]
