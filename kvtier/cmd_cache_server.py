@@ -10,6 +10,7 @@ import sys
 import tempfile
 
 from kvstore import sizes
+from kvstore.server.protocol import DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_FRAME_TIMEOUT_S
 
 HELP = "run the standalone KV cache server that engines on one or many machines share"
 
@@ -78,9 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-payload", default="512MiB", metavar="SIZE", help="largest payload one frame may carry")
     parser.add_argument("--idle-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="close connections that send nothing for this long")
-    parser.add_argument("--frame-timeout", type=float, default=30.0, metavar="SECONDS",
+    parser.add_argument("--frame-timeout", type=float, default=DEFAULT_FRAME_TIMEOUT_S, metavar="SECONDS",
                         help="each request frame must arrive whole, and each reply piece be read, "
-                             "within this long (also the TLS handshake limit)")
+                             "within this long; also the TLS handshake limit and the longest a body waits "
+                             f"for memory or a GET for the disk (kvtier clients wait {DEFAULT_CLIENT_TIMEOUT_S:g} s)")
     parser.add_argument("--max-connections", type=int, default=256, metavar="N",
                         help="connections served at once; more are refused with TOO_MANY_CONNECTIONS")
     parser.add_argument("--tls-cert", default=None, metavar="FILE",

@@ -183,7 +183,7 @@ class CacheServerClient:
         *,
         auth_token: str | None = None,
         connect_timeout: float = 2.0,
-        timeout: float = 10.0,
+        timeout: float = P.DEFAULT_CLIENT_TIMEOUT_S,
         pool_size: int = 8,
         tls: ssl.SSLContext | None = None,
     ) -> None:

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import socket
 from collections import deque
+from functools import partial
 from typing import TYPE_CHECKING
 
 from kvstore.server import protocol as P
@@ -67,7 +68,11 @@ class Connection(asyncio.BufferedProtocol):
         # When the frame being received began (None: between frames); its deadline.
         self.frame_start: float | None = None
         self.waiting = False  # the next frame waits for memory (reading paused)
-        self.loading = False  # a GET waits for its value to be read from disk (reading paused)
+        # Set while a GET waits for its value to be read from disk (reading paused): a token
+        # that the read's completion must match (a GET answered at its deadline has none).
+        self.loading: object | None = None
+        self.loading_since = 0.0
+        self.loading_rid = 0
         # Reply pieces not yet handed to the transport: (bytes, the stored value they are
         # part of, pinned in the store, or None for a copied piece).
         self.out: deque[tuple[P.Buffer, P.Buffer | None]] = deque()
@@ -198,9 +203,17 @@ class Connection(asyncio.BufferedProtocol):
             self.fail(Status.BUSY, request_id, "server memory is held by other bodies in flight and "
                        f"replies being sent; waited {cfg.frame_timeout:g} s, retry later")
             return
+        if self.loading is not None and now - self.loading_since > cfg.frame_timeout:
+            # The disk is too slow: a miss now beats a client left waiting (its read goes on).
+            self.server.disk_read_timeouts += 1
+            log.warning("a disk spill read took over %g s: answered as a miss", cfg.frame_timeout)
+            self.loading = None
+            self.reply(Status.NOT_FOUND, self.loading_rid)
+            self._parse_scratch()
+            return
         if now - self.last_active >= cfg.idle_timeout:
             reason = "idle"
-        elif (self.frame_start is not None and not self.waiting and not self.loading and not self._backlogged()
+        elif (self.frame_start is not None and not self.waiting and self.loading is None and not self._backlogged()
               and now - self.frame_start > cfg.frame_timeout):
             reason = f"a frame not received whole within {cfg.frame_timeout:g} s"
         elif (self.out or self.write_blocked) and now - self.send_progress > cfg.frame_timeout:
@@ -223,7 +236,7 @@ class Connection(asyncio.BufferedProtocol):
         return len(self.out) >= _OUT_MAX_ITEMS or self.out_copied >= _SCRATCH
 
     def _update_reading(self) -> None:
-        want_paused = self.waiting or self.loading or self._backlogged()
+        want_paused = self.waiting or self.loading is not None or self._backlogged()
         if want_paused != self.reading_paused and self.transport is not None and not self.closing:
             self.reading_paused = want_paused
             if want_paused:
@@ -234,7 +247,7 @@ class Connection(asyncio.BufferedProtocol):
     def _parse_scratch(self) -> None:
         buf, view, pos, end = self.scratch, self.scratch_view, 0, self.scratch_len
         framed = False
-        while (not self.closing and not self.waiting and not self.loading and not self._backlogged()
+        while (not self.closing and not self.waiting and self.loading is None and not self._backlogged()
                and end - pos >= P.HEADER_SIZE):
             limit = self.server.max_payload if self.authed else _SCRATCH  # AUTH may precede
             try:
@@ -324,9 +337,20 @@ class Connection(asyncio.BufferedProtocol):
             self.store.pin(key, value)
             self.reply(Status.OK, request_id, value, pinned=True)
 
-    def loaded(self, request_id: int, key: bytes, value: P.Buffer | None) -> None:
-        """Answers the GET that waited for a disk read, then goes on with later requests."""
-        self.loading = False
+    def get_from_disk(self, request_id: int, key: bytes) -> None:
+        """Answers a GET whose value is not in memory: parks this connection while the
+        value is read from the disk spill (no later request runs before it is answered,
+        within --frame-timeout), or answers NOT_FOUND now."""
+        token = object()
+        if self.store.load(key, partial(self._loaded, token, request_id, key)):
+            self.loading, self.loading_since, self.loading_rid = token, self.loop.time(), request_id
+        else:
+            self.reply(Status.NOT_FOUND, request_id)
+
+    def _loaded(self, token: object, request_id: int, key: bytes, value: P.Buffer | None) -> None:
+        if self.loading is not token:
+            return  # answered at its deadline, or the connection is gone
+        self.loading = None
         if self.closing:
             return
         if value is None:

@@ -8,7 +8,6 @@ until the value is read.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import TYPE_CHECKING
 
 from kvstore.server import protocol as P
@@ -38,10 +37,8 @@ def dispatch(conn: Connection, h: P.Header, key: bytes, payload: memoryview, res
         value = store.get(key)
         if value is not None:
             conn.send_value(rid, key, value)
-        elif store.load(key, partial(conn.loaded, rid, key)):
-            conn.loading = True  # answered by conn.loaded, from the spill's completion
         else:
-            conn.reply(Status.NOT_FOUND, rid)
+            conn.get_from_disk(rid, key)
     elif code == Op.EXISTS:
         conn.reply(Status.OK if store.contains(key) else Status.NOT_FOUND, rid)
     elif code == Op.PREFIX_HITS:

@@ -39,7 +39,7 @@ class ServerConfig:
     idle_timeout: float = 300.0  # a connection that sends nothing for this long is closed
     # Every frame must arrive whole (header and body) within this many seconds of its first
     # byte, and every reply piece must drain within it; also the TLS handshake's limit.
-    frame_timeout: float = 30.0
+    frame_timeout: float = P.DEFAULT_FRAME_TIMEOUT_S
     max_connections: int = 256
     tls_cert: str | None = None  # PEM certificate chain; with tls_key, clients must use TLS
     tls_key: str | None = None
@@ -92,6 +92,7 @@ class CacheServer:
         self.refused_connections = 0
         self.frame_timeouts = 0
         self.busy_refusals = 0
+        self.disk_read_timeouts = 0  # GETs answered as misses because the disk read was too slow
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self._wake_scheduled = False
@@ -181,6 +182,7 @@ class CacheServer:
         stats["refused_connections"] = self.refused_connections
         stats["frame_timeouts"] = self.frame_timeouts
         stats["busy_refusals"] = self.busy_refusals
+        stats["disk_read_timeouts"] = self.disk_read_timeouts
         stats["waiting_for_memory"] = len(self.waiting)
         stats["heap_trims"] = self.heap.trims
         return json.dumps(stats).encode()

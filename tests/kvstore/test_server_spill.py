@@ -8,6 +8,7 @@ opens blocks that write until the test reads the FIFO.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import random
@@ -17,7 +18,9 @@ import threading
 import time
 from pathlib import Path
 
+from kvstore.server import protocol as P
 from kvstore.server.client import CacheServerClient, ServerUnavailable
+from kvstore.server.server import ServerConfig
 from tests.fixtures.cache_server import CacheServerProcess, live_dir, settled
 
 MIB = 1 << 20
@@ -196,8 +199,48 @@ def test_gets_racing_spills_get_the_right_value(cache_server_factory: type[Cache
     assert errors == [] and hits[0] > 100
     c = CacheServerClient("127.0.0.1", server.port, timeout=30)
     stored = [k for k in keys if c.exists(k)]
-    assert stored and c.get_many(stored) == [value[k] for k in stored]  # all on disk or in memory, exact
+    # One at a time: a pipelined GET may miss while earlier replies hold the memory its disk read needs.
+    assert stored and [c.get(k) for k in stored] == [value[k] for k in stored]  # in memory or on disk, exact
     stats = settled(c)
     assert stats["reserved_bytes"] == 0 and stats["pinned_bytes"] == 0 and stats["spilling_bytes"] == 0
     assert stats["disk_corrupt"] == 0
     c.close()
+
+
+def test_the_server_answers_before_its_clients_give_up(
+    cache_server_factory: type[CacheServerProcess], tmp_path
+) -> None:
+    """Waiting on the disk is bounded by --frame-timeout: a body waiting for memory that a
+    stalled spill holds is answered BUSY, a GET waiting for the disk a miss, both before a
+    client whose timeout is the frame timeout + 5 s (the defaults' relation) gives up."""
+    frame_timeout = 1.0
+    server = cache_server_factory("--max-bytes", "2MiB", "--disk", str(tmp_path),
+                                  "--frame-timeout", str(frame_timeout))
+    timeout = frame_timeout + (P.DEFAULT_CLIENT_TIMEOUT_S - P.DEFAULT_FRAME_TIMEOUT_S)
+    c = CacheServerClient("127.0.0.1", server.port, timeout=timeout)
+    vd, v0 = os.urandom(MIB), os.urandom(MIB)
+    assert c.put(b"d", vd) and c.put(b"k0", v0)  # d spills to disk
+    settled(c)
+    fifo = _plant_fifo(live_dir(tmp_path), b"k0")
+    try:
+        assert not c.put(b"k1", os.urandom(MIB))  # k0's write stalls: BUSY after the frame timeout
+        assert c.get(b"d") is None  # needs memory that the stalled write holds: a miss, in time
+        stats = c.stats()
+        assert stats["busy_refusals"] == 1 and stats["disk_read_timeouts"] == 1
+    finally:
+        _drain_fifo(fifo, 20 + 2 + MIB)
+    assert c.get(b"d") == vd  # once the disk moves, its read completes
+    # k0's bytes went into the test's FIFO, which the write then renamed into place: reads
+    # refuse what is not a regular file, so it is a miss, never wrong bytes.
+    assert c.get(b"k0") is None and c.stats()["disk_corrupt"] == 1
+    c.close()
+
+
+def test_client_timeout_outlasts_the_server_deadline() -> None:
+    from kvtier import cmd_cache_server
+
+    parser = argparse.ArgumentParser()
+    cmd_cache_server.add_arguments(parser)
+    server_default = parser.parse_args([]).frame_timeout
+    assert server_default == ServerConfig().frame_timeout == P.DEFAULT_FRAME_TIMEOUT_S
+    assert CacheServerClient("127.0.0.1", 1).timeout == P.DEFAULT_CLIENT_TIMEOUT_S > server_default
