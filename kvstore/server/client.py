@@ -174,6 +174,11 @@ class CacheServerClient:
     Raises ServerUnavailable when the server cannot be reached (the next call reconnects)
     and ServerReplyError when it refuses a request. Up to `pool_size` idle connections are
     kept; callers beyond that many at once open extra connections, closed after use.
+
+    `timeout` (seconds without progress on a socket) defaults to the server's default
+    --frame-timeout + 5 s: a live server answers every request within its frame timeout
+    (BUSY, or a miss, at worst), so its answer wins and this timeout only catches a server
+    that is stopped or unreachable. Against a server with a longer --frame-timeout, pass more.
     """
 
     def __init__(

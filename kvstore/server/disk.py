@@ -233,7 +233,7 @@ class DiskSpill:
             read.stale = True
         for write in self._writing.values():
             write.cancelled = True
-        paths = [self._path(key) for key in (*self._index, *self._detached)]
+        keys = [*self._index, *self._detached]  # cheap; their paths are made only if needed
         self._reading.clear()
         self._detached.clear()
         self._writing.clear()
@@ -244,7 +244,7 @@ class DiskSpill:
             new.mkdir(exist_ok=True)
         except OSError as exc:  # read-only or full: stay, and remove the files one by one
             self._write_failed(exc)
-            self.worker.submit(lambda: _unlink_all(paths), self._unlinked)
+            self.worker.submit(lambda: _unlink_all(old, keys), self._unlinked)
             return
         self.generation += 1
         self.dir = new
@@ -287,10 +287,10 @@ def _run_write(job: _Write) -> OSError | None:
     return None
 
 
-def _unlink_all(paths: list[Path]) -> OSError | None:
+def _unlink_all(directory: Path, keys: list[bytes]) -> OSError | None:
     """Worker side of a clear that could not switch directories: returns the first error."""
     first = None
-    for path in paths:
-        error = F.unlink(path)
+    for key in keys:
+        error = F.unlink(directory / F.file_name(key))
         first = first or error
     return first

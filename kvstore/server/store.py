@@ -173,7 +173,7 @@ class ByteStore:
     def get(self, key: bytes) -> Buffer | None:
         """Returns the value held in memory (promoted to most recently used; a value still
         being written to the disk spill is taken back), or None: then it may be on disk
-        (`load`)."""
+        (`load`, which counts the hit or miss)."""
         value = self._lru.get(key)
         if value is not None:
             self._lru.move_to_end(key)
