@@ -233,18 +233,18 @@ class DiskSpill:
             read.stale = True
         for write in self._writing.values():
             write.cancelled = True
-        keys = [*self._index, *self._detached]  # cheap; their paths are made only if needed
+        # Hand the index over whole (O(1)): only a fallback on the worker walks it.
+        forgotten = (self._index, self._detached)
+        self._index, self._detached = OrderedDict(), {}
         self._reading.clear()
-        self._detached.clear()
         self._writing.clear()
-        self._index.clear()
         self.bytes_used = 0
         old, new = self.dir, F.generation_dir(self.root, self.generation + 1)
         try:
             new.mkdir(exist_ok=True)
         except OSError as exc:  # read-only or full: stay, and remove the files one by one
             self._write_failed(exc)
-            self.worker.submit(lambda: _unlink_all(old, keys), self._unlinked)
+            self.worker.submit(lambda: _unlink_all(old, [k for keys in forgotten for k in keys]), self._unlinked)
             return
         self.generation += 1
         self.dir = new

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore.server import protocol as P
+from kvstore.server import spillfile as F
 from kvstore.server.disk import DiskSpill
 from kvstore.server.protocol import Op
 from kvstore.server.store import ByteStore
@@ -184,6 +185,20 @@ def test_restart_reuses_the_newest_generation_and_removes_older_ones(tmp_path) -
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gen-1"]
     assert b"new" in reopened and b"old" not in reopened
     assert bytes(_read(reopened, b"new")) == b"n" * 100
+
+
+def test_clear_that_cannot_switch_directories_removes_the_files_one_by_one(tmp_path) -> None:
+    spill = DiskSpill(tmp_path, max_bytes=1 << 20)
+    for i in range(5):
+        spill.put(f"k{i}".encode(), bytes(100), lambda ok: None)
+    spill.flush()
+    (tmp_path / "gen-1").write_bytes(b"")  # the next generation cannot be made
+    spill.clear()
+    assert len(spill) == 0 and spill.bytes_used == 0 and spill.write_failures == 1
+    spill.put(b"new", b"n" * 10, lambda ok: None)
+    spill.flush()
+    assert [p.name for p in spill.dir.iterdir()] == [spill.dir.joinpath(F.file_name(b"new")).name]
+    assert bytes(_read(spill, b"new")) == b"n" * 10
 
 
 def test_invalid_budgets_are_value_errors(tmp_path) -> None:
