@@ -14,7 +14,6 @@ import asyncio
 import logging
 import socket
 from collections import deque
-from functools import partial
 from typing import TYPE_CHECKING
 
 from kvstore.server import protocol as P
@@ -33,7 +32,6 @@ _SCRATCH = 64 << 10
 _SEND_SLICE = 256 << 10
 # Over TLS a slice is also encrypted into OpenSSL's buffer and copied out of it: smaller.
 _TLS_SEND_SLICE = 64 << 10
-_INLINE_REPLY = 4096  # replies up to this size are sent as one copied piece
 _OUT_MAX_ITEMS = 64  # queued reply pieces past which a connection's requests wait
 # Resident bytes outside the budget (docs/protocol.md, "Memory bound"): per connection its
 # receive buffer and one copied reply slice; for the process, allocator slack.
@@ -328,35 +326,8 @@ class Connection(asyncio.BufferedProtocol):
             return Status.TOO_LARGE, f"request body of {h.body_len} bytes exceeds the server's memory budget"
         return None
 
-    def send_value(self, request_id: int, key: bytes, value: P.Buffer) -> None:
-        """Queues an OK reply carrying the stored `value` of `key` (sent from the store's
-        buffer, pinned until written, when it is larger than an inline reply)."""
-        if len(value) <= _INLINE_REPLY:
-            self.reply(Status.OK, request_id, value)
-        else:
-            self.store.pin(key, value)
-            self.reply(Status.OK, request_id, value, pinned=True)
-
-    def get_from_disk(self, request_id: int, key: bytes) -> None:
-        """Answers a GET whose value is not in memory: parks this connection while the
-        value is read from the disk spill (no later request runs before it is answered,
-        within --frame-timeout), or answers NOT_FOUND now."""
-        token = object()
-        if self.store.load(key, partial(self._loaded, token, request_id, key)):
-            self.loading, self.loading_since, self.loading_rid = token, self.loop.time(), request_id
-        else:
-            self.reply(Status.NOT_FOUND, request_id)
-
-    def _loaded(self, token: object, request_id: int, key: bytes, value: P.Buffer | None) -> None:
-        if self.loading is not token:
-            return  # answered at its deadline, or the connection is gone
-        self.loading = None
-        if self.closing:
-            return
-        if value is None:
-            self.reply(Status.NOT_FOUND, request_id)
-        else:
-            self.send_value(request_id, key, value)
+    def resume(self) -> None:
+        """Goes on with the requests that a parked GET held back."""
         self._parse_scratch()
 
     def fail(self, status: Status, request_id: int, message: str) -> None:
@@ -372,9 +343,9 @@ class Connection(asyncio.BufferedProtocol):
         return self.transport.get_extra_info("peername") if self.transport else None
 
     def reply(self, status: int, request_id: int, payload: P.Buffer = _EMPTY, pinned: bool = False) -> None:
-        """Queues one reply. A `pinned` payload (a stored value over _INLINE_REPLY bytes,
-        pinned by the caller) is sent from the store's own buffer, never copied per
-        connection, and unpinned once handed to the transport."""
+        """Queues one reply. A `pinned` payload (a stored value, pinned by the caller) is
+        sent from the store's own buffer, never copied per connection, and unpinned once
+        handed to the transport."""
         transport = self.transport
         if transport is None or transport.is_closing():
             if pinned and self.store.unpin(payload):

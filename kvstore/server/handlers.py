@@ -8,6 +8,7 @@ until the value is read.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 from kvstore.server import protocol as P
@@ -15,6 +16,8 @@ from kvstore.server.protocol import Op, Status
 
 if TYPE_CHECKING:
     from kvstore.server.connection import Connection
+
+INLINE_REPLY = 4096  # values up to this size are copied into their reply; larger ones are pinned
 
 
 def dispatch(conn: Connection, h: P.Header, key: bytes, payload: memoryview, reserved: int = 0) -> None:
@@ -36,9 +39,9 @@ def dispatch(conn: Connection, h: P.Header, key: bytes, payload: memoryview, res
     if code == Op.GET:
         value = store.get(key)
         if value is not None:
-            conn.send_value(rid, key, value)
+            send_value(conn, rid, key, value)
         else:
-            conn.get_from_disk(rid, key)
+            get_from_disk(conn, rid, key)
     elif code == Op.EXISTS:
         conn.reply(Status.OK if store.contains(key) else Status.NOT_FOUND, rid)
     elif code == Op.PREFIX_HITS:
@@ -74,3 +77,37 @@ def dispatch(conn: Connection, h: P.Header, key: bytes, payload: memoryview, res
             conn.fail(Status.AUTH_FAILED, rid, "wrong auth token")
     else:  # unreachable: unknown ops are refused while framing
         conn.reply(Status.UNKNOWN_OP, rid, f"unknown op {code}".encode())
+
+
+def send_value(conn: Connection, request_id: int, key: bytes, value: P.Buffer) -> None:
+    """Queues an OK reply carrying the stored `value` of `key`: sent from the store's buffer,
+    pinned until written, when it is larger than INLINE_REPLY."""
+    if len(value) <= INLINE_REPLY:
+        conn.reply(Status.OK, request_id, value)
+    else:
+        conn.store.pin(key, value)
+        conn.reply(Status.OK, request_id, value, pinned=True)
+
+
+def get_from_disk(conn: Connection, request_id: int, key: bytes) -> None:
+    """Answers a GET whose value is not in memory: parks `conn` while the value is read
+    from the disk spill (no later request runs before it is answered, within
+    --frame-timeout: Connection.check_deadlines), or answers NOT_FOUND now."""
+    token = object()
+    if conn.store.load(key, partial(_loaded, conn, token, request_id, key)):
+        conn.loading, conn.loading_since, conn.loading_rid = token, conn.loop.time(), request_id
+    else:
+        conn.reply(Status.NOT_FOUND, request_id)
+
+
+def _loaded(conn: Connection, token: object, request_id: int, key: bytes, value: P.Buffer | None) -> None:
+    if conn.loading is not token:
+        return  # answered at its deadline
+    conn.loading = None
+    if conn.closing:
+        return
+    if value is None:
+        conn.reply(Status.NOT_FOUND, request_id)
+    else:
+        send_value(conn, request_id, key, value)
+    conn.resume()
