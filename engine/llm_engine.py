@@ -14,6 +14,7 @@ from engine.kv_connector import KVConnectorBase
 from engine.model_loader import load_tokenizer
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.progress import PrefillProgress, progress_enabled
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -52,6 +53,8 @@ class LLMEngine:
             kv_connector=kv_connector,
         )
         self._ids = itertools.count()
+        # A bar for prefills longer than one step, when progress is shown (engine/progress.py).
+        self._prefill_progress = PrefillProgress(config.max_num_batched_tokens) if progress_enabled() else None
 
     # ---- requests ----
     def make_sequence(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> Sequence:
@@ -143,6 +146,8 @@ class LLMEngine:
             return []
         sampled = self.runner.execute_model(out)
         progressed = self.scheduler.update_from_output(out, sampled)
+        if self._prefill_progress is not None:
+            self._prefill_progress.update(out.requests)
         for seq in progressed:
             self._detokenize(seq)
             if seq.is_finished:

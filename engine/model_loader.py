@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from engine.model_config import ModelConfig
 from engine.models import LlamaForCausalLM, get_model_class
+from engine.progress import progress_bar
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -67,8 +68,7 @@ def resolve_model_path(model: str | Path | None) -> Path:
     return path
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) for every tensor of the checkpoint, on CPU, one at a time."""
+def _safetensors_files(path: Path) -> list[str]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -76,10 +76,21 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no safetensors weights")
-    for fname in files:
-        with safe_open(path / fname, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    return files
+
+
+def iter_safetensors(path: Path, progress: bool | None = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) for every tensor of the checkpoint, on CPU, one at a time; with
+    `progress` (None: engine/progress.py's rule) a bar counts the checkpoint's bytes."""
+    files = _safetensors_files(path)
+    total = sum((path / f).stat().st_size for f in files)
+    with progress_bar(total, f"loading {path.name}", "B", enabled=progress) as bar:
+        for fname in files:
+            with safe_open(path / fname, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    bar.update(tensor.numel() * tensor.element_size())
+                    yield name, tensor
 
 
 def load_model(model: str | Path | None, device: torch.device,
@@ -92,7 +103,7 @@ def load_model(model: str | Path | None, device: torch.device,
     with torch.device("meta"):  # skip random init: every weight is overwritten below
         net = cls(config)
     net = net.to(dtype).to_empty(device=device)
-    net.load_weights(iter_safetensors(path))
+    net.load_weights(iter_safetensors(path, progress=None))
     return net.eval().requires_grad_(False), config
 
 

@@ -58,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # a typo'd flag: answer with the subcommand's usage, not the top level's
         subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     configure_logging(args.log_level)
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     try:
-        return int(args._run(args) or 0)
+        with logging_redirect_tqdm():  # log lines print above a progress bar, not through it
+            return int(args._run(args) or 0)
     except ValueError as exc:
         print(f"kvtier {args.command}: error: {exc}", file=sys.stderr)
         return 2

