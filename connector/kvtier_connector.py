@@ -10,18 +10,22 @@ Flow for one request:
   there is taken too (a prompt that grew, a chat's next round, finds the partial tail its
   last round stored). The answer comes from existence only (one batched query per tier),
   never from fetched bytes, and says `load_async`.
-- Load (`update_state_after_alloc`, background): the request's chunks are pinned and a
-  loader thread fetches them (FETCH_GROUP at a time, the next group on a prefetch thread
-  while this one is scattered) into the request's fresh blocks while the engine keeps
-  stepping; `get_finished()` then reports the load. A slow-tier hit is promoted to the faster
-  tiers by that fetch, on the loader's thread, never on the engine's. Existence is not
+- Load (`update_state_after_alloc`, background, connector/loader.py): the request's chunks
+  are pinned and the loader thread fetches them into the request's fresh blocks while the
+  engine keeps stepping; `get_finished()` then reports the load. With `use_layerwise` the
+  request is scheduled at once instead (the answer says `load_async` False): the loader
+  fetches layer by layer (one stored value per layer, connector/layerwise.py) and the
+  forward's layer i waits only for layer i (`wait_for_layer_load`). A slow-tier hit is
+  promoted to the faster tiers through the store queue, after the load. Existence is not
   possession: a chunk evicted, corrupt or on a tier that died since the lookup stops the load
   there, and `get_block_ids_with_load_errors()` names the blocks from that position on, which
-  the engine recomputes. An aborted request's blocks are released only once the loader let go.
+  the engine recomputes (a layerwise step's answer for that request is discarded). An
+  aborted request's blocks are released only once the loader let go.
 - Store (worker, `wait_for_save`): after each step, chunks that became complete (full prompt
   chunks, the prompt's partial last chunk, decode chunks if enabled) are gathered from the
   paged cache and handed to a background thread, so serving never waits on a tier. Chunks a
-  tier already holds (or a pending store carries) are skipped. A load that needs a chunk
+  tier already holds (or a pending store carries) are skipped. A chunk is gathered once on
+  the device; the storage manager stages it to host once for every host tier. A load that needs a chunk
   still pending waits for those stores on the loader thread (read-your-writes), never on the
   engine's.
 
@@ -38,22 +42,18 @@ default (`save_unfull_chunk`).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
-import logging
-import threading
-import time
 import weakref
-from collections.abc import Iterator
 from collections.abc import Sequence as SequenceT
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 from connector.config import ConnectorConfig, make_config
-from connector.gather import gather_chunk, scatter_chunk, slots_for
+from connector.gather import gather_chunk, gather_layers, slots_for
+from connector.layerwise import chunks_held, layer_key, stored_keys
+from connector.loader import Loader, LoadJob, Span, chunk_ok
 from connector.metrics import ConnectorMetrics, RequestKVMetrics, TierKVMetrics
 from connector.store_queue import StoreQueue
 from engine.kv_connector import KVConnectorBase
@@ -65,20 +65,12 @@ from kvstore.keys import (
     process_tokens,
 )
 from kvstore.storage_manager import StorageManager
-from kvstore.writer import BackgroundWriter
 
 if TYPE_CHECKING:
     from engine.attention_metadata import AttentionMetadata
     from engine.scheduler import SchedulerOutput
     from engine.sequence import Sequence
 
-# (start, end, key): token positions [start, end) of a sequence and the chunk key for them.
-Span = tuple[int, int, str]
-# Background loads queued at most; one past it is refused and computed instead.
-LOAD_QUEUE_SIZE = 4096
-# Chunks per fetch of a load: the next group is fetched while this one is scattered.
-FETCH_GROUP = 2
-logger = logging.getLogger("kvtier.connector")
 
 
 @dataclass
@@ -92,25 +84,6 @@ class _Plan:
 
 
 @dataclass
-class LoadJob:
-    """One background load: positions [start, end) of a request into its fresh blocks."""
-
-    request_id: str
-    start: int
-    end: int
-    spans: list[Span]  # in order, covering [start, end) (the first may begin before start)
-    block_ids: list[int]
-    cancelled: bool = False  # the request finished: stop writing its blocks
-    # CUDA: recorded on the engine's stream at admission; the load stream waits for it, so
-    # kernels still using these blocks for their previous owner finish before they are written.
-    ready: Any = None
-
-    @property
-    def keys(self) -> list[str]:
-        return [k for _, _, k in self.spans]
-
-
-@dataclass
 class SaveSpec:
     request_id: str
     block_ids: list[int]
@@ -119,9 +92,11 @@ class SaveSpec:
 
 @dataclass
 class ConnectorMeta:
-    """One step's worker-side instructions (built by the scheduler side): the stores."""
+    """One step's worker-side instructions (built by the scheduler side): the stores and the
+    layerwise loads its forward waits for."""
 
     saves: list[SaveSpec] = field(default_factory=list)
+    layer_loads: list[LoadJob] = field(default_factory=list)
 
 
 class KVTierConnector(KVConnectorBase):
@@ -147,15 +122,14 @@ class KVTierConnector(KVConnectorBase):
         self.block_size = 0
         self._kv_dtype = ""
         self._bytes_per_token = 0
+        self.layerwise = self.config.use_layerwise
         self._plans: dict[str, _Plan] = {}  # waiting requests with a lookup answer
-        # Background loads: jobs in flight, loads ended but not yet reported (with the blocks
-        # they failed to fill), and the blocks of the loads the last get_finished() reported.
-        self._load_cond = threading.Condition()
-        self._loading: dict[str, LoadJob] = {}
-        self._loads_done: dict[str, set[int]] = {}
+        # Blocks not filled by the loads the last get_finished() reported, and by the
+        # layerwise loads of the step that just ran.
         self._reported_errors: set[int] = set()
-        self._loader: BackgroundWriter | None = None
-        self._load_stream: Any = None
+        self._step_errors: set[int] = set()
+        self._step_loads: list[LoadJob] = []  # layerwise loads admitted for the coming step
+        self.loader: Loader | None = None
         self._saved_upto: dict[str, int] = {}  # per request: positions already considered
         self._meta: ConnectorMeta | None = None
         self._stores: StoreQueue | None = None  # created with the caches (needs their device)
@@ -190,11 +164,7 @@ class KVTierConnector(KVConnectorBase):
         self._stores = StoreQueue(self.storage, self.config.kvstore.queue_size,
                                   self.config.max_pending_store_bytes, kv_caches[0].device,
                                   self.config.kvstore.queue_full)
-        # A full load queue refuses a job; that load is reported failed (recomputed).
-        self._loader = BackgroundWriter(LOAD_QUEUE_SIZE, "drop_new", "kvtier-connector-load")
-        self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="kvtier-connector-fetch")
-        if kv_caches[0].device.type == "cuda":
-            self._load_stream = torch.cuda.Stream(kv_caches[0].device)
+        self.loader = Loader(self.storage, self._stores, self.kv_caches, bs, self.metrics)
 
     def _spans(self, tokens: SequenceT[int], unfull: bool = True) -> list[Span]:
         """Returns every chunk span of `tokens` with its key (the partial last one if `unfull`)."""
@@ -212,21 +182,23 @@ class KVTierConnector(KVConnectorBase):
 
     def _chunk_ok(self, kv: torch.Tensor | None, num_tokens: int) -> TypeGuard[torch.Tensor]:
         """Whether a fetched value has exactly the shape this model's chunk must have."""
-        if not isinstance(kv, torch.Tensor) or not kv.is_floating_point():
-            return False
         mc = self.model_config
-        return tuple(kv.shape) == (mc.num_layers, 2, num_tokens, mc.num_kv_heads, mc.head_size)
+        return chunk_ok(kv, (mc.num_layers, 2, num_tokens, mc.num_kv_heads, mc.head_size))
+
+    def _layers(self) -> int | None:
+        """Returns the stored values per chunk's layers in layerwise mode, else None (one value)."""
+        return self.model_config.num_layers if self.layerwise else None
 
     # ---- scheduler side --------------------------------------------------------------
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
-        """Returns (how many tokens after `num_computed_tokens` some tier holds, True: they
-        load in the background), from existence only; (0, False) on a miss. Never reaches
-        the last token."""
+        """Returns (how many tokens after `num_computed_tokens` some tier holds, whether they
+        load in the background: True, or layerwise in the request's first step: False), from
+        existence only; (0, False) on a miss. Never reaches the last token."""
         rid = seq.request_id
         n = seq.num_tokens
         plan = self._plans.get(rid)
         if plan is not None and (plan.num_tokens, plan.start) == (n, num_computed_tokens):
-            return plan.end - plan.start, True
+            return plan.end - plan.start, not self.layerwise
         self._plans.pop(rid, None)
         limit = n - 1  # the last token's logits are needed
         if limit <= num_computed_tokens:
@@ -250,21 +222,30 @@ class KVTierConnector(KVConnectorBase):
         if end <= num_computed_tokens:
             return 0, False
         self._plans[rid] = _Plan(n, num_computed_tokens, end, wanted)
-        return end - num_computed_tokens, True
+        return end - num_computed_tokens, not self.layerwise
 
-    def _held(self, keys: list[str]) -> list[bool]:
-        """Returns, per key, whether a pending store carries it or some tier holds it (one
-        batched existence query per tier for the rest)."""
-        held = [self._queue().is_pending(k) for k in keys]
-        rest = [k for k, h in zip(keys, held) if not h]
+    def _held(self, keys: list[str], one_layer: bool = False) -> list[bool]:
+        """Returns, per chunk key, whether a pending store carries it or some tier holds it
+        (all its layers in layerwise mode, or only the last with `one_layer`; one batched
+        existence query per tier for the rest)."""
+        if one_layer and self.layerwise:
+            values = [layer_key(k, self.model_config.num_layers - 1) for k in keys]
+            held = [self._queue().is_pending(k) for k in values]
+            rest = [k for k, h in zip(values, held) if not h]
+            found = iter(self.storage.batched_contains(rest) if rest else [])
+            return [h or next(found) for h in held]
+        values = stored_keys(keys, self._layers())
+        held = [self._queue().is_pending(k) for k in values]
+        rest = [k for k, h in zip(values, held) if not h]
         if rest:
             found = iter(self.storage.batched_contains(rest))
             held = [h or next(found) for h in held]
-        return held
+        return chunks_held(held, self._layers())
 
     def _stored_partial(self, tokens: SequenceT[int], spans: list[Span], j: int, after: int) -> Span | None:
         """Returns the longest stored partial chunk that starts where span `j` starts and ends
-        past position `after`, or None: one batched existence query over its possible lengths."""
+        past position `after`, or None: one batched existence query over its possible lengths
+        (layerwise: over their last layers, then one for all layers of the longest)."""
         s, e, _ = spans[j]
         if e - s < 2 or e - 1 <= after:
             return None
@@ -273,123 +254,59 @@ class KVTierConnector(KVConnectorBase):
         probe = [k.to_str() for k in partial_chunk_keys(
             tokens[s:e], self.chunk_size, parent_hash=parent, model=self.model_config.fingerprint,
             kv_dtype=self._kv_dtype)][skip:]
-        held = [i for i, present in enumerate(self._held(probe)) if present]
-        if not held:
+        held = [i for i, present in enumerate(self._held(probe, one_layer=True)) if present]
+        if not held or (self.layerwise and not self._held([probe[held[-1]]])[0]):
             return None
         return s, s + skip + held[-1] + 1, probe[held[-1]]
 
     def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_external_tokens: int) -> None:
-        """Pins the request's chunks and starts its background load into `block_ids`."""
+        """Pins the request's chunks and starts its load into `block_ids` (layerwise: the
+        coming step's forward waits for it layer by layer)."""
         rid = seq.request_id
         plan = self._plans.pop(rid, None)
         if num_external_tokens <= 0:
             return
-        loader = self._loader
+        loader = self.loader
         if loader is None:
             raise RuntimeError("the connector has no KV caches yet (register_kv_caches)")
         if plan is None or plan.start + num_external_tokens > plan.end:
             raise RuntimeError(f"request {rid}: asked to load {num_external_tokens} tokens "
                                "the connector did not offer")
         end = plan.start + num_external_tokens
-        job = LoadJob(rid, plan.start, end, [sp for sp in plan.spans if sp[0] < end], list(block_ids))
-        self.storage.pin(job.keys)  # no local tier evicts them before the loader reads them
-        if self._load_stream is not None:
-            job.ready = torch.cuda.Event()
-            job.ready.record()
-        with self._load_cond:
-            self._loading[rid] = job
-        if not loader.submit(functools.partial(self._load, job)):
-            self._end_load(job, job.start)  # load queue full: computed instead
-
-    def _load(self, job: LoadJob) -> None:
-        """Runs on the loader thread: fetches the job's chunks and scatters them in order,
-        stopping at the first chunk that is missing or malformed; then reports the job."""
-        filled = job.start
-        t0 = time.perf_counter()
-        nbytes = 0
-        try:
-            if not job.cancelled:
-                self._queue().wait_for(job.keys)  # read-your-writes, on this thread
-                stream = self._load_stream
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    if job.ready is not None:
-                        stream.wait_event(job.ready)
-                    for span, kv in self._fetch_pipelined(job):
-                        s, e, _ = span
-                        if job.cancelled or not self._chunk_ok(kv, e - s):
-                            break  # corrupt, evicted or foreign: computed from here on
-                        lo, hi = max(s, job.start), min(e, job.end)
-                        scatter_chunk(self.kv_caches, slots_for(job.block_ids, self.block_size, lo, hi),
-                                      kv[:, :, lo - s:hi - s])
-                        nbytes += kv.numel() * kv.element_size()
-                        filled = hi
-                    if stream is not None:
-                        stream.synchronize()  # in place before the engine may read the blocks
-        except Exception:  # a failed load is a recompute, never a crash of the loader
-            logger.exception("loading request %s failed", job.request_id)
-        finally:
-            self.metrics.add(job.request_id, bytes_loaded=nbytes, load_seconds=time.perf_counter() - t0)
-            self._end_load(job, filled)
-
-    def _fetch_pipelined(self, job: LoadJob) -> Iterator[tuple[Span, torch.Tensor | None]]:
-        """Yields each span of `job` with its fetched value (None: missing), in order. Groups
-        of FETCH_GROUP chunks are fetched one batched call each, the next group on the
-        prefetch thread while the caller scatters this one; stops fetching once the job is
-        cancelled or a group comes back short."""
-        groups = [job.spans[i:i + FETCH_GROUP] for i in range(0, len(job.spans), FETCH_GROUP)]
-        get = functools.partial(self.storage.batched_get, read_only=True)  # only scattered
-        pending = self._prefetch.submit(get, [k for _, _, k in groups[0]])
-        for g, group in enumerate(groups):
-            values = pending.result()
-            last = g + 1 == len(groups) or job.cancelled or any(v is None for v in values)
-            if not last:
-                pending = self._prefetch.submit(get, [k for _, _, k in groups[g + 1]])
-            yield from zip(group, values)
-            if last:
-                return
-
-    def _end_load(self, job: LoadJob, filled: int) -> None:
-        """Unpins the job's chunks and queues its report: the blocks from `filled` on failed."""
-        self.storage.unpin(job.keys)
-        bad: set[int] = set()
-        if filled < job.end and not job.cancelled:
-            bad = set(job.block_ids[filled // self.block_size: -(-job.end // self.block_size)])
-        rid = job.request_id
-        if not job.cancelled:
-            self.metrics.add(rid, connector_hit_tokens=filled - job.start, load_error_tokens=job.end - filled)
-        with self._load_cond:
-            if self._loading.get(rid) is job:
-                del self._loading[rid]
-                self._loads_done[rid] = bad
-            self._load_cond.notify_all()
+        job = LoadJob(rid, plan.start, end, [sp for sp in plan.spans if sp[0] < end], list(block_ids),
+                      layerwise=self.layerwise)
+        if job.layerwise:
+            self._step_loads.append(job)
+        loader.submit(job)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        """Returns (None, the requests whose load ended since the last call); their failed
-        blocks are what `get_block_ids_with_load_errors()` returns next."""
-        with self._load_cond:
-            done, self._loads_done = self._loads_done, {}
+        """Returns (None, the requests whose background load ended since the last call); their
+        failed blocks are what `get_block_ids_with_load_errors()` returns next."""
+        done = self.loader.finished() if self.loader is not None else {}
         self._reported_errors = set().union(*done.values()) if done else set()
         return None, set(done)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Returns the blocks the loads last reported by `get_finished()` did not fill."""
-        errors, self._reported_errors = self._reported_errors, set()
+        """Returns the blocks the loads last reported by `get_finished()` did not fill, and
+        (called after a step) those the step's layerwise loads did not fill."""
+        errors = self._reported_errors | self._step_errors
+        self._reported_errors, self._step_errors = set(), set()
         return errors
 
     def wait_for_finished(self, timeout: float) -> None:
-        """Blocks until a load has ended (or `timeout` seconds passed)."""
-        with self._load_cond:
-            self._load_cond.wait_for(lambda: bool(self._loads_done), timeout)
+        """Blocks until a background load has ended (or `timeout` seconds passed)."""
+        if self.loader is not None:
+            self.loader.wait_for_finished(timeout)
 
     def loads_in_flight(self) -> int:
-        """Returns how many background loads have not ended yet."""
-        with self._load_cond:
-            return len(self._loading)
+        """Returns how many loads have not ended yet."""
+        return self.loader.in_flight() if self.loader is not None else 0
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMeta:
-        """Returns the spans to store once the step has computed them (loads are not the
-        step's: they run in the background)."""
-        meta = ConnectorMeta()
+        """Returns the spans to store once the step has computed them and the layerwise loads
+        its forward waits for (background loads are not the step's)."""
+        meta = ConnectorMeta(layer_loads=self._step_loads)
+        self._step_loads = []
         for r in scheduler_output.requests:
             spans = self._spans_to_save(r.seq, r.num_computed_tokens + r.num_new_tokens)
             if spans:
@@ -417,23 +334,21 @@ class KVTierConnector(KVConnectorBase):
 
     def _not_stored(self, spans: list[Span]) -> list[Span]:
         """Returns the spans neither a tier nor a pending store holds (stored prefix skipped)."""
-        spans = [sp for sp in spans if not self._queue().is_pending(sp[2])]
+        layers = self._layers()
+        spans = [sp for sp in spans if not all(map(self._queue().is_pending, stored_keys([sp[2]], layers)))]
         if not spans:
             return spans
-        return spans[self.storage.prefix_hits([k for _, _, k in spans]):]
+        held = self.storage.prefix_hits(stored_keys([k for _, _, k in spans], layers))
+        return spans[held // (layers or 1):]
 
     def request_finished(self, seq: Sequence, block_ids: list[int]) -> bool:
         """Stores the generated tail if configured; returns True (free the blocks later) if
         the request's load is still writing them: the load stops at its next chunk."""
         rid = seq.request_id
         self._plans.pop(rid, None)
-        with self._load_cond:
-            job = self._loading.get(rid)
-            if job is not None:  # reported by get_finished() once the loader let go of the blocks
-                job.cancelled = True
-            else:
-                self._loads_done.pop(rid, None)  # ended, not reported: its blocks are free to go
-        if job is not None:
+        # In flight: reported by get_finished() once the loader let go of the blocks.
+        in_flight = self.loader is not None and self.loader.cancel(rid)
+        if in_flight:
             self._saved_upto.pop(rid, None)
             self.metrics.finish(rid)
             return True
@@ -455,31 +370,60 @@ class KVTierConnector(KVConnectorBase):
         self._meta = metadata
 
     def clear_connector_metadata(self) -> None:
-        self._meta = None
+        """Drops the step's metadata; a layerwise load the step left running (its forward
+        failed) is cancelled and waited for, so nothing writes the blocks after the step."""
+        meta, self._meta = self._meta, None
+        if meta is not None and self.loader is not None:
+            for job in meta.layer_loads:
+                job.cancelled = True
+                self.loader.wait_ended(job)
 
     def start_load_kv(self, attn_metadata: AttentionMetadata) -> None:
-        """Nothing: this connector's loads run in the background before a request is scheduled."""
+        """Nothing: loads were started at admission (in the background, or layerwise on the
+        loader thread ahead of this forward)."""
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
-        """Nothing to wait for: a request runs only once its load has ended."""
+        """Blocks until layer `layer_idx` of this step's layerwise loads is in place (or given up)."""
+        if self._meta is not None and self.loader is not None:
+            for job in self._meta.layer_loads:
+                self.loader.wait_layer(job, layer_idx)
 
     def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata) -> None:
         """Nothing per layer: whole chunks are gathered across layers after the forward."""
 
     def wait_for_save(self) -> None:
-        """Gathers this step's storable chunks and queues them; returns without waiting for
-        any tier."""
+        """Collects this step's layerwise loads (what did not arrive is reported by
+        `get_block_ids_with_load_errors()`), then gathers the step's storable chunks and queues
+        them, skipping requests whose load failed (their step computed over K/V that never
+        arrived); returns without waiting for any tier."""
         if self._meta is None:
             return
+        failed: dict[str, int] = {}
+        for job in self._meta.layer_loads:
+            if self.loader is None:
+                break
+            self.loader.wait_ended(job)
+            bad = self.loader.bad_blocks(job)
+            if bad:
+                self._step_errors |= bad
+                failed[job.request_id] = job.filled
+        for rid, filled in failed.items():  # what it computes again is considered again
+            self._saved_upto[rid] = min(self._saved_upto.get(rid, 0), filled // self.chunk_size * self.chunk_size)
         for save in self._meta.saves:
-            self._store(save)
+            if save.request_id not in failed:  # a failed one's are stored once recomputed
+                self._store(save)
 
     def _store(self, save: SaveSpec) -> None:
         """Gathers `save`'s chunks from the paged cache now and queues their put."""
         if not save.spans:
             return
-        items = [(key, gather_chunk(self.kv_caches, slots_for(save.block_ids, self.block_size, s, e)))
-                 for s, e, key in save.spans]
+        items: list[tuple[str, torch.Tensor]] = []
+        for s, e, key in save.spans:
+            slots = slots_for(save.block_ids, self.block_size, s, e)
+            if self.layerwise:
+                items += [(layer_key(key, i), kv) for i, kv in enumerate(gather_layers(self.kv_caches, slots))]
+            else:
+                items.append((key, gather_chunk(self.kv_caches, slots)))
         nbytes = sum(kv.numel() * kv.element_size() for _, kv in items)
         ntokens = sum(e - s for s, e, _ in save.spans)
         rid = save.request_id
@@ -500,9 +444,8 @@ class KVTierConnector(KVConnectorBase):
             return
         self._closed = True
         atexit.unregister(self._atexit)
-        if self._loader is not None:
-            self._loader.close(timeout=None)  # loads in flight end (and unpin) first
-            self._prefetch.shutdown()
+        if self.loader is not None:
+            self.loader.close()  # loads in flight end (and unpin) first
         if self._stores is not None:
             self._stores.close()
         self.storage.flush()

@@ -5,10 +5,13 @@ Bounded twice: by job count (kvstore's `BackgroundWriter`, under its `queue_full
 by bytes held (`max_bytes`). A dropped store is counted and forgotten, never waited for: its
 keys and bytes are released whether the new job or a queued one is dropped (the writer calls
 each dropped job's release), so a lookup waiting for a key never hangs on a dropped store.
+Promotions of slow-tier hits to the faster tiers go through the same queue (`promote`), off
+the load path.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 
@@ -31,6 +34,7 @@ class StoreQueue:
         self._cond = threading.Condition()
         self._keys: dict[str, int] = {}
         self._bytes = 0
+        self.promotions = 0
         # On CUDA, puts copy device -> host on their own stream, after the gather's event.
         self._stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
 
@@ -40,6 +44,25 @@ class StoreQueue:
         nothing, if the byte bound or (drop_new) the job bound refuses them. `on_done` runs
         after a successful put; `on_drop` if, queued, they are dropped later (drop_oldest)."""
         items = list(items)
+        return self._enqueue(items, functools.partial(self.storage.batched_put, items, owned=True),
+                             on_done, on_drop)
+
+    def promote(self, found: Sequence[tuple[str, torch.Tensor, int]]) -> bool:
+        """Queues writing each `(key, chunk, tier)` a load fetched from a slower tier into the
+        faster ones (`StorageManager.promote`), so no load waits for it; returns False (nothing
+        queued) under the same bounds as `submit`. `promotions` counts the chunks written."""
+        found = list(found)
+
+        def run() -> None:
+            self.storage.promote(found)
+            with self._cond:
+                self.promotions += len(found)
+
+        return bool(found) and self._enqueue([(k, kv) for k, kv, _ in found], run)
+
+    def _enqueue(self, items: list[Item], put: Callable[[], None], on_done: Callable[[], None] | None = None,
+                 on_drop: Callable[[], None] | None = None) -> bool:
+        """Queues `put` holding `items`' keys and bytes until it ran or was dropped."""
         keys = [k for k, _ in items]
         nbytes = sum(kv.numel() * kv.element_size() for _, kv in items)
         with self._cond:
@@ -59,10 +82,10 @@ class StoreQueue:
                 if stream is not None and event is not None:
                     with torch.cuda.stream(stream):
                         stream.wait_event(event)
-                        self.storage.batched_put(items, owned=True)
+                        put()
                         stream.synchronize()
                 else:
-                    self.storage.batched_put(items, owned=True)
+                    put()
                 if on_done is not None:
                     on_done()
             finally:

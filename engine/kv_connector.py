@@ -48,13 +48,18 @@ Worker side (in `ModelRunner.execute_model`):
      K/V into the blocks named in step 2 (the kv_cache tensors came from
      `register_kv_caches` at start-up).
   6. Inside the forward, per layer i: `wait_for_layer_load(i)` before attention reads layer
-     i, and `save_kv_layer(i, kv_cache[i], attn_metadata)` after this step's K/V for layer i
+     i (a layer-pipelined load returns as soon as layer i's loaded K/V is in place, while
+     later layers still arrive), and `save_kv_layer(i, kv_cache[i], attn_metadata)` after this step's K/V for layer i
      is written (`attn_metadata.slot_mapping` holds the slots of this step's new tokens, in
      the flat batch order given by `attn_metadata.query_start_loc`).
   7. `wait_for_save()` after the forward: the step's stores must be done or safely queued.
   8. `clear_connector_metadata()`.
 
-Scheduler side, after the step:
+Scheduler side, after the step (`update_from_output`):
+  8b. If the step had loads in it (`num_external_tokens` > 0),
+     `get_block_ids_with_load_errors()`: blocks of those loads that did not get their K/V.
+     Each such request is cut back to its first bad block and the step's output for it is
+     discarded (its forward ran over K/V that never arrived); the rest is recomputed.
   9. `request_finished(seq, block_ids) -> bool` when a request finishes or is aborted
      (including one parked for its load), before its blocks are freed (they still hold its
      K/V during the call). True delays freeing them until step 0 names the request (a
@@ -122,8 +127,9 @@ class KVConnectorBase(ABC):
         return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Returns the blocks of loads reported by the last `get_finished()` that did not get
-        their K/V (from each failed load's first bad position to its end); default: none."""
+        """Returns the blocks of loads reported by the last `get_finished()` (or, called after
+        a step, of that step's loads) that did not get their K/V (from each failed load's
+        first bad position to its end); default: none."""
         return set()
 
     def wait_for_finished(self, timeout: float) -> None:

@@ -7,6 +7,11 @@ discarded) and requeued at the head of the waiting queue; it is recomputed later
 from the prefix cache. Waiting sequences are admitted in arrival order while the budget,
 `max_num_seqs` and the free blocks allow (no admission in a step that preempted).
 
+Loads in the step (a connector answering `(n, False)`, e.g. layerwise): the loaded tokens
+count as computed at admission; if the connector reports blocks of such a load unfilled after
+the step (`get_block_ids_with_load_errors()` in `update_from_output`), the request is cut back
+to the first of them and the step's token for it is discarded (recomputed exactly).
+
 Asynchronous loads (a connector answering `(n, True)`): the request gets blocks for its whole
 prompt and waits in `waiting_for_kv` (status WAITING_FOR_REMOTE_KVS) while the connector fills
 them in the background; the running batch keeps stepping. Each `schedule()` first collects
@@ -279,8 +284,13 @@ class Scheduler:
         new token, finished or not."""
         progressed: list[Sequence] = []
         now = time.monotonic()
+        bad_blocks: set[int] = set()
+        if self.connector is not None and any(r.num_external_tokens for r in out.requests):
+            bad_blocks = self.connector.get_block_ids_with_load_errors()
         for req, token in zip(out.requests, sampled, strict=True):
             seq = req.seq
+            if bad_blocks and req.num_external_tokens and self._undo_failed_load(req, bad_blocks):
+                continue  # its token came from K/V that never arrived: recomputed instead
             seq.num_computed_tokens += req.num_new_tokens
             self.block_manager.cache_blocks(seq)
             if token is None:
@@ -293,6 +303,23 @@ class Scheduler:
             if status is not None:
                 self._finish(seq, status, now)
         return progressed
+
+    def _undo_failed_load(self, req: ScheduledRequest, bad_blocks: set[int]) -> bool:
+        """Cuts a request whose in-step load left blocks in `bad_blocks` unfilled back to the
+        first of them (the step's own tokens and output are discarded); returns whether it did."""
+        seq = req.seq
+        bad = next((i for i, b in enumerate(seq.block_table) if b in bad_blocks), None)
+        if bad is None:
+            return False
+        start = req.num_computed_tokens - req.num_external_tokens
+        end = max(start, min(req.num_computed_tokens, bad * self.block_manager.block_size))
+        lost = req.num_computed_tokens - end
+        self.num_load_error_tokens += lost
+        self.num_external_hit_tokens -= lost
+        seq.num_computed_tokens = end
+        seq.num_cached_tokens = min(seq.num_cached_tokens, end)
+        self.block_manager.cache_blocks(seq)
+        return True
 
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
         p = seq.sampling_params

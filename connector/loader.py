@@ -1,0 +1,290 @@
+"""The connector's loader thread: fetches a request's stored chunks and scatters them into its
+fresh blocks, off the engine's thread (docs/architecture.md, "Connector").
+
+Two kinds of load, both stopping at the first chunk that is missing or malformed (existence
+at lookup is not possession); `LoadJob.filled` ends the positions every layer got:
+- whole chunks (asynchronous loads, the request parked meanwhile): FETCH_GROUP chunks per
+  fetch, the next group fetched on a prefetch thread while this one is scattered; the end is
+  reported by `finished()` with the blocks not filled.
+- layer by layer (`use_layerwise`, the request runs in the step that admitted it): layer i of
+  every chunk (one stored value each, connector/layerwise.py) is fetched and scattered in
+  layer order, the next layer fetched while this one is scattered; the forward's layer i
+  waits only for it (`wait_layer`). The step reports what did not arrive.
+Hits from slower tiers are promoted through the store queue afterwards, never on this path.
+On CUDA the scatter runs on a side stream from pinned host memory (connector/staging.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from connector.gather import scatter_chunk, scatter_layer, slots_for
+from connector.layerwise import layer_key, stored_keys
+from connector.metrics import ConnectorMetrics
+from connector.staging import to_device_source
+from connector.store_queue import StoreQueue
+from kvstore.storage_manager import StorageManager
+from kvstore.writer import BackgroundWriter
+
+# (start, end, key): token positions [start, end) of a sequence and the chunk key for them.
+Span = tuple[int, int, str]
+# Background loads queued at most; one past it is refused and computed instead.
+LOAD_QUEUE_SIZE = 4096
+# Chunks per fetch of a whole-chunk load: the next group is fetched while this one is scattered.
+FETCH_GROUP = 2
+logger = logging.getLogger("kvtier.connector")
+Fetched = list[tuple[torch.Tensor | None, int]]
+
+
+@dataclass
+class LoadJob:
+    """One load: positions [start, end) of a request into its fresh blocks."""
+
+    request_id: str
+    start: int
+    end: int
+    spans: list[Span]  # in order, covering [start, end) (the first may begin before start)
+    block_ids: list[int]
+    layerwise: bool = False
+    cancelled: bool = False  # the request finished (or its step failed): stop writing its blocks
+    # CUDA: recorded on the engine's stream at admission; the load stream waits for it, so
+    # kernels still using these blocks for their previous owner finish before they are written.
+    ready: Any = None
+    filled: int = -1  # once ended: positions [start, filled) arrived in every layer
+    layers_done: int = 0  # layerwise: layers [0, layers_done) are in place (or given up)
+    layer_events: list[Any] = field(default_factory=list)  # CUDA: one per layer, on the load stream
+    ended: bool = False
+
+    @property
+    def keys(self) -> list[str]:
+        return [k for _, _, k in self.spans]
+
+
+def chunk_ok(kv: torch.Tensor | None, shape: tuple[int, ...]) -> bool:
+    """Whether a fetched value is a floating-point tensor of exactly `shape`."""
+    return isinstance(kv, torch.Tensor) and kv.is_floating_point() and tuple(kv.shape) == shape
+
+
+class Loader:
+    """Runs loads on one thread, in submission order. Guarantees: every submitted job ends
+    exactly once (unpinned, `filled` set); a cancelled job writes no further chunk."""
+
+    def __init__(self, storage: StorageManager, stores: StoreQueue, kv_caches: list[torch.Tensor],
+                 block_size: int, metrics: ConnectorMetrics) -> None:
+        self.storage = storage
+        self.stores = stores
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.metrics = metrics
+        self.num_layers = len(kv_caches)
+        _, _, _, self._heads, self._head_size = kv_caches[0].shape
+        # A full queue refuses a job; that load is reported failed (recomputed).
+        self.writer = BackgroundWriter(LOAD_QUEUE_SIZE, "drop_new", "kvtier-connector-load")
+        self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="kvtier-connector-fetch")
+        device = kv_caches[0].device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._cond = threading.Condition()
+        self._loading: dict[str, LoadJob] = {}
+        self._done: dict[str, set[int]] = {}  # ended whole-chunk (or cancelled) loads, unreported
+
+    def _pinned_keys(self, job: LoadJob) -> list[str]:
+        return stored_keys(job.keys, self.num_layers if job.layerwise else None)
+
+    def _shape(self, layers: int, num_tokens: int) -> tuple[int, ...]:
+        return (layers, 2, num_tokens, self._heads, self._head_size)
+
+    # ---- scheduler side ----------------------------------------------------------------
+    def submit(self, job: LoadJob) -> None:
+        """Pins the job's stored values and queues it (refused: it ends at once, nothing filled)."""
+        self.storage.pin(self._pinned_keys(job))  # no local tier evicts them before they are read
+        if self._stream is not None:
+            job.ready = torch.cuda.Event()
+            job.ready.record()
+        with self._cond:
+            self._loading[job.request_id] = job
+        if not self.writer.submit(functools.partial(self._run, job)):
+            self._end(job, job.start)
+
+    def finished(self) -> dict[str, set[int]]:
+        """Returns the whole-chunk (and cancelled) loads ended since the last call, each with
+        the blocks it did not fill."""
+        with self._cond:
+            done, self._done = self._done, {}
+        return done
+
+    def wait_for_finished(self, timeout: float) -> None:
+        """Blocks until `finished()` has something (or `timeout` seconds passed)."""
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._done), timeout)
+
+    def in_flight(self) -> int:
+        """Returns how many loads have not ended."""
+        with self._cond:
+            return len(self._loading)
+
+    def cancel(self, request_id: str) -> bool:
+        """Stops the request's load at its next chunk; returns True if it is still in flight
+        (`finished()` reports it once it let go of the blocks), else forgets its report."""
+        with self._cond:
+            job = self._loading.get(request_id)
+            if job is not None:
+                job.cancelled = True
+                return True
+            self._done.pop(request_id, None)
+            return False
+
+    # ---- worker side (layerwise) ----------------------------------------------------------
+    def wait_layer(self, job: LoadJob, layer: int) -> None:
+        """Blocks until layer `layer` of `job` is in place (or given up); on CUDA the current
+        stream then waits for its copies."""
+        with self._cond:
+            self._cond.wait_for(lambda: job.layers_done > layer or job.ended)
+            event = job.layer_events[layer] if layer < len(job.layer_events) else None
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def wait_ended(self, job: LoadJob) -> None:
+        """Blocks until `job` ended (its `filled` is final)."""
+        with self._cond:
+            self._cond.wait_for(lambda: job.ended)
+
+    def bad_blocks(self, job: LoadJob) -> set[int]:
+        """Returns the blocks of an ended `job` from its first unfilled position to its end."""
+        if job.cancelled or job.filled >= job.end:
+            return set()
+        return set(job.block_ids[job.filled // self.block_size: -(-job.end // self.block_size)])
+
+    # ---- loader thread -------------------------------------------------------------------
+    def _run(self, job: LoadJob) -> None:
+        filled = job.start
+        t0 = time.perf_counter()
+        nbytes = [0]
+        promote: list[tuple[str, torch.Tensor, int]] = []
+        try:
+            if not job.cancelled:
+                self.stores.wait_for(self._pinned_keys(job))  # read-your-writes, on this thread
+                stream = self._stream
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    if stream is not None and job.ready is not None:
+                        stream.wait_event(job.ready)
+                    load = self._load_layers if job.layerwise else self._load_chunks
+                    filled = load(job, nbytes, promote)
+                    if stream is not None:
+                        stream.synchronize()  # in place before the engine may read the blocks
+        except Exception:  # a failed load is a recompute, never a crash of the loader
+            logger.exception("loading request %s failed", job.request_id)
+        finally:
+            self.metrics.add(job.request_id, bytes_loaded=nbytes[0], load_seconds=time.perf_counter() - t0)
+            self._end(job, filled)
+            if promote:
+                self.stores.promote(promote)  # refused when the queue is full: promoted by a later load
+
+    def _load_chunks(self, job: LoadJob, nbytes: list[int], promote: list[tuple[str, torch.Tensor, int]]) -> int:
+        """Scatters whole chunks in order; returns the end of what arrived."""
+        filled = job.start
+        keep: list[torch.Tensor] = []  # pinned sources stay alive until the stream is synchronised
+        for (s, e, key), (kv, tier) in self._fetch_groups(job):
+            if job.cancelled or kv is None or not chunk_ok(kv, self._shape(self.num_layers, e - s)):
+                break  # corrupt, evicted or foreign: computed from here on
+            lo, hi = max(s, job.start), min(e, job.end)
+            src = to_device_source(kv[:, :, lo - s:hi - s], self.kv_caches[0].device, keep)
+            scatter_chunk(self.kv_caches, slots_for(job.block_ids, self.block_size, lo, hi), src)
+            nbytes[0] += kv.numel() * kv.element_size()
+            filled = hi
+            if tier > 0:
+                promote.append((key, kv, tier))
+        return filled
+
+    def _fetch_groups(self, job: LoadJob) -> Iterator[tuple[Span, tuple[torch.Tensor | None, int]]]:
+        """Yields each span of `job` with its fetched (value, tier), in order, FETCH_GROUP per
+        fetch, the next group fetched while the caller scatters this one; stops fetching once
+        the job is cancelled or a group comes back short."""
+        groups = [job.spans[i:i + FETCH_GROUP] for i in range(0, len(job.spans), FETCH_GROUP)]
+        fetch = functools.partial(self.storage.fetch, read_only=True)  # only scattered
+        pending = self._prefetch.submit(fetch, [k for _, _, k in groups[0]])
+        for g, group in enumerate(groups):
+            values = pending.result()
+            last = g + 1 == len(groups) or job.cancelled or any(v is None for v, _ in values)
+            if not last:
+                pending = self._prefetch.submit(fetch, [k for _, _, k in groups[g + 1]])
+            yield from zip(group, values)
+            if last:
+                return
+
+    def _load_layers(self, job: LoadJob, nbytes: list[int], promote: list[tuple[str, torch.Tensor, int]]) -> int:
+        """Scatters layer by layer, marking each layer done; returns the end of what arrived
+        in every layer. A layer whose chunk c fails cuts `filled` to c's start for the layers
+        after it too (the positions before it must be complete in every layer)."""
+        filled = job.end
+        device = self.kv_caches[0].device
+        # Host-side slots: scatter_layer checks them without a device sync, then moves them.
+        slots = [slots_for(job.block_ids, self.block_size, max(s, job.start), min(e, job.end))
+                 for s, e, _ in job.spans]
+        keep: list[torch.Tensor] = []
+
+        def fetch(layer: int, upto: int) -> Future[tuple[list[int], Fetched]]:
+            wanted = [i for i, (s, _, _) in enumerate(job.spans) if s < upto]
+            keys = [layer_key(job.spans[i][2], layer) for i in wanted]
+            return self._prefetch.submit(lambda: (wanted, self.storage.fetch(keys, read_only=True)))
+
+        pending = fetch(0, filled)
+        for layer in range(self.num_layers):
+            wanted, values = pending.result()
+            if layer + 1 < self.num_layers:
+                pending = fetch(layer + 1, filled)  # while this layer is scattered
+            for i, (kv, tier) in zip(wanted, values):
+                s, e, key = job.spans[i]
+                if s >= filled:
+                    break
+                if job.cancelled or kv is None or not chunk_ok(kv, self._shape(1, e - s)):
+                    filled = max(job.start, s)
+                    break
+                lo, hi = max(s, job.start), min(e, filled)
+                src = to_device_source(kv[0, :, lo - s:hi - s], device, keep)
+                scatter_layer(self.kv_caches[layer], slots[i][:hi - lo], src)
+                nbytes[0] += kv.numel() * kv.element_size()
+                if tier > 0:
+                    promote.append((layer_key(key, layer), kv, tier))
+            self._layer_done(job, layer)
+        return filled
+
+    def _layer_done(self, job: LoadJob, layer: int) -> None:
+        event = None
+        if self._stream is not None:
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        with self._cond:
+            job.layer_events.append(event)
+            job.layers_done = layer + 1
+            self._cond.notify_all()
+
+    def _end(self, job: LoadJob, filled: int) -> None:
+        """Unpins the job's values, records `filled` and queues a whole-chunk (or cancelled)
+        job's report."""
+        self.storage.unpin(self._pinned_keys(job))
+        job.filled = filled
+        rid = job.request_id
+        if not job.cancelled:
+            self.metrics.add(rid, connector_hit_tokens=filled - job.start, load_error_tokens=job.end - filled)
+        with self._cond:
+            job.ended = True
+            if self._loading.get(rid) is job:
+                del self._loading[rid]
+                if not job.layerwise or job.cancelled:
+                    self._done[rid] = self.bad_blocks(job)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Lets queued loads end (and unpin), then stops the threads."""
+        self.writer.close(timeout=None)
+        self._prefetch.shutdown()
