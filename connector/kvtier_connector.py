@@ -57,6 +57,7 @@ from connector.loader import Loader, LoadJob, Span, chunk_ok
 from connector.metrics import ConnectorMetrics, RequestKVMetrics, TierKVMetrics
 from connector.store_queue import StoreQueue
 from engine.kv_connector import KVConnectorBase
+from kvstore.budget_check import check_tier_budgets
 from kvstore.keys import (
     ROOT_HASH,
     ChunkKey,
@@ -157,6 +158,9 @@ class KVTierConnector(KVConnectorBase):
                 f"kv_caches ({len(kv_caches)} x {tuple(kv_caches[0].shape)}) do not match "
                 f"the model ({mc.num_layers} layers, {mc.num_kv_heads} kv heads, head size {mc.head_size})"
             )
+        if self._owns_storage:  # chunk bytes are known only now; a shared manager's owner checks its own
+            per_token = mc.num_layers * two * h * d * kv_caches[0].element_size()
+            check_tier_budgets(self.config.kvstore.tiers, per_token * self.chunk_size, kv_caches[0].element_size())
         self.kv_caches = list(kv_caches)
         self.block_size = bs
         self._kv_dtype = dtype_name(kv_caches[0].dtype)

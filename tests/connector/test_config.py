@@ -134,3 +134,19 @@ def test_lmcache_env_variables_other_than_the_config_file_are_one_warning(caplog
     assert cfg.chunk_size == 256
     assert caplog.messages == ["LMCACHE_CHUNK_SIZE, LMCACHE_LOCAL_CPU not read by kvtier (only LMCACHE_CONFIG_FILE "
                                "is); use the KVTIER_* variables, see docs/configuration.md"]
+
+
+@pytest.mark.slow
+def test_budget_smaller_than_one_chunk_fails_at_start_up(default_model_path, capsys):
+    from engine import LLM
+    from kvtier.cli import main
+
+    with pytest.raises(ValueError) as info:
+        LLM(str(default_model_path), device="cpu", dtype="float32", num_gpu_blocks=64,
+            kv_connector=["cpu?budget=4GiB", "cpu?budget=5"])
+    msg = str(info.value)
+    assert msg.startswith("tiers[1] cpu: budget=5 bytes is smaller than one chunk (")
+    assert "did you mean 5GB or 5GiB?" in msg
+    argv = ["generate", "hello", "--device", "cpu", "--dtype", "float32", "--kv-tier", "cpu?budget=5"]
+    assert main(argv) == 2
+    assert "tiers[0] cpu: budget=5 bytes is smaller than one chunk" in capsys.readouterr().err
