@@ -1,0 +1,100 @@
+"""One staging copy and background promotion: a stored chunk is gathered once and that one
+buffer feeds every tier's write; a chunk loaded from a slower tier is promoted to the faster
+ones by the store queue after the load, never on the load's path."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from connector.kvtier_connector import build_connector
+from kvstore.backends.disk import DiskBackend
+from kvstore.backends.memory import CPUBackend
+from kvstore.storage_manager import StorageManager
+from tests.connector.test_connector_e2e import CHUNK, assert_idle, make_llm, run
+from tests.engine.text import long_text
+
+
+class _RecordingDisk(DiskBackend):
+    """A real disk tier that records the address of every chunk handed to it for writing."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.seen: dict[str, int] = {}
+
+    def batched_put(self, items):
+        self.seen.update({k: kv.data_ptr() for k, kv in items})
+        super().batched_put(items)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(default_model_path: Path) -> list[int]:
+    from engine.model_loader import load_tokenizer
+
+    return load_tokenizer(default_model_path).encode(long_text(3))
+
+
+@pytest.fixture(scope="module")
+def reference(default_model_path: Path, prompt_ids: list[int]) -> list[int]:
+    return run(make_llm(default_model_path, None, enable_prefix_caching=False), prompt_ids).outputs[0].token_ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_every_tier_writes_from_the_one_gathered_buffer(layerwise, default_model_path, prompt_ids, tmp_path):
+    fast, disk = CPUBackend(), _RecordingDisk(tmp_path / "kv")
+    conn = build_connector(None, storage=StorageManager([fast, disk]), chunk_size=CHUNK, use_layerwise=layerwise)
+    llm = make_llm(default_model_path, conn, enable_prefix_caching=False)
+    run(llm, prompt_ids)
+    assert conn.flush(timeout=60)
+    stored = dict(fast._store)
+    assert stored and set(disk.seen) == set(stored)
+    # The cpu tier kept the gathered tensor itself and the disk tier wrote from that same memory.
+    assert all(disk.seen[k] == kv.data_ptr() for k, kv in stored.items())
+    assert conn.storage.staging_copies == 0  # a CPU engine's gather is already on the host
+    assert_idle(llm, conn)
+    llm.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="staging from a GPU needs CUDA")
+def test_a_gpu_chunk_is_staged_to_host_once_for_every_host_tier(tmp_path):
+    fast, disk = CPUBackend(), _RecordingDisk(tmp_path / "kv")
+    with StorageManager([fast, disk]) as sm:
+        kv = torch.randn(2, 2, 16, 2, 8, device="cuda")
+        sm.batched_put([("k", kv)], owned=True)
+        assert sm.flush(timeout=30)
+        assert sm.staging_copies == 1
+        assert fast._store["k"].device.type == "cpu" and disk.seen["k"] == fast._store["k"].data_ptr()
+        assert torch.equal(sm.get("k"), kv.cpu())
+
+
+@pytest.mark.slow
+def test_a_slow_tier_hit_is_promoted_by_the_store_queue_after_the_load(default_model_path, prompt_ids, reference,
+                                                                      tmp_path):
+    fast, disk = CPUBackend(), DiskBackend(tmp_path / "kv")
+    conn = build_connector(None, storage=StorageManager([fast, disk]), chunk_size=CHUNK)
+    llm = make_llm(default_model_path, conn, enable_prefix_caching=False)
+    run(llm, prompt_ids)
+    assert conn.flush(timeout=60)
+    keys = [k for _, _, k in conn._spans(prompt_ids)]
+    fast.clear()  # only the disk tier holds the prefix now
+    gate = threading.Event()
+    conn._stores._writer.submit(lambda: gate.wait(60))  # the store queue is busy meanwhile
+    try:
+        warm = run(llm, prompt_ids)
+        # Loaded from disk and answered while the promotion still waits in the store queue.
+        assert warm.outputs[0].token_ids == reference and warm.num_cached_tokens == len(prompt_ids) - 1
+        assert not any(fast.contains(k) for k in keys) and conn._stores.promotions == 0
+        assert conn.pending_stores() == len(keys)
+    finally:
+        gate.set()
+    assert conn.flush(timeout=60)
+    assert all(fast.contains(k) for k in keys) and conn._stores.promotions == len(keys)
+    again = run(llm, prompt_ids)  # now served by the cpu tier
+    assert again.outputs[0].token_ids == reference
+    assert conn.tier_metrics()[0].tokens_hit > 0
+    assert_idle(llm, conn)
+    llm.shutdown()
