@@ -14,9 +14,14 @@
   and its first token, over the same with the prefix in the engine's own prefix cache
                                                                           (target <= 1.5)
 - Redis vs cpu: the long-doc warm/cold of Redis over that of the cpu tier (target <= 1.3)
+- layerwise: the long-doc and stall runs again with `use_layerwise` (one stored value per
+  layer; a hit is scheduled at once and layer i of its forward waits only for layer i)
+- layer fetch: what addressing one layer costs: a 4k prefix's chunks fetched from Redis as
+  whole values (as the loader groups them) vs one value per layer and chunk, layer by layer
 
     .venv/bin/python benchmarks/bench_ttft.py [--quick] [--model DIR] [--device auto]
-        [--redis-url URL | --no-redis] [--only long_doc,stall,overhead,multi_round]
+        [--redis-url URL | --no-redis]
+        [--only long_doc,layerwise,stall,overhead,multi_round,layer_fetch]
 
 Writes benchmarks/results/ttft.json and ttft.md and prints the table. `--quick` uses small
 sizes just to check the script works; its figures mean little. The engine's prefix cache is
@@ -39,8 +44,15 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from connector.config import make_config  # noqa: E402
 from connector.kvtier_connector import KVTierConnector, build_connector  # noqa: E402
+from connector.layerwise import layer_key  # noqa: E402
+from connector.loader import FETCH_GROUP  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
+from engine.model_loader import resolve_model_path  # noqa: E402
+from kvstore.keys import ChunkKey  # noqa: E402
+from kvstore.storage_manager import StorageManager  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 ONE = SamplingParams(temperature=0.0, max_tokens=1)
@@ -196,8 +208,9 @@ def stall_arm(llm: LLM, prompt: list[int], decoders: list[list[int]], same_prefi
             "arrival_to_token_s": sum(steps), "cached_tokens": cached}
 
 
-def bench_stall(args, redis_url: str, doc_len: int, q_len: int, chunk: int, reps: int) -> dict:
-    conn = build_connector([redis_url], chunk_size=chunk)
+def bench_stall(args, redis_url: str, doc_len: int, q_len: int, chunk: int, reps: int,
+                layerwise: bool = False) -> dict:
+    conn = build_connector([redis_url], chunk_size=chunk, use_layerwise=layerwise)
     llm = LLM(args.model, device=args.device, kv_connector=conn)
     vocab = llm.model_config.vocab_size
     decoders = [token_ids(64, vocab, salt=70_000 + i) for i in range(4)]
@@ -220,8 +233,40 @@ def bench_stall(args, redis_url: str, doc_len: int, q_len: int, chunk: int, reps
             **out, "stall_ratio": out["redis"]["max_step_s"] / out["prefix_cache"]["max_step_s"]}
 
 
-SECTIONS = {"long_doc": "long_doc_qa", "stall": "stall", "overhead": "store_overhead",
-            "multi_round": "multi_round_qa"}
+def bench_layer_fetch(redis_url: str, shape: tuple[int, ...], n_chunks: int, reps: int) -> dict:
+    """Fetches `n_chunks` chunks of `shape` from Redis as whole values, FETCH_GROUP per call
+    (the whole-chunk loader), and as one value per layer, one call per layer (the layerwise
+    loader); returns median seconds for all of it and, layerwise, for the first layer."""
+    layers = shape[0]
+    keys = [ChunkKey("bench-layer-fetch", "float32", 1, shape[2], f"{i:032x}").to_str() for i in range(n_chunks)]
+    with StorageManager.from_config(make_config([redis_url]).kvstore) as sm:
+        for k in keys:
+            kv = torch.randn(shape)
+            sm.batched_put([(k, kv)] + [(layer_key(k, i), kv[i:i + 1].clone()) for i in range(layers)])
+        whole, per_layer, first = [], [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for g in range(0, n_chunks, FETCH_GROUP):
+                assert all(v is not None for v, _ in sm.fetch(keys[g:g + FETCH_GROUP], read_only=True))
+            whole.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for i in range(layers):
+                assert all(v is not None for v, _ in sm.fetch([layer_key(k, i) for k in keys], read_only=True))
+                if i == 0:
+                    first.append(time.perf_counter() - t0)
+            per_layer.append(time.perf_counter() - t0)
+        for k in keys:
+            for key in [k] + [layer_key(k, i) for i in range(layers)]:
+                sm.delete(key)
+    w, p, f = statistics.median(whole), statistics.median(per_layer), statistics.median(first)
+    return {"chunks": n_chunks, "chunk_shape": list(shape), "chunk_mb": torch.Size(shape).numel() * 4 / 1e6,
+            "reps": reps, "whole_s": w, "per_layer_s": p, "first_layer_s": f,
+            "per_layer_over_whole": p / w, "first_layer_over_whole": f / w}
+
+
+SECTIONS = {"long_doc": "long_doc_qa", "layerwise": "long_doc_qa_layerwise", "stall": "stall",
+            "overhead": "store_overhead", "multi_round": "multi_round_qa", "layer_fetch": "layer_fetch"}
+STALL_LAYERWISE = "stall_layerwise"
 
 
 def merge_previous(res: dict, path: Path) -> dict:
@@ -260,11 +305,30 @@ def table(res: dict) -> str:
     if ld and "redis_over_cpu" in ld:
         lines.append(f"| long-doc QA ({ld['doc_tokens']} tok) | redis vs cpu | (redis warm/cold) / "
                      f"(cpu warm/cold) | {ld['redis_over_cpu']:.2f}x | <= 1.3x |")
+    lw = res.get("long_doc_qa_layerwise")
+    for name, t in (lw["tiers"].items() if lw else ()):
+        whole = ld["tiers"].get(name) if ld else None
+        vs = f"; whole-chunk loads {whole['warm_ttft_s'] * 1e3:.1f} ms" if whole else ""
+        lines.append(f"| long-doc QA ({lw['doc_tokens']} tok), layerwise | warm from {name} | warm/cold TTFT "
+                     f"({t['warm_ttft_s'] * 1e3:.1f} / {t['cold_ttft_s'] * 1e3:.1f} ms{vs}) | "
+                     f"{t['warm_over_cold']:.4f} | {targets.get(name, '-')} |")
+    if lw and "redis_over_cpu" in lw:
+        lines.append(f"| long-doc QA ({lw['doc_tokens']} tok), layerwise | redis vs cpu | (redis warm/cold) / "
+                     f"(cpu warm/cold) | {lw['redis_over_cpu']:.2f}x | <= 1.3x |")
+    lf = res.get("layer_fetch")
+    if lf:
+        lines.append(f"| layer fetch ({lf['chunks']} chunks of {lf['chunk_mb']:.1f} MB from Redis) | one value per "
+                     f"layer vs whole chunks | all layers / whole ({lf['per_layer_s'] * 1e3:.1f} / "
+                     f"{lf['whole_s'] * 1e3:.1f} ms; first layer {lf['first_layer_s'] * 1e3:.1f} ms) | "
+                     f"{lf['per_layer_over_whole']:.2f} | - |")
     st = res.get("stall")
-    if st:
+    stalls = [("redis (background load)", st)] if st else []
+    if lw and "stall" in lw:
+        stalls.append(("redis (layerwise, in the step)", lw["stall"]))
+    for label, st in stalls:
         lines.append(
             f"| stall ({st['decoders']} decoding + {st['doc_tokens']}-tok prefix arriving) | "
-            f"redis (background load) vs engine prefix cache | longest step arrival..first token "
+            f"{label} vs engine prefix cache | longest step arrival..first token "
             f"({st['redis']['max_step_s'] * 1e3:.1f} / {st['prefix_cache']['max_step_s'] * 1e3:.1f} ms; "
             f"decode step {st['prefix_cache']['decode_step_s'] * 1e3:.1f} ms; arrival to token "
             f"{st['redis']['arrival_to_token_s'] * 1e3:.0f} / "
@@ -295,11 +359,11 @@ def main() -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--redis-url", default=None, help="use this Redis instead of a private redis-server")
     ap.add_argument("--no-redis", action="store_true")
-    ap.add_argument("--only", default="long_doc,stall,overhead,multi_round",
+    ap.add_argument("--only", default=",".join(SECTIONS),
                     help="comma-separated sections to run (results of the others are not written)")
     args = ap.parse_args()
     only = set(args.only.split(","))
-    unknown = only - {"long_doc", "stall", "overhead", "multi_round"}
+    unknown = only - set(SECTIONS)
     if unknown:
         ap.error(f"--only: unknown section(s) {sorted(unknown)}")
     q = args.quick
@@ -356,6 +420,31 @@ def main() -> int:
             res["tier_metrics"] = [m.to_dict() for m in conn.tier_metrics()]
             llm.shutdown()
             del llm
+        if "layerwise" in only:
+            print(f"long-document QA, layerwise, on {args.device} ...", file=sys.stderr)
+            conn = build_connector([urls[n] for n in names], chunk_size=sizes["chunk"], use_layerwise=True)
+            llm = LLM(args.model, device=args.device, enable_prefix_caching=False, kv_connector=conn)
+            res["device"] = str(llm.engine.runner.device)
+            ttft(llm, token_ids(8, llm.model_config.vocab_size, salt=1))  # warm-up
+            lw = bench_long_doc(llm, conn, names, sizes["doc"], sizes["docs"], sizes["questions"], sizes["qtok"])
+            llm.shutdown()
+            del llm
+            lws = lw["tiers"]
+            targets["layerwise_cpu_warm/cold<=1/50"] = lws["cpu"]["warm_over_cold"] <= 1 / 50
+            if "redis" in lws:
+                lw["redis_over_cpu"] = lws["redis"]["warm_over_cold"] / lws["cpu"]["warm_over_cold"]
+                targets["layerwise_redis/cpu<=1.3"] = lw["redis_over_cpu"] <= 1.3
+                print("stall, layerwise ...", file=sys.stderr)
+                lw["stall"] = bench_stall(args, redis_url, sizes["doc"], sizes["qtok"], sizes["chunk"],
+                                          sizes["stall_reps"], layerwise=True)
+                targets["layerwise_stall<=1.5"] = lw["stall"]["stall_ratio"] <= 1.5
+            res["long_doc_qa_layerwise"] = lw
+        if "layer_fetch" in only and redis_url:
+            print("layer fetch ...", file=sys.stderr)
+            mc = ModelConfig.from_pretrained(resolve_model_path(args.model))
+            shape = (mc.num_layers, 2, sizes["chunk"], mc.num_kv_heads, mc.head_size)
+            res["layer_fetch"] = bench_layer_fetch(redis_url, shape, sizes["doc"] // sizes["chunk"],
+                                                   sizes["stall_reps"] + 2)
         if "stall" in only and redis_url:
             print("stall ...", file=sys.stderr)
             res["stall"] = bench_stall(
