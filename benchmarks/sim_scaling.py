@@ -155,16 +155,17 @@ def run(sc: Scenario, measured: Measured) -> dict[str, Any]:
     }
     for policy in sc.policies:
         res = simulate(trace, policy, sc.engines, sc.engine, sc.step, list(sc.tiers), sc.model.bytes_per_token)
-        out["policies"][policy] = summarize(res, measured, sc.shard)
+        out["policies"][policy] = summarize(res, sc.workload.rate, measured, sc.shard)
     return out
 
 
-def summarize(res: SimResult, measured: Measured, a: ShardAssumptions) -> dict[str, Any]:
-    """Returns one policy's figures: hit rates, TTFT and, per shared tier, the shards it needs."""
+def summarize(res: SimResult, rate: float, measured: Measured, a: ShardAssumptions) -> dict[str, Any]:
+    """Returns one policy's figures: hit rates, TTFT and, per shared tier, the shards it needs
+    at `rate` requests/s (the fleet's)."""
     row: dict[str, Any] = {"all": res.summary(), "follow_up": res.summary(skip_first_round=True),
                            "requests_per_engine": res.per_engine, "duration_s": res.duration_s, "shared_tiers": {}}
     for tier in res.shared:
-        s = size_tier(tier, res.duration_s, measured.shards[tier.name], a)
+        s = size_tier(tier, len(res.lives), rate, measured.shards[tier.name], a)
         row["shared_tiers"][tier.name] = {**dataclasses.asdict(s), "shards": s.shards,
                                           "capacity_source": measured.shards[tier.name].source}
     return row
@@ -197,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{sc.engines} engines x {sc.model.name} ({sc.model.bytes_per_token} B/token KV, "
           f"{sc.engine.pool_blocks} blocks each), {sc.workload.rate:g} req/s in all "
-          f"({out['trace']['mean_rate']:.2f} over the trace), {out['trace']['requests']} requests, "
+          f"({out['trace']['mean_rate']:.2f} averaged over the trace with its ramps; shards are sized at "
+          f"{sc.workload.rate:g}), {out['trace']['requests']} requests, "
           f"ideal reuse {out['trace']['ideal_reuse']:.2f}")
     print(table(out))
     if args.json:

@@ -39,12 +39,14 @@ class Sizing:
         return max(1, self.shards_bandwidth, self.shards_ops, self.shards_memory)
 
 
-def size_tier(tier: ChunkTier, duration_s: float, cap: ShardCapacity, a: ShardAssumptions) -> Sizing:
-    """Returns the shards `tier`'s simulated traffic over `duration_s` needs with shards of
-    capacity `cap` under assumptions `a`. Ops: one per existence query, chunk GET and chunk PUT."""
-    d = max(duration_s, 1e-9)
-    read, write = tier.bytes_loaded / d / 1e9, tier.bytes_stored / d / 1e9
-    ops = (tier.lookups + tier.gets + tier.puts) / d
+def size_tier(tier: ChunkTier, requests: int, rate: float, cap: ShardCapacity, a: ShardAssumptions) -> Sizing:
+    """Returns the shards `tier` needs at `rate` requests/s, from its simulated traffic per
+    request over `requests` requests (steady state: the trace's ramp up and down does not
+    dilute the rate), with shards of capacity `cap` under assumptions `a`. Ops: one per
+    existence query, chunk GET and chunk PUT."""
+    per_s = rate / max(requests, 1)
+    read, write = tier.bytes_loaded * per_s / 1e9, tier.bytes_stored * per_s / 1e9
+    ops = (tier.lookups + tier.gets + tier.puts) * per_s
     per_shard_gbps = min(cap.gbps, a.nic_gbps) * a.utilization
     budget_gib = tier.budget_bytes / 2**30
     return Sizing(read, write, ops, budget_gib,
