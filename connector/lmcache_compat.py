@@ -206,7 +206,8 @@ def to_kvtier(data: Mapping[str, Any], source: str = "config",
     (`kvtier_keys`) mixed in, or an unknown key (listing every valid LMCache key)."""
     out: dict[str, Any] = {}
     blend: dict[str, Any] = {}
-    lm_only = next(k for k in data if isinstance(k, str) and k not in SHARED_KEYS and lookup(k) is not None)
+    lm_only = next((k for k in data if isinstance(k, str) and k not in SHARED_KEYS and lookup(k) is not None),
+                   "its keys")
     for key, value in data.items():
         row = lookup(key) if isinstance(key, str) else None
         if row is None and key in kvtier_keys:
@@ -242,6 +243,9 @@ def to_kvtier(data: Mapping[str, Any], source: str = "config",
         and data["blend_check_layers"] is not None else None
     ratios = _float_list(data["blend_recompute_ratios"], "blend_recompute_ratios") \
         if data.get("blend_recompute_ratios") is not None else None
+    if (layers is None) != (ratios is None) and len(layers or ratios or []) > 1:
+        raise ValueError("blend_check_layers/blend_recompute_ratios: several check layers need one ratio each; "
+                         "give both lists")
     if layers is not None and ratios is not None and len(layers) != len(ratios):
         raise ValueError(f"blend_check_layers/blend_recompute_ratios: one ratio per layer is needed, got "
                          f"{len(layers)} layers and {len(ratios)} ratios")

@@ -85,6 +85,7 @@ def test_defaults_follow_lmcache_for_tiers() -> None:
     ({"local_cpu": True, "blend_check_layers": [1, 2], "blend_recompute_ratios": [0.1]},
      "blend_check_layers/blend_recompute_ratios: one ratio per layer"),
     ({"local_cpu": True, "max_local_cpu_sise": 5}, "max_local_cpu_sise: not a kvtier key, nor an LMCache key"),
+    ({"local_cpu": True, "blend_check_layers": [1, 4]}, "blend_check_layers/blend_recompute_ratios: several"),
 ])
 def test_keys_kvtier_cannot_honour_are_errors_naming_them(data: dict, message: str) -> None:
     with pytest.raises(ValueError) as info:
