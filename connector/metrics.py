@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvstore.storage_manager import TierStats
@@ -20,6 +21,9 @@ class RequestKVMetrics:
     # Loaded from a tier instead of computed (CacheBlend: the segments fetched; segments it
     # computes, cold or promised exact, are not counted, and neither is their compute time).
     connector_hit_tokens: int = 0
+    # Of those, per tier that served them (tier names as in `tier_metrics`), where the load
+    # path reports it (CacheBlend's segment fetches do).
+    loaded_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     load_error_tokens: int = 0  # promised at lookup, not loaded (gone or bad at fetch): computed
     bytes_loaded: int = 0
     load_seconds: float = 0.0  # fetch from the tiers + scatter into the paged cache (CacheBlend: + re-rotation)
@@ -79,8 +83,9 @@ class ConnectorMetrics:
                 m = self._live[request_id] = RequestKVMetrics(request_id)
             return m
 
-    def add(self, request_id: str, **deltas: float) -> None:
-        """Adds `deltas` to the request's counters and to the totals."""
+    def add(self, request_id: str, loaded_by_tier: Mapping[str, int] | None = None, **deltas: float) -> None:
+        """Adds `deltas` to the request's counters and `loaded_by_tier` to its tokens loaded
+        per tier, and both to the totals."""
         with self._lock:
             m = self._live.get(request_id) or self._done.get(request_id)
             if m is None:  # first sight, or aged out: a bounded finished record either way
@@ -90,6 +95,9 @@ class ConnectorMetrics:
             for name, value in deltas.items():
                 setattr(m, name, getattr(m, name) + value)
                 setattr(self.totals, name, getattr(self.totals, name) + value)
+            for tier, n in (loaded_by_tier or {}).items():
+                for rec in (m, self.totals):
+                    rec.loaded_tokens_by_tier[tier] = rec.loaded_tokens_by_tier.get(tier, 0) + n
 
     def finish(self, request_id: str) -> None:
         """Moves a request's record to the finished list (oldest dropped beyond `keep`)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -171,8 +172,11 @@ class LLMEngine:
             # The connector records the engine's hit when it is asked; never asked, every cached
             # token is the engine's own.
             engine_hit = m.engine_hit_tokens if m.num_prompt_tokens else cached
-            fields += [f"engine_hit_tokens={engine_hit}", f"loaded_tokens={m.connector_hit_tokens}",
-                       f"load_ms={m.load_seconds * 1e3:.1f}"]
+            fields += [f"engine_hit_tokens={engine_hit}", f"loaded_tokens={m.connector_hit_tokens}"]
+            by_tier = getattr(m, "loaded_tokens_by_tier", None)
+            if by_tier:  # tier names are URLs: JSON keeps them unambiguous
+                fields.append(f"loaded_tokens_by_tier={json.dumps(by_tier, separators=(',', ':'))}")
+            fields.append(f"load_ms={m.load_seconds * 1e3:.1f}")
             if m.load_error_tokens:
                 fields.append(f"load_error_tokens={m.load_error_tokens}")
             fields.append(f"stored_tokens={m.stored_tokens}")

@@ -233,6 +233,7 @@ class BlendConnector(KVTierConnector):
         computed: list[tuple[torch.Tensor, torch.Tensor]] = []  # standalone, computed here
         to_store = []
         load_s = 0.0
+        by_tier: dict[str, int] = {}
         for seg in job.segments:
             lo, hi = max(seg.start, job.start), min(seg.end, job.end)
             if lo >= hi:
@@ -243,12 +244,17 @@ class BlendConnector(KVTierConnector):
             spans = self._segment_spans(tokens, mode)
             t_fetch = time.perf_counter()
             if seg.start > 0 and seg.end <= job.exact_end:  # promised exact: computed here
-                kv, ok = None, [False] * len(spans)
+                kv, ok, tiers = None, [False] * len(spans), [-1] * len(spans)
             else:
-                kv, ok = self._fetch_segment(spans)
+                kv, ok, tiers = self._fetch_segment(spans)
             slots = slots_for(job.block_ids, self.block_size, lo, hi, device=dev)
             if kv is not None:
                 self.stats.segment_hits += 1
+                for (cs, ce, _), tier in zip(spans, tiers):  # the tokens of [lo, hi) each chunk gave
+                    n = min(seg.start + ce, hi) - max(seg.start + cs, lo)
+                    if n > 0:
+                        name = self.storage.names[tier]
+                        by_tier[name] = by_tier.get(name, 0) + n
                 loaded.append((slots, rerotate_kv(kv[:, :, lo - seg.start: hi - seg.start].to(dev), seg.start,
                                                   inv_freq)))
                 load_s += time.perf_counter() - t_fetch
@@ -281,7 +287,7 @@ class BlendConnector(KVTierConnector):
         s.recomputed_tokens += recomputed
         s.blend_seconds += time.perf_counter() - t0
         num_loaded = sum(slots.numel() for slots, _ in loaded)
-        self.metrics.add(job.request_id, connector_hit_tokens=num_loaded, load_seconds=load_s,
+        self.metrics.add(job.request_id, by_tier, connector_hit_tokens=num_loaded, load_seconds=load_s,
                          bytes_loaded=sum(kv.numel() * kv.element_size() for _, kv in loaded))
         if job.seq is not None:
             # The scheduler counted the whole blend as cached at admission; only the engine's
@@ -315,18 +321,21 @@ class BlendConnector(KVTierConnector):
         """Returns the chunk spans of a segment's K/V of kind `segment_kv` for this model."""
         return segment_spans(token_ids, self.chunk_size, self.model_config.fingerprint, self._kv_dtype, segment_kv)
 
-    def _fetch_segment(self, spans: list[Span]) -> tuple[torch.Tensor | None, list[bool]]:
+    def _fetch_segment(self, spans: list[Span]) -> tuple[torch.Tensor | None, list[bool], list[int]]:
         """Returns a segment's stored K/V `(L, 2, n, H, D)` (None unless every chunk is there
-        and well-formed) and which chunks were. Read only: it may be a tier's own tensor
-        (callers re-rotate a copy of it)."""
+        and well-formed), which chunks were, and the index of the tier each came from (-1:
+        none). Read only: it may be a tier's own tensor (callers re-rotate a copy of it). Hits
+        from slower tiers are promoted, as `StorageManager.batched_get` does."""
         keys = [k for _, _, k in spans]
         self._queue().wait_for(keys)  # read-your-writes: a segment store may still be queued
-        values = self.storage.batched_get(keys, read_only=True)
-        ok = [self._chunk_ok(kv, e - s) for (s, e, _), kv in zip(spans, values)]
+        found = self.storage.fetch(keys, read_only=True)
+        self.storage.promote([(k, kv, t) for k, (kv, t) in zip(keys, found) if kv is not None and t > 0])
+        ok = [self._chunk_ok(kv, e - s) for (s, e, _), (kv, _) in zip(spans, found)]
+        tiers = [t for _, t in found]
         if not all(ok):
-            return None, ok
-        chunks = [kv for kv in values if kv is not None]  # all ok: every one is there
-        return (chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)), ok
+            return None, ok, tiers
+        chunks = [kv for kv, _ in found if kv is not None]  # all ok: every one is there
+        return (chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)), ok, tiers
 
     def blend_stats(self) -> dict[str, Any]:
         """Returns the blend totals since start-up (see `BlendStats`)."""

@@ -6,6 +6,7 @@ K/V never leaks into the engine's prefix cache or the prefix tiers."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,7 @@ def test_metrics_count_only_the_segments_loaded(default_model_path, segments):
     m = conn.request_metrics(warm.request_id)
     assert warm.num_cached_tokens == m.connector_hit_tokens == context
     assert m.bytes_loaded == context * conn._bytes_per_token and m.load_seconds > 0
+    assert m.loaded_tokens_by_tier == {"0:cpu": context}
 
     # A new document right after the system prompt is computed in context; the rest is loaded.
     new_doc = llm.get_tokenizer().encode(f"Document: {PARAGRAPHS[3]}\n")
@@ -193,9 +195,30 @@ def test_metrics_count_only_the_segments_loaded(default_model_path, segments):
     m = conn.request_metrics(mixed.request_id)
     loaded = len(segments["system"]) + len(segments["docs"][2]) + len(segments["docs"][0])
     assert mixed.num_cached_tokens == m.connector_hit_tokens == loaded
+    assert m.loaded_tokens_by_tier == {"0:cpu": loaded}
     assert m.bytes_loaded == loaded * conn._bytes_per_token
     assert conn.flush(timeout=60)
     assert conn.request_metrics(mixed.request_id).stored_tokens == len(new_doc)
+    assert_idle(llm, conn)
+
+
+def test_loaded_tokens_are_counted_per_tier_and_logged(default_model_path, segments, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kvtier.request")
+    disk = f"disk://{tmp_path}"
+    conn = build_blend_connector(["cpu", disk], chunk_size=CHUNK, blend=BlendConfig(ratio=0.15))
+    llm = make_llm(default_model_path, conn, enable_prefix_caching=False)
+    context = sum(prompt(segments)["segment_lens"][:-1])
+    llm.generate([prompt(segments, (0, 1, 2))], GREEDY)  # cold: computed, stored in both tiers
+    assert conn.flush(timeout=60)
+    conn.storage.tiers[0].clear()  # only the disk tier holds the segments now
+    from_disk = llm.generate([prompt(segments, (2, 0, 1))], GREEDY)[0]
+    assert conn.request_metrics(from_disk.request_id).loaded_tokens_by_tier == {f"1:{disk}": context}
+    assert conn.flush(timeout=60)
+    promoted = llm.generate([prompt(segments, (1, 2, 0))], GREEDY)[0]  # the disk hits were promoted
+    assert conn.request_metrics(promoted.request_id).loaded_tokens_by_tier == {"0:cpu": context}
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvtier.request"]
+    assert len(lines) == 3 and "loaded_tokens_by_tier" not in lines[0]
+    assert f'loaded_tokens={context} loaded_tokens_by_tier={{"1:{disk}":{context}}} load_ms=' in lines[1]
     assert_idle(llm, conn)
 
 
