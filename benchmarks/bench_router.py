@@ -127,14 +127,14 @@ def pd_arm(disaggregated: bool, engine: list[str], prompts: list[str], args: arg
 def tables(res: dict[str, Any]) -> str:
     lines = ["| routing policy | mean TTFT follow-up (all rounds) | TTFT p50 / p99 | ITL p99 | out tok/s | "
              "cached tok (follow-up, mean) | requests per instance |", "|---|---|---|---|---|---|---|"]
-    for name, a in res["routing"].items():
+    for name, a in res.get("routing", {}).items():
         lines.append(f"| {name} | {a['mean_ttft_s'] * 1e3:.0f} ms ({a['mean_ttft_all_rounds_s'] * 1e3:.0f} ms) | "
                      f"{a['ttft_p50_s'] * 1e3:.0f} / {a['ttft_p99_s'] * 1e3:.0f} ms | {a['itl_p99_s'] * 1e3:.0f} ms | "
                      f"{a['throughput_tok_s']:.1f} | {a['mean_cached_tokens_followup']:.0f} | "
                      f"{' / '.join(f'{x:.0f}' for x in a['requests_per_backend'])} |")
     lines += ["", "| prefill placement | mean TTFT | ITL p50 / p90 / p99 / max | out tok/s | cached tok (mean) |",
               "|---|---|---|---|---|"]
-    for name, a in res["pd"].items():
+    for name, a in res.get("pd", {}).items():
         lines.append(f"| {name} | {a['mean_ttft_s'] * 1e3:.0f} ms | {a['itl_p50_s'] * 1e3:.0f} / "
                      f"{a['itl_p90_s'] * 1e3:.0f} / {a['itl_p99_s'] * 1e3:.0f} / {a['itl_max_s'] * 1e3:.0f} ms | "
                      f"{a['throughput_tok_s']:.2f} | {a['mean_cached_tokens']:.0f} |")
@@ -153,11 +153,13 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--context-tokens", type=int, default=1500)
     ap.add_argument("--answer-tokens", type=int, default=24)
-    ap.add_argument("--pd-requests", type=int, default=12)
-    ap.add_argument("--pd-interval", type=float, default=4.0, help="seconds between part-2 arrivals")
-    ap.add_argument("--pd-prompt-tokens", type=int, default=1500)
+    ap.add_argument("--pd-requests", type=int, default=10)
+    ap.add_argument("--pd-interval", type=float, default=8.0,
+                    help="seconds between part-2 arrivals (one producer thread must keep up: equal throughput)")
+    ap.add_argument("--pd-prompt-tokens", type=int, default=1200)
     ap.add_argument("--pd-answer-tokens", type=int, default=64)
-    ap.add_argument("--skip-pd", action="store_true")
+    ap.add_argument("--only", choices=["routing", "pd"], default=None,
+                    help="run one part; the other part's figures are kept from the existing results file")
     args = ap.parse_args()
     if args.quick:
         args.users, args.rounds, args.concurrency, args.context_tokens, args.answer_tokens = 4, 2, 2, 300, 8
@@ -172,20 +174,27 @@ def main() -> int:
     blocks = per_user_blocks * (args.users // 2) + per_user_blocks // 2
     engine = ["--model", model, "--device", "cpu", "--num-gpu-blocks", str(blocks),
               "--max-num-seqs", str(args.concurrency)]
-    res: dict[str, Any] = {"quick": args.quick, "platform": platform.platform(), "users": args.users,
-                           "rounds": args.rounds, "concurrency": args.concurrency,
-                           "context_tokens": args.context_tokens, "answer_tokens": args.answer_tokens,
-                           "num_gpu_blocks_per_instance": blocks, "threads_per_instance": 1,
-                           "routing": {}, "pd": {}}
-    for policy in ("kv-aware", "prefix-hash", "round-robin"):
-        print(f"routing: {policy} ...", file=sys.stderr)
-        res["routing"][policy] = routing_arm(policy, engine, contexts, args)
-    kv, rr, ph = (res["routing"][p] for p in ("kv-aware", "round-robin", "prefix-hash"))
-    ratios = {"mean TTFT follow-up, round-robin / kv-aware": (rr["mean_ttft_s"] / kv["mean_ttft_s"], ">= 2"),
-              "mean TTFT follow-up, round-robin / prefix-hash": (rr["mean_ttft_s"] / ph["mean_ttft_s"], "reported"),
-              "mean TTFT all rounds, round-robin / kv-aware":
-                  (rr["mean_ttft_all_rounds_s"] / kv["mean_ttft_all_rounds_s"], "reported")}
-    if not args.skip_pd:
+    suffix = "_quick" if args.quick else ""
+    previous = RESULTS / f"router{suffix}.json"
+    res: dict[str, Any] = json.loads(previous.read_text()) if args.only and previous.exists() else {}
+    res.update({"quick": args.quick, "platform": platform.platform(), "threads_per_instance": 1})
+    ratios: dict[str, tuple[float, str]] = {k: (v["value"], v["target"]) for k, v in res.get("ratios", {}).items()}
+    if args.only != "pd":
+        res.update({"users": args.users, "rounds": args.rounds, "concurrency": args.concurrency,
+                    "context_tokens": args.context_tokens, "answer_tokens": args.answer_tokens,
+                    "num_gpu_blocks_per_instance": blocks, "routing": {}})
+        for policy in ("kv-aware", "prefix-hash", "round-robin"):
+            print(f"routing: {policy} ...", file=sys.stderr)
+            res["routing"][policy] = routing_arm(policy, engine, contexts, args)
+        kv, rr, ph = (res["routing"][p] for p in ("kv-aware", "round-robin", "prefix-hash"))
+        ratios.update({
+            "mean TTFT follow-up, round-robin / kv-aware": (rr["mean_ttft_s"] / kv["mean_ttft_s"], ">= 2"),
+            "mean TTFT follow-up, round-robin / prefix-hash": (rr["mean_ttft_s"] / ph["mean_ttft_s"], "reported"),
+            "mean TTFT all rounds, round-robin / kv-aware":
+                (rr["mean_ttft_all_rounds_s"] / kv["mean_ttft_all_rounds_s"], "reported")})
+    if args.only != "routing":
+        res.update({"pd_requests": args.pd_requests, "pd_interval_s": args.pd_interval,
+                    "pd_prompt_tokens": args.pd_prompt_tokens, "pd_answer_tokens": args.pd_answer_tokens, "pd": {}})
         prompts = [f"Request {i}. " + context_text(100 + i, tok, args.pd_prompt_tokens) + "\n\nSummarise."
                    for i in range(args.pd_requests)]
         pd_engine = ["--model", model, "--device", "cpu", "--max-num-seqs", "16"]
@@ -201,15 +210,19 @@ def main() -> int:
         ratios["answers identical, disaggregated vs colocated"] = (float(dis["texts"] == co["texts"]), "1")
     res["ratios"] = {k: {"value": v, "target": t} for k, (v, t) in ratios.items()}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    suffix = "_quick" if args.quick else ""
     md = tables(res)
     (RESULTS / f"router{suffix}.json").write_text(json.dumps(res, indent=2) + "\n")
+    parts = []
+    if "routing" in res:
+        parts.append(f"Routing: {res['users']} users x {res['rounds']} rounds, {res['concurrency']} concurrent, "
+                     f"~{res['context_tokens']}-token contexts, {res['answer_tokens']}-token answers, "
+                     f"{res['num_gpu_blocks_per_instance']} KV blocks per instance (about half the users' histories).")
+    if "pd" in res:
+        parts.append(f"Disaggregation: {res['pd_requests']} distinct ~{res['pd_prompt_tokens']}-token prompts, one "
+                     f"every {res['pd_interval_s']:g} s, {res['pd_answer_tokens']}-token answers, shared cache server.")
     (RESULTS / f"router{suffix}.md").write_text(
-        f"# Router: two instances, one thread each (2-core CPU, fp32)\n\nRouting: {args.users} users x "
-        f"{args.rounds} rounds, {args.concurrency} concurrent, ~{args.context_tokens}-token contexts, "
-        f"{args.answer_tokens}-token answers, {blocks} KV blocks per instance (about half the users' histories). "
-        f"Disaggregation: {args.pd_requests} distinct ~{args.pd_prompt_tokens}-token prompts, one every "
-        f"{args.pd_interval:g} s, {args.pd_answer_tokens}-token answers, shared cache server.\n\n{md}\n")
+        "# Router: two instances, one thread each (2-core CPU, fp32)\n\n" + " ".join(parts)
+        + f" Each part's ratios come from one run of that part.\n\n{md}\n")
     print(md)
     return 0
 
