@@ -40,7 +40,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_serving import chat_stream, context_text, pct, run_arm  # noqa: E402
+from benchmarks.bench_serving import chat_stream, context_text, pct, qa_arguments, ratio_rows, run_arm  # noqa: E402
 from engine.default_model import ensure_default_model  # noqa: E402
 from tests.fixtures.cache_server import CacheServerProcess  # noqa: E402
 from tests.fixtures.serve import RouterProcess, ServeProcess  # noqa: E402
@@ -138,21 +138,11 @@ def tables(res: dict[str, Any]) -> str:
         lines.append(f"| {name} | {a['mean_ttft_s'] * 1e3:.0f} ms | {a['itl_p50_s'] * 1e3:.0f} / "
                      f"{a['itl_p90_s'] * 1e3:.0f} / {a['itl_p99_s'] * 1e3:.0f} / {a['itl_max_s'] * 1e3:.0f} ms | "
                      f"{a['throughput_tok_s']:.2f} | {a['mean_cached_tokens']:.0f} |")
-    lines += ["", "| ratio | measured | target |", "|---|---:|---:|"]
-    for key, r in res["ratios"].items():
-        lines.append(f"| {key} | {r['value']:.3f} | {r['target']} |")
-    return "\n".join(lines)
+    return "\n".join(lines + ratio_rows({k: (r["value"], r["target"]) for k, r in res["ratios"].items()}))
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes (validates the script)")
-    ap.add_argument("--model", default=None, help="checkpoint dir (default: the bundled model)")
-    ap.add_argument("--users", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--context-tokens", type=int, default=1500)
-    ap.add_argument("--answer-tokens", type=int, default=24)
+    ap = qa_arguments(__doc__.splitlines()[0], context_tokens=1500, answer_tokens=24)
     ap.add_argument("--pd-requests", type=int, default=10)
     ap.add_argument("--pd-interval", type=float, default=8.0,
                     help="seconds between part-2 arrivals (one producer thread must keep up: equal throughput)")

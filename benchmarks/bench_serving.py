@@ -169,21 +169,31 @@ def table(res: dict[str, Any]) -> str:
                      f"{a['ttft_p50_s'] * 1e3:.0f} / {a['ttft_p90_s'] * 1e3:.0f} / {a['ttft_p99_s'] * 1e3:.0f} ms | "
                      f"{a['itl_p50_s'] * 1e3:.0f} / {a['itl_p90_s'] * 1e3:.0f} / {a['itl_p99_s'] * 1e3:.0f} ms | "
                      f"{a['throughput_tok_s']:.1f} | {a['mean_cached_tokens_followup']:.0f} |")
-    lines += ["", "| ratio | measured | target |", "|---|---:|---:|"]
-    for key, (value, target) in res["ratios"].items():
-        lines.append(f"| {key} | {value:.3f} | {target} |")
-    return "\n".join(lines)
+    return "\n".join(lines + ratio_rows(res["ratios"]))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def ratio_rows(ratios: dict[str, tuple[float, str]]) -> list[str]:
+    """Returns the markdown rows of a `name -> (value, target)` ratio table, blank line first."""
+    return ["", "| ratio | measured | target |", "|---|---:|---:|",
+            *(f"| {key} | {value:.3f} | {target} |" for key, (value, target) in ratios.items())]
+
+
+def qa_arguments(description: str, context_tokens: int, answer_tokens: int) -> argparse.ArgumentParser:
+    """Returns a parser with the multi-round QA flags (--quick --model --users --rounds
+    --concurrency --context-tokens --answer-tokens) that bench_serving and bench_router share."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--quick", action="store_true", help="small sizes (validates the script)")
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the bundled model)")
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--context-tokens", type=int, default=2000)
-    ap.add_argument("--answer-tokens", type=int, default=32)
+    ap.add_argument("--context-tokens", type=int, default=context_tokens)
+    ap.add_argument("--answer-tokens", type=int, default=answer_tokens)
+    return ap
+
+
+def main() -> int:
+    ap = qa_arguments(__doc__.splitlines()[0], context_tokens=2000, answer_tokens=32)
     ap.add_argument("--overhead-reps", type=int, default=20)
     ap.add_argument("--no-redis", action="store_true")
     args = ap.parse_args()
