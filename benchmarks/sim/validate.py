@@ -9,7 +9,8 @@ requests of this run (cold prefills on both engines at once set the compute scal
 from the cache server its load speed), probed before and after each policy's replay.
 Writes benchmarks/results/scaling_validation.{json,md}.
 
-    .venv/bin/python -m benchmarks.sim.validate [--policies kv-aware,round-robin] [--quick]
+    .venv/bin/python -m benchmarks.sim.validate [--policies kv-aware,round-robin] [--rate 0.3]
+        [--suffix _name] [--quick]
 """
 
 from __future__ import annotations
@@ -132,13 +133,15 @@ def main() -> int:
     ap.add_argument("--policies", default="kv-aware,round-robin,prefix-hash")
     ap.add_argument("--quick", action="store_true", help="a tiny trace (checks the harness)")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--rate", type=float, default=0.3, help="requests/s of the trace, both engines together")
+    ap.add_argument("--suffix", default="", help="results go to scaling_validation<SUFFIX>.{json,md}")
     args = ap.parse_args()
     from engine.default_model import ensure_default_model
 
     model = args.model or str(ensure_default_model())
     # Pools hold about two documents' sessions: where a follow-up lands decides its engine hit.
     w = Workload(users=16, rounds=3, docs=8, zipf_s=0.8, doc_tokens=768, question_tokens=32, answer_tokens=16,
-                 think_s=15.0, rate=0.3, seed=3)
+                 think_s=15.0, rate=args.rate, seed=3)
     if args.quick:
         w = dataclasses.replace(w, users=3, rounds=2, doc_tokens=256, think_s=2.0, rate=1.0)
     fleet = Fleet(pool_blocks=160, max_num_seqs=4, cache_bytes=1 << 30)
@@ -186,7 +189,7 @@ def main() -> int:
             k: arms["kv-aware"][src]["engine_hit_rate"] / max(arms["round-robin"][src]["engine_hit_rate"], 1e-9)
             for k, src in (("measured", "measured"), ("predicted", "predicted"))}
     md = table(res)
-    name = "scaling_validation_quick" if args.quick else "scaling_validation"
+    name = "scaling_validation" + ("_quick" if args.quick else args.suffix)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
     calib = "\n".join(
