@@ -57,7 +57,8 @@ def _u(name: str, note: str, default: Any = None) -> LMCacheKey:
     return LMCacheKey(name, UNSUPPORTED, "-", note, default)
 
 
-_NO_PD = "prefill/decode disaggregation: share K/V through a common redis:// or kvtier:// tier instead"
+_NO_PD = ("LMCache's NIXL prefill/decode transfer: use `kvtier serve --kv-role producer` and `consumer` over a shared "
+          "redis:// or kvtier:// tier, behind `kvtier router --prefill URL --decode URL`")
 _NO_P2P = "peer-to-peer K/V transfer: share K/V through a common redis:// or kvtier:// tier instead"
 _NO_CTRL = "LMCache's controller has no kvtier counterpart"
 
