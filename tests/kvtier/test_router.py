@@ -122,6 +122,34 @@ def test_round_robin_and_prefix_hash_routers_serve_the_same_answers(cluster) -> 
         assert sorted(counts) == ([1.0, 1.0] if policy == "round-robin" else [0.0, 2.0])
 
 
+def _healthy(router: RouterProcess, backend: ServeProcess) -> float:
+    return _metrics(router.url)[("kvtier:router_backend_healthy", (("backend", backend.url),))]
+
+
+def _wait_health(router: RouterProcess, backend: ServeProcess, want: float) -> None:
+    for _ in range(200):  # bounded: 20 s
+        if _healthy(router, backend) == want:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{backend.url} never became healthy={want}")
+
+
+def test_a_frozen_backend_is_skipped_and_used_again_once_it_answers(cluster) -> None:
+    _, servers, router = cluster
+    frozen = servers[1]
+    frozen.proc.send_signal(signal.SIGSTOP)
+    try:
+        _wait_health(router, frozen, 0.0)  # its health check timed out
+        before = _routed(router.url, frozen.url)
+        for i in range(3):
+            _complete(router.url, _prompt(f"frozen-{i}"), max_tokens=2)
+        assert _routed(router.url, frozen.url) == before
+    finally:
+        frozen.proc.send_signal(signal.SIGCONT)
+    _wait_health(router, frozen, 1.0)  # back in rotation after one passing check
+    assert httpx.get(router.url + "/health", timeout=10).status_code == 200
+
+
 def _aborts(url: str) -> float:
     key = ("kvtier:request_success_total", (("finished_reason", "abort"), ("model_name", NAME)))
     return _metrics(url).get(key, 0.0)
@@ -174,7 +202,7 @@ def test_a_backend_killed_mid_request_is_routed_around(cluster) -> None:
         _complete(router.url, held if i == 0 else _prompt(f"after-{i}"))
     m = _metrics(router.url)
     assert m[("kvtier:router_backend_healthy", (("backend", victim.url),))] == 0.0
-    assert _routed(router.url, victim.url) - before == 1
+    assert _routed(router.url, victim.url) - before == 1  # the health checks keep failing: still out
     assert m[("kvtier:router_backend_errors_total", (("backend", victim.url), ("kind", "connect")))] >= 1
     assert httpx.get(router.url + "/health", timeout=10).status_code == 200
 
