@@ -4,7 +4,7 @@ Run the paged engine on prompts (`generate`), serve it over an OpenAI-compatible
 with KV reuse (`serve`), or run the standalone KV cache server engines share (`cache-server`).
 
 Each subcommand module exposes `HELP: str`, `add_arguments(parser)` and `run(args) -> int`
-(and may set `DEFAULT_LOG_LEVEL`); its heavy imports happen in `run`, so a bad flag fails
+(and may set `DEFAULT_LOG_LEVEL`, `LOG_LEVEL_HELP`); its heavy imports happen in `run`, so a bad flag fails
 before torch loads and `kvtier cache-server` never loads the model stack. Exit codes: 0 done,
 2 bad input (a flag, a file or a config the user named), 1 a failure at run time.
 """
@@ -41,7 +41,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         p = sub.add_parser(name, help=module.HELP, description=module.HELP, formatter_class=HelpFormatter)
         module.add_arguments(p)
         if not has_option(p, "--log-level"):
-            add_log_level_argument(p, getattr(module, "DEFAULT_LOG_LEVEL", "info"))
+            add_log_level_argument(p, getattr(module, "DEFAULT_LOG_LEVEL", "info"),
+                                   getattr(module, "LOG_LEVEL_HELP", ""))
         p.set_defaults(_run=module.run)
         subparsers[name] = p
     return parser, subparsers

@@ -7,7 +7,10 @@ import json
 import sys
 from pathlib import Path
 
+from kvtier.log_setup import ENGINE_LOG_HELP
+
 HELP = "generate text with the paged engine (default model: bundled SmolLM2-135M-Instruct)"
+LOG_LEVEL_HELP = ENGINE_LOG_HELP
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,8 +6,10 @@ import argparse
 import os
 
 from kvtier.http_server import bind_socket, serve_app, socket_url
+from kvtier.log_setup import ENGINE_LOG_HELP
 
 HELP = "serve the engine over an OpenAI-compatible HTTP API (completions, chat, /metrics, /kv/lookup)"
+LOG_LEVEL_HELP = ENGINE_LOG_HELP
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 

@@ -11,13 +11,16 @@ import logging
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# What the levels show for the commands that run the engine (generate, serve).
+ENGINE_LOG_HELP = "info shows one line per finished request and, on a terminal, progress bars for model loading " \
+                  "and long prefills"
 
 
-def add_log_level_argument(parser: argparse.ArgumentParser, default: str = "info") -> None:
-    """Adds `--log-level` (case-insensitive, one of LOG_LEVELS) to `parser`."""
+def add_log_level_argument(parser: argparse.ArgumentParser, default: str = "info", detail: str = "") -> None:
+    """Adds `--log-level` (case-insensitive, one of LOG_LEVELS) to `parser`; `detail` says
+    what the levels show for this command."""
     parser.add_argument("--log-level", default=default, type=str.lower, choices=LOG_LEVELS,
-                        help="log level; info shows one line per finished request and, on a "
-                             "terminal, progress bars for model loading and long prefills")
+                        help=f"log level; {detail}" if detail else "log level")
 
 
 def configure_logging(level: str) -> None:
