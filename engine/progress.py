@@ -67,7 +67,8 @@ class PrefillProgress:
         closes it when its request's prefill is done, and opens one for the next long one."""
         seq = self._seq
         if seq is not None:
-            self._bar.n = min(seq.num_computed_tokens, seq.num_prompt_tokens) - self._base
+            # (a preempted request restarts from 0: its bar waits at 0 until it is prefilled again)
+            self._bar.n = max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - self._base)
             self._bar.refresh()
             if seq.is_finished or seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self.close()
