@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +14,7 @@ from engine.model_loader import load_tokenizer
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.progress import PrefillProgress, progress_enabled
+from engine.request_log import log_finished
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -23,9 +22,6 @@ from engine.sequence import Sequence, SequenceStatus
 PromptType = str | list[str] | Mapping[str, Any]  # list[str]: one prompt in segments
 # The longest `step()` blocks when nothing can run until a connector's background load ends.
 KV_WAIT_S = 0.05
-# One INFO line per finished request (as LMCache logs its hit counts); `kvtier serve` and
-# `kvtier generate` show it at their default --log-level info.
-request_logger = logging.getLogger("kvtier.request")
 
 
 class LLMEngine:
@@ -152,36 +148,8 @@ class LLMEngine:
         for seq in progressed:
             self._detokenize(seq)
             if seq.is_finished:
-                self._log_finished(seq)
+                log_finished(seq, self.kv_connector)
         return [self.make_output(s) for s in progressed]
-
-    def _log_finished(self, seq: Sequence) -> None:
-        """Logs one INFO line for a finished request: its tokens, where its cached prefix came
-        from (the engine's prefix cache, the connector's tiers) and what the connector stored
-        by now (stores still queued count in `request_metrics` later)."""
-        if not request_logger.isEnabledFor(logging.INFO):
-            return
-        cached = max(seq.num_cached_tokens, 0)
-        fields = [f"prompt_tokens={seq.num_prompt_tokens}"]
-        # Any connector with `request_metrics` (connector/metrics.py's RequestKVMetrics).
-        metrics_of = getattr(self.kv_connector, "request_metrics", None)
-        m = metrics_of(seq.request_id) if metrics_of is not None else None
-        if m is None:
-            fields.append(f"engine_hit_tokens={cached}")
-        else:
-            # The connector records the engine's hit when it is asked; never asked, every cached
-            # token is the engine's own.
-            engine_hit = m.engine_hit_tokens if m.num_prompt_tokens else cached
-            fields += [f"engine_hit_tokens={engine_hit}", f"loaded_tokens={m.connector_hit_tokens}"]
-            by_tier = getattr(m, "loaded_tokens_by_tier", None)
-            if by_tier:  # tier names are URLs: JSON keeps them unambiguous
-                fields.append(f"loaded_tokens_by_tier={json.dumps(by_tier, separators=(',', ':'))}")
-            fields.append(f"load_ms={m.load_seconds * 1e3:.1f}")
-            if m.load_error_tokens:
-                fields.append(f"load_error_tokens={m.load_error_tokens}")
-            fields.append(f"stored_tokens={m.stored_tokens}")
-        fields += [f"output_tokens={seq.num_output_tokens}", f"finish={seq.status.value}"]
-        request_logger.info("request %s finished: %s", seq.request_id, " ".join(fields))
 
     def _detokenize(self, seq: Sequence) -> None:
         """Extends `seq`'s text by its new token and applies the stop strings: a match cuts
