@@ -21,13 +21,11 @@ Flow for one request:
   there, and `get_block_ids_with_load_errors()` names the blocks from that position on, which
   the engine recomputes (a layerwise step's answer for that request is discarded). An
   aborted request's blocks are released only once the loader let go.
-- Store (worker, `wait_for_save`): after each step, chunks that became complete (full prompt
-  chunks, the prompt's partial last chunk, decode chunks if enabled) are gathered from the
-  paged cache and handed to a background thread, so serving never waits on a tier. Chunks a
-  tier already holds (or a pending store carries) are skipped. A chunk is gathered once on
-  the device; the storage manager stages it to host once for every host tier. A load that needs a chunk
-  still pending waits for those stores on the loader thread (read-your-writes), never on the
-  engine's.
+- Store (worker, `wait_for_save`, connector/saver.py): after each step, chunks that became
+  complete are gathered once from the paged cache and handed to the store queue's thread, so
+  serving never waits on a tier; chunks a tier already holds (or a pending store carries) are
+  skipped. A load that needs a chunk still pending waits for those stores on the loader
+  thread (read-your-writes), never on the engine's.
 
 The partial-chunk rule (LMCache issue #2206, where a load rounded down to a chunk boundary
 and overwrote blocks vLLM's prefix cache owned): this connector writes only positions at or
@@ -51,10 +49,10 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import torch
 
 from connector.config import ConnectorConfig, make_config
-from connector.gather import gather_chunk, gather_layers, slots_for
 from connector.layerwise import chunks_held, layer_key, stored_keys
 from connector.loader import Loader, LoadJob, Span, chunk_ok
 from connector.metrics import ConnectorMetrics, RequestKVMetrics, TierKVMetrics
+from connector.saver import SavePolicy, Saver, SaveSpec
 from connector.store_queue import StoreQueue
 from engine.kv_connector import KVConnectorBase
 from kvstore.budget_check import check_tier_budgets
@@ -82,13 +80,6 @@ class _Plan:
     start: int  # the engine's prefix-cache hit the lookup was made against
     end: int
     spans: list[Span] = field(default_factory=list)
-
-
-@dataclass
-class SaveSpec:
-    request_id: str
-    block_ids: list[int]
-    spans: list[Span]
 
 
 @dataclass
@@ -131,7 +122,7 @@ class KVTierConnector(KVConnectorBase):
         self._step_errors: set[int] = set()
         self._step_loads: list[LoadJob] = []  # layerwise loads admitted for the coming step
         self.loader: Loader | None = None
-        self._saved_upto: dict[str, int] = {}  # per request: positions already considered
+        self.saver: Saver | None = None  # created with the caches (the store side)
         self._meta: ConnectorMeta | None = None
         self._stores: StoreQueue | None = None  # created with the caches (needs their device)
         self._closed = False
@@ -169,6 +160,9 @@ class KVTierConnector(KVConnectorBase):
                                   self.config.max_pending_store_bytes, kv_caches[0].device,
                                   self.config.kvstore.queue_full)
         self.loader = Loader(self.storage, self._stores, self.kv_caches, bs, self.metrics)
+        policy = SavePolicy(self.chunk_size, self.save_decode_tokens, self.config.save_unfull_chunk)
+        self.saver = Saver(policy, self._spans, self.storage, self._stores, self.kv_caches, bs,
+                           self._layers(), self.metrics)
 
     def _spans(self, tokens: SequenceT[int], unfull: bool = True) -> list[Span]:
         """Returns every chunk span of `tokens` with its key (the partial last one if `unfull`)."""
@@ -183,6 +177,12 @@ class KVTierConnector(KVConnectorBase):
         if self._stores is None:
             raise RuntimeError("the connector has no KV caches yet (register_kv_caches)")
         return self._stores
+
+    def _saver(self) -> Saver:
+        """Returns the store side; RuntimeError before `register_kv_caches` created it."""
+        if self.saver is None:
+            raise RuntimeError("the connector has no KV caches yet (register_kv_caches)")
+        return self.saver
 
     def _chunk_ok(self, kv: torch.Tensor | None, num_tokens: int) -> TypeGuard[torch.Tensor]:
         """Whether a fetched value has exactly the shape this model's chunk must have."""
@@ -312,38 +312,10 @@ class KVTierConnector(KVConnectorBase):
         meta = ConnectorMeta(layer_loads=self._step_loads)
         self._step_loads = []
         for r in scheduler_output.requests:
-            spans = self._spans_to_save(r.seq, r.num_computed_tokens + r.num_new_tokens)
+            spans = self._saver().spans_to_save(r.seq, r.num_computed_tokens + r.num_new_tokens)
             if spans:
                 meta.saves.append(SaveSpec(r.request_id, list(r.block_ids), spans))
         return meta
-
-    def _spans_to_save(self, seq: Sequence, computed: int) -> list[Span]:
-        """Returns the spans that became storable with `computed` tokens in the cache and that
-        no tier (nor a pending store) holds yet; marks them considered."""
-        rid = seq.request_id
-        done = self._saved_upto.get(rid, 0)
-        p = seq.num_prompt_tokens
-        cs = self.chunk_size
-        # Decode tokens only in whole chunks here; their partial tail is saved at finish.
-        limit = computed if self.save_decode_tokens else min(computed, p)
-        full_end = limit // cs * cs
-        unfull = self.config.save_unfull_chunk and computed >= p and p % cs and limit == p
-        new_end = p if unfull and p > full_end else full_end
-        if new_end <= done:
-            return []
-        self._saved_upto[rid] = new_end
-        spans = [sp for sp in self._spans(seq.token_ids_slice(0, new_end), unfull=bool(unfull))
-                 if sp[1] > done]
-        return self._not_stored(spans)
-
-    def _not_stored(self, spans: list[Span]) -> list[Span]:
-        """Returns the spans neither a tier nor a pending store holds (stored prefix skipped)."""
-        layers = self._layers()
-        spans = [sp for sp in spans if not all(map(self._queue().is_pending, stored_keys([sp[2]], layers)))]
-        if not spans:
-            return spans
-        held = self.storage.prefix_hits(stored_keys([k for _, _, k in spans], layers))
-        return spans[held // (layers or 1):]
 
     def request_finished(self, seq: Sequence, block_ids: list[int]) -> bool:
         """Stores the generated tail if configured; returns True (free the blocks later) if
@@ -352,22 +324,12 @@ class KVTierConnector(KVConnectorBase):
         self._plans.pop(rid, None)
         # In flight: reported by get_finished() once the loader let go of the blocks.
         in_flight = self.loader is not None and self.loader.cancel(rid)
-        if in_flight:
-            self._saved_upto.pop(rid, None)
-            self.metrics.finish(rid)
-            return True
         try:
-            if self.save_decode_tokens and self.config.save_unfull_chunk and block_ids:
-                # The tail chunk of the generated text, from blocks still held during this call.
-                computed = min(seq.num_computed_tokens, len(block_ids) * self.block_size)
-                done = self._saved_upto.get(rid, 0)
-                if computed > done:
-                    spans = [sp for sp in self._spans(seq.token_ids_slice(0, computed)) if sp[1] > done]
-                    self._store(SaveSpec(rid, list(block_ids), self._not_stored(spans)))
+            if self.saver is not None:
+                self.saver.finish(seq, block_ids, store_tail=not in_flight)
         finally:
-            self._saved_upto.pop(rid, None)
             self.metrics.finish(rid)
-        return False
+        return in_flight
 
     # ---- worker side -----------------------------------------------------------------
     def bind_connector_metadata(self, metadata: Any) -> None:
@@ -412,29 +374,10 @@ class KVTierConnector(KVConnectorBase):
                 self._step_errors |= bad
                 failed[job.request_id] = job.filled
         for rid, filled in failed.items():  # what it computes again is considered again
-            self._saved_upto[rid] = min(self._saved_upto.get(rid, 0), filled // self.chunk_size * self.chunk_size)
+            self._saver().rewind(rid, filled)
         for save in self._meta.saves:
             if save.request_id not in failed:  # a failed one's are stored once recomputed
-                self._store(save)
-
-    def _store(self, save: SaveSpec) -> None:
-        """Gathers `save`'s chunks from the paged cache now and queues their put."""
-        if not save.spans:
-            return
-        items: list[tuple[str, torch.Tensor]] = []
-        for s, e, key in save.spans:
-            slots = slots_for(save.block_ids, self.block_size, s, e)
-            if self.layerwise:
-                items += [(layer_key(key, i), kv) for i, kv in enumerate(gather_layers(self.kv_caches, slots))]
-            else:
-                items.append((key, gather_chunk(self.kv_caches, slots)))
-        nbytes = sum(kv.numel() * kv.element_size() for _, kv in items)
-        ntokens = sum(e - s for s, e, _ in save.spans)
-        rid = save.request_id
-        done = functools.partial(self.metrics.add, rid, stored_tokens=ntokens, bytes_stored=nbytes)
-        dropped = functools.partial(self.metrics.add, rid, dropped_store_bytes=nbytes)
-        if not self._queue().submit(items, done, dropped):
-            dropped()
+                self._saver().store(save)
 
     # ---- lifecycle and reporting ----------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:

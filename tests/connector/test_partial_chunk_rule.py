@@ -35,8 +35,8 @@ def test_load_straddling_the_engine_hit_is_sliced(tmp_path: Path, default_model_
     before = [kv[:, cached_ids].clone() for kv in llm.engine.runner.kv_caches]
 
     jobs = []  # observe what the background loader is asked to fill
-    load = conn._load
-    conn._load = lambda job: (jobs.append(job), load(job))
+    load = conn.loader._run
+    conn.loader._run = lambda job: (jobs.append(job), load(job))
     out = llm.generate([{"prompt_token_ids": ids}], params)[0]
     m = conn.request_metrics(out.request_id)
     assert (m.engine_hit_tokens, m.connector_hit_tokens) == (112, 5)  # [112, 117) from [96, 118)

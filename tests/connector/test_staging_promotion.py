@@ -98,3 +98,17 @@ def test_a_slow_tier_hit_is_promoted_by_the_store_queue_after_the_load(default_m
     assert conn.tier_metrics()[0].tokens_hit > 0
     assert_idle(llm, conn)
     llm.shutdown()
+
+
+def test_fetch_names_the_tier_and_promote_fills_only_the_faster_tiers(tmp_path):
+    fast, middle, slow = CPUBackend(), CPUBackend(), DiskBackend(tmp_path / "kv")
+    with StorageManager([fast, middle, slow]) as sm:
+        kv = torch.randn(2, 2, 4, 2, 8)
+        slow.put("k", kv)
+        [(got, tier)] = sm.fetch(["k"], read_only=True)
+        assert tier == 2 and torch.equal(got, kv)
+        assert not fast.contains("k") and not middle.contains("k")  # fetching promotes nothing
+        assert sm.fetch(["absent"]) == [(None, -1)]
+        sm.promote([("k", got, tier)])
+        assert sm.flush(timeout=30)
+        assert fast.contains("k") and middle.contains("k") and sm.fetch(["k"])[0][1] == 0
