@@ -44,13 +44,21 @@ def parse_bytes(text: str) -> int:
 
 
 def parse_tier(text: str, measured: Measured) -> TierSpec:
-    """Returns the TierSpec of 'KIND:BUDGET' (cpu, disk: one per engine; kvtier, redis: shared)."""
-    kind, _, budget = text.partition(":")
+    """Returns the TierSpec of 'KIND:BUDGET[:GBPS]' (cpu, disk: one per engine; kvtier, redis:
+    shared); GBPS replaces the measured load speed (another network or device)."""
+    kind, _, rest = text.partition(":")
+    budget, _, gbps = rest.partition(":")
     if kind not in measured.load_gbps:
         raise ValueError(f"bad tier {text!r}: kind must be one of {', '.join(measured.load_gbps)}")
     if not budget:
         raise ValueError(f"bad tier {text!r}: give a budget, e.g. {kind}:64GiB")
-    return TierSpec(kind, parse_bytes(budget), measured.load_gbps[kind], kind in SHARED_KINDS)
+    try:
+        speed = float(gbps) if gbps else measured.load_gbps[kind]
+    except ValueError:
+        raise ValueError(f"bad tier {text!r}: load speed {gbps!r} is not a number of GB/s") from None
+    if speed <= 0:
+        raise ValueError(f"bad tier {text!r}: load speed must be > 0")
+    return TierSpec(kind, parse_bytes(budget), speed, kind in SHARED_KINDS)
 
 
 def parse_step_fit(text: str) -> StepFit:
@@ -76,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
-    ap.add_argument("--tier", action="append", default=[], metavar="KIND:BUDGET",
-                    help="cpu/disk (per engine) or kvtier/redis (shared); repeatable, fastest first")
+    ap.add_argument("--tier", action="append", default=[], metavar="KIND:BUDGET[:GBPS]",
+                    help="cpu/disk (per engine) or kvtier/redis (shared); repeatable, fastest first; "
+                         "GBPS overrides the measured load speed")
     w = Workload()
     ap.add_argument("--users", type=int, default=None,
                     help="sessions (default: enough that the rate holds for most of the trace, >= 24 per engine)")

@@ -107,6 +107,7 @@ def test_ideal_reuse_counts_shared_documents_and_history() -> None:
 @pytest.mark.parametrize("argv, needle", [
     (["--tier", "kvtier:lots"], "bad size 'lots'"),
     (["--tier", "tape:1GiB"], "bad tier 'tape:1GiB'"),
+    (["--tier", "kvtier:1GiB:fast"], "load speed 'fast' is not a number"),
     (["--model", "gpt-9"], "unknown model 'gpt-9'"),
     (["--engines", "0"], "--engines must be >= 1"),
     (["--step-fit", "1,2"], "bad --step-fit"),
