@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from benchmarks.sim.cache import BlockPool, ChunkTier
 from benchmarks.sim.measured import StepFit
@@ -39,7 +39,6 @@ class Live:
     finish_s: float | None = None
     engine: int = -1
     step_tokens: int = 0  # prompt tokens in the current step
-    stored: bool = field(default=False)
 
 
 class SimEngine:

@@ -59,7 +59,6 @@ class Measured:
 
     step: StepFit
     load_gbps: dict[str, float]  # tier kind -> end-to-end load speed into the pool (GB/s)
-    load_latency_s: dict[str, float]  # tier kind -> fixed cost of one load
     shards: dict[str, ShardCapacity]
     fit_check: list[dict[str, float]] = field(default_factory=list)  # measured vs fitted
     sources: dict[str, str] = field(default_factory=dict)
@@ -123,4 +122,4 @@ def load_measured(results: Path = RESULTS) -> Measured:
         "load_gbps[kvtier]": f"load_gbps[redis] x server.json GET tier-API ratio kvtier/redis ({get_ratio:.2f})",
         "shards": "server.json (one client, loopback; server CPU per GB and EXISTS p50)",
     }
-    return Measured(step, load_gbps, {k: 0.0 for k in load_gbps}, shards, check, sources)
+    return Measured(step, load_gbps, shards, check, sources)
