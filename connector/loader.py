@@ -64,6 +64,7 @@ class LoadJob:
     layers_done: int = 0  # layerwise: layers [0, layers_done) are in place (or given up)
     layer_events: list[Any] = field(default_factory=list)  # CUDA: one per layer, on the load stream
     ended: bool = False
+    tiers: list[int] = field(default_factory=list)  # per span: the tier it (its layer 0) came from
 
     @property
     def keys(self) -> list[str]:
@@ -167,6 +168,7 @@ class Loader:
     # ---- loader thread -------------------------------------------------------------------
     def _run(self, job: LoadJob) -> None:
         filled = job.start
+        job.tiers = [-1] * len(job.spans)
         t0 = time.perf_counter()
         nbytes = [0]
         promote: list[tuple[str, torch.Tensor, int]] = []
@@ -193,7 +195,7 @@ class Loader:
         """Scatters whole chunks in order; returns the end of what arrived."""
         filled = job.start
         keep: list[torch.Tensor] = []  # pinned sources stay alive until the stream is synchronised
-        for (s, e, key), (kv, tier) in self._fetch_groups(job):
+        for i, ((s, e, key), (kv, tier)) in enumerate(self._fetch_groups(job)):
             if job.cancelled or kv is None or not chunk_ok(kv, self._shape(self.num_layers, e - s)):
                 break  # corrupt, evicted or foreign: computed from here on
             lo, hi = max(s, job.start), min(e, job.end)
@@ -201,6 +203,7 @@ class Loader:
             scatter_chunk(self.kv_caches, slots_for(job.block_ids, self.block_size, lo, hi), src)
             nbytes[0] += kv.numel() * kv.element_size()
             filled = hi
+            job.tiers[i] = tier
             if tier > 0:
                 promote.append((key, kv, tier))
         return filled
@@ -253,6 +256,8 @@ class Loader:
                 src = to_device_source(kv[0, :, lo - s:hi - s], device, keep)
                 scatter_layer(self.kv_caches[layer], slots[i][:hi - lo], src)
                 nbytes[0] += kv.numel() * kv.element_size()
+                if layer == 0:
+                    job.tiers[i] = tier
                 if tier > 0:
                     promote.append((layer_key(key, layer), kv, tier))
             self._layer_done(job, layer)
@@ -275,7 +280,13 @@ class Loader:
         job.filled = filled
         rid = job.request_id
         if not job.cancelled:
-            self.metrics.add(rid, connector_hit_tokens=filled - job.start, load_error_tokens=job.end - filled)
+            by_tier: dict[str, int] = {}
+            for (s, e, _), tier in zip(job.spans, job.tiers):  # the tokens of [start, filled) each gave
+                n = min(e, filled) - max(s, job.start)
+                if n > 0 and tier >= 0:
+                    name = self.storage.names[tier]
+                    by_tier[name] = by_tier.get(name, 0) + n
+            self.metrics.add(rid, by_tier, connector_hit_tokens=filled - job.start, load_error_tokens=job.end - filled)
         with self._cond:
             job.ended = True
             if self._loading.get(rid) is job:

@@ -87,6 +87,8 @@ def test_a_slow_tier_hit_is_promoted_by_the_store_queue_after_the_load(default_m
         warm = run(llm, prompt_ids)
         # Loaded from disk and answered while the promotion still waits in the store queue.
         assert warm.outputs[0].token_ids == reference and warm.num_cached_tokens == len(prompt_ids) - 1
+        by_tier = conn.request_metrics(warm.request_id).loaded_tokens_by_tier
+        assert by_tier == {conn.storage.names[1]: len(prompt_ids) - 1}
         assert not any(fast.contains(k) for k in keys) and conn._stores.promotions == 0
         assert conn.pending_stores() == len(keys)
     finally:
@@ -95,6 +97,7 @@ def test_a_slow_tier_hit_is_promoted_by_the_store_queue_after_the_load(default_m
     assert all(fast.contains(k) for k in keys) and conn._stores.promotions == len(keys)
     again = run(llm, prompt_ids)  # now served by the cpu tier
     assert again.outputs[0].token_ids == reference
+    assert conn.request_metrics(again.request_id).loaded_tokens_by_tier == {conn.storage.names[0]: len(prompt_ids) - 1}
     assert conn.tier_metrics()[0].tokens_hit > 0
     assert_idle(llm, conn)
     llm.shutdown()
