@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="how a backend is picked per request (default: kv-aware)")
     g.add_argument("--lookup-timeout", type=float, default=0.5, metavar="SECONDS",
                    help="kv-aware: seconds to wait for each backend's /kv/lookup; late = no hit (default: 0.5)")
+    g.add_argument("--balance-threshold", type=int, default=16, metavar="N",
+                   help="kv-aware: a backend with more than N requests (running + waiting) above the least loaded "
+                        "one ranks last, whatever it holds (default: 16)")
     g.add_argument("--health-interval", type=float, default=1.0, metavar="SECONDS",
                    help="seconds between health checks of each backend (default: 1.0)")
     g.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
@@ -62,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
     if args.log_level != "debug":  # httpx logs every proxied call at INFO
         logging.getLogger("httpx").setLevel(logging.WARNING)
     pairs, disaggregated = _backends(args)
+    if args.balance_threshold < 0:
+        raise ValueError(f"--balance-threshold must be >= 0, got {args.balance_threshold}")
     for flag in ("lookup_timeout", "health_interval", "request_timeout"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
@@ -92,7 +97,7 @@ def build(args: argparse.Namespace, pairs: list[tuple[str, str]], disaggregated:
     client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
     metrics = RouterMetrics()
     pool = BackendPool([Backend(u, r) for u, r in pairs], client, interval_s=args.health_interval)
-    policy = make_policy(args.policy, pool, metrics, args.lookup_timeout)
+    policy = make_policy(args.policy, pool, metrics, args.lookup_timeout, args.balance_threshold)
     proxy = Proxy(pool, policy, metrics, args.request_timeout, args.backend_api_key)
     app = build_app(proxy, pool, metrics, disaggregated, api_key)
 

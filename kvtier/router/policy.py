@@ -8,7 +8,8 @@ proxy tries them in that order and never tries one twice.
 - `kv-aware`: asks every candidate's `/kv/lookup` concurrently (short timeout) and ranks by
   the longest hit, then by a hit in the backend's own prefix cache over one in a tier (it is
   faster to use), then by load, then in prefix-hash order; a backend that does not answer in
-  time counts as no hit.
+  time counts as no hit. A backend whose load (running + waiting) exceeds the least loaded
+  one's by more than `balance_threshold` ranks after the others, whatever it holds.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -26,6 +28,8 @@ from kvtier.router import POLICIES
 from kvtier.router.backends import Backend, BackendPool
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.prompt_view import PromptView
+
+logger = logging.getLogger("kvtier.router")
 
 
 @dataclass
@@ -70,8 +74,10 @@ class PrefixHash:
 class KvAware:
     name = "kv-aware"
 
-    def __init__(self, pool: BackendPool, metrics: RouterMetrics, timeout_s: float = 0.5) -> None:
+    def __init__(self, pool: BackendPool, metrics: RouterMetrics, timeout_s: float = 0.5,
+                 balance_threshold: int = 16) -> None:
         self.pool, self.metrics, self.timeout_s = pool, metrics, timeout_s
+        self.balance_threshold = balance_threshold
 
     async def rank(self, view: PromptView, candidates: list[Backend], headers: dict[str, str]) -> Ranking:
         if view.lookup is None or len(candidates) < 2:
@@ -82,15 +88,24 @@ class KvAware:
 
         affinity = {b: i for i, b in enumerate((await PrefixHash().rank(view, candidates, headers)).order)}
 
-        def score(item: tuple[int, Backend]) -> tuple[int, int, int, int]:
-            i, b = item
-            a = answers[i]
-            load = max(b.in_flight, a.get("num_requests_running", 0) + a.get("num_requests_waiting", 0))
-            # Last, prefix-hash order: equal new prompts spread over backends, and stay put.
-            return (-a.get("max_hit_tokens", 0), -a.get("engine_prefix_cache_tokens", 0), load, affinity[b])
+        loads = [max(b.in_flight, a.get("num_requests_running", 0) + a.get("num_requests_waiting", 0))
+                 for b, a in zip(candidates, answers)]
+        least = min(loads)
 
-        ranked = sorted(enumerate(candidates), key=score)
-        return Ranking([b for _, b in ranked],
+        def score(i: int) -> tuple[bool, int, int, int, int]:
+            a, b = answers[i], candidates[i]
+            # A backend past the balance threshold goes last whatever it holds: a popular
+            # prefix must not pile every request onto one instance. Last, prefix-hash order:
+            # equal new prompts spread over backends, and stay put.
+            return (loads[i] - least > self.balance_threshold, -a.get("max_hit_tokens", 0),
+                    -a.get("engine_prefix_cache_tokens", 0), loads[i], affinity[b])
+
+        ranked = sorted(range(len(candidates)), key=score)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("kv-aware ranking: %s", "; ".join(
+                f"{candidates[i]} hit={answers[i].get('max_hit_tokens', 0)} "
+                f"own={answers[i].get('engine_prefix_cache_tokens', 0)} load={loads[i]}" for i in ranked))
+        return Ranking([candidates[i] for i in ranked],
                        {b: int(answers[i].get("max_hit_tokens", 0)) for i, b in enumerate(candidates)})
 
     async def _lookup(self, backend: Backend, body: dict[str, object], headers: dict[str, str]) -> dict[str, int]:
@@ -109,12 +124,13 @@ class KvAware:
         return {k: v for k, v in data.items() if isinstance(v, int)} if isinstance(data, dict) else {}
 
 
-def make_policy(name: str, pool: BackendPool, metrics: RouterMetrics, lookup_timeout_s: float) -> Policy:
+def make_policy(name: str, pool: BackendPool, metrics: RouterMetrics, lookup_timeout_s: float,
+                balance_threshold: int = 16) -> Policy:
     """Returns the policy called `name` (one of POLICIES); raises ValueError otherwise."""
     if name == "round-robin":
         return RoundRobin()
     if name == "prefix-hash":
         return PrefixHash()
     if name == "kv-aware":
-        return KvAware(pool, metrics, lookup_timeout_s)
+        return KvAware(pool, metrics, lookup_timeout_s, balance_threshold)
     raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {name!r}")

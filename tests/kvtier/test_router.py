@@ -150,6 +150,29 @@ def test_a_frozen_backend_is_skipped_and_used_again_once_it_answers(cluster) -> 
     assert httpx.get(router.url + "/health", timeout=10).status_code == 200
 
 
+def test_kv_aware_past_the_balance_threshold_routes_by_load(cluster) -> None:
+    _, servers, router = cluster
+    busy, idle = servers
+    held = _prompt("balance")
+    _complete(busy.url, held, max_tokens=1)  # only `busy` holds it in its own prefix cache
+    strict = RouterProcess(*[f"--backend={s.url}" for s in servers], "--balance-threshold", "0", "--log-level=debug")
+    long_body = {"prompt": "Count to a million:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.Client(base_url=busy.url, timeout=60) as c, c.stream("POST", "/v1/completions", json=long_body) as r:
+            lines = r.iter_lines()  # kept: a collected line iterator closes the response
+            next(lines)  # a first token: `busy` is running it
+            look = httpx.post(busy.url + "/kv/lookup", json={"prompt": held}, timeout=10).json()
+            assert look["num_requests_running"] == 1
+            # Default threshold (16): the hit wins over a load of 1. Threshold 0: the load wins
+            # (in this order: once `idle` has served it, both hold it).
+            for url, want in ((router.url, busy.url), (strict.url, idle.url)):
+                before = _routed(url, want)
+                _complete(url, held, max_tokens=1)
+                assert _routed(url, want) == before + 1, [x for x in strict.log().splitlines() if "ranking" in x]
+    finally:
+        assert strict.stop() == 0
+
+
 def _aborts(url: str) -> float:
     key = ("kvtier:request_success_total", (("finished_reason", "abort"), ("model_name", NAME)))
     return _metrics(url).get(key, 0.0)
