@@ -8,6 +8,7 @@ backend down at once, so no later request is sent there before a health check pa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -44,9 +45,9 @@ class BackendPool:
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self._task: asyncio.Task[None] | None = None
 
-    def available(self, role: str = "any", exclude: set[Backend] | frozenset[Backend] = frozenset()) -> list[Backend]:
-        """Returns the healthy backends of `role` not in `exclude`, in configuration order."""
-        return [b for b in self.backends if b.healthy and b.role == role and b not in exclude]
+    def available(self, role: str = "any") -> list[Backend]:
+        """Returns the healthy backends of `role`, in configuration order."""
+        return [b for b in self.backends if b.healthy and b.role == role]
 
     def mark_down(self, backend: Backend, reason: str) -> None:
         """Takes `backend` out of rotation until a health check passes."""
@@ -77,12 +78,11 @@ class BackendPool:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
+        """Stops the health checks."""
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
 
     async def _run(self) -> None:
