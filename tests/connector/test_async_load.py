@@ -5,7 +5,6 @@ between the lookup (existence) and the fetch, the tokens are those of a cold run
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -15,7 +14,6 @@ from engine.sequence import SequenceStatus
 from kvstore.backends.memory import CPUBackend
 from kvstore.storage_manager import StorageManager
 from tests.connector.test_connector_e2e import CHUNK, GREEDY, assert_idle, make_llm, run
-from tests.engine.text import long_text
 
 pytestmark = pytest.mark.slow
 
@@ -42,18 +40,6 @@ class _SlowReadTier(CPUBackend):
     def batched_get(self, keys):
         self._wait()
         return super().batched_get(keys)
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(default_model_path: Path) -> list[int]:
-    from engine.model_loader import load_tokenizer
-
-    return load_tokenizer(default_model_path).encode(long_text(3))
-
-
-@pytest.fixture(scope="module")
-def reference(default_model_path: Path, prompt_ids: list[int]) -> list[int]:
-    return run(make_llm(default_model_path, None, enable_prefix_caching=False), prompt_ids).outputs[0].token_ids
 
 
 def hold_loader(conn) -> threading.Event:

@@ -18,22 +18,9 @@ from engine import SamplingParams
 from kvstore.backends.memory import CPUBackend
 from kvstore.storage_manager import StorageManager
 from tests.connector.test_connector_e2e import CHUNK, assert_idle, make_llm, run, tier_url
-from tests.engine.text import long_text
 
 pytestmark = pytest.mark.slow
 TWO = SamplingParams(temperature=0.0, max_tokens=2)
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(default_model_path: Path) -> list[int]:
-    from engine.model_loader import load_tokenizer
-
-    return load_tokenizer(default_model_path).encode(long_text(3))
-
-
-@pytest.fixture(scope="module")
-def reference(default_model_path: Path, prompt_ids: list[int]) -> list[int]:
-    return run(make_llm(default_model_path, None, enable_prefix_caching=False), prompt_ids).outputs[0].token_ids
 
 
 def warm_cache(llm, ids: list[int]) -> tuple[torch.Tensor, int]:

@@ -15,7 +15,6 @@ from kvstore.backends.disk import DiskBackend
 from kvstore.backends.memory import CPUBackend
 from kvstore.storage_manager import StorageManager
 from tests.connector.test_connector_e2e import CHUNK, assert_idle, make_llm, run
-from tests.engine.text import long_text
 
 
 class _RecordingDisk(DiskBackend):
@@ -28,18 +27,6 @@ class _RecordingDisk(DiskBackend):
     def batched_put(self, items):
         self.seen.update({k: kv.data_ptr() for k, kv in items})
         super().batched_put(items)
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(default_model_path: Path) -> list[int]:
-    from engine.model_loader import load_tokenizer
-
-    return load_tokenizer(default_model_path).encode(long_text(3))
-
-
-@pytest.fixture(scope="module")
-def reference(default_model_path: Path, prompt_ids: list[int]) -> list[int]:
-    return run(make_llm(default_model_path, None, enable_prefix_caching=False), prompt_ids).outputs[0].token_ids
 
 
 @pytest.mark.slow
