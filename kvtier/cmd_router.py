@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from typing import Any
 
-from kvtier.http_server import bind_socket, serve_app, socket_url
+from kvtier.http_server import bind_socket, resolve_api_key, serve_app, socket_url
 from kvtier.router import POLICIES
 
 HELP = "route OpenAI requests across several `kvtier serve` instances (KV-aware, disaggregated prefill)"
@@ -70,9 +69,7 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("lookup_timeout", "health_interval", "request_timeout"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
-    api_key = args.api_key if args.api_key is not None else os.environ.get("KVTIER_API_KEY")
-    if api_key is not None and not api_key.strip():
-        raise ValueError("--api-key / $KVTIER_API_KEY is empty: give a key or unset it")
+    api_key = resolve_api_key(args.api_key)
     sock = bind_socket(args.host, args.port)
     app = build(args, pairs, disaggregated, api_key)
     serve_app(app, sock, f"kvtier router listening on {socket_url(sock)}", args.log_level, 5.0, lifespan=True)

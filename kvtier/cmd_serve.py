@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvtier.http_server import bind_socket, serve_app, socket_url
+from kvtier.http_server import bind_socket, resolve_api_key, serve_app, socket_url
 from kvtier.log_setup import ENGINE_LOG_HELP
 
 HELP = "serve the engine over an OpenAI-compatible HTTP API (completions, chat, /metrics, /kv/lookup)"
@@ -35,13 +35,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)  # --log-level: kvtier/cli.py adds it and configures logging
 
 
-def _resolve_api_key(args: argparse.Namespace) -> str | None:
-    key = args.api_key if args.api_key is not None else os.environ.get("KVTIER_API_KEY")
-    if key is not None and not key.strip():
-        raise ValueError("--api-key / $KVTIER_API_KEY is empty: give a key or unset it")
-    return key
-
-
 def _check_kv_role(role: str, connector: object) -> None:
     """Raises ValueError unless a producer or consumer has a tier another process can read."""
     if role == "both":
@@ -58,7 +51,7 @@ def _check_kv_role(role: str, connector: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Loads the model, serves until SIGINT/SIGTERM, then drains, flushes stores and exits 0."""
-    api_key = _resolve_api_key(args)
+    api_key = resolve_api_key(args.api_key)
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     sock = bind_socket(args.host, args.port)  # before the model loads: a taken port fails fast

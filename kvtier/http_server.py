@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import socket
 from collections.abc import Iterator
@@ -27,6 +28,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     sock.set_inheritable(True)
     return sock
+
+
+def resolve_api_key(flag: str | None) -> str | None:
+    """Returns `--api-key`, else $KVTIER_API_KEY, else None; raises ValueError if it is empty."""
+    key = flag if flag is not None else os.environ.get("KVTIER_API_KEY")
+    if key is not None and not key.strip():
+        raise ValueError("--api-key / $KVTIER_API_KEY is empty: give a key or unset it")
+    return key
 
 
 def socket_url(sock: socket.socket) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import secrets
 from collections.abc import Awaitable
 from typing import Any
 
@@ -20,8 +19,7 @@ from kvtier.router.backends import BackendPool
 from kvtier.router.disagg import prefill_then_decode
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.proxy import Proxy, error_response
-
-MAX_BODY_BYTES = 64 << 20
+from kvtier.server.protocol import MAX_BODY_BYTES, bearer_matches
 
 
 def build_app(proxy: Proxy, pool: BackendPool, metrics: RouterMetrics, disaggregated: bool,
@@ -33,8 +31,7 @@ def build_app(proxy: Proxy, pool: BackendPool, metrics: RouterMetrics, disaggreg
     def unauthorized(request: Request) -> Response | None:
         if api_key is None:
             return None
-        got = request.headers.get("authorization", "")
-        if secrets.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+        if bearer_matches(request.headers.get("authorization", ""), api_key):
             return None
         return error_response(401, "Invalid or missing API key (send Authorization: Bearer <key>).",
                               "authentication_error")

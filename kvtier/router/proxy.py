@@ -22,6 +22,7 @@ from kvtier.router.backends import Backend, BackendPool
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policy import Policy
 from kvtier.router.prompt_view import view_request
+from kvtier.server.protocol import APIError
 
 logger = logging.getLogger("kvtier.router")
 
@@ -29,9 +30,8 @@ _MOVE_ON = {429, 503}  # another backend may serve it; 503 also means this one i
 
 
 def error_response(status: int, message: str, kind: str = "service_unavailable") -> JSONResponse:
-    """Returns an error in OpenAI's shape."""
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
-                        status_code=status)
+    """Returns an error in OpenAI's shape (`APIError`'s, as `kvtier serve` answers)."""
+    return JSONResponse(APIError(status, message, kind).body(), status_code=status)
 
 
 @dataclass
@@ -144,8 +144,7 @@ class Proxy:
             except httpx.HTTPError as exc:
                 self.metrics.backend_errors.labels(backend.url, "stream").inc()
                 self.pool.mark_down(backend, f"stream cut: {type(exc).__name__}")
-                err = {"error": {"message": f"backend {backend.url} failed mid-stream", "type": "internal_error",
-                                 "param": None, "code": None}}
+                err = APIError(502, f"backend {backend.url} failed mid-stream", "internal_error").body()
                 yield f"data: {json.dumps(err)}\n\n".encode()
         finally:
             backend.in_flight -= 1

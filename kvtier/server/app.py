@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -23,12 +22,19 @@ from connector.lookup import tier_prefix_tokens
 from engine.sampling_params import SamplingParams
 from kvtier import __version__
 from kvtier.server.metrics import ServerMetrics
-from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, LookupRequest, new_id, now
+from kvtier.server.protocol import (
+    MAX_BODY_BYTES,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LookupRequest,
+    bearer_matches,
+    new_id,
+    now,
+)
 from kvtier.server.serving import ServingContext, check_model, create_chat_completion, create_completion, render_chat
 
 logger = logging.getLogger("kvtier.server")
-
-MAX_BODY_BYTES = 64 << 20  # a request body past this is refused before it is read
 
 
 def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None = None,
@@ -40,8 +46,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
     async def require_key(request: Request) -> None:
         if api_key is None:
             return
-        got = request.headers.get("authorization", "")
-        if not secrets.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+        if not bearer_matches(request.headers.get("authorization", ""), api_key):
             raise APIError(401, "Invalid or missing API key (send Authorization: Bearer <key>).",
                            "authentication_error", code="invalid_api_key")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from typing import Any, Literal
@@ -75,6 +76,14 @@ class LookupRequest(BaseModel):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
+
+
+MAX_BODY_BYTES = 64 << 20  # a request body past this is refused (serve and router)
+
+
+def bearer_matches(authorization: str, api_key: str) -> bool:
+    """Returns whether an `Authorization` header value is `Bearer <api_key>` (constant time)."""
+    return secrets.compare_digest(authorization.encode(), f"Bearer {api_key}".encode())
 
 
 class APIError(Exception):
