@@ -3,7 +3,8 @@ CLEAR of thousands of files never stops the server answering other requests, and
 racing a spill gets the right value.
 
 The stalled disk is deterministic: a FIFO planted at the temporary name a spill write
-opens blocks that write until the test reads the FIFO.
+opens blocks that write until the test reads the FIFO, and the test waits until the write
+is inside it (a write still queued behind others could be cancelled and never stall).
 """
 
 from __future__ import annotations
@@ -27,26 +28,46 @@ MIB = 1 << 20
 _TIMEOUT = 5.0  # client timeout: a blocked event loop fails the test instead of hanging it
 
 
-def _plant_fifo(directory: Path, key: bytes) -> Path:
-    """Puts a FIFO where the spill write of `key` opens its temporary file."""
-    fifo = directory / (hashlib.sha256(key).hexdigest() + ".kvs.tmp")
-    os.mkfifo(fifo)
-    return fifo
+class _StalledWrite:
+    """A FIFO planted where the spill write of `key` opens its temporary file: that write
+    blocks once the pipe is full (64 KiB; every value stalled here is larger) until
+    `release` reads it. The read end is open from the start, so the write's open never
+    blocks and `wait_entered` sees its first bytes arrive."""
 
+    def __init__(self, directory: Path, key: bytes) -> None:
+        self.path = directory / (hashlib.sha256(key).hexdigest() + ".kvs.tmp")
+        os.mkfifo(self.path)
+        self._fd: int | None = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        self.data = bytearray()
 
-def _drain_fifo(fifo: Path, expect: int, timeout: float = 30.0) -> bytes:
-    """Reads what the stalled write sends through `fifo` (`expect` bytes), releasing it."""
-    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    data = bytearray()
-    deadline = time.monotonic() + timeout
-    try:
-        while len(data) < expect and time.monotonic() < deadline:
-            ready, _, _ = select.select([fd], [], [], 0.1)
-            if ready:
-                data += os.read(fd, 1 << 20)  # b"" before the writer has opened: poll again
-    finally:
-        os.close(fd)
-    return bytes(data)
+    def _read_some(self, deadline: float) -> bool:
+        """Reads what the pipe holds; returns False once `deadline` passes with nothing read."""
+        assert self._fd is not None
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self._fd], [], [], 0.1)
+            chunk = os.read(self._fd, 1 << 20) if ready else b""
+            if chunk:  # b"" also means no writer has opened yet: poll again
+                self.data += chunk
+                return True
+        return False
+
+    def wait_entered(self, timeout: float = 30.0) -> None:
+        """Waits until the write has begun (the disk worker is now stuck in it: a job queued
+        behind it cannot run, and a cancel no longer skips it)."""
+        assert self._read_some(time.monotonic() + timeout), "the spill write never reached the FIFO"
+
+    def release(self, expect: int, timeout: float = 30.0) -> bytes:
+        """Reads the stalled write whole (`expect` bytes), letting it finish; returns them."""
+        if self._fd is None:
+            return bytes(self.data)
+        deadline = time.monotonic() + timeout
+        try:
+            while len(self.data) < expect and self._read_some(deadline):
+                pass
+        finally:
+            os.close(self._fd)
+            self._fd = None
+        return bytes(self.data)
 
 
 def _wait_for(predicate, timeout: float = 10.0) -> bool:
@@ -64,7 +85,7 @@ def test_a_stalled_spill_write_does_not_stall_other_clients(
     server = cache_server_factory("--max-bytes", "2MiB", "--disk", str(tmp_path))
     c = CacheServerClient("127.0.0.1", server.port, timeout=_TIMEOUT)
     v0, v1 = os.urandom(MIB), os.urandom(MIB)
-    fifo = _plant_fifo(live_dir(tmp_path), b"k0")
+    stall = _StalledWrite(live_dir(tmp_path), b"k0")
     assert c.put(b"k0", v0)
     # k1 evicts k0 to disk; its write blocks on the FIFO, so k1 waits for k0's bytes.
     writer = CacheServerClient("127.0.0.1", server.port, timeout=60)
@@ -72,6 +93,7 @@ def test_a_stalled_spill_write_does_not_stall_other_clients(
     thread = threading.Thread(target=lambda: put_k1.append(writer.put(b"k1", v1)))
     thread.start()
     try:
+        stall.wait_entered()
         assert _wait_for(lambda: c.stats()["waiting_for_memory"] == 1)
         # The event loop keeps serving everything that does not need the disk.
         assert c.ping() and c.exists(b"k0") and c.put(b"small", b"s" * 100)
@@ -80,7 +102,7 @@ def test_a_stalled_spill_write_does_not_stall_other_clients(
         stats = c.stats()
         assert stats["bytes"] + stats["reserved_bytes"] + stats["pinned_bytes"] + stats["spilling_bytes"] <= 2 * MIB
     finally:
-        written = _drain_fifo(fifo, 20 + 2 + MIB)
+        written = stall.release(20 + 2 + MIB)
         thread.join(30)
     assert written.endswith(v0)  # the stalled write was k0's entry, whole
     assert put_k1 == [True]
@@ -105,13 +127,14 @@ def test_clear_answers_at_once_and_removes_files_in_the_background(
     n_files = len(list(old.iterdir()))
     assert n_files == stats["disk_entries"] > 2500
     # Stall the disk worker: k's spill write blocks on a FIFO until the test reads it.
-    fifo = _plant_fifo(old, b"k")
+    stall = _StalledWrite(old, b"k")
     blob = os.urandom(600 << 10)
     assert c.put(b"k", blob)
     writer = CacheServerClient("127.0.0.1", server.port, timeout=60)
     thread = threading.Thread(target=lambda: writer.put(b"k2", blob))  # evicts k: the write stalls
     thread.start()
     try:
+        stall.wait_entered()  # the old generation's removal now queues behind this write
         assert _wait_for(lambda: c.stats()["waiting_for_memory"] == 1)
         c.clear()  # answered although the disk worker is stuck and thousands of files remain
         assert c.ping() and c.get(values[0][0]) is None and not c.exists(values[-1][0])
@@ -121,7 +144,7 @@ def test_clear_answers_at_once_and_removes_files_in_the_background(
         assert live_dir(tmp_path) != old  # a new generation is live
         assert c.put(b"new", b"n" * 10) and c.get(b"new") == b"n" * 10
     finally:
-        _drain_fifo(fifo, 20 + 1 + len(blob))
+        stall.release(20 + 1 + len(blob))
         thread.join(30)
     assert _wait_for(lambda: not old.exists(), timeout=60)  # removed in the background
     assert c.get(values[1][0]) is None and c.get(b"new") == b"n" * 10
@@ -139,7 +162,7 @@ def test_a_crash_after_clear_never_brings_cleared_entries_back(
     assert all(c.put_many(values))
     n_files = settled(c)["disk_entries"]
     old = live_dir(tmp_path)
-    fifo = _plant_fifo(old, b"k")  # the worker stalls, so the old generation is still whole
+    stall = _StalledWrite(old, b"k")  # the worker stalls, so the old generation is still whole
     assert c.put(b"k", os.urandom(600 << 10))
     fresh = CacheServerClient("127.0.0.1", server.port, timeout=_TIMEOUT)
 
@@ -150,6 +173,7 @@ def test_a_crash_after_clear_never_brings_cleared_entries_back(
             pass
 
     threading.Thread(target=put_k2, daemon=True).start()
+    stall.wait_entered()
     assert _wait_for(lambda: fresh.stats()["waiting_for_memory"] == 1)
     fresh.clear()
     assert len(list(old.iterdir())) > n_files > 500  # the files are still there when it dies
@@ -157,7 +181,8 @@ def test_a_crash_after_clear_never_brings_cleared_entries_back(
     server.start()
     assert fresh.prefix_hits([k for k, _ in values]) == 0 and fresh.get(values[0][0]) is None
     assert _wait_for(lambda: not old.exists(), timeout=60)  # the restart removes what CLEAR left
-    assert not fifo.exists()
+    assert not stall.path.exists()
+    stall.release(0)
     c.close()
     fresh.close()
 
@@ -221,14 +246,14 @@ def test_the_server_answers_before_its_clients_give_up(
     vd, v0 = os.urandom(MIB), os.urandom(MIB)
     assert c.put(b"d", vd) and c.put(b"k0", v0)  # d spills to disk
     settled(c)
-    fifo = _plant_fifo(live_dir(tmp_path), b"k0")
+    stall = _StalledWrite(live_dir(tmp_path), b"k0")
     try:
         assert not c.put(b"k1", os.urandom(MIB))  # k0's write stalls: BUSY after the frame timeout
         assert c.get(b"d") is None  # needs memory that the stalled write holds: a miss, in time
         stats = c.stats()
         assert stats["busy_refusals"] == 1 and stats["disk_read_timeouts"] == 1
     finally:
-        _drain_fifo(fifo, 20 + 2 + MIB)
+        stall.release(20 + 2 + MIB)
     assert c.get(b"d") == vd  # once the disk moves, its read completes
     # k0's bytes went into the test's FIFO, which the write then renamed into place: reads
     # refuse what is not a regular file, so it is a miss, never wrong bytes.
