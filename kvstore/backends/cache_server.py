@@ -8,7 +8,10 @@ Connection failures raise BackendError; the next call reconnects (a server resta
 one failed call at most, usually none: a stale pooled connection is retried once).
 
 Options (`TierSpec.options` or the URL query): `auth_token` (default $KVTIER_AUTH_TOKEN),
-`timeout_s` (10), `connect_timeout_s` (2), `pool_size` (8), and for kvtiers:// `ca_file`
+`lookup_timeout_s` (0.5: existence checks, on their own connections, so a frozen server
+stalls a lookup at most this long; the server answers them from memory, never the disk),
+`timeout_s` (10: GETs and PUTs, which may wait on the server's disk), `connect_timeout_s`
+(2; at most `lookup_timeout_s` for lookups), `pool_size` (8), and for kvtiers:// `ca_file`
 (PEM bundle the server's certificate must chain to; default: the system's trust store; the
 certificate must name the URL's host). A `budget` or a non-LRU `eviction` is refused
 (ValueError): the server owns both.
@@ -54,6 +57,7 @@ class CacheServerBackend(BytesBackend):
         *,
         auth_token: str | None = None,
         timeout_s: float = 10.0,
+        lookup_timeout_s: float = 0.5,
         connect_timeout_s: float = 2.0,
         pool_size: int = 8,
         tls: ssl.SSLContext | None = None,
@@ -61,8 +65,16 @@ class CacheServerBackend(BytesBackend):
         super().__init__(codec)
         if not host:
             raise ValueError("cache server tier needs a host, e.g. kvtier://127.0.0.1:65432")
+        for name, value in (("timeout_s", timeout_s), ("lookup_timeout_s", lookup_timeout_s),
+                            ("connect_timeout_s", connect_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"cache server tier: {name} must be positive, got {value}")
         self.client = CacheServerClient(host, port, auth_token=auth_token, timeout=timeout_s,
                                         connect_timeout=connect_timeout_s, pool_size=pool_size, tls=tls)
+        # Lookups on their own pool: they never queue behind a large GET or PUT.
+        self.lookup_client = CacheServerClient(host, port, auth_token=auth_token, timeout=lookup_timeout_s,
+                                               connect_timeout=min(connect_timeout_s, lookup_timeout_s),
+                                               pool_size=pool_size, tls=tls)
         self.scheme = "kvtiers" if tls is not None else "kvtier"
         self._errors = 0
 
@@ -76,7 +88,8 @@ class CacheServerBackend(BytesBackend):
             raise ValueError(f"{spec.url}: the cache server always evicts LRU; eviction={spec.eviction!r} "
                              "cannot be honoured")
         opts = dict(spec.options)
-        unknown = set(opts) - {"auth_token", "timeout_s", "connect_timeout_s", "pool_size", "ca_file"}
+        unknown = set(opts) - {"auth_token", "timeout_s", "lookup_timeout_s", "connect_timeout_s", "pool_size",
+                               "ca_file"}
         if unknown:
             raise ValueError(f"{spec.url}: unknown cache server tier option(s) {sorted(unknown)}")
         tls = None
@@ -88,6 +101,7 @@ class CacheServerBackend(BytesBackend):
         return cls(parts.hostname or "", parts.port or DEFAULT_PORT, spec.codec,
                    auth_token=str(token) if token else None,
                    timeout_s=float(opts.get("timeout_s", 10.0)),
+                   lookup_timeout_s=float(opts.get("lookup_timeout_s", 0.5)),
                    connect_timeout_s=float(opts.get("connect_timeout_s", 2.0)),
                    pool_size=int(opts.get("pool_size", 8)), tls=tls)
 
@@ -133,14 +147,15 @@ class CacheServerBackend(BytesBackend):
         return stored
 
     def _contains(self, key: str) -> bool:
-        return self._io(self.client.exists, key.encode())
+        return self._io(self.lookup_client.exists, key.encode())
 
     def _batched_contains(self, keys: Sequence[str]) -> list[bool]:
-        return self._io(self.client.exists_many, [k.encode() for k in keys])
+        return self._io(self.lookup_client.exists_many, [k.encode() for k in keys])
 
     def prefix_hits(self, keys: Sequence[str]) -> int:
-        """Returns how many of `keys`, from the start, the server holds: one round trip."""
-        return self._io(self.client.prefix_hits, [k.encode() for k in keys])
+        """Returns how many of `keys`, from the start, the server holds: one round trip,
+        within `lookup_timeout_s`."""
+        return self._io(self.lookup_client.prefix_hits, [k.encode() for k in keys])
 
     def _delete(self, key: str) -> bool:
         return self._io(self.client.delete, key.encode())
@@ -168,6 +183,7 @@ class CacheServerBackend(BytesBackend):
 
     def close(self) -> None:
         self.client.close()
+        self.lookup_client.close()
 
 
 def _payload(value: StoredValue) -> Payload:

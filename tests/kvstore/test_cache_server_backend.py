@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 
 import pytest
 import torch
 
 from kvstore.backend import BackendError
 from kvstore.backends.cache_server import CacheServerBackend
+from kvstore.backends.memory import CPUBackend
 from kvstore.config import KVStoreConfig, TierSpec
 from kvstore.keys import process_tokens
 from kvstore.registry import create_backend
@@ -70,6 +74,41 @@ def test_lz4_codec_and_url_options(cache_server_factory: type[CacheServerProcess
         create_backend(TierSpec.from_url(f"{server.url}?budget=1GiB"))
     with pytest.raises(ValueError, match="always evicts LRU"):
         create_backend(TierSpec.from_url(f"{server.url}?eviction=fifo"))
+    with pytest.raises(ValueError, match="lookup_timeout_s must be positive"):
+        create_backend(TierSpec.from_url(f"{server.url}?lookup_timeout_s=0"))
+
+
+def test_a_frozen_server_stalls_lookups_briefly_and_is_used_again_after(
+    cache_server_factory: type[CacheServerProcess],
+) -> None:
+    """Existence checks run within `lookup_timeout_s` (0.5 s by default) on their own
+    connections: a SIGSTOPped server costs a lookup that long, not the 10 s of `timeout_s`."""
+    server = cache_server_factory()
+    tier = create_backend(TierSpec.from_url(server.url))
+    mgr = StorageManager([CPUBackend(), tier], names=["cpu", "server"])
+    keys = _keys(3)
+    tier.batched_put([(k, _chunk(i, (2, 2, 16, 3, 64))) for i, k in enumerate(keys)])
+    calls = {"prefix_hits": lambda: mgr.prefix_hits(keys), "batched_contains": lambda: mgr.batched_contains(keys),
+             "contains": lambda: mgr.contains(keys[0])}
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        took: dict[str, float] = {}
+        for _ in range(3):  # the first calls time out; later ones are skipped or probe once
+            for name, call in calls.items():
+                t0 = time.monotonic()
+                call()
+                took[name] = max(took.get(name, 0.0), time.monotonic() - t0)
+            time.sleep(0.3)
+        assert not mgr.stats()["server"].read_healthy
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    assert max(took.values()) < 3.0, took  # each used to wait out timeout_s (10 s)
+    deadline = time.monotonic() + 10
+    while mgr.prefix_hits(keys) != 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert mgr.prefix_hits(keys) == 3 and torch.equal(mgr.batched_get(keys)[2], _chunk(2, (2, 2, 16, 3, 64)))
+    mgr.close()
 
 
 def test_wrong_token_is_a_backend_error(cache_server_factory: type[CacheServerProcess]) -> None:
