@@ -255,11 +255,18 @@ class DiskSpill:
         """Blocks until every queued file operation is done and its completion has run."""
         self.worker.drain()
 
-    def close(self) -> None:
+    def close(self, stall_timeout: float | None = None) -> bool:
         """Finishes the queued writes (not the background removal of cleared generations,
-        which a restart completes) and stops both threads."""
-        self.worker.close()
+        which a restart completes) and stops both threads; returns whether every write ran.
+        With `stall_timeout`, gives up once the disk has finished no job for that long,
+        logging how many were left (a restart finds the entries that were written)."""
+        drained = self.worker.close(stall_timeout)
         self.janitor.stop()
+        if not drained:
+            log.error("disk spill %s: the disk finished nothing for %s s; stopping with %d queued "
+                      "operations undone (entries already written are kept)", self.root, stall_timeout,
+                      self.worker.pending)
+        return drained
 
     def _write_failed(self, exc: OSError) -> None:
         """Counts a failed write or removal; logs the first of a run of them, so a directory

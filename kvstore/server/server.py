@@ -197,7 +197,8 @@ async def serve(
 ) -> None:
     """Runs the server until SIGINT/SIGTERM (or `stop` is set), then closes every
     connection and, when the store has a disk spill, writes memory to disk so that a
-    restart with the same directory keeps the data."""
+    restart with the same directory keeps the data (giving up once the disk has finished
+    nothing for the frame timeout)."""
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     server = CacheServer(store, config)
@@ -215,4 +216,4 @@ async def serve(
         for sig in installed:
             loop.remove_signal_handler(sig)
         await server.close()
-        store.flush_to_disk()
+        store.flush_to_disk(stall_timeout=config.frame_timeout)

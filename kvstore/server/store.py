@@ -287,17 +287,18 @@ class ByteStore:
         if self.spill is not None:
             self.spill.clear()
 
-    def flush_to_disk(self) -> int:
+    def flush_to_disk(self, stall_timeout: float | None = None) -> int:
         """Writes every in-memory entry to the disk spill (most recent last, so that the
-        disk LRU keeps the hottest), waits for every queued write, and stops the spill's
-        worker; returns how many entries this wrote. Used at shutdown so a restart with the
-        same --disk keeps the data."""
+        disk LRU keeps the hottest), waits for every queued write (or, with `stall_timeout`,
+        until the disk has made no progress for that long), and stops the spill's worker;
+        returns how many entries this wrote. Used at shutdown so a restart with the same
+        --disk keeps the data, and a stuck disk never hangs the shutdown."""
         if self.spill is None:
             return 0
         written: list[bool] = []
         for key, value in self._lru.items():
             self.spill.put(key, value, written.append)
-        self.spill.close()
+        self.spill.close(stall_timeout)
         return sum(written)
 
     def stats(self) -> StoreStats:

@@ -36,6 +36,7 @@ class IOWorker:
         self._done: deque[tuple[Done, Any]] = deque()
         self.wake: Callable[[Callable[[], None]], object] | None = None
         self.pending = 0  # jobs with a completion that has not run yet (owner's thread)
+        self.finished = 0  # jobs run so far (written by the thread only: a progress mark)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -56,6 +57,7 @@ class IOWorker:
             except Exception:  # a bug, not a disk error (jobs handle OSError): keep serving
                 log.exception("%s: background job failed", self.name)
                 result = None
+            self.finished += 1
             if finished is not None:
                 finished.set()
             if done is None:
@@ -75,19 +77,34 @@ class IOWorker:
             self.pending -= 1
             done(result)
 
-    def drain(self) -> None:
-        """Blocks until every job submitted so far has run, then runs their completions.
-        Guarantees pending == 0 on return (unless a completion submitted more)."""
-        finished = threading.Event()
-        self._jobs.put((_nothing, None, finished))
-        finished.wait()
+    def drain(self, stall_timeout: float | None = None) -> bool:
+        """Blocks until every job submitted so far has run, then runs their completions;
+        returns True (pending == 0, unless a completion submitted more). With
+        `stall_timeout`, returns False instead once no job has finished for that long
+        (a stuck disk; between one and two timeouts): the completions of the jobs that did
+        finish have run, the rest are still queued."""
+        done = threading.Event()
+        self._jobs.put((_nothing, None, done))
+        if stall_timeout is None:
+            done.wait()
+        else:
+            seen = self.finished
+            while not done.wait(stall_timeout):
+                if self.finished == seen:
+                    self.run_completions()
+                    return False
+                seen = self.finished
         self.run_completions()
+        return True
 
-    def close(self) -> None:
-        """Drains, then stops the thread."""
-        self.drain()
+    def close(self, stall_timeout: float | None = None) -> bool:
+        """Drains (see `drain`), then stops the thread; returns whether every job ran. A
+        thread stuck in a job is left behind (a daemon: it never holds up the process's exit)."""
+        drained = self.drain(stall_timeout)
         self.stop()
-        self._thread.join()
+        if drained:
+            self._thread.join()
+        return drained
 
     def stop(self) -> None:
         """Has the thread exit once the jobs queued so far have run (without waiting)."""

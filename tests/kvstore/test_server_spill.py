@@ -187,6 +187,28 @@ def test_a_crash_after_clear_never_brings_cleared_entries_back(
     fresh.close()
 
 
+def test_sigterm_with_a_stuck_disk_exits_keeping_what_was_written(
+    cache_server_factory: type[CacheServerProcess], tmp_path
+) -> None:
+    """Shutdown writes memory to disk, but gives up on a disk that has finished nothing for
+    --frame-timeout: SIGTERM exits 0 (it used to hang), and a restart serves what was written."""
+    server = cache_server_factory("--max-bytes", "4MiB", "--disk", str(tmp_path), "--frame-timeout", "1")
+    c = CacheServerClient("127.0.0.1", server.port, timeout=_TIMEOUT)
+    kept, stuck = os.urandom(1000), os.urandom(MIB)
+    stall = _StalledWrite(live_dir(tmp_path), b"stuck")
+    assert c.put(b"kept", kept) and c.put(b"stuck", stuck)  # flushed in LRU order: kept, then stuck
+    c.close()
+    try:
+        code, err = server.stop_and_read(timeout=30)
+    finally:
+        stall.release(0)
+    assert code == 0 and "the disk finished nothing for 1.0 s" in err, err[-2000:]
+    server.start()
+    c = CacheServerClient("127.0.0.1", server.port, timeout=_TIMEOUT)
+    assert c.get(b"kept") == kept and c.get(b"stuck") is None
+    c.close()
+
+
 def test_gets_racing_spills_get_the_right_value(cache_server_factory: type[CacheServerProcess], tmp_path) -> None:
     """Clients PUT and GET over a small memory budget, so entries keep moving to disk (and
     back) while others read them: a GET answers the stored value or, rarely, a miss."""
