@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from kvtier.router.backends import Backend, BackendPool
 from kvtier.router.metrics import RouterMetrics
@@ -32,6 +34,22 @@ _MOVE_ON = {429, 503}  # another backend may serve it; 503 also means this one i
 def error_response(status: int, message: str, kind: str = "service_unavailable") -> JSONResponse:
     """Returns an error in OpenAI's shape (`APIError`'s, as `kvtier serve` answers)."""
     return JSONResponse(APIError(status, message, kind).body(), status_code=status)
+
+
+class RelayResponse(StreamingResponse):
+    """A relayed stream that calls `release` (once) however it ends: sent whole, cut, or
+    never started because the client left first (then its body generator never runs, so
+    the generator's own cleanup cannot be relied on)."""
+
+    def __init__(self, body: AsyncIterator[bytes], release: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self.release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.release()
 
 
 @dataclass
@@ -121,7 +139,8 @@ class Proxy:
                 if not streaming:
                     await resp.aclose()  # also when cancelled (the client hung up): the backend aborts
             handed_off = True
-            return StreamingResponse(self._relay(backend, resp, first, chunks), media_type="text/event-stream")
+            release = _releaser(backend, resp)
+            return RelayResponse(self._relay(backend, first, chunks, release), release)
         finally:
             if not handed_off:
                 backend.in_flight -= 1
@@ -132,10 +151,10 @@ class Proxy:
             self.pool.mark_down(backend, f"{type(exc).__name__}: {exc}")
         return _Failed(None)
 
-    async def _relay(self, backend: Backend, resp: httpx.Response, first: bytes,
-                     chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def _relay(self, backend: Backend, first: bytes, chunks: AsyncIterator[bytes],
+                     release: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
         """Yields the backend's SSE bytes; a cut stream ends with an error event. Closing it
-        (the client hung up) closes the backend's response, so the backend aborts."""
+        (the client hung up) releases the backend's response, so the backend aborts."""
         try:
             yield first
             try:
@@ -147,5 +166,21 @@ class Proxy:
                 err = APIError(502, f"backend {backend.url} failed mid-stream", "internal_error").body()
                 yield f"data: {json.dumps(err)}\n\n".encode()
         finally:
-            backend.in_flight -= 1
+            await release()
+
+
+def _releaser(backend: Backend, resp: httpx.Response) -> Callable[[], Awaitable[None]]:
+    """Returns a function that, on its first call only, ends the router's hold on `backend`
+    and closes `resp` (shielded: it runs while a hung-up request is being cancelled)."""
+    released = False
+
+    async def release() -> None:
+        nonlocal released
+        if released:
+            return
+        released = True
+        backend.in_flight -= 1
+        with anyio.CancelScope(shield=True):
             await resp.aclose()
+
+    return release
