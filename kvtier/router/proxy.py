@@ -139,7 +139,7 @@ class Proxy:
                 if not streaming:
                     await resp.aclose()  # also when cancelled (the client hung up): the backend aborts
             handed_off = True
-            release = _releaser(backend, resp)
+            release = releaser(backend, resp)
             return RelayResponse(self._relay(backend, first, chunks, release), release)
         finally:
             if not handed_off:
@@ -169,7 +169,7 @@ class Proxy:
             await release()
 
 
-def _releaser(backend: Backend, resp: httpx.Response) -> Callable[[], Awaitable[None]]:
+def releaser(backend: Backend, resp: httpx.Response) -> Callable[[], Awaitable[None]]:
     """Returns a function that, on its first call only, ends the router's hold on `backend`
     and closes `resp` (shielded: it runs while a hung-up request is being cancelled)."""
     released = False

@@ -18,7 +18,7 @@ import pytest
 from starlette.requests import ClientDisconnect
 
 from kvtier.router.backends import Backend
-from kvtier.router.proxy import RelayResponse, _releaser
+from kvtier.router.proxy import RelayResponse, releaser
 
 
 class _BackendBody(httpx.AsyncByteStream):
@@ -36,7 +36,7 @@ class _BackendBody(httpx.AsyncByteStream):
 
 def _relay(backend: Backend) -> tuple[RelayResponse, _BackendBody, list[bool]]:
     body = _BackendBody()
-    release = _releaser(backend, httpx.Response(200, stream=body))
+    release = releaser(backend, httpx.Response(200, stream=body))
     backend.in_flight += 1  # what Proxy._try holds when it hands the stream off
     started: list[bool] = []
 
