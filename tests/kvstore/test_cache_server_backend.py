@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 
@@ -18,6 +16,7 @@ from kvstore.keys import process_tokens
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
 from tests.fixtures.cache_server import CacheServerProcess
+from tests.kvstore.tiers import longest_calls_while_frozen
 
 SHAPE = (30, 2, 256, 3, 64)  # one 256-token chunk of the default model
 
@@ -91,18 +90,9 @@ def test_a_frozen_server_stalls_lookups_briefly_and_is_used_again_after(
     calls = {"prefix_hits": lambda: mgr.prefix_hits(keys), "batched_contains": lambda: mgr.batched_contains(keys),
              "contains": lambda: mgr.contains(keys[0])}
     assert server.proc is not None
-    os.kill(server.proc.pid, signal.SIGSTOP)
-    try:
-        took: dict[str, float] = {}
-        for _ in range(3):  # the first calls time out; later ones are skipped or probe once
-            for name, call in calls.items():
-                t0 = time.monotonic()
-                call()
-                took[name] = max(took.get(name, 0.0), time.monotonic() - t0)
-            time.sleep(0.3)
-        assert not mgr.stats()["server"].read_healthy
-    finally:
-        os.kill(server.proc.pid, signal.SIGCONT)
+    # the first calls time out; later ones are skipped, or probe once the backoff elapsed
+    took = longest_calls_while_frozen(server.proc.pid, calls, rounds=3, pause_s=0.3)
+    assert not mgr.stats()["server"].read_healthy  # no call since it was resumed
     assert max(took.values()) < 3.0, took  # each used to wait out timeout_s (10 s)
     deadline = time.monotonic() + 10
     while mgr.prefix_hits(keys) != 3 and time.monotonic() < deadline:

@@ -19,7 +19,7 @@ from kvstore.config import TierSpec
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
 from tests.fixtures.redis_server import RedisServer, start_redis
-from tests.kvstore.tiers import chunk, ckey
+from tests.kvstore.tiers import chunk, ckey, longest_calls_while_frozen
 
 
 @pytest.fixture
@@ -135,17 +135,9 @@ def test_a_frozen_redis_stalls_lookups_briefly_and_is_used_again_after(own_redis
     tier.batched_put([(k, chunk(i)) for i, k in enumerate(keys)])
     calls = {"prefix_hits": lambda: mgr.prefix_hits(keys), "batched_contains": lambda: mgr.batched_contains(keys),
              "batched_get": lambda: mgr.batched_get(keys), "contains": lambda: mgr.contains(keys[0])}
-    os.kill(own_redis.proc.pid, signal.SIGSTOP)
-    try:
-        took: dict[str, float] = {}
-        for _ in range(2):  # the first calls time out; later ones are skipped by the backoff
-            for name, call in calls.items():
-                t0 = time.monotonic()
-                call()
-                took[name] = max(took.get(name, 0.0), time.monotonic() - t0)
-        assert not mgr.stats()["redis"].read_healthy
-    finally:
-        os.kill(own_redis.proc.pid, signal.SIGCONT)
+    # the first calls time out; later ones are skipped by the backoff
+    took = longest_calls_while_frozen(own_redis.proc.pid, calls)
+    assert not mgr.stats()["redis"].read_healthy  # no call since it was resumed
     # the old 5 s socket timeout held each of these calls 5 s
     assert max(took.values()) < 2.0, took
     deadline = time.monotonic() + 5

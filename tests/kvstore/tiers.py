@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,3 +34,22 @@ def chunk(i: int, tokens: int = 16, dtype: torch.dtype = torch.float16) -> torch
 
 def ckey(i: int) -> str:
     return f"kvtier:test:float16:v1:c16:{i:032x}"
+
+
+def longest_calls_while_frozen(pid: int, calls: dict[str, Callable[[], object]], rounds: int = 2,
+                               pause_s: float = 0.0) -> dict[str, float]:
+    """Freezes process `pid` (SIGSTOP), runs every call `rounds` times (`pause_s` apart, so
+    the tier's backoff may elapse and probe again), then resumes it (SIGCONT, even if a call
+    raised); returns each call's longest duration in seconds."""
+    took: dict[str, float] = {}
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for _ in range(rounds):
+            for name, call in calls.items():
+                t0 = time.monotonic()
+                call()
+                took[name] = max(took.get(name, 0.0), time.monotonic() - t0)
+            time.sleep(pause_s)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    return took
