@@ -70,6 +70,37 @@ class _StalledWrite:
         return bytes(self.data)
 
 
+_K_SIZE = 600 << 10  # k's value: its spill write stalls (20 header + 1 key + this many bytes)
+
+
+def _stall_worker(port: int, directory: Path) -> tuple[_StalledWrite, threading.Thread]:
+    """Leaves the disk worker stuck in the spill write of `k` (a FIFO in `directory`, the
+    live generation), with a PUT of `k2` waiting for the memory that write holds: puts k,
+    then k2 on a thread (its eviction of k is the stalled write). Returns the stall and the
+    thread, which ends once the stall is released, or quietly if the server dies."""
+    stall = _StalledWrite(directory, b"k")
+    c = CacheServerClient("127.0.0.1", port, timeout=_TIMEOUT)
+
+    def put_k2() -> None:
+        writer = CacheServerClient("127.0.0.1", port, timeout=60)
+        try:
+            writer.put(b"k2", os.urandom(_K_SIZE))
+        except ServerUnavailable:
+            pass  # the test killed the server under it
+        finally:
+            writer.close()
+
+    try:
+        assert c.put(b"k", os.urandom(_K_SIZE))
+        thread = threading.Thread(target=put_k2, daemon=True)
+        thread.start()
+        stall.wait_entered()  # anything queued from now on (a CLEAR's removal) waits behind it
+        assert _wait_for(lambda: c.stats()["waiting_for_memory"] == 1)
+    finally:
+        c.close()
+    return stall, thread
+
+
 def _wait_for(predicate, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -126,16 +157,8 @@ def test_clear_answers_at_once_and_removes_files_in_the_background(
     old = live_dir(tmp_path)
     n_files = len(list(old.iterdir()))
     assert n_files == stats["disk_entries"] > 2500
-    # Stall the disk worker: k's spill write blocks on a FIFO until the test reads it.
-    stall = _StalledWrite(old, b"k")
-    blob = os.urandom(600 << 10)
-    assert c.put(b"k", blob)
-    writer = CacheServerClient("127.0.0.1", server.port, timeout=60)
-    thread = threading.Thread(target=lambda: writer.put(b"k2", blob))  # evicts k: the write stalls
-    thread.start()
+    stall, thread = _stall_worker(server.port, old)
     try:
-        stall.wait_entered()  # the old generation's removal now queues behind this write
-        assert _wait_for(lambda: c.stats()["waiting_for_memory"] == 1)
         c.clear()  # answered although the disk worker is stuck and thousands of files remain
         assert c.ping() and c.get(values[0][0]) is None and not c.exists(values[-1][0])
         stats = c.stats()
@@ -144,13 +167,12 @@ def test_clear_answers_at_once_and_removes_files_in_the_background(
         assert live_dir(tmp_path) != old  # a new generation is live
         assert c.put(b"new", b"n" * 10) and c.get(b"new") == b"n" * 10
     finally:
-        stall.release(20 + 1 + len(blob))
+        stall.release(20 + 1 + _K_SIZE)
         thread.join(30)
     assert _wait_for(lambda: not old.exists(), timeout=60)  # removed in the background
     assert c.get(values[1][0]) is None and c.get(b"new") == b"n" * 10
     assert c.prefix_hits([k for k, _ in values[:10]]) == 0
     c.close()
-    writer.close()
 
 
 def test_a_crash_after_clear_never_brings_cleared_entries_back(
@@ -162,19 +184,8 @@ def test_a_crash_after_clear_never_brings_cleared_entries_back(
     assert all(c.put_many(values))
     n_files = settled(c)["disk_entries"]
     old = live_dir(tmp_path)
-    stall = _StalledWrite(old, b"k")  # the worker stalls, so the old generation is still whole
-    assert c.put(b"k", os.urandom(600 << 10))
+    stall, _ = _stall_worker(server.port, old)  # so the old generation is still whole
     fresh = CacheServerClient("127.0.0.1", server.port, timeout=_TIMEOUT)
-
-    def put_k2() -> None:  # evicts k: its write stalls; the server is killed under it
-        try:
-            c.put(b"k2", os.urandom(600 << 10))
-        except ServerUnavailable:
-            pass
-
-    threading.Thread(target=put_k2, daemon=True).start()
-    stall.wait_entered()
-    assert _wait_for(lambda: fresh.stats()["waiting_for_memory"] == 1)
     fresh.clear()
     assert len(list(old.iterdir())) > n_files > 500  # the files are still there when it dies
     server.stop(signal.SIGKILL)
