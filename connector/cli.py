@@ -70,11 +70,8 @@ def connector_from_args(args: argparse.Namespace) -> KVTierConnector | None:
     if blend or base.blend.enabled:
         import dataclasses
 
-        from connector.blend.blend_connector import BlendConnector
-
         try:
             base.blend = dataclasses.replace(base.blend, enabled=True, **blend_knobs).validate()
         except ValueError as exc:
             raise ValueError(f"--blend: {exc}") from None
-        return BlendConnector(make_config(base, chunk_size=args.chunk_size, codec=args.kv_codec))
     return KVTierConnector(make_config(base, chunk_size=args.chunk_size, codec=args.kv_codec))

@@ -72,7 +72,7 @@ class ConnectorConfig:
     save_unfull_chunk: bool = True
     max_pending_store_bytes: int = 1 << 30
     # Layer-pipelined loads: chunks stored one value per layer; a hit is scheduled at once and
-    # its forward's layer i waits only for layer i (connector/layerwise.py).
+    # its forward's layer i waits only for layer i (connector/keyspace.py).
     use_layerwise: bool = False
     # CacheBlend (`blend: {enabled: true, ratio: 0.15, check_layer: 1, ...}`, see BlendConfig).
     blend: BlendConfig = field(default_factory=BlendConfig)
@@ -80,6 +80,14 @@ class ConnectorConfig:
     @property
     def chunk_size(self) -> int:
         return self.kvstore.chunk_size
+
+    @property
+    def save_decode_tokens(self) -> bool:
+        return self.kvstore.save_decode_tokens
+
+    @property
+    def store_queue_size(self) -> int:
+        return self.kvstore.queue_size
 
     def validate(self) -> ConnectorConfig:
         """Returns self after checking every field; raises ValueError naming the key."""

@@ -7,11 +7,12 @@ at lookup is not possession); `LoadJob.filled` ends the positions every layer go
   fetch, the next group fetched on a prefetch thread while this one is scattered; the end is
   reported by `finished()` with the blocks not filled.
 - layer by layer (`use_layerwise`, the request runs in the step that admitted it): layer i of
-  every chunk (one stored value each, connector/layerwise.py) is fetched and scattered in
+  every chunk (one stored value each, connector/keyspace.py) is fetched and scattered in
   layer order, the next layer fetched while this one is scattered; the forward's layer i
   waits only for it (`wait_layer`). The step reports what did not arrive.
-Hits from slower tiers are promoted through the store queue afterwards, never on this path.
-On CUDA the scatter runs on a side stream from pinned host memory (connector/staging.py).
+Hits from slower tiers are queued for promotion through the store queue once the load ended;
+the load never waits for that write. On CUDA the scatter runs on a side stream from pinned
+host memory (connector/staging.py).
 """
 
 from __future__ import annotations
@@ -28,16 +29,15 @@ from typing import Any
 
 import torch
 
-from connector.gather import scatter_chunk, scatter_layer, slots_for
-from connector.layerwise import layer_key, stored_keys
+from connector.keyspace import Keyspace, Span, layer_key
+from connector.metadata import LoadSpec
 from connector.metrics import ConnectorMetrics
 from connector.staging import to_device_source
 from connector.store_queue import StoreQueue
+from engine.kv_cache import PagedKVLayout
 from kvstore.storage_manager import StorageManager
 from kvstore.writer import BackgroundWriter
 
-# (start, end, key): token positions [start, end) of a sequence and the chunk key for them.
-Span = tuple[int, int, str]
 # Background loads queued at most; one past it is refused and computed instead.
 LOAD_QUEUE_SIZE = 4096
 # Chunks per fetch of a whole-chunk load: the next group is fetched while this one is scattered.
@@ -48,14 +48,9 @@ Fetched = list[tuple[torch.Tensor | None, int]]
 
 @dataclass
 class LoadJob:
-    """One load: positions [start, end) of a request into its fresh blocks."""
+    """One load being run: its plan and how far it got."""
 
-    request_id: str
-    start: int
-    end: int
-    spans: list[Span]  # in order, covering [start, end) (the first may begin before start)
-    block_ids: list[int]
-    layerwise: bool = False
+    spec: LoadSpec
     cancelled: bool = False  # the request finished (or its step failed): stop writing its blocks
     # CUDA: recorded on the engine's stream at admission; the load stream waits for it, so
     # kernels still using these blocks for their previous owner finish before they are written.
@@ -67,8 +62,28 @@ class LoadJob:
     tiers: list[int] = field(default_factory=list)  # per span: the tier it (its layer 0) came from
 
     @property
-    def keys(self) -> list[str]:
-        return [k for _, _, k in self.spans]
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def start(self) -> int:
+        return self.spec.start
+
+    @property
+    def end(self) -> int:
+        return self.spec.end
+
+    @property
+    def spans(self) -> list[Span]:
+        return self.spec.spans
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.spec.block_ids
+
+    @property
+    def layerwise(self) -> bool:
+        return self.spec.layerwise
 
 
 def chunk_ok(kv: torch.Tensor | None, shape: tuple[int, ...]) -> bool:
@@ -80,33 +95,35 @@ class Loader:
     """Runs loads on one thread, in submission order. Guarantees: every submitted job ends
     exactly once (unpinned, `filled` set); a cancelled job writes no further chunk."""
 
-    def __init__(self, storage: StorageManager, stores: StoreQueue, kv_caches: list[torch.Tensor],
-                 block_size: int, metrics: ConnectorMetrics) -> None:
+    def __init__(self, storage: StorageManager, stores: StoreQueue, layout: PagedKVLayout, keyspace: Keyspace,
+                 metrics: ConnectorMetrics) -> None:
         self.storage = storage
         self.stores = stores
-        self.kv_caches = kv_caches
-        self.block_size = block_size
+        self.layout = layout
+        self.keyspace = keyspace
         self.metrics = metrics
-        self.num_layers = len(kv_caches)
-        _, _, _, self._heads, self._head_size = kv_caches[0].shape
+        self.num_layers = layout.num_layers
         # A full queue refuses a job; that load is reported failed (recomputed).
         self.writer = BackgroundWriter(LOAD_QUEUE_SIZE, "drop_new", "kvtier-connector-load")
         self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="kvtier-connector-fetch")
-        device = kv_caches[0].device
+        device = layout.device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._cond = threading.Condition()
         self._loading: dict[str, LoadJob] = {}
         self._done: dict[str, set[int]] = {}  # ended whole-chunk (or cancelled) loads, unreported
 
     def _pinned_keys(self, job: LoadJob) -> list[str]:
-        return stored_keys(job.keys, self.num_layers if job.layerwise else None)
+        return self.keyspace.stored_keys(job.spans)
 
     def _shape(self, layers: int, num_tokens: int) -> tuple[int, ...]:
-        return (layers, 2, num_tokens, self._heads, self._head_size)
+        return (layers, 2, num_tokens, self.layout.num_kv_heads, self.layout.head_size)
 
-    # ---- scheduler side ----------------------------------------------------------------
-    def submit(self, job: LoadJob) -> None:
-        """Pins the job's stored values and queues it (refused: it ends at once, nothing filled)."""
+    def submit(self, spec: LoadSpec) -> LoadJob:
+        """Pins the load's stored values and queues it (refused: it ends at once, nothing
+        filled); returns the running job."""
+        if spec.layerwise != self.keyspace.layerwise:
+            raise ValueError("a layerwise load needs a layerwise keyspace (use_layerwise) and the reverse")
+        job = LoadJob(spec)
         self.storage.pin(self._pinned_keys(job))  # no local tier evicts them before they are read
         if self._stream is not None:
             job.ready = torch.cuda.Event()
@@ -115,6 +132,7 @@ class Loader:
             self._loading[job.request_id] = job
         if not self.writer.submit(functools.partial(self._run, job)):
             self._end(job, job.start)
+        return job
 
     def finished(self) -> dict[str, set[int]]:
         """Returns the whole-chunk (and cancelled) loads ended since the last call, each with
@@ -128,23 +146,14 @@ class Loader:
         with self._cond:
             self._cond.wait_for(lambda: bool(self._done), timeout)
 
-    def in_flight(self) -> int:
-        """Returns how many loads have not ended."""
-        with self._cond:
-            return len(self._loading)
-
-    def cancel(self, request_id: str) -> bool:
-        """Stops the request's load at its next chunk; returns True if it is still in flight
-        (`finished()` reports it once it let go of the blocks), else forgets its report."""
+    def cancel(self, request_id: str) -> None:
+        """Stops the request's load, if one is in flight, at its next chunk; `finished()`
+        still reports it, once it let go of the blocks."""
         with self._cond:
             job = self._loading.get(request_id)
             if job is not None:
                 job.cancelled = True
-                return True
-            self._done.pop(request_id, None)
-            return False
 
-    # ---- worker side (layerwise) ----------------------------------------------------------
     def wait_layer(self, job: LoadJob, layer: int) -> None:
         """Blocks until layer `layer` of `job` is in place (or given up); on CUDA the current
         stream then waits for its copies."""
@@ -163,7 +172,8 @@ class Loader:
         """Returns the blocks of an ended `job` from its first unfilled position to its end."""
         if job.cancelled or job.filled >= job.end:
             return set()
-        return set(job.block_ids[job.filled // self.block_size: -(-job.end // self.block_size)])
+        bs = self.layout.block_size
+        return set(job.block_ids[job.filled // bs: -(-job.end // bs)])
 
     # ---- loader thread -------------------------------------------------------------------
     def _run(self, job: LoadJob) -> None:
@@ -195,17 +205,18 @@ class Loader:
         """Scatters whole chunks in order; returns the end of what arrived."""
         filled = job.start
         keep: list[torch.Tensor] = []  # pinned sources stay alive until the stream is synchronised
-        for i, ((s, e, key), (kv, tier)) in enumerate(self._fetch_groups(job)):
-            if job.cancelled or kv is None or not chunk_ok(kv, self._shape(self.num_layers, e - s)):
+        layout = self.layout
+        for i, (sp, (kv, tier)) in enumerate(self._fetch_groups(job)):
+            if job.cancelled or kv is None or not chunk_ok(kv, self._shape(self.num_layers, sp.num_tokens)):
                 break  # corrupt, evicted or foreign: computed from here on
-            lo, hi = max(s, job.start), min(e, job.end)
-            src = to_device_source(kv[:, :, lo - s:hi - s], self.kv_caches[0].device, keep)
-            scatter_chunk(self.kv_caches, slots_for(job.block_ids, self.block_size, lo, hi), src)
+            lo, hi = max(sp.start, job.start), min(sp.end, job.end)
+            src = to_device_source(kv[:, :, lo - sp.start:hi - sp.start], layout.device, keep)
+            layout.scatter_chunk(layout.slots(job.block_ids, lo, hi), src)
             nbytes[0] += kv.numel() * kv.element_size()
             filled = hi
             job.tiers[i] = tier
             if tier > 0:
-                promote.append((key, kv, tier))
+                promote.append((sp.key, kv, tier))
         return filled
 
     def _fetch_groups(self, job: LoadJob) -> Iterator[tuple[Span, tuple[torch.Tensor | None, int]]]:
@@ -214,12 +225,12 @@ class Loader:
         the job is cancelled or a group comes back short."""
         groups = [job.spans[i:i + FETCH_GROUP] for i in range(0, len(job.spans), FETCH_GROUP)]
         fetch = functools.partial(self.storage.fetch, read_only=True)  # only scattered
-        pending = self._prefetch.submit(fetch, [k for _, _, k in groups[0]])
+        pending = self._prefetch.submit(fetch, [sp.key for sp in groups[0]])
         for g, group in enumerate(groups):
             values = pending.result()
             last = g + 1 == len(groups) or job.cancelled or any(v is None for v, _ in values)
             if not last:
-                pending = self._prefetch.submit(fetch, [k for _, _, k in groups[g + 1]])
+                pending = self._prefetch.submit(fetch, [sp.key for sp in groups[g + 1]])
             yield from zip(group, values)
             if last:
                 return
@@ -229,15 +240,14 @@ class Loader:
         in every layer. A layer whose chunk c fails cuts `filled` to c's start for the layers
         after it too (the positions before it must be complete in every layer)."""
         filled = job.end
-        device = self.kv_caches[0].device
+        layout = self.layout
         # Host-side slots: scatter_layer checks them without a device sync, then moves them.
-        slots = [slots_for(job.block_ids, self.block_size, max(s, job.start), min(e, job.end))
-                 for s, e, _ in job.spans]
+        slots = [layout.slots(job.block_ids, max(sp.start, job.start), min(sp.end, job.end)) for sp in job.spans]
         keep: list[torch.Tensor] = []
 
         def fetch(layer: int, upto: int) -> Future[tuple[list[int], Fetched]]:
-            wanted = [i for i, (s, _, _) in enumerate(job.spans) if s < upto]
-            keys = [layer_key(job.spans[i][2], layer) for i in wanted]
+            wanted = [i for i, sp in enumerate(job.spans) if sp.start < upto]
+            keys = [layer_key(job.spans[i].key, layer) for i in wanted]
             return self._prefetch.submit(lambda: (wanted, self.storage.fetch(keys, read_only=True)))
 
         pending = fetch(0, filled)
@@ -246,20 +256,20 @@ class Loader:
             if layer + 1 < self.num_layers:
                 pending = fetch(layer + 1, filled)  # while this layer is scattered
             for i, (kv, tier) in zip(wanted, values):
-                s, e, key = job.spans[i]
-                if s >= filled:
+                sp = job.spans[i]
+                if sp.start >= filled:
                     break
-                if job.cancelled or kv is None or not chunk_ok(kv, self._shape(1, e - s)):
-                    filled = max(job.start, s)
+                if job.cancelled or kv is None or not chunk_ok(kv, self._shape(1, sp.num_tokens)):
+                    filled = max(job.start, sp.start)
                     break
-                lo, hi = max(s, job.start), min(e, filled)
-                src = to_device_source(kv[0, :, lo - s:hi - s], device, keep)
-                scatter_layer(self.kv_caches[layer], slots[i][:hi - lo], src)
+                lo, hi = max(sp.start, job.start), min(sp.end, filled)
+                src = to_device_source(kv[0, :, lo - sp.start:hi - sp.start], layout.device, keep)
+                layout.scatter_layer(layer, slots[i][:hi - lo], src)
                 nbytes[0] += kv.numel() * kv.element_size()
                 if layer == 0:
                     job.tiers[i] = tier
                 if tier > 0:
-                    promote.append((layer_key(key, layer), kv, tier))
+                    promote.append((layer_key(sp.key, layer), kv, tier))
             self._layer_done(job, layer)
         return filled
 
@@ -281,8 +291,8 @@ class Loader:
         rid = job.request_id
         if not job.cancelled:
             by_tier: dict[str, int] = {}
-            for (s, e, _), tier in zip(job.spans, job.tiers):  # the tokens of [start, filled) each gave
-                n = min(e, filled) - max(s, job.start)
+            for sp, tier in zip(job.spans, job.tiers):  # the tokens of [start, filled) each gave
+                n = min(sp.end, filled) - max(sp.start, job.start)
                 if n > 0 and tier >= 0:
                     name = self.storage.names[tier]
                     by_tier[name] = by_tier.get(name, 0) + n

@@ -26,8 +26,7 @@ Item = tuple[str, torch.Tensor]
 class StoreQueue:
     """Pending stores with their keys and bytes. Thread-safe; counts never go negative."""
 
-    def __init__(self, storage: StorageManager, max_jobs: int, max_bytes: int,
-                 device: torch.device | None = None, queue_full: str = "drop_new") -> None:
+    def __init__(self, storage: StorageManager, max_jobs: int, max_bytes: int, queue_full: str = "drop_new") -> None:
         self.storage = storage
         self.max_bytes = max_bytes
         self._writer = BackgroundWriter(max_jobs, queue_full, "kvtier-connector-store")
@@ -36,7 +35,7 @@ class StoreQueue:
         self._bytes = 0
         self.promotions = 0
         # On CUDA, puts copy device -> host on their own stream, after the gather's event.
-        self._stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
+        self._stream: torch.cuda.Stream | None = None
 
     def submit(self, items: Sequence[Item], on_done: Callable[[], None] | None = None,
                on_drop: Callable[[], None] | None = None) -> bool:
@@ -71,7 +70,7 @@ class StoreQueue:
             self._bytes += nbytes
             for k in keys:
                 self._keys[k] = self._keys.get(k, 0) + 1
-        stream = self._stream
+        stream = self._stream_for(items)
         event = None
         if stream is not None:  # the gathers are queued on the compute stream
             event = torch.cuda.Event()
@@ -100,6 +99,14 @@ class StoreQueue:
 
         queued[0] = self._writer.submit(job, on_drop=dropped) or self._writer.drop == "drop_oldest"
         return queued[0]
+
+    def _stream_for(self, items: list[Item]) -> torch.cuda.Stream | None:
+        """Returns the side stream for puts of CUDA tensors (created on first use), else None."""
+        if not items or items[0][1].device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(items[0][1].device)
+        return self._stream
 
     def _release(self, keys: list[str], nbytes: int) -> None:
         with self._cond:

@@ -8,10 +8,19 @@ steps, the prefix cache or a connector load); this step appends `query_lens[i]` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+
+class LayerKVHooks(Protocol):
+    """What the model calls on a KV connector's worker side, per layer
+    (engine.kv_connector.KVConnectorWorker has both)."""
+
+    def wait_for_layer_load(self, layer_idx: int) -> None: ...
+
+    def save_kv_layer(self, layer_idx: int, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata) -> None: ...
 
 
 @dataclass
@@ -25,14 +34,7 @@ class AttentionMetadata:
     query_start_loc: list[int]
     seq_lens: list[int]
     block_size: int
-    # Optional worker-side KV connector (engine.kv_connector.KVConnectorBase); attention calls
-    # `wait_for_layer_load(layer_idx)` before reading layer i and `save_kv_layer(layer_idx,
-    # kv_cache, attn_metadata)` after writing it. None means no connector: no calls at all.
-    kv_connector: Any | None = None
-    # Free-form extras a connector may attach (e.g. CacheBlend state); the model ignores them.
-    extras: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def query_lens(self) -> list[int]:
-        q = self.query_start_loc
-        return [q[i + 1] - q[i] for i in range(len(q) - 1)]
+    # Optional KV connector worker side; attention calls `wait_for_layer_load(layer_idx)`
+    # before reading layer i and `save_kv_layer(layer_idx, kv_cache, attn_metadata)` after
+    # writing it. None means no connector: no calls at all.
+    kv_connector: LayerKVHooks | None = None

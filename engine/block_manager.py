@@ -10,35 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceT
 
-import torch
-
 from engine.block_pool import BlockPool, KVCacheBlock, hash_full_blocks
 from engine.sequence import Sequence
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def slot_mapping(
-    block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    """Returns the flat kv_cache slot of each token: `table[p // bs] * bs + p % bs`.
-
-    `block_tables` is [num_seqs, max_blocks] (int64), `seq_index` and `positions` are [T];
-    the result is [T] int64 on the tables' device. One gather, no Python loop over tokens.
-    """
-    block_ids = block_tables[seq_index, torch.div(positions, block_size, rounding_mode="floor")]
-    return block_ids * block_size + positions % block_size
-
-
-def request_slot_mapping(block_ids: SequenceT[int], block_size: int, start: int, end: int) -> torch.Tensor:
-    """Returns the slots of positions [start, end) of one request (CPU int64 [end - start])."""
-    if not 0 <= start <= end <= len(block_ids) * block_size:
-        raise ValueError(f"positions [{start}, {end}) outside {len(block_ids)} blocks of {block_size}")
-    positions = torch.arange(start, end, dtype=torch.long)
-    table = torch.as_tensor(list(block_ids), dtype=torch.long).view(1, -1)
-    return slot_mapping(table, torch.zeros_like(positions), positions, block_size)
 
 
 class BlockManager:

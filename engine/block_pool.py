@@ -3,28 +3,24 @@
 Anchored on vLLM v1 `core/block_pool.py` + `kv_cache_utils.py`. A block with `ref_cnt == 0`
 sits in the free queue; if it still carries a block hash its K/V stays reusable until the
 block is handed out again (evicted), oldest-freed first. Block hashes are chained and
-deterministic (blake2b over little-endian token bytes, fixed seed): identical across
+deterministic (engine/hashing.py's `chain_hash` from a fixed root): identical across
 processes, machines and PYTHONHASHSEED values.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
+from engine.hashing import chain_hash, root_hash
 
 # The parent of the first block: a fixed seed, so chains never depend on process state.
-NONE_HASH: bytes = hashlib.blake2b(b"kvtier/engine/prefix-cache/v1", digest_size=16).digest()
+NONE_HASH: bytes = root_hash(b"kvtier/engine/prefix-cache/v1")
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
     """Returns the 16-byte hash of one block given its parent's hash (None for the first)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(NONE_HASH if parent_hash is None else parent_hash)
-    h.update(np.asarray(token_ids, dtype="<i8").tobytes())
-    return h.digest()
+    return chain_hash(NONE_HASH if parent_hash is None else parent_hash, token_ids)
 
 
 def hash_full_blocks(

@@ -8,7 +8,7 @@ from collections.abc import Sequence as SequenceT
 from typing import Any, cast
 
 from engine.config import EngineConfig
-from engine.kv_connector import KVConnectorBase, resolve_kv_connector
+from engine.kv_connector import KVConnector, resolve_kv_connector
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -34,7 +34,7 @@ class LLM:
     `kv_connector=False` means no connector whatever the environment says.
     """
 
-    def __init__(self, model: str | None = None, *, kv_connector: KVConnectorBase | Any = None,
+    def __init__(self, model: str | None = None, *, kv_connector: KVConnector | Any = None,
                  **kwargs: Any) -> None:
         if model is not None:
             model = str(model)
@@ -95,7 +95,7 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
-        base = next(self.engine._ids)
+        base = self.engine.next_request_id()
         seqs = [self.engine.make_sequence(p, sp, f"{base}-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
         for seq in seqs:
             self.engine.add_sequence(seq)

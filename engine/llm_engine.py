@@ -9,7 +9,7 @@ from typing import Any
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from engine.kv_connector import KVConnectorBase
+from engine.kv_connector import KVConnector
 from engine.model_loader import load_tokenizer
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -27,14 +27,16 @@ KV_WAIT_S = 0.05
 class LLMEngine:
     """Wires runner, block manager and scheduler. Not thread-safe: one caller drives `step()`."""
 
-    def __init__(self, config: EngineConfig, kv_connector: KVConnectorBase | None = None) -> None:
-        if kv_connector is not None and not isinstance(kv_connector, KVConnectorBase):
-            raise ValueError(f"kv_connector must be a KVConnectorBase, got {type(kv_connector).__name__}")
+    def __init__(self, config: EngineConfig, kv_connector: KVConnector | None = None) -> None:
+        if kv_connector is not None and not isinstance(kv_connector, KVConnector):
+            raise ValueError(f"kv_connector must be a KVConnector, got {type(kv_connector).__name__}")
         self.config = config
         self.kv_connector = kv_connector
-        self.runner = ModelRunner(config, kv_connector)
+        self.runner = ModelRunner(config, kv_connector.worker if kv_connector is not None else None)
         mc = self.runner.model_config
         self.model_config = mc
+        if kv_connector is not None:
+            kv_connector.scheduler.register_model(mc, self.runner.dtype, config.block_size)
         if config.max_model_len is not None and config.max_model_len > mc.max_model_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit {mc.max_model_len}")
         self.max_model_len = config.max_model_len or mc.max_model_len
@@ -47,7 +49,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=set(mc.eos_token_ids),
-            kv_connector=kv_connector,
+            kv_connector=kv_connector.scheduler if kv_connector is not None else None,
         )
         self._ids = itertools.count()
         # A bar for prefills longer than one step, when progress is shown (engine/progress.py).
@@ -61,7 +63,7 @@ class LLMEngine:
         params.validate()
         text: str | None = None
         segment_lens: list[int] | None = None
-        sep = self.kv_connector.segment_separator if self.kv_connector is not None else None
+        sep = self.kv_connector.scheduler.segment_separator if self.kv_connector is not None else None
         if isinstance(prompt, str) and sep and sep in prompt:
             prompt = prompt.split(sep)
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
@@ -98,10 +100,14 @@ class LLMEngine:
                                      f"the {len(token_ids)} prompt tokens")
         else:
             raise ValueError("a prompt must be a str, a list of str segments, or a dict with 'prompt_token_ids'")
-        rid = request_id if request_id is not None else str(next(self._ids))
+        rid = request_id if request_id is not None else self.next_request_id()
         seq = Sequence(rid, token_ids, params, prompt=text, segment_lens=segment_lens)
         self.scheduler.check_request(seq)
         return seq
+
+    def next_request_id(self) -> str:
+        """Returns a request id no earlier call returned (ids the engine assigns itself)."""
+        return str(next(self._ids))
 
     def add_sequence(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -134,21 +140,23 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             if self.kv_connector is not None and self.scheduler.has_kv_in_flight():
-                # Only background loads are left: wait for one (bounded), never spin hot.
-                self.kv_connector.wait_for_finished(kv_wait_s)
+                # Only the connector's work is left: run its hooks, waiting (bounded) for a
+                # background load to end, never spinning hot.
+                _, kv_output = self.runner.execute_model(out, kv_wait_s)
+                self.scheduler.update_from_output(out, [], kv_output)
                 return []
             if self.scheduler.waiting and not self.scheduler.running:
                 # Cannot happen for requests that passed check_request; fail loudly, not spin.
                 raise RuntimeError("scheduler made no progress with an idle engine")
             return []
-        sampled = self.runner.execute_model(out)
-        progressed = self.scheduler.update_from_output(out, sampled)
+        sampled, kv_output = self.runner.execute_model(out)
+        progressed = self.scheduler.update_from_output(out, sampled, kv_output)
         if self._prefill_progress is not None:
             self._prefill_progress.update(out.requests)
         for seq in progressed:
             self._detokenize(seq)
             if seq.is_finished:
-                log_finished(seq, self.kv_connector)
+                log_finished(seq, self.kv_connector.scheduler if self.kv_connector is not None else None)
         return [self.make_output(s) for s in progressed]
 
     def _detokenize(self, seq: Sequence) -> None:

@@ -10,29 +10,22 @@ from __future__ import annotations
 import torch
 
 from engine.attention_metadata import AttentionMetadata
-from engine.block_manager import slot_mapping
 from engine.config import EngineConfig
-from engine.kv_connector import KVConnectorBase
-from engine.model_config import ModelConfig
+from engine.kv_cache import kv_bytes_per_block, slot_mapping
+from engine.kv_connector import KVConnectorOutput, KVConnectorWorker
 from engine.model_loader import load_model, resolve_device, resolve_dtype
 from engine.sampler import Sampler
-from engine.scheduler import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence
 
 # CPU has no allocator to query; this is the default KV budget there.
 _CPU_KV_BUDGET_BYTES = 1 << 30
 
 
-def kv_bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Returns the bytes one block occupies across all layers (K and V)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_size * elem
-
-
 class ModelRunner:
     """Runs steps on one device. Guarantees: the KV pool is allocated once and never resized."""
 
-    def __init__(self, config: EngineConfig, kv_connector: KVConnectorBase | None = None) -> None:
+    def __init__(self, config: EngineConfig, kv_connector: KVConnectorWorker | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -110,23 +103,47 @@ class ModelRunner:
         return input_ids, positions.to(dev, non_blocking=True), meta
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> list[int | None]:
-        """Runs one step; returns per scheduled request the sampled token, or None for a prefill
-        chunk that does not reach the request's last token."""
-        if out.is_empty:
-            return []
-        input_ids, positions, meta = self.prepare(out)
+    def execute_model(self, out: SchedulerOutput,
+                      kv_wait_s: float = 0.0) -> tuple[list[int | None], KVConnectorOutput | None]:
+        """Runs one step; returns (per scheduled request the sampled token, or None for a
+        prefill chunk that does not reach the request's last token; the connector's report, or
+        None without a connector). A step with no request runs only the connector's hooks,
+        waiting up to `kv_wait_s` for a background load to end."""
         conn = self.connector
+        if out.is_empty:
+            return [], None if conn is None else self._connector_step(conn, out, kv_wait_s)
+        input_ids, positions, meta = self.prepare(out)
         if conn is not None:
             conn.bind_connector_metadata(out.kv_connector_metadata)
-            conn.start_load_kv(meta)
         try:
+            if conn is not None:
+                conn.start_load_kv(meta)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            kv_output = None
             if conn is not None:
                 conn.wait_for_save()
+                kv_output = conn.build_connector_output(out.finished_req_ids)
         finally:
             if conn is not None:
                 conn.clear_connector_metadata()
+        return self._sample(out, hidden, meta), kv_output
+
+    @staticmethod
+    def _connector_step(conn: KVConnectorWorker, out: SchedulerOutput, kv_wait_s: float) -> KVConnectorOutput:
+        """Runs the connector's hooks for a step without a forward (loads to start, saves of
+        finished requests, reports); waits up to `kv_wait_s` for something to report."""
+        conn.bind_connector_metadata(out.kv_connector_metadata)
+        try:
+            conn.start_load_kv(None)
+            conn.wait_for_save()
+            if kv_wait_s > 0:
+                conn.wait_for_finished(kv_wait_s)
+            return conn.build_connector_output(out.finished_req_ids)
+        finally:
+            conn.clear_connector_metadata()
+
+    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata) -> list[int | None]:
+        """Returns per scheduled request the token sampled from its last row, or None."""
         rows = [i for i, r in enumerate(out.requests) if r.samples]
         result: list[int | None] = [None] * len(out.requests)
         if not rows:

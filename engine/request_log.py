@@ -8,23 +8,22 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
 
+from engine.kv_connector import KVConnectorScheduler
 from engine.sequence import Sequence
 
 request_logger = logging.getLogger("kvtier.request")
 
 
-def log_finished(seq: Sequence, connector: Any) -> None:
-    """Logs the line for finished `seq`; the connector part when `connector` has
-    `request_metrics` (connector/metrics.py's RequestKVMetrics). Stores still queued when the
-    request finished are not in it (they show in `request_metrics` later)."""
+def log_finished(seq: Sequence, connector: KVConnectorScheduler | None) -> None:
+    """Logs the line for finished `seq`; the connector part when `connector` keeps request
+    figures (`request_metrics`, connector/metrics.py's RequestKVMetrics). Stores still queued
+    when the request finished are not in it (they show in `request_metrics` later)."""
     if not request_logger.isEnabledFor(logging.INFO):
         return
     cached = max(seq.num_cached_tokens, 0)
     fields = [f"prompt_tokens={seq.num_prompt_tokens}"]
-    metrics_of = getattr(connector, "request_metrics", None)
-    m = metrics_of(seq.request_id) if metrics_of is not None else None
+    m = connector.request_metrics(seq.request_id) if connector is not None else None
     if m is None:
         fields.append(f"engine_hit_tokens={cached}")
     else:

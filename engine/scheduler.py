@@ -13,79 +13,26 @@ the step (`get_block_ids_with_load_errors()` in `update_from_output`), the reque
 to the first of them and the step's token for it is discarded (recomputed exactly).
 
 Asynchronous loads (a connector answering `(n, True)`): the request gets blocks for its whole
-prompt and waits in `waiting_for_kv` (status WAITING_FOR_REMOTE_KVS) while the connector fills
-them in the background; the running batch keeps stepping. Each `schedule()` first collects
-the connector's `get_finished()`: a completed load puts its request back at the head of the
-waiting queue with the loaded tokens computed, cut back to the first block the connector
-reports in `get_block_ids_with_load_errors()` (those tokens are recomputed). A request whose
-connector asked to delay freeing its blocks (`request_finished` returned True: a load still
-writes them) keeps them in `delayed_free` until `get_finished()` names it.
+prompt and waits in `waiting_for_kv` (status WAITING_FOR_REMOTE_KVS) while the connector's
+worker side fills them in the background; the running batch keeps stepping. The worker's
+report after each step (`KVConnectorOutput`, applied in `update_from_output`) names finished
+loads: each puts its request back at the head of the waiting queue with the loaded tokens
+computed, cut back to the first block in `invalid_block_ids` (those tokens are recomputed). A
+request whose connector asked to delay freeing its blocks (`request_finished` returned True: a
+load still writes them, or a save will read them) keeps them in `delayed_free` until the
+report names it.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
-import torch
-
-from engine.block_manager import BlockManager, request_slot_mapping
+from engine.block_manager import BlockManager
 from engine.block_pool import KVCacheBlock
-from engine.kv_connector import KVConnectorBase
+from engine.kv_connector import KVConnectorOutput, KVConnectorScheduler
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class ScheduledRequest:
-    """One sequence's share of a step (also what a connector sees)."""
-
-    seq: Sequence
-    num_computed_tokens: int  # K/V already in the cache before this step (loads included)
-    num_new_tokens: int  # tokens computed by this step
-    num_external_tokens: int = 0  # tokens a connector loads this step (admission only)
-
-    @property
-    def request_id(self) -> str:
-        return self.seq.request_id
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.all_token_ids
-
-    @property
-    def block_ids(self) -> list[int]:
-        return self.seq.block_table
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self.seq.num_prompt_tokens
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the sequence's last token (so a token is sampled)."""
-        return self.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-    def slot_mapping(self, block_size: int) -> torch.Tensor:
-        """Returns the slots of this step's new tokens (CPU int64 [num_new_tokens])."""
-        start = self.num_computed_tokens
-        return request_slot_mapping(self.seq.block_table, block_size, start, start + self.num_new_tokens)
-
-
-@dataclass
-class SchedulerOutput:
-    requests: list[ScheduledRequest] = field(default_factory=list)
-    preempted_request_ids: list[str] = field(default_factory=list)
-    kv_connector_metadata: Any = None
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(r.num_new_tokens for r in self.requests)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests
 
 
 class Scheduler:
@@ -102,7 +49,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
-        kv_connector: KVConnectorBase | None = None,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -119,6 +66,7 @@ class Scheduler:
         # Finished requests whose blocks a connector still writes: freed once it reports them.
         self.delayed_free: dict[str, Sequence] = {}
         self.num_load_error_tokens = 0  # loaded tokens found bad and recomputed
+        self.finished_req_ids: set[str] = set()  # since the last step, for the connector's worker side
 
     # ---- admission ----
     def check_request(self, seq: Sequence) -> None:
@@ -174,9 +122,6 @@ class Scheduler:
             budget -= n
             i += 1
 
-        if self.connector is not None:
-            self._collect_finished_kv(self.connector)
-
         while (
             self.waiting
             and budget > 0
@@ -226,11 +171,12 @@ class Scheduler:
             budget -= n
 
         if self.connector is not None:
+            out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     @staticmethod
-    def _ask_connector(connector: KVConnectorBase, seq: Sequence, num_local: int) -> tuple[int, bool]:
+    def _ask_connector(connector: KVConnectorScheduler, seq: Sequence, num_local: int) -> tuple[int, bool]:
         """Returns the connector's (tokens it can load after `num_local`, load_async), the
         count clamped so the last token is computed."""
         answer = connector.get_num_new_matched_tokens(seq, num_local)
@@ -239,14 +185,14 @@ class Scheduler:
         num_external = max(0, min(int(answer[0] or 0), seq.num_tokens - 1 - num_local))
         return num_external, bool(answer[1])
 
-    def _collect_finished_kv(self, connector: KVConnectorBase) -> None:
-        """Applies what the connector reports done: finished loads make their requests
-        schedulable (cut back to the first bad block), released requests free their blocks."""
-        sending, recving = connector.get_finished()
-        done = set(sending or ()) | set(recving or ())
+    def _apply_finished_kv(self, kv_output: KVConnectorOutput) -> None:
+        """Applies what the connector's worker side reports done: finished loads make their
+        requests schedulable (cut back to the first bad block), released requests free their
+        blocks."""
+        done = kv_output.finished_sending | kv_output.finished_recving
         if not done:
             return
-        bad_blocks = connector.get_block_ids_with_load_errors()
+        bad_blocks = kv_output.invalid_block_ids
         resumed: list[Sequence] = []
         for rid in done:
             seq = self.delayed_free.pop(rid, None)
@@ -278,17 +224,22 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
-        """Advances each scheduled sequence by its tokens, appends sampled tokens, applies the
-        token stop conditions and frees finished sequences. Returns the sequences that got a
-        new token, finished or not."""
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None],
+                           kv_output: KVConnectorOutput | None = None) -> list[Sequence]:
+        """Applies the connector's report on the step (if any), advances each scheduled
+        sequence by its tokens, appends sampled tokens, applies the token stop conditions and
+        frees finished sequences; then resumes requests whose background load ended. Returns
+        the sequences that got a new token, finished or not."""
         progressed: list[Sequence] = []
         now = time.monotonic()
-        bad_blocks: set[int] = set()
-        if self.connector is not None and any(r.num_external_tokens for r in out.requests):
-            bad_blocks = self.connector.get_block_ids_with_load_errors()
+        kv_output = kv_output or KVConnectorOutput()
+        if self.connector is not None:
+            self.connector.update_connector_output(kv_output)
+        bad_blocks = kv_output.invalid_block_ids
         for req, token in zip(out.requests, sampled, strict=True):
             seq = req.seq
+            if req.request_id in kv_output.num_cached_tokens:
+                seq.num_cached_tokens = kv_output.num_cached_tokens[req.request_id]
             if bad_blocks and req.num_external_tokens and self._undo_failed_load(req, bad_blocks):
                 continue  # its token came from K/V that never arrived: recomputed instead
             seq.num_computed_tokens += req.num_new_tokens
@@ -302,6 +253,7 @@ class Scheduler:
             status = self._stop_status(seq, token)
             if status is not None:
                 self._finish(seq, status, now)
+        self._apply_finished_kv(kv_output)
         return progressed
 
     def _undo_failed_load(self, req: ScheduledRequest, bad_blocks: set[int]) -> bool:
@@ -349,8 +301,9 @@ class Scheduler:
         self.waiting_for_kv.pop(seq.request_id, None)
         delay = False
         if self.connector is not None:
+            self.finished_req_ids.add(seq.request_id)
             delay = bool(self.connector.request_finished(seq, list(seq.block_table)))
-        if delay:  # a load still writes its blocks: freed when get_finished() names it
+        if delay:  # a load still writes its blocks, or a save will read them: freed when reported
             self.delayed_free[seq.request_id] = seq
         else:
             self.block_manager.free(seq)

@@ -1,4 +1,5 @@
-"""kvstore: chunk keys, codecs, storage tiers, the storage manager and the cache server.
+"""kvstore: codecs, storage tiers, the storage manager and the cache server (keys are opaque
+strings here; the connector's keyspace builds them, connector/keyspace.py).
 
 Imports only torch/numpy/redis/lz4 and the standard library; never `engine` or `connector`.
 """
@@ -10,9 +11,6 @@ from typing import Any
 
 # public names -> defining module; imported on first use so `kvstore.server` stays torch-free
 _EXPORTS = {
-    "ChunkKey": "kvstore.keys",
-    "process_tokens": "kvstore.keys",
-    "model_fingerprint": "kvstore.keys",
     "KVStoreConfig": "kvstore.config",
     "TierSpec": "kvstore.config",
     "StorageManager": "kvstore.storage_manager",

@@ -1,20 +1,11 @@
 """CacheBlend (docs/architecture.md, "CacheBlend"): reuse the K/V of prompt segments wherever
 they appear, with a selective recompute that restores cross-segment attention.
 
-`BlendConfig` is imported eagerly (the connector config embeds it); the connector lazily, so
-`connector.config` can import this package without a cycle.
+It is a variation of the connector's two halves, not a connector of its own: with
+`blend.enabled`, the scheduler side hands segmented prompts to `planner.BlendPlanner` and the
+worker side runs their blends with `blender.Blender`.
 """
-
-from typing import Any
 
 from connector.blend.config import BlendConfig
 
-__all__ = ["BlendConfig", "BlendConnector", "build_blend_connector"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("BlendConnector", "build_blend_connector"):
-        from connector.blend import blend_connector
-
-        return getattr(blend_connector, name)
-    raise AttributeError(f"module 'connector.blend' has no attribute {name!r}")
+__all__ = ["BlendConfig"]

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from connector.blend.segments import SEGMENT_ROOTS
+from connector.keyspace import SEGMENT_ROOTS
 from kvstore.config import did_you_mean
 from kvstore.env import Setting, env_bool, env_float, env_int, env_raw, env_str
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from connector.gather import slots_for
+from engine.kv_cache import request_slots
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from engine.paged_attention import _sdpa, gather_kv, write_kv
 from engine.rotary import rerotate
@@ -147,7 +147,7 @@ def blend_recompute(model: LlamaForCausalLM, kv_caches: Sequence[torch.Tensor], 
     if ids.numel() != n:
         raise ValueError(f"{ids.numel()} token ids for positions [{start}, {end})")
     table = torch.as_tensor(list(block_ids)[: -(-end // block_size)], dtype=torch.long, device=dev)
-    slots = slots_for(block_ids, block_size, start, end, device=dev)
+    slots = request_slots(block_ids, block_size, start, end, device=dev)
     positions = torch.arange(start, end, device=dev)
     keep_at = {check_layer: ratio, **dict(narrowing)}
     rows = torch.arange(n, device=dev)  # tokens still recomputed, relative to `start`

@@ -18,7 +18,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from connector.kvtier_connector import KVTierConnector
-from connector.lookup import tier_prefix_tokens
 from engine.sampling_params import SamplingParams
 from kvtier import __version__
 from kvtier.server.metrics import ServerMetrics
@@ -132,7 +131,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
         tiers: dict[str, int] = {}
         connector = engine.kv_connector
         if isinstance(connector, KVTierConnector):
-            tiers = await asyncio.to_thread(tier_prefix_tokens, connector, ids)
+            tiers = await asyncio.to_thread(connector.lookup, ids)
         return {"model": ctx.model_name, "num_tokens": len(ids), "engine_prefix_cache_tokens": in_engine,
                 "tiers": tiers, "max_hit_tokens": max([in_engine, *tiers.values()]),
                 "num_requests_running": running, "num_requests_waiting": waiting}

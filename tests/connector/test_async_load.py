@@ -5,6 +5,7 @@ between the lookup (existence) and the fetch, the tokens are those of a cold run
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 
 import pytest
 
@@ -13,7 +14,7 @@ from engine import SamplingParams
 from engine.sequence import SequenceStatus
 from kvstore.backends.memory import CPUBackend
 from kvstore.storage_manager import StorageManager
-from tests.connector.test_connector_e2e import CHUNK, GREEDY, assert_idle, make_llm, run
+from tests.fixtures.connector import CHUNK, GREEDY, assert_idle, engine, run
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +47,7 @@ def hold_loader(conn) -> threading.Event:
     """Queues a job ahead of every later load on the connector's (FIFO, one-thread) loader;
     loads wait until the returned event is set: the gap between lookup and fetch."""
     release = threading.Event()
-    conn.loader.writer.submit(lambda: release.wait(60))
+    conn.worker.loader.writer.submit(lambda: release.wait(60))
     return release
 
 
@@ -61,129 +62,126 @@ def step_until_done(llm, limit: int = 2000) -> dict[str, object]:
     raise AssertionError("engine did not finish")
 
 
+@contextmanager
 def warm_engine(default_model_path, prompt_ids, tier_url_or_storage, **kw):
+    """Yields (connector, engine) after one cold run of `prompt_ids` was stored."""
     storage = tier_url_or_storage if isinstance(tier_url_or_storage, StorageManager) else None
     urls = None if storage is not None else [tier_url_or_storage]
     conn = build_connector(urls, storage=storage, chunk_size=CHUNK)
-    llm = make_llm(default_model_path, conn, enable_prefix_caching=False, **kw)
-    run(llm, prompt_ids)
-    assert conn.flush(timeout=60)
-    return conn, llm
+    with engine(default_model_path, conn, enable_prefix_caching=False, **kw) as llm:
+        run(llm, prompt_ids)
+        assert conn.flush(timeout=60)
+        yield conn, llm
 
 
 def test_a_warm_request_is_parked_while_its_load_runs(default_model_path, prompt_ids, reference):
-    conn, llm = warm_engine(default_model_path, prompt_ids, "cpu")
-    release = hold_loader(conn)
-    rid = llm.engine.add_request({"prompt_token_ids": prompt_ids}, GREEDY)
-    for _ in range(3):  # nothing can run: step() waits briefly for the load, never raises
-        assert llm.engine.step() == []
-        assert llm.engine.is_waiting_for_kv() and llm.engine.has_unfinished_requests()
-    (seq, start, n) = llm.engine.scheduler.waiting_for_kv[rid]
-    assert seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS and (start, n) == (0, len(prompt_ids) - 1)
-    release.set()
-    out = step_until_done(llm)[rid]
-    assert out.outputs[0].token_ids == reference and out.num_cached_tokens == len(prompt_ids) - 1
-    assert llm.get_stats()["connector_load_error_tokens"] == 0
-    assert_idle(llm, conn)
-    llm.shutdown()
+    with warm_engine(default_model_path, prompt_ids, "cpu") as (conn, llm):
+        release = hold_loader(conn)
+        rid = llm.engine.add_request({"prompt_token_ids": prompt_ids}, GREEDY)
+        for _ in range(3):  # nothing can run: step() waits briefly for the load, never raises
+            assert llm.engine.step() == []
+            assert llm.engine.is_waiting_for_kv() and llm.engine.has_unfinished_requests()
+        (seq, start, n) = llm.engine.scheduler.waiting_for_kv[rid]
+        assert seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS and (start, n) == (0, len(prompt_ids) - 1)
+        release.set()
+        out = step_until_done(llm)[rid]
+        assert out.outputs[0].token_ids == reference and out.num_cached_tokens == len(prompt_ids) - 1
+        assert llm.get_stats()["connector_load_error_tokens"] == 0
+        assert_idle(llm, conn)
 
 
 @pytest.mark.parametrize("fault", ["deleted", "corrupted", "killed"])
 def test_chunks_lost_between_lookup_and_fetch_are_recomputed(fault, default_model_path, prompt_ids, reference,
                                                              redis_server):
-    conn, llm = warm_engine(default_model_path, prompt_ids, redis_server.url)
-    keys = [k for _, _, k in conn._spans(prompt_ids)]
-    client = redis_server.client()
-    release = hold_loader(conn)
-    rid = llm.engine.add_request({"prompt_token_ids": prompt_ids}, GREEDY)
-    assert llm.engine.step() == [] and rid in llm.engine.scheduler.waiting_for_kv  # looked up
-    if fault == "deleted":  # evicted by Redis after the lookup said it was there
-        client.delete(keys[1])
-        first_bad = CHUNK
-    elif fault == "corrupted":
-        value = bytearray(client.get(keys[2]))
-        value[len(value) // 2] ^= 0xFF
-        client.set(keys[2], bytes(value))
-        first_bad = 2 * CHUNK
-    else:
-        redis_server.kill()
-        first_bad = 0
-    release.set()
-    out = step_until_done(llm)[rid]
-    assert out.outputs[0].token_ids == reference
-    assert out.num_cached_tokens == first_bad  # CHUNK is a multiple of the block size
-    lost = len(prompt_ids) - 1 - first_bad
-    assert llm.get_stats()["connector_load_error_tokens"] == lost
-    assert conn.request_metrics(rid).load_error_tokens == lost
-    if fault == "killed":
-        redis_server.restart()
-    assert_idle(llm, conn)
-    llm.shutdown()
+    with warm_engine(default_model_path, prompt_ids, redis_server.url) as (conn, llm):
+        keys = [sp.key for sp in conn.scheduler.keyspace.spans(prompt_ids)]
+        client = redis_server.client()
+        release = hold_loader(conn)
+        rid = llm.engine.add_request({"prompt_token_ids": prompt_ids}, GREEDY)
+        assert llm.engine.step() == [] and rid in llm.engine.scheduler.waiting_for_kv  # looked up
+        if fault == "deleted":  # evicted by Redis after the lookup said it was there
+            client.delete(keys[1])
+            first_bad = CHUNK
+        elif fault == "corrupted":
+            value = bytearray(client.get(keys[2]))
+            value[len(value) // 2] ^= 0xFF
+            client.set(keys[2], bytes(value))
+            first_bad = 2 * CHUNK
+        else:
+            redis_server.kill()
+            first_bad = 0
+        release.set()
+        out = step_until_done(llm)[rid]
+        assert out.outputs[0].token_ids == reference
+        assert out.num_cached_tokens == first_bad  # CHUNK is a multiple of the block size
+        lost = len(prompt_ids) - 1 - first_bad
+        assert llm.get_stats()["connector_load_error_tokens"] == lost
+        assert conn.request_metrics(rid).load_error_tokens == lost
+        if fault == "killed":
+            redis_server.restart()
+        assert_idle(llm, conn)
 
 
 @pytest.mark.parametrize("when", ["queued", "reading"])
 def test_abort_while_the_load_is_in_flight_leaks_nothing(when, default_model_path, prompt_ids, reference):
     tier = _SlowReadTier()
-    conn, llm = warm_engine(default_model_path, prompt_ids, StorageManager([tier]))
-    engine = llm.engine
-    release = hold_loader(conn) if when == "queued" else None
-    tier.gate.clear()
-    rid = engine.add_request({"prompt_token_ids": prompt_ids}, GREEDY)
-    engine.step()
-    seq = engine.scheduler.waiting_for_kv[rid][0]
-    blocks = list(seq.block_table)
-    if when == "reading":
-        assert tier.reading.wait(60)  # the loader is inside the tier's read, chunks pinned
-        assert conn.storage.pins.total() > 0
-    engine.abort_request(rid)
-    # Finished, but its blocks stay with it until the loader let go of them.
-    assert seq.status is SequenceStatus.FINISHED_ABORTED and rid in engine.scheduler.delayed_free
-    assert all(engine.block_manager.pool.blocks[b].ref_cnt == 1 for b in blocks)
-    assert engine.has_unfinished_requests()
-    if release is not None:
-        release.set()
-    tier.gate.set()
-    step_until_done(llm)
-    assert not engine.scheduler.delayed_free
-    assert_idle(llm, conn)  # every ref count and pin back to 0
-    # The engine is intact: the same prompt still gives the cold tokens.
-    assert run(llm, prompt_ids).outputs[0].token_ids == reference
-    llm.shutdown()
+    with warm_engine(default_model_path, prompt_ids, StorageManager([tier])) as (conn, llm):
+        engine = llm.engine
+        release = hold_loader(conn) if when == "queued" else None
+        tier.gate.clear()
+        rid = engine.add_request({"prompt_token_ids": prompt_ids}, GREEDY)
+        engine.step()
+        seq = engine.scheduler.waiting_for_kv[rid][0]
+        blocks = list(seq.block_table)
+        if when == "reading":
+            assert tier.reading.wait(60)  # the loader is inside the tier's read, chunks pinned
+            assert conn.storage.pins.total() > 0
+        engine.abort_request(rid)
+        # Finished, but its blocks stay with it until the loader let go of them.
+        assert seq.status is SequenceStatus.FINISHED_ABORTED and rid in engine.scheduler.delayed_free
+        assert all(engine.block_manager.pool.blocks[b].ref_cnt == 1 for b in blocks)
+        assert engine.has_unfinished_requests()
+        if release is not None:
+            release.set()
+        tier.gate.set()
+        step_until_done(llm)
+        assert not engine.scheduler.delayed_free
+        assert_idle(llm, conn)  # every ref count and pin back to 0
+        # The engine is intact: the same prompt still gives the cold tokens.
+        assert run(llm, prompt_ids).outputs[0].token_ids == reference
 
 
 def test_the_running_batch_keeps_stepping_while_a_slow_tier_is_read(default_model_path, prompt_ids, reference):
     tier = _SlowReadTier()
-    conn, llm = warm_engine(default_model_path, prompt_ids, StorageManager([tier]))
-    engine = llm.engine
-    other = prompt_ids[::-1][:100]  # a different prompt: computed, not loaded
-    busy = engine.add_request({"prompt_token_ids": other}, SamplingParams(temperature=0.0, max_tokens=40))
-    engine.step()  # its prefill
-    tier.gate.clear()
-    warm = engine.add_request({"prompt_token_ids": prompt_ids}, GREEDY)
-    got = [o.request_id for o in engine.step()]  # admits the warm request: its load starts
-    assert tier.reading.wait(60)  # the loader is stuck inside the tier's read from now on
-    for _ in range(10):
-        got += [o.request_id for o in engine.step()]
-        assert warm in engine.scheduler.waiting_for_kv and not tier.gate.is_set()
-    assert got == [busy] * 11  # meanwhile one token per step for the running request
-    tier.gate.set()
-    last = step_until_done(llm)
-    assert last[warm].outputs[0].token_ids == reference
-    assert last[warm].num_cached_tokens == len(prompt_ids) - 1
-    assert_idle(llm, conn)
-    llm.shutdown()
+    with warm_engine(default_model_path, prompt_ids, StorageManager([tier])) as (conn, llm):
+        engine = llm.engine
+        other = prompt_ids[::-1][:100]  # a different prompt: computed, not loaded
+        busy = engine.add_request({"prompt_token_ids": other}, SamplingParams(temperature=0.0, max_tokens=40))
+        engine.step()  # its prefill
+        tier.gate.clear()
+        warm = engine.add_request({"prompt_token_ids": prompt_ids}, GREEDY)
+        got = [o.request_id for o in engine.step()]  # admits the warm request: its load starts
+        assert tier.reading.wait(60)  # the loader is stuck inside the tier's read from now on
+        for _ in range(10):
+            got += [o.request_id for o in engine.step()]
+            assert warm in engine.scheduler.waiting_for_kv and not tier.gate.is_set()
+        assert got == [busy] * 11  # meanwhile one token per step for the running request
+        tier.gate.set()
+        last = step_until_done(llm)
+        assert last[warm].outputs[0].token_ids == reference
+        assert last[warm].num_cached_tokens == len(prompt_ids) - 1
+        assert_idle(llm, conn)
 
 
 def test_many_concurrent_warm_requests(default_model_path, prompt_ids, reference):
-    conn, llm = warm_engine(default_model_path, prompt_ids, "cpu", num_gpu_blocks=512)
-    # Same prefix, some grown by a few tokens: every one is loaded in the background at once.
-    prompts = [prompt_ids] * 4 + [prompt_ids + prompt_ids[:k] for k in (3, 17, 40, 64)]
-    cold = make_llm(default_model_path, None, enable_prefix_caching=False, num_gpu_blocks=512)
-    want = [o.outputs[0].token_ids for o in cold.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
-    assert want[0] == reference
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == want
-    assert all(o.num_cached_tokens >= len(prompt_ids) - 1 - CHUNK for o in outs)
-    assert llm.get_stats()["connector_load_error_tokens"] == 0
-    assert_idle(llm, conn)
-    llm.shutdown()
+    with warm_engine(default_model_path, prompt_ids, "cpu", num_gpu_blocks=512) as (conn, llm):
+        # Same prefix, some grown by a few tokens: every one is loaded in the background at once.
+        prompts = [prompt_ids] * 4 + [prompt_ids + prompt_ids[:k] for k in (3, 17, 40, 64)]
+        with engine(default_model_path, None, enable_prefix_caching=False, num_gpu_blocks=512) as cold:
+            want = [o.outputs[0].token_ids for o in cold.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+        assert want[0] == reference
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert all(o.num_cached_tokens >= len(prompt_ids) - 1 - CHUNK for o in outs)
+        assert llm.get_stats()["connector_load_error_tokens"] == 0
+        assert_idle(llm, conn)

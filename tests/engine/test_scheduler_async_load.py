@@ -2,19 +2,21 @@
 not scheduled, finished loads make them schedulable with those tokens computed (cut back to
 the first bad block), and a finished request's blocks wait for the connector to let go.
 
-The connector here finishes loads when the test says so; the model is the test_scheduler
-token rule, so only scheduling is under test."""
+The connector's scheduler side here offers loads, and its "worker" finishes them when the
+test says so: the next step's report (`KVConnectorOutput`) names them, as a worker side's
+would. The model is the test_scheduler token rule, so only scheduling is under test."""
 
 from __future__ import annotations
 
-from engine.kv_connector import KVConnectorBase
+from engine.kv_connector import KVConnectorOutput, KVConnectorScheduler
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from tests.engine.test_scheduler import expected_output, make, next_token
 
 
-class ManualAsyncConnector(KVConnectorBase):
-    """Offers `offer` tokens of every prompt asynchronously; loads end when `finish` is called."""
+class ManualAsyncConnector(KVConnectorScheduler):
+    """Offers `offer` tokens of every prompt asynchronously; loads end when `finish` is called
+    and are reported with the next step."""
 
     def __init__(self, offer: int) -> None:
         self.offer = offer
@@ -22,6 +24,10 @@ class ManualAsyncConnector(KVConnectorBase):
         self.done: set[str] = set()
         self.bad: set[int] = set()
         self.cancelled: set[str] = set()
+        self.outputs: list[KVConnectorOutput] = []
+
+    def register_model(self, model_config, kv_dtype, block_size):
+        pass
 
     def get_num_new_matched_tokens(self, seq, num_computed_tokens):
         n = max(0, self.offer - num_computed_tokens)
@@ -37,13 +43,14 @@ class ManualAsyncConnector(KVConnectorBase):
             self.bad |= set(blocks[bad_from_block:])
         self.done.add(rid)
 
-    def get_finished(self):
-        done, self.done = self.done, set()
-        return None, done
+    def report(self) -> KVConnectorOutput:
+        """What a worker side would report after a step: the loads ended since the last one."""
+        out = KVConnectorOutput(finished_recving=self.done, invalid_block_ids=self.bad)
+        self.done, self.bad = set(), set()
+        return out
 
-    def get_block_ids_with_load_errors(self):
-        bad, self.bad = self.bad, set()
-        return bad
+    def update_connector_output(self, output):
+        self.outputs.append(output)
 
     def request_finished(self, seq, block_ids):
         if seq.request_id in self.loading:
@@ -51,24 +58,14 @@ class ManualAsyncConnector(KVConnectorBase):
             return True  # the "loader" still writes these blocks
         return False
 
-    def wait_for_finished(self, timeout):
-        pass
-
     def build_connector_meta(self, scheduler_output):
         return None
-
-    def register_kv_caches(self, kv_caches): ...
-    def bind_connector_metadata(self, metadata): ...
-    def start_load_kv(self, attn_metadata): ...
-    def wait_for_layer_load(self, layer_idx): ...
-    def save_kv_layer(self, layer_idx, kv_layer, attn_metadata): ...
-    def wait_for_save(self): ...
 
 
 def step(s):
     out = s.schedule()
     sampled = [next_token(r.seq.all_token_ids) if r.samples else None for r in out.requests]
-    s.update_from_output(out, sampled)
+    s.update_from_output(out, sampled, s.connector.report())
     return [(r.request_id, r.num_computed_tokens, r.num_new_tokens) for r in out.requests]
 
 
@@ -95,6 +92,7 @@ def test_a_parked_request_holds_blocks_while_others_run_then_resumes_loaded():
         assert warm.status is SequenceStatus.WAITING_FOR_REMOTE_KVS and "warm" in s.waiting_for_kv
         assert len(warm.block_table) == 6 and s.has_unfinished() and s.has_kv_in_flight()
     conn.finish("warm")
+    assert [r[0] for r in step(s)] == ["busy"]  # this step's report resumes it
     plan = step(s)
     assert ("warm", 16, 5) in plan  # loaded tokens computed: only the rest is prefilled
     assert warm.num_cached_tokens == 16 and s.num_external_hit_tokens == 16
@@ -111,6 +109,7 @@ def test_a_failed_load_is_cut_back_to_the_first_bad_block():
     s.add(seq)
     assert step(s) == []
     conn.finish("r", bad_from_block=2)  # blocks 2.. did not get their K/V
+    assert step(s) == []  # this step's report resumes it
     assert step(s) == [("r", 8, 13)]  # positions 8.. are recomputed
     assert s.num_load_error_tokens == 8 and s.num_external_hit_tokens == 8
     while s.has_unfinished():
@@ -130,7 +129,10 @@ def test_abort_while_loading_frees_blocks_only_once_the_connector_lets_go():
     assert seq.status is SequenceStatus.FINISHED_ABORTED and "r" in s.delayed_free
     assert all(s.block_manager.pool.blocks[b].ref_cnt == 1 for b in blocks)
     assert s.has_unfinished()  # the loop must keep stepping to release them
-    assert step(s) == []
+    out = s.schedule()  # the worker side learns of the abort with the next step (stops the load)
+    assert out.is_empty and out.finished_req_ids == {"r"}
+    s.update_from_output(out, [], conn.report())
+    assert "r" in s.delayed_free
     conn.finish("r")
     assert step(s) == []
     assert not s.has_unfinished() and set(s.block_manager.ref_counts()) == {0}

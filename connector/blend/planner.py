@@ -1,0 +1,131 @@
+"""CacheBlend's scheduler side: plans blends of segmented prompts (docs/architecture.md,
+"CacheBlend"); `KVTierPlanner` hands it the requests whose prompt carries segments.
+
+- Lookup: the context, every segment but the query (and never the last token), is reported
+  loadable from where the engine's own prefix cache stops, in the request's first step (not
+  async). A segment missing from every tier is computed by the worker, so the answer never
+  over-promises.
+- Blended K/V is approximate: the request's `max_cacheable_tokens` stops the engine's prefix
+  cache at the exact part (the engine's hit; the first segment, since at position 0 its
+  stored K/V is its standalone K/V; and, in context, the segments after it that no tier held
+  at admission, computed in this prompt over exact K/V: a cold prompt is cached whole), and
+  blended requests are never stored as prefix chunks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from connector.blend.config import BlendConfig
+from connector.blend.segments import context_segments
+from connector.keyspace import Keyspace
+from connector.metadata import BlendSpec
+from connector.metrics import ConnectorMetrics
+from connector.presence import Presence
+
+if TYPE_CHECKING:
+    from engine.model_config import ModelConfig
+    from engine.scheduler_output import SchedulerOutput
+    from engine.sequence import Sequence
+
+
+class BlendPlanner:
+    """Per request: looked up, admitted (blended in the coming step), live and blended."""
+
+    def __init__(self, config: BlendConfig, presence: Presence, metrics: ConnectorMetrics) -> None:
+        self.config = config
+        self.presence = presence
+        self.metrics = metrics
+        self._keyspace: Keyspace | None = None
+        self.block_size = 0
+        self._planned: dict[str, BlendSpec] = {}  # looked up, not yet admitted
+        self._admitted: dict[str, BlendSpec] = {}  # admitted, blended in the coming step
+        self._blended: set[str] = set()  # live requests holding blended K/V
+
+    def register_model(self, model_config: ModelConfig, keyspace: Keyspace, block_size: int) -> None:
+        """Checks that CacheBlend can serve the model; raises ValueError if not."""
+        if model_config.sliding_window_layers:
+            # The selective recompute attends over the whole context; a windowed layer would differ.
+            raise ValueError(f"CacheBlend does not support sliding-window attention "
+                             f"({model_config.model_type}, window {model_config.sliding_window})")
+        self.config.validate(model_config.num_layers)
+        self._keyspace = keyspace
+        self.block_size = block_size
+
+    @staticmethod
+    def applies(seq: Sequence) -> bool:
+        """Whether `seq` is blended: its prompt has a context segment and a query."""
+        return bool(seq.segment_lens) and len(seq.segment_lens or ()) >= 2
+
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
+        """Returns (the context tokens after the engine's hit, False: blended in the step)."""
+        rid = seq.request_id
+        self._planned.pop(rid, None)
+        lens = seq.segment_lens or []
+        end = min(sum(lens[:-1]), seq.num_tokens - 1)
+        if end <= num_computed_tokens:
+            return 0, False
+        self._planned[rid] = BlendSpec(rid, num_computed_tokens, end, context_segments(lens), 0, [], [])
+        m = self.metrics.live(rid)
+        m.num_prompt_tokens, m.engine_hit_tokens = seq.num_prompt_tokens, num_computed_tokens
+        return end - num_computed_tokens, False
+
+    def admits(self, request_id: str) -> bool:
+        """Whether `update_state_after_alloc` for this request is a blend's."""
+        return request_id in self._planned
+
+    def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_external_tokens: int) -> None:
+        """Admits the planned blend for the coming step and caps the engine's prefix cache at
+        its exact part."""
+        spec = self._planned.pop(seq.request_id)
+        if num_external_tokens <= 0:
+            return
+        spec.end = min(spec.end, spec.start + num_external_tokens)
+        spec.exact_end = min(self._exact_end(seq, spec), spec.end)
+        self._admitted[seq.request_id] = spec
+        self._blended.add(seq.request_id)
+        seq.max_cacheable_tokens = max(spec.start, spec.exact_end // self.block_size * self.block_size)
+
+    def _exact_end(self, seq: Sequence, spec: BlendSpec) -> int:
+        """Returns where the exact part of a blend ends: past the engine's hit, the first
+        segment and, in context, every following segment up to the first that a tier holds
+        (one existence query)."""
+        exact = spec.start
+        todo = [g for g in spec.segments if g.end > exact]
+        if todo and todo[0].index == 0:
+            exact = todo.pop(0).end
+        if self.config.segment_kv != "in_context" or not todo or self._keyspace is None:
+            return exact
+        ks = self._keyspace
+        spans = [ks.segment_spans(seq.token_ids_slice(g.start, g.end), "in_context") for g in todo]
+        held = iter(self.presence.chunks_held(ks, [sp for group in spans for sp in group]))
+        for g, group in zip(todo, spans):
+            if all([next(held) for _ in group]):  # a tier holds it: blended from here on
+                break
+            exact = g.end
+        return exact
+
+    def build_blends(self, scheduler_output: SchedulerOutput) -> list[BlendSpec]:
+        """Returns this step's blends, with their tokens and block tables."""
+        out: list[BlendSpec] = []
+        for r in scheduler_output.requests:
+            spec = self._admitted.pop(r.request_id, None)
+            if spec is not None:
+                spec.token_ids = r.seq.token_ids_slice(0, spec.end)
+                spec.block_ids = list(r.block_ids)
+                out.append(spec)
+        self._admitted.clear()
+        return out
+
+    def is_blended(self, request_id: str) -> bool:
+        """Whether the request holds blended (approximate) K/V."""
+        return request_id in self._blended
+
+    def finish(self, request_id: str) -> bool:
+        """Forgets the request; returns whether it was blended."""
+        self._planned.pop(request_id, None)
+        self._admitted.pop(request_id, None)
+        if request_id in self._blended:
+            self._blended.discard(request_id)
+            return True
+        return False

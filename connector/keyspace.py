@@ -1,0 +1,144 @@
+"""The connector's keyspace: tokens in, chunk spans that carry their stored keys out
+(docs/architecture.md, "Chunks and keys"; LMCache's token database plays this part).
+
+A key names everything that makes stored K/V incompatible: model fingerprint, KV dtype,
+layout version, chunk size, and the chained hash of the tokens up to and including the chunk,
+`h_i = chain_hash(h_{i-1}, tokens_i)` from a fixed root (engine/hashing.py, the primitive the
+engine's prefix cache chains too). A `Keyspace` is configured once per connector; every span
+it returns carries its key and its chain hash, so nothing is ever parsed back from a key.
+
+In layerwise mode (`use_layerwise`) each layer of a chunk is its own stored value
+`(1, 2, tokens, kv_heads, head_size)` under `<chunk key>@L<layer>` (LMCache's layerwise mode
+does the same): each byte a load uses is covered by its own checksum, every codec works per
+layer, and every tier serves a layer without a range read. A chunk counts as held only when
+all its layers are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.hashing import chain_hash, chain_prefixes, root_hash
+
+LAYOUT_VERSION = 1
+"""Bumped whenever the chunk tensor layout `(layers, 2, tokens, kv_heads, head_size)` changes."""
+
+ROOT_HASH = root_hash(b"kvtier/chunk-root/v1")
+"""The parent of a sequence's first chunk."""
+
+SEGMENT_ROOTS = {
+    "in_context": root_hash(b"kvtier/blend-segment-root/in-context/v1"),
+    "standalone": root_hash(b"kvtier/blend-segment-root/v1"),
+}
+"""CacheBlend: the root a segment's chain starts from, per way of computing it
+(`BlendConfig.segment_kv`). A segment is keyed by its own tokens only, whatever precedes it in
+a prompt, and can never share a key with a prefix chain."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """One chunk of a token sequence: positions [start, end), its stored key and the chain
+    hash through it (the next chunk's parent)."""
+
+    start: int
+    end: int
+    key: str
+    chain: bytes
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """Returns the short name of a KV dtype ("float16", "bfloat16", ...)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def chunk_key(model: str, kv_dtype: str, chunk_size: int, chain: bytes,
+              layout_version: int = LAYOUT_VERSION) -> str:
+    """Returns `kvtier:<model>:<dtype>:v<layout>:c<chunk_size>:<hash hex>` (ASCII, no spaces)."""
+    return f"kvtier:{model}:{kv_dtype}:v{layout_version}:c{chunk_size}:{chain.hex()}"
+
+
+def layer_key(key: str, layer: int) -> str:
+    """Returns the stored key of layer `layer` of the chunk stored as `key`."""
+    return f"{key}@L{layer}"
+
+
+class Keyspace:
+    """Turns tokens into chunk spans with their keys, for one model, KV dtype and chunk size.
+    Pure: no I/O, no state beyond its configuration."""
+
+    def __init__(self, model: str, kv_dtype: torch.dtype | str, chunk_size: int, num_layers: int,
+                 layerwise: bool = False) -> None:
+        for name, value in (("model", model), ("kv_dtype", dtype_name(kv_dtype))):
+            if not isinstance(value, str) or ":" in value or any(c.isspace() for c in value):
+                raise ValueError(f"keyspace {name} must be a str without ':' or spaces, got {value!r}")
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+        if num_layers <= 0:
+            raise ValueError(f"num_layers must be > 0, got {num_layers}")
+        self.model = model
+        self.kv_dtype = dtype_name(kv_dtype)
+        self.chunk_size = chunk_size
+        self.num_layers = num_layers
+        self.layerwise = layerwise
+
+    def key(self, chain: bytes) -> str:
+        """Returns the stored key of the chunk whose chain hash is `chain`."""
+        return chunk_key(self.model, self.kv_dtype, self.chunk_size, chain)
+
+    def spans(self, tokens: Sequence[int] | Any, unfull: bool = True, parent: bytes = ROOT_HASH) -> list[Span]:
+        """Returns each `chunk_size` slice of `tokens` as a span, chained from `parent`; the
+        last, shorter slice only if `unfull`."""
+        out: list[Span] = []
+        n = len(tokens)
+        chain = parent
+        for start in range(0, n, self.chunk_size):
+            end = min(start + self.chunk_size, n)
+            if end - start < self.chunk_size and not unfull:
+                break
+            chain = chain_hash(chain, tokens[start:end])
+            out.append(Span(start, end, self.key(chain), chain))
+        return out
+
+    def partial_spans(self, tokens: Sequence[int] | Any, start: int, parent: bytes) -> list[Span]:
+        """Returns, for m = 1 .. len(tokens) - 1, the span `tokens[:m]` would be as the partial
+        last chunk of a sequence whose chunk starting at `start` (after `parent`) ends there:
+        how a chunk stored partial, that later grew, is found again."""
+        return [Span(start, start + m, self.key(h), h)
+                for m, h in enumerate(chain_prefixes(parent, tokens[:-1]), start=1)]
+
+    def segment_spans(self, tokens: Sequence[int] | Any, segment_kv: str) -> list[Span]:
+        """Returns a CacheBlend segment's spans (positions relative to the segment), keyed from
+        the root of `segment_kv` so they depend on its tokens alone, never on its position."""
+        return self.spans(tokens, unfull=True, parent=SEGMENT_ROOTS[segment_kv])
+
+    @property
+    def values_per_chunk(self) -> int:
+        """How many stored values make one chunk (its layers in layerwise mode, else 1)."""
+        return self.num_layers if self.layerwise else 1
+
+    def stored_keys(self, spans: Sequence[Span]) -> list[str]:
+        """Returns the stored keys of `spans`' chunks, chunk by chunk (`values_per_chunk` each)."""
+        if not self.layerwise:
+            return [sp.key for sp in spans]
+        return [layer_key(sp.key, i) for sp in spans for i in range(self.num_layers)]
+
+    def last_layer_keys(self, spans: Sequence[Span]) -> list[str]:
+        """Returns one stored key per chunk: its last layer's in layerwise mode (written last,
+        so a cheap probe for the whole chunk), else the chunk's own."""
+        if not self.layerwise:
+            return [sp.key for sp in spans]
+        return [layer_key(sp.key, self.num_layers - 1) for sp in spans]
+
+    def chunks_held(self, held: Sequence[bool]) -> list[bool]:
+        """Returns per chunk whether all its stored values are held, given `held` per stored
+        key in `stored_keys` order."""
+        n = self.values_per_chunk
+        return [all(held[i:i + n]) for i in range(0, len(held), n)]

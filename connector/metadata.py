@@ -1,0 +1,57 @@
+"""What crosses from the connector's scheduler side to its worker side each step: one
+`KVTierMeta` (it pickles; the halves may live in different processes, as in vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from connector.blend.segments import Segment
+from connector.keyspace import Span
+
+
+@dataclass
+class LoadSpec:
+    """Load positions [start, end) of a request into its fresh blocks, from `spans` (in order,
+    covering [start, end); the first may begin before `start`, its head is not written)."""
+
+    request_id: str
+    start: int
+    end: int
+    spans: list[Span]
+    block_ids: list[int]
+    layerwise: bool = False  # this step's forward waits for it layer by layer; else background
+
+
+@dataclass
+class SaveSpec:
+    """Store `spans` of a request, gathered from `block_ids`; with `release` the request has
+    finished and its blocks are freed once this save no longer reads them."""
+
+    request_id: str
+    block_ids: list[int]
+    spans: list[Span]
+    release: bool = False
+
+
+@dataclass
+class BlendSpec:
+    """Blend positions [start, end) of a segmented request (start: the engine's prefix-cache
+    hit) from its context `segments`; positions [0, exact_end) come out exact (the engine's
+    hit, the first segment, and segments computed in this prompt)."""
+
+    request_id: str
+    start: int
+    end: int
+    segments: list[Segment]
+    exact_end: int
+    token_ids: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class KVTierMeta:
+    """One step's instructions for the worker side."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    blends: list[BlendSpec] = field(default_factory=list)

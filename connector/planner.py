@@ -1,0 +1,233 @@
+"""`KVTierPlanner`: the connector's scheduler side (docs/architecture.md, "Connector").
+
+- Lookup (`get_num_new_matched_tokens`): starting at the chunk that holds the engine's own
+  prefix-cache hit, the longest run of chunks held (connector/presence.py: some tier, or a
+  pending store) is taken, capped so the last token is computed; where that run stops, the
+  longest stored partial chunk starting there is taken too (a prompt that grew, a chat's next
+  round, finds the partial tail its last round stored). Existence only, one batched query per
+  tier; never a read of K/V.
+- Plans (`update_state_after_alloc`, `build_connector_meta`): a hit becomes a `LoadSpec` for
+  the worker side, in the background (the request waits for it) or, with `use_layerwise`, in
+  the request's first step; chunks a step made storable become `SaveSpec`s (connector/
+  save_plan.py). A finished request's generated tail is saved after it finished: its blocks
+  are kept until the worker side has gathered it (`request_finished` returns True).
+- Segmented prompts go to the CacheBlend planner when it is configured (connector/blend).
+
+The partial-chunk rule (LMCache issue #2206, where a load rounded down to a chunk boundary
+and overwrote blocks vLLM's prefix cache owned): loads cover only positions at or after the
+engine's prefix-cache hit, i.e. blocks freshly allocated to the request and not yet in the
+prefix cache; a chunk that straddles the hit is sliced at token granularity. Under that rule a
+stored partial chunk (keyed by the chained hash of exactly its tokens) can only be loaded into
+fresh blocks of a prompt with the identical prefix, so storing it is safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from connector.blend.planner import BlendPlanner
+from connector.config import ConnectorConfig
+from connector.keyspace import ROOT_HASH, Keyspace, Span
+from connector.metadata import KVTierMeta, LoadSpec, SaveSpec
+from connector.metrics import ConnectorMetrics, RequestKVMetrics
+from connector.presence import Presence
+from connector.save_plan import SavePlan, SavePolicy
+from engine.kv_connector import KVConnectorOutput, KVConnectorScheduler
+
+if TYPE_CHECKING:
+    from engine.model_config import ModelConfig
+    from engine.scheduler_output import SchedulerOutput
+    from engine.sequence import Sequence
+
+
+@dataclass
+class _Hit:
+    """A lookup's answer for a waiting request: load positions [start, end) from `spans`."""
+
+    num_tokens: int  # sequence length the lookup was made for
+    start: int  # the engine's prefix-cache hit the lookup was made against
+    end: int
+    spans: list[Span] = field(default_factory=list)
+
+
+class KVTierPlanner(KVConnectorScheduler):
+    """Plans loads and saves from existence alone.
+
+    Guarantees: never reads or writes K/V; a load plan covers only positions past the
+    engine's hit and before the last token; a request whose background load is in flight, or
+    whose tail is still to be saved, keeps its blocks until the worker side reports it.
+    """
+
+    def __init__(self, config: ConnectorConfig, presence: Presence, metrics: ConnectorMetrics) -> None:
+        self.config = config
+        self.presence = presence
+        self.metrics = metrics
+        self.layerwise = config.use_layerwise
+        self.blend: BlendPlanner | None = None
+        if config.blend.enabled:
+            self.blend = BlendPlanner(config.blend, presence, metrics)
+            self.segment_separator = config.blend.separator
+        self._keyspace: Keyspace | None = None
+        self._save_plan: SavePlan | None = None
+        self.block_size = 0
+        self._hits: dict[str, _Hit] = {}  # waiting requests with a lookup answer
+        self._loads: list[LoadSpec] = []  # planned since the last meta
+        self._tail_saves: list[SaveSpec] = []  # of finished requests, since the last meta
+        self._loading: dict[str, LoadSpec] = {}  # background loads not reported ended
+        self._step_loads: dict[str, LoadSpec] = {}  # in-step loads of the last meta
+
+    # ---- set-up ------------------------------------------------------------------------
+    def register_model(self, model_config: ModelConfig, kv_dtype: torch.dtype, block_size: int) -> None:
+        self._keyspace = Keyspace(model_config.fingerprint, kv_dtype, self.config.chunk_size,
+                                  model_config.num_layers, layerwise=self.layerwise)
+        self.block_size = block_size
+        self._save_plan = SavePlan(SavePolicy(self.config.save_decode_tokens, self.config.save_unfull_chunk),
+                                   self._keyspace)
+        if self.blend is not None:
+            self.blend.register_model(model_config, self._keyspace, block_size)
+
+    @property
+    def keyspace(self) -> Keyspace:
+        """Returns the keyspace; RuntimeError before `register_model`."""
+        if self._keyspace is None:
+            raise RuntimeError("the connector is not attached to an engine (register_model)")
+        return self._keyspace
+
+    def _saves(self) -> SavePlan:
+        if self._save_plan is None:
+            raise RuntimeError("the connector is not attached to an engine (register_model)")
+        return self._save_plan
+
+    # ---- lookup ------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
+        """Returns (how many tokens after `num_computed_tokens` are held, whether they load in
+        the background: True, or layerwise in the request's first step: False); (0, False)
+        on a miss. Never reaches the last token."""
+        if self.blend is not None and self.blend.applies(seq):
+            return self.blend.get_num_new_matched_tokens(seq, num_computed_tokens)
+        rid = seq.request_id
+        n = seq.num_tokens
+        hit = self._hits.get(rid)
+        if hit is not None and (hit.num_tokens, hit.start) == (n, num_computed_tokens):
+            return hit.end - hit.start, not self.layerwise
+        self._hits.pop(rid, None)
+        limit = n - 1  # the last token's logits are needed
+        if limit <= num_computed_tokens:
+            return 0, False
+        m = self.metrics.live(rid)
+        m.num_prompt_tokens = seq.num_prompt_tokens
+        m.engine_hit_tokens = num_computed_tokens
+        ks = self.keyspace
+        spans = ks.spans(seq.all_token_ids)
+        first = num_computed_tokens // ks.chunk_size
+        candidates = [sp for sp in spans[first:] if sp.start < limit]
+        if not candidates:
+            return 0, False
+        held = self.presence.chunks_held(ks, candidates)
+        num_hit = held.index(False) if False in held else len(held)
+        wanted = candidates[:num_hit]
+        if num_hit < len(candidates):
+            tail = self._stored_partial(seq.all_token_ids, spans, first + num_hit, num_computed_tokens)
+            if tail is not None:
+                wanted.append(tail)
+        end = min(wanted[-1].end, limit) if wanted else num_computed_tokens
+        if end <= num_computed_tokens:
+            return 0, False
+        self._hits[rid] = _Hit(n, num_computed_tokens, end, wanted)
+        return end - num_computed_tokens, not self.layerwise
+
+    def _stored_partial(self, tokens: list[int], spans: list[Span], j: int, after: int) -> Span | None:
+        """Returns the longest stored partial chunk that starts where span `j` starts and ends
+        past position `after`, or None: one batched existence query over its possible lengths
+        (layerwise: over their last layers, then one for all layers of the longest)."""
+        span = spans[j]
+        if span.num_tokens < 2 or span.end - 1 <= after:
+            return None
+        parent = ROOT_HASH if j == 0 else spans[j - 1].chain
+        skip = max(0, after - span.start)  # lengths that would end at or before `after` load nothing
+        ks = self.keyspace
+        probe = ks.partial_spans(tokens[span.start:span.end], span.start, parent)[skip:]
+        held = [i for i, present in enumerate(self.presence.chunks_held(ks, probe, last_layer_only=True)) if present]
+        if not held or (self.layerwise and not self.presence.chunks_held(ks, [probe[held[-1]]])[0]):
+            return None
+        return probe[held[-1]]
+
+    # ---- plans -------------------------------------------------------------------------
+    def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_external_tokens: int) -> None:
+        """Plans the request's load into `block_ids` (background, or layerwise in the coming
+        step); the loaded chunks are not offered for saving again."""
+        if self.blend is not None and self.blend.admits(seq.request_id):
+            self.blend.update_state_after_alloc(seq, block_ids, num_external_tokens)
+            return
+        rid = seq.request_id
+        hit = self._hits.pop(rid, None)
+        if num_external_tokens <= 0:
+            return
+        if hit is None or hit.start + num_external_tokens > hit.end:
+            raise RuntimeError(f"request {rid}: asked to load {num_external_tokens} tokens "
+                               "the connector did not offer")
+        end = hit.start + num_external_tokens
+        load = LoadSpec(rid, hit.start, end, [sp for sp in hit.spans if sp.start < end], list(block_ids),
+                        layerwise=self.layerwise)
+        self._loads.append(load)
+        (self._step_loads if load.layerwise else self._loading)[rid] = load
+        self._saves().skip_to(rid, end)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMeta:
+        """Returns the loads planned since the last call, the chunks this step makes storable
+        (blended requests are never stored as prefix chunks), finished requests' tails, and
+        this step's blends."""
+        meta = KVTierMeta(loads=self._loads, saves=self._tail_saves)
+        self._loads, self._tail_saves = [], []
+        blends = self.blend.build_blends(scheduler_output) if self.blend is not None else []
+        meta.blends = blends
+        plan = self._saves()
+        for r in scheduler_output.requests:
+            if self.blend is not None and self.blend.is_blended(r.request_id):
+                continue
+            spans = plan.spans_to_save(r.seq, r.num_computed_tokens + r.num_new_tokens)
+            if spans:
+                meta.saves.append(SaveSpec(r.request_id, list(r.block_ids), spans))
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Forgets ended background loads; a failed load's request offers its chunks from the
+        first bad position again (they are recomputed)."""
+        step_loads, self._step_loads = self._step_loads, {}
+        ended = [self._loading.pop(rid) for rid in output.finished_recving if rid in self._loading]
+        bad = output.invalid_block_ids
+        if not bad:
+            return
+        for load in [*ended, *step_loads.values()]:
+            first = next((i for i, b in enumerate(load.block_ids) if b in bad), None)
+            if first is not None:
+                self._saves().rewind(load.request_id, max(load.start, first * self.block_size))
+
+    def request_finished(self, seq: Sequence, block_ids: list[int]) -> bool:
+        """Plans the generated tail's save if configured; returns True (free the blocks only
+        when the worker reports the request) if a load still writes them or a save will read
+        them."""
+        rid = seq.request_id
+        self._hits.pop(rid, None)
+        try:
+            if self.blend is not None and self.blend.finish(rid):
+                self._saves().forget(rid)
+                return False  # nothing of it is stored: its K/V is approximate
+            if rid in self._loading:  # stopped by the worker at its next chunk, then reported
+                self._saves().forget(rid)
+                return True
+            tail = self._saves().finish(seq, len(block_ids), self.block_size)
+            if tail:
+                self._tail_saves.append(SaveSpec(rid, list(block_ids), tail, release=True))
+                return True
+            return False
+        finally:
+            self.metrics.finish(rid)
+
+    def request_metrics(self, request_id: str) -> RequestKVMetrics:
+        """Returns a request's connector figures (live or recently finished; all zero for a
+        request the connector never saw or has forgotten)."""
+        return self.metrics.request(request_id) or RequestKVMetrics(request_id)

@@ -1,0 +1,47 @@
+"""What the tiers hold, by existence only: the one place that asks "is this chunk held?"
+for the planner's lookup, the saver's skip of stored chunks and `/kv/lookup`.
+
+A chunk is held when some tier holds (or a pending store carries) every stored value of it
+(connector/keyspace.py). One batched existence query per tier per call; no value is read.
+`Presence` lives with the store (the worker side, whose store queue knows what is pending);
+a planner in the same process asks it directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from connector.keyspace import Keyspace, Span
+from kvstore.storage_manager import StorageManager
+
+
+class Presence:
+    """Existence answers over a storage manager and the keys a store queue still carries."""
+
+    def __init__(self, storage: StorageManager, pending: Callable[[str], bool] | None = None) -> None:
+        self.storage = storage
+        self._pending = pending
+
+    def held(self, keys: Sequence[str]) -> list[bool]:
+        """Returns per stored key whether a pending store carries it or some tier holds it
+        (one batched query per tier for the keys not pending)."""
+        pending = self._pending
+        held = [pending(k) for k in keys] if pending is not None else [False] * len(keys)
+        rest = [k for k, h in zip(keys, held) if not h]
+        if rest:
+            found = iter(self.storage.batched_contains(rest))
+            held = [h or next(found) for h in held]
+        return held
+
+    def chunks_held(self, keyspace: Keyspace, spans: Sequence[Span], last_layer_only: bool = False) -> list[bool]:
+        """Returns per span whether its chunk is held: every stored value of it, or with
+        `last_layer_only` just its last (a cheap probe over many candidates)."""
+        if last_layer_only:
+            return self.held(keyspace.last_layer_keys(spans))
+        return keyspace.chunks_held(self.held(keyspace.stored_keys(spans)))
+
+    def tier_prefix_chunks(self, keyspace: Keyspace, spans: Sequence[Span]) -> dict[str, int]:
+        """Returns, per tier name (fastest first), how many leading spans that tier holds
+        whole (pending stores not counted: they are in no tier yet)."""
+        hits = self.storage.tier_prefix_hits(keyspace.stored_keys(spans))
+        return {name: n // keyspace.values_per_chunk for name, n in hits.items()}
