@@ -44,9 +44,9 @@ from qa_dataset import chat_segments, make_documents, make_questions  # noqa: E4
 
 from connector.blend import BlendConfig, build_blend_connector  # noqa: E402
 from connector.blend.executor import blend_recompute, compute_segment_kv, rerotate_kv  # noqa: E402
-from connector.gather import gather_chunk, scatter_chunk, slots_for  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.attention_metadata import AttentionMetadata  # noqa: E402
+from engine.kv_cache import layout_for  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 BLOCK = 16
@@ -84,10 +84,11 @@ class Runner:
         self.blocks = list(range(self.num_blocks))
         self.caches = [torch.zeros(2, self.num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_size, dtype=dtype, device=dev)
                        for _ in range(cfg.num_layers)]
+        self.layout = layout_for(self.caches)
         self.device = dev
 
     def slots(self, start: int, end: int) -> torch.Tensor:
-        return slots_for(self.blocks, BLOCK, start, end, device=self.device)
+        return self.layout.slots(self.blocks, start, end, device=self.device)
 
     @torch.inference_mode()
     def forward(self, ids: list[int], start: int) -> torch.Tensor:
@@ -113,7 +114,7 @@ class Runner:
         return out, torch.stack(logits)
 
     def kv(self, start: int, end: int) -> torch.Tensor:
-        return gather_chunk(self.caches, self.slots(start, end))
+        return self.layout.gather_chunk(self.slots(start, end))
 
 
 def layer_cost(mode: Mode, check_layer: int, num_layers: int) -> float:
@@ -194,7 +195,7 @@ def main() -> None:
                     if kv is None:
                         raise RuntimeError(f"q{qi}: a document was not stored by the warm-up")
                 pieces.append(rerotate_kv(kv.to(run.device), a, inv_freq))
-            scatter_chunk(run.caches, run.slots(head, n_ctx), torch.cat(pieces, dim=2))
+            run.layout.scatter_chunk(run.slots(head, n_ctx), torch.cat(pieces, dim=2))
             forced = None
             if mode.by_true_deviation:
                 dev = (run.kv(head, n_ctx) - full_kv[:, :, head:]).float().pow(2).sum((0, 1, 3, 4))

@@ -107,7 +107,7 @@ def test_blend_recompute_in_a_paged_cache(default_model, tokenizer):
     selection rewrites only its tokens; positions before `start` (exact) are never touched;
     missing positions are always recomputed."""
     from connector.blend.executor import blend_recompute
-    from connector.gather import gather_chunk, scatter_chunk, slots_for
+    from engine.kv_cache import layout_for, request_slots
 
     model, mc = default_model
     segs = [tokenizer.encode("Short system prompt for the test.\n"),
@@ -121,21 +121,21 @@ def test_blend_recompute_in_a_paged_cache(default_model, tokenizer):
     offsets = [0, len(segs[0]), len(segs[0]) + len(segs[1])]
     cached = torch.cat([rerotate_kv(compute_segment_kv(model, s), o, inv_freq) for s, o in zip(segs, offsets)], dim=2)
     cached[:, :, :start] = full[:, :, :start]  # the engine's exact prefix-cache hit
-    slots = slots_for(block_ids, bs, 0, n)
+    slots = request_slots(block_ids, bs, 0, n)
 
     def fresh_caches() -> list[torch.Tensor]:
         caches = [torch.zeros(2, nb, bs, mc.num_kv_heads, mc.head_size) for _ in range(mc.num_layers)]
-        scatter_chunk(caches, slots, cached)
+        layout_for(caches).scatter_chunk(slots, cached)
         return caches
 
     caches = fresh_caches()
     assert blend_recompute(model, caches, block_ids, bs, ids[start:], start, n, ratio=1.0) == n - start
-    torch.testing.assert_close(gather_chunk(caches, slots), full, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(layout_for(caches).gather_chunk(slots), full, atol=1e-4, rtol=1e-4)
 
     caches = fresh_caches()
     kept = blend_recompute(model, caches, block_ids, bs, ids[start:], start, n, ratio=0.3, narrowing=[(6, 0.1)])
     assert kept == -(-(n - start) // 10)
-    got = gather_chunk(caches, slots)
+    got = layout_for(caches).gather_chunk(slots)
     assert torch.equal(got[:, :, :start], cached[:, :, :start])
     torch.testing.assert_close(got[0], full[0], atol=1e-4, rtol=1e-4)  # below the check layer: all fresh
     # At the check layer every token's fresh K/V was computed to select from, so all of it is kept.
@@ -143,9 +143,9 @@ def test_blend_recompute_in_a_paged_cache(default_model, tokenizer):
     changed = (got != cached).any(-1).any(-1).any(1)  # [layers, tokens]
     assert 0 < int(changed[3].sum()) <= -(-(n - start) * 3 // 10)
     assert 0 < int(changed[10].sum()) <= kept
-    before = gather_chunk(caches, slots)
+    before = layout_for(caches).gather_chunk(slots)
     assert blend_recompute(model, caches, block_ids, bs, ids[start:], start, n, ratio=0.0) == 0
-    assert torch.equal(gather_chunk(caches, slots), before)  # ratio 0: the cache is left as is
+    assert torch.equal(layout_for(caches).gather_chunk(slots), before)  # ratio 0: the cache is left as is
 
     # A segment with nothing stored (NaN in its slots: never read) is recomputed through every
     # layer inside the prompt; after the exact prefix that is the full prefill's K/V.
@@ -156,7 +156,7 @@ def test_blend_recompute_in_a_paged_cache(default_model, tokenizer):
     missing = torch.zeros(n - start, dtype=torch.bool)
     missing[a - start:b - start] = True
     assert blend_recompute(model, caches, block_ids, bs, ids[start:], start, n, ratio=0.0, missing=missing) == b - a
-    got = gather_chunk(caches, slots)
+    got = layout_for(caches).gather_chunk(slots)
     assert not got.isnan().any()
     torch.testing.assert_close(got[:, :, a:b], full[:, :, a:b], atol=1e-4, rtol=1e-4)
     assert torch.equal(got[2:, :, b:], cached[2:, :, b:])  # past the check layer, reused as is

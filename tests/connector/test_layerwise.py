@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector.gather import gather_chunk, slots_for
 from connector.kvtier_connector import build_connector
 from connector.layerwise import layer_key
 from connector.lookup import tier_prefix_tokens
 from engine import SamplingParams
+from engine.kv_cache import layout_for
 from kvstore.backends.memory import CPUBackend
 from kvstore.storage_manager import StorageManager
 from tests.connector.test_connector_e2e import CHUNK, assert_idle, make_llm, run, tier_url
@@ -32,8 +32,8 @@ def warm_cache(llm, ids: list[int]) -> tuple[torch.Tensor, int]:
         outs = [o for o in eng.step() if o.request_id == rid]
         if outs:
             seq = next(s for s in eng.scheduler.running if s.request_id == rid)
-            slots = slots_for(seq.block_table, 16, 0, len(ids))
-            kv = gather_chunk(eng.runner.kv_caches, slots).clone()
+            layout = layout_for(eng.runner.kv_caches)
+            kv = layout.gather_chunk(layout.slots(seq.block_table, 0, len(ids))).clone()
             while eng.has_unfinished_requests():
                 eng.step()
             return kv, outs[0].num_cached_tokens

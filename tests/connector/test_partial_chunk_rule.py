@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector.gather import gather_chunk, slots_for
 from connector.kvtier_connector import build_connector
 from engine import LLM, SamplingParams
+from engine.kv_cache import layout_for
 from tests.fixtures.model import make_tiny_checkpoint
 
 
@@ -44,9 +44,10 @@ def test_load_straddling_the_engine_hit_is_sliced(tmp_path: Path, default_model_
         assert torch.equal(kv[:, cached_ids], old)  # the engine's blocks were not rewritten
     # ...while the slice past the hit really was loaded, into the request's fresh block.
     assert len(jobs) == 1 and (jobs[0].start, jobs[0].end) == (112, 117)
-    slots = slots_for(jobs[0].block_ids, 16, 112, 117)
+    layout = layout_for(llm.engine.runner.kv_caches)
+    slots = layout.slots(jobs[0].block_ids, 112, 117)
     assert not set((slots // 16).tolist()) & set(cached_ids.tolist())
-    got = gather_chunk(llm.engine.runner.kv_caches, slots)
+    got = layout.gather_chunk(slots)
     assert torch.equal(got, poisoned[:, :, 112 - 96:117 - 96])
     llm.shutdown()
 

@@ -1,11 +1,8 @@
-"""Block manager: allocation, slot mapping and automatic prefix caching."""
+"""Block manager: allocation and automatic prefix caching (slots: tests/engine/test_kv_cache.py)."""
 
 from __future__ import annotations
 
-import pytest
-import torch
-
-from engine.block_manager import BlockManager, request_slot_mapping, slot_mapping
+from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -22,18 +19,6 @@ def run_prefill(bm: BlockManager, seq: Sequence) -> int:
     seq.num_computed_tokens = seq.num_tokens
     bm.cache_blocks(seq)
     return n
-
-
-def test_slot_mapping_matches_the_formula() -> None:
-    tables = torch.tensor([[5, 2, 9], [1, 0, 0]])
-    seq_index = torch.tensor([0] * 40 + [1] * 3)
-    positions = torch.tensor(list(range(40)) + [13, 14, 15])
-    got = slot_mapping(tables, seq_index, positions, 16).tolist()
-    want = [tables[s, p // 16].item() * 16 + p % 16 for s, p in zip(seq_index.tolist(), positions.tolist())]
-    assert got == want
-    assert request_slot_mapping([5, 2], 16, 14, 18).tolist() == [94, 95, 32, 33]
-    with pytest.raises(ValueError):
-        request_slot_mapping([5], 16, 10, 17)
 
 
 def test_repeat_prompt_hits_all_full_blocks_but_the_last_token() -> None:
