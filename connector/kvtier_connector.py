@@ -13,11 +13,15 @@ connector as a whole (flush, shutdown, figures, what the tiers hold).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
+from connector.blend.blender import Blender
 from connector.config import ConnectorConfig, make_config
 from connector.metrics import ConnectorMetrics, RequestKVMetrics, TierKVMetrics
 from connector.planner import KVTierPlanner
@@ -89,11 +93,33 @@ class KVTierConnector(KVConnector):
         chunks = self.worker.presence.tier_prefix_chunks(ks, spans)
         return {name: min(spans[n - 1].end, limit) if n else 0 for name, n in chunks.items()}
 
+    def _blender(self) -> Blender:
+        if self.worker.blender is None:
+            raise ValueError("CacheBlend is not configured (blend.enabled) or has no engine yet")
+        return self.worker.blender
+
     def blend_stats(self) -> dict[str, Any]:
         """Returns CacheBlend's totals since start-up; ValueError when it is not configured."""
-        if self.worker.blender is None:
-            raise ValueError("CacheBlend is not configured (blend.enabled)")
-        return self.worker.blender.stats.to_dict()
+        return self._blender().stats.to_dict()
+
+    def stored_segment(self, token_ids: Sequence[int], segment_kv: str | None = None) -> torch.Tensor | None:
+        """Returns the stored K/V `(L, 2, n, H, D)` of a CacheBlend segment at positions 0.. of
+        kind `segment_kv` (default: the config's), or None unless all of it is stored and
+        well-formed. Read only (it may be a tier's own tensor)."""
+        blender = self._blender()
+        spans = blender.keyspace.segment_spans(token_ids, segment_kv or blender.config.segment_kv)
+        return blender.fetch_segment(spans)[0]
+
+    def set_blend(self, **changes: Any) -> None:
+        """Changes CacheBlend's knobs (ratio, segment_kv, check_layer, ...) on both halves,
+        validated; for experiments between requests."""
+        layout = self.worker.layout
+        blend = dataclasses.replace(self._blender().config, **changes).validate(
+            layout.num_layers if layout is not None else None)
+        self.config.blend = blend
+        self._blender().config = blend
+        if self.scheduler.blend is not None:
+            self.scheduler.blend.config = blend
 
 
 def _shutdown_at_exit(ref: weakref.ref[KVTierConnector]) -> None:

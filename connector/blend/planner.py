@@ -121,6 +121,10 @@ class BlendPlanner:
         """Whether the request holds blended (approximate) K/V."""
         return request_id in self._blended
 
+    def num_live(self) -> int:
+        """Returns how many requests this planner still tracks (planned, admitted or blended)."""
+        return len(self._planned.keys() | self._admitted.keys() | self._blended)
+
     def finish(self, request_id: str) -> bool:
         """Forgets the request; returns whether it was blended."""
         self._planned.pop(request_id, None)

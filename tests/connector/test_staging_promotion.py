@@ -14,7 +14,7 @@ from connector.kvtier_connector import build_connector
 from kvstore.backends.disk import DiskBackend
 from kvstore.backends.memory import CPUBackend
 from kvstore.storage_manager import StorageManager
-from tests.connector.test_connector_e2e import CHUNK, assert_idle, make_llm, run
+from tests.fixtures.connector import CHUNK, assert_idle, engine, run
 
 
 class _RecordingDisk(DiskBackend):
@@ -34,16 +34,15 @@ class _RecordingDisk(DiskBackend):
 def test_every_tier_writes_from_the_one_gathered_buffer(layerwise, default_model_path, prompt_ids, tmp_path):
     fast, disk = CPUBackend(), _RecordingDisk(tmp_path / "kv")
     conn = build_connector(None, storage=StorageManager([fast, disk]), chunk_size=CHUNK, use_layerwise=layerwise)
-    llm = make_llm(default_model_path, conn, enable_prefix_caching=False)
-    run(llm, prompt_ids)
-    assert conn.flush(timeout=60)
-    stored = dict(fast._store)
-    assert stored and set(disk.seen) == set(stored)
-    # The cpu tier kept the gathered tensor itself and the disk tier wrote from that same memory.
-    assert all(disk.seen[k] == kv.data_ptr() for k, kv in stored.items())
-    assert conn.storage.staging_copies == 0  # a CPU engine's gather is already on the host
-    assert_idle(llm, conn)
-    llm.shutdown()
+    with engine(default_model_path, conn, enable_prefix_caching=False) as llm:
+        run(llm, prompt_ids)
+        assert conn.flush(timeout=60)
+        stored = dict(fast._store)
+        assert stored and set(disk.seen) == set(stored)
+        # The cpu tier kept the gathered tensor itself and the disk tier wrote from that same memory.
+        assert all(disk.seen[k] == kv.data_ptr() for k, kv in stored.items())
+        assert conn.storage.staging_copies == 0  # a CPU engine's gather is already on the host
+        assert_idle(llm, conn)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="staging from a GPU needs CUDA")
@@ -63,31 +62,31 @@ def test_a_slow_tier_hit_is_promoted_by_the_store_queue_after_the_load(default_m
                                                                       tmp_path):
     fast, disk = CPUBackend(), DiskBackend(tmp_path / "kv")
     conn = build_connector(None, storage=StorageManager([fast, disk]), chunk_size=CHUNK)
-    llm = make_llm(default_model_path, conn, enable_prefix_caching=False)
-    run(llm, prompt_ids)
-    assert conn.flush(timeout=60)
-    keys = [k for _, _, k in conn._spans(prompt_ids)]
-    fast.clear()  # only the disk tier holds the prefix now
-    gate = threading.Event()
-    conn._stores._writer.submit(lambda: gate.wait(60))  # the store queue is busy meanwhile
-    try:
-        warm = run(llm, prompt_ids)
-        # Loaded from disk and answered while the promotion still waits in the store queue.
-        assert warm.outputs[0].token_ids == reference and warm.num_cached_tokens == len(prompt_ids) - 1
-        by_tier = conn.request_metrics(warm.request_id).loaded_tokens_by_tier
-        assert by_tier == {conn.storage.names[1]: len(prompt_ids) - 1}
-        assert not any(fast.contains(k) for k in keys) and conn._stores.promotions == 0
-        assert conn.pending_stores() == len(keys)
-    finally:
-        gate.set()
-    assert conn.flush(timeout=60)
-    assert all(fast.contains(k) for k in keys) and conn._stores.promotions == len(keys)
-    again = run(llm, prompt_ids)  # now served by the cpu tier
-    assert again.outputs[0].token_ids == reference
-    assert conn.request_metrics(again.request_id).loaded_tokens_by_tier == {conn.storage.names[0]: len(prompt_ids) - 1}
-    assert conn.tier_metrics()[0].tokens_hit > 0
-    assert_idle(llm, conn)
-    llm.shutdown()
+    with engine(default_model_path, conn, enable_prefix_caching=False) as llm:
+        run(llm, prompt_ids)
+        assert conn.flush(timeout=60)
+        keys = [sp.key for sp in conn.scheduler.keyspace.spans(prompt_ids)]
+        fast.clear()  # only the disk tier holds the prefix now
+        gate = threading.Event()
+        conn.worker.stores._writer.submit(lambda: gate.wait(60))  # the store queue is busy meanwhile
+        try:
+            warm = run(llm, prompt_ids)
+            # Loaded from disk and answered while the promotion still waits in the store queue.
+            assert warm.outputs[0].token_ids == reference and warm.num_cached_tokens == len(prompt_ids) - 1
+            by_tier = conn.request_metrics(warm.request_id).loaded_tokens_by_tier
+            assert by_tier == {conn.storage.names[1]: len(prompt_ids) - 1}
+            assert not any(fast.contains(k) for k in keys) and conn.worker.stores.promotions == 0
+            assert conn.pending_stores() == len(keys)
+        finally:
+            gate.set()
+        assert conn.flush(timeout=60)
+        assert all(fast.contains(k) for k in keys) and conn.worker.stores.promotions == len(keys)
+        again = run(llm, prompt_ids)  # now served by the cpu tier
+        assert again.outputs[0].token_ids == reference
+        by_tier = conn.request_metrics(again.request_id).loaded_tokens_by_tier
+        assert by_tier == {conn.storage.names[0]: len(prompt_ids) - 1}
+        assert conn.tier_metrics()[0].tokens_hit > 0
+        assert_idle(llm, conn)
 
 
 def test_fetch_names_the_tier_and_promote_fills_only_the_faster_tiers(tmp_path):
