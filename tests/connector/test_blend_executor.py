@@ -8,8 +8,8 @@ import torch
 
 from connector.blend.config import BlendConfig
 from connector.blend.executor import compute_segment_kv, rerotate_kv
-from connector.blend.segments import SEGMENT_ROOTS, context_segments, segment_spans
-from kvstore.keys import ROOT_HASH, process_tokens
+from connector.blend.segments import context_segments
+from connector.keyspace import ROOT_HASH, SEGMENT_ROOTS, Keyspace
 from tests.engine.text import long_text
 
 pytestmark = pytest.mark.slow
@@ -59,15 +59,17 @@ def test_rerotated_key_equals_fresh_key_at_new_position(default_model, hf_defaul
 
 def test_segment_keys_are_position_independent_and_never_prefix_keys():
     seg = list(range(100, 170))
-    a = segment_spans(seg, 32, "m", "float32", "in_context")
-    assert [(s, e) for s, e, _ in a] == [(0, 32), (32, 64), (64, 70)]
-    assert a == segment_spans(seg, 32, "m", "float32", "in_context")
-    prefix_keys = {k.to_str() for _, _, k in process_tokens(seg, 32, model="m", kv_dtype="float32")}
-    standalone = segment_spans(seg, 32, "m", "float32", "standalone")
-    assert not prefix_keys & {k for _, _, k in a + standalone}
-    assert not {k for _, _, k in a} & {k for _, _, k in standalone}  # the two kinds never mix
+    ks = Keyspace("m", "float32", 32, num_layers=2)
+    a = ks.segment_spans(seg, "in_context")
+    assert [(sp.start, sp.end) for sp in a] == [(0, 32), (32, 64), (64, 70)]
+    assert a == ks.segment_spans(seg, "in_context")
+    prefix_keys = {sp.key for sp in ks.spans(seg)}
+    standalone = ks.segment_spans(seg, "standalone")
+    assert not prefix_keys & {sp.key for sp in a + standalone}
+    assert not {sp.key for sp in a} & {sp.key for sp in standalone}  # the two kinds never mix
     assert len({ROOT_HASH, *SEGMENT_ROOTS.values()}) == 3
-    assert segment_spans(seg, 32, "other-model", "float32", "in_context")[0][2] != a[0][2]
+    other = Keyspace("other-model", "float32", 32, num_layers=2)
+    assert other.segment_spans(seg, "in_context")[0].key != a[0].key
 
 
 def test_context_segments_leave_out_the_query():
@@ -167,26 +169,34 @@ def test_blend_recompute_in_a_paged_cache(default_model, tokenizer):
 def test_blend_from_connector_config_and_cli_flags():
     import argparse
 
-    from connector.blend import BlendConnector
     from connector.cli import add_connector_arguments, connector_from_args
     from connector.config import ConnectorConfig
     from connector.kvtier_connector import KVTierConnector, build_connector
 
     cfg = ConnectorConfig.from_dict({"tiers": ["cpu"], "blend": {"enabled": True, "ratio": 0.3}})
     conn = build_connector(cfg)
-    assert isinstance(conn, BlendConnector) and conn.blend.ratio == 0.3 and conn.segment_separator == " # # "
-    conn.shutdown()
+    try:
+        assert conn.scheduler.blend is not None and conn.scheduler.blend.config.ratio == 0.3
+        assert conn.scheduler.segment_separator == " # # "
+    finally:
+        conn.shutdown()
     plain = build_connector("cpu")
-    assert type(plain) is KVTierConnector and plain.segment_separator is None
-    plain.shutdown()
+    try:
+        assert type(plain) is KVTierConnector and plain.scheduler.blend is None
+        assert plain.scheduler.segment_separator is None
+    finally:
+        plain.shutdown()
     with pytest.raises(ValueError, match="blend.check_layer"):
         ConnectorConfig.from_dict({"blend": {"check_layer": "one"}})
 
     ap = argparse.ArgumentParser()
     add_connector_arguments(ap)
     conn = connector_from_args(ap.parse_args(["--blend", "--blend-ratio", "0.05", "--blend-check-layer", "2"]))
-    assert isinstance(conn, BlendConnector) and (conn.blend.ratio, conn.blend.check_layer) == (0.05, 2)
-    conn.shutdown()
+    try:
+        assert (conn.config.blend.ratio, conn.config.blend.check_layer) == (0.05, 2)
+        assert conn.scheduler.blend is not None and conn.scheduler.blend.config is conn.config.blend
+    finally:
+        conn.shutdown()
     with pytest.raises(ValueError, match="--blend-ratio"):
         connector_from_args(ap.parse_args(["--blend-ratio", "0.2"]))
     with pytest.raises(ValueError, match="blend.ratio"):

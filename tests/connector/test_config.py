@@ -54,12 +54,14 @@ def test_bad_config_names_the_key(kwargs, message):
 def test_build_connector_passes_instances_through_and_needs_an_engine():
     conn = build_connector(["cpu"], chunk_size=16)
     try:
-        assert isinstance(conn, KVTierConnector) and conn.chunk_size == 16
+        assert isinstance(conn, KVTierConnector) and conn.config.chunk_size == 16
         assert build_connector(conn) is conn
         with pytest.raises(ValueError, match="no overrides"):
             build_connector(conn, chunk_size=32)
         with pytest.raises(RuntimeError, match="register_model"):
-            conn.register_kv_caches([])
+            conn.worker.register_kv_caches([])
+        with pytest.raises(RuntimeError, match="register_model"):
+            conn.scheduler.keyspace
     finally:
         conn.shutdown()
 

@@ -23,16 +23,6 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
-def tier_url(tier: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
-    if tier == "disk":
-        return f"disk://{tmp_path / 'kv'}"
-    if tier == "redis":
-        return request.getfixturevalue("redis_server").url
-    if tier == "kvtier":
-        return request.getfixturevalue("cache_server").url
-    return tier
-
-
 @pytest.mark.parametrize("tier", ["device", "cpu", "disk", "redis", "kvtier"])
 def test_reuse_gives_identical_tokens_on_each_tier(tier, default_model_path, prompt_ids, reference,
                                                    tmp_path, request):

@@ -5,19 +5,19 @@ whole-chunk load gives, and a layer that does not arrive is a miss recomputed ex
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
 from connector.kvtier_connector import build_connector
-from connector.layerwise import layer_key
-from connector.lookup import tier_prefix_tokens
+from connector.keyspace import layer_key
 from engine import SamplingParams
 from engine.kv_cache import layout_for
 from kvstore.backends.memory import CPUBackend
 from kvstore.storage_manager import StorageManager
-from tests.connector.test_connector_e2e import CHUNK, assert_idle, make_llm, run, tier_url
+from tests.fixtures.connector import CHUNK, assert_idle, engine, run, tier_url
 
 pytestmark = pytest.mark.slow
 TWO = SamplingParams(temperature=0.0, max_tokens=2)
@@ -44,65 +44,65 @@ def warm_cache(llm, ids: list[int]) -> tuple[torch.Tensor, int]:
 def whole_chunk_cache(default_model_path: Path, prompt_ids: list[int]) -> torch.Tensor:
     """The prompt's K/V after a warm whole-chunk (asynchronous) load from a cpu tier."""
     conn = build_connector(["cpu"], chunk_size=CHUNK)
-    llm = make_llm(default_model_path, conn, enable_prefix_caching=False)
-    run(llm, prompt_ids)
-    assert conn.flush(timeout=60)
-    kv, cached = warm_cache(llm, prompt_ids)
+    with engine(default_model_path, conn, enable_prefix_caching=False) as llm:
+        run(llm, prompt_ids)
+        assert conn.flush(timeout=60)
+        kv, cached = warm_cache(llm, prompt_ids)
     assert cached == len(prompt_ids) - 1
-    llm.shutdown()
     return kv
 
 
+@contextmanager
 def layerwise_engine(default_model_path, prompt_ids, tiers, storage=None, **kw):
+    """Yields (connector, engine) with `use_layerwise` after a cold run stored `prompt_ids`."""
     conn = build_connector(tiers, storage=storage, chunk_size=CHUNK, use_layerwise=True)
-    llm = make_llm(default_model_path, conn, enable_prefix_caching=False, **kw)
-    run(llm, prompt_ids)  # cold: stores one value per layer and chunk
-    assert conn.flush(timeout=60)
-    return conn, llm
+    with engine(default_model_path, conn, enable_prefix_caching=False, **kw) as llm:
+        run(llm, prompt_ids)  # cold: stores one value per layer and chunk
+        assert conn.flush(timeout=60)
+        yield conn, llm
 
 
 @pytest.mark.parametrize("tier", ["cpu", "disk", "redis", "kvtier"])
 def test_layerwise_cache_is_bit_identical_to_whole_chunk_loads(tier, default_model_path, prompt_ids, reference,
                                                                whole_chunk_cache, tmp_path, request):
-    conn, llm = layerwise_engine(default_model_path, prompt_ids, [tier_url(tier, tmp_path, request)])
-    n = len(prompt_ids)
-    assert conn.storage.contains(layer_key(conn._spans(prompt_ids)[0][2], llm.model_config.num_layers - 1))
-    assert list(tier_prefix_tokens(conn, prompt_ids).values()) == [n - 1]  # /kv/lookup counts layered chunks
-    kv, cached = warm_cache(llm, prompt_ids)
-    assert cached == n - 1
-    assert torch.equal(kv, whole_chunk_cache)  # every layer, every position, bit for bit
-    warm = run(llm, prompt_ids)
-    assert warm.outputs[0].token_ids == reference and warm.num_cached_tokens == n - 1
-    # Scheduled at once: never parked waiting for its K/V.
-    assert conn.request_metrics(warm.request_id).connector_hit_tokens == n - 1
-    assert llm.get_stats()["connector_load_error_tokens"] == 0
-    assert_idle(llm, conn)
-    llm.shutdown()
+    with layerwise_engine(default_model_path, prompt_ids, [tier_url(tier, tmp_path, request)]) as (conn, llm):
+        n = len(prompt_ids)
+        spans = conn.scheduler.keyspace.spans(prompt_ids)
+        assert conn.storage.contains(layer_key(spans[0].key, llm.model_config.num_layers - 1))
+        assert list(conn.lookup(prompt_ids).values()) == [n - 1]  # /kv/lookup counts layered chunks
+        kv, cached = warm_cache(llm, prompt_ids)
+        assert cached == n - 1
+        assert torch.equal(kv, whole_chunk_cache)  # every layer, every position, bit for bit
+        warm = run(llm, prompt_ids)
+        assert warm.outputs[0].token_ids == reference and warm.num_cached_tokens == n - 1
+        # Scheduled at once: never parked waiting for its K/V.
+        assert conn.request_metrics(warm.request_id).connector_hit_tokens == n - 1
+        assert llm.get_stats()["connector_load_error_tokens"] == 0
+        assert_idle(llm, conn)
 
 
 @pytest.mark.parametrize("where", ["first_layer", "middle_layer", "last_layer"])
 def test_a_corrupted_layer_is_a_miss_recomputed_exactly(where, default_model_path, prompt_ids, reference,
                                                         redis_server):
-    conn, llm = layerwise_engine(default_model_path, prompt_ids, [redis_server.url])
-    layers = llm.model_config.num_layers
-    layer = {"first_layer": 0, "middle_layer": layers // 2, "last_layer": layers - 1}[where]
-    key = layer_key(conn._spans(prompt_ids)[2][2], layer)
-    client = redis_server.client()
-    value = bytearray(client.get(key))
-    value[-10] ^= 0xFF  # the payload: only its checksum can tell
-    client.set(key, bytes(value))
-    out = run(llm, prompt_ids)
-    assert out.outputs[0].token_ids == reference
-    assert out.num_cached_tokens == 2 * CHUNK  # up to the corrupted chunk; the rest recomputed
-    lost = len(prompt_ids) - 1 - 2 * CHUNK
-    assert llm.get_stats()["connector_load_error_tokens"] == lost
-    assert conn.request_metrics(out.request_id).load_error_tokens == lost
-    assert conn.flush(timeout=60)
-    # The failed step stored nothing computed over the bad layer; the recompute stored it right.
-    again = run(llm, prompt_ids)
-    assert again.outputs[0].token_ids == reference and again.num_cached_tokens == len(prompt_ids) - 1
-    assert_idle(llm, conn)
-    llm.shutdown()
+    with layerwise_engine(default_model_path, prompt_ids, [redis_server.url]) as (conn, llm):
+        layers = llm.model_config.num_layers
+        layer = {"first_layer": 0, "middle_layer": layers // 2, "last_layer": layers - 1}[where]
+        key = layer_key(conn.scheduler.keyspace.spans(prompt_ids)[2].key, layer)
+        client = redis_server.client()
+        value = bytearray(client.get(key))
+        value[-10] ^= 0xFF  # the payload: only its checksum can tell
+        client.set(key, bytes(value))
+        out = run(llm, prompt_ids)
+        assert out.outputs[0].token_ids == reference
+        assert out.num_cached_tokens == 2 * CHUNK  # up to the corrupted chunk; the rest recomputed
+        lost = len(prompt_ids) - 1 - 2 * CHUNK
+        assert llm.get_stats()["connector_load_error_tokens"] == lost
+        assert conn.request_metrics(out.request_id).load_error_tokens == lost
+        assert conn.flush(timeout=60)
+        # The failed step stored nothing computed over the bad layer; the recompute stored it right.
+        again = run(llm, prompt_ids)
+        assert again.outputs[0].token_ids == reference and again.num_cached_tokens == len(prompt_ids) - 1
+        assert_idle(llm, conn)
 
 
 class _GatedTier(CPUBackend):
@@ -123,22 +123,21 @@ class _GatedTier(CPUBackend):
 def test_layer_zero_computes_while_the_last_layer_is_still_being_read(default_model_path, prompt_ids, reference):
     layers = 30  # the default model's
     tier = _GatedTier(f"@L{layers - 1}")
-    conn, llm = layerwise_engine(default_model_path, prompt_ids, None, storage=StorageManager([tier]))
-    assert llm.model_config.num_layers == layers
-    first_layer_ran = threading.Event()
-    hook = llm.engine.runner.model.model.layers[0].register_forward_hook(lambda *_: first_layer_ran.set())
-    tier.gate.clear()
-    result: dict[str, object] = {}
-    t = threading.Thread(target=lambda: result.update(out=run(llm, prompt_ids)))
-    t.start()
-    try:
-        assert first_layer_ran.wait(60)  # layer 0 ran over its loaded K/V ...
-        assert not tier.gate.is_set() and t.is_alive()  # ... while the last layer is not read yet
-    finally:
-        tier.gate.set()
-        t.join(120)
-        hook.remove()
-    out = result["out"]
-    assert out.outputs[0].token_ids == reference and out.num_cached_tokens == len(prompt_ids) - 1
-    assert_idle(llm, conn)
-    llm.shutdown()
+    with layerwise_engine(default_model_path, prompt_ids, None, storage=StorageManager([tier])) as (conn, llm):
+        assert llm.model_config.num_layers == layers
+        first_layer_ran = threading.Event()
+        hook = llm.engine.runner.model.model.layers[0].register_forward_hook(lambda *_: first_layer_ran.set())
+        tier.gate.clear()
+        result: dict[str, object] = {}
+        t = threading.Thread(target=lambda: result.update(out=run(llm, prompt_ids)))
+        t.start()
+        try:
+            assert first_layer_ran.wait(60)  # layer 0 ran over its loaded K/V ...
+            assert not tier.gate.is_set() and t.is_alive()  # ... while the last layer is not read yet
+        finally:
+            tier.gate.set()
+            t.join(120)
+            hook.remove()
+        out = result["out"]
+        assert out.outputs[0].token_ids == reference and out.num_cached_tokens == len(prompt_ids) - 1
+        assert_idle(llm, conn)

@@ -25,7 +25,7 @@ def test_load_straddling_the_engine_hit_is_sliced(tmp_path: Path, default_model_
     assert conn.flush(timeout=60)
 
     # Poison the stored partial chunk: wherever it lands, it shows.
-    _, _, key = conn._spans(ids)[2]
+    key = conn.scheduler.keyspace.spans(ids)[2].key
     tier = conn.storage.tiers[0]
     poisoned = tier.get(key) + 1000.0
     tier.put(key, poisoned)
@@ -34,9 +34,9 @@ def test_load_straddling_the_engine_hit_is_sliced(tmp_path: Path, default_model_
     assert len(cached_ids) == 7  # positions [0, 112) held by the engine's prefix cache
     before = [kv[:, cached_ids].clone() for kv in llm.engine.runner.kv_caches]
 
-    jobs = []  # observe what the background loader is asked to fill
-    load = conn.loader._run
-    conn.loader._run = lambda job: (jobs.append(job), load(job))
+    jobs = []  # observe the loads the scheduler side hands the worker side
+    bind = conn.worker.bind_connector_metadata
+    conn.worker.bind_connector_metadata = lambda meta: (jobs.extend(meta.loads), bind(meta))
     out = llm.generate([{"prompt_token_ids": ids}], params)[0]
     m = conn.request_metrics(out.request_id)
     assert (m.engine_hit_tokens, m.connector_hit_tokens) == (112, 5)  # [112, 117) from [96, 118)

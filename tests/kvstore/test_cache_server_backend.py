@@ -12,7 +12,7 @@ from kvstore.backend import BackendError
 from kvstore.backends.cache_server import CacheServerBackend
 from kvstore.backends.memory import CPUBackend
 from kvstore.config import KVStoreConfig, TierSpec
-from kvstore.keys import process_tokens
+from connector.keyspace import Keyspace
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
 from tests.fixtures.cache_server import CacheServerProcess
@@ -23,7 +23,7 @@ SHAPE = (30, 2, 256, 3, 64)  # one 256-token chunk of the default model
 
 def _keys(n: int, seed: int = 0) -> list[str]:
     tokens = list(range(seed, seed + 256 * n))
-    return [k.to_str() for _, _, k in process_tokens(tokens, 256, model="smol-test", kv_dtype="float16")]
+    return [sp.key for sp in Keyspace("smol-test", "float16", 256, num_layers=1).spans(tokens)]
 
 
 def _chunk(i: int, shape: tuple[int, ...] = SHAPE) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 from kvstore.backend import BackendError
 from kvstore.backends.cache_server import CacheServerBackend, client_tls_context
 from kvstore.config import TierSpec
-from kvstore.keys import process_tokens
+from connector.keyspace import Keyspace
 from kvstore.registry import create_backend
 from kvstore.server import protocol as P
 from kvstore.server.client import CacheServerClient, ServerUnavailable
@@ -67,7 +67,7 @@ def test_kvtiers_tier_round_trips_chunks(tls_server: CacheServerProcess, pki: Pa
     url = f"kvtiers://127.0.0.1:{tls_server.port}?ca_file={pki / 'ca.pem'}&auth_token={TOKEN}"
     tier = create_backend(TierSpec.from_url(url))
     assert isinstance(tier, CacheServerBackend) and repr(tier).startswith("CacheServerBackend(kvtiers://")
-    keys = [k.to_str() for _, _, k in process_tokens(list(range(512)), 256, model="smol-test", kv_dtype="float16")]
+    keys = [sp.key for sp in Keyspace("smol-test", "float16", 256, num_layers=1).spans(list(range(512)))]
     chunks = [torch.randn(30, 2, 256, 3, 64, generator=torch.Generator().manual_seed(i)).half() for i in range(2)]
     tier.batched_put(list(zip(keys, chunks)))
     got = tier.batched_get(keys)
