@@ -15,7 +15,7 @@ from connector.config import make_config
 from connector.kvtier_connector import KVTierConnector, build_connector
 from engine import LLM, SamplingParams
 from kvstore.storage_manager import StorageManager
-from tests.fixtures.connector import CHUNK, assert_idle, engine, run
+from tests.fixtures.connector import CHUNK, assert_idle, engine, run, tier_url
 from tests.fixtures.model import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow

@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
+from connector.keyspace import Keyspace
 from kvstore.backend import BackendError
 from kvstore.backends.cache_server import CacheServerBackend
 from kvstore.backends.memory import CPUBackend
 from kvstore.config import KVStoreConfig, TierSpec
-from connector.keyspace import Keyspace
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
 from tests.fixtures.cache_server import CacheServerProcess

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from connector.keyspace import Keyspace
 from kvstore.backend import BackendError
 from kvstore.backends.cache_server import CacheServerBackend, client_tls_context
 from kvstore.config import TierSpec
-from connector.keyspace import Keyspace
 from kvstore.registry import create_backend
 from kvstore.server import protocol as P
 from kvstore.server.client import CacheServerClient, ServerUnavailable
