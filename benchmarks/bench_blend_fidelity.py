@@ -42,8 +42,8 @@ sys.path.insert(0, str(REPO / "examples" / "blend_kv"))
 from eval_blend import token_f1  # noqa: E402
 from qa_dataset import chat_segments, make_documents, make_questions  # noqa: E402
 
-from connector.blend import BlendConfig, build_blend_connector  # noqa: E402
 from connector.blend.executor import blend_recompute, compute_segment_kv, rerotate_kv  # noqa: E402
+from connector.kvtier_connector import build_connector  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.attention_metadata import AttentionMetadata  # noqa: E402
 from engine.kv_cache import layout_for  # noqa: E402
@@ -148,7 +148,8 @@ def main() -> None:
     t_start = time.perf_counter()
 
     # The connector stores in-context document K/V as in eval_blend's warm-up (at ratio 0).
-    conn = build_blend_connector("cpu", blend=BlendConfig(ratio=0.0, check_layer=args.check_layer))
+    conn = build_connector({"tiers": ["cpu"],
+                            "blend": {"enabled": True, "ratio": 0.0, "check_layer": args.check_layer}})
     llm = LLM(kv_connector=conn, device=args.device, max_num_batched_tokens=8192)
     tok = llm.get_tokenizer()
     model = llm.engine.runner.model

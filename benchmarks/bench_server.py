@@ -32,10 +32,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from connector.keyspace import Keyspace  # noqa: E402
 from kvstore import serde  # noqa: E402
 from kvstore.backend import BytesBackend  # noqa: E402
 from kvstore.config import TierSpec  # noqa: E402
-from kvstore.keys import process_tokens  # noqa: E402
 from kvstore.registry import create_backend  # noqa: E402
 from tests.fixtures.cache_server import CacheServerProcess  # noqa: E402
 from tests.fixtures.redis_server import start_redis  # noqa: E402
@@ -65,7 +65,7 @@ def real_chunks(model_dir: Path, num_chunks: int) -> list[torch.Tensor]:
 
 def _keys(num: int, salt: int) -> list[str]:
     tokens = [salt * 1_000_003 + i for i in range(num * CHUNK)]
-    return [k.to_str() for _, _, k in process_tokens(tokens, CHUNK, model="bench", kv_dtype="float16")]
+    return [sp.key for sp in Keyspace("bench", "float16", CHUNK, num_layers=1).spans(tokens)]
 
 
 def server_cpu_s(pid: int) -> float:

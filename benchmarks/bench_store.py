@@ -39,9 +39,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from connector.keyspace import Keyspace  # noqa: E402
 from kvstore import serde  # noqa: E402
 from kvstore.config import TierSpec  # noqa: E402
-from kvstore.keys import process_tokens  # noqa: E402
 from kvstore.registry import create_backend  # noqa: E402
 from tests.fixtures.redis_server import start_redis  # noqa: E402
 
@@ -140,8 +140,8 @@ def bench_plain_redis(port: int, chunks: list[torch.Tensor], reps: int) -> dict[
 def bench_tier(url: str, codec: str, chunks: list[torch.Tensor], reps: int) -> dict[str, float]:
     """Returns put/get GB/s (logical bytes) and the stored-size ratio for one tier and codec."""
     tier = create_backend(TierSpec(url, codec=codec))
-    keys = [k.to_str() for _, _, k in process_tokens(np.arange(len(chunks) * CHUNK) + hash(url) % 1000, CHUNK,
-                                                       model="bench", kv_dtype=chunks[0].dtype)]
+    keyspace = Keyspace("bench", chunks[0].dtype, CHUNK, num_layers=1)
+    keys = [sp.key for sp in keyspace.spans(np.arange(len(chunks) * CHUNK) + hash(url) % 1000)]
     items = list(zip(keys, chunks))
     nbytes = sum(c.numel() * c.element_size() for c in chunks)
     put_s = timed(lambda: tier.batched_put(items), reps)
@@ -192,8 +192,7 @@ def bench_integrity(base: torch.Tensor, urls: dict[str, str], reps: int) -> dict
     """Returns, per byte tier, the best put/get seconds of a 4k-token load (16 fp16 chunks) with
     and without an integrity key, interleaved rep by rep, and their ratios."""
     chunks = [(base * (1 + 1e-3 * i)).to(torch.float16).contiguous() for i in range(4096 // CHUNK)]
-    keys = [k.to_str() for _, _, k in process_tokens(np.arange(4096) + 7, CHUNK, model="bench-mac",
-                                                       kv_dtype=torch.float16)]
+    keys = [sp.key for sp in Keyspace("bench-mac", torch.float16, CHUNK, num_layers=1).spans(np.arange(4096) + 7)]
     items = list(zip(keys, chunks))
     out: dict = {"tokens": 4096, "chunks": len(chunks), "mb": sum(c.numel() * 2 for c in chunks) / 1e6,
                  "mac_gbps": bench_mac_algorithms(chunks, reps), "decode_ms": {}, "tiers": {}}

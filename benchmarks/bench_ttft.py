@@ -45,13 +45,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from connector.config import make_config  # noqa: E402
+from connector.keyspace import chunk_key, layer_key  # noqa: E402
 from connector.kvtier_connector import KVTierConnector, build_connector  # noqa: E402
-from connector.layerwise import layer_key  # noqa: E402
 from connector.loader import FETCH_GROUP  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.model_loader import resolve_model_path  # noqa: E402
-from kvstore.keys import ChunkKey  # noqa: E402
 from kvstore.storage_manager import StorageManager  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -238,7 +237,7 @@ def bench_layer_fetch(redis_url: str, shape: tuple[int, ...], n_chunks: int, rep
     (the whole-chunk loader), and as one value per layer, one call per layer (the layerwise
     loader); returns median seconds for all of it and, layerwise, for the first layer."""
     layers = shape[0]
-    keys = [ChunkKey("bench-layer-fetch", "float32", 1, shape[2], f"{i:032x}").to_str() for i in range(n_chunks)]
+    keys = [chunk_key("bench-layer-fetch", "float32", shape[2], i.to_bytes(16, "big")) for i in range(n_chunks)]
     with StorageManager.from_config(make_config([redis_url]).kvstore) as sm:
         for k in keys:
             kv = torch.randn(shape)

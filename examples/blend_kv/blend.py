@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from qa_dataset import FACT_KINDS, Question, chat_segments, make_documents  # noqa: E402
 
-from connector.blend import BlendConfig, build_blend_connector  # noqa: E402
+from connector.kvtier_connector import build_connector  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 
@@ -44,7 +44,8 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
 
-    conn = build_blend_connector("cpu", blend=BlendConfig(ratio=args.ratio, check_layer=args.check_layer))
+    conn = build_connector({"tiers": ["cpu"],
+                            "blend": {"enabled": True, "ratio": args.ratio, "check_layer": args.check_layer}})
     blend = LLM(kv_connector=conn, device=args.device)
     full = LLM(device=args.device, enable_prefix_caching=False)  # the baseline: no reuse at all
     tok = blend.get_tokenizer()

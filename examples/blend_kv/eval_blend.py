@@ -23,7 +23,6 @@ benchmarks/results/<out>.json and .md and prints the table.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import statistics
@@ -38,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from qa_dataset import chat_segments, make_documents, make_questions  # noqa: E402
 
-from connector.blend import BlendConfig, build_blend_connector  # noqa: E402
+from connector.kvtier_connector import build_connector  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 # mode -> (BlendConfig.segment_kv, ratio)
@@ -134,7 +133,7 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     t_start = time.perf_counter()
 
-    conn = build_blend_connector("cpu", blend=BlendConfig(check_layer=args.check_layer))
+    conn = build_connector({"tiers": ["cpu"], "blend": {"enabled": True, "check_layer": args.check_layer}})
     blend = LLM(kv_connector=conn, **llm_kw)
     # The token ids of the segments tokenized one by one, which every mode then uses.
     id_prompts = [{"prompt_token_ids": blend.engine.make_sequence(p, params).prompt_token_ids} for p in seg_prompts]
@@ -155,7 +154,7 @@ def main() -> None:
 
     warmed = set()
     for name, (segment_kv, ratio) in BLEND_MODES.items():
-        conn.blend = dataclasses.replace(conn.blend, ratio=ratio, segment_kv=segment_kv).validate()
+        conn.set_blend(ratio=ratio, segment_kv=segment_kv)
         if segment_kv not in warmed:  # each kind of segment K/V has its own keys
             print(f"warming {args.pool} documents' K/V ({segment_kv}) ...", flush=True)
             run_mode(blend, warm_prompts, params)
