@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from connector.config import make_config
 from connector.kvtier_connector import KVTierConnector, build_connector
 from connector.metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
@@ -367,6 +368,6 @@ def test_sliding_window_models_are_refused(tmp_path):
     from tests.fixtures.model import make_tiny_checkpoint
 
     cfg = ModelConfig.from_pretrained(make_tiny_checkpoint(tmp_path, "mistral", sliding_window=8))
-    config = blend_connector(["cpu"]).config
+    config = make_config({"tiers": ["cpu"], "chunk_size": CHUNK, "blend": {"enabled": True}})
     with StorageManager.from_config(config.kvstore) as storage, pytest.raises(ValueError, match="sliding-window"):
         KVTierPlanner(config, Presence(storage), ConnectorMetrics()).register_model(cfg, torch.float32, 16)
