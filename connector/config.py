@@ -1,11 +1,12 @@
-"""Connector configuration: the kvstore config (tiers, chunk size, decode saving) plus the few
-knobs only the connector has. One YAML file holds both (connector keys at the top level next
-to kvstore's); errors are ValueErrors naming the key.
+"""Connector configuration: the kvstore config (tiers, codecs, the slower tiers' writer) plus
+what the connector decides (chunk size, what is stored, its store queue, layerwise loads,
+CacheBlend). One YAML file holds both, every key at the top level; errors are ValueErrors
+naming the key.
 
-    chunk_size: 256
+    chunk_size: 256                  # connector
     save_unfull_chunk: true          # connector
     max_pending_store_bytes: 1GiB    # connector
-    tiers: [cpu, "disk:///var/cache/kvtier"]
+    tiers: [cpu, "disk:///var/cache/kvtier"]   # kvstore
 
 An LMCache config (a mapping with LMCache's keys) is translated by `connector.lmcache_compat`.
 Every key has a `KVTIER_*` variable (`ALL_SETTINGS`, listed in docs/configuration.md).
@@ -24,15 +25,22 @@ from typing import Any
 from connector import lmcache_compat
 from connector.blend.config import BLEND_SETTINGS, BlendConfig
 from kvstore.config import KVSTORE_SETTINGS, KVStoreConfig, TierSpec, parse_size, read_yaml, unknown_key
-from kvstore.env import Setting, env_bool, env_str, merge, parse_env
+from kvstore.env import Setting, env_bool, env_int, env_str, merge, parse_env
 
-_CONNECTOR_KEYS = ("save_unfull_chunk", "max_pending_store_bytes", "use_layerwise", "blend")
+_CONNECTOR_KEYS = ("chunk_size", "save_decode_tokens", "save_unfull_chunk", "max_pending_store_bytes",
+                   "store_queue_size", "use_layerwise", "blend")
 
 CONNECTOR_SETTINGS: tuple[Setting, ...] = (
+    Setting("chunk_size", "KVTIER_CHUNK_SIZE", env_int, "256", "tokens per stored chunk (the unit of reuse)"),
+    Setting("save_decode_tokens", "KVTIER_SAVE_DECODE_TOKENS", env_bool, "false",
+            "also store the K/V of generated tokens, so a follow-up turn reuses them"),
     Setting("save_unfull_chunk", "KVTIER_SAVE_UNFULL_CHUNK", env_bool, "true",
             "also store a prompt's partial last chunk (so prompts shorter than a chunk are reused)"),
     Setting("max_pending_store_bytes", "KVTIER_MAX_PENDING_STORE_BYTES", env_str, "1GiB",
             "gathered K/V waiting to be stored; beyond it new stores are dropped (counted), never waited for"),
+    Setting("store_queue_size", "KVTIER_STORE_QUEUE_SIZE", env_int, "64",
+            "store jobs (one per request and step) waiting for the connector's store thread; beyond it "
+            "one is dropped (counted) as `queue_full` says"),
     Setting("use_layerwise", "KVTIER_USE_LAYERWISE", env_bool, "false",
             "layer-pipelined loads: a hit is scheduled at once and layer i waits only for layer i "
             "(not with CacheBlend)"),
@@ -61,39 +69,40 @@ def translate(data: Mapping[str, Any], source: str = "config") -> Mapping[str, A
 
 @dataclass
 class ConnectorConfig:
-    """Everything a `KVTierConnector` needs.
+    """Everything a `KVTierConnector` needs: the storage manager's own config in `kvstore`,
+    and the rest (one row each in `CONNECTOR_SETTINGS`, which says what each key means).
 
-    `save_unfull_chunk`: also store a prompt's partial last chunk (safe here, see
-    `kvtier_connector` module docstring). `max_pending_store_bytes`: gathered chunks waiting for
-    the background store; beyond it new stores are dropped (counted), never waited for.
+    `save_unfull_chunk` is safe here: loads never write blocks the engine's prefix cache owns
+    (connector/planner.py, "the partial-chunk rule"). `store_queue_size` and
+    `max_pending_store_bytes` bound the connector's store queue; kvstore's `queue_size` bounds
+    a different queue, the storage manager's writer to the slower tiers.
     """
 
     kvstore: KVStoreConfig = field(default_factory=KVStoreConfig)
+    chunk_size: int = 256
+    save_decode_tokens: bool = False
     save_unfull_chunk: bool = True
     max_pending_store_bytes: int = 1 << 30
+    store_queue_size: int = 64
     # Layer-pipelined loads: chunks stored one value per layer; a hit is scheduled at once and
     # its forward's layer i waits only for layer i (connector/keyspace.py).
     use_layerwise: bool = False
     # CacheBlend (`blend: {enabled: true, ratio: 0.15, check_layer: 1, ...}`, see BlendConfig).
     blend: BlendConfig = field(default_factory=BlendConfig)
 
-    @property
-    def chunk_size(self) -> int:
-        return self.kvstore.chunk_size
-
-    @property
-    def save_decode_tokens(self) -> bool:
-        return self.kvstore.save_decode_tokens
-
-    @property
-    def store_queue_size(self) -> int:
-        return self.kvstore.queue_size
-
     def validate(self) -> ConnectorConfig:
         """Returns self after checking every field; raises ValueError naming the key."""
         if not isinstance(self.kvstore, KVStoreConfig):
             raise ValueError(f"kvstore: expected a KVStoreConfig, got {type(self.kvstore).__name__}")
         self.kvstore.validate()
+        for name in ("chunk_size", "store_queue_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}: expected int, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"{name}: must be > 0, got {value}")
+        if not isinstance(self.save_decode_tokens, bool):
+            raise ValueError(f"save_decode_tokens: expected bool, got {self.save_decode_tokens!r}")
         if not isinstance(self.save_unfull_chunk, bool):
             raise ValueError(f"save_unfull_chunk: expected bool, got {self.save_unfull_chunk!r}")
         if not isinstance(self.use_layerwise, bool):
@@ -192,9 +201,9 @@ def make_config(
     # Copy tier specs so overrides never mutate a caller's objects.
     ks.tiers = [dataclasses.replace(t, options=dict(t.options)) for t in ks.tiers]
     if chunk_size is not None:
-        ks.chunk_size = chunk_size
+        cfg.chunk_size = chunk_size
     if save_decode_tokens is not None:
-        ks.save_decode_tokens = save_decode_tokens
+        cfg.save_decode_tokens = save_decode_tokens
     if codec is not None:
         for t in ks.tiers:
             t.codec = codec

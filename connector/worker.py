@@ -10,8 +10,8 @@ It does what the step's `KVTierMeta` says and nothing else:
 - saves (connector/saver.py): after the forward, the step's storable chunks that no tier
   holds are gathered once from the paged cache and queued on the store thread
   (connector/store_queue.py), so serving never waits on a tier. A finished request's tail is
-  gathered the same way and the request reported in `finished_sending`, so its blocks are
-  freed.
+  gathered the same way before the forward, and the request reported in `finished_sending`,
+  so its blocks are freed.
 - blends (connector/blend/blender.py), when CacheBlend is configured.
 """
 
@@ -25,7 +25,7 @@ from connector.blend.blender import Blender
 from connector.config import ConnectorConfig
 from connector.keyspace import Keyspace
 from connector.loader import Loader, LoadJob
-from connector.metadata import KVTierMeta
+from connector.metadata import KVTierMeta, SaveSpec
 from connector.metrics import ConnectorMetrics
 from connector.presence import Presence
 from connector.saver import Saver
@@ -116,11 +116,16 @@ class KVTierWorker(KVConnectorWorker):
         self._meta = metadata
 
     def start_load_kv(self, attn_metadata: AttentionMetadata | None) -> None:
-        """Hands the step's loads to the loader thread (layerwise ones run ahead of this
-        forward), then runs the step's blends."""
+        """Gathers finished requests' tails (their K/V is complete whatever this step does,
+        and they are reported released even if its forward fails), hands the step's loads to
+        the loader thread (layerwise ones run ahead of this forward), then runs its blends."""
         meta = self._meta
         if meta is None:
             return
+        tails = [s for s in meta.saves if s.release]
+        if tails:
+            self._store(tails)
+            self._released |= {s.request_id for s in tails}
         for load in meta.loads:
             job = self._loader().submit(load)
             if load.layerwise:
@@ -154,10 +159,12 @@ class KVTierWorker(KVConnectorWorker):
             if bad:
                 self._step_errors |= bad
                 failed.add(job.spec.request_id)
-        saves = [s for s in meta.saves if s.request_id not in failed]  # stored once recomputed
+        # A failed load's request is stored once recomputed; tails were stored at the start.
+        self._store([s for s in meta.saves if s.request_id not in failed and not s.release])
+
+    def _store(self, saves: list[SaveSpec]) -> None:
         if saves and self.saver is not None:
             self.saver.store(saves)
-        self._released |= {s.request_id for s in meta.saves if s.release}
 
     def clear_connector_metadata(self) -> None:
         """Drops the step's metadata; a layerwise load the step left running (its forward

@@ -2,7 +2,6 @@
 (docs/architecture.md, "Tiers and the storage manager").
 
 YAML:
-    chunk_size: 256
     tiers:
       - {url: cpu, budget: 4GiB}
       - {url: "disk:///var/cache/kvtier", budget: 50GiB, codec: lz4}
@@ -26,7 +25,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from kvstore.codecs import CODEC_NAMES
-from kvstore.env import Setting, env_bool, env_float, env_int, env_str, parse_env
+from kvstore.env import Setting, env_float, env_int, env_str, parse_env
 from kvstore.eviction import POLICIES
 from kvstore.health import BACKOFF_INITIAL_S, BACKOFF_MAX_S
 from kvstore.sizes import parse_size
@@ -120,8 +119,6 @@ class KVStoreConfig:
     """Everything the storage manager needs. Tiers are ordered fast to slow."""
 
     tiers: list[TierSpec] = field(default_factory=_default_tiers)
-    chunk_size: int = 256
-    save_decode_tokens: bool = False
     queue_size: int = 64
     queue_full: str = "drop_oldest"
     backoff_initial_s: float = BACKOFF_INITIAL_S
@@ -131,10 +128,6 @@ class KVStoreConfig:
 
     def validate(self) -> KVStoreConfig:
         """Returns self after checking every field; raises ValueError naming the key."""
-        _check_type("chunk_size", self.chunk_size, int)
-        if self.chunk_size <= 0:
-            raise ValueError(f"chunk_size: must be > 0, got {self.chunk_size}")
-        _check_type("save_decode_tokens", self.save_decode_tokens, bool)
         _check_type("queue_size", self.queue_size, int)
         if self.queue_size <= 0:
             raise ValueError(f"queue_size: must be > 0, got {self.queue_size}")
@@ -232,11 +225,8 @@ KVSTORE_SETTINGS: tuple[Setting, ...] = (
             "storage tiers, fastest first: `cpu`, `device`, `disk:///path`, `redis://host:port/db`, "
             "`kvtier://host:port`; each with `budget`, `codec` (raw, lz4, int8, int4), `eviction` "
             "(lru, fifo) and backend options (env: comma-separated URLs, `?budget=4GiB&codec=lz4`)"),
-    Setting("chunk_size", "KVTIER_CHUNK_SIZE", env_int, "256", "tokens per stored chunk (the unit of reuse)"),
-    Setting("save_decode_tokens", "KVTIER_SAVE_DECODE_TOKENS", env_bool, "false",
-            "also store the K/V of generated tokens, so a follow-up turn reuses them"),
     Setting("queue_size", "KVTIER_QUEUE_SIZE", env_int, "64",
-            "background writes (slower tiers) that may wait; beyond it one is dropped (counted)"),
+            "background writes to the slower tiers that may wait; beyond it one is dropped (counted)"),
     Setting("queue_full", "KVTIER_QUEUE_FULL", env_str, "drop_oldest",
             "which write a full queue drops: drop_oldest or drop_new"),
     Setting("backoff_initial_s", "KVTIER_BACKOFF_INITIAL_S", env_float, str(BACKOFF_INITIAL_S),

@@ -15,12 +15,15 @@ def test_forms_and_overrides(tmp_path):
     assert [t.url for t in cfg.kvstore.tiers] == ["cpu", f"disk://{tmp_path}/kv"]
     assert cfg.kvstore.tiers[0].budget == 2**30
     assert all(t.codec == "lz4" for t in cfg.kvstore.tiers)
-    assert (cfg.chunk_size, cfg.kvstore.save_decode_tokens, cfg.save_unfull_chunk) == (64, True, False)
+    assert (cfg.chunk_size, cfg.save_decode_tokens, cfg.save_unfull_chunk) == (64, True, False)
     assert [t.url for t in make_config("cpu").kvstore.tiers] == ["cpu"]
     assert make_config({"tiers": ["cpu"], "chunk_size": 32, "save_unfull_chunk": False}).save_unfull_chunk is False
-    ks = KVStoreConfig(tiers=[TierSpec("cpu")], chunk_size=16)
-    assert make_config(ks, codec="int8").chunk_size == 16
+    ks = KVStoreConfig(tiers=[TierSpec("cpu")])
+    assert make_config(ks, codec="int8", chunk_size=16).chunk_size == 16
     assert ks.tiers[0].codec == "raw"  # overrides never touch the caller's objects
+    base = ConnectorConfig(kvstore=ks, chunk_size=32)
+    assert make_config(base).chunk_size == 32 and make_config(base, chunk_size=8).chunk_size == 8
+    assert base.chunk_size == 32
 
 
 def test_yaml_with_connector_keys_and_env(tmp_path):
@@ -78,11 +81,16 @@ def test_every_key_has_a_kvtier_variable():
     assert keys == want
     assert all(s.env == "KVTIER_" + s.key.replace(".", "_").upper() for s in ALL_SETTINGS)
     env = {"KVTIER_TIERS": "cpu", "KVTIER_SAVE_UNFULL_CHUNK": "false", "KVTIER_MAX_PENDING_STORE_BYTES": "64MiB",
-           "KVTIER_USE_LAYERWISE": "0", "KVTIER_BLEND_ENABLED": "1", "KVTIER_BLEND_RATIO": "0.3",
+           "KVTIER_CHUNK_SIZE": "64", "KVTIER_SAVE_DECODE_TOKENS": "yes", "KVTIER_STORE_QUEUE_SIZE": "7",
+           "KVTIER_QUEUE_SIZE": "9", "KVTIER_USE_LAYERWISE": "0", "KVTIER_BLEND_ENABLED": "1",
+           "KVTIER_BLEND_RATIO": "0.3",
            "KVTIER_BLEND_CHECK_LAYER": "2", "KVTIER_BLEND_NARROWING": "8:0.1,12:0.05",
            "KVTIER_BLEND_SEPARATOR": " || ", "KVTIER_BLEND_SEGMENT_KV": "standalone"}
     cfg = ConnectorConfig.load(env=env)
     assert (cfg.save_unfull_chunk, cfg.max_pending_store_bytes, cfg.use_layerwise) == (False, 64 * 2**20, False)
+    assert (cfg.chunk_size, cfg.save_decode_tokens) == (64, True)
+    # Two queues, two keys: the connector's store queue and the storage manager's writer.
+    assert (cfg.store_queue_size, cfg.kvstore.queue_size) == (7, 9)
     b = cfg.blend
     assert (b.enabled, b.ratio, b.check_layer, b.narrowing, b.separator, b.segment_kv) == (
         True, 0.3, 2, [(8, 0.1), (12, 0.05)], " || ", "standalone")

@@ -45,7 +45,7 @@ def test_kvtier_tiers_alone_enables_the_connector_in_llm(default_model_path: Pat
     prompt = long_text(1)
     with _llm(default_model_path) as llm:
         conn = llm.engine.kv_connector
-        assert conn is not None and conn.chunk_size == 64
+        assert conn is not None and conn.config.chunk_size == 64
         first = llm.generate(prompt, PARAMS)[0]
         assert conn.flush(60)
         second = llm.generate(prompt, PARAMS)[0]

@@ -46,7 +46,7 @@ lmcache_instance_id: "lmcache_default_instance"
         (f"disk://{tmp_path}/disk/", 10 * GIB, "raw", "fifo"),
         ("redis://127.0.0.1:6379", None, "raw", "fifo"),
     ]
-    assert (cfg.chunk_size, cfg.kvstore.save_decode_tokens, cfg.save_unfull_chunk) == (64, True, False)
+    assert (cfg.chunk_size, cfg.save_decode_tokens, cfg.save_unfull_chunk) == (64, True, False)
     b = cfg.blend
     assert (b.enabled, b.ratio, b.check_layer, b.narrowing, b.separator) == (True, 0.2, 1, [(4, 0.1)], " ## ")
     assert cfg.use_layerwise is False  # kvtier's CacheBlend loads whole chunks: ignored, with a warning

@@ -23,7 +23,6 @@ def test_parse_size() -> None:
 def test_yaml_then_env_overrides(tmp_path: Path) -> None:
     path = tmp_path / "kv.yaml"
     path.write_text(f"""
-chunk_size: 128
 queue_size: 16
 tiers:
   - {{url: cpu, budget: 2GiB}}
@@ -31,24 +30,24 @@ tiers:
   - "redis://127.0.0.1:6379/2?codec=int8&ttl_s=60"
 """)
     cfg = KVStoreConfig.load(path, env={})
-    assert cfg.chunk_size == 128 and cfg.queue_size == 16
+    assert cfg.queue_size == 16
     assert [t.scheme for t in cfg.tiers] == ["cpu", "disk", "redis"]
     assert cfg.tiers[0].budget == 2 * 2**30 and cfg.tiers[1].budget == 10 * 10**9
     assert (cfg.tiers[1].codec, cfg.tiers[1].eviction, cfg.tiers[1].options) == ("lz4", "fifo", {"fsync": True})
     assert (cfg.tiers[2].codec, cfg.tiers[2].options) == ("int8", {"ttl_s": 60})
 
-    env = {"KVTIER_CONFIG": str(path), "KVTIER_CHUNK_SIZE": "256", "KVTIER_SAVE_DECODE_TOKENS": "true",
+    env = {"KVTIER_CONFIG": str(path), "KVTIER_QUEUE_FULL": "drop_new",
            "KVTIER_TIERS": "device?budget=1GiB,cpu?budget=8GiB&codec=int8"}
     cfg = KVStoreConfig.load(env=env)
-    assert cfg.chunk_size == 256 and cfg.save_decode_tokens and cfg.queue_size == 16
+    assert cfg.queue_full == "drop_new" and cfg.queue_size == 16
     assert [(t.url, t.budget, t.codec) for t in cfg.tiers] == [("device", 2**30, "raw"), ("cpu", 8 * 2**30, "int8")]
 
 
 @pytest.mark.parametrize("data, key", [
-    ({"chunk_sise": 256}, "chunk_sise"),
-    ({"chunk_size": "256"}, "chunk_size"),
-    ({"chunk_size": 0}, "chunk_size"),
-    ({"save_decode_tokens": 1}, "save_decode_tokens"),
+    ({"queue_sise": 256}, "queue_sise"),
+    ({"queue_size": "256"}, "queue_size"),
+    ({"queue_size": 0}, "queue_size"),
+    ({"chunk_size": 256}, "chunk_size"),  # the connector's key, not kvstore's
     ({"queue_full": "block"}, "queue_full"),
     ({"tiers": []}, "tiers"),
     ({"tiers": [{"url": "ftp://x"}]}, "tiers[0].url"),
@@ -91,14 +90,14 @@ def test_every_key_has_a_kvtier_variable() -> None:
 
     rows = {s.key: s.env for s in KVSTORE_SETTINGS}
     assert set(rows) == {f.name for f in fields(KVStoreConfig)}
-    env = {"KVTIER_TIERS": "cpu?budget=1GiB", "KVTIER_CHUNK_SIZE": "64", "KVTIER_SAVE_DECODE_TOKENS": "yes",
+    env = {"KVTIER_TIERS": "cpu?budget=1GiB",
            "KVTIER_QUEUE_SIZE": "8", "KVTIER_QUEUE_FULL": "drop_new", "KVTIER_BACKOFF_INITIAL_S": "0.5",
            "KVTIER_BACKOFF_MAX_S": "2", "KVTIER_INTEGRITY_KEY": "k" * 16}
     assert set(env) == set(rows.values())
     cfg = KVStoreConfig.load(env=env)
-    assert (cfg.tiers[0].budget, cfg.chunk_size, cfg.save_decode_tokens, cfg.queue_size, cfg.queue_full,
+    assert (cfg.tiers[0].budget, cfg.queue_size, cfg.queue_full,
             cfg.backoff_initial_s, cfg.backoff_max_s, cfg.integrity_key) == (
-        2**30, 64, True, 8, "drop_new", 0.5, 2.0, "k" * 16)
+        2**30, 8, "drop_new", 0.5, 2.0, "k" * 16)
     # the older name of the secret still works; the documented one wins
     assert KVStoreConfig.load(env={"KVTIER_KV_KEY": "a" * 16}).integrity_key == "a" * 16
     both = {"KVTIER_KV_KEY": "a" * 16, "KVTIER_INTEGRITY_KEY": "b" * 16}
@@ -107,9 +106,9 @@ def test_every_key_has_a_kvtier_variable() -> None:
 
 def test_unknown_key_suggests_and_lists_every_key() -> None:
     with pytest.raises(ValueError) as info:
-        KVStoreConfig.from_dict({"chunksize": 64})
+        KVStoreConfig.from_dict({"queuesize": 64})
     msg = str(info.value)
-    assert msg.startswith("chunksize: unknown config key (did you mean chunk_size?)")
+    assert msg.startswith("queuesize: unknown config key (did you mean queue_size?)")
     assert all(k in msg for k in ("tiers", "queue_full", "integrity_key"))
 
 
