@@ -48,7 +48,7 @@ def connector_from_args(args: argparse.Namespace) -> KVTierConnector | None:
                                       ("check_layer", getattr(args, "blend_check_layer", None))) if v is not None}
     if blend_knobs and not blend:
         raise ValueError("--blend-ratio/--blend-check-layer need --blend")
-    from engine.llm import connector_env
+    from engine.kv_connector import connector_env
 
     if not args.kv_tier and not args.config and not blend and not connector_env():
         if args.chunk_size is not None or args.kv_codec is not None:

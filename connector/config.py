@@ -24,6 +24,7 @@ from typing import Any
 
 from connector import lmcache_compat
 from connector.blend.config import BLEND_SETTINGS, BlendConfig
+from engine.kv_connector import CONFIG_FILE_ENV
 from kvstore.config import KVSTORE_SETTINGS, KVStoreConfig, TierSpec, parse_size, read_yaml, unknown_key
 from kvstore.env import Setting, env_bool, env_int, env_str, merge, parse_env
 
@@ -50,8 +51,6 @@ ALL_SETTINGS: tuple[Setting, ...] = KVSTORE_SETTINGS + CONNECTOR_SETTINGS + BLEN
 
 logger = logging.getLogger("kvtier.connector")
 
-CONFIG_ENV = ("KVTIER_CONFIG", "LMCACHE_CONFIG_FILE")
-"""Variables naming the config file, first one set wins (LMCache's name reads an LMCache YAML)."""
 
 
 def valid_keys() -> frozenset[str]:
@@ -141,11 +140,11 @@ class ConnectorConfig:
         else defaults; kvtier's or LMCache's keys) with every `KVTIER_*` variable in `env`
         applied on top."""
         env = os.environ if env is None else env
-        unread = sorted(v for v in env if v.startswith("LMCACHE_") and v not in CONFIG_ENV)
+        unread = sorted(v for v in env if v.startswith("LMCACHE_") and v not in CONFIG_FILE_ENV)
         if unread:  # LMCache's env-only configuration: say so rather than ignore it silently
             logger.warning("%s not read by kvtier (only LMCACHE_CONFIG_FILE is); use the KVTIER_* variables, "
                            "see docs/configuration.md", ", ".join(unread))
-        path = path or next((env[v] for v in CONFIG_ENV if env.get(v)), None)
+        path = path or next((env[v] for v in CONFIG_FILE_ENV if env.get(v)), None)
         data: Any = {}
         if path:
             data = read_yaml(path)

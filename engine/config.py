@@ -1,17 +1,27 @@
-"""Engine configuration: one validated dataclass; every error names the offending key."""
+"""Engine configuration: one validated dataclass whose fields carry their help (the CLI's
+flags are built from it); every error names the offending key.
+
+Only the standard library is imported here: the CLI reads this table on start-up."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 _DEVICES = ("auto", "cpu", "cuda")
-_DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _opt(help: str, metavar: str | None = None, **extra: Any) -> dict[str, Any]:
+    """Returns a field's metadata: its help and flag spelling for `kvtier generate/serve`
+    (kvtier/engine_args.py builds the flags from these rows)."""
+    return {"help": help, "metavar": metavar, **extra}
 
 
 @dataclass
 class EngineConfig:
-    """Everything `LLM(...)` accepts besides the connector object.
+    """Everything `LLM(...)` accepts besides the connector object; each field's metadata says
+    what it means (one row per setting, shared by the CLI flags and their help).
 
     `num_gpu_blocks` fixes the KV pool size; otherwise it is derived from
     `kv_cache_memory_bytes` or, when that is None too, from `gpu_memory_utilization` of the
@@ -19,18 +29,28 @@ class EngineConfig:
     `max_position_embeddings`.
     """
 
-    model: str | None = None
-    block_size: int = 16
-    num_gpu_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.5
-    enable_prefix_caching: bool = True
-    device: str = "auto"
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    seed: int = 0
+    model: str | None = field(default=None, metadata=_opt(
+        "local Hugging Face checkpoint dir (default: the bundled SmolLM2-135M-Instruct)", "PATH"))
+    device: str = field(default="auto", metadata=_opt(
+        "auto (CUDA when available), cpu, cuda or cuda:N", "DEVICE"))
+    dtype: str = field(default="auto", metadata=_opt(
+        "weights and KV dtype (default: auto = float32 on CPU, the checkpoint's on CUDA)", choices=DTYPES))
+    block_size: int = field(default=16, metadata=_opt("tokens per KV block", "N"))
+    num_gpu_blocks: int | None = field(default=None, metadata=_opt(
+        "KV pool size in blocks (default: from --gpu-memory-utilization on CUDA, 1 GiB on CPU)", "N"))
+    kv_cache_memory_bytes: int | None = field(default=None, metadata=_opt(
+        "KV pool size in bytes, when --num-gpu-blocks is not given", "N"))
+    gpu_memory_utilization: float = field(default=0.5, metadata=_opt(
+        "fraction of free CUDA memory for the KV pool", "X"))
+    max_model_len: int | None = field(default=None, metadata=_opt(
+        "longest prompt + output in tokens (default: the model's limit)", "N"))
+    max_num_seqs: int = field(default=64, metadata=_opt("most requests in one batch", "N"))
+    max_num_batched_tokens: int = field(default=2048, metadata=_opt(
+        "token budget of one step; longer prefills are chunked", "N"))
+    enable_prefix_caching: bool = field(default=True, metadata=_opt(
+        "turn off the engine's automatic prefix caching (default: prefix caching on)", flag="--no-prefix-caching"))
+    # Not a CLI flag: `kvtier generate --seed` is the requests' own sampling seed.
+    seed: int = field(default=0, metadata=_opt("seeds the sampling of requests that bring no seed", "N", flag=None))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -63,8 +83,8 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.device not in _DEVICES and not (isinstance(self.device, str) and self.device.startswith("cuda:")):
             raise ValueError(f"device must be one of {_DEVICES} or 'cuda:N', got {self.device!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
         _positive_int("max_num_seqs", self.max_num_seqs)

@@ -57,7 +57,9 @@ shares blocks beyond it.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
@@ -220,6 +222,18 @@ class KVConnector:
             self.worker.shutdown()
         finally:
             self.scheduler.shutdown()
+
+
+CONFIG_FILE_ENV = ("KVTIER_CONFIG", "LMCACHE_CONFIG_FILE")
+"""Variables naming a connector config file, first one set wins (LMCache's name reads an LMCache YAML)."""
+CONNECTOR_ENV = ("KVTIER_CONFIG", "KVTIER_TIERS", "LMCACHE_CONFIG_FILE")
+"""Variables that alone enable the KV connector, as LMCACHE_CONFIG_FILE does for LMCache."""
+
+
+def connector_env(env: Mapping[str, str] | None = None) -> str | None:
+    """Returns the first of CONNECTOR_ENV set (non-empty) in `env` (default os.environ), or None."""
+    env = os.environ if env is None else env
+    return next((v for v in CONNECTOR_ENV if env.get(v)), None)
 
 
 # Connector factories register here (pyproject entry points), so `LLM(kv_connector=<config>)` can

@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceT
 from typing import Any, cast
 
 from engine.config import EngineConfig
-from engine.kv_connector import KVConnector, resolve_kv_connector
+from engine.kv_connector import KVConnector, connector_env, resolve_kv_connector
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-
-CONNECTOR_ENV = ("KVTIER_CONFIG", "KVTIER_TIERS", "LMCACHE_CONFIG_FILE")
-"""Variables that alone enable the KV connector, as LMCACHE_CONFIG_FILE does for LMCache."""
-
-
-def connector_env(env: Mapping[str, str] | None = None) -> str | None:
-    """Returns the first of CONNECTOR_ENV set (non-empty) in `env` (default os.environ), or None."""
-    env = os.environ if env is None else env
-    return next((v for v in CONNECTOR_ENV if env.get(v)), None)
 
 
 class LLM:

@@ -1,37 +1,39 @@
-"""Engine flags shared by `kvtier generate` and `kvtier serve` (vLLM's names and meanings).
+"""Engine flags shared by `kvtier generate` and `kvtier serve` (vLLM's names and meanings),
+built from `EngineConfig`'s fields (engine/config.py holds each setting's default and help).
 
-Only argparse is imported here: the CLI builds every subcommand's parser on start-up.
+Only argparse and engine/config.py (standard library only) are imported here: the CLI builds
+every subcommand's parser on start-up.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import Field, fields
 from typing import Any
 
+from engine.config import EngineConfig
 from kvtier.cli_help import KV_CODECS, device_arg, restrict_choices
 
 
+def _engine_flags() -> list[tuple[str, str, Field[Any]]]:
+    """Returns (flag, EngineConfig field name, field) for every engine setting with a flag."""
+    out = [(f.metadata.get("flag", "--" + f.name.replace("_", "-")), f.name, f) for f in fields(EngineConfig)]
+    return [row for row in out if row[0] is not None]
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the engine flags to `parser` (one argument group)."""
+    """Adds one flag per `EngineConfig` field to `parser` (one argument group): its help,
+    default and choices come from the field."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, metavar="PATH",
-                   help="local Hugging Face checkpoint dir (default: the bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--device", default="auto", type=device_arg, metavar="DEVICE",
-                   help="auto (CUDA when available), cpu, cuda or cuda:N (default: auto)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="weights and KV dtype (default: auto = float32 on CPU, the checkpoint's on CUDA)")
-    g.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (default: 16)")
-    g.add_argument("--num-gpu-blocks", type=int, default=None, metavar="N",
-                   help="KV pool size in blocks (default: from --gpu-memory-utilization on CUDA, 1 GiB on CPU)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.5, metavar="X",
-                   help="fraction of free CUDA memory for the KV pool (default: 0.5)")
-    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="longest prompt + output in tokens (default: the model's limit)")
-    g.add_argument("--max-num-seqs", type=int, default=64, metavar="N",
-                   help="most requests in one batch (default: 64)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
-                   help="token budget of one step; longer prefills are chunked (default: 2048)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable the engine's automatic prefix caching")
+    for flag, name, f in _engine_flags():
+        meta = f.metadata
+        if isinstance(f.default, bool):  # a switch turns the default off
+            g.add_argument(flag, dest=name, action="store_false" if f.default else "store_true", help=meta["help"])
+            continue
+        kind = {"int": int, "float": float}.get(str(f.type).split(" | ")[0], str)
+        choices = list(meta["choices"]) if "choices" in meta else None
+        g.add_argument(flag, dest=name, default=f.default, metavar=meta["metavar"], choices=choices,
+                       type=device_arg if name == "device" else kind, help=meta["help"])
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,11 +48,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Returns `LLM(...)` keyword arguments (model first) for the engine flags in `args`."""
-    return dict(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-                num_gpu_blocks=args.num_gpu_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=not args.no_prefix_caching)
+    return {name: getattr(args, name) for _, name, _ in _engine_flags()}
 
 
 def build_llm(args: argparse.Namespace) -> Any:
