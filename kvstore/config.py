@@ -28,6 +28,7 @@ from kvstore.codecs import CODEC_NAMES
 from kvstore.env import Setting, env_float, env_int, env_str, parse_env
 from kvstore.eviction import POLICIES
 from kvstore.health import BACKOFF_INITIAL_S, BACKOFF_MAX_S
+from kvstore.schemes import TIER_SCHEMES
 from kvstore.sizes import parse_size
 
 QUEUE_FULL_POLICIES = ("drop_oldest", "drop_new")
@@ -54,13 +55,11 @@ class TierSpec:
 
     def validate(self, where: str = "tier") -> TierSpec:
         """Returns self after checking every field; raises ValueError naming `where.<field>`."""
-        from kvstore.registry import known_schemes
-
         if not isinstance(self.url, str) or not self.url:
             raise ValueError(f"{where}.url: expected a non-empty URL string, got {self.url!r}")
-        if self.scheme not in known_schemes():
+        if self.scheme not in TIER_SCHEMES:
             raise ValueError(f"{where}.url: unknown tier scheme {self.scheme!r} in {self.url!r}; "
-                             f"choose one of {sorted(known_schemes())}")
+                             f"choose one of {sorted(TIER_SCHEMES)}")
         parts = urlsplit(self.url)
         if self.scheme == "disk" and not parts.path:
             raise ValueError(f"{where}.url: a disk tier needs a path, e.g. disk:///var/cache/kvtier")
