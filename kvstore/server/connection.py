@@ -5,7 +5,8 @@ recv when clients pipeline); a frame larger than that is received directly into 
 buffer of its exact size, which then becomes the stored value, so a PUT payload is
 copied once from the socket and never again. Any framing error gets an error reply and
 the connection is closed: the other clients never notice. Requests run in
-`handlers.dispatch`; replies go out in request order.
+`handlers.dispatch`; replies go out in request order. What a connection needs of its
+server is declared here (`ConnectionServer`), so this module never imports the server's.
 """
 
 from __future__ import annotations
@@ -14,14 +15,12 @@ import asyncio
 import logging
 import socket
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvstore.server import protocol as P
-from kvstore.server.handlers import dispatch
+from kvstore.server.handlers import HandlerServer, dispatch, early_refusal
 from kvstore.server.protocol import Op, Status
-
-if TYPE_CHECKING:
-    from kvstore.server.server import CacheServer
+from kvstore.server.store import ByteStore
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +38,41 @@ PER_CONNECTION_BYTES = _SCRATCH + _SEND_SLICE
 # Over TLS (measured with stalled readers): asyncio's 256 KiB TLS read buffer, OpenSSL's
 # buffers and up to three copies of a 64 KiB slice (plaintext, encrypted, unsent).
 PER_TLS_CONNECTION_BYTES = 640 << 10
-_EMPTY = b""
-_OPS = frozenset(int(op) for op in Op)
+
+
+class ConnectionLimits(Protocol):
+    """The server's configuration a connection enforces."""
+
+    max_connections: int
+    max_payload: int
+    idle_timeout: float
+    frame_timeout: float
+
+
+class ConnectionServer(HandlerServer, Protocol):
+    """What a connection asks of the server that accepted it (`server.CacheServer`)."""
+
+    store: ByteStore
+    connections: set[Connection]
+    waiting: dict[Connection, None]  # connections whose next body waits for memory, oldest first
+    total_connections: int
+    refused_connections: int
+    protocol_errors: int
+    frame_timeouts: int
+    disk_read_timeouts: int
+
+    @property
+    def config(self) -> ConnectionLimits: ...
+
+    def memory_freed(self) -> None: ...  # retries the connections waiting for memory
+
+    def trim_heap(self, pending: int = 0) -> None: ...  # before `pending` bytes are allocated
 
 
 class Connection(asyncio.BufferedProtocol):
     """Parses frames for one client and answers them in order."""
 
-    def __init__(self, server: CacheServer) -> None:
+    def __init__(self, server: ConnectionServer) -> None:
         self.server = server
         self.store = server.store
         self.transport: asyncio.Transport | None = None
@@ -197,7 +223,7 @@ class Connection(asyncio.BufferedProtocol):
             self.server.busy_refusals += 1
             self.server.waiting.pop(self, None)
             self.waiting = False
-            request_id = P.decode_header(self.scratch, self.server.max_payload).request_id
+            request_id = P.decode_header(self.scratch, self.server.config.max_payload).request_id
             self.fail(Status.BUSY, request_id, "server memory is held by other bodies in flight and "
                        f"replies being sent; waited {cfg.frame_timeout:g} s, retry later")
             return
@@ -247,14 +273,14 @@ class Connection(asyncio.BufferedProtocol):
         framed = False
         while (not self.closing and not self.waiting and self.loading is None and not self._backlogged()
                and end - pos >= P.HEADER_SIZE):
-            limit = self.server.max_payload if self.authed else _SCRATCH  # AUTH may precede
+            limit = self.server.config.max_payload if self.authed else _SCRATCH  # AUTH may precede
             try:
                 header = P.decode_header(buf, limit, pos)
             except P.ProtocolError as exc:
                 self.fail(Status.BAD_FRAME, 0, str(exc))
                 return
             total = P.HEADER_SIZE + header.body_len
-            refusal = self._refusal(header)
+            refusal = early_refusal(self.store, header, _SCRATCH) if self.authed else None  # else: dispatch
             if refusal is not None:
                 # Well-framed but refused before its body is received: answer now and drop
                 # the body as it arrives, so the connection stays usable.
@@ -312,20 +338,6 @@ class Connection(asyncio.BufferedProtocol):
         self.waiting = True
         self.server.waiting[self] = None
 
-    def _refusal(self, h: P.Header) -> tuple[Status, str] | None:
-        if not self.authed:
-            return None  # handled (and the connection closed) by dispatch
-        if h.code not in _OPS:
-            return Status.UNKNOWN_OP, f"unknown op {h.code}"
-        if h.code == Op.PUT and not self.store.fits(h.key_len, h.payload_len):
-            return Status.TOO_LARGE, f"entry of {h.body_len} bytes exceeds the server's memory budget"
-        if h.code != Op.PUT and h.body_len > P.MAX_REQUEST_BODY:
-            return (Status.TOO_LARGE,
-                    f"request body of {h.body_len} bytes exceeds {P.MAX_REQUEST_BODY} (only PUT may be larger)")
-        if P.HEADER_SIZE + h.body_len > _SCRATCH and not self.store.fits(0, h.body_len):
-            return Status.TOO_LARGE, f"request body of {h.body_len} bytes exceeds the server's memory budget"
-        return None
-
     def resume(self) -> None:
         """Goes on with the requests that a parked GET held back."""
         self._parse_scratch()
@@ -342,7 +354,7 @@ class Connection(asyncio.BufferedProtocol):
     def _peer(self) -> object:
         return self.transport.get_extra_info("peername") if self.transport else None
 
-    def reply(self, status: int, request_id: int, payload: P.Buffer = _EMPTY, pinned: bool = False) -> None:
+    def reply(self, status: int, request_id: int, payload: P.Buffer = b"", pinned: bool = False) -> None:
         """Queues one reply. A `pinned` payload (a stored value, pinned by the caller) is
         sent from the store's own buffer, never copied per connection, and unpinned once
         handed to the transport."""

@@ -4,23 +4,66 @@ Every handler runs on the event loop and does bounded work. A GET whose value is
 disk spill starts a read on the spill's worker thread (after memory is made for it) and
 parks its connection (no later request of that connection runs, so replies stay in order)
 until the value is read.
+
+Handlers sit below the connection in the import order (server -> connection -> handlers):
+what they need of a connection and of the server is declared here, as `HandlerConnection`
+and `HandlerServer`, and `connection.Connection` and `server.CacheServer` provide it.
 """
 
 from __future__ import annotations
 
+import asyncio
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvstore.server import protocol as P
 from kvstore.server.protocol import Op, Status
-
-if TYPE_CHECKING:
-    from kvstore.server.connection import Connection
+from kvstore.server.store import ByteStore
 
 INLINE_REPLY = 4096  # values up to this size are copied into their reply; larger ones are pinned
+_OPS = frozenset(int(op) for op in Op)
 
 
-def dispatch(conn: Connection, h: P.Header, key: bytes, payload: memoryview, reserved: int = 0) -> None:
+class HandlerServer(Protocol):
+    """What a handler asks of the server: auth, the STATS payload, one counter."""
+
+    busy_refusals: int
+
+    @property
+    def auth_required(self) -> bool: ...
+
+    def check_token(self, token: bytes) -> bool: ...
+
+    def stats_json(self) -> bytes: ...
+
+
+class HandlerConnection(Protocol):
+    """What a handler asks of the connection whose request it runs."""
+
+    authed: bool
+    closing: bool
+    # A GET parked on a disk read: the read's token, when it began, its request id.
+    loading: object | None
+    loading_since: float
+    loading_rid: int
+
+    @property
+    def server(self) -> HandlerServer: ...
+
+    @property
+    def store(self) -> ByteStore: ...
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    def reply(self, status: int, request_id: int, payload: P.Buffer = b"", pinned: bool = False) -> None: ...
+
+    def fail(self, status: Status, request_id: int, message: str) -> None: ...
+
+    def resume(self) -> None: ...
+
+
+def dispatch(conn: HandlerConnection, h: P.Header, key: bytes, payload: memoryview, reserved: int = 0) -> None:
     """Runs one request of `conn`, queuing its reply (a GET of a spilled value parks `conn`
     until the value is read). `reserved`: budget bytes held by this PUT's body, which the
     store takes over (the caller releases them for any other op)."""
@@ -79,7 +122,23 @@ def dispatch(conn: Connection, h: P.Header, key: bytes, payload: memoryview, res
         conn.reply(Status.UNKNOWN_OP, rid, f"unknown op {code}".encode())
 
 
-def send_value(conn: Connection, request_id: int, key: bytes, value: P.Buffer) -> None:
+def early_refusal(store: ByteStore, h: P.Header, scratch_bytes: int) -> tuple[Status, str] | None:
+    """Returns (status, message) for an authenticated request refused before its body is
+    received (unknown op, a body the memory budget can never hold), else None. A frame over
+    `scratch_bytes` (the connection's receive buffer) needs budget for its own buffer."""
+    if h.code not in _OPS:
+        return Status.UNKNOWN_OP, f"unknown op {h.code}"
+    if h.code == Op.PUT and not store.fits(h.key_len, h.payload_len):
+        return Status.TOO_LARGE, f"entry of {h.body_len} bytes exceeds the server's memory budget"
+    if h.code != Op.PUT and h.body_len > P.MAX_REQUEST_BODY:
+        return (Status.TOO_LARGE,
+                f"request body of {h.body_len} bytes exceeds {P.MAX_REQUEST_BODY} (only PUT may be larger)")
+    if P.HEADER_SIZE + h.body_len > scratch_bytes and not store.fits(0, h.body_len):
+        return Status.TOO_LARGE, f"request body of {h.body_len} bytes exceeds the server's memory budget"
+    return None
+
+
+def send_value(conn: HandlerConnection, request_id: int, key: bytes, value: P.Buffer) -> None:
     """Queues an OK reply carrying the stored `value` of `key`: sent from the store's buffer,
     pinned until written, when it is larger than INLINE_REPLY."""
     if len(value) <= INLINE_REPLY:
@@ -89,7 +148,7 @@ def send_value(conn: Connection, request_id: int, key: bytes, value: P.Buffer) -
         conn.reply(Status.OK, request_id, value, pinned=True)
 
 
-def get_from_disk(conn: Connection, request_id: int, key: bytes) -> None:
+def get_from_disk(conn: HandlerConnection, request_id: int, key: bytes) -> None:
     """Answers a GET whose value is not in memory: parks `conn` while the value is read
     from the disk spill (no later request runs before it is answered, within
     --frame-timeout: Connection.check_deadlines), or answers NOT_FOUND now."""
@@ -100,7 +159,7 @@ def get_from_disk(conn: Connection, request_id: int, key: bytes) -> None:
         conn.reply(Status.NOT_FOUND, request_id)
 
 
-def _loaded(conn: Connection, token: object, request_id: int, key: bytes, value: P.Buffer | None) -> None:
+def _loaded(conn: HandlerConnection, token: object, request_id: int, key: bytes, value: P.Buffer | None) -> None:
     if conn.loading is not token:
         return  # answered at its deadline
     conn.loading = None

@@ -3,7 +3,9 @@
 This module holds what is shared by all connections: configuration, the listening
 socket, the deadline sweep, the queue of connections waiting for memory, counters, and
 startup and shutdown. Framing and sending: `connection.py`; requests: `handlers.py`; the
-memory ledger: `store.py`; the disk spill (off the event loop): `disk.py`.
+memory ledger: `store.py`; the disk spill (off the event loop): `disk.py`. Imports run one
+way, server -> connection -> handlers: each lower module declares what it needs of the
+ones above as a `Protocol` (`ConnectionServer`, `HandlerServer`, `HandlerConnection`).
 """
 
 from __future__ import annotations
@@ -83,7 +85,6 @@ class CacheServer:
         self._tls = None
         if config.tls_cert is not None and config.tls_key is not None:
             self._tls = server_tls_context(config.tls_cert, config.tls_key)
-        self.max_payload = config.max_payload
         self.connections: set[Connection] = set()
         # Connections whose next body waits for memory, oldest first.
         self.waiting: dict[Connection, None] = {}
