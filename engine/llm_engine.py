@@ -216,3 +216,30 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }
+
+    # ---- what a serving layer asks (kvtier/server/engine_loop.py) ----
+    @property
+    def max_num_seqs(self) -> int:
+        """Returns the most requests one step runs (fixed at construction)."""
+        return self.scheduler.max_num_seqs
+
+    def check_request(self, seq: Sequence) -> None:
+        """Raises ValueError if `seq` can never run here (longer than max_model_len, or more
+        KV blocks than exist); reads only limits fixed at construction."""
+        self.scheduler.check_request(seq)
+
+    def num_cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Returns how many leading tokens of `token_ids` the prefix cache holds now (whole
+        blocks, never the last token); read-only: takes no block references, counts no query."""
+        return self.block_manager.num_cached_prefix_tokens(token_ids)
+
+    def load(self) -> tuple[int, int]:
+        """Returns (requests running, requests waiting), the waiting ones including those
+        waiting for a connector's load."""
+        s = self.scheduler
+        return len(s.running), len(s.waiting) + len(s.waiting_for_kv)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block hash; returns False, changing nothing, while any request
+        holds blocks."""
+        return self.block_manager.pool.reset_prefix_cache()
