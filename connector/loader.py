@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -47,10 +47,9 @@ Fetched = list[tuple[torch.Tensor | None, int]]
 
 
 @dataclass
-class LoadJob:
-    """One load being run: its plan and how far it got."""
+class LoadJob(LoadSpec):
+    """One load being run: its plan (`LoadSpec`'s fields) and how far it got."""
 
-    spec: LoadSpec
     cancelled: bool = False  # the request finished (or its step failed): stop writing its blocks
     # CUDA: recorded on the engine's stream at admission; the load stream waits for it, so
     # kernels still using these blocks for their previous owner finish before they are written.
@@ -60,30 +59,6 @@ class LoadJob:
     layer_events: list[Any] = field(default_factory=list)  # CUDA: one per layer, on the load stream
     ended: bool = False
     tiers: list[int] = field(default_factory=list)  # per span: the tier it (its layer 0) came from
-
-    @property
-    def request_id(self) -> str:
-        return self.spec.request_id
-
-    @property
-    def start(self) -> int:
-        return self.spec.start
-
-    @property
-    def end(self) -> int:
-        return self.spec.end
-
-    @property
-    def spans(self) -> list[Span]:
-        return self.spec.spans
-
-    @property
-    def block_ids(self) -> list[int]:
-        return self.spec.block_ids
-
-    @property
-    def layerwise(self) -> bool:
-        return self.spec.layerwise
 
 
 def chunk_ok(kv: torch.Tensor | None, shape: tuple[int, ...]) -> bool:
@@ -123,7 +98,7 @@ class Loader:
         filled); returns the running job."""
         if spec.layerwise != self.keyspace.layerwise:
             raise ValueError("a layerwise load needs a layerwise keyspace (use_layerwise) and the reverse")
-        job = LoadJob(spec)
+        job = LoadJob(**{f.name: getattr(spec, f.name) for f in fields(LoadSpec)})
         self.storage.pin(self._pinned_keys(job))  # no local tier evicts them before they are read
         if self._stream is not None:
             job.ready = torch.cuda.Event()

@@ -158,7 +158,7 @@ class KVTierWorker(KVConnectorWorker):
             bad = loader.bad_blocks(job)
             if bad:
                 self._step_errors |= bad
-                failed.add(job.spec.request_id)
+                failed.add(job.request_id)
         # A failed load's request is stored once recomputed; tails were stored at the start.
         self._store([s for s in meta.saves if s.request_id not in failed and not s.release])
 
