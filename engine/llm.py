@@ -130,7 +130,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Drops the engine's prefix cache; returns False while requests hold blocks."""
-        return self.engine.block_manager.pool.reset_prefix_cache()
+        return self.engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Flushes and shuts down the connector (if any); later `generate` calls fail."""
