@@ -1,0 +1,102 @@
+"""The scheduler side alone: it answers from existence (one batched query per tier, a second
+only to find a stored partial chunk), plans loads and saves without touching a tier, and its
+plans are plain data."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import torch
+
+from connector.config import make_config
+from connector.metrics import ConnectorMetrics
+from connector.planner import KVTierPlanner
+from connector.presence import Presence
+from engine.model_config import ModelConfig
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.sequence import Sequence
+from kvstore.backends.memory import CPUBackend
+from kvstore.storage_manager import StorageManager
+
+CHUNK = 16
+
+
+class _CountingTier(CPUBackend):
+    """A real CPU tier that records which of its operations were called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def batched_contains(self, keys):
+        self.calls.append("contains")
+        return super().batched_contains(keys)
+
+    def batched_read(self, keys):
+        self.calls.append("read")
+        return super().batched_read(keys)
+
+    def batched_get(self, keys):
+        self.calls.append("read")
+        return super().batched_get(keys)
+
+
+def _planner(default_model_path: Path) -> tuple[KVTierPlanner, _CountingTier, ModelConfig]:
+    mc = ModelConfig.from_pretrained(default_model_path)
+    tier = _CountingTier()
+    planner = KVTierPlanner(make_config(["cpu"], chunk_size=CHUNK), Presence(StorageManager([tier])),
+                            ConnectorMetrics())
+    planner.register_model(mc, torch.float32, 16)
+    return planner, tier, mc
+
+
+def _store(tier: _CountingTier, mc: ModelConfig, spans) -> None:
+    for sp in spans:
+        tier.put(sp.key, torch.zeros(mc.num_layers, 2, sp.num_tokens, mc.num_kv_heads, mc.head_size))
+
+
+def test_a_full_hit_is_one_existence_query_and_plans_touch_no_tier(default_model_path: Path) -> None:
+    planner, tier, mc = _planner(default_model_path)
+    ids = list(range(100, 200))  # 6 full chunks and a 4-token partial one
+    spans = planner.keyspace.spans(ids)
+    _store(tier, mc, spans)
+    seq = Sequence("r", ids, SamplingParams(max_tokens=1))
+    tier.calls.clear()
+    assert planner.get_num_new_matched_tokens(seq, 0) == (99, True)  # never the last token
+    assert tier.calls == ["contains"]
+    blocks = list(range(7))
+    planner.update_state_after_alloc(seq, blocks, 99)
+    meta = planner.build_connector_meta(SchedulerOutput())  # the request waits for its load
+    assert tier.calls == ["contains"]  # planning asked nothing more, read nothing
+    (load,) = meta.loads
+    assert (load.request_id, load.start, load.end, load.block_ids, load.spans) == ("r", 0, 99, blocks, spans)
+    assert pickle.loads(pickle.dumps(meta)) == meta
+
+
+def test_a_run_that_stops_early_probes_its_partial_chunk_once(default_model_path: Path) -> None:
+    planner, tier, mc = _planner(default_model_path)
+    short = list(range(100, 140))  # chunks [0,16) [16,32) and the partial [32,40)
+    _store(tier, mc, planner.keyspace.spans(short))
+    grown = short + list(range(500, 530))  # [32,48) has grown: its full key misses
+    seq = Sequence("g", grown, SamplingParams(max_tokens=1))
+    tier.calls.clear()
+    assert planner.get_num_new_matched_tokens(seq, 0) == (40, True)  # two chunks and the stored partial
+    assert tier.calls == ["contains", "contains"]
+
+
+def test_saves_are_planned_once_from_what_the_step_computed(default_model_path: Path) -> None:
+    planner, tier, _ = _planner(default_model_path)
+    ids = list(range(100, 150))
+    seq = Sequence("s", ids, SamplingParams(max_tokens=1))
+    assert planner.get_num_new_matched_tokens(seq, 0) == (0, False)
+    planner.update_state_after_alloc(seq, list(range(4)), 0)
+    tier.calls.clear()
+    first = planner.build_connector_meta(SchedulerOutput([ScheduledRequest(seq, 0, 40)]))
+    assert [(sp.start, sp.end) for sp in first.saves[0].spans] == [(0, 16), (16, 32)]
+    seq.num_computed_tokens = 40
+    rest = planner.build_connector_meta(SchedulerOutput([ScheduledRequest(seq, 40, 10)]))
+    # The prompt's partial last chunk too (save_unfull_chunk), and nothing offered twice.
+    assert [(sp.start, sp.end) for sp in rest.saves[0].spans] == [(32, 48), (48, 50)]
+    assert tier.calls == []  # whether a tier holds them is the worker side's question
