@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -17,7 +16,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from connector.kvtier_connector import KVTierConnector
 from engine.sampling_params import SamplingParams
 from kvtier import __version__
 from kvtier.server.metrics import ServerMetrics
@@ -40,7 +38,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """Returns the server's application over a started engine loop."""
     app = FastAPI(title="kvtier", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
-    engine = ctx.engine
+    front = ctx.engine_loop  # every engine access goes through it
 
     async def require_key(request: Request) -> None:
         if api_key is None:
@@ -77,7 +75,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
 
     @app.get("/health")
     async def health() -> Response:
-        ok = ctx.engine_loop.alive
+        ok = front.alive
         return Response(status_code=200 if ok else 503)
 
     @app.get("/version")
@@ -91,8 +89,8 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": now(),
-                                            "owned_by": "kvtier", "root": engine.model_config.path,
-                                            "max_model_len": engine.max_model_len}]}
+                                            "owned_by": "kvtier", "root": front.model_path,
+                                            "max_model_len": front.max_model_len}]}
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -114,32 +112,21 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
         if body.prompt_token_ids is not None:
             prompt = {"prompt_token_ids": list(body.prompt_token_ids)}
         else:
-            prompt = body.prompt if body.prompt is not None else render_chat(engine, body.messages or [])
+            prompt = body.prompt if body.prompt is not None else render_chat(front, body.messages or [])
         try:  # the tokens generation would use (segments, token-id checks), never queued
-            ids = engine.make_sequence(prompt, SamplingParams(max_tokens=1), new_id("lookup")).prompt_token_ids
+            ids = front.make_sequence(prompt, SamplingParams(max_tokens=1), new_id("lookup")).prompt_token_ids
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt") from None
-        def engine_side() -> tuple[int, int, int]:
-            # Off the engine thread on purpose: a router's lookup must not wait for a long
-            # prefill step. Dict reads and len() are atomic, so the answer is at most one
-            # step stale, never torn.
-            s = engine.scheduler
-            return (engine.block_manager.num_cached_prefix_tokens(ids), len(s.running),
-                    len(s.waiting) + len(s.waiting_for_kv))
-
-        in_engine, running, waiting = await asyncio.to_thread(engine_side)
-        tiers: dict[str, int] = {}
-        connector = engine.kv_connector
-        if isinstance(connector, KVTierConnector):
-            tiers = await asyncio.to_thread(connector.lookup, ids)
-        return {"model": ctx.model_name, "num_tokens": len(ids), "engine_prefix_cache_tokens": in_engine,
-                "tiers": tiers, "max_hit_tokens": max([in_engine, *tiers.values()]),
-                "num_requests_running": running, "num_requests_waiting": waiting}
+        found = await front.lookup(ids)
+        return {"model": ctx.model_name, "num_tokens": found.num_tokens,
+                "engine_prefix_cache_tokens": found.engine_prefix_cache_tokens, "tiers": found.tiers,
+                "max_hit_tokens": found.max_hit_tokens, "num_requests_running": found.num_requests_running,
+                "num_requests_waiting": found.num_requests_waiting}
 
     @app.post("/kv/reset_prefix_cache", dependencies=auth)
     async def reset_prefix_cache() -> dict[str, bool]:
         """Drops the engine's prefix cache (refused, `reset: false`, while requests hold blocks)."""
-        return {"reset": await ctx.engine_loop.call(engine.block_manager.pool.reset_prefix_cache)}
+        return {"reset": await front.reset_prefix_cache()}
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     return app

@@ -1,11 +1,14 @@
-"""The engine's own thread: HTTP handlers submit requests and stream their outputs from it.
+"""The engine's own thread, and the HTTP layer's only way to the engine (`EngineLoop`).
 
-The engine is not thread-safe, so exactly one thread (this loop) touches it: it runs the
-commands handlers queue (add, abort, read-only calls), steps the engine while it has work,
-and hands each step's outputs to the asyncio queue of the request they belong to. An
-exception in a step fails every request in flight with `EngineFailedError` (500), marks the
-loop dead (`/health` and later requests answer 503) and is logged; the loop does not restart
-on a broken engine.
+The engine is not thread-safe, so exactly one thread (this loop) drives it: it runs the
+commands handlers queue (add, abort, reads of engine state), steps the engine while it has
+work, and hands each step's outputs to the asyncio queue of the request they belong to.
+Handlers never hold the engine: they submit, stream and abort (`submit`, `RequestStream`),
+look up prefixes, read stats, reset the prefix cache and wait for stores through
+`EngineLoop`, which says for each value it reads off the engine thread why that is safe.
+An exception in a step fails every request in flight with `EngineFailedError` (500), marks
+the loop dead (`/health` and later requests answer 503) and is logged; the loop does not
+restart on a broken engine.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from engine.llm_engine import LLMEngine
+from connector.kvtier_connector import KVTierConnector
+from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 logger = logging.getLogger("kvtier.server")
@@ -90,8 +95,23 @@ class RequestStream:
         self._loop._release(self)
 
 
+@dataclass(frozen=True)
+class PrefixLookup:
+    """How many leading tokens of a prompt the engine and its tiers hold, and the engine's load."""
+
+    num_tokens: int
+    engine_prefix_cache_tokens: int
+    tiers: dict[str, int] = field(default_factory=dict)  # tier name -> tokens, fastest first
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+
+    @property
+    def max_hit_tokens(self) -> int:
+        return max([self.engine_prefix_cache_tokens, *self.tiers.values()])
+
+
 class EngineLoop:
-    """Owns an `LLMEngine` on one daemon thread.
+    """Owns an `LLMEngine` on one daemon thread; the HTTP layer's front to it.
 
     `max_waiting` bounds the requests admitted beyond what one batch runs
     (`max_num_seqs`): past it `submit` raises QueueFullError, so a flood of clients costs
@@ -101,8 +121,8 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine, max_waiting: int,
                  on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
                  on_forget: Callable[[str], None] | None = None) -> None:
-        self.engine = engine
-        self.max_in_flight = engine.scheduler.max_num_seqs + max_waiting
+        self._engine = engine
+        self.max_in_flight = engine.max_num_seqs + max_waiting
         self.num_in_flight = 0  # event-loop side only
         self._on_step = on_step
         self._on_forget = on_forget
@@ -161,6 +181,69 @@ class EngineLoop:
         self._commands.put(run)
         return await fut
 
+    async def stats(self) -> dict[str, Any]:
+        """Returns the engine's `get_stats()`, read between two steps."""
+        return await self.call(self._engine.get_stats)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drops the engine's prefix cache between two steps; False (nothing dropped) while
+        requests hold blocks."""
+        return await self.call(self._engine.reset_prefix_cache)
+
+    async def lookup(self, token_ids: list[int]) -> PrefixLookup:
+        """Returns how many leading tokens of `token_ids` the engine's prefix cache and each
+        tier hold, and the engine's load; runs, loads and counts nothing."""
+        engine = self._engine
+
+        def engine_side() -> tuple[int, tuple[int, int]]:
+            # Off the engine thread on purpose: a router's lookup must not wait behind a long
+            # prefill step. Both read dict entries and len()s, each atomic under the GIL, so
+            # the answer is at most one step stale, never torn.
+            return engine.num_cached_prefix_tokens(token_ids), engine.load()
+
+        in_engine, (running, waiting) = await asyncio.to_thread(engine_side)
+        tiers: dict[str, int] = {}
+        connector = engine.kv_connector
+        if isinstance(connector, KVTierConnector):  # the tiers answer existence queries from any thread
+            tiers = await asyncio.to_thread(connector.lookup, token_ids)
+        return PrefixLookup(len(token_ids), in_engine, tiers, running, waiting)
+
+    async def flush_stores(self, timeout_s: float) -> bool:
+        """Returns once every K/V store the connector queued reached its tiers: True, or
+        False after `timeout_s`; True at once without a connector."""
+        connector = self._engine.kv_connector
+        if connector is None:
+            return True
+        # Waiting for the worker's queues only waits (the engine thread keeps feeding them);
+        # it runs on a worker thread so the event loop keeps serving meanwhile.
+        return await asyncio.to_thread(connector.flush, timeout_s)
+
+    # ---- read without the engine thread: fixed once the engine is built ----
+    # The model, limits and tokenizer settings never change after start-up, so reading them
+    # races with no step. The tokenizer is shared: the engine thread decodes, the event loop
+    # encodes (no truncation or padding, so neither call changes its settings).
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def model_path(self) -> str | None:
+        path = self._engine.model_config.path
+        return str(path) if path is not None else None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._engine.tokenizer
+
+    def make_sequence(self, prompt: PromptType, params: SamplingParams, request_id: str) -> Sequence:
+        """Returns a validated, not yet queued request (the engine's `make_sequence`);
+        ValueError names what is wrong."""
+        return self._engine.make_sequence(prompt, params, request_id)
+
+    def check_request(self, seq: Sequence) -> None:
+        """Raises ValueError if `seq` can never run on this engine (too long, too many blocks)."""
+        self._engine.check_request(seq)
+
     def _release(self, stream: RequestStream) -> None:
         self.num_in_flight -= stream.num_requests
         unfinished = list(stream.remaining)
@@ -169,7 +252,7 @@ class EngineLoop:
 
     # ---- the engine thread ----
     def _run(self) -> None:
-        engine = self.engine
+        engine = self._engine
         try:
             while not self._stop.is_set():
                 self._run_commands(block=not engine.has_unfinished_requests())
@@ -215,7 +298,7 @@ class EngineLoop:
             return
         for seq in seqs:
             try:
-                self.engine.add_sequence(seq)
+                self._engine.add_sequence(seq)
             except ValueError as exc:  # validated before; a changed engine state still answers
                 sub.put(exc)
                 return
@@ -225,7 +308,7 @@ class EngineLoop:
         for rid in request_ids:
             if self._subs.pop(rid, None) is None:
                 continue  # finished (or failed to add) before the abort arrived
-            self.engine.abort_request(rid)
+            self._engine.abort_request(rid)
             if self._on_forget is not None:
                 self._on_forget(rid)
 

@@ -19,7 +19,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -50,15 +49,11 @@ logger = logging.getLogger("kvtier.server")
 
 @dataclass
 class ServingContext:
-    engine_loop: EngineLoop
+    engine_loop: EngineLoop  # the handlers' only way to the engine
     model_name: str
     # "producer": one token per request, answered once its K/V reached every tier (the
     # router's prefill step); "consumer" and "both" serve normally.
     kv_role: str = "both"
-
-    @property
-    def engine(self) -> LLMEngine:
-        return self.engine_loop.engine
 
 
 def check_model(ctx: ServingContext, model: str | None) -> None:
@@ -79,9 +74,9 @@ def _unsupported(req: SamplingRequest) -> None:
         raise APIError(400, "echo is not supported by this server", param="echo")
 
 
-def render_chat(engine: LLMEngine, messages: list[ChatMessage]) -> str:
+def render_chat(engine_loop: EngineLoop, messages: list[ChatMessage]) -> str:
     """Returns `messages` rendered with the model's chat template (generation prompt added)."""
-    tok = engine.tokenizer
+    tok = engine_loop.tokenizer
     if not getattr(tok, "chat_template", None):
         raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
     try:
@@ -96,8 +91,8 @@ def make_sequences(ctx: ServingContext, prompts: list[Any], req: SamplingRequest
     """Returns one validated engine request per prompt. `max_tokens` None takes
     `default_max_tokens` (None: up to the context length). Raises a 400 APIError naming the
     problem (prompt too long, bad sampling field)."""
-    engine = ctx.engine
-    limit = engine.max_model_len
+    front = ctx.engine_loop
+    limit = front.max_model_len
     try:
         base = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
                               max_tokens=1, stop_token_ids=list(req.stop_token_ids or []),
@@ -109,7 +104,7 @@ def make_sequences(ctx: ServingContext, prompts: list[Any], req: SamplingRequest
     seqs = []
     for i, prompt in enumerate(prompts):
         try:
-            seq = engine.make_sequence(prompt, dataclasses.replace(base), f"{rid}-{i}")  # see prompt_index
+            seq = front.make_sequence(prompt, dataclasses.replace(base), f"{rid}-{i}")  # see prompt_index
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt" if "prompt" in str(exc) else None) from None
         n = seq.num_prompt_tokens
@@ -126,7 +121,7 @@ def make_sequences(ctx: ServingContext, prompts: list[Any], req: SamplingRequest
             want = max_tokens
         seq.sampling_params.max_tokens = 1 if ctx.kv_role == "producer" else want
         try:
-            engine.scheduler.check_request(seq)
+            front.check_request(seq)
         except ValueError as exc:
             raise APIError(400, str(exc), param="max_tokens") from None
         seqs.append(seq)
@@ -188,8 +183,7 @@ async def stores_landed(ctx: ServingContext, timeout_s: float = STORE_FLUSH_TIME
     `timeout_s`, logged: the consumer then prefills what is missing)."""
     if ctx.kv_role != "producer":
         return
-    flush = getattr(ctx.engine.kv_connector, "flush", None)
-    if flush is not None and not await asyncio.to_thread(flush, timeout_s):
+    if not await ctx.engine_loop.flush_stores(timeout_s):
         logger.warning("producer: K/V stores did not land within %.0fs; consumers will prefill the rest", timeout_s)
 
 
@@ -324,7 +318,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     check_model(ctx, req.model)
     _unsupported(req)
     rid = new_id("chatcmpl")
-    prompt = render_chat(ctx.engine, req.messages)
+    prompt = render_chat(ctx.engine_loop, req.messages)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     seqs = make_sequences(ctx, [prompt], req, max_tokens, None, rid)
     created = now()

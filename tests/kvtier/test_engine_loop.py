@@ -70,7 +70,7 @@ def test_streams_per_step_and_bounds_requests_in_flight(llm: LLM) -> None:
             if not await loop.call(llm.engine.has_unfinished_requests):
                 break
             await asyncio.sleep(0.05)
-        stats = await loop.call(llm.get_stats)
+        stats = await loop.stats()
         assert stats["num_free_blocks"] == stats["num_gpu_blocks"] and stats["num_running"] == 0
         loop.stop()
 
