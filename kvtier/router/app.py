@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import Awaitable
 from typing import Any
 
@@ -18,66 +19,47 @@ from kvtier import __version__
 from kvtier.router.backends import BackendPool
 from kvtier.router.disagg import prefill_then_decode
 from kvtier.router.metrics import RouterMetrics
-from kvtier.router.proxy import Proxy, error_response
-from kvtier.server.protocol import MAX_BODY_BYTES, bearer_matches
+from kvtier.router.proxy import Proxy
+from kvtier.server.http_edge import MAX_BODY_BYTES, install_edge
+from kvtier.server.protocol import APIError
+
+logger = logging.getLogger("kvtier.router")
 
 
 def build_app(proxy: Proxy, pool: BackendPool, metrics: RouterMetrics, disaggregated: bool,
-              api_key: str | None = None) -> FastAPI:
-    """Returns the router application; health checks run while it serves."""
+              api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """Returns the router application; health checks run while it serves. Auth, the body
+    bound and the error shape are `kvtier serve`'s own (kvtier/server/http_edge.py)."""
     app = FastAPI(title="kvtier router", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     serving_role = "decode" if disaggregated else "any"
+    auth = install_edge(app, api_key, logger, max_body_bytes)
 
-    def unauthorized(request: Request) -> Response | None:
-        if api_key is None:
-            return None
-        if bearer_matches(request.headers.get("authorization", ""), api_key):
-            return None
-        return error_response(401, "Invalid or missing API key (send Authorization: Bearer <key>).",
-                              "authentication_error")
-
-    async def read_json(request: Request) -> dict[str, Any] | Response:
-        too_big = error_response(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error")
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return too_big
-        data = bytearray()
-        async for part in request.stream():  # counted as it arrives: a chunked body has no length
-            data += part
-            if len(data) > MAX_BODY_BYTES:
-                return too_big
+    async def read_json(request: Request) -> dict[str, Any]:
+        data = await request.body()  # bounded by the edge's BodyLimit, declared length or not
         try:
             body = json.loads(data)
         except (ValueError, UnicodeDecodeError):
-            return error_response(400, "the request body is not valid JSON", "invalid_request_error")
+            raise APIError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
-            return error_response(400, "the request body must be a JSON object", "invalid_request_error")
+            raise APIError(400, "the request body must be a JSON object")
         return body
 
     async def route(request: Request, path: str) -> Response:
-        denied = unauthorized(request)
-        if denied is not None:
-            return denied
         body = await read_json(request)
-        if isinstance(body, Response):
-            return body
         headers = dict(request.headers)
         work = prefill_then_decode(proxy, path, body, headers) if disaggregated else proxy.forward(path, body, headers)
         return await unless_disconnected(request, work)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
         return await route(request, "/v1/completions")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(request: Request) -> Response:
         return await route(request, "/v1/chat/completions")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=auth)
     async def models(request: Request) -> Response:
-        denied = unauthorized(request)
-        if denied is not None:
-            return denied
         for backend in pool.available(serving_role):
             try:
                 r = await proxy.client.get(backend.url + "/v1/models", headers=proxy.headers(dict(request.headers)),
@@ -85,7 +67,7 @@ def build_app(proxy: Proxy, pool: BackendPool, metrics: RouterMetrics, disaggreg
             except httpx.HTTPError:
                 continue
             return Response(r.content, status_code=r.status_code, media_type="application/json")
-        return error_response(503, "no healthy backend")
+        return APIError(503, "no healthy backend", "service_unavailable").response()
 
     @app.get("/health")
     async def health() -> Response:
@@ -124,4 +106,4 @@ async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Re
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    return error_response(499, "client disconnected", "client_disconnected")
+    return APIError(499, "client disconnected", "client_disconnected").response()

@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvtier.router.backends import Backend, BackendPool
@@ -29,11 +29,6 @@ from kvtier.server.protocol import APIError
 logger = logging.getLogger("kvtier.router")
 
 _MOVE_ON = {429, 503}  # another backend may serve it; 503 also means this one is down
-
-
-def error_response(status: int, message: str, kind: str = "service_unavailable") -> JSONResponse:
-    """Returns an error in OpenAI's shape (`APIError`'s, as `kvtier serve` answers)."""
-    return JSONResponse(APIError(status, message, kind).body(), status_code=status)
 
 
 class RelayResponse(StreamingResponse):
@@ -85,7 +80,8 @@ class Proxy:
         candidates = self.pool.available(role)
         if not candidates:
             self.metrics.no_backend.inc()
-            return error_response(503, f"no healthy {'backend' if role == 'any' else role + ' backend'}")
+            return APIError(503, f"no healthy {'backend' if role == 'any' else role + ' backend'}",
+                            "service_unavailable").response()
         backend_headers = self.headers(headers)
         ranking = await self.policy.rank(view, candidates, backend_headers)
         content = json.dumps(body).encode()
@@ -103,7 +99,8 @@ class Proxy:
         if last is not None:
             return last
         self.metrics.no_backend.inc()
-        return error_response(503, "every backend failed this request; see the router's log")
+        return APIError(503, "every backend failed this request; see the router's log",
+                        "service_unavailable").response()
 
     async def _try(self, backend: Backend, path: str, content: bytes, headers: dict[str, str],
                    stream: bool) -> Response | _Failed:

@@ -1,7 +1,8 @@
 """The FastAPI application: OpenAI routes, `/kv/*` admin routes, health, version, metrics.
 
 `/v1/*` and `/kv/*` need `Authorization: Bearer <api key>` when the server has one;
-`/health`, `/version` and `/metrics` are open (as in vLLM). Every error is OpenAI's shape.
+`/health`, `/version` and `/metrics` are open (as in vLLM). Every error is OpenAI's shape
+(kvtier/server/http_edge.py, shared with the router).
 """
 
 from __future__ import annotations
@@ -9,26 +10,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.sampling_params import SamplingParams
 from kvtier import __version__
+from kvtier.server.http_edge import MAX_BODY_BYTES, install_edge
 from kvtier.server.metrics import ServerMetrics
-from kvtier.server.protocol import (
-    MAX_BODY_BYTES,
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    LookupRequest,
-    bearer_matches,
-    new_id,
-    now,
-)
+from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, LookupRequest, new_id, now
 from kvtier.server.serving import ServingContext, check_model, create_chat_completion, create_completion, render_chat
 
 logger = logging.getLogger("kvtier.server")
@@ -39,39 +29,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
     """Returns the server's application over a started engine loop."""
     app = FastAPI(title="kvtier", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     front = ctx.engine_loop  # every engine access goes through it
-
-    async def require_key(request: Request) -> None:
-        if api_key is None:
-            return
-        if not bearer_matches(request.headers.get("authorization", ""), api_key):
-            raise APIError(401, "Invalid or missing API key (send Authorization: Bearer <key>).",
-                           "authentication_error", code="invalid_api_key")
-
-    auth = [Depends(require_key)]
-
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        msg = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        return JSONResponse(APIError(400, msg, param=param).body(), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("request failed")
-        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}", "internal_error").body(),
-                            status_code=500)
+    auth = install_edge(app, api_key, logger, max_body_bytes)
 
     @app.get("/health")
     async def health() -> Response:
@@ -128,21 +86,4 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
         """Drops the engine's prefix cache (refused, `reset: false`, while requests hold blocks)."""
         return {"reset": await front.reset_prefix_cache()}
 
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     return app
-
-
-class BodyLimit:
-    """Refuses (413) a request whose Content-Length exceeds `max_bytes`, before reading it."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            for name, value in scope.get("headers", []):
-                if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                    body = APIError(413, f"request body over {self.max_bytes} bytes").body()
-                    await JSONResponse(body, status_code=413)(scope, receive, send)
-                    return
-        await self.app(scope, receive, send)

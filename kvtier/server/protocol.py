@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import secrets
 import time
 import uuid
 from typing import Any, Literal
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -78,14 +78,6 @@ class LookupRequest(BaseModel):
     messages: list[ChatMessage] | None = None
 
 
-MAX_BODY_BYTES = 64 << 20  # a request body past this is refused (serve and router)
-
-
-def bearer_matches(authorization: str, api_key: str) -> bool:
-    """Returns whether an `Authorization` header value is `Bearer <api_key>` (constant time)."""
-    return secrets.compare_digest(authorization.encode(), f"Bearer {api_key}".encode())
-
-
 class APIError(Exception):
     """An error answered in OpenAI's shape: `{"error": {message, type, param, code}}`."""
 
@@ -96,6 +88,10 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        """Returns the HTTP response that answers this error."""
+        return JSONResponse(self.body(), status_code=self.status)
 
 
 def new_id(prefix: str) -> str:
