@@ -181,6 +181,13 @@ class EngineLoop:
         self._commands.put(run)
         return await fut
 
+    def _release(self, stream: RequestStream) -> None:
+        self.num_in_flight -= stream.num_requests
+        unfinished = list(stream.remaining)
+        if unfinished:
+            self._commands.put(lambda: self._abort(unfinished))
+
+    # ---- engine state, for handlers (marshalled, or read where that is safe) ----
     async def stats(self) -> dict[str, Any]:
         """Returns the engine's `get_stats()`, read between two steps."""
         return await self.call(self._engine.get_stats)
@@ -204,7 +211,9 @@ class EngineLoop:
         in_engine, (running, waiting) = await asyncio.to_thread(engine_side)
         tiers: dict[str, int] = {}
         connector = engine.kv_connector
-        if isinstance(connector, KVTierConnector):  # the tiers answer existence queries from any thread
+        # The tiers also serve the connector's load and store threads: an existence query is
+        # safe from any thread, and off the engine thread it never waits behind a step.
+        if isinstance(connector, KVTierConnector):
             tiers = await asyncio.to_thread(connector.lookup, token_ids)
         return PrefixLookup(len(token_ids), in_engine, tiers, running, waiting)
 
@@ -243,12 +252,6 @@ class EngineLoop:
     def check_request(self, seq: Sequence) -> None:
         """Raises ValueError if `seq` can never run on this engine (too long, too many blocks)."""
         self._engine.check_request(seq)
-
-    def _release(self, stream: RequestStream) -> None:
-        self.num_in_flight -= stream.num_requests
-        unfinished = list(stream.remaining)
-        if unfinished:
-            self._commands.put(lambda: self._abort(unfinished))
 
     # ---- the engine thread ----
     def _run(self) -> None:
