@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvstore.storage_manager import TierStats
+from kvstore.tier_stats import TierStats
 
 
 @dataclass

@@ -209,11 +209,12 @@ def _additive(blocked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return zeros.masked_fill(blocked, float("-inf"))
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
           mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-    """SDPA on `[H, L, D]` or `[B, H, L, D]` tensors with fewer kv heads than q heads (GQA)."""
+    """Returns scaled dot-product attention of `q` over `k`/`v`, `[H, L, D]` or `[B, H, L, D]`,
+    with fewer kv heads than q heads (GQA); `mask` (True = attend) or `causal` as in SDPA."""
     if q.dim() == 3:  # the CPU flash kernel needs a batch dim (3-D falls back to math)
-        return _sdpa(q[None], k[None], v[None], scale, mask, causal)[0]
+        return sdpa_gqa(q[None], k[None], v[None], scale, mask, causal)[0]
     groups = q.shape[-3] // k.shape[-3]
     if groups > 1:
         # Measured on torch 2.13 CPU: expanding kv heads beats enable_gqa=True by ~1.5x.
@@ -230,14 +231,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     only_fresh = not plan.decode_batch and len(plan.prefills) == 1 and plan.prefills[0].block_ids is None
     if only_fresh:  # the common single-prompt prefill: no output copy
-        return _sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale,
+        return sdpa_gqa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale,
                      causal=True).transpose(0, 1)
     out = torch.empty_like(q)
     for p in plan.prefills:
         qs = q[p.start:p.end].transpose(0, 1)
         if p.block_ids is None:
             ks, vs = k[p.start:p.end], v[p.start:p.end]
-            o = _sdpa(qs, ks.transpose(0, 1), vs.transpose(0, 1), scale, causal=True)
+            o = sdpa_gqa(qs, ks.transpose(0, 1), vs.transpose(0, 1), scale, causal=True)
         else:
             if p.kv_buf is None:
                 p.kv_buf = kv_cache.new_empty((2, p.block_ids.numel(), *kv_cache.shape[2:]))
@@ -247,7 +248,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 o = _masked_gqa(qs, ks, vs, scale, p)
             else:  # query j of the padded batch is position j: exactly causal over the keys
                 padded = torch.cat([qs.new_zeros(qs.shape[0], p.pad, qs.shape[2]), qs], dim=1)
-                o = _sdpa(padded, ks, vs, scale, causal=True)[:, p.pad:]
+                o = sdpa_gqa(padded, ks, vs, scale, causal=True)[:, p.pad:]
         out[p.start:p.end] = o.transpose(0, 1)
     if plan.decode_batch:
         o = _decode_attention(q[plan.decode_rows], kv_cache, plan, scale)

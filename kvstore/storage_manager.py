@@ -3,7 +3,9 @@
 
 - `put` writes the fastest tier synchronously and the slower tiers through a background
   writer with a bounded queue (full queue: a write is dropped and counted, never waited for).
-- `get`/`batched_get` read from the fastest tier holding a chunk and promote it upward.
+- `fetch` reads from the fastest tier holding a chunk and says which tier that was;
+  `promote` writes such hits into the faster tiers (the connector does it through its store
+  queue, off the load path). `get`/`batched_get` are reads that never promote.
 - Each tier evicts by its own policy within its byte budget; keys pinned here (chunks being
   loaded) are never evicted. Pin counts cannot go negative.
 - A tier that raises is marked unhealthy and skipped with capped exponential backoff, then
@@ -19,7 +21,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final, Literal, TypeVar
 
@@ -30,6 +31,8 @@ from kvstore.backend import BackendStats, StorageBackend
 from kvstore.config import KVStoreConfig
 from kvstore.health import BACKOFF_INITIAL_S, BACKOFF_MAX_S, TierHealth
 from kvstore.pins import PinTable
+from kvstore.staging import stage
+from kvstore.tier_stats import TierStats
 from kvstore.writer import BackgroundWriter
 
 logger = logging.getLogger("kvtier.kvstore")
@@ -44,38 +47,8 @@ class _Skip(enum.Enum):
 _SKIPPED: Final = _Skip.SKIPPED
 
 
-@dataclass
-class TierStats:
-    """What the manager saw of one tier, plus the tier's own counters."""
-
-    name: str
-    healthy: bool = True  # reads and writes both healthy
-    read_healthy: bool = True
-    write_healthy: bool = True
-    hits: int = 0
-    misses: int = 0
-    bytes_loaded: int = 0
-    bytes_stored: int = 0
-    load_seconds: float = 0.0
-    store_seconds: float = 0.0
-    errors: int = 0
-    skipped: int = 0  # calls not made because the tier was backing off
-    dropped_writes: int = 0
-    last_error: str = ""
-    backend: BackendStats = field(default_factory=BackendStats)
-
-
 def _nbytes(kv: torch.Tensor) -> int:
     return kv.numel() * kv.element_size()
-
-
-def _on(actual: torch.device, wanted: torch.device) -> bool:
-    """Whether a tensor on `actual` is on `wanted` ("cuda" means the current CUDA device)."""
-    if actual.type != wanted.type:
-        return False
-    if wanted.index is None and actual.type == "cuda":
-        return actual.index == torch.cuda.current_device()
-    return wanted.index is None or actual.index == wanted.index
 
 
 def _check_chunk(key: str, kv: Any) -> None:
@@ -212,41 +185,15 @@ class StorageManager:
             _check_chunk(key, kv)
         if not items:
             return
-        staged = self._staged(items, {t.device for t in self.tiers})
+        staged, copies = stage(items, {t.device for t in self.tiers})
+        if copies:
+            with self._stats_lock:
+                self.staging_copies += copies
         first = staged[self.tiers[0].device]
         self._store(0, first, owned or first is not items)
         slow = range(1, len(self.tiers))
         for device in {self.tiers[i].device for i in slow}:
             self._store_slow([i for i in slow if self.tiers[i].device == device], staged[device])
-
-    def _staged(self, items: list[tuple[str, torch.Tensor]],
-                devices: Iterable[torch.device]) -> dict[torch.device, list[tuple[str, torch.Tensor]]]:
-        """Returns `items` on each of `devices`: as they are where they already live, else one
-        copy each (into pinned host memory from a GPU, copied without blocking and then
-        synchronised once, so the copies of one batch overlap)."""
-        out: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-        streams: list[Any] = []
-        for device in devices:
-            if all(_on(kv.device, device) for _, kv in items):
-                out[device] = items
-                continue
-            pin = device.type == "cpu" and torch.cuda.is_available()
-            copies = []
-            for key, kv in items:
-                if _on(kv.device, device):
-                    copies.append((key, kv))
-                    continue
-                dst = torch.empty(kv.shape, dtype=kv.dtype, device=device, pin_memory=pin)
-                dst.copy_(kv, non_blocking=True)
-                copies.append((key, dst))
-                if kv.device.type == "cuda":
-                    streams.append(torch.cuda.current_stream(kv.device))
-                with self._stats_lock:
-                    self.staging_copies += 1
-            out[device] = copies
-        for stream in set(streams):
-            stream.synchronize()  # the copies are complete before any tier reads them
-        return out
 
     def contains(self, key: str) -> bool:
         """Returns whether any healthy tier holds `key`."""
@@ -296,25 +243,20 @@ class StorageManager:
         return held
 
     def get(self, key: str) -> torch.Tensor | None:
-        """Returns the chunk from the fastest tier holding it (promoting it upward), or None.
-        The tensor lives where that tier keeps chunks (GPU for `device`, else CPU); callers
-        move it where they need it. It is the caller's own (a copy, or a fresh decode)."""
+        """Returns the chunk from the fastest tier holding it, or None. The tensor lives where
+        that tier keeps chunks (GPU for `device`, else CPU); callers move it where they need
+        it. It is the caller's own (a copy, or a fresh decode). Promotes nothing."""
         return self.batched_get([key])[0]
 
     def batched_get(self, keys: Sequence[str], *, read_only: bool = False) -> list[torch.Tensor | None]:
-        """Returns one chunk or None per key. Keys are pinned while they load; every hit from
-        a slower tier is promoted into the faster ones (fastest synchronously). `read_only`:
-        the caller never modifies the results, so memory tiers return (and, promoting, keep)
-        their tensors without copying them."""
-        found = self.fetch(keys, read_only=read_only)
-        self.promote([(k, kv, tier) for k, (kv, tier) in zip(keys, found) if kv is not None and tier > 0],
-                     owned=read_only)
-        return [kv for kv, _ in found]
+        """Returns one chunk or None per key, as `fetch` does, without the tier indexes."""
+        return [kv for kv, _ in self.fetch(keys, read_only=read_only)]
 
     def fetch(self, keys: Sequence[str], *, read_only: bool = False) -> list[tuple[torch.Tensor | None, int]]:
         """Returns per key (the chunk from the fastest tier holding it, that tier's index) or
-        (None, -1); promotes nothing (see `promote`). Keys are pinned while they load;
-        `read_only` as in `batched_get`."""
+        (None, -1); promotes nothing (see `promote`). Keys are pinned while they load.
+        `read_only`: the caller never modifies the results, so memory tiers return their
+        tensors without copying them."""
         keys = list(keys)
         out: list[tuple[torch.Tensor | None, int]] = [(None, -1)] * len(keys)
         self.pins.pin(keys)

@@ -19,7 +19,7 @@ import torch
 
 from engine.kv_cache import request_slots
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from engine.paged_attention import _sdpa, gather_kv, write_kv
+from engine.paged_attention import gather_kv, sdpa_gqa, write_kv
 from engine.rotary import rerotate
 
 
@@ -58,11 +58,11 @@ def _layer_attend_mlp(layer: LlamaDecoderLayer, h: torch.Tensor, q: torch.Tensor
     attn = layer.self_attn
     kt, vt = keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype)
     if buckets is None:
-        o = _sdpa(q.transpose(0, 1), kt, vt, attn.scale, causal=True).transpose(0, 1)
+        o = sdpa_gqa(q.transpose(0, 1), kt, vt, attn.scale, causal=True).transpose(0, 1)
     else:
         o = torch.empty_like(q)
         for a, b, kend, mask in buckets:
-            o[a:b] = _sdpa(q[a:b].transpose(0, 1), kt[:, :kend], vt[:, :kend], attn.scale, mask=mask).transpose(0, 1)
+            o[a:b] = sdpa_gqa(q[a:b].transpose(0, 1), kt[:, :kend], vt[:, :kend], attn.scale, mask=mask).transpose(0, 1)
     h = h + attn.o_proj(o.reshape(h.shape[0], attn.q_size))
     return h + layer.mlp(layer.post_attention_layernorm(h))
 

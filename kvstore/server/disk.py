@@ -100,10 +100,6 @@ class DiskSpill:
     def __contains__(self, key: bytes) -> bool:
         return key in self._index or key in self._reading or key in self._detached
 
-    @property
-    def pending_writes(self) -> int:
-        return len(self._writing)
-
     def _path(self, key: bytes) -> Path:
         return self.dir / F.file_name(key)
 

@@ -45,9 +45,14 @@ def test_write_through_and_promotion(tmp_path: Path) -> None:
         assert disk.prefix_hits([ckey(0), ckey(1), ckey(2)]) == 3
         cpu.clear()
         assert mgr.prefix_hits([ckey(0), ckey(1), ckey(2), ckey(3)]) == 3
-        got = mgr.batched_get([ckey(1), ckey(5), ckey(2)])
+        keys = [ckey(1), ckey(5), ckey(2)]
+        found = mgr.fetch(keys)
+        got = [kv for kv, _ in found]
         assert torch.equal(got[0], chunk(1)) and got[1] is None and torch.equal(got[2], chunk(2))
-        assert cpu.contains(ckey(1)) and cpu.contains(ckey(2)) and not cpu.contains(ckey(0))  # promoted
+        assert [tier for _, tier in found] == [1, -1, 1]  # which tier served each
+        assert not cpu.contains(ckey(1))  # reading promotes nothing ...
+        mgr.promote([(k, kv, tier) for k, (kv, tier) in zip(keys, found) if kv is not None])
+        assert cpu.contains(ckey(1)) and cpu.contains(ckey(2)) and not cpu.contains(ckey(0))  # ... promote does
         assert torch.equal(mgr.get(ckey(1)), chunk(1))
         s = mgr.stats()
         assert (s["disk"].hits, s["cpu"].hits) == (2, 1)
@@ -80,10 +85,12 @@ def test_read_only_gets_and_owned_puts_skip_copies_but_keep_the_tier_intact(tmp_
         # Promotion of a read-only hit keeps the decoded tensor in the faster tier as it is.
         assert mgr.flush(timeout=10)
         cpu.clear()
-        got = mgr.batched_get([ckey(1)], read_only=True)[0]
+        [(got, tier)] = mgr.fetch([ckey(1)], read_only=True)
+        mgr.promote([(ckey(1), got, tier)])
         assert torch.equal(got, chunk(1)) and cpu.batched_read([ckey(1)])[0].data_ptr() == got.data_ptr()
         cpu.clear()
-        got = mgr.batched_get([ckey(1)])[0]  # a plain get: the caller's own, the tier a copy
+        [(got, tier)] = mgr.fetch([ckey(1)])  # the caller's own: promoted, the tier keeps a copy
+        mgr.promote([(ckey(1), got, tier)], owned=False)
         assert cpu.batched_read([ckey(1)])[0].data_ptr() != got.data_ptr()
         assert mgr.pins.total() == 0
 
