@@ -210,9 +210,10 @@ def _additive(blocked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-          mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-    """Returns scaled dot-product attention of `q` over `k`/`v`, `[H, L, D]` or `[B, H, L, D]`,
-    with fewer kv heads than q heads (GQA); `mask` (True = attend) or `causal` as in SDPA."""
+             mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    """Returns the attention output of `q` `[(B,) Hq, Lq, D]` over `k`/`v` `[(B,) Hkv, Lk, D]`,
+    shaped like `q`, where Hq is a multiple of Hkv (GQA). `mask` (bool, True = attend; or
+    additive) and `causal` mean what they mean in `F.scaled_dot_product_attention`."""
     if q.dim() == 3:  # the CPU flash kernel needs a batch dim (3-D falls back to math)
         return sdpa_gqa(q[None], k[None], v[None], scale, mask, causal)[0]
     groups = q.shape[-3] // k.shape[-3]
@@ -232,7 +233,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     only_fresh = not plan.decode_batch and len(plan.prefills) == 1 and plan.prefills[0].block_ids is None
     if only_fresh:  # the common single-prompt prefill: no output copy
         return sdpa_gqa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale,
-                     causal=True).transpose(0, 1)
+                        causal=True).transpose(0, 1)
     out = torch.empty_like(q)
     for p in plan.prefills:
         qs = q[p.start:p.end].transpose(0, 1)
