@@ -1,7 +1,9 @@
 """kvstore: codecs, storage tiers, the storage manager and the cache server (keys are opaque
 strings here; the connector's keyspace builds them, connector/keyspace.py).
 
-Imports only torch/numpy/redis/lz4 and the standard library; never `engine` or `connector`.
+Third-party imports: torch, numpy, redis, lz4, xxhash, blake3 (and PyYAML, only to read a YAML
+config); the cache server (`kvstore.server`) uses the standard library alone. Never imports
+`engine` or `connector`.
 """
 
 from __future__ import annotations

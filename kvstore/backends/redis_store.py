@@ -48,7 +48,7 @@ from kvstore.config import TierSpec
 from kvstore.eviction import make_policy
 
 CHUNK_KEY_PATTERN = "kvtier:*"
-"""Every `ChunkKey.to_str()` matches this; `wipe_all_chunks()` removes what matches it."""
+"""Every chunk key (connector/keyspace.py) matches this; `wipe_all_chunks()` removes them."""
 
 _NOT_A_CHUNK = b""
 """Stands for a key whose GET was an error reply (WRONGTYPE): it fails `serde.decode` like any
