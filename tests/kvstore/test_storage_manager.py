@@ -9,6 +9,7 @@ import random
 import shutil
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,11 @@ def _dir_bytes(root: Path) -> int:
     return total
 
 
+def _read(mgr: StorageManager, key: str, read_only: bool = False) -> torch.Tensor | None:
+    """The chunk under `key` from the fastest tier holding it (a read: promotes nothing)."""
+    return mgr.fetch([key], read_only=read_only)[0][0]
+
+
 def test_write_through_and_promotion(tmp_path: Path) -> None:
     cpu, disk = CPUBackend(byte_budget=10 * _chunk_bytes()), DiskBackend(tmp_path, codec="lz4")
     with StorageManager([cpu, disk], names=["cpu", "disk"]) as mgr:
@@ -53,7 +59,7 @@ def test_write_through_and_promotion(tmp_path: Path) -> None:
         assert not cpu.contains(ckey(1))  # reading promotes nothing ...
         mgr.promote([(k, kv, tier) for k, (kv, tier) in zip(keys, found) if kv is not None])
         assert cpu.contains(ckey(1)) and cpu.contains(ckey(2)) and not cpu.contains(ckey(0))  # ... promote does
-        assert torch.equal(mgr.get(ckey(1)), chunk(1))
+        assert torch.equal(_read(mgr, ckey(1)), chunk(1))
         s = mgr.stats()
         assert (s["disk"].hits, s["cpu"].hits) == (2, 1)
         assert s["disk"].bytes_loaded == 2 * _chunk_bytes() and s["disk"].load_seconds > 0
@@ -68,14 +74,14 @@ def test_read_only_gets_and_owned_puts_skip_copies_but_keep_the_tier_intact(tmp_
         mgr.batched_put([(ckey(1), owned)], owned=True)
         mgr.batched_put([(ckey(2), caller_kept)])
         caller_kept.zero_()  # not handed over: the tier holds its own copy
-        assert torch.equal(mgr.get(ckey(2)), chunk(2))
-        # A read-only get hands out the tier's tensor itself; a plain get a private copy.
-        ro = mgr.batched_get([ckey(1)], read_only=True)[0]
-        assert ro.data_ptr() == owned.data_ptr()
-        mine = mgr.get(ckey(1))
-        assert mine.data_ptr() != owned.data_ptr()
+        assert torch.equal(_read(mgr, ckey(2)), chunk(2))
+        # A read-only fetch hands out the tier's tensor itself; a plain fetch a private copy.
+        ro = _read(mgr, ckey(1), read_only=True)
+        assert ro is not None and ro.data_ptr() == owned.data_ptr()
+        mine = _read(mgr, ckey(1))
+        assert mine is not None and mine.data_ptr() != owned.data_ptr()
         mine.add_(1)
-        assert torch.equal(mgr.get(ckey(1)), chunk(1))
+        assert torch.equal(_read(mgr, ckey(1)), chunk(1))
         # A view of a larger tensor is copied even when handed over: keeping it would keep
         # bytes the budget does not see.
         big = torch.cat([chunk(3), chunk(4)], dim=2)
@@ -127,7 +133,7 @@ def test_pins_protect_and_never_go_negative(tmp_path: Path) -> None:
         mgr.pin([ckey(0)])
         mgr.put(ckey(1), chunk(1))
         mgr.put(ckey(2), chunk(2))  # evicts 1, not the pinned 0
-        assert mgr.get(ckey(0)) is not None and mgr.get(ckey(1)) is None
+        assert _read(mgr, ckey(0)) is not None and _read(mgr, ckey(1)) is None
         mgr.unpin([ckey(0)])
         with pytest.raises(ValueError, match="not pinned"):
             mgr.unpin([ckey(0)])
@@ -175,7 +181,7 @@ def test_full_queue_drops_and_never_blocks(tmp_path: Path, drop: str) -> None:
         assert disk.entered.wait(10)  # the worker is now stuck inside the first write
         for i in range(1, 6):  # two queue, three are dropped
             mgr.put(ckey(i), chunk(i))
-        assert mgr.get(ckey(5)) is not None  # serving goes on while the slow tier is stuck
+        assert _read(mgr, ckey(5)) is not None  # serving goes on while the slow tier is stuck
         gate.set()
         assert mgr.flush(timeout=10)
         assert mgr.writer_stats()["dropped"] == 3 and mgr.stats()["disk"].dropped_writes == 3
@@ -198,13 +204,13 @@ def test_failing_tier_is_skipped_with_backoff_and_recovers(tmp_path: Path, caplo
     s = mgr.stats()
     assert not s["disk"].healthy and s["disk"].errors >= 1 and s["disk"].skipped >= 1
     assert s["disk"].last_error.startswith("BackendError")
-    assert torch.equal(mgr.get(ckey(7)), chunk(7))  # served from the healthy tier
+    assert torch.equal(_read(mgr, ckey(7)), chunk(7))  # served from the healthy tier
     root.unlink()
     root.mkdir()
     time.sleep(0.15)
     mgr.put(ckey(50), chunk(50))  # the write probe: writes recover
     assert mgr.stats()["disk"].write_healthy and disk.contains(ckey(50))
-    assert torch.equal(mgr.get(ckey(50)), chunk(50))  # the read probe: reads recover
+    assert torch.equal(_read(mgr, ckey(50)), chunk(50))  # the read probe: reads recover
     assert mgr.stats()["disk"].healthy
     messages = [r.getMessage() for r in caplog.records]
     assert sum("disk: writes failing" in m for m in messages) == 1
@@ -226,7 +232,7 @@ def test_budgets_never_exceeded_under_random_workload(tmp_path: Path) -> None:
             if r < 0.5:
                 mgr.batched_put([(k, chunk(int(k[-8:], 16))) for k in keys])
             elif r < 0.8:
-                for k, kv in zip(keys, mgr.batched_get(keys)):
+                for k, (kv, _) in zip(keys, mgr.fetch(keys)):
                     assert kv is None or torch.equal(kv, chunk(int(k[-8:], 16)))
             elif r < 0.9:
                 mgr.pin(keys)
@@ -250,8 +256,10 @@ def test_concurrent_threads_never_see_a_torn_value(kind: str, tmp_path: Path, re
         store = StorageManager([CPUBackend(byte_budget=4 * 2 * 2 * 64 * 3 * 64 * 4),
                                 DiskBackend(tmp_path, codec="lz4"),
                                 make_tier("redis", tmp_path, redis_url)], queue_size=8)
+        read = partial(_read, store)
     else:
         store = make_tier(kind, tmp_path, redis_url)
+        read = store.get
     keys = [ckey(i) for i in range(4)]
     errors: list[str] = []
 
@@ -263,7 +271,7 @@ def test_concurrent_threads_never_see_a_torn_value(kind: str, tmp_path: Path, re
                 # every element of a write carries its writer and sequence: a mix would show
                 store.put(key, torch.full((2, 2, 64, 3, 64), float(tid * 1000 + n)))
             else:
-                kv = store.get(key)
+                kv = read(key)
                 if kv is not None and not bool((kv == kv.flatten()[0]).all()):
                     errors.append(f"torn value under {key}")
 

@@ -57,7 +57,7 @@ def test_unreachable_tier_is_one_warning_and_a_miss(caplog: pytest.LogCaptureFix
     with StorageManager.from_config(cfg) as sm:
         for i in range(5):  # requests after start-up: no further warnings
             sm.put(f"k{i}", _chunk(2))
-            assert sm.batched_get([f"k{i}", "absent"])[1] is None
+            assert sm.fetch([f"k{i}", "absent"])[1] == (None, -1)
             sm.flush(5.0)
         assert sm.stats()[f"1:{url}"].bytes_stored == 0
         assert sm.stats()[f"1:{url}"].healthy is False
