@@ -62,6 +62,7 @@ class BackgroundWriter:
         return accepted
 
     def pending(self) -> int:
+        """Returns the jobs not finished yet: those queued plus the one running."""
         with self._cond:
             return len(self._queue) + int(self._busy)
 
