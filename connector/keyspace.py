@@ -1,5 +1,5 @@
 """The connector's keyspace: tokens in, chunk spans that carry their stored keys out
-(docs/architecture.md, "Chunks and keys"; LMCache's token database plays this part).
+(docs/architecture.md, "Chunks, keys and codecs"; LMCache's token database plays this part).
 
 A key names everything that makes stored K/V incompatible: model fingerprint, KV dtype,
 layout version, chunk size, and the chained hash of the tokens up to and including the chunk,

@@ -6,7 +6,7 @@ flat slot `table[p // block_size] * block_size + p % block_size`; `slot_mapping`
 place that computes it (the model runner's batched mapping and `request_slots` both call it).
 Slot ids are logical, the same for every layout; a layout decides where a slot's K/V sits in
 memory. Chunks: one tensor `(num_layers, 2, num_tokens, num_kv_heads, head_size)`
-(docs/architecture.md, "Chunks and keys"). A `PagedKVLayout` is one way of laying the caches
+(docs/architecture.md, "Chunks, keys and codecs"). A `PagedKVLayout` is one way of laying the caches
 out; callers use only its interface, so another engine's layout (vLLM's CPU one) is another
 implementation. `EngineLayout` is this engine's (and vLLM's GPU FlashAttention backend's):
 per layer `(2, num_blocks, block_size, num_kv_heads, head_size)`. No per-token loops: one

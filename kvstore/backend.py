@@ -1,7 +1,7 @@
 """The one storage-backend interface every tier implements
 (docs/architecture.md, "Tiers and the storage manager").
 
-Keys are strings (`ChunkKey.to_str()`), identical across processes and machines. Values are
+Keys are opaque strings (built by connector/keyspace.py), identical across processes and machines. Values are
 KV chunk tensors `(num_layers, 2, num_tokens, num_kv_heads, head_size)`. Memory tiers hold
 tensors; tiers that store bytes (disk, redis, the cache server) derive from `BytesBackend`,
 which frames each chunk as one self-describing value through `kvstore.serde` so that a
