@@ -11,7 +11,7 @@ from __future__ import annotations
 from engine.kv_connector import KVConnectorOutput, KVConnectorScheduler
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
-from tests.engine.test_scheduler import expected_output, make, next_token
+from tests.fixtures.scheduler import expected_output, make, next_token
 
 
 class ManualAsyncConnector(KVConnectorScheduler):
