@@ -21,8 +21,8 @@ from connector.planner import KVTierPlanner
 from connector.presence import Presence
 from engine import LLM, SamplingParams
 from kvstore.storage_manager import StorageManager
-from tests.engine.text import PARAGRAPHS
 from tests.fixtures.connector import engine
+from tests.fixtures.text import PARAGRAPHS
 
 pytestmark = pytest.mark.slow
 

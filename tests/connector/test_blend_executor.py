@@ -10,7 +10,7 @@ from connector.blend.config import BlendConfig
 from connector.blend.executor import compute_segment_kv, rerotate_kv
 from connector.blend.segments import context_segments
 from connector.keyspace import ROOT_HASH, SEGMENT_ROOTS, Keyspace
-from tests.engine.text import long_text
+from tests.fixtures.text import long_text
 
 pytestmark = pytest.mark.slow
 

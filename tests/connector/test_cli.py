@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import main
-from tests.engine.text import long_text
+from tests.fixtures.text import long_text
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.text import long_text
 from tests.fixtures.redis_server import free_port
+from tests.fixtures.text import long_text
 
 pytestmark = pytest.mark.slow
 

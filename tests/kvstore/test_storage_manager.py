@@ -19,7 +19,7 @@ from kvstore.backends.disk import DiskBackend
 from kvstore.backends.memory import CPUBackend
 from kvstore.config import KVStoreConfig
 from kvstore.storage_manager import StorageManager
-from tests.kvstore.tiers import chunk, ckey, make_tier
+from tests.fixtures.tiers import chunk, ckey, make_tier
 
 
 def _chunk_bytes() -> int:
