@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def llm(default_model_path: Path) -> LLM:
-    return LLM(str(default_model_path), device="cpu", max_model_len=256, num_gpu_blocks=64)
+def llm(default_model_path: Path) -> Iterator[LLM]:
+    with LLM(str(default_model_path), device="cpu", max_model_len=256, num_gpu_blocks=64) as llm:
+        yield llm
 
 
 @pytest.mark.parametrize(
@@ -87,11 +89,11 @@ def test_a_bad_prompt_in_a_batch_loses_nothing(llm: LLM) -> None:
 
 
 def test_pool_too_small_for_one_request(default_model_path: Path) -> None:
-    small = LLM(str(default_model_path), device="cpu", num_gpu_blocks=2)
-    with pytest.raises(ValueError, match=r"needs 3 KV blocks .* num_gpu_blocks=2"):
-        small.generate({"prompt_token_ids": [5] * 40}, SamplingParams(temperature=0, max_tokens=1))
-    # One that fits still runs on the same engine.
-    (out,) = small.generate({"prompt_token_ids": [5] * 20}, SamplingParams(temperature=0, max_tokens=4))
+    with LLM(str(default_model_path), device="cpu", num_gpu_blocks=2) as small:
+        with pytest.raises(ValueError, match=r"needs 3 KV blocks .* num_gpu_blocks=2"):
+            small.generate({"prompt_token_ids": [5] * 40}, SamplingParams(temperature=0, max_tokens=1))
+        # One that fits still runs on the same engine.
+        (out,) = small.generate({"prompt_token_ids": [5] * 20}, SamplingParams(temperature=0, max_tokens=4))
     assert len(out.outputs[0].token_ids) == 4
 
 

@@ -7,22 +7,24 @@ exercises chunked prefill next to decodes).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.engine.text import long_text
 from tests.fixtures.model import make_tiny_checkpoint
+from tests.fixtures.text import long_text
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def llm(default_model_path: Path) -> LLM:
-    return LLM(str(default_model_path), device="cpu", dtype="float32", num_gpu_blocks=512)
+def llm(default_model_path: Path) -> Iterator[LLM]:
+    with LLM(str(default_model_path), device="cpu", dtype="float32", num_gpu_blocks=512) as llm:
+        yield llm
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -104,14 +106,14 @@ def engine_prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 
 def test_chunked_and_prefix_cached_prefill_logits_match(default_model_path: Path, hf_default_model) -> None:
-    llm = LLM(str(default_model_path), device="cpu", max_num_batched_tokens=200, num_gpu_blocks=64)
-    ids = llm.tokenizer.encode(long_text(20))[:500]
+    with LLM(str(default_model_path), device="cpu", max_num_batched_tokens=200, num_gpu_blocks=64) as llm:
+        ids = llm.tokenizer.encode(long_text(20))[:500]
+        cold = engine_prefill_logits(llm, ids)  # 3 chunks of <= 200 tokens
+        warm = engine_prefill_logits(llm, ids)  # 496 tokens from the prefix cache, 4 computed
     with torch.no_grad():
         want = hf_default_model(torch.tensor([ids])).logits[0].float()
-    cold = engine_prefill_logits(llm, ids)  # 3 chunks of <= 200 tokens
     assert cold.shape == want.shape
     torch.testing.assert_close(cold, want, atol=1e-3, rtol=0)
-    warm = engine_prefill_logits(llm, ids)  # 496 tokens from the prefix cache, 4 computed
     assert warm.shape[0] == 500 - 496
     torch.testing.assert_close(warm, want[496:], atol=1e-3, rtol=0)
 
@@ -122,10 +124,10 @@ def test_tiny_architectures_match_transformers(tmp_path: Path, model_type: str, 
 
     path = make_tiny_checkpoint(tmp_path, model_type=model_type, tokenizer_dir=default_model_path)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    llm = LLM(str(path), device="cpu", block_size=8, max_num_batched_tokens=64, num_gpu_blocks=128)
     prompts = [[5, 17, 300, 41], list(range(1000, 1077)), [9] * 33]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    with LLM(str(path), device="cpu", block_size=8, max_num_batched_tokens=64, num_gpu_blocks=128) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for p, o in zip(prompts, outs):
         ids = torch.tensor([p])
         with torch.no_grad():

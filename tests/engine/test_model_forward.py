@@ -13,66 +13,7 @@ from engine.model_loader import load_model
 from engine.paged_attention import build_plan
 from engine.rotary import apply_rotary, build_cos_sin_cache, compute_inv_freq, rerotate
 from tests.fixtures.model import make_tiny_checkpoint
-
-BLOCK = 16
-
-
-class PagedDriver:
-    """Minimal test-side model runner: owns a paged cache (filled with NaN, so reading any
-    slot that was never written poisons the result) and per-sequence block tables drawn
-    from a shuffled free list, so block ids are non-contiguous."""
-
-    def __init__(self, model, num_blocks: int = 512, seed: int = 0, block_size: int = BLOCK) -> None:
-        cfg = model.config
-        self.model = model
-        self.block_size = bs = block_size
-        dtype = next(model.parameters()).dtype
-        self.kv_caches = [torch.full((2, num_blocks, bs, cfg.num_kv_heads, cfg.head_size),
-                                     float("nan"), dtype=dtype) for _ in range(cfg.num_layers)]
-        self.free = list(range(num_blocks))
-        random.Random(seed).shuffle(self.free)
-        self.tokens: dict[int, list[int]] = {}
-        self.tables: dict[int, list[int]] = {}
-
-    def step(self, batch: list[tuple[int, list[int]]], connector=None) -> list[torch.Tensor]:
-        """Appends each (seq_id, new_tokens); returns each sequence's logits `[n_new, vocab]`."""
-        ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
-        bs = self.block_size
-        for sid, new in batch:
-            toks = self.tokens.setdefault(sid, [])
-            table = self.tables.setdefault(sid, [])
-            ctx = len(toks)
-            toks.extend(new)
-            while len(table) * bs < len(toks):
-                table.append(self.free.pop())
-            p = torch.arange(ctx, len(toks))
-            ids.extend(new)
-            pos.append(p)
-            slots.append(torch.tensor(table)[p // bs] * bs + p % bs)
-            qsl.append(qsl[-1] + len(new))
-            seq_lens.append(len(toks))
-        width = max(len(self.tables[sid]) for sid, _ in batch)
-        tables = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, (sid, _) in enumerate(batch):
-            tables[i, :len(self.tables[sid])] = torch.tensor(self.tables[sid])
-        meta = AttentionMetadata(slot_mapping=torch.cat(slots), block_tables=tables,
-                                 query_start_loc=qsl, seq_lens=seq_lens, block_size=bs,
-                                 kv_connector=connector)
-        with torch.inference_mode():
-            h = self.model(torch.tensor(ids), torch.cat(pos), self.kv_caches, meta)
-            logits = self.model.compute_logits(h)
-        return [logits[qsl[i]:qsl[i + 1]] for i in range(len(batch))]
-
-    def greedy(self, sid: int, prompt: list[int], n: int) -> list[int]:
-        out = [int(self.step([(sid, prompt)])[0][-1].argmax())]
-        while len(out) < n:
-            out.append(int(self.step([(sid, [out[-1]])])[0][-1].argmax()))
-        return out
-
-
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf(torch.tensor([ids])).logits[0].float()
+from tests.fixtures.paged import BLOCK, PagedDriver, hf_logits, load_tiny_pair
 
 
 def _prompt_ids(path: Path, n: int, seed: int = 0) -> list[int]:
@@ -97,7 +38,7 @@ def test_prefill_logits_match_transformers(default_model, hf_default_model,
     model, _ = default_model
     ids = _prompt_ids(default_model_path, n, seed=n)
     ours = PagedDriver(model, num_blocks=160).step([(0, ids)])[0]
-    torch.testing.assert_close(ours, _hf_logits(hf_default_model, ids), atol=1e-3, rtol=0)
+    torch.testing.assert_close(ours, hf_logits(hf_default_model, ids), atol=1e-3, rtol=0)
 
 
 # (prompt length, first step's length): the second step attends over cached context through
@@ -185,7 +126,7 @@ def test_bfloat16_matches_transformers_bfloat16(default_model_path: Path) -> Non
     d = PagedDriver(ours)
     got = d.step([(0, ids)])[0]
     assert d.kv_caches[0].dtype == torch.bfloat16 and got.dtype == torch.float32
-    ref = _hf_logits(hf, ids)
+    ref = hf_logits(hf, ids)
     # Same op order as transformers in bf16; allow a few bf16 ulps at logit scale.
     torch.testing.assert_close(got, ref, atol=0.1, rtol=0)
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.97
@@ -257,16 +198,6 @@ TINY_VARIANTS = {
 }
 
 
-def load_tiny_pair(tmp_dir: Path, tokenizer_dir: Path, **overrides):
-    """Returns (our model, transformers' model, ModelConfig, checkpoint dir) of a tiny random
-    checkpoint saved under `tmp_dir` with config `overrides` (fp32, CPU)."""
-    from transformers import AutoModelForCausalLM
-    ckpt = make_tiny_checkpoint(tmp_dir, tokenizer_dir=tokenizer_dir, **overrides)
-    ours, cfg = load_model(ckpt, torch.device("cpu"), torch.float32)
-    hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
-    return ours, hf, cfg, ckpt
-
-
 @pytest.fixture(scope="module", params=sorted(TINY_VARIANTS))
 def tiny_pair(request, tmp_path_factory, default_model_path: Path):
     ours, hf, cfg, _ckpt = load_tiny_pair(tmp_path_factory.mktemp(request.param), default_model_path,
@@ -280,7 +211,7 @@ def test_tiny_logits_match_transformers(tiny_pair) -> None:
         assert cfg.attention_bias and ours.model.layers[0].self_attn.qkv_proj.bias is not None
     ids = random.Random(0).choices(range(cfg.vocab_size), k=300)
     got = PagedDriver(ours).step([(0, ids)])[0]
-    torch.testing.assert_close(got, _hf_logits(hf, ids), atol=1e-4, rtol=0)
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=1e-4, rtol=0)
 
 
 def test_tiny_greedy_decode_matches_generate(tiny_pair) -> None:

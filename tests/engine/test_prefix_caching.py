@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.text import long_text
+from tests.fixtures.text import long_text
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 
 @pytest.fixture(scope="module")
-def llm_on(default_model_path: Path) -> LLM:
-    return LLM(str(default_model_path), device="cpu", num_gpu_blocks=256)
+def llm_on(default_model_path: Path) -> Iterator[LLM]:
+    with LLM(str(default_model_path), device="cpu", num_gpu_blocks=256) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")
-def llm_off(default_model_path: Path) -> LLM:
-    return LLM(str(default_model_path), device="cpu", enable_prefix_caching=False, num_gpu_blocks=256)
+def llm_off(default_model_path: Path) -> Iterator[LLM]:
+    with LLM(str(default_model_path), device="cpu", enable_prefix_caching=False, num_gpu_blocks=256) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +80,9 @@ def test_tiny_block_budget_forces_preemption_with_identical_tokens(default_model
     want = [o.outputs[0].token_ids for o in llm_off.generate(prompts, params)]
     for caching in (True, False):
         # 8 blocks of 16 = 128 slots: two 75-token requests cannot both stay resident.
-        small = LLM(str(default_model_path), device="cpu", num_gpu_blocks=8, enable_prefix_caching=caching)
-        outs = small.generate(prompts, params)
-        assert [o.outputs[0].token_ids for o in outs] == want
-        assert small.get_stats()["num_preemptions"] > 0
-        assert sum(o.num_preemptions for o in outs) == small.get_stats()["num_preemptions"]
-        assert_all_blocks_free(small)
+        with LLM(str(default_model_path), device="cpu", num_gpu_blocks=8, enable_prefix_caching=caching) as small:
+            outs = small.generate(prompts, params)
+            assert [o.outputs[0].token_ids for o in outs] == want
+            assert small.get_stats()["num_preemptions"] > 0
+            assert sum(o.num_preemptions for o in outs) == small.get_stats()["num_preemptions"]
+            assert_all_blocks_free(small)

@@ -1,7 +1,8 @@
 """Scheduler: chunked prefill, token budget, max_num_seqs, preemption by recompute, stops.
 
-The model is replaced by a deterministic next-token rule so that only scheduling is under
-test here; the real model runs through the scheduler in test_llm / test_prefix_caching.
+The model is replaced by a deterministic next-token rule (tests/fixtures/scheduler.py) so
+that only scheduling is under test here; the real model runs through the scheduler in
+test_llm / test_prefix_caching.
 """
 
 from __future__ import annotations
@@ -10,59 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
-
-EOS = 2
-
-
-def next_token(tokens: list[int]) -> int:
-    """A pure function of the whole context, like a real model: recompute gives the same."""
-    return 10 + (sum(tokens) * 31 + len(tokens)) % 1000
-
-
-def make(num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_seqs: int = 8,
-         max_model_len: int = 4096, caching: bool = True) -> Scheduler:
-    bm = BlockManager(num_blocks, block_size, caching)
-    return Scheduler(bm, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                     max_model_len=max_model_len, eos_token_ids={EOS})
-
-
-def run(s: Scheduler, steps_limit: int = 10_000) -> list[list[tuple[str, int, int]]]:
-    """Drives the scheduler to completion; returns the per-step (id, start, n) plan."""
-    plans = []
-    while s.has_unfinished():
-        out = s.schedule()
-        assert not out.is_empty
-        assert out.total_num_scheduled_tokens <= s.max_num_batched_tokens
-        assert len(out.requests) <= s.max_num_seqs
-        sampled = []
-        for r in out.requests:
-            # every scheduled token must have a slot in the table
-            assert len(r.seq.block_table) * s.block_manager.block_size >= r.num_computed_tokens + r.num_new_tokens
-            sampled.append(next_token(r.seq.all_token_ids) if r.samples else None)
-        plans.append([(r.request_id, r.num_computed_tokens, r.num_new_tokens) for r in out.requests])
-        s.update_from_output(out, sampled)
-        steps_limit -= 1
-        assert steps_limit > 0
-    return plans
-
-
-def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
-    toks, out = list(prompt), []
-    for _ in range(max_tokens):
-        t = next_token(toks)
-        toks.append(t)
-        out.append(t)
-        if t == EOS:
-            break
-    return out
-
-
-def seq(rid: str, prompt: list[int], max_tokens: int = 5, **kw) -> Sequence:
-    return Sequence(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, **kw))
+from engine.sequence import SequenceStatus
+from tests.fixtures.scheduler import expected_output, make, next_token, run, seq
 
 
 def test_chunked_prefill_splits_long_prompt_under_budget() -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.engine.test_model_forward import PagedDriver, load_tiny_pair
+from tests.fixtures.paged import PagedDriver, hf_logits, load_tiny_pair
 
 WINDOW = 8
 WINDOW_VARIANTS = {
@@ -36,11 +36,6 @@ def window_pair(request, tmp_path_factory, default_model_path: Path):
 
 def _tokens(n: int, seed: int) -> list[int]:
     return random.Random(seed).choices(range(1000, 40000), k=n)
-
-
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf(torch.tensor([ids])).logits[0].float()
 
 
 _GENERATED: dict[tuple[str, tuple[int, ...]], list[int]] = {}
@@ -72,7 +67,7 @@ def test_config_keeps_the_window_per_layer(window_pair) -> None:
 def test_prefill_logits_match_transformers(window_pair, monkeypatch, n: int) -> None:
     ours, hf, cfg, _ = window_pair
     ids = _tokens(n, seed=n)
-    ref = _hf_logits(hf, ids)
+    ref = hf_logits(hf, ids)
     torch.testing.assert_close(PagedDriver(ours).step([(0, ids)])[0], ref, atol=1e-4, rtol=0)
     # Not vacuous: attending fully gives clearly different logits.
     monkeypatch.setattr(ours, "layer_windows", [None] * cfg.num_layers)
@@ -96,7 +91,7 @@ def test_prefill_over_cached_context_matches_transformers(window_pair, feed: str
     d = PagedDriver(ours, block_size=block_size, num_blocks=1200 // block_size * 2)
     bounds = [0, *cuts, n]
     got = torch.cat([d.step([(0, ids[a:b])])[0] for a, b in zip(bounds, bounds[1:])])
-    torch.testing.assert_close(got, _hf_logits(hf, ids), atol=1e-4, rtol=0)
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("block_size", [16, 4])

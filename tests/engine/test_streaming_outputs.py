@@ -3,6 +3,7 @@ agrees with one full decode, and stop strings cut the text where they start."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,9 @@ PROMPTS = ["The capital of France is", "Write a haiku about autumn leaves.", "Li
 
 
 @pytest.fixture(scope="module")
-def llm(default_model_path: Path) -> LLM:
-    return LLM(str(default_model_path), device="cpu", dtype="float32", num_gpu_blocks=256)
+def llm(default_model_path: Path) -> Iterator[LLM]:
+    with LLM(str(default_model_path), device="cpu", dtype="float32", num_gpu_blocks=256) as llm:
+        yield llm
 
 
 def test_step_reports_requests_in_progress(llm: LLM) -> None:

@@ -16,7 +16,7 @@ from kvstore.config import KVStoreConfig, TierSpec
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
 from tests.fixtures.cache_server import CacheServerProcess
-from tests.kvstore.tiers import longest_calls_while_frozen
+from tests.fixtures.tiers import longest_calls_while_frozen
 
 SHAPE = (30, 2, 256, 3, 64)  # one 256-token chunk of the default model
 

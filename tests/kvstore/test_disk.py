@@ -13,7 +13,7 @@ import torch
 from kvstore import serde
 from kvstore.backend import BackendError
 from kvstore.backends.disk import STATE_BYTES, DiskBackend
-from tests.kvstore.tiers import chunk, ckey
+from tests.fixtures.tiers import chunk, ckey
 
 
 def _files(root: Path) -> list[Path]:

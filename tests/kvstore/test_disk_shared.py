@@ -17,7 +17,7 @@ import torch
 
 from kvstore.backends.disk import STATE_BYTES, STATE_FILE, DiskBackend
 from kvstore.storage_manager import StorageManager
-from tests.kvstore.tiers import chunk, ckey
+from tests.fixtures.tiers import chunk, ckey
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,7 +62,7 @@ _WRITER = """
 import sys
 sys.path.insert(0, {repo!r})
 from kvstore.backends.disk import DiskBackend
-from tests.kvstore.tiers import chunk, ckey
+from tests.fixtures.tiers import chunk, ckey
 tier = DiskBackend({root!r}, byte_budget={budget})
 for i in range({n}):
     tier.put(ckey({seed} * 100000 + i), chunk(i, tokens=64))

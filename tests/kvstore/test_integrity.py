@@ -14,7 +14,7 @@ import xxhash
 from kvstore import serde
 from kvstore.config import KVStoreConfig
 from kvstore.storage_manager import StorageManager
-from tests.kvstore.tiers import chunk, ckey
+from tests.fixtures.tiers import chunk, ckey
 
 SECRET = "a shared secret of 32 characters"
 

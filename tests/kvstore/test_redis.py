@@ -15,7 +15,7 @@ from kvstore.backends.redis_store import RedisBackend
 from kvstore.config import TierSpec
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
-from tests.kvstore.tiers import chunk, ckey
+from tests.fixtures.tiers import chunk, ckey
 
 
 @pytest.mark.parametrize("codec", ["raw", "lz4", "int8"])

@@ -19,7 +19,7 @@ from kvstore.config import TierSpec
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
 from tests.fixtures.redis_server import RedisServer, start_redis
-from tests.kvstore.tiers import chunk, ckey, longest_calls_while_frozen
+from tests.fixtures.tiers import chunk, ckey, longest_calls_while_frozen
 
 
 @pytest.fixture

@@ -27,24 +27,16 @@ TOLERANCE = 4 * MIB
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
 
 
-def _proc_kib(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise AssertionError(f"{field} not in /proc/{pid}/status")
-
-
 def _base_rss(server: CacheServerProcess) -> int:
     """Resident bytes of the idle server after one round trip (imports done, loop running)."""
     c = CacheServerClient("127.0.0.1", server.port)
     assert c.ping()
     c.close()
-    return _proc_kib(server.proc.pid, "VmRSS") << 10
+    return server.memory_bytes("VmRSS")
 
 
 def _peak_rss(server: CacheServerProcess) -> int:
-    return _proc_kib(server.proc.pid, "VmHWM") << 10
+    return server.memory_bytes("VmHWM")
 
 
 def _bound(base: int, max_bytes: int, connections: int) -> int:

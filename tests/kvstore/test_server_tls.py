@@ -23,7 +23,6 @@ from kvstore.server.client import CacheServerClient, ServerUnavailable
 from kvstore.server.protocol import Op
 from kvstore.server.server import HEAP_SLACK_BYTES, PER_TLS_CONNECTION_BYTES
 from tests.fixtures.cache_server import CacheServerProcess, raw_exchange
-from tests.kvstore.test_server_memory import _proc_kib
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 TOKEN = "tls-token"
@@ -90,7 +89,7 @@ def test_stalled_tls_readers_stay_within_the_bound(tls_server: CacheServerProces
     documented bound with the TLS per-connection overhead (docs/protocol.md)."""
     good = _tls_client(tls_server, pki / "ca.pem")
     assert good.ping()
-    base = _proc_kib(tls_server.proc.pid, "VmRSS") << 10
+    base = tls_server.memory_bytes("VmRSS")
     assert good.put(b"v", os.urandom(32 << 20))
     ctx = client_tls_context(pki / "ca.pem", "test")
     readers = []
@@ -105,7 +104,7 @@ def test_stalled_tls_readers_stay_within_the_bound(tls_server: CacheServerProces
         while good.stats()["connections"] < 21 and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)  # every reply has started and stalled
-        peak = _proc_kib(tls_server.proc.pid, "VmHWM") << 10
+        peak = tls_server.memory_bytes("VmHWM")
         bound = base + (64 << 20) + HEAP_SLACK_BYTES + 21 * PER_TLS_CONNECTION_BYTES + (4 << 20)
         print(f"TLS stalled readers: peak - base {(peak - base) / (1 << 20):.1f} MiB")
         assert peak <= bound, (peak - base) / (1 << 20)

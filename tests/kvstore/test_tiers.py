@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvstore.backend import StorageBackend
-from tests.kvstore.tiers import TIER_KINDS, chunk, ckey, make_tier
+from tests.fixtures.tiers import TIER_KINDS, chunk, ckey, make_tier
 
 
 @pytest.fixture(params=TIER_KINDS)

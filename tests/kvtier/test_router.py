@@ -16,10 +16,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.server.client import CacheServerClient
-from tests.engine.text import long_text
 from tests.fixtures.cache_server import CacheServerProcess
 from tests.fixtures.redis_server import free_port
 from tests.fixtures.serve import RouterProcess, ServeProcess
+from tests.fixtures.text import long_text
 
 pytestmark = pytest.mark.slow
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "384", "--max-num-seqs", "8"]

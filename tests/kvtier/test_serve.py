@@ -15,8 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, SamplingParams
-from tests.engine.text import long_text
 from tests.fixtures.serve import ServeProcess
+from tests.fixtures.text import long_text
 
 pytestmark = pytest.mark.slow
 ENGINE_ARGS = ["--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "512", "--max-num-seqs", "8"]
