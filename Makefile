@@ -20,10 +20,12 @@ demo: install
 	$(PY) examples/prefix_caching.py
 
 # Lint and type-check first (config in pyproject.toml); any failure, pytest's exit code 5 included, fails the target.
+# Two workers, one test file each at a time (module-scoped servers and engines start once), long files
+# first: tests/conftest.py orders them and gives each worker one torch thread.
 test: install
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: install
 	$(PY) benchmarks/bench_engine.py

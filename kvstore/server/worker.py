@@ -37,6 +37,7 @@ class IOWorker:
         self.wake: Callable[[Callable[[], None]], object] | None = None
         self.pending = 0  # jobs with a completion that has not run yet (owner's thread)
         self.finished = 0  # jobs run so far (written by the thread only: a progress mark)
+        self._stopped = False  # stop() was called: nothing queued after it ever runs
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -82,7 +83,12 @@ class IOWorker:
         returns True (pending == 0, unless a completion submitted more). With
         `stall_timeout`, returns False instead once no job has finished for that long
         (a stuck disk; between one and two timeouts): the completions of the jobs that did
-        finish have run, the rest are still queued."""
+        finish have run, the rest are still queued. After `stop()`, waits for the thread to
+        end instead (a marker queued behind the stop would never run)."""
+        if self._stopped:
+            self._thread.join(stall_timeout)
+            self.run_completions()
+            return not self._thread.is_alive()
         done = threading.Event()
         self._jobs.put((_nothing, None, done))
         if stall_timeout is None:
@@ -107,5 +113,8 @@ class IOWorker:
         return drained
 
     def stop(self) -> None:
-        """Has the thread exit once the jobs queued so far have run (without waiting)."""
-        self._jobs.put(None)
+        """Has the thread exit once the jobs queued so far have run (without waiting); a
+        second call does nothing."""
+        if not self._stopped:
+            self._stopped = True
+            self._jobs.put(None)

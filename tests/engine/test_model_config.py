@@ -20,9 +20,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _with_config(src: Path, dst: Path, **changes) -> Path:
-    """Copies checkpoint `src` to `dst` with config.json keys changed (None deletes)."""
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
+    """Makes `dst` checkpoint `src` with config.json keys changed (None deletes); every other
+    file is a symlink to `src`'s (no copy of the weights; only read here)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (dst / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
     for k, v in changes.items():
         if v is None:
             cfg.pop(k, None)
@@ -146,12 +150,13 @@ def test_fingerprint_identifies_weights_not_location(tmp_path: Path,
 
 def test_fingerprint_sees_a_changed_weight_in_a_large_file(tmp_path: Path,
                                                           default_model_path: Path) -> None:
-    # The default model (>8 MiB) is hashed by samples; flipping a sampled region must show.
-    copy = tmp_path / "m"
-    shutil.copytree(default_model_path, copy)
+    # Weights over 8 MiB (the default model's, or these untied 49152-token embeddings) are
+    # hashed by samples; flipping a sampled region must show.
+    copy = make_tiny_checkpoint(tmp_path, "llama", tokenizer_dir=default_model_path, tie_word_embeddings=False)
     before = ModelConfig.from_pretrained(copy).fingerprint
     f = copy / "model.safetensors"
     size = f.stat().st_size
+    assert size > 8 << 20  # the sampled path, not the whole-file hash
     with f.open("r+b") as fh:
         fh.seek(size - 100)
         tail = fh.read(4)

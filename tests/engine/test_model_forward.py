@@ -15,6 +15,8 @@ from engine.rotary import apply_rotary, build_cos_sin_cache, compute_inv_freq, r
 from tests.fixtures.model import make_tiny_checkpoint
 from tests.fixtures.paged import BLOCK, PagedDriver, hf_logits, load_tiny_pair
 
+pytestmark = pytest.mark.slow  # the real default model against transformers
+
 
 def _prompt_ids(path: Path, n: int, seed: int = 0) -> list[int]:
     """A real-text prompt of exactly `n` tokens (tokenised English, repeated as needed)."""

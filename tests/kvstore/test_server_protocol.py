@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -14,6 +16,21 @@ from kvstore.server import spillfile as F
 from kvstore.server.disk import DiskSpill
 from kvstore.server.protocol import Op
 from kvstore.server.store import ByteStore
+
+
+@pytest.fixture
+def spills() -> Iterator[Callable[..., DiskSpill]]:
+    """Returns DiskSpill's constructor; every spill made is closed (its two threads stopped)
+    after the test, an assert failing included."""
+    made: list[DiskSpill] = []
+
+    def make(*args: Any, **kw: Any) -> DiskSpill:
+        made.append(DiskSpill(*args, **kw))
+        return made[-1]
+
+    yield make
+    for spill in made:
+        spill.close()
 
 
 def test_header_round_trip() -> None:
@@ -102,8 +119,18 @@ def _read(spill: DiskSpill, key: bytes):
     return got[0]
 
 
-def test_spill_and_promote(tmp_path) -> None:
+def test_a_closed_spill_closes_again_and_flushes_without_blocking(tmp_path, spills) -> None:
     spill = DiskSpill(tmp_path, max_bytes=10_000)
+    written: list[bool] = []
+    spill.put(b"k", bytes(100), written.append)
+    assert spill.close() and written == [True]
+    assert spill.close()  # a second close (an owner's and a fixture's) returns at once
+    spill.flush()
+    assert b"k" in spills(tmp_path, max_bytes=10_000)
+
+
+def test_spill_and_promote(tmp_path, spills) -> None:
+    spill = spills(tmp_path, max_bytes=10_000)
     store = ByteStore(max_bytes=300, spill=spill)
     values = {f"k{i}".encode(): os.urandom(100) for i in range(8)}
     for k, v in values.items():
@@ -122,8 +149,8 @@ def test_spill_and_promote(tmp_path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["gen-1"]
 
 
-def test_a_value_being_spilled_is_answered_from_memory(tmp_path) -> None:
-    spill = DiskSpill(tmp_path, max_bytes=10_000)
+def test_a_value_being_spilled_is_answered_from_memory(tmp_path, spills) -> None:
+    spill = spills(tmp_path, max_bytes=10_000)
     store = ByteStore(max_bytes=250, spill=spill)
     a, b = os.urandom(200), os.urandom(200)
     store.put(b"a", a)
@@ -138,8 +165,8 @@ def test_a_value_being_spilled_is_answered_from_memory(tmp_path) -> None:
     assert store.put(b"b", b) and bytes(_load(store, b"a")) == a
 
 
-def test_spill_budget_counts_file_sizes(tmp_path) -> None:
-    spill = DiskSpill(tmp_path, max_bytes=1000)
+def test_spill_budget_counts_file_sizes(tmp_path, spills) -> None:
+    spill = spills(tmp_path, max_bytes=1000)
     written: list[bool] = []
     for i in range(10):
         spill.put(f"k{i}".encode(), bytes(300), written.append)
@@ -151,13 +178,13 @@ def test_spill_budget_counts_file_sizes(tmp_path) -> None:
     assert written == [True] * 10
 
 
-def test_spill_survives_reopen_and_drops_damaged_files(tmp_path) -> None:
-    spill = DiskSpill(tmp_path, max_bytes=1 << 20)
+def test_spill_survives_reopen_and_drops_damaged_files(tmp_path, spills) -> None:
+    spill = spills(tmp_path, max_bytes=1 << 20)
     for key, byte in ((b"good", b"g"), (b"bad", b"b"), (b"short", b"s")):
         spill.put(key, byte * 500, lambda ok: None)
     spill.close()
     (spill.dir / "junk.kvs.tmp").write_bytes(b"half a write")
-    reopened = DiskSpill(tmp_path, max_bytes=1 << 20)
+    reopened = spills(tmp_path, max_bytes=1 << 20)
     assert len(reopened) == 3 and not (spill.dir / "junk.kvs.tmp").exists()
     # Flip a value byte: the CRC catches it and the entry becomes a miss, never wrong bytes.
     bad = next(p for p in reopened.dir.iterdir() if p.read_bytes().endswith(b"b" * 500))
@@ -169,26 +196,26 @@ def test_spill_survives_reopen_and_drops_damaged_files(tmp_path) -> None:
     # A truncated file is dropped when the directory is scanned.
     short = next(p for p in reopened.dir.iterdir() if p.read_bytes().endswith(b"s" * 500))
     short.write_bytes(short.read_bytes()[:-10])
-    assert b"short" not in DiskSpill(tmp_path, max_bytes=1 << 20)
+    assert b"short" not in spills(tmp_path, max_bytes=1 << 20)
 
 
-def test_restart_reuses_the_newest_generation_and_removes_older_ones(tmp_path) -> None:
-    spill = DiskSpill(tmp_path, max_bytes=1 << 20)
+def test_restart_reuses_the_newest_generation_and_removes_older_ones(tmp_path, spills) -> None:
+    spill = spills(tmp_path, max_bytes=1 << 20)
     spill.put(b"old", b"o" * 100, lambda ok: None)
     spill.clear()  # gen-1 is live; gen-0 goes in the background
     spill.put(b"new", b"n" * 100, lambda ok: None)
     spill.close()
     (tmp_path / "gen-0").mkdir(exist_ok=True)  # as if a crash cut the removal short
     (tmp_path / "gen-0" / "x.kvs").write_bytes(b"left over")
-    reopened = DiskSpill(tmp_path, max_bytes=1 << 20)
+    reopened = spills(tmp_path, max_bytes=1 << 20)
     reopened.janitor.drain()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gen-1"]
     assert b"new" in reopened and b"old" not in reopened
     assert bytes(_read(reopened, b"new")) == b"n" * 100
 
 
-def test_clear_that_cannot_switch_directories_removes_the_files_one_by_one(tmp_path) -> None:
-    spill = DiskSpill(tmp_path, max_bytes=1 << 20)
+def test_clear_that_cannot_switch_directories_removes_the_files_one_by_one(tmp_path, spills) -> None:
+    spill = spills(tmp_path, max_bytes=1 << 20)
     for i in range(5):
         spill.put(f"k{i}".encode(), bytes(100), lambda ok: None)
     spill.flush()
@@ -271,46 +298,55 @@ def test_store_ledger_with_a_spill_never_exceeds_budget(ops: list[tuple[str, int
         reservations: list[int] = []
         pinned: list = []
         loaded: list = []
-        for op, k, n in ops:
-            key = f"k{k}".encode()
-            if op == "put":
-                value = bytes([k]) * n
-                if store.put(key, value):
-                    values[key] = value
-                else:
-                    values.pop(key, None)  # refused (waiting for spill writes): the old value is gone
-            elif op == "reserve" and store.reserve(n):
-                reservations.append(n)
-            elif op == "release" and reservations:
-                store.release(reservations.pop())
-            elif op == "get_pin":
-                value = store.get(key)
-                if value is not None:
-                    assert bytes(value) == values[key]
-                    store.pin(key, value)
-                    pinned.append(value)
-            elif op == "unpin" and pinned:
-                store.unpin(pinned.pop(0))
-            elif op == "load" and store.get(key) is None:
-                store.load(key, lambda v, key=key: loaded.append((key, v)))
-            elif op == "flush":
-                spill.flush()
-                store.retry_loads()
-            elif op == "delete":
-                store.delete(key)
-                values.pop(key, None)
-            elif op == "clear":
-                store.clear()
-                values.clear()
-            assert 0 <= store.committed <= store.max_bytes
-            assert store.reserved - sum(reservations) >= 0  # the rest: disk reads in flight
-        for value in pinned:
-            store.unpin(value)
-        for _ in range(3):
-            spill.flush()
-            store.retry_loads()
-        spill.close()
+        try:
+            _apply(ops, store, spill, values, reservations, pinned, loaded)
+        finally:
+            spill.close()
         for key, value in loaded:
             assert value is None or bytes(value) == bytes([int(key[1:])]) * len(value)
         assert store.reserved == sum(reservations) and store.spilling == 0
         assert store.retired == 0 and store.pinned_stored == 0 and store.loads_waiting == 0
+
+
+def _apply(ops: list[tuple[str, int, int]], store: ByteStore, spill: DiskSpill, values: dict[bytes, bytes],
+           reservations: list[int], pinned: list, loaded: list) -> None:
+    """Runs `ops` on `store`, checking the one-budget rule after each; then returns every
+    pinned value and settles the spill's writes and the loads waiting for them."""
+    for op, k, n in ops:
+        key = f"k{k}".encode()
+        if op == "put":
+            value = bytes([k]) * n
+            if store.put(key, value):
+                values[key] = value
+            else:
+                values.pop(key, None)  # refused (waiting for spill writes): the old value is gone
+        elif op == "reserve" and store.reserve(n):
+            reservations.append(n)
+        elif op == "release" and reservations:
+            store.release(reservations.pop())
+        elif op == "get_pin":
+            value = store.get(key)
+            if value is not None:
+                assert bytes(value) == values[key]
+                store.pin(key, value)
+                pinned.append(value)
+        elif op == "unpin" and pinned:
+            store.unpin(pinned.pop(0))
+        elif op == "load" and store.get(key) is None:
+            store.load(key, lambda v, key=key: loaded.append((key, v)))
+        elif op == "flush":
+            spill.flush()
+            store.retry_loads()
+        elif op == "delete":
+            store.delete(key)
+            values.pop(key, None)
+        elif op == "clear":
+            store.clear()
+            values.clear()
+        assert 0 <= store.committed <= store.max_bytes
+        assert store.reserved - sum(reservations) >= 0  # the rest: disk reads in flight
+    for value in pinned:
+        store.unpin(value)
+    for _ in range(3):
+        spill.flush()
+        store.retry_loads()
