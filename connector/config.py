@@ -135,10 +135,12 @@ class ConnectorConfig:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None,
-             env: Mapping[str, str] | None = None) -> ConnectorConfig:
+             env: Mapping[str, str] | None = None,
+             overrides: Mapping[str, Any] | None = None) -> ConnectorConfig:
         """Returns the config from YAML (`path`, else $KVTIER_CONFIG, else $LMCACHE_CONFIG_FILE,
         else defaults; kvtier's or LMCache's keys) with every `KVTIER_*` variable in `env`
-        applied on top."""
+        applied on top, then `overrides` (a mapping of the same keys: vLLM's
+        `kv_connector_extra_config`)."""
         env = os.environ if env is None else env
         unread = sorted(v for v in env if v.startswith("LMCACHE_") and v not in CONFIG_FILE_ENV)
         if unread:  # LMCache's env-only configuration: say so rather than ignore it silently
@@ -151,7 +153,12 @@ class ConnectorConfig:
             if not isinstance(data, Mapping):
                 raise ValueError(f"config: {os.fspath(path)} must hold a mapping, got {type(data).__name__}")
             data = translate(data, os.fspath(path))
-        return cls.from_dict(merge(data, parse_env(ALL_SETTINGS, env)))
+        data = merge(data, parse_env(ALL_SETTINGS, env))
+        if overrides:
+            if not isinstance(overrides, Mapping):
+                raise ValueError(f"config: overrides must be a mapping, got {type(overrides).__name__}")
+            data = merge(data, translate(overrides, "kv_connector_extra_config"))
+        return cls.from_dict(data)
 
 
 def make_config(

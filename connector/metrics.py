@@ -109,6 +109,11 @@ class ConnectorMetrics:
             while len(self._done) > self.keep:
                 self._done.popitem(last=False)
 
+    def totals_now(self) -> RequestKVMetrics:
+        """Returns a copy of the running totals (consistent: taken under the lock)."""
+        with self._lock:
+            return RequestKVMetrics(**asdict(self.totals))
+
     def request(self, request_id: str) -> RequestKVMetrics | None:
         """Returns a copy of a request's record (live or recently finished), or None."""
         with self._lock:

@@ -33,7 +33,7 @@ from connector.config import ConnectorConfig
 from connector.keyspace import ROOT_HASH, Keyspace, Span
 from connector.metadata import KVTierMeta, LoadSpec, SaveSpec
 from connector.metrics import ConnectorMetrics, RequestKVMetrics
-from connector.presence import Presence
+from connector.presence import ChunkPresence
 from connector.save_plan import SavePlan, SavePolicy
 from engine.kv_connector import KVConnectorOutput, KVConnectorScheduler
 
@@ -61,8 +61,11 @@ class KVTierPlanner(KVConnectorScheduler):
     whose tail is still to be saved, keeps its blocks until the worker side reports it.
     """
 
-    def __init__(self, config: ConnectorConfig, presence: Presence, metrics: ConnectorMetrics) -> None:
+    def __init__(self, config: ConnectorConfig, presence: ChunkPresence, metrics: ConnectorMetrics,
+                 loads: bool = True, saves: bool = True) -> None:
         self.config = config
+        self.loads = loads  # False: every lookup misses (a producer-only connector)
+        self.saves = saves  # False: nothing is offered for saving (a consumer-only connector)
         self.presence = presence
         self.metrics = metrics
         self.layerwise = config.use_layerwise
@@ -84,8 +87,8 @@ class KVTierPlanner(KVConnectorScheduler):
         self._keyspace = Keyspace(model_config.fingerprint, kv_dtype, self.config.chunk_size,
                                   model_config.num_layers, layerwise=self.layerwise)
         self.block_size = block_size
-        self._save_plan = SavePlan(SavePolicy(self.config.save_decode_tokens, self.config.save_unfull_chunk),
-                                   self._keyspace)
+        self._save_plan = SavePlan(SavePolicy(self.config.save_decode_tokens, self.config.save_unfull_chunk,
+                                              self.saves), self._keyspace)
         if self.blend is not None:
             self.blend.register_model(model_config, self._keyspace, block_size)
 
@@ -115,7 +118,7 @@ class KVTierPlanner(KVConnectorScheduler):
             return hit.end - hit.start, not self.layerwise
         self._hits.pop(rid, None)
         limit = n - 1  # the last token's logits are needed
-        if limit <= num_computed_tokens:
+        if limit <= num_computed_tokens or not self.loads:
             return 0, False
         m = self.metrics.live(rid)
         m.num_prompt_tokens = seq.num_prompt_tokens
@@ -205,6 +208,10 @@ class KVTierPlanner(KVConnectorScheduler):
             first = next((i for i, b in enumerate(load.block_ids) if b in bad), None)
             if first is not None:
                 self._saves().rewind(load.request_id, max(load.start, first * self.block_size))
+
+    def is_loading(self, request_id: str) -> bool:
+        """Returns whether the request's background load has not been reported ended."""
+        return request_id in self._loading
 
     def request_finished(self, seq: Sequence, block_ids: list[int]) -> bool:
         """Plans the generated tail's save if configured; returns True (free the blocks only

@@ -24,6 +24,7 @@ class SavePolicy:
 
     save_decode_tokens: bool
     save_unfull_chunk: bool
+    enabled: bool = True  # False: nothing is offered (a consumer-only connector)
 
 
 class SavePlan:
@@ -44,6 +45,8 @@ class SavePlan:
     def spans_to_save(self, seq: Sequence, computed: int) -> list[Span]:
         """Returns the spans that became storable with `computed` tokens in the cache, not
         offered before; marks them offered."""
+        if not self.policy.enabled:
+            return []
         rid = seq.request_id
         done = self._saved_upto.get(rid, 0)
         p = seq.num_prompt_tokens
@@ -70,7 +73,7 @@ class SavePlan:
         rid = seq.request_id
         done = self._saved_upto.pop(rid, 0)
         p = self.policy
-        if not (p.save_decode_tokens and p.save_unfull_chunk and num_blocks):
+        if not (p.enabled and p.save_decode_tokens and p.save_unfull_chunk and num_blocks):
             return []
         computed = min(seq.num_computed_tokens, num_blocks * block_size)
         if computed <= done:

@@ -80,13 +80,22 @@ class KVTierWorker(KVConnectorWorker):
         self._model = model
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        mc = self.model_config
-        if mc is None:
+        self._model_config()
+        self.register_layout(layout_for(kv_caches))
+
+    def _model_config(self) -> ModelConfig:
+        if self.model_config is None:
             raise RuntimeError("register_model must be called before register_kv_caches")
+        return self.model_config
+
+    def register_layout(self, layout: PagedKVLayout) -> None:
+        """Takes the engine's paged caches as `layout` (kvtier's engine's, or a vLLM backend's)
+        and builds the loader, saver and blender over them; ValueError if they do not fit the
+        model or a connector already serves an engine."""
+        mc = self._model_config()
         if self.loader is not None:
             raise ValueError("this connector already serves an engine; build one per LLM "
                              "(share tiers by passing the same StorageManager)")
-        layout = layout_for(kv_caches)
         if (layout.num_layers, layout.num_kv_heads, layout.head_size) != (mc.num_layers, mc.num_kv_heads, mc.head_size):
             raise ValueError(
                 f"kv_caches ({layout.num_layers} layers, {layout.num_kv_heads} kv heads, head size "

@@ -21,7 +21,7 @@ from connector.blend.segments import context_segments
 from connector.keyspace import Keyspace
 from connector.metadata import BlendSpec
 from connector.metrics import ConnectorMetrics
-from connector.presence import Presence
+from connector.presence import ChunkPresence
 
 if TYPE_CHECKING:
     from engine.model_config import ModelConfig
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 class BlendPlanner:
     """Per request: looked up, admitted (blended in the coming step), live and blended."""
 
-    def __init__(self, config: BlendConfig, presence: Presence, metrics: ConnectorMetrics) -> None:
+    def __init__(self, config: BlendConfig, presence: ChunkPresence, metrics: ConnectorMetrics) -> None:
         self.config = config
         self.presence = presence
         self.metrics = metrics

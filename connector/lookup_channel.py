@@ -1,0 +1,189 @@
+"""The scheduler side's existence query, answered by a worker side in another process.
+
+vLLM runs a connector's two roles in two processes, and what the worker side holds (its `cpu`
+tier, the stores its queue still carries) lives only in the worker's. `LookupServer` is a
+thread in the worker process that answers "which of these keys are held?" from its
+`Presence`; `RemotePresence` is the planner's `ChunkPresence` that asks it over a Unix socket
+(LMCache's lookup server plays this part). One round trip per question; no value is read.
+
+Frames, no pickle: a question is a u32 key count, then per key a u32 length and its UTF-8
+bytes; the answer is one byte (0 or 1) per key. A malformed or oversized question closes
+that connection. An answer that does not come (the worker is gone or stuck) is a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import socketserver
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from connector.presence import ChunkPresence, Presence
+
+log = logging.getLogger(__name__)
+
+_U32 = struct.Struct("<I")
+MAX_KEYS = 1 << 16
+MAX_KEY_BYTES = 4096
+
+
+def lookup_socket_path(instance_id: str) -> Path:
+    """Returns the socket path of the worker side of connector instance `instance_id` (vLLM's
+    `engine_id`, the same in all its processes); ValueError if the id cannot be a file name."""
+    if not instance_id or not all(c.isalnum() or c in "-_." for c in instance_id):
+        raise ValueError(f"lookup channel: instance id {instance_id!r} must be letters, digits, '-', '_' or '.'")
+    return Path(tempfile.gettempdir()) / f"kvtier-lookup-{instance_id}.sock"
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            raise ConnectionError("lookup channel closed mid-frame")
+        buf += part
+    return bytes(buf)
+
+
+def encode_question(keys: Sequence[str]) -> bytes:
+    """Returns the frame asking about `keys`; ValueError past MAX_KEYS or MAX_KEY_BYTES."""
+    if len(keys) > MAX_KEYS:
+        raise ValueError(f"lookup channel: {len(keys)} keys in one question, at most {MAX_KEYS}")
+    parts = [_U32.pack(len(keys))]
+    for key in keys:
+        raw = key.encode()
+        if len(raw) > MAX_KEY_BYTES:
+            raise ValueError(f"lookup channel: a key of {len(raw)} bytes, at most {MAX_KEY_BYTES}")
+        parts += (_U32.pack(len(raw)), raw)
+    return b"".join(parts)
+
+
+def read_question(sock: socket.socket) -> list[str]:
+    """Returns the keys of the next question on `sock`; ValueError on a malformed frame,
+    ConnectionError when the peer closed."""
+    (count,) = _U32.unpack(_read_exact(sock, 4))
+    if count > MAX_KEYS:
+        raise ValueError(f"lookup channel: {count} keys in one question, at most {MAX_KEYS}")
+    keys = []
+    for _ in range(count):
+        (n,) = _U32.unpack(_read_exact(sock, 4))
+        if n > MAX_KEY_BYTES:
+            raise ValueError(f"lookup channel: a key of {n} bytes, at most {MAX_KEY_BYTES}")
+        keys.append(_read_exact(sock, n).decode())
+    return keys
+
+
+class LookupServer:
+    """Answers existence questions about `presence` on a Unix socket, from daemon threads.
+
+    Guarantees: the socket file is created owner-only and removed by `close()`, which also
+    ends open connections; a bad question ends only its own connection.
+    """
+
+    def __init__(self, presence: Presence, path: Path) -> None:
+        self.presence = presence
+        self.path = path
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        path.unlink(missing_ok=True)  # left by a process that died
+        outer = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                outer._serve(self.request)
+
+        old = os.umask(0o177)
+        try:
+            self._server = socketserver.ThreadingUnixStreamServer(str(path), Handler)
+        finally:
+            os.umask(old)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="kvtier-lookup", daemon=True)
+        self._thread.start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._open.add(sock)
+        try:
+            while True:
+                keys = read_question(sock)
+                sock.sendall(bytes(self.presence.held(keys)) if keys else b"")
+        except ConnectionError:
+            return
+        except (ValueError, UnicodeDecodeError, OSError) as e:
+            log.warning("lookup channel: dropping a connection: %s", e)
+        finally:
+            with self._lock:
+                self._open.discard(sock)
+
+    def close(self) -> None:
+        """Stops serving, ends open connections and removes the socket file."""
+        self._server.shutdown()
+        self._server.server_close()
+        with self._lock:
+            for sock in self._open:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        self.path.unlink(missing_ok=True)
+
+
+class RemotePresence(ChunkPresence):
+    """The planner's presence in a process without the tiers: asks the worker's LookupServer.
+
+    Guarantees: never raises for a channel failure; a question that gets no answer within
+    `timeout` seconds (or no connection within `connect_timeout`) is answered "not held",
+    logged, and the next question reconnects.
+    """
+
+    def __init__(self, path: Path, timeout: float = 10.0, connect_timeout: float = 30.0) -> None:
+        self.path = path
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self.failures = 0  # questions answered "not held" because the channel failed
+
+    def _connect(self) -> socket.socket:
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(str(self.path))
+                return sock
+            except (FileNotFoundError, ConnectionRefusedError):
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)  # the worker side starts its server while loading the model
+
+    def held(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        question = encode_question(keys)
+        with self._lock:
+            try:
+                if self._sock is None:
+                    self._sock = self._connect()
+                self._sock.sendall(question)
+                answer = _read_exact(self._sock, len(keys))
+                return [b == 1 for b in answer]
+            except OSError as e:  # timeouts and a closed channel included
+                self.failures += 1
+                log.warning("lookup channel %s: no answer (%s); treated as a miss", self.path, e)
+                self.close()
+                return [False] * len(keys)
+
+    def close(self) -> None:
+        """Closes the connection (the next question opens a new one)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

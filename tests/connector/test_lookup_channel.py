@@ -1,0 +1,89 @@
+"""The scheduler process's existence questions, answered by the worker process's Presence
+over the lookup channel (connector/lookup_channel.py)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from connector.keyspace import Keyspace
+from connector.lookup_channel import LookupServer, RemotePresence, lookup_socket_path
+from connector.presence import Presence
+from kvstore.config import KVStoreConfig, TierSpec
+from kvstore.storage_manager import StorageManager
+
+KS = Keyspace("m", torch.float32, 4, num_layers=2)
+
+
+@pytest.fixture
+def storage() -> Iterator[StorageManager]:
+    with StorageManager.from_config(KVStoreConfig(tiers=[TierSpec(url="cpu")])) as s:
+        yield s
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> Path:
+    return tmp_path / "lookup.sock"
+
+
+def test_remote_answers_equal_local_ones_pending_stores_included(storage: StorageManager, path: Path) -> None:
+    spans = KS.spans(list(range(16)))
+    storage.put(spans[0].key, torch.zeros(2, 2, 4, 1, 8))
+    pending = {spans[2].key}
+    local = Presence(storage, pending.__contains__)
+    server = LookupServer(local, path)
+    remote = RemotePresence(path)
+    try:
+        assert remote.chunks_held(KS, spans) == local.chunks_held(KS, spans) == [True, False, True, False]
+        assert remote.held([]) == []
+        assert remote.failures == 0
+    finally:
+        remote.close()
+        server.close()
+    assert not path.exists()
+
+
+def test_a_malformed_question_ends_only_its_connection(storage: StorageManager, path: Path) -> None:
+    server = LookupServer(Presence(storage), path)
+    remote = RemotePresence(path)
+    try:
+        bad = socket.socket(socket.AF_UNIX)
+        bad.connect(str(path))
+        bad.sendall(struct.pack("<I", 1 << 30))  # more keys than any question may hold
+        assert bad.recv(1) == b""  # the server closed it
+        bad.close()
+        storage.put("k", torch.zeros(1, 2, 1, 1, 4))
+        assert remote.held(["k", "x"]) == [True, False]
+    finally:
+        remote.close()
+        server.close()
+
+
+def test_no_server_is_a_miss_and_a_restarted_server_is_found_again(storage: StorageManager, path: Path) -> None:
+    remote = RemotePresence(path, timeout=2.0, connect_timeout=0.2)
+    storage.put("k", torch.zeros(1, 2, 1, 1, 4))
+    assert remote.held(["k"]) == [False] and remote.failures == 1
+    server = LookupServer(Presence(storage), path)
+    try:
+        assert remote.held(["k"]) == [True]
+        server.close()
+        assert remote.held(["k"]) == [False] and remote.failures == 2
+    finally:
+        remote.close()
+        server.close()
+
+
+def test_socket_is_owner_only_and_ids_are_checked(storage: StorageManager, path: Path) -> None:
+    server = LookupServer(Presence(storage), path)
+    try:
+        assert path.stat().st_mode & 0o077 == 0
+    finally:
+        server.close()
+    assert lookup_socket_path("0b2c-uuid_1.x").name == "kvtier-lookup-0b2c-uuid_1.x.sock"
+    with pytest.raises(ValueError, match="instance id"):
+        lookup_socket_path("../etc")
