@@ -73,8 +73,9 @@ def request_slots(block_ids: Sequence[int] | torch.Tensor, block_size: int, star
     return slots if device is None else slots.to(device)
 
 
-def _check_slots(slots: torch.Tensor, num_slots: int) -> None:
-    # Callers pass host slots, so min/max here cost no device sync (checked before any move).
+def check_slots(slots: torch.Tensor, num_slots: int) -> None:
+    """Raises ValueError unless `slots` is 1-D int64 within [0, num_slots). Callers pass host
+    slots, so min/max here cost no device sync (checked before any move)."""
     if slots.dim() != 1 or slots.dtype != torch.long:
         raise ValueError(f"slots must be a 1-D int64 tensor, got {slots.dtype} {tuple(slots.shape)}")
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
@@ -203,7 +204,7 @@ class EngineLayout(PagedKVLayout):
         return torch.as_strided(ref, (len(caches), *flat.shape), (step, *flat.stride()), offsets[0])
 
     def gather_chunk(self, slots: torch.Tensor) -> torch.Tensor:
-        _check_slots(slots, self.num_slots)  # before the move: host-side slots need no device sync
+        check_slots(slots, self.num_slots)  # before the move: host-side slots need no device sync
         slots = slots.to(self.device, non_blocking=True)
         if self._stacked is not None:
             return self._stacked.index_select(2, slots)
@@ -218,7 +219,7 @@ class EngineLayout(PagedKVLayout):
         expected = self.chunk_shape(self.num_layers, slots.numel())
         if tuple(chunk.shape) != expected:
             raise ValueError(f"chunk shape {tuple(chunk.shape)} does not match expected {expected}")
-        _check_slots(slots, self.num_slots)
+        check_slots(slots, self.num_slots)
         slots = slots.to(self.device, non_blocking=True)
         chunk = chunk.to(device=self.device, dtype=self.dtype, non_blocking=True)
         if self._stacked is not None:
@@ -228,7 +229,7 @@ class EngineLayout(PagedKVLayout):
             self._flat(kv).index_copy_(1, slots, chunk[layer])
 
     def gather_layers(self, slots: torch.Tensor) -> list[torch.Tensor]:
-        _check_slots(slots, self.num_slots)
+        check_slots(slots, self.num_slots)
         slots = slots.to(self.device, non_blocking=True)
         return [self._flat(kv).index_select(1, slots).unsqueeze(0) for kv in self.kv_caches]
 
@@ -241,7 +242,7 @@ class EngineLayout(PagedKVLayout):
         expected = (2, slots.numel(), self.num_kv_heads, self.head_size)
         if tuple(layer_kv.shape) != expected:
             raise ValueError(f"layer shape {tuple(layer_kv.shape)} does not match {expected}")
-        _check_slots(slots, self.num_slots)
+        check_slots(slots, self.num_slots)
         slots = slots.to(self.device, non_blocking=True)
         src = layer_kv.to(device=self.device, dtype=self.dtype, non_blocking=True)
         self._flat(kv_cache).index_copy_(1, slots, src)

