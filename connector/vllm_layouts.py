@@ -2,21 +2,29 @@
 
 vLLM 0.32 gives a connector, per attention layer, a tensor of logical shape
 `(num_blocks, num_kv_heads, block_size, 2 * head_size)`; what the last two axes mean depends
-on the attention backend:
-- CPU (`VllmCpuLayout`, the "vec" kernels): each (block, head) page of `block_size * 2 *
-  head_size` elements holds K transposed, `(head_size, block_size)`, then V,
+on the attention backend (docs/vllm.md, "Layouts"):
+- CPU (`VllmCpuLayout`, the "vec"/"vec16" kernels): each (block, head) page of
+  `block_size * 2 * head_size` elements holds K transposed, `(head_size, block_size)`, then V,
   `(block_size, head_size)` (vLLM's `cpu_attn_reshape_and_cache` writes it so;
-  tests/vllm/test_cpu_layout_kernel.py checks it against that kernel).
+  tests/vllm/test_cpu_layout_kernel.py checks it against that kernel). The AMX kernel packs
+  pages differently and is not supported.
 - GPU FlashAttention (`VllmFlashLayout`): each token row is `[K | V]`, K the first
-  `head_size` values; the tensor may be a strided view of a token-major allocation.
+  `head_size` values; the tensor may be any strided view (vLLM's `LBNHC` allocation is
+  token-major `(num_blocks, block_size, H, 2D)` permuted).
 kvtier's engine layout `(2, num_blocks, block_size, H, D)` is `engine.kv_cache.EngineLayout`.
-Slot ids are the same everywhere: `block * block_size + offset`. Gathers and scatters are
-one advanced-indexing op per layer and per K/V, no per-token loop. This module never
-imports vllm.
+Slot ids are the same everywhere: `block * block_size + offset`.
+
+Each layout only says where K and V sit: per layer, two strided views `(num_blocks,
+block_size, H, D)` of the cache, one for K and one for V (vLLM's own split). A gather or
+scatter is then one advanced-indexing op per layer and K/V over (block, offset), with no
+per-token loop; writes go through the views into the caller's tensors. (One op over all
+layers through a stacked `as_strided` view measured no faster here, so there is none.) This
+module never imports vllm.
 """
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Sequence
 
 import torch
@@ -25,7 +33,8 @@ from engine.kv_cache import EngineLayout, PagedKVLayout, check_slots
 
 
 class _SplitKVLayout(PagedKVLayout):
-    """Per layer `(num_blocks, H, block_size, 2*D)`; subclasses say where K and V sit."""
+    """Per layer `(num_blocks, H, block_size, 2*D)`; a subclass says, by `_halves`, where K
+    and V sit."""
 
     def __init__(self, kv_caches: Sequence[torch.Tensor]) -> None:
         if len(kv_caches) == 0:
@@ -36,32 +45,45 @@ class _SplitKVLayout(PagedKVLayout):
                              f"block_size, 2 * head_size), got {tuple(ref.shape)}")
         nb, h, bs, d2 = ref.shape
         super().__init__(kv_caches, bs, nb, h, d2 // 2)
+        self._kv_views = [self._halves(kv) for kv in self.kv_caches]
 
-    def _gather_kv(self, kv: torch.Tensor, blocks: torch.Tensor,
-                   offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (K, V) of the given positions of one layer, each `(T, H, D)`."""
-        raise NotImplementedError
-
-    def _scatter_kv(self, kv: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
-                    k: torch.Tensor, v: torch.Tensor) -> None:
-        """Writes K and V `(T, H, D)` into the given positions of one layer, in place."""
-        raise NotImplementedError
+    @abstractmethod
+    def _halves(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns views (never copies) K and V of one layer's cache, each `(num_blocks,
+        block_size, H, D)`; ValueError if the cache's strides do not allow them."""
 
     def _positions(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (blocks, offsets) of valid `slots` on the caches' device."""
         check_slots(slots, self.num_slots)  # host-side slots: no device sync
         slots = slots.to(self.device, non_blocking=True)
-        return torch.div(slots, self.block_size, rounding_mode="floor"), slots % self.block_size
+        blocks = torch.div(slots, self.block_size, rounding_mode="floor")
+        return blocks, slots - blocks * self.block_size
+
+    def _gather_into(self, out: torch.Tensor, layer: int, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
+        k, v = self._kv_views[layer]
+        out[0] = k[blocks, offsets]
+        out[1] = v[blocks, offsets]
 
     def gather_chunk(self, slots: torch.Tensor) -> torch.Tensor:
         blocks, offsets = self._positions(slots)
         out = torch.empty(self.chunk_shape(self.num_layers, slots.numel()), dtype=self.dtype, device=self.device)
-        for layer, kv in enumerate(self.kv_caches):
-            out[layer, 0], out[layer, 1] = self._gather_kv(kv, blocks, offsets)
+        for layer in range(self.num_layers):
+            self._gather_into(out[layer], layer, blocks, offsets)
         return out
 
     def gather_layers(self, slots: torch.Tensor) -> list[torch.Tensor]:
         blocks, offsets = self._positions(slots)
-        return [torch.stack(self._gather_kv(kv, blocks, offsets)).unsqueeze(0) for kv in self.kv_caches]
+        outs = []
+        for layer in range(self.num_layers):
+            out = torch.empty(self.chunk_shape(1, slots.numel()), dtype=self.dtype, device=self.device)
+            self._gather_into(out[0], layer, blocks, offsets)
+            outs.append(out)
+        return outs
+
+    def _scatter(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, src: torch.Tensor) -> None:
+        k, v = self._kv_views[layer]
+        k[blocks, offsets] = src[0]
+        v[blocks, offsets] = src[1]
 
     def scatter_chunk(self, slots: torch.Tensor, chunk: torch.Tensor) -> None:
         expected = self.chunk_shape(self.num_layers, slots.numel())
@@ -69,8 +91,8 @@ class _SplitKVLayout(PagedKVLayout):
             raise ValueError(f"chunk shape {tuple(chunk.shape)} does not match expected {expected}")
         blocks, offsets = self._positions(slots)
         chunk = chunk.to(device=self.device, dtype=self.dtype, non_blocking=True)
-        for layer, kv in enumerate(self.kv_caches):
-            self._scatter_kv(kv, blocks, offsets, chunk[layer, 0], chunk[layer, 1])
+        for layer in range(self.num_layers):
+            self._scatter(layer, blocks, offsets, chunk[layer])
 
     def scatter_layer(self, layer: int, slots: torch.Tensor, layer_kv: torch.Tensor) -> None:
         if not 0 <= layer < self.num_layers:
@@ -79,50 +101,34 @@ class _SplitKVLayout(PagedKVLayout):
         if tuple(layer_kv.shape) != expected:
             raise ValueError(f"layer shape {tuple(layer_kv.shape)} does not match {expected}")
         blocks, offsets = self._positions(slots)
-        src = layer_kv.to(device=self.device, dtype=self.dtype, non_blocking=True)
-        self._scatter_kv(self.kv_caches[layer], blocks, offsets, src[0], src[1])
+        self._scatter(layer, blocks, offsets, layer_kv.to(device=self.device, dtype=self.dtype, non_blocking=True))
 
 
 class VllmCpuLayout(_SplitKVLayout):
-    """vLLM's CPU attention backend: per (block, head) page, K^T `(D, block_size)` then V
-    `(block_size, D)`. The caches must be contiguous (pages are addressed by offset)."""
-
-    def __init__(self, kv_caches: Sequence[torch.Tensor]) -> None:
-        super().__init__(kv_caches)
-        if not all(kv.is_contiguous() for kv in kv_caches):
-            raise ValueError("VllmCpuLayout needs contiguous kv_caches (pages are addressed by offset)")
+    """vLLM's CPU attention backend ("vec"/"vec16" ISA): per (block, head) page, K^T
+    `(D, block_size)` then V `(block_size, D)`. Each page must be contiguous, as the kernel
+    addresses it by offset; blocks and heads may have any strides."""
 
     def _halves(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns views (K^T `(B, H, D, bs)`, V `(B, H, bs, D)`) of one layer's pages."""
-        d, bs = self.head_size, self.block_size
-        pages = kv.view(self.num_blocks, self.num_kv_heads, 2 * bs * d)
-        return pages[:, :, :d * bs].unflatten(2, (d, bs)), pages[:, :, d * bs:].unflatten(2, (bs, d))
-
-    def _gather_kv(self, kv: torch.Tensor, blocks: torch.Tensor,
-                   offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        kt, v = self._halves(kv)
-        return kt[blocks, :, :, offsets], v[blocks, :, offsets]
-
-    def _scatter_kv(self, kv: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
-                    k: torch.Tensor, v: torch.Tensor) -> None:
-        kt, vv = self._halves(kv)
-        kt[blocks, :, :, offsets] = k
-        vv[blocks, :, offsets] = v
+        nb, h, bs, d2 = kv.shape
+        if kv.stride(3) != 1 or (bs > 1 and kv.stride(2) != d2):
+            raise ValueError(f"VllmCpuLayout needs each (block, head) page contiguous, got strides {kv.stride()}")
+        d = d2 // 2
+        # vLLM's split: kv.view(nb, h, 2 * bs, d).chunk(2, dim=2), K's half read as (d, bs).
+        pages = kv.view(nb, h, 2 * bs * d)
+        k = pages[..., :d * bs].unflatten(2, (d, bs)).permute(0, 3, 1, 2)
+        v = pages[..., d * bs:].unflatten(2, (bs, d)).transpose(1, 2)
+        return k, v
 
 
 class VllmFlashLayout(_SplitKVLayout):
-    """vLLM's GPU FlashAttention backend: each token row of a (block, head) is `[K | V]`; the
-    caches may be any strided view (writes go through the view)."""
+    """vLLM's GPU FlashAttention backend: each token row of a (block, head) is `[K | V]`. The
+    caches may be any strided views; writes go through them."""
 
-    def _gather_kv(self, kv: torch.Tensor, blocks: torch.Tensor,
-                   offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = kv[blocks, :, offsets]  # (T, H, 2D)
-        d = self.head_size
-        return rows[..., :d], rows[..., d:]
-
-    def _scatter_kv(self, kv: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
-                    k: torch.Tensor, v: torch.Tensor) -> None:
-        kv[blocks, :, offsets] = torch.cat((k, v), dim=-1)
+    def _halves(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # vLLM's own split: kv_cache.transpose(1, 2).split(head_size, dim=-1).
+        k, v = kv.transpose(1, 2).split(self.head_size, dim=-1)
+        return k, v
 
 
 LAYOUTS = ("cpu", "flash", "engine")
@@ -139,4 +145,3 @@ def vllm_layout_for(kv_caches: Sequence[torch.Tensor], backend: str) -> PagedKVL
     if backend == "engine":
         return EngineLayout(kv_caches)
     raise ValueError(f"unknown vLLM KV layout {backend!r}; known: {', '.join(LAYOUTS)}")
-

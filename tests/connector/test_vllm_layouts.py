@@ -1,97 +1,159 @@
 """vLLM's paged layouts behind PagedKVLayout (connector/vllm_layouts.py), on CPU tensors of
-each backend's shape, against a direct per-position oracle."""
+each backend's shape and vLLM's stride orders, against an oracle that reads and writes one
+(slot, head) at a time by the layout's formula. (tests/vllm/test_cpu_layout_kernel.py checks
+the CPU formula against vLLM's own kernels.)"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from connector.vllm_layouts import VllmCpuLayout, VllmFlashLayout, vllm_layout_for
-from engine.kv_cache import EngineLayout
+from engine.kv_cache import EngineLayout, PagedKVLayout
 
 L, NB, H, BS, D = 3, 6, 2, 8, 4
+SLOTS = torch.tensor([0, 5, 9, 17, 47, 40, 23], dtype=torch.long)  # across blocks, out of order
+SIZES = {"L": L, "B": NB, "H": H, "N": BS, "C": 2 * D}
 
 
-def cpu_caches() -> list[torch.Tensor]:
-    """Per layer `(NB, H, BS, 2D)` views of one buffer, as vLLM's CPU backend allocates them."""
-    return list(torch.randn(L, NB, H, BS, 2 * D).unbind(0))
+def vllm_caches(order: str, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Per layer `(NB, H, BS, 2D)` views of one random buffer laid out in vLLM's stride order
+    `order` (`KVCacheLayout`: "LBHNC" is the CPU backend's, "LBNHC" FlashAttention's default,
+    "BLNHC" etc. cross-layer), as vLLM's `create_kv_cache_views` builds them."""
+    physical = torch.randn([SIZES[axis] for axis in order]).to(dtype)
+    return list(physical.permute([order.index(axis) for axis in "LBHNC"]).unbind(0))
 
 
-def flash_caches() -> list[torch.Tensor]:
-    """Per layer `(NB, H, BS, 2D)` strided views of a token-major `(NB, BS, H, 2D)` buffer."""
-    return [t.permute(0, 2, 1, 3) for t in torch.randn(L, NB, BS, H, 2 * D).unbind(0)]
-
-
-def oracle(kind: str, kv: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(K, V) `(H, D)` of one slot of one layer, read position by position."""
-    b, o = divmod(slot, BS)
+def read(kind: str, kv: torch.Tensor, slot: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) `(D,)` of one slot and head of one layer, by the layout's formula."""
+    b, off = divmod(slot, BS)
     if kind == "cpu":
-        pages = kv.reshape(NB, H, 2 * BS * D)
-        k = torch.stack([pages[b, h, :D * BS].view(D, BS)[:, o] for h in range(H)])
-        v = torch.stack([pages[b, h, D * BS:].view(BS, D)[o] for h in range(H)])
-        return k, v
-    return kv[b, :, o, :D], kv[b, :, o, D:]
+        page = kv[b, head].reshape(-1)  # a view: pages are contiguous
+        return page[:D * BS].view(D, BS)[:, off], page[D * BS:].view(BS, D)[off]
+    return kv[b, head, off, :D], kv[b, head, off, D:]
 
 
-MAKERS = {"cpu": (cpu_caches, VllmCpuLayout), "flash": (flash_caches, VllmFlashLayout)}
-SLOTS = torch.tensor([0, 5, 9, 17, 40, 47], dtype=torch.long)
+def write(kind: str, kv: torch.Tensor, slot: int, head: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Writes K and V `(D,)` of one slot and head of one layer in place, by the formula."""
+    k_view, v_view = read(kind, kv, slot, head)
+    k_view.copy_(k)
+    v_view.copy_(v)
 
 
-@pytest.mark.parametrize("kind", MAKERS)
-def test_gather_equals_the_oracle_and_gather_layers(kind: str) -> None:
-    make, cls = MAKERS[kind]
-    caches = make()
+# (backend, vLLM stride order): CPU only allows orders whose (N, C) page is contiguous.
+CASES = [("cpu", "LBHNC"), ("cpu", "BLHNC"), ("cpu", "LHBNC"),
+         ("flash", "LBNHC"), ("flash", "LBHNC"), ("flash", "BLNHC"), ("flash", "BHLNC")]
+CLASSES: dict[str, type[PagedKVLayout]] = {"cpu": VllmCpuLayout, "flash": VllmFlashLayout}
+
+
+@pytest.mark.parametrize(("kind", "order"), CASES)
+def test_gather_reads_the_formula(kind: str, order: str) -> None:
+    caches = vllm_caches(order)
+    before = [kv.clone() for kv in caches]
     layout = vllm_layout_for(caches, kind)
-    assert isinstance(layout, cls)
+    assert type(layout) is CLASSES[kind]
     assert (layout.num_layers, layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_size) == (
         L, NB, BS, H, D)
     chunk = layout.gather_chunk(SLOTS)
-    assert chunk.shape == (L, 2, len(SLOTS), H, D)
+    assert chunk.shape == (L, 2, len(SLOTS), H, D) and chunk.is_contiguous()
     for layer, kv in enumerate(caches):
         for i, slot in enumerate(SLOTS.tolist()):
-            k, v = oracle(kind, kv, slot)
-            assert torch.equal(chunk[layer, 0, i], k) and torch.equal(chunk[layer, 1, i], v)
-    assert torch.equal(torch.cat(layout.gather_layers(SLOTS)), chunk)
+            for head in range(H):
+                k, v = read(kind, kv, slot, head)
+                assert torch.equal(chunk[layer, 0, i, head], k) and torch.equal(chunk[layer, 1, i, head], v)
+    per_layer = layout.gather_layers(SLOTS)
+    assert torch.equal(torch.cat(per_layer), chunk)
+    # Each layer its own allocation; gathers copy and leave the caches alone.
+    assert len({t.untyped_storage().data_ptr() for t in per_layer}) == L and per_layer[0].is_contiguous()
+    chunk.zero_()
+    assert all(torch.equal(a, b) for a, b in zip(caches, before))
+    assert layout.gather_chunk(torch.empty(0, dtype=torch.long)).shape == (L, 2, 0, H, D)
 
 
-@pytest.mark.parametrize("kind", MAKERS)
-def test_scatter_writes_only_the_given_slots_in_place(kind: str) -> None:
-    make, _ = MAKERS[kind]
-    caches = make()
-    before = [kv.clone() for kv in caches]
+@pytest.mark.parametrize(("kind", "order"), CASES)
+def test_scatters_write_the_formula_in_place_and_nothing_else(kind: str, order: str) -> None:
+    caches = vllm_caches(order)
+    expected = [kv.clone() for kv in caches]
     layout = vllm_layout_for(caches, kind)
     chunk = torch.randn(L, 2, len(SLOTS), H, D)
     layout.scatter_chunk(SLOTS, chunk)
+    for layer in range(L):
+        for i, slot in enumerate(SLOTS.tolist()):
+            for head in range(H):
+                write(kind, expected[layer], slot, head, chunk[layer, 0, i, head], chunk[layer, 1, i, head])
+    # Compared through the caller's views: the writes landed in its buffer, and only there.
+    assert all(torch.equal(a, b) for a, b in zip(caches, expected))
     assert torch.equal(layout.gather_chunk(SLOTS), chunk)
-    rest = torch.tensor([s for s in range(NB * BS) if s not in SLOTS.tolist()])
-    assert torch.equal(layout.gather_chunk(rest), vllm_layout_for(before, kind).gather_chunk(rest))
-    one = torch.randn(2, len(SLOTS), H, D)
-    layout.scatter_layer(1, SLOTS, one)
-    assert torch.equal(layout.gather_layers(SLOTS)[1][0], one)
-    assert torch.equal(layout.gather_layers(SLOTS)[0][0], chunk[0])
+
+    one = torch.randn(2, 3, H, D, dtype=torch.float64)  # cast to the caches' dtype
+    layout.scatter_layer(1, SLOTS[:3], one)
+    for i, slot in enumerate(SLOTS[:3].tolist()):
+        for head in range(H):
+            write(kind, expected[1], slot, head, one[0, i, head].float(), one[1, i, head].float())
+    assert all(torch.equal(a, b) for a, b in zip(caches, expected))
 
 
-@pytest.mark.parametrize("kind", MAKERS)
-def test_bad_shapes_and_slots_raise_before_writing(kind: str) -> None:
-    make, _ = MAKERS[kind]
-    caches = make()
-    layout = vllm_layout_for(caches, kind)
+@pytest.mark.parametrize(("kind", "order"), CASES)
+def test_every_slot_round_trips(kind: str, order: str) -> None:
+    """All slots at once, permuted: no two (slot, head, K/V, dim) share a place."""
+    layout = vllm_layout_for(vllm_caches(order, torch.bfloat16), kind)
+    slots = torch.randperm(NB * BS)
+    chunk = torch.randn(L, 2, NB * BS, H, D).to(torch.bfloat16)
+    layout.scatter_chunk(slots, chunk)
+    assert torch.equal(layout.gather_chunk(slots), chunk)
+    for layer in range(L):
+        layout.scatter_layer(layer, slots, -chunk[layer])
+    assert torch.equal(torch.cat(layout.gather_layers(slots)), -chunk)
+
+
+@pytest.mark.parametrize(("kind", "order"), [("cpu", "LBHNC"), ("flash", "LBNHC")])
+def test_bad_shapes_slots_and_layers_raise_before_writing(kind: str, order: str) -> None:
+    caches = vllm_caches(order)
     before = [kv.clone() for kv in caches]
-    with pytest.raises(ValueError, match="does not match"):
-        layout.scatter_chunk(SLOTS, torch.zeros(L, 2, len(SLOTS), H, D + 1))
-    with pytest.raises(ValueError, match="slot range"):
-        layout.scatter_chunk(torch.tensor([NB * BS]), torch.zeros(L, 2, 1, H, D))
-    with pytest.raises(ValueError, match="layer 9"):
-        layout.scatter_layer(9, SLOTS, torch.zeros(2, len(SLOTS), H, D))
+    layout = vllm_layout_for(caches, kind)
+    n = len(SLOTS)
+    bad: list[tuple[str, Callable[[], object]]] = [
+        ("does not match", lambda: layout.scatter_chunk(SLOTS, torch.zeros(L, 2, n, H, D + 1))),
+        ("does not match", lambda: layout.scatter_chunk(SLOTS, torch.zeros(L - 1, 2, n, H, D))),
+        ("slot range", lambda: layout.scatter_chunk(torch.tensor([0, NB * BS]), torch.zeros(L, 2, 2, H, D))),
+        ("slot range", lambda: layout.scatter_layer(0, torch.tensor([-1]), torch.zeros(2, 1, H, D))),
+        ("int64", lambda: layout.scatter_chunk(SLOTS.int(), torch.zeros(L, 2, n, H, D))),
+        ("1-D", lambda: layout.scatter_chunk(SLOTS.view(1, -1), torch.zeros(L, 2, n, H, D))),
+        ("layer 3 outside", lambda: layout.scatter_layer(L, SLOTS, torch.zeros(2, n, H, D))),
+        ("layer -1 outside", lambda: layout.scatter_layer(-1, SLOTS, torch.zeros(2, n, H, D))),
+        ("does not match", lambda: layout.scatter_layer(0, SLOTS, torch.zeros(1, n, H, D))),
+        ("slot range", lambda: layout.gather_chunk(torch.tensor([NB * BS]))),
+        ("slot range", lambda: layout.gather_layers(torch.tensor([-3]))),
+    ]
+    for message, call in bad:
+        with pytest.raises(ValueError, match=message):
+            call()
     assert all(torch.equal(a, b) for a, b in zip(caches, before))
 
 
-def test_unknown_backends_and_shapes_are_named() -> None:
-    with pytest.raises(ValueError, match="unknown vLLM KV layout 'rocm'"):
-        vllm_layout_for(cpu_caches(), "rocm")
-    with pytest.raises(ValueError, match=r"2 \* head_size"):
+def test_backends_and_shapes_that_do_not_fit_are_named() -> None:
+    with pytest.raises(ValueError, match="unknown vLLM KV layout 'rocm'.*cpu, flash, engine"):
+        vllm_layout_for(vllm_caches("LBHNC"), "rocm")
+    with pytest.raises(ValueError, match=r"VllmCpuLayout: .*2 \* head_size\), got \(2, 6, 8, 2, 4\)"):
         vllm_layout_for([torch.zeros(2, NB, BS, H, D)], "cpu")
-    with pytest.raises(ValueError, match="contiguous"):
-        VllmCpuLayout(flash_caches())
-    engine = [torch.randn(2, NB, BS, H, D) for _ in range(L)]
-    assert isinstance(vllm_layout_for(engine, "engine"), EngineLayout)
+    with pytest.raises(ValueError, match=r"VllmFlashLayout: .*got \(6, 2, 8, 7\)"):
+        vllm_layout_for([torch.zeros(NB, H, BS, 7)], "flash")
+    with pytest.raises(ValueError, match="page contiguous"):
+        vllm_layout_for(vllm_caches("LBNHC"), "cpu")  # FlashAttention's token-major order
+    with pytest.raises(ValueError, match="differs"):
+        vllm_layout_for([torch.zeros(NB, H, BS, 2 * D), torch.zeros(NB + 1, H, BS, 2 * D)], "flash")
+    with pytest.raises(ValueError, match="empty"):
+        vllm_layout_for([], "flash")
+    with pytest.raises(ValueError, match=r"\(2, num_blocks, block_size, num_kv_heads, head_size\)"):
+        vllm_layout_for(vllm_caches("LBHNC"), "engine")
+
+
+def test_engine_backend_is_the_engine_layout() -> None:
+    caches = [torch.randn(2, NB, BS, H, D) for _ in range(L)]
+    layout = vllm_layout_for(caches, "engine")
+    assert type(layout) is EngineLayout
+    chunk = layout.gather_chunk(SLOTS)
+    b, off = divmod(int(SLOTS[2]), BS)
+    assert torch.equal(chunk[1, :, 2], caches[1][:, b, off])

@@ -1,35 +1,112 @@
-"""VllmCpuLayout reads exactly what vLLM's own CPU kernel writes (`cpu_attn_reshape_and_cache`),
-and what it scatters sits where that kernel would have put it."""
+"""VllmCpuLayout against vLLM's own CPU attention kernels: it reads exactly what
+`cpu_attn_reshape_and_cache` writes, it scatters the bytes that kernel would have written,
+and vLLM's attention (`cpu_attention_with_kv_cache`) over K/V it scattered equals attention
+computed from those K/V directly. Runs in vLLM's virtualenv only (`make test-vllm`)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from vllm._custom_ops import cpu_attn_reshape_and_cache
+import vllm
+from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from connector.vllm_layouts import VllmCpuLayout
+from connector.vllm_layouts import VllmCpuLayout, VllmFlashLayout
+
+# (dtype, block_size, head_size): both ISAs this layout covers, "vec" and "vec16" (block
+# size below 32 or head size not a multiple of 32), in every dtype vLLM's CPU backend takes.
+CASES = [(torch.float32, 128, 64), (torch.float32, 16, 64), (torch.bfloat16, 32, 128), (torch.float16, 128, 80)]
+NUM_BLOCKS, KV_HEADS, Q_HEADS, LAYERS = 5, 3, 6, 2
+TABLE = [4, 1, 3]  # out of order, as vLLM hands out blocks
 
 
-@pytest.mark.parametrize(("dtype", "block_size", "head_size"), [(torch.float32, 128, 64), (torch.float32, 16, 64),
-                                                                 (torch.bfloat16, 32, 128)])
-def test_layout_matches_the_kernel(dtype: torch.dtype, block_size: int, head_size: int) -> None:
-    torch.manual_seed(0)
-    num_blocks, heads, layers = 5, 3, 2
+def kernel_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
     isa = _get_attn_isa(dtype, block_size, head_size)
-    caches = list(torch.zeros(layers, num_blocks, heads, block_size, 2 * head_size, dtype=dtype).unbind(0))
-    n = 2 * block_size + 5  # two full blocks and a partial one
-    table = [4, 1, 3]
-    slots = torch.tensor([table[t // block_size] * block_size + t % block_size for t in range(n)])
-    kv = torch.randn(layers, 2, n, heads, head_size).to(dtype)
+    assert isa in ("vec", "vec16"), f"vLLM {vllm.__version__} picked ISA {isa!r}; VllmCpuLayout knows vec and vec16"
+    return isa
+
+
+def halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key_cache, value_cache) as vLLM's CPU backend passes them to its kernels."""
+    nb, h, bs, _ = cache.shape
+    k, v = cache.view(nb, h, 2 * bs, -1).chunk(2, dim=2)
+    return k, v
+
+
+def prompt(dtype: torch.dtype, block_size: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots, kv): two full blocks and a partial one of TABLE, and random K/V
+    `(LAYERS, 2, n, KV_HEADS, head_size)` for them."""
+    n = 2 * block_size + 5
+    slots = torch.tensor([TABLE[t // block_size] * block_size + t % block_size for t in range(n)])
+    return slots, torch.randn(LAYERS, 2, n, KV_HEADS, head_size).to(dtype)
+
+
+def empty_caches(dtype: torch.dtype, block_size: int, head_size: int) -> list[torch.Tensor]:
+    """Per layer `(NUM_BLOCKS, KV_HEADS, block_size, 2 * head_size)` views of one zeroed buffer."""
+    return list(torch.zeros(LAYERS, NUM_BLOCKS, KV_HEADS, block_size, 2 * head_size, dtype=dtype).unbind(0))
+
+
+@pytest.mark.parametrize(("dtype", "block_size", "head_size"), CASES)
+def test_layout_reads_and_writes_the_kernels_bytes(dtype: torch.dtype, block_size: int, head_size: int) -> None:
+    torch.manual_seed(0)
+    isa = kernel_isa(dtype, block_size, head_size)
+    slots, kv = prompt(dtype, block_size, head_size)
+    caches = empty_caches(dtype, block_size, head_size)
     for layer, cache in enumerate(caches):
-        k_cache, v_cache = cache.view(num_blocks, heads, 2 * block_size, head_size).chunk(2, dim=2)
-        cpu_attn_reshape_and_cache(kv[layer, 0], kv[layer, 1], k_cache, v_cache, slots, isa)
+        ops.cpu_attn_reshape_and_cache(kv[layer, 0], kv[layer, 1], *halves(cache), slots, isa)
     layout = VllmCpuLayout(caches)
     assert torch.equal(layout.gather_chunk(slots), kv)
-    # Scattered into zeroed caches, the same K/V gives the kernel's bytes.
+    assert torch.equal(torch.cat(layout.gather_layers(slots[3:9])), kv[:, :, 3:9])
+    # Scattered into zeroed caches, the same K/V gives the kernel's bytes, everywhere.
     written = [c.clone() for c in caches]
     for c in caches:
         c.zero_()
     layout.scatter_chunk(slots, kv)
     assert all(torch.equal(a, b) for a, b in zip(caches, written))
+
+
+def kernel_attention(cache: torch.Tensor, q: torch.Tensor, seq_len: int, isa: str) -> torch.Tensor:
+    """vLLM's CPU attention of queries `q` `(Tq, Q_HEADS, D)`, the last Tq positions of one
+    causal sequence of `seq_len` tokens whose K/V sit in `cache` under block table TABLE."""
+    dtype, head_size = cache.dtype, q.shape[2]
+    query_start = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+    seq_lens = torch.tensor([seq_len], dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_dim=head_size, seq_lens=seq_lens, dtype=dtype,
+        query_start_loc=query_start, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+    out = torch.empty_like(q)
+    key_cache, value_cache = halves(cache)
+    ops.cpu_attention_with_kv_cache(
+        query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=query_start,
+        seq_lens=seq_lens, scale=1 / math.sqrt(head_size), causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=torch.tensor([TABLE], dtype=torch.int32), softcap=0.0, scheduler_metadata=meta, s_aux=None)
+    return out
+
+
+def reference_attention(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Causal grouped-query attention in fp32 of `q`, the last positions, over K/V `(n, KV_HEADS, D)`."""
+    n, tq, group = k.shape[0], q.shape[0], Q_HEADS // KV_HEADS
+    kf, vf = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) / math.sqrt(q.shape[2])
+    future = torch.arange(n).view(1, -1) > torch.arange(n - tq, n).view(-1, 1)
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(future, float("-inf")).softmax(-1), vf)
+
+
+@pytest.mark.parametrize(("dtype", "block_size", "head_size"), CASES)
+def test_vllm_attention_reads_what_the_layout_scatters(dtype: torch.dtype, block_size: int, head_size: int) -> None:
+    torch.manual_seed(1)
+    isa = kernel_isa(dtype, block_size, head_size)
+    slots, kv = prompt(dtype, block_size, head_size)
+    q = torch.randn(4, Q_HEADS, head_size).to(dtype)
+    expected = reference_attention(kv[1, 0], kv[1, 1], q)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # the kernel's output is rounded to `dtype`
+    caches = empty_caches(dtype, block_size, head_size)
+    VllmCpuLayout(caches).scatter_chunk(slots, kv)
+    got = kernel_attention(caches[1], q, len(slots), isa).float()
+    assert (got - expected).abs().max().item() <= tol
+    # The check tells layouts apart: the same K/V laid out as token rows `[K | V]` is misread.
+    VllmFlashLayout(caches).scatter_chunk(slots, kv)
+    misread = kernel_attention(caches[1], q, len(slots), isa).float()
+    assert (misread - expected).abs().max().item() > 10 * tol
