@@ -117,6 +117,18 @@ def _backend() -> str:
     return "cpu" if current_platform.is_cpu() else "flash"
 
 
+def _check_cpu_isa(kv: torch.Tensor) -> None:
+    """Raises ValueError if vLLM's CPU kernels pack this cache's pages (AMX tiles), a layout
+    kvtier does not read; the "vec" kernels' layout is `VllmCpuLayout`'s."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    _, _, block_size, two_d = kv.shape
+    isa = _get_attn_isa(kv.dtype, block_size, two_d // 2)
+    if isa not in ("vec", "vec16"):
+        raise ValueError(f"KVTierConnector: vLLM's CPU attention uses the {isa!r} kernels here, whose KV "
+                         "layout kvtier does not support; use float32 (or a CPU without AMX)")
+
+
 def _setup(vllm_config: Any) -> tuple[ConnectorConfig, ModelConfig, torch.dtype]:
     """Returns the connector config (extra config over $KVTIER_CONFIG / KVTIER_*), the model
     as kvtier keys it (tagged with this engine and backend) and the KV dtype; ValueError
@@ -188,6 +200,8 @@ class KVTierConnector(KVConnectorBase_V1):
     # ---- worker role -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         w = self._w()
+        if w.backend == "cpu" and kv_caches:
+            _check_cpu_isa(next(iter(kv_caches.values())))
         w.register_kv_caches(kv_caches)
         log.info("kvtier connector ready: %s", w.info())
 

@@ -8,7 +8,7 @@ Slot ids are logical, the same for every layout; a layout decides where a slot's
 memory. Chunks: one tensor `(num_layers, 2, num_tokens, num_kv_heads, head_size)`
 (docs/architecture.md, "Chunks, keys and codecs"). A `PagedKVLayout` is one way of laying the caches
 out; callers use only its interface, so another engine's layout (vLLM's CPU one) is another
-implementation. `EngineLayout` is this engine's (and vLLM's GPU FlashAttention backend's):
+implementation. `EngineLayout` is this engine's:
 per layer `(2, num_blocks, block_size, num_kv_heads, head_size)`. No per-token loops: one
 index_select / index_copy_ per layer, or a single one when the layers are evenly spaced
 views of one allocation.

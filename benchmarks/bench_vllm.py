@@ -1,0 +1,229 @@
+"""kvtier's connector inside vLLM (CPU build), every figure a ratio within one run.
+
+Each arm is a fresh vLLM `LLM` in a child process, with vLLM's prefix cache off (every reused
+token comes through the connector) and the same prompts:
+- none: no connector (cold TTFT without any store: the store-overhead baseline)
+- kvtier cpu / disk / redis: warm over cold TTFT at 1k, 2k and 4k tokens
+                                      (targets at 2k and 4k: cpu <= 0.12, redis <= 0.2)
+- ExampleConnector: vLLM's in-tree connector that stores safetensors on disk; kvtier's
+  disk tier's warm TTFT over its                                         (target <= 0.5)
+- SimpleCPUOffloadConnector, LMCacheConnectorV1: what they do on this backend
+- store overhead: kvtier cpu's cold TTFT over no connector's            (target <= 1.05)
+- stall: p99 of the running decodes' step times while a stored 4k prompt loads (from its
+  arrival to its first token), over the same decodes with no load        (target <= 1.2)
+
+    make bench-vllm     (= .venv-vllm/bin/python benchmarks/bench_vllm.py [--quick])
+
+Writes benchmarks/results/vllm.json and vllm.md. TTFT here is the wall time of a greedy
+one-token `generate`; medians of `--reps` prompts. `--quick` checks that the script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+MARK = "BENCH-VLLM "
+
+
+def token_ids(n: int, salt: int) -> list[int]:
+    """Deterministic, varied token ids (no tokenizer round trip)."""
+    return [(i * 7919 + salt * 104729 + 13) % 40000 + 100 for i in range(n)]
+
+
+# ---- the child: one LLM, one arm ---------------------------------------------------------
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm.config import KVTransferConfig
+
+    kvt = KVTransferConfig(**spec["kv"]) if spec["kv"] else None
+    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=4608,
+              enable_prefix_caching=False, kv_transfer_config=kvt, seed=0)
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+
+    def ttft(ids: list[int]) -> float:
+        t0 = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=ids)], one, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    ttft(token_ids(64, 999))  # warm-up: first-call costs out of the figures
+    out: dict[str, Any] = {"ttft": {}}
+    for n in spec["sizes"]:
+        cold, warm = [], []
+        for rep in range(spec["reps"]):
+            ids = token_ids(n, n + rep)
+            cold.append(ttft(ids))
+            time.sleep(0.5)  # the store lands (kvtier queues it; the others write in the step)
+            warm.append(ttft(ids))
+        out["ttft"][str(n)] = {"cold_s": statistics.median(cold), "warm_s": statistics.median(warm)}
+    if spec.get("stall"):
+        out["stall"] = stall(llm, spec["stall"], spec["reps"])
+    return out
+
+
+def stall(llm: Any, n: int, reps: int) -> dict[str, float]:
+    """p99 step time of 4 running decodes while a stored `n`-token prompt loads, and with no load."""
+    from vllm import SamplingParams, TokensPrompt
+
+    engine = llm.llm_engine
+    decode = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    loaded, alone = [], []
+    for rep in range(reps):
+        doc = token_ids(n, 5000 + rep)
+        llm.generate([TokensPrompt(prompt_token_ids=doc)], one, use_tqdm=False)  # stored
+        time.sleep(0.5)
+        for arm, steps in (("load", loaded), ("alone", alone)):
+            for i in range(4):
+                engine.add_request(f"{arm}{rep}-{i}", TokensPrompt(prompt_token_ids=token_ids(64, 7000 + 10 * rep + i)),
+                                   decode)
+            for _ in range(8):  # past the decodes' prefill
+                engine.step()
+            window: list[float] = []
+            if arm == "load":
+                engine.add_request(f"doc{rep}", TokensPrompt(prompt_token_ids=doc), one)
+            while True:
+                t0 = time.perf_counter()
+                outs = engine.step()
+                window.append(time.perf_counter() - t0)
+                if arm == "load" and any(o.request_id == f"doc{rep}" and o.finished for o in outs):
+                    break
+                if arm == "alone" and len(window) >= max(8, len(loaded) // (rep + 1)):
+                    break
+            steps += window
+            while engine.has_unfinished_requests():
+                engine.step()
+    q = statistics.quantiles
+    return {"p99_load_s": q(loaded, n=100)[98], "p99_alone_s": q(alone, n=100)[98],
+            "steps_load": len(loaded), "steps_alone": len(alone)}
+
+
+# ---- the parent: arms, one after the other -------------------------------------------------
+def run_arm(name: str, spec: dict[str, Any], log_dir: Path) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "3")
+    log = log_dir / f"{name.replace(' ', '_')}.log"
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=f, text=True, timeout=3600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
+    if proc.returncode or not lines:
+        text = log.read_text(errors="replace").splitlines()
+        errors = [ln.strip() for ln in text if "Error" in ln and "Traceback" not in ln] or text[-1:]
+        return {"error": f"exit {proc.returncode}: {errors[0] if errors else ''}"}
+    out = json.loads(lines[-1][len(MARK):])
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def kvtier(tier: str, chunk: int = 256) -> dict[str, Any]:
+    return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "connector.vllm", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"tiers": [tier], "chunk_size": chunk}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    if args.child:
+        print(MARK + json.dumps(child(json.loads(args.child))), flush=True)
+        return 0
+
+    sys.path.insert(0, str(REPO))
+    from engine.default_model import ensure_default_model
+    from tests.fixtures.redis_server import start_redis
+
+    model = str(ensure_default_model())
+    sizes = [256, 512] if args.quick else [1024, 2048, 4096]
+    reps = 1 if args.quick else args.reps
+    redis = start_redis()
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
+    base = {"model": model, "sizes": sizes, "reps": reps}
+    arms = {
+        "none": {**base, "kv": None},
+        "kvtier cpu": {**base, "kv": kvtier("cpu?budget=3GiB"), "stall": 512 if args.quick else 4096},
+        "kvtier disk": {**base, "kv": kvtier(f"disk://{tmp}/kvtier")},
+        "kvtier redis": {**base, "kv": kvtier(redis.url)},
+        "ExampleConnector": {**base, "kv": {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                                            "kv_connector_extra_config": {"shared_storage_path": f"{tmp}/example"}}},
+        "SimpleCPUOffloadConnector": {**base, "sizes": sizes[-1:], "kv": {"kv_connector": "SimpleCPUOffloadConnector",
+                                                                          "kv_role": "kv_both"}},
+        "LMCacheConnectorV1": {**base, "sizes": sizes[-1:], "kv": {"kv_connector": "LMCacheConnectorV1",
+                                                                   "kv_role": "kv_both"}},
+    }
+    res: dict[str, Any] = {"quick": args.quick, "platform": platform.platform(), "sizes": sizes, "reps": reps,
+                           "vllm_env": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND",
+                                                                        "VLLM_CPU_KVCACHE_SPACE")}}
+    try:
+        for name, spec in arms.items():
+            print(f"arm {name} ...", file=sys.stderr, flush=True)
+            res[name] = run_arm(name, spec, tmp)
+    finally:
+        redis.stop()
+    RESULTS.mkdir(exist_ok=True)
+    suffix = "_quick" if args.quick else ""
+    (RESULTS / f"vllm{suffix}.json").write_text(json.dumps(res, indent=2) + "\n")
+    table = render(res)
+    (RESULTS / f"vllm{suffix}.md").write_text(table)
+    print(table)
+    return 0
+
+
+def render(res: dict[str, Any]) -> str:
+    sizes = [str(n) for n in res["sizes"]]
+
+    def ratio(arm: str, n: str) -> float | None:
+        t = res.get(arm, {}).get("ttft", {}).get(n)
+        return t["warm_s"] / t["cold_s"] if t else None
+
+    lines = ["| figure | " + " | ".join(f"{n} tok" for n in sizes) + " | target |",
+             "|---|" + "---:|" * len(sizes) + "---|"]
+    targets = {"kvtier cpu": "<= 0.12 (2k, 4k)", "kvtier disk": "-", "kvtier redis": "<= 0.2 (2k, 4k)",
+               "ExampleConnector": "-"}
+    for arm, target in targets.items():
+        cells = [f"{r:.3f}" if (r := ratio(arm, n)) is not None else "n/a" for n in sizes]
+        lines.append(f"| warm/cold TTFT, {arm} | " + " | ".join(cells) + f" | {target} |")
+    for arm in ("kvtier cpu", "kvtier disk", "kvtier redis", "ExampleConnector"):
+        t = res.get(arm, {}).get("ttft", {})
+        cells = [f"{t[n]['warm_s'] * 1e3:.0f} ms" if n in t else "n/a" for n in sizes]
+        lines.append(f"| warm TTFT, {arm} | " + " | ".join(cells) + " | cost growth |")
+    ex = res.get("ExampleConnector", {}).get("ttft", {})
+    dk = res.get("kvtier disk", {}).get("ttft", {})
+    cells = [f"{dk[n]['warm_s'] / ex[n]['warm_s']:.2f}x" if n in dk and n in ex else "n/a" for n in sizes]
+    lines.append("| warm TTFT, kvtier disk / ExampleConnector | " + " | ".join(cells) + " | <= 0.5x |")
+    no, cpu = res.get("none", {}).get("ttft", {}), res.get("kvtier cpu", {}).get("ttft", {})
+    cells = [f"{cpu[n]['cold_s'] / no[n]['cold_s']:.3f}" if n in cpu and n in no else "n/a" for n in sizes]
+    lines.append("| store overhead: cold TTFT, kvtier cpu / no connector | " + " | ".join(cells) + " | <= 1.05 |")
+    st = res.get("kvtier cpu", {}).get("stall")
+    if st:
+        lines.append(f"| stall: p99 decode step while a {sizes[-1]}-token hit loads / with no load | "
+                     + " | ".join([""] * (len(sizes) - 1)) + f" | {st['p99_load_s'] / st['p99_alone_s']:.2f} "
+                     f"({st['p99_load_s'] * 1e3:.0f} / {st['p99_alone_s'] * 1e3:.0f} ms) | <= 1.2 |")
+    for arm in ("SimpleCPUOffloadConnector", "LMCacheConnectorV1"):
+        r = res.get(arm, {})
+        if "error" in r:
+            what = "fails: " + r["error"][-300:].replace("|", "/")
+        else:
+            n = sizes[-1]
+            what = f"runs; warm/cold {ratio(arm, n):.3f} at {n} tokens (prefix caching off)"
+        lines.append(f"| {arm} | {what} | | |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
