@@ -2,7 +2,7 @@
 
 vLLM 0.32 gives a connector, per attention layer, a tensor of logical shape
 `(num_blocks, num_kv_heads, block_size, 2 * head_size)`; what the last two axes mean depends
-on the attention backend (docs/vllm.md, "Layouts"):
+on the attention backend (docs/vllm.md):
 - CPU (`VllmCpuLayout`, the "vec"/"vec16" kernels): each (block, head) page of
   `block_size * 2 * head_size` elements holds K transposed, `(head_size, block_size)`, then V,
   `(block_size, head_size)` (vLLM's `cpu_attn_reshape_and_cache` writes it so;
