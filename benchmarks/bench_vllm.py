@@ -34,7 +34,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-MARK = "BENCH-VLLM "
 
 
 def token_ids(n: int, salt: int) -> list[int]:
@@ -115,16 +114,16 @@ def run_arm(name: str, spec: dict[str, Any], log_dir: Path) -> dict[str, Any]:
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "3")
     log = log_dir / f"{name.replace(' ', '_')}.log"
+    result = log.with_suffix(".json")
     t0 = time.perf_counter()
     with log.open("w") as f:
-        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=f, text=True, timeout=3600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
-    if proc.returncode or not lines:
+        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps({**spec, "out": str(result)})],
+                              cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=3600)
+    if proc.returncode or not result.exists():
         text = log.read_text(errors="replace").splitlines()
         errors = [ln.strip() for ln in text if "Error" in ln and "Traceback" not in ln] or text[-1:]
         return {"error": f"exit {proc.returncode}: {errors[0] if errors else ''}"}
-    out = json.loads(lines[-1][len(MARK):])
+    out = json.loads(result.read_text())
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
 
@@ -140,8 +139,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    if args.child:
-        print(MARK + json.dumps(child(json.loads(args.child))), flush=True)
+    if args.child:  # the result goes to a file: vLLM's processes share this one's stdout
+        spec = json.loads(args.child)
+        Path(spec["out"]).write_text(json.dumps(child(spec)))
         return 0
 
     sys.path.insert(0, str(REPO))
