@@ -13,7 +13,7 @@ there (connector/lookup_channel.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +36,6 @@ class _Mirror:
 
     request: Any  # vllm.v1.request.Request
     seq: Sequence
-    block_ids: list[int] = field(default_factory=list)
 
 
 class VllmSchedulerSide:
