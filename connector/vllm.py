@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
     KVConnectorPromMetrics,
@@ -55,9 +56,24 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class KVTierVllmMeta(KVConnectorMetadata):
-    """One step's plans, as vLLM carries connector metadata."""
+    """One step's plans, as vLLM carries connector metadata; `idle`: no tokens scheduled."""
 
     meta: KVTierMeta
+    idle: bool = False
+
+
+@dataclasses.dataclass
+class KVTierWorkerMeta(KVConnectorWorkerMetadata):
+    """The worker's report back to the scheduler role: whether stores are still pending
+    (sent when that changes). While they are, the engine keeps stepping, so a draining
+    shutdown (`--shutdown-timeout`) waits for them and their counters reach /metrics."""
+
+    stores_pending: bool
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KVTierWorkerMeta):
+            self.stores_pending = self.stores_pending or other.stores_pending
+        return self
 
 
 @dataclasses.dataclass
@@ -155,6 +171,7 @@ class KVTierConnector(KVConnectorBase_V1):
         kvt = vllm_config.kv_transfer_config
         self._sched: VllmSchedulerSide | None = None
         self._worker: VllmWorkerSide | None = None
+        self._stores_pending = False  # the worker's last report (scheduler role)
         if role == KVConnectorRole.SCHEDULER:
             presence = RemotePresence(lookup_socket_path(kvt.engine_id))
             self._sched = VllmSchedulerSide(config, presence, model, kv_dtype, vllm_config.cache_config.block_size,
@@ -185,11 +202,20 @@ class KVTierConnector(KVConnectorBase_V1):
         self._s().update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return KVTierVllmMeta(self._s().build_connector_meta(scheduler_output))
+        return KVTierVllmMeta(self._s().build_connector_meta(scheduler_output),
+                              idle=scheduler_output.total_num_scheduled_tokens == 0)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._s().update_connector_output(connector_output.finished_sending, connector_output.finished_recving,
-                                          connector_output.invalid_block_ids)
+        s = self._s()
+        s.update_connector_output(connector_output.finished_sending, connector_output.finished_recving,
+                                  connector_output.invalid_block_ids)
+        report = connector_output.kv_connector_worker_meta
+        if isinstance(report, KVTierWorkerMeta):
+            self._stores_pending = report.stores_pending
+
+    def has_pending_push_work(self) -> bool:
+        # Keeps vLLM stepping while the worker's stores are queued (see KVTierWorkerMeta).
+        return self._stores_pending
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._s().request_finished(request, block_ids), None
@@ -209,7 +235,7 @@ class KVTierConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         if not isinstance(connector_metadata, KVTierVllmMeta):
             raise TypeError(f"expected KVTierVllmMeta, got {type(connector_metadata).__name__}")
-        self._w().bind(connector_metadata.meta)
+        self._w().bind(connector_metadata.meta, connector_metadata.idle)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -243,6 +269,10 @@ class KVTierConnector(KVConnectorBase_V1):
             return None
         delta = self._worker.stats_delta()
         return KVTierVllmStats(data=delta) if delta else None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        changed = self._w().stores_changed()
+        return None if changed is None else KVTierWorkerMeta(changed)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

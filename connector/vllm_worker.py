@@ -31,6 +31,9 @@ COUNTERS = ("connector_hit_tokens", "load_error_tokens", "bytes_loaded", "load_s
             "stored_tokens", "bytes_stored", "dropped_store_bytes")
 """The totals the worker reports to vLLM each step (as deltas; connector/vllm.py's stats)."""
 
+IDLE_STORE_WAIT = 0.05
+"""Seconds an idle step waits for queued stores before reporting (the engine steps again)."""
+
 
 def layer_index(name: str) -> int:
     """Returns the layer number in a vLLM attention layer name; ValueError if it has none or several."""
@@ -57,6 +60,8 @@ class VllmWorkerSide:
         self._layers: dict[str, int] = {}
         self._reported = RequestKVMetrics("*")
         self._server = LookupServer(self.worker.presence, lookup_socket_path(instance_id))
+        self._idle = False
+        self._reported_pending = False
         self._closed = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -69,9 +74,11 @@ class VllmWorkerSide:
         self.worker.register_layout(vllm_layout_for([kv_caches[n] for n in names], self.backend))
 
     # ---- the step ----------------------------------------------------------------------
-    def bind(self, meta: KVTierMeta) -> None:
-        """Takes the step's plans (before the forward, whichever hook runs first)."""
+    def bind(self, meta: KVTierMeta, idle: bool) -> None:
+        """Takes the step's plans (before the forward, whichever hook runs first); `idle`: the
+        step schedules no tokens (vLLM steps only for the connector)."""
         self.worker.bind_connector_metadata(meta)
+        self._idle = idle
 
     def start_load_kv(self) -> None:
         """Starts the step's loads (layerwise ones ahead of the forward) and gathers finished
@@ -82,7 +89,19 @@ class VllmWorkerSide:
         self.worker.wait_for_layer_load(self._layers[layer_name])
 
     def wait_for_save(self) -> None:
+        """Queues the step's saves; on an idle step, waits up to IDLE_STORE_WAIT seconds for
+        queued stores to land, so the engine, kept stepping by them, does not spin."""
         self.worker.wait_for_save()
+        if self._idle and self.worker.stores_pending():
+            self.worker.flush(IDLE_STORE_WAIT)
+
+    def stores_changed(self) -> bool | None:
+        """Returns whether stores are pending, when that changed since the last call; else None."""
+        now = self.worker.stores_pending()
+        if now == self._reported_pending:
+            return None
+        self._reported_pending = now
+        return now
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.get_finished(finished_req_ids)

@@ -216,6 +216,10 @@ class KVTierWorker(KVConnectorWorker):
             self.loader.wait_for_finished(timeout)
 
     # ---- lifecycle ---------------------------------------------------------------------
+    def stores_pending(self) -> bool:
+        """Returns True while a queued store (or promotion) has not reached every tier."""
+        return self.stores.pending() > 0 or self.storage.writer_stats()["pending"] > 0
+
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until queued stores reached every tier; returns False on timeout."""
         ok = self.stores.flush(timeout)

@@ -4,6 +4,7 @@ kv_both), tested with the official `openai` client, streamed and not; /metrics m
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,19 +19,26 @@ def _client(server: VllmServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def _complete(server: VllmServer, prompt: list[int], stream: bool) -> list[int]:
+def _complete(server: VllmServer, prompt: list[int], stream: bool, max_tokens: int = 8) -> list[int]:
     """Returns the greedy completion's token ids (vLLM's `return_token_ids` extension)."""
     client = _client(server)
     body = {"return_token_ids": True, "ignore_eos": True}
     if not stream:
-        out = client.completions.create(model="default", prompt=prompt, max_tokens=8, temperature=0.0,
+        out = client.completions.create(model="default", prompt=prompt, max_tokens=max_tokens, temperature=0.0,
                                         extra_body=body)
         return list(out.choices[0].token_ids)  # type: ignore[attr-defined]
     tokens: list[int] = []
-    for event in client.completions.create(model="default", prompt=prompt, max_tokens=8, temperature=0.0,
+    for event in client.completions.create(model="default", prompt=prompt, max_tokens=max_tokens, temperature=0.0,
                                            stream=True, extra_body=body):
         tokens += event.choices[0].token_ids or []  # type: ignore[attr-defined]
     return tokens
+
+
+def _wait_for_metric(server: VllmServer, name: str, at_least: float, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (value := server.metrics().get(name, 0)) < at_least:
+        assert time.monotonic() < deadline, f"{name} stayed at {value} (< {at_least}) for {timeout} s"
+        time.sleep(0.2)
 
 
 @pytest.fixture
@@ -45,6 +53,11 @@ def test_a_fresh_server_loads_what_another_stored(tier: str, roles: tuple[str, s
     config = {"tiers": [tier], "chunk_size": 256}
     first = VllmServer(default_model_path, config, tmp_path / "first.log", roles[0])
     try:
+        if roles[0] == "kv_producer":
+            # The request ends at its prefill, before its stores land; the pending stores keep
+            # the engine stepping, so their counters reach /metrics with no further request.
+            _complete(first, prompt_2k, stream=False, max_tokens=1)
+            _wait_for_metric(first, "kvtier:stored_tokens_total", len(prompt_2k))
         cold = _complete(first, prompt_2k, stream=False)
     finally:
         assert first.close() == 0  # SIGINT: queued stores are flushed before it exits
