@@ -32,6 +32,7 @@ from connector.vllm_version import check_vllm_version
 check_vllm_version(vllm.__version__)
 
 # Imported after the version check, so an unsupported vLLM fails with one clear message.
+from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -45,10 +46,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 
 from connector.config import ConnectorConfig  # noqa: E402
+from connector.kv_events import ChunkEvent  # noqa: E402
 from connector.lookup_channel import RemotePresence, lookup_socket_path  # noqa: E402
 from connector.metadata import KVTierMeta  # noqa: E402
 from connector.vllm_scheduler import VllmSchedulerSide  # noqa: E402
-from connector.vllm_worker import COUNTERS, VllmWorkerSide  # noqa: E402
+from connector.vllm_worker import COUNTERS, VllmWorkerSide, WorkerReport  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -64,15 +66,16 @@ class KVTierVllmMeta(KVConnectorMetadata):
 
 @dataclasses.dataclass
 class KVTierWorkerMeta(KVConnectorWorkerMetadata):
-    """The worker's report back to the scheduler role: whether stores are still pending
-    (sent when that changes). While they are, the engine keeps stepping, so a draining
-    shutdown (`--shutdown-timeout`) waits for them and their counters reach /metrics."""
+    """The worker's report back to the scheduler role (`WorkerReport`: stores still pending,
+    tier changes for KV events), sent when there is news. While stores are pending the engine
+    keeps stepping, so a draining shutdown (`--shutdown-timeout`) waits for them and their
+    counters reach /metrics."""
 
-    stores_pending: bool
+    report: WorkerReport
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KVTierWorkerMeta):
-            self.stores_pending = self.stores_pending or other.stores_pending
+            self.report.merge(other.report)
         return self
 
 
@@ -128,6 +131,16 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 self._by_tier.labels(*values, key.removeprefix("loaded_tokens.")).inc(delta)
 
 
+def _vllm_event(e: ChunkEvent) -> BlockStored | BlockRemoved:
+    """Returns vLLM's KV event for one of kvtier's chunk events: one block per chunk, the
+    chunk's chained hash as its hash, the tier as medium."""
+    if e.kind == "removed":
+        return BlockRemoved(block_hashes=[e.chain], medium=e.medium, ownership="kvtier")
+    return BlockStored(block_hashes=[e.chain], parent_block_hash=e.parent, token_ids=list(e.token_ids),
+                       block_size=len(e.token_ids), lora_id=None, medium=e.medium, lora_name=None,
+                       ownership="kvtier")
+
+
 def _backend() -> str:
     """Returns the layout family of this platform's attention backend."""
     return "cpu" if current_platform.is_cpu() else "flash"
@@ -172,12 +185,15 @@ class KVTierConnector(KVConnectorBase_V1):
         self._sched: VllmSchedulerSide | None = None
         self._worker: VllmWorkerSide | None = None
         self._stores_pending = False  # the worker's last report (scheduler role)
+        self._events: list[BlockStored | BlockRemoved] = []  # for take_events
+        ev = vllm_config.kv_events_config
+        events = ev is not None and bool(ev.enable_kv_cache_events)
         if role == KVConnectorRole.SCHEDULER:
             presence = RemotePresence(lookup_socket_path(kvt.engine_id))
             self._sched = VllmSchedulerSide(config, presence, model, kv_dtype, vllm_config.cache_config.block_size,
-                                            loads=kvt.is_kv_consumer, saves=kvt.is_kv_producer)
+                                            loads=kvt.is_kv_consumer, saves=kvt.is_kv_producer, events=events)
         else:
-            self._worker = VllmWorkerSide(config, model, kvt.engine_id, _backend())
+            self._worker = VllmWorkerSide(config, model, kvt.engine_id, _backend(), events=events)
 
     def _s(self) -> VllmSchedulerSide:
         if self._sched is None:
@@ -209,9 +225,10 @@ class KVTierConnector(KVConnectorBase_V1):
         s = self._s()
         s.update_connector_output(connector_output.finished_sending, connector_output.finished_recving,
                                   connector_output.invalid_block_ids)
-        report = connector_output.kv_connector_worker_meta
-        if isinstance(report, KVTierWorkerMeta):
-            self._stores_pending = report.stores_pending
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVTierWorkerMeta):
+            self._stores_pending = meta.report.stores_pending
+            self._events += [_vllm_event(e) for e in s.chunk_events(meta.report.stored, meta.report.removed)]
 
     def has_pending_push_work(self) -> bool:
         # Keeps vLLM stepping while the worker's stores are queued (see KVTierWorkerMeta).
@@ -221,7 +238,8 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._s().request_finished(request, block_ids), None
 
     def take_events(self) -> Iterable[Any]:
-        return ()
+        events, self._events = self._events, []
+        return events
 
     # ---- worker role -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -271,8 +289,8 @@ class KVTierConnector(KVConnectorBase_V1):
         return KVTierVllmStats(data=delta) if delta else None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        changed = self._w().stores_changed()
-        return None if changed is None else KVTierWorkerMeta(changed)
+        report = self._w().report()
+        return None if report is None else KVTierWorkerMeta(report)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from connector.config import ConnectorConfig
+from connector.kv_events import ChunkEvent, ChunkEventBuilder, TierKey
 from connector.metadata import KVTierMeta
 from connector.metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
@@ -46,7 +47,8 @@ class VllmSchedulerSide:
     """
 
     def __init__(self, config: ConnectorConfig, presence: ChunkPresence, model_config: ModelConfig,
-                 kv_dtype: torch.dtype, block_size: int, loads: bool = True, saves: bool = True) -> None:
+                 kv_dtype: torch.dtype, block_size: int, loads: bool = True, saves: bool = True,
+                 events: bool = False) -> None:
         if config.blend.enabled:
             raise ValueError("CacheBlend (blend.enabled) is not supported inside vLLM yet; "
                              "use kvtier's engine for blended prompts")
@@ -55,6 +57,9 @@ class VllmSchedulerSide:
         self.planner = KVTierPlanner(config, presence, self.metrics, loads=loads, saves=saves)
         self.planner.register_model(model_config, kv_dtype, block_size)
         self._live: dict[str, _Mirror] = {}
+        # events: the planned chunks' tokens, and finished requests' mirrors until their tail is planned
+        self.events = ChunkEventBuilder(self.planner.keyspace) if events else None
+        self._finished: dict[str, Sequence] = {}
 
     def _mirror(self, request: Any) -> Sequence:
         """Returns the request's mirror, its output tokens and computed count brought up to date."""
@@ -100,8 +105,22 @@ class VllmSchedulerSide:
             if block_state is not None:
                 seq.block_table = list(block_state.get_block_ids(rid)[0])
             steps.append(ScheduledRequest(seq, computed, counts.get(rid, 0)))
-        return self.planner.build_connector_meta(SchedulerOutput(
+        meta = self.planner.build_connector_meta(SchedulerOutput(
             requests=steps, finished_req_ids=set(scheduler_output.finished_req_ids)))
+        if self.events is not None:
+            for save in meta.saves:
+                m = self._live.get(save.request_id)
+                tokens = m.seq.all_token_ids if m is not None else None
+                if tokens is None and save.request_id in self._finished:
+                    tokens = self._finished[save.request_id].all_token_ids
+                if tokens is not None:
+                    self.events.planned(save, tokens)
+            self._finished.clear()
+        return meta
+
+    def chunk_events(self, stored: list[TierKey], removed: list[TierKey]) -> list[ChunkEvent]:
+        """Returns the KV events of the worker's tier changes (none unless events are on)."""
+        return self.events.events(stored, removed) if self.events is not None else []
 
     def update_connector_output(self, finished_sending: set[str] | None, finished_recving: set[str] | None,
                                 invalid_block_ids: set[int] | None) -> None:
@@ -120,4 +139,6 @@ class VllmSchedulerSide:
             keep = self.planner.request_finished(seq, list(block_ids))
         finally:
             self._live.pop(rid, None)
+        if keep and self.events is not None:  # its tail is planned in the next meta
+            self._finished[rid] = seq
         return keep and not loading

@@ -11,12 +11,13 @@ worker's tiers and pending stores live here. It never imports vllm.
 from __future__ import annotations
 
 import re
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 from connector.config import ConnectorConfig
+from connector.kv_events import TierChangeLog, TierKey
 from connector.lookup_channel import LookupServer, lookup_socket_path
 from connector.metadata import KVTierMeta
 from connector.metrics import ConnectorMetrics, RequestKVMetrics
@@ -35,6 +36,23 @@ IDLE_STORE_WAIT = 0.05
 """Seconds an idle step waits for queued stores before reporting (the engine steps again)."""
 
 
+@dataclass
+class WorkerReport:
+    """What the worker tells the scheduler side after a step (connector/vllm.py carries it
+    as vLLM's worker metadata): stores still queued, and the tiers' changes (for KV events)."""
+
+    stores_pending: bool
+    stored: list[TierKey] = field(default_factory=list)
+    removed: list[TierKey] = field(default_factory=list)
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        """Returns self with `other` (another worker's report of the same step) added."""
+        self.stores_pending = self.stores_pending or other.stores_pending
+        self.stored += other.stored
+        self.removed += other.removed
+        return self
+
+
 def layer_index(name: str) -> int:
     """Returns the layer number in a vLLM attention layer name; ValueError if it has none or several."""
     found = _LAYER_INDEX.findall(f".{name}.")
@@ -51,9 +69,14 @@ class VllmWorkerSide:
     and closes the tiers, once.
     """
 
-    def __init__(self, config: ConnectorConfig, model_config: ModelConfig, instance_id: str, backend: str) -> None:
+    def __init__(self, config: ConnectorConfig, model_config: ModelConfig, instance_id: str, backend: str,
+                 events: bool = False) -> None:
         self.backend = backend
         self.storage = StorageManager.from_config(config.kvstore)
+        # events: what the tiers stored and removed, reported to the scheduler side each step
+        self.changes: TierChangeLog | None = TierChangeLog() if events else None
+        if self.changes is not None:
+            self.storage.set_listener(self.changes)
         self.metrics = ConnectorMetrics()
         self.worker = KVTierWorker(config, self.storage, self.metrics)
         self.worker.register_model(model_config)
@@ -95,13 +118,16 @@ class VllmWorkerSide:
         if self._idle and self.worker.stores_pending():
             self.worker.flush(IDLE_STORE_WAIT)
 
-    def stores_changed(self) -> bool | None:
-        """Returns whether stores are pending, when that changed since the last call; else None."""
-        now = self.worker.stores_pending()
-        if now == self._reported_pending:
+    def report(self) -> WorkerReport | None:
+        """Returns what the scheduler side must hear after this step: whether stores are
+        pending (when that changed) and the tiers' changes since the last report; None when
+        there is nothing new."""
+        pending = self.worker.stores_pending()
+        stored, removed = self.changes.drain() if self.changes is not None else ([], [])
+        if pending == self._reported_pending and not stored and not removed:
             return None
-        self._reported_pending = now
-        return now
+        self._reported_pending = pending
+        return WorkerReport(pending, stored, removed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.get_finished(finished_req_ids)

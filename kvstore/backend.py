@@ -71,6 +71,19 @@ class StorageBackend(ABC):
         """Installs the storage manager's pin predicate: pinned keys are never evicted.
         Tiers without eviction ignore it."""
 
+    _on_evict: Callable[[list[str]], None] | None = None
+
+    def set_eviction_listener(self, on_evict: Callable[[list[str]], None]) -> None:
+        """Installs the callback told the keys this tier evicted to make room (never keys a
+        caller deleted). It may run under the tier's lock: it must be quick and must not call
+        the tier. A tier that cannot see its evictions (a server evicting by itself) never
+        calls it."""
+        self._on_evict = on_evict
+
+    def _evicted(self, keys: list[str]) -> None:
+        if keys and self._on_evict is not None:
+            self._on_evict(keys)
+
     def check(self) -> None:
         """Returns when the tier answers now; raises BackendError when it cannot be reached.
         Local tiers always answer; network tiers make one round trip."""

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, Literal, Protocol, TypeVar
 
 import torch
 
@@ -60,6 +60,14 @@ def _check_chunk(key: str, kv: Any) -> None:
         raise ValueError(f"chunk for {key!r} must be (layers, 2, tokens, kv_heads, head_size), got {tuple(kv.shape)}")
 
 
+class TierListener(Protocol):
+    """Told what each tier (by its `name`: "cpu", "disk", "redis", ...) now holds or lost."""
+
+    def stored(self, tier: str, keys: list[str]) -> None: ...
+
+    def removed(self, tier: str, keys: list[str]) -> None: ...
+
+
 class StorageManager:
     """Tiers fast to slow; thread-safe. `put` takes ownership of the tensor (do not mutate it later)."""
 
@@ -82,6 +90,7 @@ class StorageManager:
         self._stats_lock = threading.Lock()
         self._writer = BackgroundWriter(queue_size, queue_full, nice=10) if len(self.tiers) > 1 else None
         self.staging_copies = 0  # chunks copied to another device by `batched_put` (once per device)
+        self._listener: TierListener | None = None
         self._closed = False
 
     @classmethod
@@ -106,6 +115,14 @@ class StorageManager:
                       backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s)
         manager.check_tiers()
         return manager
+
+    def set_listener(self, listener: TierListener) -> None:
+        """Tells `listener` the keys each tier stored (after the write), evicted, or deleted
+        through `delete`; it runs on the writing thread, sometimes under a tier's lock, so it
+        must be quick and must not call the tiers."""
+        self._listener = listener
+        for tier in self.tiers:
+            tier.set_eviction_listener(partial(listener.removed, tier.name))
 
     def check_tiers(self) -> list[str]:
         """Asks every tier once whether it answers; returns the names of those that do not.
@@ -156,6 +173,8 @@ class StorageManager:
             with self._stats_lock:
                 self._stats[i].bytes_stored += sum(_nbytes(kv) for (_, kv), ok in zip(items, accepted) if ok)
                 self._stats[i].store_seconds += time.perf_counter() - t0
+            if self._listener is not None:
+                self._listener.stored(tier.name, [k for (k, _), ok in zip(items, accepted) if ok])
 
     def _store_slow(self, tiers: Sequence[int], items: Sequence[tuple[str, torch.Tensor]]) -> None:
         if not tiers or self._writer is None:
@@ -313,7 +332,8 @@ class StorageManager:
         """Removes `key` from every healthy tier (slow tiers after queued writes)."""
         self.flush()
         for i, tier in enumerate(self.tiers):
-            self._call(i, partial(tier.delete, key), write=True)
+            if self._call(i, partial(tier.delete, key), write=True) is True and self._listener is not None:
+                self._listener.removed(tier.name, [key])
 
     def clear(self) -> None:
         """Removes every chunk each healthy tier owns (see each tier's `clear`)."""

@@ -237,6 +237,7 @@ class DiskBackend(BytesBackend):
                     continue
                 state.used -= self._unlink(victim)
                 self._evictions += 1
+                self._evicted([victim])
             if state.used + nbytes <= budget:
                 return True
             if attempt == 0:

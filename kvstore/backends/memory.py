@@ -137,6 +137,7 @@ class MemoryBackend(StorageBackend):
             self._store[key] = stored
             self._budget.add(key, nbytes)
             self._stats.puts += 1
+        self._evicted(victims)
         return True
 
     def delete(self, key: str) -> bool:

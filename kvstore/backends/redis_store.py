@@ -356,6 +356,7 @@ class RedisBackend(BytesBackend):
             # on failure the writes stay accounted: their outcome is unknown, and over-counting
             # only evicts early, while under-counting could exceed the budget
             self._call("set", run)
+            self._evicted(victims)
             return [k in kept for k, _ in items]
 
     def _delete(self, key: str) -> bool:
