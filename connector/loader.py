@@ -36,7 +36,7 @@ from connector.staging import to_device_source
 from connector.store_queue import StoreQueue
 from engine.kv_cache import PagedKVLayout
 from kvstore.storage_manager import StorageManager
-from kvstore.writer import BackgroundWriter
+from kvstore.writer import BACKGROUND_NICE, BackgroundWriter, lower_thread_priority
 
 # Background loads queued at most; one past it is refused and computed instead.
 LOAD_QUEUE_SIZE = 4096
@@ -79,8 +79,9 @@ class Loader:
         self.metrics = metrics
         self.num_layers = layout.num_layers
         # A full queue refuses a job; that load is reported failed (recomputed).
-        self.writer = BackgroundWriter(LOAD_QUEUE_SIZE, "drop_new", "kvtier-connector-load")
-        self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="kvtier-connector-fetch")
+        self.writer = BackgroundWriter(LOAD_QUEUE_SIZE, "drop_new", "kvtier-connector-load", nice=BACKGROUND_NICE)
+        self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="kvtier-connector-fetch",
+                                            initializer=lower_thread_priority, initargs=(BACKGROUND_NICE,))
         device = layout.device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._cond = threading.Condition()
@@ -115,6 +116,11 @@ class Loader:
         with self._cond:
             done, self._done = self._done, {}
         return done
+
+    def in_flight(self) -> bool:
+        """Returns True while a submitted load has not ended."""
+        with self._cond:
+            return bool(self._loading)
 
     def wait_for_finished(self, timeout: float) -> None:
         """Blocks until `finished()` has something (or `timeout` seconds passed)."""

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvstore.storage_manager import StorageManager
-from kvstore.writer import BackgroundWriter
+from kvstore.writer import BACKGROUND_NICE, BackgroundWriter
 
 Item = tuple[str, torch.Tensor]
 
@@ -29,7 +29,8 @@ class StoreQueue:
     def __init__(self, storage: StorageManager, max_jobs: int, max_bytes: int, queue_full: str = "drop_new") -> None:
         self.storage = storage
         self.max_bytes = max_bytes
-        self._writer = BackgroundWriter(max_jobs, queue_full, "kvtier-connector-store")
+        # below the serving threads' priority, like the loader (connector/loader.py)
+        self._writer = BackgroundWriter(max_jobs, queue_full, "kvtier-connector-store", nice=BACKGROUND_NICE)
         self._cond = threading.Condition()
         self._keys: dict[str, int] = {}
         self._bytes = 0

@@ -32,8 +32,9 @@ COUNTERS = ("connector_hit_tokens", "load_error_tokens", "bytes_loaded", "load_s
             "stored_tokens", "bytes_stored", "dropped_store_bytes")
 """The totals the worker reports to vLLM each step (as deltas; connector/vllm.py's stats)."""
 
-IDLE_STORE_WAIT = 0.05
-"""Seconds an idle step waits for queued stores before reporting (the engine steps again)."""
+IDLE_WAIT = 0.05
+"""Seconds an idle step waits for a load in flight, or queued stores, before reporting (the
+engine steps again at once; a request arriving meanwhile waits at most this long)."""
 
 
 @dataclass
@@ -112,11 +113,7 @@ class VllmWorkerSide:
         self.worker.wait_for_layer_load(self._layers[layer_name])
 
     def wait_for_save(self) -> None:
-        """Queues the step's saves; on an idle step, waits up to IDLE_STORE_WAIT seconds for
-        queued stores to land, so the engine, kept stepping by them, does not spin."""
         self.worker.wait_for_save()
-        if self._idle and self.worker.stores_pending():
-            self.worker.flush(IDLE_STORE_WAIT)
 
     def report(self) -> WorkerReport | None:
         """Returns what the scheduler side must hear after this step: whether stores are
@@ -130,6 +127,15 @@ class VllmWorkerSide:
         return WorkerReport(pending, stored, removed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Returns (requests whose tail was gathered, requests whose load ended) since the last
+        call. On an idle step (vLLM steps only for the connector) it first waits, up to
+        IDLE_WAIT seconds, for a load in flight to end, else for queued stores to land: the
+        engine neither spins hot nor reports a finished load one poll late."""
+        if self._idle:
+            if self.worker.loads_in_flight():
+                self.worker.wait_for_finished(IDLE_WAIT)
+            elif self.worker.stores_pending():
+                self.worker.flush(IDLE_WAIT)
         return self.worker.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

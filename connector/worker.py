@@ -216,6 +216,10 @@ class KVTierWorker(KVConnectorWorker):
             self.loader.wait_for_finished(timeout)
 
     # ---- lifecycle ---------------------------------------------------------------------
+    def loads_in_flight(self) -> bool:
+        """Returns True while a background load has not ended."""
+        return self.loader is not None and self.loader.in_flight()
+
     def stores_pending(self) -> bool:
         """Returns True while a queued store (or promotion) has not reached every tier."""
         return self.stores.pending() > 0 or self.storage.writer_stats()["pending"] > 0

@@ -33,7 +33,7 @@ from kvstore.health import BACKOFF_INITIAL_S, BACKOFF_MAX_S, TierHealth
 from kvstore.pins import PinTable
 from kvstore.staging import stage
 from kvstore.tier_stats import TierStats
-from kvstore.writer import BackgroundWriter
+from kvstore.writer import BACKGROUND_NICE, BackgroundWriter
 
 logger = logging.getLogger("kvtier.kvstore")
 T = TypeVar("T")
@@ -88,7 +88,7 @@ class StorageManager:
         self._write_health = [TierHealth(n, backoff_initial_s, backoff_max_s, "writes") for n in names]
         self._stats = [TierStats(name=n) for n in names]
         self._stats_lock = threading.Lock()
-        self._writer = BackgroundWriter(queue_size, queue_full, nice=10) if len(self.tiers) > 1 else None
+        self._writer = BackgroundWriter(queue_size, queue_full, nice=BACKGROUND_NICE) if len(self.tiers) > 1 else None
         self.staging_copies = 0  # chunks copied to another device by `batched_put` (once per device)
         self._listener: TierListener | None = None
         self._closed = False

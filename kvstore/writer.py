@@ -18,6 +18,11 @@ logger = logging.getLogger("kvtier.kvstore")
 
 Job = Callable[[], None]
 
+BACKGROUND_NICE = 10
+"""Niceness added to threads that work in the background of serving (slower tiers' writes,
+the connector's loads and stores): they take the CPU the serving threads leave idle, so a
+running batch's steps slow down little while they work (benchmarks/bench_vllm.py, "stall")."""
+
 
 class BackgroundWriter:
     """One worker thread draining a bounded FIFO of jobs."""
@@ -80,7 +85,7 @@ class BackgroundWriter:
 
     def _run(self) -> None:
         if self._nice:
-            _lower_thread_priority(self._nice)
+            lower_thread_priority(self._nice)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self._closed)
@@ -99,7 +104,7 @@ class BackgroundWriter:
                     self._cond.notify_all()
 
 
-def _lower_thread_priority(nice: int) -> None:
+def lower_thread_priority(nice: int) -> None:
     """Raises this thread's niceness by `nice` (Linux schedules threads one by one), so the
     serving threads win the CPU while both want it. Best effort: a no-op where unsupported."""
     try:
