@@ -38,6 +38,7 @@ from kvstore.budget import ByteBudget
 from kvstore.codecs import Buffer, Codec
 from kvstore.config import TierSpec
 from kvstore.eviction import make_policy
+from kvstore.read_buffers import ReadBufferPool
 
 _SUFFIX = ".kvc"
 _TMP_PREFIX = ".tmp-"
@@ -140,6 +141,7 @@ class DiskBackend(BytesBackend):
         # this process's view: the files it knows, in eviction order (the budget lives in _dir)
         self._index = ByteBudget(None, make_policy(eviction))
         self._evictions = 0
+        self._read_buffers = ReadBufferPool()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -291,7 +293,7 @@ class DiskBackend(BytesBackend):
         try:
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
-                buf = bytearray(size)
+                buf = self._read_buffers.take(size)
                 n = f.readinto(buf)
         except FileNotFoundError:
             with self._lock:  # forget it only if still absent: a writer may have just renamed it in
@@ -306,7 +308,7 @@ class DiskBackend(BytesBackend):
             pass  # read-only, another user's file, or replaced since: the value read is whole
         with self._lock:
             self._index.touch(key)
-        return buf if n == size else memoryview(buf)[:n]
+        return buf if n == size else buf[:n]
 
     def encode(self, key: str, kv: torch.Tensor) -> serde.SplitValue:
         """Returns header + payload unjoined: the file gets them in two writes, no copy."""
