@@ -50,7 +50,7 @@ class ReadBufferPool:
         # `arr` is what every view of this value refers to (memoryview exports, torch.frombuffer):
         # when it is collected nothing reads the buffer any more.
         weakref.finalize(arr, self._give_back, buf).atexit = False
-        return memoryview(arr)
+        return arr.data  # a memoryview whose exporter is `arr`
 
     def _give_back(self, buf: bytearray) -> None:
         with self._lock:
