@@ -7,13 +7,17 @@ token comes through the connector) and the same prompts:
                                       (targets at 2k and 4k: cpu <= 0.12, redis <= 0.2)
 - ExampleConnector: vLLM's in-tree connector that stores safetensors on disk; kvtier's
   disk tier's warm TTFT over its                                         (target <= 0.5)
-- SimpleCPUOffloadConnector, LMCacheConnectorV1: what they do on this backend
+- SimpleCPUOffloadConnector, LMCacheConnectorV1: what they do on this backend. lmcache
+  pulls CUDA packages and other pins, so it lives apart: a venv over `.venv-vllm`
+  (`python -m venv /tmp/lmc`, a `.pth` naming .venv-vllm's site-packages, then
+  `/tmp/lmc/bin/pip install lmcache==0.5.6`), passed as `--lmcache-python /tmp/lmc/bin/python`
 - store overhead: kvtier cpu's cold TTFT over no connector's            (target <= 1.05)
 - stall: p99 of the running decodes' step times while a stored 4k prompt loads (from its
   arrival until its load ended: the step that then computes it with them is reported apart,
   as `joined`), over the same decodes with no load                       (target <= 1.2)
 
-    make bench-vllm     (= .venv-vllm/bin/python benchmarks/bench_vllm.py [--quick])
+    make bench-vllm     (= .venv-vllm/bin/python benchmarks/bench_vllm.py [--quick] [--reps N]
+                         [--only ARM ...] [--lmcache-python PY])
 
 Writes benchmarks/results/vllm.json and vllm.md. TTFT here is the wall time of a greedy
 one-token `generate`; medians of `--reps` prompts. `--quick` checks that the script runs.
@@ -113,14 +117,15 @@ def stall(llm: Any, n: int, reps: int) -> dict[str, float]:
 
 # ---- the parent: arms, one after the other -------------------------------------------------
 def run_arm(name: str, spec: dict[str, Any], log_dir: Path) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO), **spec.get("env", {}))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "3")
     log = log_dir / f"{name.replace(' ', '_')}.log"
     result = log.with_suffix(".json")
     t0 = time.perf_counter()
     with log.open("w") as f:
-        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps({**spec, "out": str(result)})],
+        proc = subprocess.run([spec.get("python", sys.executable), __file__, "--child",
+                               json.dumps({**spec, "out": str(result)})],
                               cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=3600)
     if proc.returncode or not result.exists():
         text = log.read_text(errors="replace").splitlines()
@@ -128,6 +133,9 @@ def run_arm(name: str, spec: dict[str, Any], log_dir: Path) -> dict[str, Any]:
         return {"error": f"exit {proc.returncode}: {errors[0] if errors else ''}"}
     out = json.loads(result.read_text())
     out["seconds"] = round(time.perf_counter() - t0, 1)
+    said = [ln for ln in log.read_text(errors="replace").splitlines() if spec.get("watch", "\0") in ln]
+    if said:  # what the connector said about itself (e.g. LMCache's degraded mode)
+        out["said"] = said[-1].strip()[-160:]
     return out
 
 
@@ -141,6 +149,8 @@ def main() -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--only", action="append", help="rerun only this arm (repeatable) into the last results")
+    ap.add_argument("--lmcache-python", help="an interpreter that has lmcache next to this vLLM (see above)")
     args = ap.parse_args()
     if args.child:  # the result goes to a file: vLLM's processes share this one's stdout
         spec = json.loads(args.child)
@@ -167,11 +177,22 @@ def main() -> int:
         "SimpleCPUOffloadConnector": {**base, "sizes": sizes[-1:], "kv": {"kv_connector": "SimpleCPUOffloadConnector",
                                                                           "kv_role": "kv_both"}},
         "LMCacheConnectorV1": {**base, "sizes": sizes[-1:], "kv": {"kv_connector": "LMCacheConnectorV1",
-                                                                   "kv_role": "kv_both"}},
+                                                                   "kv_role": "kv_both"},
+                               "python": args.lmcache_python or sys.executable, "watch": "RuntimeError: No supported",
+                               "env": {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_CHUNK_SIZE": "256",
+                                       "LMCACHE_MAX_LOCAL_CPU_SIZE": "4"}},
     }
     res: dict[str, Any] = {"quick": args.quick, "platform": platform.platform(), "sizes": sizes, "reps": reps,
                            "vllm_env": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND",
                                                                         "VLLM_CPU_KVCACHE_SPACE")}}
+    suffix = "_quick" if args.quick else ""
+    if args.only:  # rerun these arms into the last run's results (its sizes and reps)
+        unknown = set(args.only) - set(arms)
+        if unknown:
+            ap.error(f"--only: no arm {sorted(unknown)}; arms: {', '.join(arms)}")
+        res = json.loads((RESULTS / f"vllm{suffix}.json").read_text())
+        arms = {n: {**arms[n], "sizes": [n_ for n_ in arms[n]["sizes"] if n_ in res["sizes"]], "reps": res["reps"]}
+                for n in args.only}
     try:
         for name, spec in arms.items():
             print(f"arm {name} ...", file=sys.stderr, flush=True)
@@ -179,7 +200,6 @@ def main() -> int:
     finally:
         redis.stop()
     RESULTS.mkdir(exist_ok=True)
-    suffix = "_quick" if args.quick else ""
     (RESULTS / f"vllm{suffix}.json").write_text(json.dumps(res, indent=2) + "\n")
     table = render(res)
     (RESULTS / f"vllm{suffix}.md").write_text(table)
@@ -224,7 +244,12 @@ def render(res: dict[str, Any]) -> str:
             what = "fails: " + r["error"][-300:].replace("|", "/")
         else:
             n = sizes[-1]
+            t = r["ttft"][n]
             what = f"runs; warm/cold {ratio(arm, n):.3f} at {n} tokens (prefix caching off)"
+            if n in cpu:
+                what += f", cold TTFT {t['cold_s'] / cpu[n]['cold_s']:.2f}x kvtier cpu's"
+            if "said" in r:
+                what += f"; it says: {r['said']}"
         lines.append(f"| {arm} | {what} | | |")
     return "\n".join(lines) + "\n"
 
