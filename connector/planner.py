@@ -81,6 +81,7 @@ class KVTierPlanner(KVConnectorScheduler):
         self._tail_saves: list[SaveSpec] = []  # of finished requests, since the last meta
         self._loading: dict[str, LoadSpec] = {}  # background loads not reported ended
         self._step_loads: dict[str, LoadSpec] = {}  # in-step loads of the last meta
+        self._no_save: set[str] = set()  # live requests that asked not to be stored
 
     # ---- set-up ------------------------------------------------------------------------
     def register_model(self, model_config: ModelConfig, kv_dtype: torch.dtype, block_size: int) -> None:
@@ -179,6 +180,10 @@ class KVTierPlanner(KVConnectorScheduler):
         (self._step_loads if load.layerwise else self._loading)[rid] = load
         self._saves().skip_to(rid, end)
 
+    def skip_saves(self, request_id: str) -> None:
+        """Stores nothing of this request (its K/V is still loaded from what others stored)."""
+        self._no_save.add(request_id)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMeta:
         """Returns the loads planned since the last call, the chunks this step makes storable
         (blended requests are never stored as prefix chunks), finished requests' tails, and
@@ -189,7 +194,7 @@ class KVTierPlanner(KVConnectorScheduler):
         meta.blends = blends
         plan = self._saves()
         for r in scheduler_output.requests:
-            if self.blend is not None and self.blend.is_blended(r.request_id):
+            if r.request_id in self._no_save or (self.blend is not None and self.blend.is_blended(r.request_id)):
                 continue
             spans = plan.spans_to_save(r.seq, r.num_computed_tokens + r.num_new_tokens)
             if spans:
@@ -226,12 +231,16 @@ class KVTierPlanner(KVConnectorScheduler):
             if rid in self._loading:  # stopped by the worker at its next chunk, then reported
                 self._saves().forget(rid)
                 return True
+            if rid in self._no_save:
+                self._saves().forget(rid)
+                return False
             tail = self._saves().finish(seq, len(block_ids), self.block_size)
             if tail:
                 self._tail_saves.append(SaveSpec(rid, list(block_ids), tail, release=True))
                 return True
             return False
         finally:
+            self._no_save.discard(rid)
             self.metrics.finish(rid)
 
     def request_metrics(self, request_id: str) -> RequestKVMetrics:

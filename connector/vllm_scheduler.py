@@ -30,6 +30,10 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.sequence import Sequence
 
+SKIP_SAVE_PARAMS = ("kvtier.skip_save", "lmcache.skip_save")
+"""A request's `kv_transfer_params` key that, set to true, keeps its K/V out of the tiers
+(LMCache's name is honoured too); it still loads what others stored."""
+
 
 @dataclass
 class _Mirror:
@@ -67,6 +71,9 @@ class VllmSchedulerSide:
         if m is None:
             seq = Sequence(request.request_id, list(request.prompt_token_ids or ()), SamplingParams())
             m = self._live[request.request_id] = _Mirror(request, seq)
+            params = getattr(request, "kv_transfer_params", None) or {}
+            if any(params.get(k) is True for k in SKIP_SAVE_PARAMS):
+                self.planner.skip_saves(request.request_id)
         out = request.output_token_ids
         have = len(m.seq.output_token_ids)
         if len(out) < have:  # vLLM rewound the output (a preempted request's stale tokens)

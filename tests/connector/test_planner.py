@@ -13,6 +13,7 @@ from connector.config import make_config
 from connector.metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
 from connector.presence import Presence
+from engine.kv_connector import KVConnectorOutput
 from engine.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -100,3 +101,25 @@ def test_saves_are_planned_once_from_what_the_step_computed(default_model_path: 
     # The prompt's partial last chunk too (save_unfull_chunk), and nothing offered twice.
     assert [(sp.start, sp.end) for sp in rest.saves[0].spans] == [(32, 48), (48, 50)]
     assert tier.calls == []  # whether a tier holds them is the worker side's question
+
+
+def test_a_request_that_skips_saves_offers_nothing_but_still_loads(default_model_path: Path) -> None:
+    planner, tier, mc = _planner(default_model_path)
+    ids = list(range(100, 150))
+    _store(tier, mc, planner.keyspace.spans(ids[:32]))
+    seq = Sequence("s", ids, SamplingParams(max_tokens=1))
+    planner.skip_saves("s")
+    assert planner.get_num_new_matched_tokens(seq, 0) == (32, True)
+    planner.update_state_after_alloc(seq, list(range(4)), 32)
+    meta = planner.build_connector_meta(SchedulerOutput([ScheduledRequest(seq, 32, 18)]))
+    assert [ld.request_id for ld in meta.loads] == ["s"] and meta.saves == []
+    seq.num_computed_tokens = 50
+    seq.output_token_ids.append(7)
+    planner.update_connector_output(KVConnectorOutput(finished_recving={"s"}))
+    assert planner.request_finished(seq, list(range(4))) is False  # no tail to save: freed at once
+    assert planner.build_connector_meta(SchedulerOutput([])).saves == []
+    # the flag ends with the request: a later request with that id is stored again
+    again = Sequence("s", ids, SamplingParams(max_tokens=1))
+    planner.get_num_new_matched_tokens(again, 0)
+    planner.update_state_after_alloc(again, list(range(4)), 0)
+    assert planner.build_connector_meta(SchedulerOutput([ScheduledRequest(again, 32, 18)])).saves

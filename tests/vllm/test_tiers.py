@@ -23,6 +23,9 @@ def test_the_second_run_loads_the_prompt_from_the_tier(tier: str, layerwise: boo
     config = {"tiers": [url], "chunk_size": 256, "use_layerwise": layerwise}
     llm = VllmLLM(default_model_path, config, tmp_path / "vllm.log")
     try:
+        if tier == "cpu":  # a request that asks not to be stored leaves nothing to load
+            skipped = llm.generate([prompt_2k], kv_transfer_params={"kvtier.skip_save": True})
+            assert skipped["metrics"].get("kvtier:stored_tokens_total", 0) == 0
         cold = llm.generate([prompt_2k])
         warm = llm.generate([prompt_2k])
     finally:
