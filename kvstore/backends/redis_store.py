@@ -3,7 +3,7 @@
 URLs: `redis://[user:pass@]host:port/db`, `rediss://...` (TLS; `ssl_*` options are passed to
 redis-py), `redis+cluster://host:port` / `rediss+cluster://...` (Redis Cluster: keys hash
 across slots; pipelines are split per node by redis-py). Batched get/put and `prefix_hits`
-are one pipelined round trip (per node). hiredis is used by redis-py when installed.
+are one pipelined round trip (per node); redis-py uses hiredis.
 
 Options: `ttl_s` (expire chunks), `read_timeout_s` (default 0.5: the serving path, i.e.
 existence checks and GETs, on its own connection pool, so a frozen server stalls a caller at
@@ -15,9 +15,7 @@ clients of a shared server, set the server's `maxmemory` and an LRU policy.
 
 A key that does not hold a chunk (another type, a garbage string) is a miss for that key
 alone and is removed; it never fails its batch or the tier. Connection failures, timeouts
-and refused writes (e.g. OOM under `noeviction`) raise BackendError.
-
-The GET fast path reads replies off the connection's socket (`Connection._get_socket`) and
+and refused writes (e.g. OOM under `noeviction`) raise BackendError. The GET fast path reads replies off the connection's socket (`Connection._get_socket`) and
 packs commands with redis-py's `Encoder`: both redis-py internals present in 7.x and 8.x,
 hence the `redis>=7.0,<9` pin; `_check_redis_py` refuses other versions by name.
 """
