@@ -15,9 +15,10 @@ clients of a shared server, set the server's `maxmemory` and an LRU policy.
 
 A key that does not hold a chunk (another type, a garbage string) is a miss for that key
 alone and is removed; it never fails its batch or the tier. Connection failures, timeouts
-and refused writes (e.g. OOM under `noeviction`) raise BackendError. The GET fast path reads replies off the connection's socket (`Connection._get_socket`) and
-packs commands with redis-py's `Encoder`: both redis-py internals present in 7.x and 8.x,
-hence the `redis>=7.0,<9` pin; `_check_redis_py` refuses other versions by name.
+and refused writes (e.g. OOM under `noeviction`) raise BackendError. The GET fast path
+reads replies off the connection's socket (`Connection._get_socket`) and packs commands with
+redis-py's `Encoder`: both redis-py internals present in 7.x and 8.x, hence the
+`redis>=7.0,<9` pin; `_check_redis_py` refuses other versions by name.
 """
 
 from __future__ import annotations
