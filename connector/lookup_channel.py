@@ -6,9 +6,13 @@ thread in the worker process that answers "which of these keys are held?" from i
 `Presence`; `RemotePresence` is the planner's `ChunkPresence` that asks it over a Unix socket
 (LMCache's lookup server plays this part). One round trip per question; no value is read.
 
-Frames, no pickle: a question is a u32 key count, then per key a u32 length and its UTF-8
-bytes; the answer is one byte (0 or 1) per key. A malformed or oversized question closes
-that connection. An answer that does not come (the worker is gone or stuck) is a miss.
+Frames, no pickle: a question is a u32 header (its op in the top byte, the key count in the
+rest), then per key a u32 length and its UTF-8 bytes. `OP_HELD` is answered with one byte (0 or
+1) per key; `OP_TIER_PREFIX` (how many leading keys each tier holds by itself, for `vllm
+serve`'s /kv/lookup, connector/vllm_lookup_route.py) with a u32 tier count, then per tier,
+fastest first, a u32 name length, the name's UTF-8 bytes and a u32 count. A malformed or
+oversized frame closes that connection. An answer that does not come (the worker is gone or
+stuck) is a miss.
 """
 
 from __future__ import annotations
@@ -21,16 +25,21 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from connector.presence import ChunkPresence, Presence
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 _U32 = struct.Struct("<I")
 MAX_KEYS = 1 << 16
 MAX_KEY_BYTES = 4096
+MAX_TIERS = 64
+OP_HELD, OP_TIER_PREFIX = 0, 1
+_OP_SHIFT = 24  # the op's place in a question's header; MAX_KEYS fits below it
 
 
 def lookup_socket_path(instance_id: str) -> Path:
@@ -51,11 +60,11 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def encode_question(keys: Sequence[str]) -> bytes:
-    """Returns the frame asking about `keys`; ValueError past MAX_KEYS or MAX_KEY_BYTES."""
+def encode_question(keys: Sequence[str], op: int = OP_HELD) -> bytes:
+    """Returns the frame asking `op` about `keys`; ValueError past MAX_KEYS or MAX_KEY_BYTES."""
     if len(keys) > MAX_KEYS:
         raise ValueError(f"lookup channel: {len(keys)} keys in one question, at most {MAX_KEYS}")
-    parts = [_U32.pack(len(keys))]
+    parts = [_U32.pack(op << _OP_SHIFT | len(keys))]
     for key in keys:
         raw = key.encode()
         if len(raw) > MAX_KEY_BYTES:
@@ -64,10 +73,13 @@ def encode_question(keys: Sequence[str]) -> bytes:
     return b"".join(parts)
 
 
-def read_question(sock: socket.socket) -> list[str]:
-    """Returns the keys of the next question on `sock`; ValueError on a malformed frame,
-    ConnectionError when the peer closed."""
-    (count,) = _U32.unpack(_read_exact(sock, 4))
+def read_question(sock: socket.socket) -> tuple[int, list[str]]:
+    """Returns the op and keys of the next question on `sock`; ValueError on a malformed
+    frame or an unknown op, ConnectionError when the peer closed."""
+    (header,) = _U32.unpack(_read_exact(sock, 4))
+    op, count = header >> _OP_SHIFT, header & ((1 << _OP_SHIFT) - 1)
+    if op not in (OP_HELD, OP_TIER_PREFIX):
+        raise ValueError(f"lookup channel: unknown op {op}")
     if count > MAX_KEYS:
         raise ValueError(f"lookup channel: {count} keys in one question, at most {MAX_KEYS}")
     keys = []
@@ -76,7 +88,35 @@ def read_question(sock: socket.socket) -> list[str]:
         if n > MAX_KEY_BYTES:
             raise ValueError(f"lookup channel: a key of {n} bytes, at most {MAX_KEY_BYTES}")
         keys.append(_read_exact(sock, n).decode())
-    return keys
+    return op, keys
+
+
+def encode_tier_hits(hits: dict[str, int]) -> bytes:
+    """Returns the frame answering OP_TIER_PREFIX with `hits` (tier name -> leading keys held)."""
+    parts = [_U32.pack(len(hits))]
+    for name, n in hits.items():
+        raw = name.encode()
+        parts += (_U32.pack(len(raw)), raw, _U32.pack(n))
+    return b"".join(parts)
+
+
+def read_tier_hits(sock: socket.socket, num_keys: int) -> dict[str, int]:
+    """Returns the OP_TIER_PREFIX answer to a question of `num_keys` keys; ValueError on a
+    malformed frame (past MAX_TIERS tiers or MAX_KEY_BYTES a name, a count over `num_keys`)."""
+    (count,) = _U32.unpack(_read_exact(sock, 4))
+    if count > MAX_TIERS:
+        raise ValueError(f"lookup channel: {count} tiers in one answer, at most {MAX_TIERS}")
+    hits: dict[str, int] = {}
+    for _ in range(count):
+        (n,) = _U32.unpack(_read_exact(sock, 4))
+        if n > MAX_KEY_BYTES:
+            raise ValueError(f"lookup channel: a tier name of {n} bytes, at most {MAX_KEY_BYTES}")
+        name = _read_exact(sock, n).decode()
+        (held,) = _U32.unpack(_read_exact(sock, 4))
+        if held > num_keys:
+            raise ValueError(f"lookup channel: tier {name!r} holds {held} of {num_keys} keys")
+        hits[name] = held
+    return hits
 
 
 class LookupServer:
@@ -112,8 +152,11 @@ class LookupServer:
             self._open.add(sock)
         try:
             while True:
-                keys = read_question(sock)
-                sock.sendall(bytes(self.presence.held(keys)) if keys else b"")
+                op, keys = read_question(sock)
+                if op == OP_TIER_PREFIX:
+                    sock.sendall(encode_tier_hits(self.presence.storage.tier_prefix_hits(keys)))
+                else:
+                    sock.sendall(bytes(self.presence.held(keys)) if keys else b"")
         except ConnectionError:
             return
         except (ValueError, UnicodeDecodeError, OSError) as e:
@@ -168,19 +211,29 @@ class RemotePresence(ChunkPresence):
     def held(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
-        question = encode_question(keys)
+        answer = self._ask(encode_question(keys), lambda sock: _read_exact(sock, len(keys)))
+        return [False] * len(keys) if answer is None else [b == 1 for b in answer]
+
+    def tier_prefix_hits(self, keys: Sequence[str]) -> dict[str, int]:
+        """Returns, per tier name (fastest first), how many of `keys` from the start that tier
+        holds by itself (pending stores not counted); {} when the channel fails."""
+        answer = self._ask(encode_question(keys, OP_TIER_PREFIX), lambda sock: read_tier_hits(sock, len(keys)))
+        return {} if answer is None else answer
+
+    def _ask(self, question: bytes, read: Callable[[socket.socket], _T]) -> _T | None:
+        """Returns the worker's answer to `question` as `read` decodes it; None (logged, the
+        connection dropped) when none comes or it is malformed."""
         with self._lock:
             try:
                 if self._sock is None:
                     self._sock = self._connect()
                 self._sock.sendall(question)
-                answer = _read_exact(self._sock, len(keys))
-                return [b == 1 for b in answer]
-            except OSError as e:  # timeouts and a closed channel included
+                return read(self._sock)
+            except (OSError, ValueError, UnicodeDecodeError) as e:  # timeouts, a closed channel
                 self.failures += 1
                 log.warning("lookup channel %s: no answer (%s); treated as a miss", self.path, e)
                 self.close()
-                return [False] * len(keys)
+                return None
 
     def close(self) -> None:
         """Closes the connection (the next question opens a new one)."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from connector.keyspace import Keyspace
-from connector.lookup_channel import LookupServer, RemotePresence, lookup_socket_path
+from connector.lookup_channel import MAX_KEYS, LookupServer, RemotePresence, lookup_socket_path
 from connector.presence import Presence
 from kvstore.config import KVStoreConfig, TierSpec
 from kvstore.storage_manager import StorageManager
@@ -54,14 +54,42 @@ def test_a_malformed_question_ends_only_its_connection(storage: StorageManager, 
     try:
         bad = socket.socket(socket.AF_UNIX)
         bad.connect(str(path))
-        bad.sendall(struct.pack("<I", 1 << 30))  # more keys than any question may hold
+        bad.sendall(struct.pack("<I", MAX_KEYS + 1))  # more keys than any question may hold
         assert bad.recv(1) == b""  # the server closed it
         bad.close()
+        unknown = socket.socket(socket.AF_UNIX)
+        unknown.connect(str(path))
+        unknown.sendall(struct.pack("<I", 7 << 24))  # an op no server knows
+        assert unknown.recv(1) == b""
+        unknown.close()
         storage.put("k", torch.zeros(1, 2, 1, 1, 4))
         assert remote.held(["k", "x"]) == [True, False]
     finally:
         remote.close()
         server.close()
+
+
+def test_per_tier_prefixes_equal_the_local_storage_answer(path: Path) -> None:
+    """The question `vllm serve`'s /kv/lookup asks: leading keys per tier, pending stores not counted."""
+    config = KVStoreConfig(tiers=[TierSpec(url="cpu"), TierSpec(url="cpu")])
+    with StorageManager.from_config(config) as two:
+        fast, slow = two.names
+        keys = KS.stored_keys(KS.spans(list(range(16))))
+        two.tiers[0].put(keys[0], torch.zeros(2, 2, 4, 1, 8))
+        for k in keys[:3]:
+            two.tiers[1].put(k, torch.zeros(2, 2, 4, 1, 8))
+        local = Presence(two, {keys[3]}.__contains__)
+        server = LookupServer(local, path)
+        remote = RemotePresence(path, timeout=2.0, connect_timeout=0.2)
+        try:
+            assert remote.tier_prefix_hits(keys) == two.tier_prefix_hits(keys) == {fast: 1, slow: 3}
+            assert remote.tier_prefix_hits([]) == {fast: 0, slow: 0}
+            assert remote.held(keys) == [True, True, True, True]  # the same connection, the other op
+            assert remote.failures == 0
+        finally:
+            remote.close()
+            server.close()
+    assert remote.tier_prefix_hits(keys) == {} and remote.failures == 1  # no server: nothing known
 
 
 def test_no_server_is_a_miss_and_a_restarted_server_is_found_again(storage: StorageManager, path: Path) -> None:
