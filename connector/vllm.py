@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 
 from connector.config import ConnectorConfig  # noqa: E402
+from connector.keyspace import Keyspace  # noqa: E402
 from connector.kv_events import ChunkEvent  # noqa: E402
 from connector.lookup_channel import RemotePresence, lookup_socket_path  # noqa: E402
 from connector.metadata import KVTierMeta  # noqa: E402
@@ -173,6 +174,14 @@ def _setup(vllm_config: Any) -> tuple[ConnectorConfig, ModelConfig, torch.dtype]
     model = ModelConfig.from_pretrained(vllm_config.model_config.model)
     model = dataclasses.replace(model, fingerprint=f"{model.fingerprint}+vllm-{_backend()}")
     return config, model, vllm_config.model_config.dtype
+
+
+def connector_keyspace(vllm_config: Any) -> Keyspace:
+    """Returns the keyspace KVTierConnector's scheduler side keys chunks in for `vllm_config`,
+    so another process of the same server (its API server: connector/vllm_lookup_route.py)
+    can ask the worker's tiers about a prompt; ValueError as `_setup`."""
+    config, model, kv_dtype = _setup(vllm_config)
+    return Keyspace(model.fingerprint, kv_dtype, config.chunk_size, model.num_layers, layerwise=config.use_layerwise)
 
 
 class KVTierConnector(KVConnectorBase_V1):

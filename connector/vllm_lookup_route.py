@@ -1,0 +1,277 @@
+"""`POST /kv/lookup` for `vllm serve` with KVTierConnector: what `kvtier router --policy
+kv-aware` asks each backend (kvtier serve answers the same question, kvtier/server/app.py).
+
+Added through vLLM's own option, `--middleware connector.vllm_lookup_route.KvLookupRoute`
+(`kvtier-vllm serve` adds it by itself). A pure ASGI middleware: every other request goes
+straight on to vLLM. The body takes one of `prompt` (text), `prompt_token_ids` or `messages`
+(chat), and `model`; the answer has kvtier serve's shape:
+
+- `num_tokens`: the prompt's tokens as vLLM computes them for the same completion or chat
+  request: text and messages go through vLLM's own `/tokenize` route, in process (its
+  renderer, chat template and defaults; chat fields such as `add_generation_prompt` or
+  `chat_template_kwargs` in the body are honoured as there).
+- `tiers`, `max_hit_tokens`: per tier, how many leading tokens it holds as stored chunks, never
+  the last token (vLLM always computes it), asked of the worker process's tiers over the lookup
+  channel (connector/lookup_channel.py, OP_TIER_PREFIX). Stores still queued are not counted.
+- `engine_prefix_cache_tokens`: always 0: vLLM's own prefix cache lives in its EngineCore
+  process, which answers no such question.
+- `num_requests_running` / `num_requests_waiting`: vLLM's own gauges as its `/metrics` shows
+  them (the last engine step's); 0 when vLLM keeps no stats (`--disable-log-stats`).
+
+Guarded by vLLM's `--api-key` (or `VLLM_API_KEY`) like its `/v1` routes: a lookup tells whether
+a prompt was seen. Bad input is a 400 naming the problem. This module never imports vllm: it
+reads vLLM's app state by attribute, and takes the keyspace from connector/vllm.py, imported
+when first asked (inside vLLM's API server, where vllm is loaded anyway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import secrets
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from typing import Any
+
+from connector.keyspace import Keyspace
+from connector.lookup_channel import RemotePresence, lookup_socket_path
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+LOOKUP_PATH = "/kv/lookup"
+MAX_BODY_BYTES = 16 << 20
+CHANNEL_TIMEOUT = 2.0  # seconds; a router waits less (kvtier router --lookup-timeout)
+MAX_DETAIL = 500  # characters of vLLM's own error message kept in a 400
+FORMS = ("prompt", "prompt_token_ids", "messages")
+TOKENIZE_FIELDS = ("add_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template",
+                   "chat_template_kwargs", "tools")
+"""Fields of a lookup body passed on to vLLM's /tokenize: they change the prompt's tokens."""
+_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+class Rejected(Exception):
+    """A lookup refused: HTTP `status`, a message naming the problem and the field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
+
+
+def lookup_form(body: Any) -> tuple[str, Any]:
+    """Returns (form, value) of a lookup body: ("prompt_token_ids", ids), ("prompt", text) or
+    ("messages", list); Rejected (400) unless exactly one well-typed form is given."""
+    if not isinstance(body, dict):
+        raise Rejected(400, "the body must be a JSON object")
+    forms = [f for f in FORMS if body.get(f) is not None]
+    if len(forms) != 1:
+        raise Rejected(400, "give exactly one of prompt, prompt_token_ids or messages", "prompt")
+    form, value = forms[0], body[forms[0]]
+    if form == "prompt_token_ids":
+        if not isinstance(value, list) or not value or not all(type(t) is int and t >= 0 for t in value):
+            raise Rejected(400, "prompt_token_ids must be a non-empty list of non-negative integers", form)
+    elif form == "prompt" and not (isinstance(value, str) and value):
+        raise Rejected(400, "prompt must be a non-empty string (send token ids as prompt_token_ids)", form)
+    elif form == "messages" and not (isinstance(value, list) and value):
+        raise Rejected(400, "messages must be a non-empty list of chat messages", form)
+    return form, value
+
+
+def held_tokens(keyspace: Keyspace, token_ids: Sequence[int], key_hits: dict[str, int]) -> dict[str, int]:
+    """Returns per tier the leading tokens of `token_ids` it holds, given per tier how many of
+    `keyspace.stored_keys(keyspace.spans(token_ids))` it holds from the start; never the last token."""
+    spans = keyspace.spans(token_ids)
+    per = keyspace.values_per_chunk
+    limit = len(token_ids) - 1
+    return {name: min(spans[n // per - 1].end, limit) if n >= per else 0 for name, n in key_hits.items()}
+
+
+class _Tiers:
+    """The worker's tiers as this server's connector keys them, asked over the lookup channel."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        from connector.vllm import connector_keyspace  # imports vllm: only inside vLLM's server
+
+        self.keyspace = connector_keyspace(vllm_config)
+        path = lookup_socket_path(vllm_config.kv_transfer_config.engine_id)
+        self.remote = RemotePresence(path, timeout=CHANNEL_TIMEOUT, connect_timeout=CHANNEL_TIMEOUT)
+
+    def held(self, token_ids: Sequence[int]) -> dict[str, int]:
+        """Returns per tier (fastest first) the leading tokens held; {} if the worker does not answer."""
+        keys = self.keyspace.stored_keys(self.keyspace.spans(token_ids))
+        return held_tokens(self.keyspace, token_ids, self.remote.tier_prefix_hits(keys))
+
+
+class KvLookupRoute:
+    """ASGI middleware answering `POST /kv/lookup` (module docstring); all else passes through."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self._tiers: _Tiers | None = None
+        self._setup_lock = asyncio.Lock()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"].removeprefix(scope.get("root_path", "")) != LOOKUP_PATH:
+            await self.app(scope, receive, send)
+            return
+        try:
+            status, answer = 200, await self._lookup(scope, receive)
+        except Rejected as exc:
+            status, answer = exc.status, exc.body()
+        await _send_json(send, status, answer)
+
+    async def _lookup(self, scope: Scope, receive: Receive) -> dict[str, Any]:
+        if scope.get("method") != "POST":
+            raise Rejected(405, f"{LOOKUP_PATH} takes POST")
+        state = scope["app"].state
+        _authorize(state, scope)
+        try:
+            body = json.loads(await _read_body(scope, receive))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise Rejected(400, f"the body is not JSON: {exc}") from None
+        form, value = lookup_form(body)
+        names = [p.name for p in state.openai_serving_models.base_model_paths]
+        model = body.get("model")
+        if model is not None and model not in names:
+            raise Rejected(404, f"The model `{model}` does not exist (this server serves {', '.join(names)}).",
+                           "model")
+        mc = state.vllm_config.model_config
+        if form == "prompt_token_ids":
+            ids = value
+            vocab = mc.get_vocab_size()
+            if max(ids) >= vocab:
+                raise Rejected(400, f"prompt_token_ids holds {max(ids)}, past the vocabulary ({vocab} tokens)", form)
+        else:
+            ids = await self._tokenize(scope, form, body)
+        if len(ids) > mc.max_model_len:
+            raise Rejected(400, f"the prompt has {len(ids)} tokens, more than this server's max_model_len "
+                                f"({mc.max_model_len})", form)
+        tiers = await asyncio.to_thread((await self._tiers_of(state)).held, ids)
+        running, waiting = _load()
+        return {"model": names[0], "num_tokens": len(ids), "engine_prefix_cache_tokens": 0, "tiers": tiers,
+                "max_hit_tokens": max(tiers.values(), default=0), "num_requests_running": running,
+                "num_requests_waiting": waiting}
+
+    async def _tiers_of(self, state: Any) -> _Tiers:
+        async with self._setup_lock:
+            if self._tiers is None:
+                kvt = state.vllm_config.kv_transfer_config
+                if kvt is None or kvt.kv_connector != "KVTierConnector":
+                    raise Rejected(501, f"{LOOKUP_PATH} needs --kv-transfer-config with KVTierConnector")
+                self._tiers = await asyncio.to_thread(_Tiers, state.vllm_config)
+            return self._tiers
+
+    async def _tokenize(self, scope: Scope, form: str, body: dict[str, Any]) -> list[int]:
+        """Returns the prompt's token ids as vLLM's own /tokenize computes them."""
+        payload = {k: body[k] for k in ("model", form, *TOKENIZE_FIELDS) if k in body}
+        path = scope["path"][: -len(LOOKUP_PATH)] + "/tokenize"
+        status, raw = await _call(self.app, scope, path, payload)
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            answer = None
+        if status == 200 and isinstance(answer, dict) and isinstance(answer.get("tokens"), list):
+            if not answer["tokens"]:
+                raise Rejected(400, f"the {form} has no tokens", form)
+            return list(answer["tokens"])
+        error = answer.get("error") if isinstance(answer, dict) else None
+        detail = str(error.get("message")) if isinstance(error, dict) else raw.decode(errors="replace")
+        raise Rejected(400 if 400 <= status < 500 else 500,
+                       f"vLLM could not tokenize the {form}: {detail[:MAX_DETAIL]}", form)
+
+
+def _authorize(state: Any, scope: Scope) -> None:
+    """Raises Rejected (401) unless the request carries one of vLLM's API keys (if it has any)."""
+    keys = [k for k in (state.args.api_key or [os.environ.get("VLLM_API_KEY")]) if k]
+    if not keys:
+        return
+    headers = dict(scope.get("headers") or [])
+    scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+    digest = hashlib.sha256(token.encode()).digest()
+    ok = False
+    for key in keys:  # every key compared: no early exit to time
+        ok |= scheme.lower() == "bearer" and secrets.compare_digest(digest, hashlib.sha256(key.encode()).digest())
+    if not ok:
+        raise Rejected(401, "Unauthorized: give Authorization: Bearer <one of vLLM's --api-key>")
+
+
+def _load() -> tuple[int, int]:
+    """Returns vLLM's running and waiting request counts from its gauges (0, 0 without them)."""
+    from prometheus_client import REGISTRY
+
+    totals = dict.fromkeys(_GAUGES, 0.0)
+    for family in REGISTRY.restricted_registry(_GAUGES).collect():
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return int(totals[_GAUGES[0]]), int(totals[_GAUGES[1]])
+
+
+async def _read_body(scope: Scope, receive: Receive) -> bytes:
+    """Returns the request body; Rejected (413) past MAX_BODY_BYTES."""
+    length = dict(scope.get("headers") or []).get(b"content-length", b"0")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise Rejected(413, f"the body has {int(length)} bytes, at most {MAX_BODY_BYTES}")
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise Rejected(400, "the client left before sending the whole body")
+        parts.append(message.get("body", b""))
+        size += len(parts[-1])
+        if size > MAX_BODY_BYTES:
+            raise Rejected(413, f"the body has more than {MAX_BODY_BYTES} bytes")
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+async def _call(app: ASGIApp, scope: Scope, path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
+    """Returns (status, body) of `payload` POSTed as JSON to `path` of `app`, in process, with
+    `scope`'s connection details (vLLM's handlers read their app from the scope)."""
+    data = json.dumps(payload).encode()
+    sub = {**scope, "path": path, "raw_path": path.encode(), "method": "POST", "query_string": b"",
+           "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]}
+    done = asyncio.Event()
+    status, chunks, sent = 500, list[bytes](), False
+
+    async def receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        await done.wait()  # a handler watching for a disconnect sees one only once it answered
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                done.set()
+
+    try:
+        await app(sub, receive, send)
+    finally:
+        done.set()
+    return status, b"".join(chunks)
+
+
+async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
