@@ -11,6 +11,11 @@ from typing import Any
 
 PREFIX_CHARS = 1024  # about one 256-token chunk of English text
 PREFIX_TOKENS = 256
+TOKENIZE_FIELDS = ("add_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template",
+                   "chat_template_kwargs", "tools")
+"""Request fields that change a prompt's tokens; passed on in the lookup, so a `vllm serve`
+backend tokenizes it as it will the request (connector/vllm_lookup_route.py; kvtier serve
+ignores them)."""
 
 
 @dataclass(frozen=True)
@@ -27,7 +32,9 @@ def view_request(body: dict[str, Any], prefix_chars: int = PREFIX_CHARS,
     """Returns the routing view of a completions or chat body (a batch routes by its first
     prompt)."""
     model = body.get("model")
-    base = {"model": model} if isinstance(model, str) else {}
+    base = {k: body[k] for k in TOKENIZE_FIELDS if body.get(k) is not None}
+    if isinstance(model, str):
+        base["model"] = model
     messages = body.get("messages")
     if isinstance(messages, list) and messages:
         text = "".join(f"{m.get('role')}\x00{_text(m.get('content'))}\x00" for m in messages if isinstance(m, dict))
