@@ -1,0 +1,246 @@
+"""`kvtier router --policy kv-aware` across two `vllm serve` backends with kvtier's connector,
+each with its own `cpu` tier, so a hit is local to one backend. The backends' `/kv/lookup`
+(connector/vllm_lookup_route.py) answers what the connector then loads; the router sends each
+prompt to the backend holding it, also where prefix-hash alone would pick the other one. One
+backend runs as `kvtier-vllm serve` (which adds the route by itself), the other as vLLM's own
+server with `--middleware`."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
+
+from kvtier.router.backends import Backend
+from kvtier.router.policy import PrefixHash
+from kvtier.router.prompt_view import view_request
+from kvtier.vllm_cli import LOOKUP_MIDDLEWARE
+from tests.fixtures.serve import RouterProcess
+from tests.fixtures.text import long_text
+from tests.fixtures.vllm import VllmServer
+
+CONFIG = {"tiers": ["cpu?budget=1GiB"], "chunk_size": 256}
+HIT = "kvtier:connector_hit_tokens_total"
+
+
+@pytest.fixture(scope="module")
+def backends(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServer]]:
+    logs = tmp_path_factory.mktemp("vllm-router")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        starts = [pool.submit(VllmServer, default_model_path, CONFIG, logs / "cli.log", cli=True),
+                  pool.submit(VllmServer, default_model_path, CONFIG, logs / "middleware.log", "kv_both",
+                              "--middleware", LOOKUP_MIDDLEWARE)]
+        concurrent.futures.wait(starts)
+    servers = [f.result() for f in starts if f.exception() is None]
+    if len(servers) < len(starts):
+        for s in servers:
+            s.close()
+        raise next(e for f in starts if (e := f.exception()) is not None)
+    yield servers
+    for s in servers:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def router(backends: list[VllmServer]) -> Iterator[RouterProcess]:
+    # A generous lookup timeout: this tests the choice, not the latency of a busy 2-core machine.
+    proc = RouterProcess(*[f"--backend={s.url}" for s in backends], "--policy", "kv-aware",
+                         "--lookup-timeout", "5", "--health-interval", "0.2")
+    yield proc
+    assert proc.stop() == 0, proc.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path: Path) -> Any:
+    return AutoTokenizer.from_pretrained(default_model_path)
+
+
+def _ids(tokenizer: Any, tag: str, n: int) -> list[int]:
+    """`n` token ids of a document starting with `tag` (distinct tags: distinct chunk chains)."""
+    ids = tokenizer(f"{tag}\n\n{long_text(n // 30)}")["input_ids"][:n]
+    assert len(ids) == n
+    return list(ids)
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _complete(url: str, ids: list[int], max_tokens: int = 4) -> list[int]:
+    """Returns the greedy completion's token ids (vLLM's `return_token_ids` extension)."""
+    out = _client(url).completions.create(model="default", prompt=ids, max_tokens=max_tokens, temperature=0.0,
+                                          extra_body={"return_token_ids": True, "ignore_eos": True})
+    return list(out.choices[0].token_ids)  # type: ignore[attr-defined]
+
+
+def _lookup(server: VllmServer, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.url}/kv/lookup", json=body, timeout=30)
+
+
+def _wait_hit(server: VllmServer, body: dict[str, Any], expected: int, timeout: float = 60.0) -> dict[str, Any]:
+    """Returns the lookup answer once it reports `expected` hit tokens (the stores landed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        answer = _lookup(server, body).json()
+        if answer["max_hit_tokens"] == expected:
+            return dict(answer)
+        assert time.monotonic() < deadline, f"{server.url} still answers {answer}, not {expected} hit tokens"
+        time.sleep(0.2)
+
+
+def _hits(servers: list[VllmServer]) -> list[float]:
+    return [s.metrics().get(HIT, 0.0) for s in servers]
+
+
+def _router_metrics(router: RouterProcess) -> dict[tuple[str, str], float]:
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    return {(s.name, s.labels.get("backend", "")): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def _sent(router_metrics: dict[tuple[str, str], float], server: VllmServer) -> float:
+    """Returns how many requests the router sent to `server`, by its metrics."""
+    return router_metrics.get(("kvtier:router_requests_total", server.url), 0.0)
+
+
+def _hash_order(servers: list[VllmServer], ids: list[int]) -> list[VllmServer]:
+    """Returns `servers` in prefix-hash order for `ids`: where the router's last tie-break sends them."""
+    view = view_request({"model": "default", "prompt": ids})
+    ranked = asyncio.run(PrefixHash().rank(view, [Backend(s.url) for s in servers], {}))
+    return [next(s for s in servers if s.url == b.url) for b in ranked.order]
+
+
+def test_lookup_answers_what_the_connector_then_loads(backends: list[VllmServer], tokenizer: Any) -> None:
+    cli, server = backends
+    ids = _ids(tokenizer, "Direct lookup.", 2048)
+    first = _lookup(server, {"model": "default", "prompt_token_ids": ids}).json()
+    assert first == {"model": "default", "num_tokens": 2048, "engine_prefix_cache_tokens": 0, "tiers": {"0:cpu": 0},
+                     "max_hit_tokens": 0, "num_requests_running": 0, "num_requests_waiting": 0}
+    cold = _complete(server.url, ids)
+    answer = _wait_hit(server, {"prompt_token_ids": ids}, 2047)  # never the last token
+    assert answer["tiers"] == {"0:cpu": 2047}
+    # whole chunks of 256: a shorter prompt holds the chunks it covers, a longer one all 8
+    assert _lookup(server, {"prompt_token_ids": ids[:1000]}).json()["max_hit_tokens"] == 768
+    assert _lookup(server, {"prompt_token_ids": [*ids, 5, 6, 7]}).json()["max_hit_tokens"] == 2048
+    assert _lookup(cli, {"prompt_token_ids": ids}).json()["max_hit_tokens"] == 0  # the other cpu tier
+
+    before = server.metrics().get(HIT, 0.0)
+    assert _complete(server.url, ids) == cold
+    assert server.metrics()[HIT] - before == answer["max_hit_tokens"]
+
+
+def test_text_and_chat_are_tokenized_as_vllm_serves_them(backends: list[VllmServer]) -> None:
+    """The route's token count equals the request's `usage.prompt_tokens`, and once the request's
+    chunks are stored every one but the last token is found: the same token ids."""
+    server = backends[1]
+    text = f"Text prompt.\n\n{long_text(8)}"
+    done = _client(server.url).completions.create(model="default", prompt=text, max_tokens=2, temperature=0.0)
+    assert done.usage is not None
+    n = done.usage.prompt_tokens
+    assert _wait_hit(server, {"prompt": text}, n - 1)["num_tokens"] == n
+
+    messages: Any = [{"role": "system", "content": "Answer briefly."},
+                     {"role": "user", "content": f"Chat prompt.\n\n{long_text(8)}"}]
+    chat = _client(server.url).chat.completions.create(model="default", messages=messages, max_tokens=2,
+                                                       temperature=0.0)
+    assert chat.usage is not None
+    n = chat.usage.prompt_tokens
+    assert _wait_hit(server, {"model": "default", "messages": messages}, n - 1)["num_tokens"] == n
+    # without the generation prompt the template renders fewer tokens: honoured as vLLM's /tokenize does
+    bare = _lookup(server, {"messages": messages, "add_generation_prompt": False}).json()
+    assert bare["num_tokens"] < n
+
+
+def test_load_is_vllms_own(backends: list[VllmServer], tokenizer: Any) -> None:
+    server = backends[1]
+    ids = _ids(tokenizer, "Load.", 64)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_complete, server.url, ids, 128)
+        seen = 0
+        while not running.done() and not seen:
+            seen = _lookup(server, {"prompt_token_ids": ids}).json()["num_requests_running"]
+            time.sleep(0.05)
+        running.result()
+    assert seen == 1
+    deadline = time.monotonic() + 30
+    while (now := _lookup(server, {"prompt_token_ids": ids}).json())["num_requests_running"]:
+        assert time.monotonic() < deadline, now
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize(("body", "status", "message"), [
+    (b"{not json", 400, "not JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (b"{}", 400, "exactly one of prompt, prompt_token_ids or messages"),
+    (b'{"prompt": "a", "prompt_token_ids": [1]}', 400, "exactly one of"),
+    (b'{"prompt_token_ids": [1, -1]}', 400, "non-negative integers"),
+    (b'{"prompt_token_ids": [1, 49152]}', 400, "past the vocabulary"),
+    (b'{"prompt_token_ids": [' + b", ".join([b"1"] * 4097) + b"]}", 400, "max_model_len"),
+    (b'{"messages": [{"rol": "user"}]}', 400, "vLLM could not tokenize the messages"),
+    (b'{"model": "other", "prompt": "a"}', 404, "does not exist"),
+])
+def test_a_bad_body_is_refused_naming_the_problem(backends: list[VllmServer], body: bytes, status: int,
+                                                  message: str) -> None:
+    r = httpx.post(f"{backends[1].url}/kv/lookup", content=body, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == status and message in r.json()["error"]["message"], r.text
+
+
+def test_other_routes_are_vllms(backends: list[VllmServer]) -> None:
+    server = backends[1]
+    assert httpx.get(f"{server.url}/kv/lookup", timeout=30).status_code == 405
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": "hi"}, timeout=30).json()["count"] >= 1
+    assert httpx.post(f"{server.url}/kv/lookups", json={}, timeout=30).status_code == 404
+
+
+def test_router_sends_each_prompt_to_the_backend_holding_it(backends: list[VllmServer], router: RouterProcess,
+                                                            tokenizer: Any, prompt_2k: list[int]) -> None:
+    # Each prompt is stored on the backend prefix-hash ranks last for it: only the lookups can
+    # send it there.
+    holder, other = reversed(_hash_order(backends, prompt_2k))
+    cold = _complete(holder.url, prompt_2k)
+    _wait_hit(holder, {"prompt_token_ids": prompt_2k}, 2047)
+    second = _ids(tokenizer, "Notes 0.", 1024)
+    for k in range(1, 100):  # the other prompt goes where prefix-hash would send the first
+        if _hash_order(backends, second)[0] is holder:
+            break
+        second = _ids(tokenizer, f"Notes {k}.", 1024)
+    _complete(other.url, second)
+    _wait_hit(other, {"prompt_token_ids": second}, 1023)
+
+    for ids, on, expected in ((prompt_2k, holder, 2047), (prompt_2k, holder, 2047), (prompt_2k, holder, 2047),
+                              (second, other, 1023), (second, other, 1023)):
+        hits, routed = _hits(backends), _router_metrics(router)
+        tokens = _complete(router.url, ids)
+        if ids is prompt_2k:
+            assert tokens == cold
+        loaded = [after - b for after, b in zip(_hits(backends), hits)]
+        assert loaded == [expected if s is on else 0 for s in backends]
+        now = _router_metrics(router)
+        assert [_sent(now, s) - _sent(routed, s) for s in backends] == [1 if s is on else 0 for s in backends]
+        hit_key = ("kvtier:router_routed_hit_tokens_total", on.url)
+        assert now[hit_key] - routed.get(hit_key, 0) == expected
+
+
+def test_a_prompt_first_sent_through_the_router_stays_where_it_went(backends: list[VllmServer],
+                                                                   router: RouterProcess, tokenizer: Any) -> None:
+    ids = _ids(tokenizer, "Routed first.", 512)
+    routed = _router_metrics(router)
+    cold = _complete(router.url, ids)
+    now = _router_metrics(router)
+    (on,) = [s for s in backends if _sent(now, s) > _sent(routed, s)]
+    _wait_hit(on, {"prompt_token_ids": ids}, 511)
+    for _ in range(2):
+        hits = _hits(backends)
+        assert _complete(router.url, ids) == cold
+        assert [after - b for after, b in zip(_hits(backends), hits)] == [511 if s is on else 0 for s in backends]
