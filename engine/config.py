@@ -10,6 +10,7 @@ from typing import Any
 
 _DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+KERNELS = ("auto", "torch")
 
 
 def _opt(help: str, metavar: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -44,6 +45,10 @@ class EngineConfig:
         "fraction of free CUDA memory for the KV pool", "X"))
     max_model_len: int | None = field(default=None, metadata=_opt(
         "longest prompt + output in tokens (default: the model's limit)", "N"))
+    kernels: str = field(default="auto", metadata=_opt(
+        "auto: on CPU, linear layers on oneDNN with prepacked weights and decode attention read in "
+        "place from the KV blocks by a compiled kernel (built once); torch: PyTorch's own ops only, "
+        "the reference path (the only one on CUDA)", choices=KERNELS))
     max_num_seqs: int = field(default=64, metadata=_opt("most requests in one batch", "N"))
     max_num_batched_tokens: int = field(default=2048, metadata=_opt(
         "token budget of one step; longer prefills are chunked", "N"))
@@ -85,6 +90,8 @@ class EngineConfig:
             raise ValueError(f"device must be one of {_DEVICES} or 'cuda:N', got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
         _positive_int("max_num_seqs", self.max_num_seqs)

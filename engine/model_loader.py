@@ -10,6 +10,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine import cpu_ops
+from engine.config import KERNELS
+from engine.linear_backend import onednn_supported
 from engine.model_config import ModelConfig
 from engine.models import LlamaForCausalLM, get_model_class
 from engine.progress import progress_bar
@@ -93,10 +96,14 @@ def iter_safetensors(path: Path, progress: bool | None = False) -> Iterator[tupl
                     yield name, tensor
 
 
-def load_model(model: str | Path | None, device: torch.device,
-               dtype: torch.dtype) -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(model: str | Path | None, device: torch.device, dtype: torch.dtype,
+               kernels: str = "auto") -> tuple[LlamaForCausalLM, ModelConfig]:
     """Returns (model in eval mode on `device` in `dtype`, its ModelConfig). Every parameter
-    comes from the checkpoint (ValueError if any is missing or misshapen)."""
+    comes from the checkpoint (ValueError if any is missing or misshapen). With `kernels`
+    "auto", its linears run on oneDNN and its decode attention on the compiled CPU kernel
+    where each can (engine/linear_backend.py, engine/cpu_ops.py); "torch": PyTorch ops only."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     path = resolve_model_path(model)
     config = ModelConfig.from_pretrained(path)
     cls = get_model_class(config.architecture)
@@ -104,7 +111,13 @@ def load_model(model: str | Path | None, device: torch.device,
         net = cls(config)
     net = net.to(dtype).to_empty(device=device)
     net.load_weights(iter_safetensors(path, progress=None))
-    return net.eval().requires_grad_(False), config
+    net = net.eval().requires_grad_(False)
+    if kernels == "auto":
+        if onednn_supported(device, dtype):
+            net.pack_linears()
+        if device.type == "cpu":
+            net.cpu_ops = cpu_ops.load()
+    return net, config
 
 
 def load_tokenizer(path: str | Path):

@@ -7,12 +7,15 @@ the host with vectorised ops and moved to the device in one copy each.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from engine.attention_metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.kv_cache import kv_bytes_per_block, slot_mapping
 from engine.kv_connector import KVConnectorOutput, KVConnectorWorker
+from engine.logprobs import PromptLogprobsChunk, StepLogprobs, prompt_top_logprobs
 from engine.model_loader import load_model, resolve_device, resolve_dtype
 from engine.sampler import Sampler
 from engine.scheduler_output import SchedulerOutput
@@ -29,7 +32,8 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model, self.model_config = load_model(config.model, self.device, self.dtype)
+        self.model, self.model_config = load_model(config.model, self.device, self.dtype,
+                                                     config.kernels)
         self.block_size = config.block_size
         self.num_blocks = self._decide_num_blocks()
         mc = self.model_config
@@ -40,7 +44,7 @@ class ModelRunner:
             kv_connector.register_model(mc)
             kv_connector.register_model_module(self.model)
             kv_connector.register_kv_caches(self.kv_caches)
-        self.sampler = Sampler()
+        self.sampler = Sampler(mc.eos_token_ids)
         # Seeds the generators of requests that bring no seed (reproducible per LLM seed).
         self._seed_rng = torch.Generator().manual_seed(config.seed)
 
@@ -104,14 +108,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput,
-                      kv_wait_s: float = 0.0) -> tuple[list[int | None], KVConnectorOutput | None]:
+                      kv_wait_s: float = 0.0) -> tuple[ModelRunnerOutput, KVConnectorOutput | None]:
         """Runs one step; returns (per scheduled request the sampled token, or None for a
-        prefill chunk that does not reach the request's last token; the connector's report, or
-        None without a connector). A step with no request runs only the connector's hooks,
-        waiting up to `kv_wait_s` for a background load to end."""
+        prefill chunk that does not reach the request's last token, with the step's asked-for
+        logprobs; the connector's report, or None without a connector). A step with no request
+        runs only the connector's hooks, waiting up to `kv_wait_s` for a background load to end."""
         conn = self.connector
         if out.is_empty:
-            return [], None if conn is None else self._connector_step(conn, out, kv_wait_s)
+            return ModelRunnerOutput([]), None if conn is None else self._connector_step(conn, out, kv_wait_s)
         input_ids, positions, meta = self.prepare(out)
         if conn is not None:
             conn.bind_connector_metadata(out.kv_connector_metadata)
@@ -142,10 +146,12 @@ class ModelRunner:
         finally:
             conn.clear_connector_metadata()
 
-    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata) -> list[int | None]:
-        """Returns per scheduled request the token sampled from its last row, or None."""
+    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata) -> ModelRunnerOutput:
+        """Returns per scheduled request the token sampled from its last row, or None, and the
+        logprobs the step's requests asked for."""
         rows = [i for i, r in enumerate(out.requests) if r.samples]
-        result: list[int | None] = [None] * len(out.requests)
+        result = ModelRunnerOutput([None] * len(out.requests))
+        result.logprobs.prompt = self._prompt_logprobs(out, hidden, meta)
         if not rows:
             return result
         last = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in rows], device=hidden.device)
@@ -153,7 +159,38 @@ class ModelRunner:
         seqs = [out.requests[i].seq for i in rows]
         params = [s.sampling_params for s in seqs]
         gens = [self._generator(s) if not s.sampling_params.greedy else None for s in seqs]
-        tokens = self.sampler(logits, params, gens).tolist()
-        for i, t in zip(rows, tokens):
-            result[i] = t
+        hist = [(s.prompt_token_ids, s.output_token_ids) if s.sampling_params.uses_history else None for s in seqs]
+        sampled = self.sampler.sample(logits, params, gens, hist)
+        for i, t in zip(rows, sampled.token_ids.tolist()):
+            result.sampled[i] = t
+        if sampled.logprobs is not None:
+            for j, row in enumerate(sampled.logprob_rows):
+                i = rows[row]
+                result.logprobs.sampled[i] = (sampled.logprobs, j, params[row].logprobs or 0)
         return result
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor,
+                         meta: AttentionMetadata) -> dict[int, PromptLogprobsChunk]:
+        """Returns, by request index, the prompt logprobs of the prompt positions this step
+        computed for requests that asked (position p's row predicts prompt token p + 1)."""
+        chunks: dict[int, PromptLogprobsChunk] = {}
+        for i, r in enumerate(out.requests):
+            k = r.seq.sampling_params.prompt_logprobs
+            start = r.num_computed_tokens
+            end = min(start + r.num_new_tokens, r.seq.num_prompt_tokens - 1)
+            if k is None or end <= start:
+                continue
+            q0 = meta.query_start_loc[i]
+            next_ids = torch.tensor(r.seq.prompt_token_ids[start + 1 : end + 1], device=hidden.device)
+            top = prompt_top_logprobs(self.model.compute_logits, hidden[q0 : q0 + end - start], next_ids, k)
+            chunks[i] = PromptLogprobsChunk(start, top, k)
+        return chunks
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's results by index in `SchedulerOutput.requests`: the sampled token (None
+    for a prefill chunk short of the last token) and the logprobs asked for."""
+
+    sampled: list[int | None]
+    logprobs: StepLogprobs = field(default_factory=StepLogprobs)

@@ -11,7 +11,8 @@ layer then reuses it. Three paths, chosen per sequence:
   top-left causal alignment becomes the bottom-right one we need and the flash kernel runs
   (an explicit mask forces the slow math path); otherwise an explicit causal mask offset by
   the context length;
-- decode (query_len 1): all such sequences in ONE SDPA call, gathered and padded to the
+- decode (query_len 1): with engine/cpu_ops.py's compiled kernel (CPU), read in place from
+  the blocks; otherwise all such sequences in ONE SDPA call, gathered and padded to the
   longest context with a key mask.
 
 Sliding window W (Mistral, Qwen2's sliding layers; transformers' convention): the query at
@@ -27,11 +28,13 @@ reusable by a longer prompt), attention just never reads them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention_metadata import AttentionMetadata
+from engine.cpu_ops import paged_decode_attention
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -88,14 +91,22 @@ class AttentionPlan:
     decode_batch: int = 0
     decode_len: int = 0
     decode_buf: torch.Tensor | None = None  # the decode keys' K/V, refilled by every layer
+    # The compiled kernel's inputs instead (then no slots, mask nor buffer): its module, and per
+    # decode sequence its block table row and the range of positions it attends over.
+    decode_ops: ModuleType | None = None
+    decode_tables: torch.Tensor | None = None
+    decode_starts: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
 
 
 def build_plan(meta: AttentionMetadata, device: torch.device,
                dtype: torch.dtype = torch.float32,
-               sliding_window: int | None = None) -> AttentionPlan:
+               sliding_window: int | None = None,
+               cpu_ops: ModuleType | None = None) -> AttentionPlan:
     """Returns the plan for one step (masks in `dtype`, the model's) of layers attending over
-    `sliding_window` keys (None: full causal attention). Raises ValueError if the metadata is
-    inconsistent, before anything is written to the cache."""
+    `sliding_window` keys (None: full causal attention); decodes use `cpu_ops`' kernel when
+    given and the device is a CPU. Raises ValueError if the metadata is inconsistent, before
+    anything is written to the cache."""
     qsl, seq_lens, bs = meta.query_start_loc, meta.seq_lens, meta.block_size
     if len(qsl) != len(seq_lens) + 1:
         raise ValueError(f"query_start_loc has {len(qsl)} entries for {len(seq_lens)} sequences")
@@ -137,6 +148,14 @@ def build_plan(meta: AttentionMetadata, device: torch.device,
                             else torch.tensor(rows, device=device))
         lens = [seq_lens[i] for i in decode_seqs]
         idx = torch.tensor(decode_seqs, device=meta.block_tables.device)
+        plan.decode_batch = len(decode_seqs)
+        if cpu_ops is not None and device.type == "cpu":
+            plan.decode_ops = cpu_ops
+            plan.decode_tables = meta.block_tables.index_select(0, idx).contiguous()
+            plan.decode_lens = torch.tensor(lens)
+            starts = [0 if sliding_window is None else max(0, n - sliding_window) for n in lens]
+            plan.decode_starts = torch.tensor(starts)
+            return plan
         if sliding_window is not None and max(lens) > sliding_window:
             slots, valid = _window_decode_slots(meta.block_tables.index_select(0, idx), lens,
                                                 sliding_window, bs, device)
@@ -150,7 +169,7 @@ def build_plan(meta: AttentionMetadata, device: torch.device,
             slots = torch.where(valid, slots, slots[:, :1])
         n = slots.shape[1]
         plan.decode_slots = slots.reshape(-1)
-        plan.decode_batch, plan.decode_len = len(decode_seqs), n
+        plan.decode_len = n
         plan.decode_mask = _additive(~valid, dtype).view(len(lens), 1, 1, n)
     return plan
 
@@ -288,6 +307,10 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPl
     With one query per sequence, the G query heads sharing a kv head can ride along as G
     query "positions" of that kv head (`[B, Hkv, G, D]`): GQA without expanding K/V.
     """
+    if plan.decode_ops is not None:
+        assert plan.decode_tables is not None and plan.decode_starts is not None and plan.decode_lens is not None
+        return paged_decode_attention(plan.decode_ops, q.contiguous(), kv_cache, plan.decode_tables,
+                                      plan.decode_starts, plan.decode_lens, scale)
     b, n = plan.decode_batch, plan.decode_len
     h_kv, d = kv_cache.shape[-2:]
     flat = kv_cache.view(2, -1, h_kv, d)

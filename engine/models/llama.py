@@ -8,6 +8,7 @@ matmul each at load time.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import ModuleType
 from typing import cast
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
+from engine.linear_backend import PackedLinear, pack_linears
 from engine.model_config import ModelConfig
 from engine.paged_attention import AttentionPlan, build_plan, paged_attention, write_kv
 from engine.rotary import RotaryEmbedding, apply_rotary
@@ -125,10 +127,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = (None if config.tie_word_embeddings
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        # nn.Linear, or PackedLinear after pack_linears; None while tied to the embedding.
+        self.lm_head: nn.Module | None = (None if config.tie_word_embeddings
+                                          else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         # Per layer: the sliding window it attends over (None: full attention).
         self.layer_windows = [config.layer_sliding_window(i) for i in range(config.num_layers)]
+        # engine/cpu_ops.py's compiled kernels, when the loader enabled them (CPU only).
+        self.cpu_ops: ModuleType | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -141,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         longest = max(attn_metadata.seq_lens, default=0)
         windows = [w if w is not None and w < longest else None for w in self.layer_windows]
         dtype = self.model.embed_tokens.weight.dtype
-        plans = {w: build_plan(attn_metadata, input_ids.device, dtype, w) for w in set(windows)}
+        plans = {w: build_plan(attn_metadata, input_ids.device, dtype, w, self.cpu_ops) for w in set(windows)}
         num_tokens = next(iter(plans.values())).num_tokens
         if not num_tokens == input_ids.shape[0] == positions.shape[0]:
             raise ValueError(f"attn_metadata describes {num_tokens} tokens, input_ids has "
@@ -153,8 +158,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Returns float32 logits `[N, vocab]` for hidden states `[N, hidden]`."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden_states, self.model.embed_tokens.weight).float()
+        return cast(torch.Tensor, self.lm_head(hidden_states)).float()
+
+    def pack_linears(self) -> None:
+        """Moves every linear layer to oneDNN with prepacked weights (engine/linear_backend.py),
+        the logits projection included: a tied one gets a packed copy of the embedding, which
+        the token lookup still reads. Call once, after load_weights."""
+        pack_linears(self)
+        if self.lm_head is None:
+            self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies HF-named tensors into our (fused) parameters. Raises ValueError on an unknown

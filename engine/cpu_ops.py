@@ -1,0 +1,86 @@
+"""The engine's compiled CPU kernels (engine/csrc), built on first use and cached per machine.
+
+`paged_decode_attention` reads each decoding sequence's K/V in place from its blocks, where the
+PyTorch path gathers (copies) every sequence's whole context into a padded tensor once per
+layer per step: at long contexts that copy is most of a decode step
+(`benchmarks/bench_decode_attention.py`). There is no such kernel for other devices, so
+callers keep the PyTorch path there and wherever the kernel cannot be built.
+
+The build (torch's C++ extension JIT, g++ with OpenMP, ~30 s) happens once per source, torch
+version, flags and CPU, under `$KVTIER_HOME/torch_extensions/`: `make install` runs it
+(`python -m engine.cpu_ops`), else the first model load does; processes that start together
+wait on one build (torch's lock file). Without a compiler, `load()` returns None and says why
+once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from engine.default_model import kvtier_home
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_attention.cpp"
+
+# Built on the machine that runs it, so for its CPU; 512-bit vectors where it has them (gcc
+# prefers 256 on some that do): 2-4x faster decode attention on this project's machine.
+_CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
+
+# Keys per work item of the decode kernel: a long sequence is split so every thread works.
+DECODE_PARTITION = 512
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU's model and flags (the build uses -march=native)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """Returns the compiled kernels, building them on first use; None (logged once, with the
+    reason) where they cannot be built."""
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([torch.__version__, *_CFLAGS]).encode()
+                         + _cpu_fingerprint().encode()).hexdigest()[:16]
+    build_dir = kvtier_home() / "torch_extensions" / f"cpu_ops-{key}"
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        build_dir.mkdir(parents=True, exist_ok=True)
+        return build(name="kvtier_cpu_ops", sources=[str(_SOURCE)], build_directory=str(build_dir),
+                     extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
+        logger.warning("kvtier's CPU kernels could not be built (%s: %s); decode attention uses the "
+                       "PyTorch gather path", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+
+
+def paged_decode_attention(ops: ModuleType, q: torch.Tensor, kv_cache: torch.Tensor,
+                           block_tables: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Returns `[B, Hq, D]` (q's dtype): each decode query `q` `[B, Hq, D]` attending over keys
+    `starts[b]..lens[b] - 1` of its sequence, read in place from `kv_cache`'s blocks named by
+    `block_tables` `[B, max_blocks]`. The cache is not modified."""
+    out = ops.paged_decode_attention(q.float().contiguous(), kv_cache, block_tables, starts, lens,
+                                     scale, DECODE_PARTITION)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+if __name__ == "__main__":  # `make install` builds the kernels here, not in the first request
+    import sys
+
+    built = load()
+    print(f"kvtier CPU kernels: {built.__file__ if built is not None else 'not built (see the warning)'}")
+    sys.exit(0 if built is not None else 1)

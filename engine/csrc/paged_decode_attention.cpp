@@ -1,0 +1,197 @@
+// Decode attention read in place from a paged KV cache, for CPU (engine/cpu_ops.py builds it).
+//
+// One query token per sequence: out[b, hq] = softmax(scale * q[b, hq] . K[t]) . V[t] over the
+// sequence's keys t in [starts[b], lens[b]), where the K/V of token t live at
+// kv_cache[{0,1}, block_tables[b, t / block_size], t % block_size, hq / G] (G query heads share
+// a kv head). Nothing is gathered: each key row is read once from its block, for every query
+// head. Work items are (sequence, partition of `partition` keys), so a single long sequence
+// still spreads over every thread; partitions are merged with their log-sum-exp (the split-K
+// decode of FlashDecoding).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0 (scores minus their max), vectorisable: 2^(x log2 e) split into 2^n, built in
+// the exponent bits, and 2^f for f in [-0.5, 0.5] by a degree-6 polynomial (relative error
+// ~2e-7, the float32 rounding scale). Below -87 it returns 0, as expf underflows.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float y = x * 1.44269504088896341f;
+  const float n = std::nearbyint(y);
+  const float f = y - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;
+  std::memcpy(&p, &bits, sizeof p);
+  return p;
+}
+
+template <typename scalar_t>
+inline const float* as_float(const scalar_t* __restrict src, float* __restrict buf, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return src;
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+    return buf;
+  }
+}
+
+// HEAD > 0 fixes the head size at compile time (the inner loops then unroll fully); 0 reads it
+// from `head_size`.
+template <typename scalar_t, int64_t HEAD>
+void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int64_t* starts,
+            const int64_t* lens, float* out, int64_t num_seqs, int64_t num_q_heads,
+            int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t num_blocks,
+            int64_t max_blocks, float scale, int64_t partition) {
+  const int64_t H = num_q_heads, G = num_q_heads / num_kv_heads, D = HEAD > 0 ? HEAD : head_size;
+  const int64_t token_stride = num_kv_heads * D;  // one token's row: every kv head, contiguous
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t v_offset = num_blocks * block_stride;
+  std::vector<int64_t> first(num_seqs + 1, 0);  // first partition of each sequence
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t n = lens[b] - starts[b];
+    first[b + 1] = first[b] + std::max<int64_t>(1, (n + partition - 1) / partition);
+  }
+  const int64_t parts = first[num_seqs];
+  // Per partition and query head: max score, sum of exp, unnormalised output.
+  std::vector<float> part_max(parts * H), part_sum(parts * H), part_acc(parts * H * D);
+
+  // A work item is one partition of one sequence, all heads: its keys' rows are read in
+  // order, each block's K (then V) one contiguous run of block_size * Hkv * D values.
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> score_buf(H * partition), q_buf(H * D), row_buf(token_stride);
+    float* __restrict scores = score_buf.data();
+    float* __restrict qs = q_buf.data();
+    float* __restrict row = row_buf.data();
+    for (int64_t part = begin; part < end; ++part) {
+      const int64_t b = std::upper_bound(first.begin(), first.end(), part) - first.begin() - 1;
+      const int64_t t0 = starts[b] + (part - first[b]) * partition;
+      const int64_t n = std::min(lens[b], t0 + partition) - t0;
+      const int64_t* table = tables + b * max_blocks;
+      // The queries, pre-scaled: scores need one multiply less per key.
+      const float* qb = q + b * H * D;
+      for (int64_t i = 0; i < H * D; ++i) qs[i] = qb[i] * scale;
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = t0 + t;
+        const float* __restrict k = as_float(
+            kv + table[pos / block_size] * block_stride + (pos % block_size) * token_stride, row, token_stride);
+        for (int64_t hq = 0; hq < H; ++hq) {
+          const float* __restrict qh = qs + hq * D;
+          const float* __restrict kh = k + (hq / G) * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qh[d] * kh[d];
+          scores[hq * partition + t] = s;
+        }
+      }
+      float* __restrict m = part_max.data() + part * H;
+      float* __restrict l = part_sum.data() + part * H;
+      float* __restrict acc = part_acc.data() + part * H * D;
+      for (int64_t hq = 0; hq < H; ++hq) {
+        float* __restrict sh = scores + hq * partition;
+        float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
+        for (int64_t t = 0; t < n; ++t) top = std::max(top, sh[t]);
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < n; ++t) {
+          sh[t] = exp_nonpositive(sh[t] - top);
+          total += sh[t];
+        }
+        m[hq] = top;
+        l[hq] = total;
+      }
+      std::fill(acc, acc + H * D, 0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = t0 + t;
+        const float* __restrict v = as_float(
+            kv + v_offset + table[pos / block_size] * block_stride + (pos % block_size) * token_stride, row,
+            token_stride);
+        for (int64_t hq = 0; hq < H; ++hq) {
+          const float p = scores[hq * partition + t];
+          const float* __restrict vh = v + (hq / G) * D;
+          float* __restrict a = acc + hq * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
+        }
+      }
+    }
+  });
+
+  at::parallel_for(0, num_seqs * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, hq = bh % H;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t p = first[b]; p < first[b + 1]; ++p) top = std::max(top, part_max[p * H + hq]);
+      float* __restrict o = out + bh * D;
+      std::fill(o, o + D, 0.f);
+      float total = 0.f;
+      for (int64_t p = first[b]; p < first[b + 1]; ++p) {
+        const float w = std::exp(part_max[p * H + hq] - top);
+        total += part_sum[p * H + hq] * w;
+        const float* __restrict a = part_acc.data() + (p * H + hq) * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+      }
+      const float inv = 1.f / total;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  });
+}
+
+}  // namespace
+
+// q [B, Hq, D] float32; kv_cache [2, num_blocks, block_size, Hkv, D] (float32, bfloat16 or
+// float16); block_tables [B, max_blocks], starts [B], lens [B] int64. Returns [B, Hq, D] float32.
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
+                                     const torch::Tensor& block_tables, const torch::Tensor& starts,
+                                     const torch::Tensor& lens, double scale, int64_t partition) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, Hq, D]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be contiguous [2, num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(3) == 0, "q and kv_cache heads disagree");
+  for (const auto* t : {&block_tables, &starts, &lens}) {
+    TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous() && t->size(0) == q.size(0),
+                "block_tables, starts and lens must be contiguous int64 with one row per query");
+  }
+  TORCH_CHECK(partition > 0, "partition must be positive");
+  auto out = torch::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "paged_decode_attention", [&] {
+    auto run = [&](auto head) {
+      decode<scalar_t, decltype(head)::value>(
+          q.data_ptr<float>(), kv_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
+          starts.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), q.size(0), q.size(1),
+          kv_cache.size(3), q.size(2), kv_cache.size(2), kv_cache.size(1), block_tables.size(1),
+          static_cast<float>(scale), partition);
+    };
+    switch (q.size(2)) {  // the common head sizes, unrolled
+      case 64: run(std::integral_constant<int64_t, 64>{}); break;
+      case 128: run(std::integral_constant<int64_t, 128>{}); break;
+      default: run(std::integral_constant<int64_t, 0>{});
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache, in place");
+}

@@ -1,0 +1,135 @@
+"""The engine's CPU fast paths against its PyTorch reference path: the compiled paged decode
+attention (engine/cpu_ops.py) against the gather + SDPA path, oneDNN's prepacked linears
+against `F.linear`, and whole generations with `kernels="auto"` against `kernels="torch"`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import LLM, SamplingParams, cpu_ops
+from engine.attention_metadata import AttentionMetadata
+from engine.linear_backend import PackedLinear, onednn_supported, pack_linears
+from engine.model_loader import load_model
+from engine.paged_attention import build_plan, paged_attention
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    built = cpu_ops.load()
+    assert built is not None, "engine/csrc did not build (needs g++); see the warning logged above"
+    return built
+
+
+def _decode_case(lens: list[int], dtype: torch.dtype, seed: int, bs: int = 16, hq: int = 9, hkv: int = 3,
+                 d: int = 64) -> tuple[torch.Tensor, ...]:
+    """A decode step of len(lens) sequences over shuffled blocks of a random cache."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_each = [-(-n // bs) for n in lens]
+    num_blocks = sum(blocks_each) + 5
+    kv = torch.randn(2, num_blocks, bs, hkv, d, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(lens), max(blocks_each) + 2, dtype=torch.long)
+    used = 0
+    for i, nb in enumerate(blocks_each):
+        tables[i, :nb] = perm[used:used + nb]
+        used += nb
+    slots = torch.stack([tables[i, (n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(lens)])
+    meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_start_loc=list(range(len(lens) + 1)),
+                             seq_lens=lens, block_size=bs)
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    k = torch.randn(len(lens), hkv, d, generator=g).to(dtype)
+    v = torch.randn(len(lens), hkv, d, generator=g).to(dtype)
+    return q, k, v, kv, meta  # type: ignore[return-value]
+
+
+# Lengths cross the kernel's partition (512 keys) and block boundaries; 1 is a lone key.
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_kernel_equals_gather_path(ops, window: int | None, dtype: torch.dtype, tol: float) -> None:
+    q, k, v, kv, meta = _decode_case([1, 17, 300, 513, 1500], dtype, seed=1)
+    ref = paged_attention(q, k, v, kv, build_plan(meta, CPU, dtype, window), 0.125)
+    plan = build_plan(meta, CPU, dtype, window, ops)
+    assert plan.decode_ops is ops and plan.decode_slots is None  # the kernel path is the one tested
+    got = paged_attention(q, k, v, kv, plan, 0.125)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=0)
+
+
+def test_decode_kernel_in_a_mixed_step(ops) -> None:
+    """Decode rows interleaved with a prefill: the kernel answers only the decode rows."""
+    bs = 16
+    lens = [40, 70, 33]  # query lengths 1, 30, 1: the middle one is a prefill chunk over cached context
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(2, 20, bs, 2, 32, generator=g)
+    tables = torch.arange(18).view(3, 6)
+    qsl = [0, 1, 31, 32]
+    meta = AttentionMetadata(slot_mapping=torch.zeros(32, dtype=torch.long), block_tables=tables,
+                             query_start_loc=qsl, seq_lens=lens, block_size=bs)
+    q = torch.randn(32, 4, 32, generator=g)
+    k, v = torch.randn(32, 2, 32, generator=g), torch.randn(32, 2, 32, generator=g)
+    ref = paged_attention(q, k, v, kv, build_plan(meta, CPU), 0.2)
+    got = paged_attention(q, k, v, kv, build_plan(meta, CPU, cpu_ops=ops), 0.2)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_decode_kernel_leaves_the_cache_alone(ops) -> None:
+    q, k, v, kv, meta = _decode_case([200, 64], torch.float32, seed=2)
+    before = kv.clone()
+    paged_attention(q, k, v, kv, build_plan(meta, CPU, cpu_ops=ops), 0.125)
+    assert torch.equal(kv, before)
+
+
+def test_decode_kernel_refuses_bad_inputs(ops) -> None:
+    q, _, _, kv, meta = _decode_case([20], torch.float32, seed=4)
+    lens = torch.tensor([20])
+    with pytest.raises(RuntimeError, match="block_tables, starts and lens"):
+        ops.paged_decode_attention(q, kv, meta.block_tables.int(), torch.tensor([0]), lens, 0.1, 512)
+    with pytest.raises(RuntimeError, match="heads disagree"):
+        ops.paged_decode_attention(q[:, :, :32].contiguous(), kv, meta.block_tables, torch.tensor([0]), lens, 0.1, 512)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_equals_f_linear(dtype: torch.dtype) -> None:
+    if not onednn_supported(CPU, dtype):
+        pytest.skip(f"oneDNN cannot run {dtype} on this CPU: the engine keeps nn.Linear")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 96), nn.Sequential(nn.Linear(96, 32, bias=False))).to(dtype)
+    x = torch.randn(7, 64, dtype=dtype)
+    ref = net(x)
+    weight = net[0].weight.detach().clone()
+    assert pack_linears(net) == 2
+    assert isinstance(net[0], PackedLinear) and isinstance(net[1][0], PackedLinear)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(net(x), ref, atol=tol, rtol=0)
+    torch.testing.assert_close(net[0](x), F.linear(x, weight.to(dtype), net[0].bias), atol=tol, rtol=0)
+
+
+def test_unknown_kernels_is_refused_before_loading(default_model_path) -> None:
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        load_model(default_model_path, CPU, torch.float32, kernels="fast")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        LLM(kernels="fast")
+
+
+@pytest.mark.slow
+def test_generations_identical_with_and_without_fast_paths(ops) -> None:
+    """Greedy tokens of a batch (short and >512-token contexts, so the kernel partitions) are
+    the same on the fast paths and on PyTorch's ops."""
+    base = "The paged KV cache stores keys and values in fixed-size blocks. "
+    prompts = [base * 2, "Hello, my name is", base * 60, "Write a haiku about caches."]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for kernels in ("auto", "torch"):
+        with LLM(kernels=kernels, kv_cache_memory_bytes=256 << 20) as llm:
+            model = llm.engine.runner.model
+            assert (model.cpu_ops is not None) == (kernels == "auto")
+            assert isinstance(model.lm_head, PackedLinear) == (kernels == "auto")
+            results = llm.generate(prompts, params)
+            outs[kernels] = [o.outputs[0].token_ids for o in results]
+    assert len(results[2].prompt_token_ids) > 512  # its decode spans two kernel partitions
+    assert outs["auto"] == outs["torch"]
