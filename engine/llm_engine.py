@@ -10,9 +10,11 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from engine.kv_connector import KVConnector
+from engine.logprobs import TokenDecoder, record_step_logprobs
 from engine.model_loader import load_tokenizer
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.parallel_sampling import ParentRequests
 from engine.progress import PrefillProgress, progress_enabled
 from engine.request_log import log_finished
 from engine.sampling_params import SamplingParams
@@ -52,6 +54,8 @@ class LLMEngine:
             kv_connector=kv_connector.scheduler if kv_connector is not None else None,
         )
         self._ids = itertools.count()
+        self._decode = TokenDecoder(self.tokenizer)  # logprobs' decoded tokens
+        self.parents = ParentRequests()  # live n > 1 requests (engine/parallel_sampling.py)
         # A bar for prefills longer than one step, when progress is shown (engine/progress.py).
         self._prefill_progress = PrefillProgress(config.max_num_batched_tokens) if progress_enabled() else None
 
@@ -61,6 +65,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        params.verify_vocab(self.model_config.vocab_size)
         text: str | None = None
         segment_lens: list[int] | None = None
         sep = self.kv_connector.scheduler.segment_separator if self.kv_connector is not None else None
@@ -110,7 +115,13 @@ class LLMEngine:
         return str(next(self._ids))
 
     def add_sequence(self, seq: Sequence) -> None:
-        self.scheduler.add(seq)
+        """Queues `seq`; an `n > 1` request as its n samples (its outputs keep its id)."""
+        if seq.sampling_params.n == 1:
+            self.scheduler.add(seq)
+            return
+        self.scheduler.check_request(seq)
+        for child in self.parents.fan_out(seq):
+            self.scheduler.add(child)
 
     def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> str:
         """Queues one request; returns its id."""
@@ -119,7 +130,11 @@ class LLMEngine:
         return seq.request_id
 
     def abort_request(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
+        parent = self.parents.pop(request_id)
+        for child in parent.children if parent is not None else []:
+            self.scheduler.abort(child.request_id)
+        if parent is None:
+            self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         """Whether `step()` still has work: requests waiting, running or waiting for a
@@ -149,15 +164,20 @@ class LLMEngine:
                 # Cannot happen for requests that passed check_request; fail loudly, not spin.
                 raise RuntimeError("scheduler made no progress with an idle engine")
             return []
-        sampled, kv_output = self.runner.execute_model(out)
-        progressed = self.scheduler.update_from_output(out, sampled, kv_output)
+        result, kv_output = self.runner.execute_model(out)
+        progressed = self.scheduler.update_from_output(out, result.sampled, kv_output)
+        record_step_logprobs(out.requests, result.logprobs, self._decode)
         if self._prefill_progress is not None:
             self._prefill_progress.update(out.requests)
         for seq in progressed:
             self._detokenize(seq)
             if seq.is_finished:
                 log_finished(seq, self.kv_connector.scheduler if self.kv_connector is not None else None)
-        return [self.make_output(s) for s in progressed]
+        outputs = {o.request_id: o for o in map(self.make_output, progressed)}  # one per n > 1 parent
+        for rid, o in outputs.items():
+            if o.finished:
+                self.parents.pop(rid)
+        return list(outputs.values())
 
     def _detokenize(self, seq: Sequence) -> None:
         """Extends `seq`'s text by its new token and applies the stop strings: a match cuts
@@ -167,7 +187,8 @@ class LLMEngine:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)
         detok = seq.detokenizer
         new = detok.update(seq.output_token_ids, final=seq.is_finished)
-        hit = find_stop_string(detok.text, len(new), p.stop)
+        # Stop strings count only past min_tokens (vLLM).
+        hit = find_stop_string(detok.text, len(new), p.stop) if seq.num_output_tokens > p.min_tokens else None
         if hit is None:
             return
         pos, stop = hit
@@ -179,12 +200,22 @@ class LLMEngine:
             self.scheduler.finish_request(seq, SequenceStatus.FINISHED_STOPPED)
 
     def make_output(self, seq: Sequence) -> RequestOutput:
+        """Returns `seq`'s output so far; for a sample of an `n > 1` request, the request's."""
+        parent = self.parents.parent_of(seq.request_id)
+        if parent is not None:
+            return parent.merge([self._output(c) for c in parent.children])
+        return self._output(seq)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        p = seq.sampling_params
         completion = CompletionOutput(
             index=0,
             text=seq.output_text,
             token_ids=list(seq.output_token_ids),
             finish_reason=seq.status.value if seq.is_finished else None,
             stop_reason=seq.stop_reason,
+            cumulative_logprob=seq.cumulative_logprob if p.logprobs is not None else None,
+            logprobs=list(seq.logprobs or []) if p.logprobs is not None else None,
         )
         metrics = RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finish_time)
         return RequestOutput(
@@ -196,6 +227,7 @@ class LLMEngine:
             num_cached_tokens=max(seq.num_cached_tokens, 0),
             metrics=metrics,
             num_preemptions=seq.num_preemptions,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
         )
 
     def get_stats(self) -> dict[str, Any]:

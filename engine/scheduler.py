@@ -76,8 +76,9 @@ class Scheduler:
             raise ValueError("prompt is empty (0 tokens)")
         if n > self.max_model_len:
             raise ValueError(f"prompt has {n} tokens, longer than max_model_len={self.max_model_len}")
-        # K/V is needed for every token but the last one generated.
-        kv_tokens = min(n + seq.sampling_params.max_tokens - 1, self.max_model_len)
+        # K/V is needed for every token but the last one generated (every prompt token when
+        # max_tokens is 0: the prefill writes them all).
+        kv_tokens = min(n + max(seq.sampling_params.max_tokens, 1) - 1, self.max_model_len)
         need = self.block_manager.blocks_needed(kv_tokens)
         if need > self.block_manager.num_blocks:
             raise ValueError(
@@ -132,8 +133,11 @@ class Scheduler:
             num_external, load_async = 0, False
             resumed = bool(seq.block_table)  # its async load finished: blocks held, tokens computed
             hits: list[KVCacheBlock]
+            skip_cache = seq.sampling_params.skip_reading_prefix_cache
             if resumed:
                 hits, num_local = [], seq.num_computed_tokens
+            elif skip_cache:  # prompt logprobs: every prompt position is computed (vLLM)
+                hits, num_local = [], 0
             else:
                 hits, num_local = bm.get_computed_blocks(seq)
                 if self.connector is not None:
@@ -159,7 +163,8 @@ class Scheduler:
                 if self.connector is not None:
                     self.connector.update_state_after_alloc(seq, seq.block_table, num_external)
                 seq.num_computed_tokens += num_external
-                bm.record_prefix_lookup(seq.num_tokens, num_local)
+                if not skip_cache:  # a request that skipped the lookup is not counted (vLLM)
+                    bm.record_prefix_lookup(seq.num_tokens, num_local)
                 self.num_external_hit_tokens += num_external
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
@@ -246,6 +251,10 @@ class Scheduler:
             self.block_manager.cache_blocks(seq)
             if token is None:
                 continue  # a prefill chunk short of the last token samples nothing
+            if seq.sampling_params.max_tokens == 0:  # scoring: the prompt's logprobs are the result
+                progressed.append(seq)
+                self._finish(seq, SequenceStatus.FINISHED_LENGTH, now)
+                continue
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import PromptLogprobs, SampleLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -73,6 +74,11 @@ class Sequence:
     max_cacheable_tokens: int | None = None
     # The output's text so far, extended each step by the engine (None before the first token).
     detokenizer: IncrementalDetokenizer | None = None
+    # With `sampling_params.logprobs`: per output token its logprobs (engine/logprobs.py).
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float = 0.0
+    # With `sampling_params.prompt_logprobs`: per prompt token (the first None), by position.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def output_text(self) -> str:
