@@ -1,6 +1,8 @@
-"""The FastAPI application: OpenAI routes, `/kv/*` admin routes, health, version, metrics.
+"""The FastAPI application: OpenAI routes, vLLM's `/tokenize` and `/detokenize`, `/kv/*` admin
+routes, health, version, metrics.
 
-`/v1/*` and `/kv/*` need `Authorization: Bearer <api key>` when the server has one;
+`/v1/*`, `/tokenize`, `/detokenize` and `/kv/*` need `Authorization: Bearer <api key>` when
+the server has one;
 `/health`, `/version` and `/metrics` are open (as in vLLM). Every error is OpenAI's shape
 (kvtier/server/http_edge.py, shared with the router).
 """
@@ -18,7 +20,16 @@ from engine.sampling_params import SamplingParams
 from kvtier import __version__
 from kvtier.server.http_edge import MAX_BODY_BYTES, install_edge
 from kvtier.server.metrics import ServerMetrics
-from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, LookupRequest, new_id, now
+from kvtier.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LookupRequest,
+    TokenizeRequest,
+    new_id,
+    now,
+)
 from kvtier.server.serving import ServingContext, check_model, create_chat_completion, create_completion, render_chat
 
 logger = logging.getLogger("kvtier.server")
@@ -57,6 +68,34 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         return await create_chat_completion(ctx, body, request)
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize: a prompt's token ids (special tokens added unless
+        `add_special_tokens` is false), or a conversation's after the chat template (special
+        tokens not added again unless asked), with `max_model_len`."""
+        check_model(ctx, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        tok = front.tokenizer
+        if body.messages is not None:
+            text = render_chat(front, body.messages, body.add_generation_prompt)
+            special = bool(body.add_special_tokens)
+        else:
+            text, special = body.prompt or "", body.add_special_tokens is not False
+        ids = list(tok.encode(text, add_special_tokens=special))
+        return {"count": len(ids), "max_model_len": front.max_model_len, "tokens": ids,
+                "token_strs": list(tok.convert_ids_to_tokens(ids)) if body.return_token_strs else None}
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        """vLLM's /detokenize: the text of token ids."""
+        check_model(ctx, body.model)
+        vocab = front.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens holds {bad[:5]}, not token ids in [0, {vocab})", param="tokens")
+        return {"prompt": str(front.tokenizer.decode(body.tokens))}
 
     @app.post("/kv/lookup", dependencies=auth)
     async def lookup(body: LookupRequest) -> dict[str, Any]:

@@ -64,10 +64,12 @@ class RequestStream:
     disconnect) aborts the requests that have not finished, so their blocks are freed.
     """
 
-    def __init__(self, engine_loop: EngineLoop, request_ids: list[str], sub: _Subscriber) -> None:
+    def __init__(self, engine_loop: EngineLoop, request_ids: list[str], sub: _Subscriber,
+                 num_sequences: int | None = None) -> None:
         self._loop = engine_loop
         self._sub = sub
-        self.num_requests = len(request_ids)
+        # Engine sequences in flight for these requests (an n > 1 request runs n).
+        self.num_sequences = len(request_ids) if num_sequences is None else num_sequences
         self.remaining = set(request_ids)
         self._closed = False
 
@@ -151,15 +153,16 @@ class EngineLoop:
     # ---- the event-loop side ----
     def submit(self, seqs: list[Sequence]) -> RequestStream:
         """Queues `seqs` (validated) and returns their stream. Raises EngineDeadError if the
-        loop is not running, QueueFullError past `max_waiting`."""
+        loop is not running, QueueFullError past `max_waiting` (an n > 1 request counts n)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
-        if self.num_in_flight + len(seqs) > self.max_in_flight:
+        weight = sum(s.sampling_params.n for s in seqs)
+        if self.num_in_flight + weight > self.max_in_flight:
             raise QueueFullError(f"{self.num_in_flight} requests are in flight (at most "
                                  f"{self.max_in_flight}: max_num_seqs + max_queue); retry later")
         sub = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
-        self.num_in_flight += len(seqs)
-        stream = RequestStream(self, [s.request_id for s in seqs], sub)
+        self.num_in_flight += weight
+        stream = RequestStream(self, [s.request_id for s in seqs], sub, weight)
         self._commands.put(lambda: self._add(seqs, sub))
         return stream
 
@@ -182,7 +185,7 @@ class EngineLoop:
         return await fut
 
     def _release(self, stream: RequestStream) -> None:
-        self.num_in_flight -= stream.num_requests
+        self.num_in_flight -= stream.num_sequences
         unfinished = list(stream.remaining)
         if unfinished:
             self._commands.put(lambda: self._abort(unfinished))
@@ -243,6 +246,10 @@ class EngineLoop:
     @property
     def tokenizer(self) -> Any:
         return self._engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.model_config.vocab_size
 
     def make_sequence(self, prompt: PromptType, params: SamplingParams, request_id: str) -> Sequence:
         """Returns a validated, not yet queued request (the engine's `make_sequence`);

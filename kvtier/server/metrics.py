@@ -47,41 +47,53 @@ class ServerMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between a request's tokens.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced a token.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced output "
+                                     "(a token, or a scored prompt).")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.prefix_queries = counter("prefix_cache_queries", "Tokens looked up in the engine's prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Tokens found in the engine's prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
         self.external_hits = counter("kv_connector_hit_tokens", "Prompt tokens loaded by the KV connector.")
-        self._finished = Counter("kvtier:request_success", "Finished requests by finish reason.",
+        self._finished = Counter("kvtier:request_success", "Finished requests (each sample of an n > 1 "
+                                 "request) by finish reason.",
                                  ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
         self._last: dict[str, int] = {}
-        self._tokens_seen: dict[str, tuple[int, float]] = {}  # request -> (tokens, last token time)
+        # request -> sample index -> (tokens, last token time); samples already counted finished
+        self._tokens_seen: dict[str, dict[int, tuple[int, float]]] = {}
+        self._finished_samples: dict[str, set[int]] = {}
         if isinstance(connector, KVTierConnector):
             r.register(ConnectorCollector(connector))
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        """Engine thread: records the step's tokens and the engine's counters and gauges."""
+        """Engine thread: records the step's tokens and the engine's counters and gauges. An
+        n > 1 request's samples each count their tokens, gaps and finish; the request counts
+        its prompt, first token and end-to-end time once."""
         now = time.monotonic()
         for out in outputs:
-            n = len(out.outputs[0].token_ids)
-            seen, last = self._tokens_seen.get(out.request_id, (0, 0.0))
-            if seen == 0 and n:
+            rid = out.request_id
+            seen_by_sample = self._tokens_seen.get(rid)
+            if seen_by_sample is None:  # its first output: a token, or a finished scoring request
+                seen_by_sample = self._tokens_seen[rid] = {}
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
                 if out.metrics is not None and out.metrics.ttft is not None:
                     self.ttft.observe(out.metrics.ttft)
-            elif n > seen:
-                self.itl.observe((now - last) / (n - seen))
-            if n > seen:
-                self.generation_tokens.inc(n - seen)
+            for c in out.outputs:
+                n = len(c.token_ids)
+                seen, last = seen_by_sample.get(c.index, (0, 0.0))
+                if seen and n > seen:
+                    self.itl.observe((now - last) / (n - seen))
+                if n > seen:
+                    self.generation_tokens.inc(n - seen)
+                    seen_by_sample[c.index] = (n, now)
+                if c.finish_reason is not None and c.index not in self._finished_samples.setdefault(rid, set()):
+                    self._finished_samples[rid].add(c.index)
+                    self._finished.labels(self._model_name, c.finish_reason).inc()
             if out.finished:
-                self._tokens_seen.pop(out.request_id, None)
+                self._tokens_seen.pop(rid, None)
+                self._finished_samples.pop(rid, None)
                 if out.metrics is not None:
                     self.e2e.observe(now - out.metrics.arrival_time)
-                self._finished.labels(self._model_name, out.outputs[0].finish_reason or "unknown").inc()
-            else:
-                self._tokens_seen[out.request_id] = (n, now)
         stats = engine.get_stats()
         self.running.set(stats["num_running"])
         self.waiting.set(stats["num_waiting"])
@@ -96,6 +108,7 @@ class ServerMetrics:
     def forget(self, request_id: str) -> None:
         """Engine thread: counts an aborted request and drops its token record."""
         self._tokens_seen.pop(request_id, None)
+        self._finished_samples.pop(request_id, None)
         self._finished.labels(self._model_name, "abort").inc()
 
 

@@ -15,7 +15,8 @@ class StreamOptions(BaseModel):
 
 
 class SamplingRequest(BaseModel):
-    """The sampling fields completions and chat share, plus vLLM's extra body fields."""
+    """The sampling fields completions and chat share, plus vLLM's extra body fields. Ranges
+    are checked by `SamplingParams` (engine/sampling_params.py), whose errors name the field."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -29,19 +30,29 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
     user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # JSON keys are strings: token ids
     # vLLM extra body fields (`extra_body=` in the openai client)
     top_k: int = Field(default=-1, ge=-1)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-    # OpenAI fields this server does not implement: refused if set, never silently ignored
-    logprobs: Any = None
-    echo: bool = False
-    best_of: int | None = None
+    skip_special_tokens: bool = True
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # 0 only with `echo`: the prompt is scored, nothing generated (lm-eval's loglikelihood call)
+    max_tokens: int | None = Field(default=None, ge=0)
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1)
 
 
 class ChatMessage(BaseModel):
@@ -65,6 +76,30 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """`POST /tokenize` (vLLM's): a `prompt`, or `messages` rendered with the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """`POST /detokenize` (vLLM's)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class LookupRequest(BaseModel):

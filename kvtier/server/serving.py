@@ -1,15 +1,16 @@
 """Completions and chat over the engine loop: OpenAI request -> engine requests -> response.
 
 Non-streaming calls answer once every request finished; streaming calls send one SSE chunk
-per step with the text that became final (text that could still turn out to be the start of
-a stop string is held back until it cannot). A client that disconnects aborts its requests.
+per choice and step with the text that became final (text that could still turn out to be
+the start of a stop string is held back until it cannot) and, if asked, the logprobs of the
+step's tokens. An n > 1 request's samples are choices `prompt index x n + sample index`. A
+client that disconnects aborts its requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -19,21 +20,29 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sequence import Sequence
 from kvtier.server.engine_loop import (
     ClientDisconnected,
     EngineDeadError,
     EngineFailedError,
-    EngineLoop,
     QueueFullError,
     RequestStream,
 )
+from kvtier.server.engine_requests import (
+    ServingContext,
+    chat_ask,
+    check_model,
+    completion_ask,
+    completion_prompts,
+    make_sequences,
+    prompt_index,
+    render_chat,
+)
+from kvtier.server.logprobs_format import chat_logprobs, completion_logprobs, prompt_logprobs_json
 from kvtier.server.protocol import (
     APIError,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     SamplingRequest,
     new_id,
@@ -41,114 +50,12 @@ from kvtier.server.protocol import (
     usage,
 )
 
+__all__ = ["ServingContext", "check_model", "create_chat_completion", "create_completion", "render_chat"]
+
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 STORE_FLUSH_TIMEOUT_S = 30.0
 
 logger = logging.getLogger("kvtier.server")
-
-
-@dataclass
-class ServingContext:
-    engine_loop: EngineLoop  # the handlers' only way to the engine
-    model_name: str
-    # "producer": one token per request, answered once its K/V reached every tier (the
-    # router's prefill step); "consumer" and "both" serve normally.
-    kv_role: str = "both"
-
-
-def check_model(ctx: ServingContext, model: str | None) -> None:
-    """Raises a 404 APIError unless `model` is None or the served name."""
-    if model is not None and model != ctx.model_name:
-        raise APIError(404, f"The model `{model}` does not exist (this server serves `{ctx.model_name}`).",
-                       "NotFoundError", "model", "model_not_found")
-
-
-def _unsupported(req: SamplingRequest) -> None:
-    if req.n != 1:
-        raise APIError(400, f"n={req.n} is not supported: this server returns one choice per prompt (n=1)", param="n")
-    if req.best_of not in (None, 1):
-        raise APIError(400, "best_of is not supported", param="best_of")
-    if req.logprobs not in (None, False, 0):
-        raise APIError(400, "logprobs are not supported by this server", param="logprobs")
-    if req.echo:
-        raise APIError(400, "echo is not supported by this server", param="echo")
-
-
-def render_chat(engine_loop: EngineLoop, messages: list[ChatMessage]) -> str:
-    """Returns `messages` rendered with the model's chat template (generation prompt added)."""
-    tok = engine_loop.tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
-    try:
-        conv = [{"role": m.role, "content": m.text()} for m in messages]
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="messages") from None
-    return str(tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True))
-
-
-def make_sequences(ctx: ServingContext, prompts: list[Any], req: SamplingRequest, max_tokens: int | None,
-                   default_max_tokens: int | None, rid: str) -> list[Sequence]:
-    """Returns one validated engine request per prompt. `max_tokens` None takes
-    `default_max_tokens` (None: up to the context length). Raises a 400 APIError naming the
-    problem (prompt too long, bad sampling field)."""
-    front = ctx.engine_loop
-    limit = front.max_model_len
-    try:
-        base = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-                              max_tokens=1, stop_token_ids=list(req.stop_token_ids or []),
-                              stop=[req.stop] if isinstance(req.stop, str) else req.stop or [],
-                              include_stop_str_in_output=req.include_stop_str_in_output,
-                              ignore_eos=req.ignore_eos)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
-    seqs = []
-    for i, prompt in enumerate(prompts):
-        try:
-            seq = front.make_sequence(prompt, dataclasses.replace(base), f"{rid}-{i}")  # see prompt_index
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="prompt" if "prompt" in str(exc) else None) from None
-        n = seq.num_prompt_tokens
-        if n >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has {n}, "
-                           "which leaves no room for output.", param="prompt", code="context_length_exceeded")
-        if max_tokens is None:
-            want = limit - n if default_max_tokens is None else min(default_max_tokens, limit - n)
-        elif n + max_tokens > limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                           f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion).",
-                           param="max_tokens", code="context_length_exceeded")
-        else:
-            want = max_tokens
-        seq.sampling_params.max_tokens = 1 if ctx.kv_role == "producer" else want
-        try:
-            front.check_request(seq)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="max_tokens") from None
-        seqs.append(seq)
-    return seqs
-
-
-def prompt_index(request_id: str) -> int:
-    """Returns the position in its HTTP call's prompt list of an engine request made by
-    `make_sequences` (ids are `<call id>-<index>`)."""
-    return int(request_id.rsplit("-", 1)[1])
-
-
-def completion_prompts(req: CompletionRequest) -> list[Any]:
-    """Returns the engine prompts of a completion request (strings or token-id dicts)."""
-    p = req.prompt
-    if isinstance(p, str):
-        return [p]
-    if not p:
-        raise APIError(400, "prompt is empty", param="prompt")
-    if all(isinstance(x, int) for x in p):
-        return [{"prompt_token_ids": list(p)}]
-    if all(isinstance(x, str) for x in p):
-        return list(p)
-    if all(isinstance(x, list) for x in p):
-        return [{"prompt_token_ids": list(x)} for x in p if isinstance(x, list)]  # all are
-    raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of those lists",
-                   param="prompt")
 
 
 def _submit(ctx: ServingContext, seqs: list[Sequence]) -> RequestStream:
@@ -206,10 +113,6 @@ def _engine_error(exc: BaseException) -> APIError:
     return APIError(400, str(exc))
 
 
-def _error_event(exc: BaseException) -> str:
-    return _sse(_engine_error(exc).body())
-
-
 @dataclass
 class _Totals:
     prompt: int = 0
@@ -217,8 +120,9 @@ class _Totals:
     cached: int = 0
 
     def add(self, out: RequestOutput) -> None:
+        """Counts a finished request: its prompt once, the tokens of every sample."""
         self.prompt += len(out.prompt_token_ids)
-        self.completion += len(out.outputs[0].token_ids)
+        self.completion += sum(len(c.token_ids) for c in out.outputs)
         self.cached += out.num_cached_tokens
 
     def usage(self) -> dict[str, Any]:
@@ -240,108 +144,189 @@ async def _collect(request: Request, stream: RequestStream) -> list[RequestOutpu
     return [finals[k] for k in sorted(finals, key=prompt_index)]
 
 
-async def _deltas(
-    request: Request, stream: RequestStream, holdback: int
-) -> AsyncIterator[tuple[int, str, RequestOutput]]:
-    """Yields (prompt index, new final text, output) per output of the stream: the text a
-    stop string can no longer take back."""
-    sent: dict[str, int] = {}
+@dataclass
+class Delta:
+    """What one sample (choice) gained since its last delta."""
+
+    prompt: int  # index of its prompt in the call
+    sample: CompletionOutput  # cumulative; `sample.index` is its index among the n
+    text: str  # newly final text
+    first_token: int  # `sample.token_ids[first_token:]` are new
+    first: bool  # its first delta
+    out: RequestOutput
+
+    @property
+    def finished(self) -> bool:
+        return self.sample.finish_reason is not None
+
+
+async def _deltas(request: Request, stream: RequestStream, holdback: int) -> AsyncIterator[Delta]:
+    """Yields a Delta per sample and output of the stream that brought new final text, new
+    tokens or the sample's finish (the text a stop string can no longer take back)."""
+    sent_text: dict[tuple[str, int], int] = {}
+    sent_tokens: dict[tuple[str, int], int] = {}
+    done: set[tuple[str, int]] = set()
     async with watching(request, stream):
         async for out in stream:
-            text = out.outputs[0].text
-            visible = text if out.finished or not holdback else text[: max(len(text) - holdback, 0)]
-            start = sent.get(out.request_id, 0)
-            if len(visible) > start:
-                sent[out.request_id] = len(visible)
-            yield prompt_index(out.request_id), visible[start:], out
+            for c in out.outputs:
+                key = (out.request_id, c.index)
+                if key in done:
+                    continue
+                finished = c.finish_reason is not None
+                visible = c.text if finished or not holdback else c.text[: max(len(c.text) - holdback, 0)]
+                start, first_token = sent_text.get(key, 0), sent_tokens.get(key, 0)
+                if len(visible) <= start and len(c.token_ids) <= first_token and not finished:
+                    continue
+                first = key not in sent_tokens
+                sent_text[key] = max(start, len(visible))
+                sent_tokens[key] = len(c.token_ids)
+                if finished:
+                    done.add(key)
+                yield Delta(prompt_index(out.request_id), c, visible[start:], first_token, first, out)
 
 
 async def _events(ctx: ServingContext, request: Request, stream: RequestStream, req: SamplingRequest,
-                  head: dict[str, Any], choice: Callable[[int, str, RequestOutput], dict[str, Any] | None],
-                  first: dict[str, Any] | None = None) -> AsyncIterator[str]:
-    """Yields the SSE events of a streamed call: `first` (chat's role chunk), one chunk per
-    output that `choice` renders (None: nothing to send), the usage chunk if asked, [DONE];
+                  head: dict[str, Any], choice: Callable[[Delta], dict[str, Any] | None],
+                  firsts: tuple[dict[str, Any], ...] = ()) -> AsyncIterator[str]:
+    """Yields the SSE events of a streamed call: `firsts` (chat's role chunks), one chunk per
+    delta that `choice` renders (None: nothing to send), the usage chunk if asked, [DONE];
     an engine failure ends the stream with an error event."""
     totals = _Totals()
-    if first is not None:
+    counted: set[str] = set()
+    for first in firsts:
         yield _sse({**head, "choices": [first]})
     try:
-        async for i, delta, out in _deltas(request, stream, _holdback(req)):
-            rendered = choice(i, delta, out)
+        async for d in _deltas(request, stream, _holdback(req)):
+            rendered = choice(d)
             if rendered is not None:
                 yield _sse({**head, "choices": [rendered]})
-            if out.finished:
-                totals.add(out)
+            if d.out.finished and d.out.request_id not in counted:
+                counted.add(d.out.request_id)
+                totals.add(d.out)
         if req.stream_options is not None and req.stream_options.include_usage:
             yield _sse({**head, "choices": [], "usage": totals.usage()})
         await stores_landed(ctx)
         yield "data: [DONE]\n\n"
     except (EngineDeadError, ValueError) as exc:
-        yield _error_event(exc)
+        yield _sse(_engine_error(exc).body())
     except ClientDisconnected:
         return  # nobody is listening; the requests were aborted
 
 
+def _echo(ctx: ServingContext, out: RequestOutput) -> str:
+    """Returns the prompt's text (decoded when it came as token ids)."""
+    if out.prompt is not None:
+        return out.prompt
+    return str(ctx.engine_loop.tokenizer.decode(out.prompt_token_ids))
+
+
+def _completion_choice(ctx: ServingContext, req: CompletionRequest, out: RequestOutput, c: CompletionOutput,
+                       index: int, text: str, first_token: int, echo: bool,
+                       offsets: dict[int, int]) -> dict[str, Any]:
+    """Returns one completions choice: `text` (the prompt's first if `echo`), the logprobs
+    of `c`'s tokens from `first_token` (the prompt's first if `echo`) if asked."""
+    token_ids = list(c.token_ids[first_token:])
+    positions: list[Any] = list((c.logprobs or [])[first_token:])
+    if echo:
+        text = _echo(ctx, out) + text
+        token_ids = list(out.prompt_token_ids) + token_ids
+        positions = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + positions
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = completion_logprobs(ctx.engine_loop.tokenizer, token_ids, positions, req.logprobs,
+                                       offsets.get(index, 0))
+        if logprobs["tokens"]:
+            offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+    choice = {"index": index, "text": text, "logprobs": logprobs,
+              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    return choice
+
+
 async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request) -> Any:
     check_model(ctx, req.model)
-    _unsupported(req)
+    ask = completion_ask(req)
     rid = new_id("cmpl")
-    seqs = make_sequences(ctx, completion_prompts(req), req, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, rid)
+    seqs = make_sequences(ctx, completion_prompts(req), req, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, rid, ask)
     created = now()
     stream = _submit(ctx, seqs)
     if not req.stream:
         outs = await _collect(request, stream)
         await stores_landed(ctx)
         totals = _Totals()
-        choices = []
-        for i, out in enumerate(outs):
+        choices: list[dict[str, Any]] = []
+        for out in outs:
             totals.add(out)
-            c = out.outputs[0]
-            choices.append({"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason})
+            samples = out.outputs
+            if ask.n > req.n:  # best_of: the n with the highest cumulative logprob
+                samples = sorted(samples, key=lambda c: c.cumulative_logprob or 0.0, reverse=True)[: req.n]
+            for c in samples:
+                rendered = _completion_choice(ctx, req, out, c, len(choices), c.text, 0, req.echo, {})
+                if req.prompt_logprobs is not None:
+                    rendered["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+                choices.append(rendered)
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
                              "choices": choices, "usage": totals.usage()})
 
-    def choice(i: int, delta: str, out: RequestOutput) -> dict[str, Any] | None:
-        if not (delta or out.finished):
+    offsets: dict[int, int] = {}
+
+    def choice(d: Delta) -> dict[str, Any] | None:
+        c = d.sample
+        if not (d.text or d.finished or (req.logprobs is not None and len(c.token_ids) > d.first_token)
+                or (req.echo and d.first)):
             return None
-        c = out.outputs[0]
-        return {"index": i, "text": delta, "logprobs": None,
-                "finish_reason": c.finish_reason if out.finished else None,
-                "stop_reason": c.stop_reason if out.finished else None}
+        index = d.prompt * req.n + c.index
+        rendered = _completion_choice(ctx, req, d.out, c, index, d.text, d.first_token, req.echo and d.first, offsets)
+        if not d.finished:
+            rendered["finish_reason"] = rendered["stop_reason"] = None
+        return rendered
 
     head = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
     return StreamingResponse(_events(ctx, request, stream, req, head, choice), media_type="text/event-stream")
 
 
+def _chat_logprobs(ctx: ServingContext, req: ChatCompletionRequest, c: CompletionOutput,
+                   first_token: int = 0) -> dict[str, Any] | None:
+    if not req.logprobs:
+        return None
+    return chat_logprobs(ctx.engine_loop.tokenizer, c.token_ids[first_token:], (c.logprobs or [])[first_token:],
+                         req.top_logprobs or 0)
+
+
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request) -> Any:
     check_model(ctx, req.model)
-    _unsupported(req)
+    ask = chat_ask(req)
     rid = new_id("chatcmpl")
     prompt = render_chat(ctx.engine_loop, req.messages)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    seqs = make_sequences(ctx, [prompt], req, max_tokens, None, rid)
+    seqs = make_sequences(ctx, [prompt], req, max_tokens, None, rid, ask)
     created = now()
     stream = _submit(ctx, seqs)
     if not req.stream:
         (out,) = await _collect(request, stream)
         await stores_landed(ctx)
-        c = out.outputs[0]
         totals = _Totals()
         totals.add(out)
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
-                             "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
-                                          "logprobs": None, "finish_reason": c.finish_reason,
-                                          "stop_reason": c.stop_reason}],
-                             "usage": totals.usage()})
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
+                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": _chat_logprobs(ctx, req, c), "finish_reason": c.finish_reason,
+                             "stop_reason": c.stop_reason} for c in out.outputs],
+                "usage": totals.usage()}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+        return JSONResponse(body)
 
-    def choice(_i: int, delta: str, out: RequestOutput) -> dict[str, Any] | None:
-        if not out.finished:
-            return {"index": 0, "delta": {"content": delta}, "logprobs": None, "finish_reason": None} if delta else None
-        c = out.outputs[0]
-        return {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": None,
+    def choice(d: Delta) -> dict[str, Any] | None:
+        c = d.sample
+        logprobs = _chat_logprobs(ctx, req, c, d.first_token) if len(c.token_ids) > d.first_token else None
+        if not d.finished:
+            if not (d.text or logprobs):
+                return None
+            return {"index": c.index, "delta": {"content": d.text}, "logprobs": logprobs, "finish_reason": None}
+        return {"index": c.index, "delta": {"content": d.text} if d.text else {}, "logprobs": logprobs,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
-    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-    return StreamingResponse(_events(ctx, request, stream, req, head, choice, first), media_type="text/event-stream")
+    firsts = tuple({"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for j in range(req.n))
+    return StreamingResponse(_events(ctx, request, stream, req, head, choice, firsts),
+                             media_type="text/event-stream")
