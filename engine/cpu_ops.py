@@ -1,10 +1,14 @@
 """The engine's compiled CPU kernels (engine/csrc), built on first use and cached per machine.
 
-`paged_decode_attention` reads each decoding sequence's K/V in place from its blocks, where the
-PyTorch path gathers (copies) every sequence's whole context into a padded tensor once per
-layer per step: at long contexts that copy is most of a decode step
-(`benchmarks/bench_decode_attention.py`). There is no such kernel for other devices, so
-callers keep the PyTorch path there and wherever the kernel cannot be built.
+- `paged_decode_attention` reads each decoding sequence's K/V in place from its blocks, where
+  the PyTorch path gathers (copies) every sequence's whole context into a padded tensor once
+  per layer per step: at long contexts that copy is most of a decode step
+  (`benchmarks/bench_kernels.py`);
+- the fused float32 ops of a decoder layer (`rms_norm`, `add_rms_norm` adding the residual in
+  place, `silu_and_mul`) each replace several PyTorch ops and Python calls per layer per step.
+
+The model uses them through `LlamaForCausalLM.enable_cpu_ops`. There are no such kernels for
+other devices: callers keep PyTorch's ops there and wherever the kernels cannot be built.
 
 The build (torch's C++ extension JIT, g++ with OpenMP, ~30 s) happens once per source, torch
 version, flags and CPU, under `$KVTIER_HOME/torch_extensions/`: `make install` runs it
@@ -28,7 +32,8 @@ from engine.default_model import kvtier_home
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_attention.cpp"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = [_CSRC / "paged_decode_attention.cpp", _CSRC / "fused_ops.cpp"]
 
 # Built on the machine that runs it, so for its CPU; 512-bit vectors where it has them (gcc
 # prefers 256 on some that do): 2-4x faster decode attention on this project's machine.
@@ -52,14 +57,15 @@ def _cpu_fingerprint() -> str:
 def load() -> ModuleType | None:
     """Returns the compiled kernels, building them on first use; None (logged once, with the
     reason) where they cannot be built."""
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([torch.__version__, *_CFLAGS]).encode()
+    sources = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.suffix in (".cpp", ".h"))
+    key = hashlib.sha256(sources + " ".join([torch.__version__, *_CFLAGS]).encode()
                          + _cpu_fingerprint().encode()).hexdigest()[:16]
     build_dir = kvtier_home() / "torch_extensions" / f"cpu_ops-{key}"
     try:
         from torch.utils.cpp_extension import load as build
 
         build_dir.mkdir(parents=True, exist_ok=True)
-        return build(name="kvtier_cpu_ops", sources=[str(_SOURCE)], build_directory=str(build_dir),
+        return build(name="kvtier_cpu_ops", sources=[str(p) for p in _SOURCES], build_directory=str(build_dir),
                      extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
         logger.warning("kvtier's CPU kernels could not be built (%s: %s); decode attention uses the "

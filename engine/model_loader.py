@@ -115,8 +115,9 @@ def load_model(model: str | Path | None, device: torch.device, dtype: torch.dtyp
     if kernels == "auto":
         if onednn_supported(device, dtype):
             net.pack_linears()
-        if device.type == "cpu":
-            net.cpu_ops = cpu_ops.load()
+        ops = cpu_ops.load() if device.type == "cpu" else None
+        if ops is not None:
+            net.enable_cpu_ops(ops)
     return net, config
 
 

@@ -16,32 +16,12 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+
+#include "vec_math.h"
 #include <limits>
 #include <vector>
 
 namespace {
-
-// exp(x) for x <= 0 (scores minus their max), vectorisable: 2^(x log2 e) split into 2^n, built in
-// the exponent bits, and 2^f for f in [-0.5, 0.5] by a degree-6 polynomial (relative error
-// ~2e-7, the float32 rounding scale). Below -87 it returns 0, as expf underflows.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float y = x * 1.44269504088896341f;
-  const float n = std::nearbyint(y);
-  const float f = y - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
-  int32_t bits;
-  std::memcpy(&bits, &p, sizeof bits);
-  bits += static_cast<int32_t>(n) << 23;
-  std::memcpy(&p, &bits, sizeof p);
-  return p;
-}
 
 template <typename scalar_t>
 inline const float* as_float(const scalar_t* __restrict src, float* __restrict buf, int64_t n) {
@@ -113,7 +93,7 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < n; ++t) {
-          sh[t] = exp_nonpositive(sh[t] - top);
+          sh[t] = kvtier::exp_nonpositive(sh[t] - top);
           total += sh[t];
         }
         m[hq] = top;
@@ -192,6 +172,15 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   return out;
 }
 
+// fused_ops.cpp
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
+                           double eps);
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache, in place");
+  m.def("rms_norm", &rms_norm, "weight * x / sqrt(mean(x^2) + eps) per row");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns rms_norm(residual)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows");
 }

@@ -23,16 +23,32 @@ from engine.rotary import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
+    # engine/cpu_ops.py's fused kernels (float32 rows on CPU), when the loader enabled them.
+    cpu_ops: ModuleType | None = None
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        return self.cpu_ops is not None and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused(x):
+            return cast(torch.Tensor, self.cpu_ops.rms_norm(x, self.weight, self.eps))  # type: ignore[union-attr]
         # Normalise in float32 and scale in the input dtype, as HF does, so bf16 matches it.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this norm of residual + x, residual + x); the fused kernel adds into
+        `residual` in place (the caller's residual stream), the PyTorch path makes a new one."""
+        if self._fused(x) and residual.is_contiguous():
+            return self.cpu_ops.add_rms_norm(x, residual, self.weight, self.eps), residual  # type: ignore[union-attr]
+        residual = residual + x
+        return self(residual), residual
 
 
 class LlamaAttention(nn.Module):
@@ -71,6 +87,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    cpu_ops: ModuleType | None = None  # as RMSNorm's
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
@@ -78,8 +96,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if self.cpu_ops is not None and gate_up.dtype == torch.float32 and gate_up.dim() == 2:
+            return cast(torch.Tensor, self.down_proj(self.cpu_ops.silu_and_mul(gate_up)))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return cast(torch.Tensor, self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -90,10 +111,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, plan: AttentionPlan) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta, plan)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it is added): the next
+        layer's norm adds them, so each residual add rides in a norm (vLLM's layout). The
+        first layer takes `residual` None and its input as the stream."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, positions, kv_cache, meta, plan)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -132,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
                                           else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         # Per layer: the sliding window it attends over (None: full attention).
         self.layer_windows = [config.layer_sliding_window(i) for i in range(config.num_layers)]
-        # engine/cpu_ops.py's compiled kernels, when the loader enabled them (CPU only).
+        # engine/cpu_ops.py's compiled kernels, once enable_cpu_ops gave them (CPU only).
         self.cpu_ops: ModuleType | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -152,15 +182,26 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"attn_metadata describes {num_tokens} tokens, input_ids has "
                              f"{input_ids.shape[0]}, positions {positions.shape[0]}")
         x = self.model.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer, kv_cache, w in zip(self.model.layers, kv_caches, windows):
-            x = layer(x, positions, kv_cache, attn_metadata, plans[w])
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, kv_cache, attn_metadata, plans[w])
+        if residual is None:  # no layers
+            return cast(torch.Tensor, self.model.norm(x))
+        return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Returns float32 logits `[N, vocab]` for hidden states `[N, hidden]`."""
         if self.lm_head is None:
             return F.linear(hidden_states, self.model.embed_tokens.weight).float()
         return cast(torch.Tensor, self.lm_head(hidden_states)).float()
+
+    def enable_cpu_ops(self, ops: ModuleType) -> None:
+        """Runs decode attention, the norms and the MLP activation on engine/cpu_ops.py's
+        compiled kernels (float32 on CPU; other dtypes keep PyTorch's ops)."""
+        self.cpu_ops = ops
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LlamaMLP)):
+                module.cpu_ops = ops
 
     def pack_linears(self) -> None:
         """Moves every linear layer to oneDNN with prepacked weights (engine/linear_backend.py),

@@ -93,6 +93,36 @@ def test_decode_kernel_refuses_bad_inputs(ops) -> None:
         ops.paged_decode_attention(q[:, :, :32].contiguous(), kv, meta.block_tables, torch.tensor([0]), lens, 0.1, 512)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_fused_ops_equal_pytorch(ops, rows: int) -> None:
+    """The fused norm (with and without the residual add) and MLP activation against the
+    PyTorch ops they replace."""
+    from engine.models.llama import RMSNorm
+
+    g = torch.Generator().manual_seed(rows)
+    x, res = torch.randn(rows, 96, generator=g) * 3, torch.randn(rows, 96, generator=g)
+    norm = RMSNorm(96, 1e-5)
+    with torch.no_grad():
+        norm.weight.normal_(generator=g)
+    ref_norm = norm(x)
+    ref_added, ref_res = norm.add_forward(x, res)
+    norm.cpu_ops = ops
+    torch.testing.assert_close(norm(x), ref_norm, atol=1e-5, rtol=1e-5)
+    stream = res.clone()
+    got_added, got_res = norm.add_forward(x, stream)
+    assert got_res is stream  # added in place
+    torch.testing.assert_close(got_res, ref_res, atol=0, rtol=0)
+    torch.testing.assert_close(got_added, ref_added, atol=1e-5, rtol=1e-5)
+    # silu(gate) * up over a wide range, including large negative and positive gates
+    gate_up = torch.cat([torch.linspace(-100, 100, rows * 64).view(rows, 64), torch.randn(rows, 64, generator=g)], 1)
+    gate, up = gate_up.split(64, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="even number of columns"):
+        ops.silu_and_mul(torch.zeros(2, 3))
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        ops.rms_norm(x.double(), norm.weight, 1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linear_equals_f_linear(dtype: torch.dtype) -> None:
     if not onednn_supported(CPU, dtype):
