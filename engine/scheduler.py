@@ -5,7 +5,10 @@ oldest first: a decode needs one token, an unfinished prefill takes what the bud
 If blocks run out, the newest running sequence is preempted (its blocks freed, its progress
 discarded) and requeued at the head of the waiting queue; it is recomputed later, usually
 from the prefix cache. Waiting sequences are admitted in arrival order while the budget,
-`max_num_seqs` and the free blocks allow (no admission in a step that preempted).
+`max_num_seqs` and the free blocks allow (no admission in a step that preempted). A request
+asking for prompt logprobs reads neither the prefix cache nor a connector (vLLM's
+`skip_reading_prefix_cache`): every prompt position is computed. One with `max_tokens=0`
+(scoring) finishes when its prefill does, with no token.
 
 Loads in the step (a connector answering `(n, False)`, e.g. layerwise): the loaded tokens
 count as computed at admission; if the connector reports blocks of such a load unfilled after

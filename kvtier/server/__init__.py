@@ -5,6 +5,8 @@
 - `engine_loop.py`: the one thread that owns the engine, and the handlers' only way to it
   (submit, stream, abort, lookup, stats, reset the prefix cache, wait for stores).
 - `metrics.py`: Prometheus metrics (`kvtier:` names, as vLLM uses `vllm:`).
-- `serving.py`: completions and chat: sampling parameters, streaming, usage.
+- `engine_requests.py`: OpenAI requests to engine requests (sampling fields, n, logprobs).
+- `serving.py`: completions and chat: streaming, usage, echo, best_of.
+- `logprobs_format.py`: logprobs in the completions and chat wire shapes.
 - `app.py`: the FastAPI application (routes).
 """
