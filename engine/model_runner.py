@@ -176,9 +176,11 @@ class ModelRunner:
         chunks: dict[int, PromptLogprobsChunk] = {}
         for i, r in enumerate(out.requests):
             k = r.seq.sampling_params.prompt_logprobs
+            if k is None:
+                continue
             start = r.num_computed_tokens
             end = min(start + r.num_new_tokens, r.seq.num_prompt_tokens - 1)
-            if k is None or end <= start:
+            if end <= start:
                 continue
             q0 = meta.query_start_loc[i]
             next_ids = torch.tensor(r.seq.prompt_token_ids[start + 1 : end + 1], device=hidden.device)

@@ -123,6 +123,8 @@ def make_sequences(ctx: ServingContext, prompts: list[Any], req: SamplingRequest
     400 APIError naming the problem (prompt too long, bad sampling field)."""
     front = ctx.engine_loop
     limit = front.max_model_len
+    if ctx.kv_role == "producer":
+        ask = EngineAsk()  # a producer only computes and stores the prompt's K/V: one sample, one token
     logprobs_field = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
     first = max_tokens if max_tokens is not None else 1
     base = _params(req, ask, 1 if ctx.kv_role == "producer" else first, 0, logprobs_field)
