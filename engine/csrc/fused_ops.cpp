@@ -5,14 +5,16 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "vec_math.h"
 
 namespace {
 
-// Rows per work item: enough that a 1-token decode stays on the calling thread.
-constexpr int64_t kRowGrain = 8;
+// Rows per work item, for rows of n values: about 32k values, so a decode step's few rows
+// stay on the calling thread (waking the pool costs more than the work).
+inline int64_t row_grain(int64_t n) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)); }
 
 void check_rows(const torch::Tensor& x, const char* what) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), what,
@@ -40,7 +42,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   const float* xs = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, x.size(0), row_grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) norm_rows(xs + r * n, w, o + r * n, n, static_cast<float>(eps));
   });
   return out;
@@ -60,7 +62,7 @@ torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, cons
   float* res = residual.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, x.size(0), row_grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* __restrict rr = res + r * n;
       const float* __restrict xr = xs + r * n;
@@ -80,7 +82,7 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   auto out = torch::empty({rows, n}, gate_up.options());
   const float* g = gate_up.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, row_grain(2 * n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* __restrict gr = g + r * 2 * n;
       const float* __restrict ur = gr + n;
@@ -95,4 +97,41 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
     }
   });
   return out;
+}
+
+// Rotates, in place, the first `num_heads` heads of each row of x [T, >= num_heads * D] (row
+// stride given by x, heads of D values) to positions [T], neox layout: with halves (a, b) of a
+// head and (cos, sin) the halves of cos_sin[position] [D], (a, b) <- (a cos - b sin, b cos + a sin).
+void rotary_(torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos_sin, int64_t num_heads) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
+              "x must be float32 [T, n] with contiguous rows");
+  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.scalar_type() == torch::kFloat && cos_sin.is_contiguous(),
+              "cos_sin must be contiguous float32 [max_positions, D]");
+  TORCH_CHECK(positions.dim() == 1 && positions.scalar_type() == torch::kLong && positions.is_contiguous() &&
+              positions.size(0) == x.size(0), "positions must be contiguous int64 [T]");
+  const int64_t d = cos_sin.size(1), half = d / 2, rows = x.size(0), stride = x.stride(0);
+  TORCH_CHECK(d % 2 == 0 && num_heads * d <= x.size(1), "x has fewer than num_heads heads of cos_sin's width");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t max_pos = cos_sin.size(0);
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < max_pos, "position ", pos[r], " outside the rotary table (", max_pos, ")");
+  }
+  float* base = x.data_ptr<float>();
+  const float* table = cos_sin.data_ptr<float>();
+  at::parallel_for(0, rows, row_grain(num_heads * d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* __restrict c = table + pos[r] * d;
+      const float* __restrict s = c + half;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* __restrict a = base + r * stride + h * d;
+        float* __restrict b = a + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float ai = a[i], bi = b[i];
+          a[i] = ai * c[i] - bi * s[i];
+          b[i] = bi * c[i] + ai * s[i];
+        }
+      }
+    }
+  });
 }

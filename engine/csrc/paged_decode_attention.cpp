@@ -113,12 +113,23 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
           for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
         }
       }
+      if (first[b + 1] - first[b] == 1) {  // the whole sequence: normalise into out now
+        for (int64_t hq = 0; hq < H; ++hq) {
+          const float inv = 1.f / l[hq];
+          float* __restrict o = out + (b * H + hq) * D;
+          const float* __restrict a = acc + hq * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
+        }
+      }
     }
   });
+  if (parts == num_seqs) return;  // no sequence was split: nothing to merge
 
   at::parallel_for(0, num_seqs * H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, hq = bh % H;
+      if (first[b + 1] - first[b] == 1) continue;  // written by its only partition
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t p = first[b]; p < first[b + 1]; ++p) top = std::max(top, part_max[p * H + hq]);
       float* __restrict o = out + bh * D;
@@ -177,10 +188,12 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
                            double eps);
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
+void rotary_(torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos_sin, int64_t num_heads);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache, in place");
   m.def("rms_norm", &rms_norm, "weight * x / sqrt(mean(x^2) + eps) per row");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns rms_norm(residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows");
+  m.def("rotary_", &rotary_, "rotates the first num_heads heads of each row in place (neox layout)");
 }

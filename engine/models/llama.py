@@ -52,6 +52,8 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    cpu_ops: ModuleType | None = None  # as RMSNorm's
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -67,9 +69,14 @@ class LlamaAttention(nn.Module):
         """Returns q `[T, Hq, D]`, k (after RoPE) and v `[T, Hkv, D]` for normed hidden states
         `x` `[T, hidden]` at `positions` `[T]` (views into one fused projection)."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_size)
+        flat = self.qkv_proj(x)
+        qkv = flat.view(t, self.num_heads + 2 * self.num_kv_heads, self.head_size)
         qk_heads = self.num_heads + self.num_kv_heads
-        qk = apply_rotary(qkv[:, :qk_heads], positions, self.rotary.cos_sin_cache(x.device, x.dtype))
+        cos_sin = self.rotary.cos_sin_cache(x.device, x.dtype)
+        if self.cpu_ops is not None and flat.dtype == torch.float32 and flat.dim() == 2:
+            self.cpu_ops.rotary_(flat, positions, cos_sin, qk_heads)  # q and k, in place
+            return qkv[:, :self.num_heads], qkv[:, self.num_heads:qk_heads], qkv[:, qk_heads:]
+        qk = apply_rotary(qkv[:, :qk_heads], positions, cos_sin)
         return qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, qk_heads:]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -196,11 +203,11 @@ class LlamaForCausalLM(nn.Module):
         return cast(torch.Tensor, self.lm_head(hidden_states)).float()
 
     def enable_cpu_ops(self, ops: ModuleType) -> None:
-        """Runs decode attention, the norms and the MLP activation on engine/cpu_ops.py's
+        """Runs decode attention, RoPE, the norms and the MLP activation on engine/cpu_ops.py's
         compiled kernels (float32 on CPU; other dtypes keep PyTorch's ops)."""
         self.cpu_ops = ops
         for module in self.modules():
-            if isinstance(module, (RMSNorm, LlamaMLP)):
+            if isinstance(module, (RMSNorm, LlamaMLP, LlamaAttention)):
                 module.cpu_ops = ops
 
     def pack_linears(self) -> None:

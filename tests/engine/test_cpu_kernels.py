@@ -95,7 +95,7 @@ def test_decode_kernel_refuses_bad_inputs(ops) -> None:
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_fused_ops_equal_pytorch(ops, rows: int) -> None:
-    """The fused norm (with and without the residual add) and MLP activation against the
+    """The fused norm (with and without the residual add), MLP activation and RoPE against the
     PyTorch ops they replace."""
     from engine.models.llama import RMSNorm
 
@@ -117,6 +117,19 @@ def test_fused_ops_equal_pytorch(ops, rows: int) -> None:
     gate_up = torch.cat([torch.linspace(-100, 100, rows * 64).view(rows, 64), torch.randn(rows, 64, generator=g)], 1)
     gate, up = gate_up.split(64, dim=-1)
     torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    # RoPE on the first 3 heads of [q | k | v]-like rows, in place, against apply_rotary
+    from engine.rotary import apply_rotary, build_cos_sin_cache, compute_inv_freq
+
+    table = build_cos_sin_cache(compute_inv_freq(32, 10000.0), 4096, torch.float32, "cpu")
+    flat = torch.randn(rows, 4 * 32, generator=g)
+    positions = torch.randint(0, 4096, (rows,), generator=g)
+    ref = apply_rotary(flat.view(rows, 4, 32)[:, :3], positions, table)
+    untouched = flat[:, 96:].clone()
+    ops.rotary_(flat, positions, table, 3)
+    torch.testing.assert_close(flat.view(rows, 4, 32)[:, :3], ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(flat[:, 96:], untouched)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        ops.rotary_(flat, torch.full((rows,), 4096), table, 3)
     with pytest.raises(RuntimeError, match="even number of columns"):
         ops.silu_and_mul(torch.zeros(2, 3))
     with pytest.raises(RuntimeError, match="contiguous float32"):
