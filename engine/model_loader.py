@@ -100,8 +100,9 @@ def load_model(model: str | Path | None, device: torch.device, dtype: torch.dtyp
                kernels: str = "auto") -> tuple[LlamaForCausalLM, ModelConfig]:
     """Returns (model in eval mode on `device` in `dtype`, its ModelConfig). Every parameter
     comes from the checkpoint (ValueError if any is missing or misshapen). With `kernels`
-    "auto", its linears run on oneDNN and its decode attention on the compiled CPU kernel
-    where each can (engine/linear_backend.py, engine/cpu_ops.py); "torch": PyTorch ops only."""
+    "auto", its linears run on oneDNN and its decode attention, RoPE, norms and MLP activation
+    on the compiled CPU kernels where each can (engine/linear_backend.py, engine/cpu_ops.py);
+    "torch": PyTorch ops only."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     path = resolve_model_path(model)

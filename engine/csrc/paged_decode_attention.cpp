@@ -23,6 +23,39 @@
 
 namespace {
 
+constexpr int64_t kLanes = 16;
+typedef float vec16 __attribute__((vector_size(64)));
+typedef int32_t ivec16 __attribute__((vector_size(64)));
+
+// Lanes 0-7: the sums of a's adjacent lane pairs; lanes 8-15: b's.
+inline vec16 pair_sums(vec16 a, vec16 b) {
+  const ivec16 even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const ivec16 odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
+}
+
+// Lane j: q . keys[j][offset : offset + D]. Each dot accumulates D / 16 lane-wise products;
+// the 16 accumulators are then summed across lanes together (4 rounds of pair_sums, 15 calls),
+// instead of one horizontal sum per dot.
+template <int64_t D>
+inline vec16 dots16(const float* q, const float* const* keys, int64_t offset) {
+  vec16 acc[kLanes];
+  for (int64_t j = 0; j < kLanes; ++j) acc[j] = vec16{};
+  for (int64_t c = 0; c < D; c += kLanes) {
+    vec16 qc;
+    std::memcpy(&qc, q + c, sizeof qc);
+    for (int64_t j = 0; j < kLanes; ++j) {
+      vec16 kc;
+      std::memcpy(&kc, keys[j] + offset + c, sizeof kc);
+      acc[j] += qc * kc;
+    }
+  }
+  for (int64_t width = kLanes; width > 1; width /= 2) {
+    for (int64_t j = 0; j < width / 2; ++j) acc[j] = pair_sums(acc[2 * j], acc[2 * j + 1]);
+  }
+  return acc[0];
+}
+
 template <typename scalar_t>
 inline const float* as_float(const scalar_t* __restrict src, float* __restrict buf, int64_t n) {
   if constexpr (std::is_same_v<scalar_t, float>) {
@@ -69,7 +102,22 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
       // The queries, pre-scaled: scores need one multiply less per key.
       const float* qb = q + b * H * D;
       for (int64_t i = 0; i < H * D; ++i) qs[i] = qb[i] * scale;
-      for (int64_t t = 0; t < n; ++t) {
+      int64_t t = 0;
+      if constexpr (std::is_same_v<scalar_t, float> && HEAD > 0 && HEAD % kLanes == 0) {
+        // 16 keys at a time: their 16 dot products per head are summed across lanes together.
+        const float* keys[kLanes];
+        for (; t + kLanes <= n; t += kLanes) {
+          for (int64_t j = 0; j < kLanes; ++j) {
+            const int64_t pos = t0 + t + j;
+            keys[j] = kv + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
+          }
+          for (int64_t hq = 0; hq < H; ++hq) {
+            const vec16 sum = dots16<HEAD>(qs + hq * D, keys, (hq / G) * D);
+            std::memcpy(scores + hq * partition + t, &sum, sizeof sum);
+          }
+        }
+      }
+      for (; t < n; ++t) {
         const int64_t pos = t0 + t;
         const float* __restrict k = as_float(
             kv + table[pos / block_size] * block_stride + (pos % block_size) * token_stride, row, token_stride);
