@@ -91,6 +91,7 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
   // order, each block's K (then V) one contiguous run of block_size * Hkv * D values.
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> score_buf(H * partition), q_buf(H * D), row_buf(token_stride);
+    std::vector<int64_t> offset_buf(partition);
     float* __restrict scores = score_buf.data();
     float* __restrict qs = q_buf.data();
     float* __restrict row = row_buf.data();
@@ -102,15 +103,19 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
       // The queries, pre-scaled: scores need one multiply less per key.
       const float* qb = q + b * H * D;
       for (int64_t i = 0; i < H * D; ++i) qs[i] = qb[i] * scale;
+      // Each key's row offset in the K cache (V's is v_offset more), stepping through the
+      // block table: no division per key.
+      int64_t* __restrict offsets = offset_buf.data();
+      for (int64_t t = 0, blk = t0 / block_size, in = t0 % block_size; t < n; ++t) {
+        offsets[t] = table[blk] * block_stride + in * token_stride;
+        if (++in == block_size) in = 0, ++blk;
+      }
       int64_t t = 0;
       if constexpr (std::is_same_v<scalar_t, float> && HEAD > 0 && HEAD % kLanes == 0) {
         // 16 keys at a time: their 16 dot products per head are summed across lanes together.
         const float* keys[kLanes];
         for (; t + kLanes <= n; t += kLanes) {
-          for (int64_t j = 0; j < kLanes; ++j) {
-            const int64_t pos = t0 + t + j;
-            keys[j] = kv + table[pos / block_size] * block_stride + (pos % block_size) * token_stride;
-          }
+          for (int64_t j = 0; j < kLanes; ++j) keys[j] = kv + offsets[t + j];
           for (int64_t hq = 0; hq < H; ++hq) {
             const vec16 sum = dots16<HEAD>(qs + hq * D, keys, (hq / G) * D);
             std::memcpy(scores + hq * partition + t, &sum, sizeof sum);
@@ -118,9 +123,7 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
         }
       }
       for (; t < n; ++t) {
-        const int64_t pos = t0 + t;
-        const float* __restrict k = as_float(
-            kv + table[pos / block_size] * block_stride + (pos % block_size) * token_stride, row, token_stride);
+        const float* __restrict k = as_float(kv + offsets[t], row, token_stride);
         for (int64_t hq = 0; hq < H; ++hq) {
           const float* __restrict qh = qs + hq * D;
           const float* __restrict kh = k + (hq / G) * D;
@@ -149,10 +152,7 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
       }
       std::fill(acc, acc + H * D, 0.f);
       for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = t0 + t;
-        const float* __restrict v = as_float(
-            kv + v_offset + table[pos / block_size] * block_stride + (pos % block_size) * token_stride, row,
-            token_stride);
+        const float* __restrict v = as_float(kv + v_offset + offsets[t], row, token_stride);
         for (int64_t hq = 0; hq < H; ++hq) {
           const float p = scores[hq * partition + t];
           const float* __restrict vh = v + (hq / G) * D;
