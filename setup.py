@@ -19,6 +19,9 @@ TEST = [
     "pytest-xdist==3.8.0",
     # `make test` lints and type-checks before pytest (the versions the config was verified with)
     "ruff>=0.17", "mypy>=2.4",
+    # tests/kvtier/test_lm_eval.py and `make eval`: lm-eval-harness's local-completions client against
+    # kvtier serve. Its [api] extra is the HTTP client (aiohttp, tenacity); neither pulls torch.
+    "lm-eval[api]==0.4.13",
 ]
 
 setup(extras_require={
