@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,8 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench_engine import median_time  # noqa: E402 (this script's directory is on sys.path)
 
 from engine import cpu_ops  # noqa: E402
 from engine.attention_metadata import AttentionMetadata  # noqa: E402
@@ -41,13 +41,9 @@ LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
 def median_s(fn: Callable[[], Any], reps: int) -> float:
+    """bench_engine's median of `reps` timed calls, after one untimed call (first-shape costs)."""
     fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_time(fn, reps)
 
 
 def bench_linear(rows: list[int], layers: int, reps: int) -> list[dict[str, Any]]:
