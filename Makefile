@@ -10,7 +10,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # vLLM on CPU: compute on both cores (its default keeps one for the scheduler), 2 GiB of KV cache.
 VLLM_ENV   := VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2
 
-.PHONY: install vllm-install demo test test-vllm bench bench-vllm bench-vs-vllm clean
+.PHONY: install vllm-install demo test test-vllm bench bench-vllm bench-vs-vllm eval bench-serving-vs-vllm clean
 
 install: $(STAMP)
 
@@ -61,6 +61,16 @@ bench-vllm: vllm-install
 # kvtier's engine and vLLM side by side (decode, prefill, warm TTFT), each in its own process.
 bench-vs-vllm: vllm-install
 	$(VLLM_ENV) $(VLLM_PY) benchmarks/bench_vs_vllm.py
+
+# lm-eval-harness (local-completions) against kvtier serve: accuracy and time cold, warm from the engine,
+# the cpu tier and Redis, and lm-eval's own command line once (benchmarks/results/lm_eval.{json,md}).
+eval: install
+	$(PY) benchmarks/eval_lm_eval.py
+
+# kvtier serve and vllm serve + kvtier's connector, one after the other, measured by `vllm bench serve`
+# (random and prefix_repetition datasets): benchmarks/results/serving_vs_vllm.{json,md}.
+bench-serving-vs-vllm: install vllm-install
+	$(PY) benchmarks/bench_serving_vs_vllm.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
