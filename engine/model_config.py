@@ -1,7 +1,8 @@
 """`ModelConfig`: what the engine needs to know about a Hugging Face checkpoint.
 
-Built from the checkpoint's `config.json` (plus `generation_config.json` and the tokenizer
-files for end-of-sequence ids). `fingerprint` names the model (architecture, every size and
+Built from the checkpoint's `config.json` (the keys every family shares here, each family's
+own by its hook in the registry, engine/models; `generation_config.json` and the tokenizer
+files add end-of-sequence ids). `fingerprint` names the model (architecture, every size and
 the weights' identity) so that KV computed by one model can never be read by another.
 
 Weights identity (cheap on every load, deterministic across processes and machines): for
@@ -17,21 +18,33 @@ import hashlib
 import json
 import math
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-# model_type -> the architecture our one Llama-family implementation registers for it.
-SUPPORTED_MODEL_TYPES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from engine.hf_config import HFConfig, parse_rope
+from engine.models import family_for
 
 _SAMPLE_BYTES = 4096
 _NUM_SAMPLES = 33
 _HASH_WHOLE_FILE_BELOW = 8 << 20
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts of a sparse MLP (Mixtral, Qwen3-MoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    # Renormalise the top-k router probabilities to sum to 1 (Mixtral always; Qwen3-MoE's
+    # norm_topk_prob); else they stay the softmax over all experts.
+    norm_topk_prob: bool
+    # The layers whose MLP is sparse; the others use the dense MLP of `intermediate_size`.
+    layers: tuple[int, ...]
+    # A shared expert every token goes through (0: none), gated by a sigmoid when `gated`.
+    shared_intermediate_size: int = 0
+    shared_expert_gated: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,25 +62,44 @@ class ModelConfig:
     vocab_size: int
     rms_norm_eps: float
     rope_theta: float
-    # Normalised: None, or a dict with "rope_type" in SUPPORTED_ROPE_TYPES and its parameters.
+    # Normalised: None, or a dict with "rope_type" (engine/hf_config.py ROPE_TYPES) and its
+    # parameters.
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    # Bias on q/k/v projections (always for qwen2) and on o_proj (llama's attention_bias only).
+    # Bias on q/k/v projections and on o_proj.
     attention_bias: bool
     attention_out_bias: bool
     mlp_bias: bool
     eos_token_ids: list[int]
     bos_token_id: int | None
-    # Mistral-style sliding window W: in the layers listed in `sliding_window_layers`, the
-    # token at position i attends keys j with i - W < j <= i (transformers' convention); None
-    # (and no layers) when every layer attends fully.
+    # Sliding window W: in the layers listed in `sliding_window_layers`, the token at position
+    # i attends keys j with i - W < j <= i (transformers' convention); None (and no layers)
+    # when every layer attends fully.
     sliding_window: int | None
     sliding_window_layers: tuple[int, ...]
     # The checkpoint's stored dtype name ("float32", "bfloat16", ...), informational.
     checkpoint_dtype: str
     fingerprint: str
     path: Path | None = field(default=None, compare=False)
+    # Family features. Each default is the Llama computation; `_fingerprint` names a feature
+    # only when it differs from its default, so the models that predate it keep their ids.
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh"
+    attention_scale: float | None = None  # None: head_size ** -0.5
+    # q/k RMSNorm before RoPE: "head" (per head over head_size, Qwen3), "full" (over the whole
+    # projection, OLMo 2), None.
+    qk_norm: str | None = None
+    # Where the decoder layer's norms sit (engine/layers/decoder.py): "pre" (Llama), "post"
+    # (OLMo 2: after each sub-layer), "sandwich" (Gemma 2/3: before and after each).
+    norm_layout: str = "pre"
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight) (Gemma)
+    embedding_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden))
+    attn_logit_softcap: float | None = None  # cap * tanh(score / cap) on attention scores
+    final_logit_softcap: float | None = None  # the same on the final logits
+    # RoPE of the sliding layers when it differs from the full layers' (Gemma 3's local base).
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
+    moe: MoEConfig | None = None
 
     @property
     def q_size(self) -> int:
@@ -86,6 +118,12 @@ class ModelConfig:
         """Returns the window layer `layer_idx` attends over, or None for full attention."""
         return self.sliding_window if layer_idx in self.sliding_window_layers else None
 
+    def layer_rope(self, layer_idx: int) -> tuple[float, dict[str, Any] | None]:
+        """Returns (theta, scaling) of the RoPE layer `layer_idx` applies."""
+        if self.local_rope_theta is not None and layer_idx in self.sliding_window_layers:
+            return self.local_rope_theta, self.local_rope_scaling
+        return self.rope_theta, self.rope_scaling
+
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         """Reads a checkpoint dir; raises ValueError naming what is missing or unsupported."""
@@ -94,59 +132,60 @@ class ModelConfig:
         if not cfg_file.is_file():
             raise ValueError(f"{path}: not a Hugging Face checkpoint dir (no config.json)")
         hf = json.loads(cfg_file.read_text())
-        _check_architecture(hf)  # before touching weights: the clearest error comes first
+        family_for(hf)  # before touching weights: the clearest error comes first
         eos = _collect_eos_ids(path, hf)
         return cls.from_hf_dict(hf, weights_identity=weights_identity(path), eos_token_ids=eos,
                                 path=path)
 
     @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any], weights_identity: str = "",
+    def from_hf_dict(cls, raw: dict[str, Any], weights_identity: str = "",
                      eos_token_ids: list[int] | None = None,
                      path: Path | None = None) -> ModelConfig:
-        """Builds a config from a parsed HF `config.json` dict; validates every field we use."""
-        model_type, arch = _check_architecture(hf)
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} for {arch}; only 'silu'")
-        hidden = _req_int(hf, "hidden_size")
-        num_heads = _req_int(hf, "num_attention_heads")
-        num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
-        head_size = int(hf.get("head_dim") or hidden // num_heads)
+        """Builds a config from a parsed HF `config.json` dict: the keys every family shares
+        here, the family's own keys by its registry hook (engine/models). Raises ValueError
+        naming a bad value, an unsupported architecture, or any key that may change the
+        computation and that no parser read."""
+        family = family_for(raw)
+        hf = HFConfig(raw, family.architecture)
+        num_heads = hf.positive_int("num_attention_heads")
+        num_kv_heads = hf.positive_int("num_key_value_heads", num_heads)
+        hidden = hf.positive_int("hidden_size")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads {num_heads} is not a multiple of "
                              f"num_key_value_heads {num_kv_heads}")
-        rope_theta, rope_scaling = _parse_rope(hf)
-        if hf.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("partial_rotary_factor != 1 is not supported")
-        is_qwen2 = model_type == "qwen2"
-        attn_bias = True if is_qwen2 else bool(hf.get("attention_bias", False))
-        num_layers = _req_int(hf, "num_hidden_layers")
-        window, window_layers = _parse_sliding_window(hf, model_type, num_layers)
+        rope_theta, rope_scaling = parse_rope(hf, rope_types=family.rope_types)
+        hf.inert_unless("partial_rotary_factor", 1.0)
         eos = sorted(set(eos_token_ids if eos_token_ids is not None else _as_id_list(hf.get("eos_token_id"))))
         cfg: dict[str, Any] = dict(
-            architecture=arch,
-            model_type=model_type,
+            architecture=family.architecture,
+            model_type=family.model_type,
             hidden_size=hidden,
-            intermediate_size=_req_int(hf, "intermediate_size"),
-            num_layers=num_layers,
+            intermediate_size=hf.positive_int("intermediate_size"),
+            num_layers=hf.positive_int("num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_size=head_size,
-            vocab_size=_req_int(hf, "vocab_size"),
+            head_size=hf.positive_int("head_dim", hidden // num_heads),
+            vocab_size=hf.positive_int("vocab_size"),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=attn_bias,
-            attention_out_bias=attn_bias and not is_qwen2,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
+            tie_word_embeddings=hf.flag("tie_word_embeddings"),
+            attention_bias=False,
+            attention_out_bias=False,
+            mlp_bias=False,
             eos_token_ids=eos,
             bos_token_id=hf.get("bos_token_id"),
-            sliding_window=window,
-            sliding_window_layers=window_layers,
+            sliding_window=None,
+            sliding_window_layers=(),
             checkpoint_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+            hidden_act=hf.get("hidden_act", "silu"),
         )
+        family.parse(hf, cfg)
+        if cfg["hidden_act"] not in _ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} for {family.architecture}; "
+                             f"supported: {_ACTIVATIONS}")
+        hf.check_all_read()
         return cls(**cfg, fingerprint=_fingerprint(cfg, weights_identity), path=path)
 
     def to_dict(self) -> dict[str, Any]:
@@ -155,75 +194,7 @@ class ModelConfig:
         return d
 
 
-def _check_architecture(hf: dict[str, Any]) -> tuple[str, str]:
-    """Returns (model_type, architecture); ValueError naming them if unsupported."""
-    model_type = hf.get("model_type")
-    archs = hf.get("architectures") or [SUPPORTED_MODEL_TYPES.get(model_type or "", "")]
-    arch = archs[0]
-    if model_type not in SUPPORTED_MODEL_TYPES or arch not in SUPPORTED_MODEL_TYPES.values():
-        raise ValueError(
-            f"unsupported architecture {arch!r} (model_type {model_type!r}); supported: "
-            + ", ".join(f"{a} ({t})" for t, a in SUPPORTED_MODEL_TYPES.items()))
-    return model_type, arch
-
-
-def _req_int(hf: dict[str, Any], key: str) -> int:
-    v = hf.get(key)
-    if not isinstance(v, int) or v <= 0:
-        raise ValueError(f"config.json: {key!r} must be a positive integer, got {v!r}")
-    return v
-
-
-def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, normalised scaling) from HF 5.x `rope_parameters` or legacy keys."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
-        params = params["full_attention"]
-    if params:
-        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = hf.get("rope_theta", 10000.0)
-        scaling = dict(hf.get("rope_scaling") or {})
-    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
-    scaling.pop("type", None)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
-    if rope_type == "default":
-        return float(theta), None
-    if "factor" not in scaling:
-        raise ValueError(f"rope type {rope_type!r} needs a 'factor'")
-    if rope_type == "llama3":
-        for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            if k not in scaling:
-                raise ValueError(f"rope type 'llama3' needs {k!r}")
-    return float(theta), {"rope_type": rope_type, **scaling}
-
-
-def _parse_sliding_window(hf: dict[str, Any], model_type: str,
-                          num_layers: int) -> tuple[int | None, tuple[int, ...]]:
-    """Returns (window, the layers using it) exactly as transformers' modeling applies them:
-    Mistral slides in every layer; Qwen2 only with `use_sliding_window`, in the layers its
-    `layer_types` mark "sliding_attention" (default: index >= `max_window_layers`); Llama
-    ignores the key. (None, ()) when no layer slides."""
-    window = hf.get("sliding_window")
-    if model_type == "llama" or not window:
-        return None, ()
-    if not isinstance(window, int) or window <= 0:
-        raise ValueError(f"config.json: 'sliding_window' must be a positive integer, got {window!r}")
-    if model_type != "qwen2":
-        return window, tuple(range(num_layers))
-    if not hf.get("use_sliding_window", False):
-        return None, ()
-    types = hf.get("layer_types")
-    if types is None:
-        first = int(hf.get("max_window_layers", 28))
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-    if len(types) != num_layers or not set(types) <= {"full_attention", "sliding_attention"}:
-        raise ValueError(f"config.json: 'layer_types' must name 'full_attention' or "
-                         f"'sliding_attention' for each of {num_layers} layers, got {types!r}")
-    layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    return (window, layers) if layers else (None, ())
+_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 def _as_id_list(v: Any) -> list[int]:
@@ -277,6 +248,12 @@ def weights_identity(path: Path) -> str:
     return h.hexdigest()
 
 
+# The features added after the first fingerprints: named in the id only when they differ from
+# their default (the Llama computation), so existing models keep their ids and stored chunks.
+_FEATURE_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)
+                     if f.name != "path" and f.default is not MISSING}
+
+
 def _fingerprint(cfg: dict[str, Any], weights_id: str) -> str:
     """128-bit hex id of everything that makes two models' KV incompatible."""
     keys = ("architecture", "model_type", "hidden_size", "intermediate_size", "num_layers",
@@ -288,6 +265,10 @@ def _fingerprint(cfg: dict[str, Any], weights_id: str) -> str:
         # The window changes the KV of every layer after the first sliding one. Named only
         # when set, so full-attention models keep the fingerprints (and stored chunks) they had.
         ident["sliding_window"] = [cfg["sliding_window"], list(cfg["sliding_window_layers"])]
+    for k, default in _FEATURE_DEFAULTS.items():
+        v = cfg.get(k, default)
+        if v != default:
+            ident[k] = asdict(v) if isinstance(v, MoEConfig) else v
     for k, v in ident.items():  # floats through repr so 1e5 and 100000.0 hash alike
         if isinstance(v, float) and math.isfinite(v):
             ident[k] = repr(v)

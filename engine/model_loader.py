@@ -14,7 +14,8 @@ from engine import cpu_ops
 from engine.config import KERNELS
 from engine.linear_backend import onednn_supported
 from engine.model_config import ModelConfig
-from engine.models import LlamaForCausalLM, get_model_class
+from engine.models import get_model_class
+from engine.models.base import CausalLM
 from engine.progress import progress_bar
 
 _DTYPES = {
@@ -97,7 +98,7 @@ def iter_safetensors(path: Path, progress: bool | None = False) -> Iterator[tupl
 
 
 def load_model(model: str | Path | None, device: torch.device, dtype: torch.dtype,
-               kernels: str = "auto") -> tuple[LlamaForCausalLM, ModelConfig]:
+               kernels: str = "auto") -> tuple[CausalLM, ModelConfig]:
     """Returns (model in eval mode on `device` in `dtype`, its ModelConfig). Every parameter
     comes from the checkpoint (ValueError if any is missing or misshapen). With `kernels`
     "auto", its linears run on oneDNN and its decode attention, RoPE, norms and MLP activation
@@ -109,7 +110,7 @@ def load_model(model: str | Path | None, device: torch.device, dtype: torch.dtyp
     config = ModelConfig.from_pretrained(path)
     cls = get_model_class(config.architecture)
     with torch.device("meta"):  # skip random init: every weight is overwritten below
-        net = cls(config)
+        net: CausalLM = cls(config)
     net = net.to(dtype).to_empty(device=device)
     net.load_weights(iter_safetensors(path, progress=None))
     net = net.eval().requires_grad_(False)

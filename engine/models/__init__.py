@@ -1,23 +1,73 @@
-"""Model registry: HF architecture name -> our implementation class."""
+"""The model registry: one entry per supported family, model_type -> architecture -> class.
+
+Each `ModelFamily` names the transformers architecture it runs, the module under engine/models
+that implements it (`impl`), the hook that reads the family's own `config.json` keys
+(engine/models/family_configs.py) and the rope types it accepts. ModelConfig parsing and
+model loading both read this one table, so what parses is what runs.
+
+Model classes are named here and imported when a model is built (`get_model_class`): the
+model modules import ModelConfig, which parses through this table, and reading a config (the
+connector, vLLM's processes) needs no torch module of any family. Adding a Llama-like family
+is an entry here, a hook for its keys and a few lines under engine/models.
+"""
 
 from __future__ import annotations
 
-from engine.models.llama import LlamaForCausalLM
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
+from engine.hf_config import ROPE_TYPES, HFConfig
+from engine.models import family_configs as fc
 
-
-def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
-    """Returns the class implementing `architecture`; ValueError naming it if unsupported."""
-    try:
-        return MODEL_REGISTRY[architecture]
-    except KeyError:
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: "
-                         f"{sorted(MODEL_REGISTRY)}") from None
+ConfigHook = Callable[[HFConfig, dict[str, Any]], None]
 
 
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "get_model_class"]
+@dataclass(frozen=True)
+class ModelFamily:
+    model_type: str
+    architecture: str
+    # "<module>.<class>": engine.models.<module> defines the class that runs it.
+    impl: str
+    # Reads the family's keys into the ModelConfig fields dict (shared keys already there).
+    parse: ConfigHook
+    rope_types: dict[str, tuple[frozenset[str], frozenset[str]]] = field(default_factory=lambda: ROPE_TYPES)
+
+
+MODEL_REGISTRY: dict[str, ModelFamily] = {f.model_type: f for f in (
+    ModelFamily("llama", "LlamaForCausalLM", "llama.LlamaForCausalLM", fc.llama),
+    ModelFamily("mistral", "MistralForCausalLM", "llama.LlamaForCausalLM", fc.mistral),
+    ModelFamily("qwen2", "Qwen2ForCausalLM", "llama.LlamaForCausalLM", fc.qwen2),
+)}
+
+
+def supported() -> str:
+    """Returns the supported families as 'Architecture (model_type)', comma-separated."""
+    return ", ".join(f"{f.architecture} ({t})" for t, f in MODEL_REGISTRY.items())
+
+
+def family_for(hf: dict[str, Any]) -> ModelFamily:
+    """Returns the family of a parsed `config.json`; ValueError naming its architecture and
+    model_type when no family runs that pair."""
+    model_type = hf.get("model_type")
+    family = MODEL_REGISTRY.get(model_type) if isinstance(model_type, str) else None
+    archs = hf.get("architectures") or [family.architecture if family else None]
+    if family is None or archs[0] != family.architecture:
+        raise ValueError(f"unsupported architecture {archs[0]!r} (model_type {model_type!r}); "
+                         f"supported: {supported()}")
+    return family
+
+
+def get_model_class(architecture: str) -> type[Any]:
+    """Returns the class implementing `architecture` (importing its module); ValueError naming
+    it if unsupported."""
+    for f in MODEL_REGISTRY.values():
+        if f.architecture == architecture:
+            module, name = f.impl.rsplit(".", 1)
+            cls: type[Any] = getattr(importlib.import_module(f"engine.models.{module}"), name)
+            return cls
+    raise ValueError(f"unsupported architecture {architecture!r}; supported: {supported()}")
+
+
+__all__ = ["MODEL_REGISTRY", "ModelFamily", "family_for", "get_model_class", "supported"]
