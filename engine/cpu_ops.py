@@ -75,12 +75,13 @@ def load() -> ModuleType | None:
 
 def paged_decode_attention(ops: ModuleType, q: torch.Tensor, kv_cache: torch.Tensor,
                            block_tables: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, softcap: float | None = None) -> torch.Tensor:
     """Returns `[B, Hq, D]` (q's dtype): each decode query `q` `[B, Hq, D]` attending over keys
     `starts[b]..lens[b] - 1` of its sequence, read in place from `kv_cache`'s blocks named by
-    `block_tables` `[B, max_blocks]`. The cache is not modified."""
+    `block_tables` `[B, max_blocks]`, its scores `scale * q.k` capped to
+    `softcap * tanh(scale * q.k / softcap)` when `softcap` is given. The cache is not modified."""
     out = ops.paged_decode_attention(q.float().contiguous(), kv_cache, block_tables, starts, lens,
-                                     scale, DECODE_PARTITION)
+                                     scale, DECODE_PARTITION, softcap or 0.0)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 

@@ -23,6 +23,10 @@ from its first query's window start, with a causal-and-window mask; a longer dec
 only its last W keys. Blocks that fell out of the window are NOT freed: the block manager
 and the prefix cache stay window-agnostic (a cached prefix must hold every block to be
 reusable by a longer prompt), attention just never reads them.
+
+Soft-capped scores (Gemma 2's `cap * tanh(scale * q.k / cap)`): SDPA cannot cap, so every
+path above keeps its keys and masks but computes the scores explicitly
+(engine/softcap_attention.py); the compiled decode kernel caps its own scores.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch.nn.functional as F
 
 from engine.attention_metadata import AttentionMetadata
 from engine.cpu_ops import paged_decode_attention
+from engine.softcap_attention import capped_decode, capped_prefill
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -244,34 +249,39 @@ def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    kv_cache: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
-    """Attention of the step's new tokens over their full context.
+                    kv_cache: torch.Tensor, plan: AttentionPlan, scale: float,
+                    softcap: float | None = None) -> torch.Tensor:
+    """Attention of the step's new tokens over their full context: softmax of `scale * q.k`
+    (capped to `softcap * tanh(scale * q.k / softcap)` when `softcap` is given) times v.
 
     `q` `[T, Hq, D]`, `k`/`v` `[T, Hkv, D]` (already written to `kv_cache`). Returns `[T, Hq, D]`.
     """
     only_fresh = not plan.decode_batch and len(plan.prefills) == 1 and plan.prefills[0].block_ids is None
-    if only_fresh:  # the common single-prompt prefill: no output copy
+    if only_fresh and softcap is None:  # the common single-prompt prefill: no output copy
         return sdpa_gqa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale,
                         causal=True).transpose(0, 1)
     out = torch.empty_like(q)
     for p in plan.prefills:
         qs = q[p.start:p.end].transpose(0, 1)
         if p.block_ids is None:
-            ks, vs = k[p.start:p.end], v[p.start:p.end]
-            o = sdpa_gqa(qs, ks.transpose(0, 1), vs.transpose(0, 1), scale, causal=True)
+            ks, vs = k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1)
+            o = (sdpa_gqa(qs, ks, vs, scale, causal=True) if softcap is None
+                 else capped_prefill(qs, ks, vs, scale, softcap))
         else:
             if p.kv_buf is None:
                 p.kv_buf = kv_cache.new_empty((2, p.block_ids.numel(), *kv_cache.shape[2:]))
             ks, vs = gather_kv(kv_cache, p.block_ids, p.seq_len, out=p.kv_buf)
             ks, vs = ks.transpose(0, 1).to(q.dtype), vs.transpose(0, 1).to(q.dtype)
-            if p.mask is not None:
+            if softcap is not None:  # the mask (if any) is bottom-right aligned, as it expects
+                o = capped_prefill(qs, ks, vs, scale, softcap, p.mask)
+            elif p.mask is not None:
                 o = _masked_gqa(qs, ks, vs, scale, p)
             else:  # query j of the padded batch is position j: exactly causal over the keys
                 padded = torch.cat([qs.new_zeros(qs.shape[0], p.pad, qs.shape[2]), qs], dim=1)
                 o = sdpa_gqa(padded, ks, vs, scale, causal=True)[:, p.pad:]
         out[p.start:p.end] = o.transpose(0, 1)
     if plan.decode_batch:
-        o = _decode_attention(q[plan.decode_rows], kv_cache, plan, scale)
+        o = _decode_attention(q[plan.decode_rows], kv_cache, plan, scale, softcap)
         if plan.decode_batch == plan.num_tokens:  # decode-only step: no output copy
             return o
         if isinstance(plan.decode_rows, slice):
@@ -301,7 +311,7 @@ def _masked_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan,
-                      scale: float) -> torch.Tensor:
+                      scale: float, softcap: float | None) -> torch.Tensor:
     """One SDPA call for all decode rows `q` `[B, Hq, D]`; returns `[B, Hq, D]`.
 
     With one query per sequence, the G query heads sharing a kv head can ride along as G
@@ -310,7 +320,7 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPl
     if plan.decode_ops is not None:
         assert plan.decode_tables is not None and plan.decode_starts is not None and plan.decode_lens is not None
         return paged_decode_attention(plan.decode_ops, q.contiguous(), kv_cache, plan.decode_tables,
-                                      plan.decode_starts, plan.decode_lens, scale)
+                                      plan.decode_starts, plan.decode_lens, scale, softcap)
     b, n = plan.decode_batch, plan.decode_len
     h_kv, d = kv_cache.shape[-2:]
     flat = kv_cache.view(2, -1, h_kv, d)
@@ -320,6 +330,8 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPl
     kv = torch.index_select(flat, 1, plan.decode_slots, out=plan.decode_buf)
     kv = kv.view(2, b, n, h_kv, d).transpose(2, 3)
     qg = q.reshape(b, h_kv, -1, d)
-    o = F.scaled_dot_product_attention(qg, kv[0].to(q.dtype), kv[1].to(q.dtype),
-                                       attn_mask=plan.decode_mask, scale=scale)
+    ks, vs = kv[0].to(q.dtype), kv[1].to(q.dtype)
+    if softcap is not None:
+        return capped_decode(qg, ks, vs, scale, softcap, plan.decode_mask).reshape(b, -1, d)
+    o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=plan.decode_mask, scale=scale)
     return o.reshape(b, -1, d)

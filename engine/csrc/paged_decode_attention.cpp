@@ -1,6 +1,7 @@
 // Decode attention read in place from a paged KV cache, for CPU (engine/cpu_ops.py builds it).
 //
-// One query token per sequence: out[b, hq] = softmax(scale * q[b, hq] . K[t]) . V[t] over the
+// One query token per sequence: out[b, hq] = softmax(s_t) . V[t] with s_t = scale * q[b, hq] . K[t]
+// (or, given softcap > 0, Gemma 2's softcap * tanh(s_t / softcap)) over the
 // sequence's keys t in [starts[b], lens[b]), where the K/V of token t live at
 // kv_cache[{0,1}, block_tables[b, t / block_size], t % block_size, hq / G] (G query heads share
 // a kv head). Nothing is gathered: each key row is read once from its block, for every query
@@ -56,6 +57,25 @@ inline vec16 dots16(const float* q, const float* const* keys, int64_t offset) {
   return acc[0];
 }
 
+// tanh(x), vectorisable: Eigen's rational approximation (odd degree-13 over even degree-6
+// polynomial) on x clamped to +-7.9, beyond which tanh is 1 in float32; a few ulp of error.
+inline float tanh_approx(float x) {
+  x = std::min(std::max(x, -7.90531110763549805f), 7.90531110763549805f);
+  const float x2 = x * x;
+  float p = -2.76076847742355e-16f;
+  p = p * x2 + 2.00018790482477e-13f;
+  p = p * x2 - 8.60467152213735e-11f;
+  p = p * x2 + 5.12229709037114e-08f;
+  p = p * x2 + 1.48572235717979e-05f;
+  p = p * x2 + 6.37261928875436e-04f;
+  p = p * x2 + 4.89352455891786e-03f;
+  float q = 1.19825839466702e-06f;
+  q = q * x2 + 1.18534705686654e-04f;
+  q = q * x2 + 2.26843463243900e-03f;
+  q = q * x2 + 4.89352518554385e-03f;
+  return x * p / q;
+}
+
 template <typename scalar_t>
 inline const float* as_float(const scalar_t* __restrict src, float* __restrict buf, int64_t n) {
   if constexpr (std::is_same_v<scalar_t, float>) {
@@ -73,7 +93,7 @@ template <typename scalar_t, int64_t HEAD>
 void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int64_t* starts,
             const int64_t* lens, float* out, int64_t num_seqs, int64_t num_q_heads,
             int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t num_blocks,
-            int64_t max_blocks, float scale, int64_t partition) {
+            int64_t max_blocks, float scale, float softcap, int64_t partition) {
   const int64_t H = num_q_heads, G = num_q_heads / num_kv_heads, D = HEAD > 0 ? HEAD : head_size;
   const int64_t token_stride = num_kv_heads * D;  // one token's row: every kv head, contiguous
   const int64_t block_stride = block_size * token_stride;
@@ -138,6 +158,11 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
       float* __restrict acc = part_acc.data() + part * H * D;
       for (int64_t hq = 0; hq < H; ++hq) {
         float* __restrict sh = scores + hq * partition;
+        if (softcap > 0.f) {
+          const float inv_cap = 1.f / softcap;
+#pragma omp simd
+          for (int64_t t = 0; t < n; ++t) sh[t] = softcap * tanh_approx(sh[t] * inv_cap);
+        }
         float top = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : top)
         for (int64_t t = 0; t < n; ++t) top = std::max(top, sh[t]);
@@ -200,10 +225,12 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
 }  // namespace
 
 // q [B, Hq, D] float32; kv_cache [2, num_blocks, block_size, Hkv, D] (float32, bfloat16 or
-// float16); block_tables [B, max_blocks], starts [B], lens [B] int64. Returns [B, Hq, D] float32.
+// float16); block_tables [B, max_blocks], starts [B], lens [B] int64; softcap <= 0: no cap.
+// Returns [B, Hq, D] float32.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& starts,
-                                     const torch::Tensor& lens, double scale, int64_t partition) {
+                                     const torch::Tensor& lens, double scale, int64_t partition,
+                                     double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, Hq, D]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be contiguous [2, num_blocks, block_size, Hkv, D]");
@@ -220,7 +247,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
           q.data_ptr<float>(), kv_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
           starts.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), q.size(0), q.size(1),
           kv_cache.size(3), q.size(2), kv_cache.size(2), kv_cache.size(1), block_tables.size(1),
-          static_cast<float>(scale), partition);
+          static_cast<float>(scale), static_cast<float>(softcap), partition);
     };
     switch (q.size(2)) {  // the common head sizes, unrolled
       case 64: run(std::integral_constant<int64_t, 64>{}); break;
@@ -239,7 +266,9 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
 void rotary_(torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos_sin, int64_t num_heads);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache, in place");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache, in place",
+        py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("starts"), py::arg("lens"),
+        py::arg("scale"), py::arg("partition"), py::arg("softcap") = 0.0);
   m.def("rms_norm", &rms_norm, "weight * x / sqrt(mean(x^2) + eps) per row");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns rms_norm(residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows");
