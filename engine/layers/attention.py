@@ -70,9 +70,7 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                plan: AttentionPlan) -> torch.Tensor:
         """Returns the attention output `[T, Hq, D]` of the step's queries over their context."""
-        if self.logit_softcap is not None:
-            raise NotImplementedError("attention logit soft-capping needs the capped attention path")
-        return paged_attention(q, k, v, kv_cache, plan, self.scale)
+        return paged_attention(q, k, v, kv_cache, plan, self.scale, self.logit_softcap)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, plan: AttentionPlan) -> torch.Tensor:

@@ -20,6 +20,7 @@ from typing import Any
 
 from engine.hf_config import ROPE_TYPES, HFConfig
 from engine.models import family_configs as fc
+from engine.models import gemma_config
 
 ConfigHook = Callable[[HFConfig, dict[str, Any]], None]
 
@@ -39,6 +40,8 @@ MODEL_REGISTRY: dict[str, ModelFamily] = {f.model_type: f for f in (
     ModelFamily("llama", "LlamaForCausalLM", "llama.LlamaForCausalLM", fc.llama),
     ModelFamily("mistral", "MistralForCausalLM", "llama.LlamaForCausalLM", fc.mistral),
     ModelFamily("qwen2", "Qwen2ForCausalLM", "llama.LlamaForCausalLM", fc.qwen2),
+    ModelFamily("gemma2", "Gemma2ForCausalLM", "gemma.GemmaForCausalLM", gemma_config.gemma2),
+    ModelFamily("gemma3_text", "Gemma3ForCausalLM", "gemma.GemmaForCausalLM", gemma_config.gemma3_text),
 )}
 
 
