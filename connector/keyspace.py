@@ -7,6 +7,11 @@ layout version, chunk size, and the chained hash of the tokens up to and includi
 engine's prefix cache chains too). A `Keyspace` is configured once per connector; every span
 it returns carries its key and its chain hash, so nothing is ever parsed back from a key.
 
+A request's `cache_salt` (engine/cache_salt.py) gives it its own keyspace (`for_salt`): its
+chains start from a salted root (prefix and CacheBlend segment chains alike), so no key is
+shared across salts, and its keys start `kvtier:tenant-<tag>:` (kvstore/tenant_keys.py) so
+every tier can find one tenant's entries. Unsalted keys are unchanged.
+
 In layerwise mode (`use_layerwise`) each layer of a chunk is its own stored value
 `(1, 2, tokens, kv_heads, head_size)` under `<chunk key>@L<layer>` (LMCache's layerwise mode
 does the same): each byte a load uses is covered by its own checksum, every codec works per
@@ -22,7 +27,9 @@ from typing import Any
 
 import torch
 
+from engine.cache_salt import salted_root, tenant_tag
 from engine.hashing import chain_hash, chain_prefixes, root_hash
+from kvstore.tenant_keys import tenant_prefix
 
 LAYOUT_VERSION = 1
 """Bumped whenever the chunk tensor layout `(layers, 2, tokens, kv_heads, head_size)` changes."""
@@ -60,9 +67,11 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 
 
 def chunk_key(model: str, kv_dtype: str, chunk_size: int, chain: bytes,
-              layout_version: int = LAYOUT_VERSION) -> str:
-    """Returns `kvtier:<model>:<dtype>:v<layout>:c<chunk_size>:<hash hex>` (ASCII, no spaces)."""
-    return f"kvtier:{model}:{kv_dtype}:v{layout_version}:c{chunk_size}:{chain.hex()}"
+              layout_version: int = LAYOUT_VERSION, tenant: str | None = None) -> str:
+    """Returns `kvtier:<model>:<dtype>:v<layout>:c<chunk_size>:<hash hex>` (ASCII, no spaces),
+    for a tenant `kvtier:tenant-<tag>:<model>:...`."""
+    head = tenant_prefix(tenant) if tenant is not None else "kvtier:"
+    return f"{head}{model}:{kv_dtype}:v{layout_version}:c{chunk_size}:{chain.hex()}"
 
 
 def layer_key(key: str, layer: int) -> str:
@@ -75,7 +84,7 @@ class Keyspace:
     Pure: no I/O, no state beyond its configuration."""
 
     def __init__(self, model: str, kv_dtype: torch.dtype | str, chunk_size: int, num_layers: int,
-                 layerwise: bool = False) -> None:
+                 layerwise: bool = False, cache_salt: str | None = None) -> None:
         for name, value in (("model", model), ("kv_dtype", dtype_name(kv_dtype))):
             if not isinstance(value, str) or ":" in value or any(c.isspace() for c in value):
                 raise ValueError(f"keyspace {name} must be a str without ':' or spaces, got {value!r}")
@@ -88,17 +97,37 @@ class Keyspace:
         self.chunk_size = chunk_size
         self.num_layers = num_layers
         self.layerwise = layerwise
+        self.cache_salt = cache_salt  # hashed, never put in a key: any string is safe here
+        self.tenant = tenant_tag(cache_salt) if cache_salt is not None else None
+        self.root = salted_root(ROOT_HASH, cache_salt)
+        self._segment_roots = {kind: salted_root(r, cache_salt) for kind, r in SEGMENT_ROOTS.items()}
+        self._salted: dict[str, Keyspace] = {}
+
+    def for_salt(self, cache_salt: str | None) -> Keyspace:
+        """Returns the keyspace of requests with `cache_salt` (None: unsalted), otherwise
+        configured as this one."""
+        if cache_salt == self.cache_salt:
+            return self
+        if cache_salt is None:
+            return Keyspace(self.model, self.kv_dtype, self.chunk_size, self.num_layers, self.layerwise)
+        ks = self._salted.get(cache_salt)
+        if ks is None:
+            if len(self._salted) >= 4096:  # a bound, not a policy: rebuilt on demand
+                self._salted.clear()
+            ks = self._salted[cache_salt] = Keyspace(self.model, self.kv_dtype, self.chunk_size,
+                                                     self.num_layers, self.layerwise, cache_salt)
+        return ks
 
     def key(self, chain: bytes) -> str:
         """Returns the stored key of the chunk whose chain hash is `chain`."""
-        return chunk_key(self.model, self.kv_dtype, self.chunk_size, chain)
+        return chunk_key(self.model, self.kv_dtype, self.chunk_size, chain, tenant=self.tenant)
 
-    def spans(self, tokens: Sequence[int] | Any, unfull: bool = True, parent: bytes = ROOT_HASH) -> list[Span]:
-        """Returns each `chunk_size` slice of `tokens` as a span, chained from `parent`; the
-        last, shorter slice only if `unfull`."""
+    def spans(self, tokens: Sequence[int] | Any, unfull: bool = True, parent: bytes | None = None) -> list[Span]:
+        """Returns each `chunk_size` slice of `tokens` as a span, chained from `parent`
+        (default: this keyspace's root); the last, shorter slice only if `unfull`."""
         out: list[Span] = []
         n = len(tokens)
-        chain = parent
+        chain = self.root if parent is None else parent
         for start in range(0, n, self.chunk_size):
             end = min(start + self.chunk_size, n)
             if end - start < self.chunk_size and not unfull:
@@ -117,7 +146,7 @@ class Keyspace:
     def segment_spans(self, tokens: Sequence[int] | Any, segment_kv: str) -> list[Span]:
         """Returns a CacheBlend segment's spans (positions relative to the segment), keyed from
         the root of `segment_kv` so they depend on its tokens alone, never on its position."""
-        return self.spans(tokens, unfull=True, parent=SEGMENT_ROOTS[segment_kv])
+        return self.spans(tokens, unfull=True, parent=self._segment_roots[segment_kv])
 
     @property
     def values_per_chunk(self) -> int:

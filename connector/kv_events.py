@@ -89,12 +89,12 @@ class ChunkEventBuilder:
         self.capacity = capacity
         self._chunks: OrderedDict[str, _Chunk] = OrderedDict()  # stored key -> its chunk
 
-    def planned(self, save: SaveSpec, tokens: Sequence[int]) -> None:
+    def planned(self, save: SaveSpec, tokens: Sequence[int], cache_salt: str | None = None) -> None:
         """Records the chunks of `save` (`tokens`: the request's tokens, at least through the
-        last span) so their reports can name tokens and parents."""
+        last span; `cache_salt`: the request's) so their reports can name tokens and parents."""
         if not save.spans:
             return
-        ks = self.keyspace
+        ks = self.keyspace.for_salt(cache_salt)
         first = save.spans[0]
         parent = ks.spans(tokens[:first.start], unfull=False)[-1].chain if first.start else None
         for sp in save.spans:

@@ -46,6 +46,7 @@ class BlendSpec:
     exact_end: int
     token_ids: list[int]
     block_ids: list[int]
+    cache_salt: str | None = None  # the request's: its segments are keyed in its keyspace
 
 
 @dataclass

@@ -30,7 +30,7 @@ import torch
 
 from connector.blend.planner import BlendPlanner
 from connector.config import ConnectorConfig
-from connector.keyspace import ROOT_HASH, Keyspace, Span
+from connector.keyspace import Keyspace, Span
 from connector.metadata import KVTierMeta, LoadSpec, SaveSpec
 from connector.metrics import ConnectorMetrics, RequestKVMetrics
 from connector.presence import ChunkPresence
@@ -124,7 +124,7 @@ class KVTierPlanner(KVConnectorScheduler):
         m = self.metrics.live(rid)
         m.num_prompt_tokens = seq.num_prompt_tokens
         m.engine_hit_tokens = num_computed_tokens
-        ks = self.keyspace
+        ks = self.keyspace.for_salt(seq.cache_salt)  # a salt's chunks are its own
         spans = ks.spans(seq.all_token_ids)
         first = num_computed_tokens // ks.chunk_size
         candidates = [sp for sp in spans[first:] if sp.start < limit]
@@ -134,7 +134,7 @@ class KVTierPlanner(KVConnectorScheduler):
         num_hit = held.index(False) if False in held else len(held)
         wanted = candidates[:num_hit]
         if num_hit < len(candidates):
-            tail = self._stored_partial(seq.all_token_ids, spans, first + num_hit, num_computed_tokens)
+            tail = self._stored_partial(ks, seq.all_token_ids, spans, first + num_hit, num_computed_tokens)
             if tail is not None:
                 wanted.append(tail)
         end = min(wanted[-1].end, limit) if wanted else num_computed_tokens
@@ -143,16 +143,16 @@ class KVTierPlanner(KVConnectorScheduler):
         self._hits[rid] = _Hit(n, num_computed_tokens, end, wanted)
         return end - num_computed_tokens, not self.layerwise
 
-    def _stored_partial(self, tokens: list[int], spans: list[Span], j: int, after: int) -> Span | None:
+    def _stored_partial(self, ks: Keyspace, tokens: list[int], spans: list[Span], j: int,
+                        after: int) -> Span | None:
         """Returns the longest stored partial chunk that starts where span `j` starts and ends
         past position `after`, or None: one batched existence query over its possible lengths
         (layerwise: over their last layers, then one for all layers of the longest)."""
         span = spans[j]
         if span.num_tokens < 2 or span.end - 1 <= after:
             return None
-        parent = ROOT_HASH if j == 0 else spans[j - 1].chain
+        parent = ks.root if j == 0 else spans[j - 1].chain
         skip = max(0, after - span.start)  # lengths that would end at or before `after` load nothing
-        ks = self.keyspace
         probe = ks.partial_spans(tokens[span.start:span.end], span.start, parent)[skip:]
         held = [i for i, present in enumerate(self.presence.chunks_held(ks, probe, last_layer_only=True)) if present]
         if not held or (self.layerwise and not self.presence.chunks_held(ks, [probe[held[-1]]])[0]):

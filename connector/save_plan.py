@@ -59,7 +59,8 @@ class SavePlan:
         if new_end <= done:
             return []
         self._saved_upto[rid] = new_end
-        return [sp for sp in self.keyspace.spans(seq.token_ids_slice(0, new_end), bool(unfull)) if sp.end > done]
+        spans = self.keyspace.for_salt(seq.cache_salt).spans(seq.token_ids_slice(0, new_end), bool(unfull))
+        return [sp for sp in spans if sp.end > done]
 
     def rewind(self, request_id: str, position: int) -> None:
         """Offers the request's chunks from the one holding `position` again (recomputed)."""
@@ -78,7 +79,8 @@ class SavePlan:
         computed = min(seq.num_computed_tokens, num_blocks * block_size)
         if computed <= done:
             return []
-        return [sp for sp in self.keyspace.spans(seq.token_ids_slice(0, computed), True) if sp.end > done]
+        spans = self.keyspace.for_salt(seq.cache_salt).spans(seq.token_ids_slice(0, computed), True)
+        return [sp for sp in spans if sp.end > done]
 
     def forget(self, request_id: str) -> None:
         """Drops the request's record."""

@@ -13,6 +13,8 @@ straight on to vLLM. The body takes one of `prompt` (text), `prompt_token_ids` o
 - `tiers`, `max_hit_tokens`: per tier, how many leading tokens it holds as stored chunks, never
   the last token (vLLM always computes it), asked of the worker process's tiers over the lookup
   channel (connector/lookup_channel.py, OP_TIER_PREFIX). Stores still queued are not counted.
+- `cache_salt` (optional, vLLM's rules): only that tenant's chunks count, as a request with
+  that salt would load them; without it only unsalted chunks count.
 - `engine_prefix_cache_tokens`: always 0: vLLM's own prefix cache lives in its EngineCore
   process, which answers no such question.
 - `num_requests_running` / `num_requests_waiting`: vLLM's own gauges as its `/metrics` shows
@@ -37,6 +39,7 @@ from typing import Any
 
 from connector.keyspace import Keyspace
 from connector.lookup_channel import RemotePresence, lookup_socket_path
+from engine.cache_salt import validate_cache_salt
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +110,12 @@ class _Tiers:
         path = lookup_socket_path(vllm_config.kv_transfer_config.engine_id)
         self.remote = RemotePresence(path, timeout=CHANNEL_TIMEOUT, connect_timeout=CHANNEL_TIMEOUT)
 
-    def held(self, token_ids: Sequence[int]) -> dict[str, int]:
-        """Returns per tier (fastest first) the leading tokens held; {} if the worker does not answer."""
-        keys = self.keyspace.stored_keys(self.keyspace.spans(token_ids))
-        return held_tokens(self.keyspace, token_ids, self.remote.tier_prefix_hits(keys))
+    def held(self, token_ids: Sequence[int], cache_salt: str | None = None) -> dict[str, int]:
+        """Returns per tier (fastest first) the leading tokens held for requests of
+        `cache_salt`; {} if the worker does not answer."""
+        ks = self.keyspace.for_salt(cache_salt)
+        keys = ks.stored_keys(ks.spans(token_ids))
+        return held_tokens(ks, token_ids, self.remote.tier_prefix_hits(keys))
 
 
 class KvLookupRoute:
@@ -141,6 +146,10 @@ class KvLookupRoute:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise Rejected(400, f"the body is not JSON: {exc}") from None
         form, value = lookup_form(body)
+        try:
+            salt = validate_cache_salt(body.get("cache_salt"))
+        except ValueError as exc:
+            raise Rejected(400, str(exc), "cache_salt") from None
         names = [p.name for p in state.openai_serving_models.base_model_paths]
         model = body.get("model")
         if model is not None and model not in names:
@@ -157,7 +166,7 @@ class KvLookupRoute:
         if len(ids) > mc.max_model_len:
             raise Rejected(400, f"the prompt has {len(ids)} tokens, more than this server's max_model_len "
                                 f"({mc.max_model_len})", form)
-        tiers = await asyncio.to_thread((await self._tiers_of(state)).held, ids)
+        tiers = await asyncio.to_thread((await self._tiers_of(state)).held, ids, salt)
         running, waiting = _load()
         return {"model": names[0], "num_tokens": len(ids), "engine_prefix_cache_tokens": 0, "tiers": tiers,
                 "max_hit_tokens": max(tiers.values(), default=0), "num_requests_running": running,

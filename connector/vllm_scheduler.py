@@ -69,7 +69,9 @@ class VllmSchedulerSide:
         """Returns the request's mirror, its output tokens and computed count brought up to date."""
         m = self._live.get(request.request_id)
         if m is None:
-            seq = Sequence(request.request_id, list(request.prompt_token_ids or ()), SamplingParams())
+            # vLLM's own cache_salt (validated by its front end): the request's chunks are keyed apart
+            seq = Sequence(request.request_id, list(request.prompt_token_ids or ()), SamplingParams(),
+                           cache_salt=getattr(request, "cache_salt", None) or None)
             m = self._live[request.request_id] = _Mirror(request, seq)
             params = getattr(request, "kv_transfer_params", None) or {}
             if any(params.get(k) is True for k in SKIP_SAVE_PARAMS):
@@ -117,11 +119,9 @@ class VllmSchedulerSide:
         if self.events is not None:
             for save in meta.saves:
                 m = self._live.get(save.request_id)
-                tokens = m.seq.all_token_ids if m is not None else None
-                if tokens is None and save.request_id in self._finished:
-                    tokens = self._finished[save.request_id].all_token_ids
-                if tokens is not None:
-                    self.events.planned(save, tokens)
+                saved = m.seq if m is not None else self._finished.get(save.request_id)
+                if saved is not None:
+                    self.events.planned(save, saved.all_token_ids, saved.cache_salt)
             self._finished.clear()
         return meta
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceT
 
-from engine.block_pool import BlockPool, KVCacheBlock, hash_full_blocks
+from engine.block_pool import NONE_HASH, BlockPool, KVCacheBlock, hash_full_blocks
+from engine.cache_salt import salted_root, tenant_tag
 from engine.sequence import Sequence
 
 
@@ -51,7 +52,8 @@ class BlockManager:
         if want <= have:
             return
         start = have * self.block_size
-        parent = seq.block_hashes[-1] if have else None
+        # A salted request's chain starts from its salt's root (vLLM: the salt enters block 0).
+        parent = seq.block_hashes[-1] if have else salted_root(NONE_HASH, seq.cache_salt)
         tokens = seq.token_ids_slice(start, want * self.block_size)
         seq.block_hashes.extend(hash_full_blocks(tokens, self.block_size, parent))
 
@@ -70,14 +72,16 @@ class BlockManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
-    def num_cached_prefix_tokens(self, token_ids: SequenceT[int]) -> int:
-        """Returns how many leading tokens of `token_ids` the prefix cache holds now (whole
-        blocks, never the last token). Read-only: takes no references, counts no query."""
+    def num_cached_prefix_tokens(self, token_ids: SequenceT[int], cache_salt: str | None = None) -> int:
+        """Returns how many leading tokens of `token_ids` the prefix cache holds now for
+        requests of `cache_salt` (whole blocks, never the last token). Read-only: takes no
+        references, counts no query."""
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return 0
         max_blocks = (len(token_ids) - 1) // self.block_size
         n = 0
-        for h in hash_full_blocks(list(token_ids[: max_blocks * self.block_size]), self.block_size, None):
+        root = salted_root(NONE_HASH, cache_salt)
+        for h in hash_full_blocks(list(token_ids[: max_blocks * self.block_size]), self.block_size, root):
             if self.pool.get_cached_block(h) is None:
                 break
             n += 1
@@ -122,8 +126,9 @@ class BlockManager:
             computed = min(computed, seq.max_cacheable_tokens)
         self._update_hashes(seq, computed)
         num_full = computed // self.block_size
+        tenant = tenant_tag(seq.cache_salt) if seq.cache_salt is not None else None
         for block_id, h in zip(seq.block_table[:num_full], seq.block_hashes[:num_full]):
-            self.pool.cache_full_block(self.pool.blocks[block_id], h)
+            self.pool.cache_full_block(self.pool.blocks[block_id], h, tenant)
 
     def free(self, seq: Sequence) -> None:
         """Releases `seq`'s blocks, tail first, so its prefix is the last to be evicted."""

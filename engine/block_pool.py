@@ -46,6 +46,8 @@ class KVCacheBlock:
     ref_cnt: int = 0
     # Set once the block is full and registered in the prefix cache; cleared on eviction.
     block_hash: bytes | None = None
+    # The tenant tag (engine/cache_salt.py) of the salted request that registered it, else None.
+    tenant: str | None = None
     # Links of the doubly linked free queue (None when not queued or at an end).
     prev_free: KVCacheBlock | None = None
     next_free: KVCacheBlock | None = None
@@ -114,6 +116,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
+        self._by_tenant: dict[str, set[int]] = {}  # tenant tag -> ids of its cached blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -159,8 +162,9 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        """Registers a full, computed block under `block_hash`.
+    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes, tenant: str | None = None) -> None:
+        """Registers a full, computed block under `block_hash`, for `tenant` (a salted
+        request's tag, so `forget_tenant` finds it) or None.
 
         If another block already holds that hash the map keeps it; this one stays uncached
         (it is freed and reused like any other block).
@@ -171,12 +175,35 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if tenant is not None:
+            block.tenant = tenant
+            self._by_tenant.setdefault(tenant, set()).add(block.block_id)
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
             block.block_hash = None
+        if block.tenant is not None:
+            ids = self._by_tenant.get(block.tenant)
+            if ids is not None:
+                ids.discard(block.block_id)
+                if not ids:
+                    del self._by_tenant[block.tenant]
+            block.tenant = None
+
+    def forget_tenant(self, tenant: str) -> int:
+        """Uncaches every block `tenant` registered, free or in use, so no later lookup finds
+        them (a running request of that tenant registers its blocks again as it computes them).
+        Returns how many blocks were uncached."""
+        ids = sorted(self._by_tenant.get(tenant, ()))
+        for i in ids:
+            self._evict(self.blocks[i])
+        return len(ids)
+
+    def tenant_blocks(self, tenant: str) -> int:
+        """Returns how many cached blocks `tenant` registered."""
+        return len(self._by_tenant.get(tenant, ()))
 
     def reset_prefix_cache(self) -> bool:
         """Forgets all cached hashes; returns False (and does nothing) while blocks are in use."""
@@ -184,5 +211,7 @@ class BlockPool:
             return False
         for block in self.blocks:
             block.block_hash = None
+            block.tenant = None
         self.cached.clear()
+        self._by_tenant.clear()
         return True

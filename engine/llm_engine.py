@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.block_manager import BlockManager
+from engine.cache_salt import tenant_tag, validate_cache_salt
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from engine.kv_connector import KVConnector
@@ -68,6 +69,11 @@ class LLMEngine:
         params.verify_vocab(self.model_config.vocab_size)
         text: str | None = None
         segment_lens: list[int] | None = None
+        cache_salt = None
+        if isinstance(prompt, Mapping):  # vLLM's TextPrompt / TokensPrompt, with its cache_salt
+            cache_salt = validate_cache_salt(prompt.get("cache_salt"))
+            if "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), (str, list)):
+                prompt = prompt["prompt"]
         sep = self.kv_connector.scheduler.segment_separator if self.kv_connector is not None else None
         if isinstance(prompt, str) and sep and sep in prompt:
             prompt = prompt.split(sep)
@@ -104,9 +110,10 @@ class LLMEngine:
                     raise ValueError(f"segment_lens {segment_lens!r} must be positive ints summing to "
                                      f"the {len(token_ids)} prompt tokens")
         else:
-            raise ValueError("a prompt must be a str, a list of str segments, or a dict with 'prompt_token_ids'")
+            raise ValueError("a prompt must be a str, a list of str segments, or a dict with 'prompt_token_ids' "
+                             "or 'prompt'")
         rid = request_id if request_id is not None else self.next_request_id()
-        seq = Sequence(rid, token_ids, params, prompt=text, segment_lens=segment_lens)
+        seq = Sequence(rid, token_ids, params, prompt=text, segment_lens=segment_lens, cache_salt=cache_salt)
         self.scheduler.check_request(seq)
         return seq
 
@@ -260,16 +267,25 @@ class LLMEngine:
         KV blocks than exist); reads only limits fixed at construction."""
         self.scheduler.check_request(seq)
 
-    def num_cached_prefix_tokens(self, token_ids: list[int]) -> int:
-        """Returns how many leading tokens of `token_ids` the prefix cache holds now (whole
-        blocks, never the last token); read-only: takes no block references, counts no query."""
-        return self.block_manager.num_cached_prefix_tokens(token_ids)
+    def num_cached_prefix_tokens(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Returns how many leading tokens of `token_ids` the prefix cache holds now for
+        requests of `cache_salt` (whole blocks, never the last token); read-only: takes no
+        block references, counts no query."""
+        return self.block_manager.num_cached_prefix_tokens(token_ids, cache_salt)
 
     def load(self) -> tuple[int, int]:
         """Returns (requests running, requests waiting), the waiting ones including those
         waiting for a connector's load."""
         s = self.scheduler
         return len(s.running), len(s.waiting) + len(s.waiting_for_kv)
+
+    def forget_tenant(self, cache_salt: str) -> int:
+        """Uncaches every prefix-cache block that requests of `cache_salt` registered (see
+        `BlockPool.forget_tenant`); returns how many. ValueError for an invalid salt."""
+        salt = validate_cache_salt(cache_salt)
+        if salt is None:
+            raise ValueError("cache_salt must be a non-empty string")
+        return self.block_manager.pool.forget_tenant(tenant_tag(salt))
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block hash; returns False, changing nothing, while any request

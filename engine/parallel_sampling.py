@@ -21,7 +21,8 @@ class ParentRequest:
         self.request_id = seq.request_id
         self.children = [
             Sequence(f"{i}_{seq.request_id}", list(seq.prompt_token_ids), seq.sampling_params.for_sample(i),
-                     prompt=seq.prompt, arrival_time=seq.arrival_time, segment_lens=seq.segment_lens)
+                     prompt=seq.prompt, arrival_time=seq.arrival_time, segment_lens=seq.segment_lens,
+                     cache_salt=seq.cache_salt)
             for i in range(seq.sampling_params.n)
         ]
 

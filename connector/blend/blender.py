@@ -105,7 +105,7 @@ class Blender:
             tokens = spec.token_ids[seg.start:seg.end]
             # At position 0 a segment's K/V is its standalone K/V, exact, whichever way computed.
             mode = "standalone" if seg.start == 0 else b.segment_kv
-            spans = self.keyspace.segment_spans(tokens, mode)
+            spans = self.keyspace.for_salt(spec.cache_salt).segment_spans(tokens, mode)
             t_fetch = time.perf_counter()
             if seg.start > 0 and seg.end <= spec.exact_end:  # promised exact: computed here
                 kv, ok, tiers = None, [False] * len(spans), [-1] * len(spans)

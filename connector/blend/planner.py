@@ -65,7 +65,8 @@ class BlendPlanner:
         end = min(sum(lens[:-1]), seq.num_tokens - 1)
         if end <= num_computed_tokens:
             return 0, False
-        self._planned[rid] = BlendSpec(rid, num_computed_tokens, end, context_segments(lens), 0, [], [])
+        self._planned[rid] = BlendSpec(rid, num_computed_tokens, end, context_segments(lens), 0, [], [],
+                                       seq.cache_salt)
         m = self.metrics.live(rid)
         m.num_prompt_tokens, m.engine_hit_tokens = seq.num_prompt_tokens, num_computed_tokens
         return end - num_computed_tokens, False
@@ -96,7 +97,7 @@ class BlendPlanner:
             exact = todo.pop(0).end
         if self.config.segment_kv != "in_context" or not todo or self._keyspace is None:
             return exact
-        ks = self._keyspace
+        ks = self._keyspace.for_salt(seq.cache_salt)
         spans = [ks.segment_spans(seq.token_ids_slice(g.start, g.end), "in_context") for g in todo]
         held = iter(self.presence.chunks_held(ks, [sp for group in spans for sp in group]))
         for g, group in zip(todo, spans):
