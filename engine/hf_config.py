@@ -88,16 +88,31 @@ ROPE_TYPES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "linear": (frozenset({"factor"}), frozenset()),
     "llama3": (frozenset({"factor", "low_freq_factor", "high_freq_factor",
                           "original_max_position_embeddings"}), frozenset()),
+    "yarn": (frozenset({"factor", "original_max_position_embeddings"}),
+             frozenset({"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                        "truncate"})),
 }
+# Phi-3's: its config maps "su" and "yarn" to longrope.
+LONGROPE_TYPES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "default": ROPE_TYPES["default"],
+    "longrope": (frozenset({"short_factor", "long_factor", "factor", "original_max_position_embeddings"}),
+                 frozenset({"attention_factor"})),
+}
+# Scaled rope types whose original context defaults to max_position_embeddings, and whose
+# factor defaults to the ratio of the two (transformers' standardize_rope_params and rope
+# functions).
+_CONTEXT_DEFAULTS = ("yarn", "longrope")
 
 
 def parse_rope(hf: HFConfig, params: dict[str, Any] | None = None,
                rope_types: dict[str, tuple[frozenset[str], frozenset[str]]] = ROPE_TYPES,
-               ) -> tuple[float, dict[str, Any] | None]:
+               aliases: dict[str, str] | None = None,
+               original_max_default: int | None = None) -> tuple[float, dict[str, Any] | None]:
     """Returns (rope_theta, normalised scaling or None) from HF 5.x `rope_parameters` (or
     `params`, one layer type's entry) or the legacy `rope_theta` / `rope_scaling` keys. The
-    scaling dict holds "rope_type" and its parameters; ValueError for an unsupported type, a
-    missing parameter, or one the engine would ignore."""
+    scaling dict holds "rope_type" (after `aliases`) and its parameters, yarn's and longrope's
+    original context and factor filled in as transformers defaults them; ValueError for an
+    unsupported type, a missing parameter, or one the engine would ignore."""
     if params is None:
         params = hf.get("rope_parameters")
         if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
@@ -107,11 +122,20 @@ def parse_rope(hf: HFConfig, params: dict[str, Any] | None = None,
         theta = params.get("rope_theta", legacy_theta)
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
         hf.get("rope_scaling")  # superseded by rope_parameters
-    else:
-        theta = legacy_theta
+    else:  # transformers reads legacy rope_scaling as rope_parameters, rope_theta included
         scaling = dict(hf.get("rope_scaling") or {})
+        theta = scaling.pop("rope_theta", legacy_theta)
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
+    rope_type = (aliases or {}).get(rope_type, rope_type)
+    if rope_type in _CONTEXT_DEFAULTS:
+        max_pos = hf.get("max_position_embeddings", 2048)
+        # A top-level key (Phi-3's, defaulting to `original_max_default`) wins.
+        orig = hf.get("original_max_position_embeddings", original_max_default)
+        if orig is not None or scaling.get("original_max_position_embeddings") is None:
+            scaling["original_max_position_embeddings"] = orig if orig is not None else max_pos
+        if scaling.get("factor") is None:
+            scaling["factor"] = max_pos / scaling["original_max_position_embeddings"]
     if scaling.get("partial_rotary_factor", 1.0) == 1.0:
         scaling.pop("partial_rotary_factor", None)
     if rope_type not in rope_types:

@@ -22,7 +22,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from engine.hf_config import HFConfig, parse_rope
+from engine.hf_config import HFConfig
 from engine.models import family_for
 
 _SAMPLE_BYTES = 4096
@@ -153,7 +153,7 @@ class ModelConfig:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads {num_heads} is not a multiple of "
                              f"num_key_value_heads {num_kv_heads}")
-        rope_theta, rope_scaling = parse_rope(hf, rope_types=family.rope_types)
+        rope_theta, rope_scaling = family.parse_rope(hf)
         hf.inert_unless("partial_rotary_factor", 1.0)
         eos = sorted(set(eos_token_ids if eos_token_ids is not None else _as_id_list(hf.get("eos_token_id"))))
         cfg: dict[str, Any] = dict(
@@ -182,6 +182,8 @@ class ModelConfig:
             hidden_act=hf.get("hidden_act", "silu"),
         )
         family.parse(hf, cfg)
+        if isinstance(cfg.get("moe"), dict):
+            cfg["moe"] = _moe_config(cfg["moe"], cfg["num_layers"])
         if cfg["hidden_act"] not in _ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} for {family.architecture}; "
                              f"supported: {_ACTIVATIONS}")
@@ -195,6 +197,17 @@ class ModelConfig:
 
 
 _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+def _moe_config(args: dict[str, Any], num_layers: int) -> MoEConfig:
+    """Returns the MoEConfig a family hook described; ValueError for inconsistent sizes."""
+    moe = MoEConfig(**args)
+    if not 0 < moe.top_k <= moe.num_experts:
+        raise ValueError(f"config.json: num_experts_per_tok {moe.top_k} must be in 1..{moe.num_experts} "
+                         "(the number of experts)")
+    if any(not 0 <= i < num_layers for i in moe.layers):
+        raise ValueError(f"config.json: sparse layers {moe.layers} outside 0..{num_layers - 1}")
+    return moe
 
 
 def _as_id_list(v: Any) -> list[int]:

@@ -65,17 +65,29 @@ class DecoderLayer(nn.Module):
             return norm(x), x
         return norm.add_forward(x, residual)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata,
-                plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's MLP branch output, the residual stream before it is added).
-        The first layer takes `residual` None and its input as the stream."""
-        h, residual = self._enter(self.norm("attn_in"), x, residual)
-        h = self.self_attn(h, positions, kv_cache, meta, plan)
+    def attention_input(self, x: torch.Tensor,
+                        residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (the attention branch's input, the residual stream) for the previous layer's
+        (branch output `x`, stream `residual`); the first layer takes `residual` None."""
+        return self._enter(self.norm("attn_in"), x, residual)
+
+    def after_attention(self, attn_out: torch.Tensor,
+                        residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (the MLP branch output, the residual stream before it is added) for the
+        attention branch's output `attn_out` (after `o_proj`)."""
         if (out := self.norm("attn_out")) is not None:
-            h = out(h)
-        h, residual = self._enter(self.norm("mlp_in"), h, residual)
+            attn_out = out(attn_out)
+        h, residual = self._enter(self.norm("mlp_in"), attn_out, residual)
         h = self.mlp(h)
         if (out := self.norm("mlp_out")) is not None:
             h = out(h)
         return h, residual
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP branch output, the residual stream before it is added).
+        The first layer takes `residual` None and its input as the stream. CacheBlend
+        (connector/blend/executor.py) runs the same two halves around its own attention."""
+        h, residual = self.attention_input(x, residual)
+        return self.after_attention(self.self_attn(h, positions, kv_cache, meta, plan), residual)

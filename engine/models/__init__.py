@@ -2,7 +2,7 @@
 
 Each `ModelFamily` names the transformers architecture it runs, the module under engine/models
 that implements it (`impl`), the hook that reads the family's own `config.json` keys
-(engine/models/family_configs.py) and the rope types it accepts. ModelConfig parsing and
+(engine/models/family_configs.py) and its rope parser (the rope types it accepts). ModelConfig parsing and
 model loading both read this one table, so what parses is what runs.
 
 Model classes are named here and imported when a model is built (`get_model_class`): the
@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from engine.hf_config import ROPE_TYPES, HFConfig
+from engine.hf_config import HFConfig, parse_rope
 from engine.models import family_configs as fc
 from engine.models import gemma_config
 
 ConfigHook = Callable[[HFConfig, dict[str, Any]], None]
+RopeParser = Callable[[HFConfig], tuple[float, dict[str, Any] | None]]
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,8 @@ class ModelFamily:
     impl: str
     # Reads the family's keys into the ModelConfig fields dict (shared keys already there).
     parse: ConfigHook
-    rope_types: dict[str, tuple[frozenset[str], frozenset[str]]] = field(default_factory=lambda: ROPE_TYPES)
+    # Reads (rope_theta, normalised scaling) and so decides the rope types the family accepts.
+    parse_rope: RopeParser = parse_rope
 
 
 MODEL_REGISTRY: dict[str, ModelFamily] = {f.model_type: f for f in (
@@ -42,6 +44,11 @@ MODEL_REGISTRY: dict[str, ModelFamily] = {f.model_type: f for f in (
     ModelFamily("qwen2", "Qwen2ForCausalLM", "llama.LlamaForCausalLM", fc.qwen2),
     ModelFamily("gemma2", "Gemma2ForCausalLM", "gemma.GemmaForCausalLM", gemma_config.gemma2),
     ModelFamily("gemma3_text", "Gemma3ForCausalLM", "gemma.GemmaForCausalLM", gemma_config.gemma3_text),
+    ModelFamily("qwen3", "Qwen3ForCausalLM", "qwen3.Qwen3ForCausalLM", fc.qwen3),
+    ModelFamily("qwen3_moe", "Qwen3MoeForCausalLM", "moe.Qwen3MoeForCausalLM", fc.qwen3_moe),
+    ModelFamily("mixtral", "MixtralForCausalLM", "moe.MixtralForCausalLM", fc.mixtral),
+    ModelFamily("phi3", "Phi3ForCausalLM", "phi3.Phi3ForCausalLM", fc.phi3, fc.phi3_rope),
+    ModelFamily("olmo2", "Olmo2ForCausalLM", "olmo2.Olmo2ForCausalLM", fc.olmo2),
 )}
 
 

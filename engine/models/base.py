@@ -20,6 +20,7 @@ from engine.attention_metadata import AttentionMetadata
 from engine.layers.attention import Attention
 from engine.layers.decoder import DecoderLayer
 from engine.layers.mlp import GatedMLP
+from engine.layers.moe import Experts
 from engine.layers.norm import RMSNorm
 from engine.linear_backend import PackedLinear, pack_linears
 from engine.model_config import ModelConfig
@@ -131,7 +132,7 @@ class CausalLM(nn.Module):
         compiled kernels (float32 on CPU; other dtypes keep PyTorch's ops)."""
         self.cpu_ops = ops
         for module in self.modules():
-            if isinstance(module, (RMSNorm, GatedMLP, Attention)):
+            if isinstance(module, (RMSNorm, GatedMLP, Attention, Experts)):
                 module.cpu_ops = ops
 
     def pack_linears(self) -> None:

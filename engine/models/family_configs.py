@@ -2,7 +2,8 @@
 
 A hook reads the keys its transformers class reads and sets the ModelConfig fields they
 mean; keys its transformers class ignores are read and dropped, so they are not refused.
-Shared keys (sizes, eps, rope, tied embeddings, hidden_act) are already in `cfg`.
+Shared keys (sizes, eps, rope, tied embeddings, hidden_act) are already in `cfg`; a sparse MLP
+is set as `cfg["moe"]`, the keyword arguments of ModelConfig's MoEConfig.
 Torch-free: parsing a config imports no model code.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.hf_config import HFConfig, parse_layer_types
+from engine.hf_config import LONGROPE_TYPES, HFConfig, parse_layer_types, parse_rope
 
 
 def llama(hf: HFConfig, cfg: dict[str, Any]) -> None:
@@ -35,6 +36,87 @@ def qwen2(hf: HFConfig, cfg: dict[str, Any]) -> None:
     hf.get("attention_bias")  # transformers' Qwen2 always has the q/k/v bias
     hf.inert_unless("mlp_bias", False)
     sliding_windows(hf, cfg)
+
+
+def qwen3(hf: HFConfig, cfg: dict[str, Any]) -> None:
+    """Qwen3: per-head q/k RMSNorm before RoPE; q/k/v/o bias only with `attention_bias`."""
+    cfg["attention_bias"] = cfg["attention_out_bias"] = hf.flag("attention_bias")
+    cfg["qk_norm"] = "head"
+    hf.inert_unless("mlp_bias", False)
+    sliding_windows(hf, cfg)
+
+
+def qwen3_moe(hf: HFConfig, cfg: dict[str, Any]) -> None:
+    """Qwen3-MoE: Qwen3's attention (a window in every layer with `use_sliding_window`), sparse
+    MLPs in the layers `decoder_sparse_step` and `mlp_only_layers` leave sparse."""
+    cfg["attention_bias"] = cfg["attention_out_bias"] = hf.flag("attention_bias")
+    cfg["qk_norm"] = "head"
+    hf.inert_unless("mlp_bias", False)
+    hf.get("max_window_layers"), hf.get("layer_types")  # transformers' Qwen3-MoE reads neither
+    window = _window(hf)
+    if hf.flag("use_sliding_window") and window is not None:
+        cfg["sliding_window"], cfg["sliding_window_layers"] = window, tuple(range(cfg["num_layers"]))
+    num_experts = hf.get("num_experts", hf.get("num_local_experts", 128))
+    moe = dict(num_experts=num_experts, top_k=hf.positive_int("num_experts_per_tok", 8),
+               intermediate_size=hf.positive_int("moe_intermediate_size", 768),
+               norm_topk_prob=hf.flag("norm_topk_prob"))
+    step = hf.positive_int("decoder_sparse_step", 1)
+    dense = set(hf.get("mlp_only_layers", []))
+    layers = tuple(i for i in range(cfg["num_layers"])
+                   if num_experts > 0 and i not in dense and (i + 1) % step == 0)
+    if layers:
+        cfg["moe"] = {**moe, "layers": layers}
+
+
+def mixtral(hf: HFConfig, cfg: dict[str, Any]) -> None:
+    """Mixtral: Mistral's attention, every MLP sparse (experts of `intermediate_size`), the
+    top-k router probabilities always renormalised."""
+    hf.inert_unless("attention_bias", False)
+    hf.inert_unless("mlp_bias", False)
+    window = _window(hf)
+    if window is not None:
+        cfg["sliding_window"], cfg["sliding_window_layers"] = window, tuple(range(cfg["num_layers"]))
+    cfg["moe"] = dict(num_experts=hf.positive_int("num_local_experts", 8),
+                      top_k=hf.positive_int("num_experts_per_tok", 2),
+                      intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
+                      layers=tuple(range(cfg["num_layers"])))
+
+
+def phi3(hf: HFConfig, cfg: dict[str, Any]) -> None:
+    """Phi-3: fused qkv_proj / gate_up_proj in the checkpoint, no biases, a window in every
+    layer when `sliding_window` is set; longrope by `phi3_rope`."""
+    hf.inert_unless("attention_bias", False)
+    hf.inert_unless("mlp_bias", False)
+    window = _window(hf)
+    if window is not None:
+        cfg["sliding_window"], cfg["sliding_window_layers"] = window, tuple(range(cfg["num_layers"]))
+
+
+def phi3_rope(hf: HFConfig) -> tuple[float, dict[str, Any] | None]:
+    """Phi-3's rope: default or longrope ("su" and "yarn" name longrope there), the original
+    context from the top-level key (Phi3Config's default 4096)."""
+    theta, scaling = parse_rope(hf, rope_types=LONGROPE_TYPES, aliases={"su": "longrope", "yarn": "longrope"},
+                                original_max_default=4096)
+    if scaling is not None:
+        half = _head_size(hf) // 2
+        for k in ("short_factor", "long_factor"):
+            if not isinstance(scaling[k], list) or len(scaling[k]) != half:
+                raise ValueError(f"config.json: rope {k!r} must list {half} numbers")
+    return theta, scaling
+
+
+def _head_size(hf: HFConfig) -> int:
+    heads = hf.positive_int("num_attention_heads")
+    return hf.positive_int("head_dim", hf.positive_int("hidden_size") // heads)
+
+
+def olmo2(hf: HFConfig, cfg: dict[str, Any]) -> None:
+    """OLMo 2: RMSNorm over the whole q and k projections before RoPE, norms after each
+    sub-layer (not before), q/k/v/o bias only with `attention_bias`."""
+    cfg["attention_bias"] = cfg["attention_out_bias"] = hf.flag("attention_bias")
+    cfg["qk_norm"] = "full"
+    cfg["norm_layout"] = "post"
+    hf.inert_unless("mlp_bias", False)
 
 
 def sliding_windows(hf: HFConfig, cfg: dict[str, Any]) -> None:

@@ -64,9 +64,9 @@ def test_not_a_checkpoint_dir(tmp_path: Path) -> None:
 
 
 def test_unsupported_rope_type_is_value_error(tmp_path: Path, default_model_path: Path) -> None:
-    bad = _with_config(default_model_path, tmp_path / "yarn",
-                       rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
-    with pytest.raises(ValueError, match="yarn"):
+    bad = _with_config(default_model_path, tmp_path / "dynamic",
+                       rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(ValueError, match="dynamic"):
         ModelConfig.from_pretrained(bad)
 
 
@@ -204,3 +204,125 @@ def test_bad_sliding_window_config_is_value_error() -> None:
     with pytest.raises(ValueError, match="layer_types"):
         ModelConfig.from_hf_dict({**_SIZES, "model_type": "qwen2", "use_sliding_window": True,
                                   "sliding_window": 16, "layer_types": ["sliding_attention"]})
+
+
+# ---------------------------------------------------------------- keys refused, never ignored
+
+# Granite's multipliers on a checkpoint relabelled `llama`, and other keys that change the
+# computation without any engine support: each is refused by name.
+@pytest.mark.parametrize("key,value", [
+    ("embedding_multiplier", 12.0), ("residual_multiplier", 0.22), ("attention_multiplier", 0.0078125),
+    ("logits_scaling", 8.0), ("partial_rotary_factor", 0.5), ("quantization_config", {"quant_method": "awq"}),
+    ("final_logit_softcapping", 30.0), ("query_pre_attn_scalar", 256),
+])
+def test_a_computation_key_the_engine_lacks_is_refused_by_name(key: str, value) -> None:
+    with pytest.raises(ValueError, match=key):
+        ModelConfig.from_hf_dict({**_SIZES, "model_type": "llama", key: value})
+
+
+def test_inert_and_no_op_keys_are_accepted() -> None:
+    base = ModelConfig.from_hf_dict({**_SIZES, "model_type": "llama"})
+    same = ModelConfig.from_hf_dict({**_SIZES, "model_type": "llama", "partial_rotary_factor": 1.0,
+                                     "attention_dropout": 0.1, "use_cache": False, "pad_token_id": 0,
+                                     "initializer_range": 0.5, "pretraining_tp": 1})
+    assert same.fingerprint == base.fingerprint
+
+
+def test_granite_and_unknown_rope_parameters_are_refused() -> None:
+    with pytest.raises(ValueError, match="GraniteForCausalLM"):
+        ModelConfig.from_hf_dict({**_SIZES, "model_type": "granite", "architectures": ["GraniteForCausalLM"]})
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*qwen3|qwen3.*LlamaForCausalLM"):
+        ModelConfig.from_hf_dict({**_SIZES, "model_type": "qwen3", "architectures": ["LlamaForCausalLM"]})
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    with pytest.raises(ValueError, match="extrapolation_factor"):
+        ModelConfig.from_hf_dict({**_SIZES, "model_type": "llama",
+                                  "rope_parameters": {**yarn, "extrapolation_factor": 2.0}})
+
+
+def test_existing_models_keep_their_fingerprints() -> None:
+    """Ids of configs the engine ran before model families existed (weights identity ""):
+    chunks they stored stay valid."""
+    assert ModelConfig.from_hf_dict({**_SIZES, "model_type": "mistral", "sliding_window": 16}
+                                    ).fingerprint == "479b6ef6fd9bd16f20699fa61e78d9ff"
+    assert ModelConfig.from_hf_dict({**_SIZES, "model_type": "qwen2"}).fingerprint == "7407fb48274c1b93f987efdbeebb8802"
+    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 4.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    assert ModelConfig.from_hf_dict({**_SIZES, "model_type": "llama", "rope_parameters": llama3}
+                                    ).fingerprint == "75e466c1fe295461f933ea6e0926add3"
+
+
+_QWEN3_MOE = {**_SIZES, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 32}
+
+
+@pytest.mark.parametrize("base,change", [
+    (_QWEN3_MOE, {"norm_topk_prob": True}),
+    (_QWEN3_MOE, {"num_experts_per_tok": 1}),
+    (_QWEN3_MOE, {"mlp_only_layers": [1]}),
+    (_QWEN3_MOE, {"decoder_sparse_step": 2}),
+    ({**_SIZES, "model_type": "llama"}, {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                                            "original_max_position_embeddings": 256}}),
+    ({**_SIZES, "model_type": "qwen3"}, {"attention_bias": True}),
+    ({**_SIZES, "model_type": "olmo2"}, {"rms_norm_eps": 1e-5}),
+])
+def test_fingerprint_covers_each_computation_key(base, change) -> None:
+    assert ModelConfig.from_hf_dict({**base, **change}).fingerprint != ModelConfig.from_hf_dict(base).fingerprint
+
+
+def test_families_differ_by_fingerprint_at_equal_sizes() -> None:
+    """Same sizes, different computation (q/k norm, norm layout, MoE): different ids."""
+    prints = {ModelConfig.from_hf_dict({**_SIZES, "model_type": t}).fingerprint
+              for t in ("llama", "qwen3", "olmo2", "phi3", "mixtral")}
+    assert len(prints) == 5
+
+
+def test_family_features_are_read_from_config() -> None:
+    q3 = ModelConfig.from_hf_dict({**_SIZES, "model_type": "qwen3"})
+    assert q3.qk_norm == "head" and q3.norm_layout == "pre" and q3.moe is None
+    olmo = ModelConfig.from_hf_dict({**_SIZES, "model_type": "olmo2", "attention_bias": True})
+    assert (olmo.qk_norm, olmo.norm_layout, olmo.attention_bias) == ("full", "post", True)
+    assert olmo.attention_out_bias
+    # Sparse where (i + 1) % 2 == 0, i.e. layer 1, which mlp_only_layers keeps dense: no MoE.
+    assert ModelConfig.from_hf_dict({**_QWEN3_MOE, "decoder_sparse_step": 2, "mlp_only_layers": [1]}).moe is None
+    moe = ModelConfig.from_hf_dict({**_QWEN3_MOE, "mlp_only_layers": [1]})
+    assert moe.moe is not None and moe.moe.layers == (0, 2) and not moe.moe.norm_topk_prob
+    mix = ModelConfig.from_hf_dict({**_SIZES, "model_type": "mixtral", "num_local_experts": 4})
+    assert mix.moe is not None and mix.moe.norm_topk_prob and mix.moe.intermediate_size == 128
+    phi = ModelConfig.from_hf_dict({**_SIZES, "model_type": "phi3", "max_position_embeddings": 8192,
+                                    "rope_scaling": {"type": "su", "short_factor": [1.0] * 8,
+                                                     "long_factor": [2.0] * 8}})
+    assert phi.rope_scaling is not None and phi.rope_scaling["rope_type"] == "longrope"
+    assert phi.rope_scaling["original_max_position_embeddings"] == 4096 and phi.rope_scaling["factor"] == 2.0
+    with pytest.raises(ValueError, match="short_factor"):
+        ModelConfig.from_hf_dict({**_SIZES, "model_type": "phi3", "rope_scaling": {
+            "type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 8}})
+
+
+def test_yarn_and_longrope_inv_freq_and_attention_factor_match_transformers() -> None:
+    from transformers import LlamaConfig, Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.rotary import attention_factor
+
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 4096,
+            "beta_fast": 16, "mscale": 0.7, "mscale_all_dim": 1.0}
+    hf_cfg = LlamaConfig(hidden_size=2048, num_attention_heads=16, head_dim=128, rope_parameters=yarn,
+                         max_position_embeddings=16384)
+    ref, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+    ours = ModelConfig.from_hf_dict({**_SIZES, "model_type": "llama", "head_dim": 128,
+                                     "max_position_embeddings": 16384, "rope_parameters": yarn})
+    got = compute_inv_freq(128, ours.rope_theta, ours.rope_scaling)
+    torch.testing.assert_close(got, ref.float(), rtol=1e-6, atol=0)
+    assert attention_factor(ours.rope_scaling) == pytest.approx(ref_factor, rel=1e-9)
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0 + i / 10 for i in range(48)],
+                "long_factor": [2.0 + i / 5 for i in range(48)]}
+    phi = Phi3Config(hidden_size=3072, num_attention_heads=32, max_position_embeddings=131072,
+                     original_max_position_embeddings=4096, rope_parameters=longrope)
+    ours = ModelConfig.from_hf_dict({**_SIZES, "model_type": "phi3", "hidden_size": 3072, "num_attention_heads": 32,
+                                     "num_key_value_heads": 32, "max_position_embeddings": 131072,
+                                     "original_max_position_embeddings": 4096, "rope_scaling": longrope})
+    for long in (False, True):
+        ref, ref_factor = ROPE_INIT_FUNCTIONS["longrope"](phi, "cpu", seq_len=5000 if long else None)
+        got = compute_inv_freq(96, ours.rope_theta, ours.rope_scaling, long=long)
+        torch.testing.assert_close(got, ref.float(), rtol=1e-6, atol=0)
+        assert attention_factor(ours.rope_scaling) == pytest.approx(ref_factor, rel=1e-9)
