@@ -62,8 +62,8 @@ class KVTierConnector(KVConnector):
         try:
             super().shutdown()
         finally:
-            if self._owns_storage:
-                self.storage.close()
+            if self._owns_storage:  # within what is left of the worker's flush bound
+                self.storage.close(self.worker.flush_time_left())
 
     # ---- figures -----------------------------------------------------------------------
     def request_metrics(self, request_id: str) -> RequestKVMetrics:

@@ -48,6 +48,11 @@ class TierKVMetrics:
     load_seconds: float
     errors: int
     dropped_writes: int
+    timeouts: int = 0  # remote calls that failed or ended past their deadline
+    skipped: int = 0  # calls not made: the tier's breaker was open
+    breaker_opens: int = 0
+    read_breaker: int = 0  # kvstore.health.BreakerState: 0 closed, 1 open, 2 half-open
+    write_breaker: int = 0
 
     @classmethod
     def from_stats(cls, s: TierStats, bytes_per_token: int) -> TierKVMetrics:
@@ -56,7 +61,9 @@ class TierKVMetrics:
         return cls(name=s.name, healthy=s.healthy, chunks_hit=s.hits,
                    tokens_hit=s.bytes_loaded // max(bytes_per_token, 1),
                    bytes_loaded=s.bytes_loaded, bytes_stored=s.bytes_stored,
-                   load_seconds=s.load_seconds, errors=s.errors, dropped_writes=s.dropped_writes)
+                   load_seconds=s.load_seconds, errors=s.errors, dropped_writes=s.dropped_writes,
+                   timeouts=s.timeouts, skipped=s.skipped, breaker_opens=s.breaker_opens,
+                   read_breaker=s.read_breaker, write_breaker=s.write_breaker)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -138,6 +138,7 @@ class StoreQueue:
         """Waits until every queued store has run; returns False on timeout."""
         return self._writer.flush(timeout)
 
-    def close(self) -> None:
-        """Runs what is queued, then stops the thread."""
-        self._writer.close(timeout=None)
+    def close(self, timeout: float | None = None) -> int:
+        """Runs what is queued for at most `timeout` seconds (None: all of it), drops the rest
+        (their keys released), then stops the thread; returns how many stores were dropped."""
+        return self._writer.close(timeout)

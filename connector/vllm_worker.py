@@ -170,7 +170,7 @@ class VllmWorkerSide:
         try:
             self.worker.shutdown()
         finally:
-            self.storage.close()
+            self.storage.close(self.worker.flush_time_left())  # within the worker's flush bound
 
     def info(self) -> dict[str, Any]:
         """Returns the backend and layer count (for logs)."""

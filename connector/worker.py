@@ -17,6 +17,8 @@ It does what the step's `KVTierMeta` says and nothing else:
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +40,9 @@ from kvstore.storage_manager import StorageManager
 if TYPE_CHECKING:
     from engine.attention_metadata import AttentionMetadata
     from engine.model_config import ModelConfig
+
+
+logger = logging.getLogger("kvtier.connector")
 
 
 class KVTierWorker(KVConnectorWorker):
@@ -71,6 +76,7 @@ class KVTierWorker(KVConnectorWorker):
         self._released: set[str] = set()  # finished requests whose tail was gathered
         self._cached: dict[str, int] = {}  # blends' revised cached-token counts
         self._closed = False
+        self._flush_deadline: float | None = None  # set by shutdown
 
     # ---- set-up ------------------------------------------------------------------------
     def register_model(self, model_config: ModelConfig) -> None:
@@ -230,11 +236,24 @@ class KVTierWorker(KVConnectorWorker):
         return self.storage.flush(timeout) and ok
 
     def shutdown(self) -> None:
-        """Lets loads in flight end (and unpin), then runs what the store queue holds."""
+        """Lets loads in flight end (and unpin; remote loads are bounded by their deadlines),
+        then writes what the store queue and the slower tiers' writer hold until
+        `flush_time_left()` runs out; what is left then is dropped and logged."""
         if self._closed:
             return
         self._closed = True
+        self._flush_deadline = time.monotonic() + self.config.kvstore.flush_timeout_s
         if self.loader is not None:
             self.loader.close()
-        self.stores.close()
-        self.storage.flush()
+        dropped = self.stores.close(self.flush_time_left())
+        if dropped:
+            logger.warning("connector: the shutdown flush ran out of time (flush_timeout_s=%g): %d queued "
+                           "store(s) dropped", self.config.kvstore.flush_timeout_s, dropped)
+        self.storage.flush(self.flush_time_left())
+
+    def flush_time_left(self) -> float | None:
+        """Returns the seconds the shutdown's flush has left (None before `shutdown`): the
+        storage manager's owner closes it within them."""
+        if self._flush_deadline is None:
+            return None
+        return max(0.0, self._flush_deadline - time.monotonic())

@@ -23,6 +23,7 @@ from kvstore.codecs import Buffer, Codec, get_codec
 
 if TYPE_CHECKING:
     from kvstore.config import TierSpec
+    from kvstore.deadlines import RemoteDeadlines
 
 # What a BytesBackend's `encode` returns and its `_put_bytes` stores: one buffer, or header and
 # payload unjoined for tiers that write the two parts separately.
@@ -57,6 +58,9 @@ class StorageBackend(ABC):
     # Where this tier keeps chunks: puts of chunks elsewhere are staged there once for all
     # tiers on that device (memory tiers on a GPU say so; byte tiers read host memory).
     device: torch.device = torch.device("cpu")
+    # Remote tiers (redis, the cache server): how long each kind of call may wait on the server
+    # (kvstore/deadlines.py); the storage manager counts calls past them. None: a local tier.
+    deadlines: RemoteDeadlines | None = None
 
     @classmethod
     def from_spec(cls, spec: TierSpec) -> StorageBackend:

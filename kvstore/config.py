@@ -27,9 +27,10 @@ from urllib.parse import parse_qsl, urlsplit
 from kvstore.codecs import CODEC_NAMES
 from kvstore.env import Setting, env_float, env_int, env_str, parse_env
 from kvstore.eviction import POLICIES
-from kvstore.health import BACKOFF_INITIAL_S, BACKOFF_MAX_S
+from kvstore.health import BACKOFF_INITIAL_S, BACKOFF_MAX_S, BREAKER_FAILURES
 from kvstore.schemes import TIER_SCHEMES
 from kvstore.sizes import parse_size
+from kvstore.writer import FLUSH_TIMEOUT_S
 
 QUEUE_FULL_POLICIES = ("drop_oldest", "drop_new")
 
@@ -122,6 +123,8 @@ class KVStoreConfig:
     queue_full: str = "drop_oldest"
     backoff_initial_s: float = BACKOFF_INITIAL_S
     backoff_max_s: float = BACKOFF_MAX_S
+    breaker_failures: int = BREAKER_FAILURES
+    flush_timeout_s: float = FLUSH_TIMEOUT_S
     # shared secret: stored K/V carries a keyed MAC and unverified values are misses (kvstore.serde)
     integrity_key: str | None = field(default=None, repr=False)
 
@@ -132,11 +135,14 @@ class KVStoreConfig:
             raise ValueError(f"queue_size: must be > 0, got {self.queue_size}")
         if self.queue_full not in QUEUE_FULL_POLICIES:
             raise ValueError(f"queue_full: must be one of {list(QUEUE_FULL_POLICIES)}, got {self.queue_full!r}")
-        for name in ("backoff_initial_s", "backoff_max_s"):
+        for name in ("backoff_initial_s", "backoff_max_s", "flush_timeout_s"):
             value = getattr(self, name)
             _check_type(name, value, (int, float))
             if value <= 0:
                 raise ValueError(f"{name}: must be > 0, got {value}")
+        _check_type("breaker_failures", self.breaker_failures, int)
+        if self.breaker_failures < 1:
+            raise ValueError(f"breaker_failures: must be >= 1, got {self.breaker_failures}")
         if self.integrity_key is not None:
             _check_type("integrity_key", self.integrity_key, str)
             if len(self.integrity_key.encode()) < 16:
@@ -229,9 +235,13 @@ KVSTORE_SETTINGS: tuple[Setting, ...] = (
     Setting("queue_full", "KVTIER_QUEUE_FULL", env_str, "drop_oldest",
             "which write a full queue drops: drop_oldest or drop_new"),
     Setting("backoff_initial_s", "KVTIER_BACKOFF_INITIAL_S", env_float, str(BACKOFF_INITIAL_S),
-            "first pause before retrying a failing tier (seconds)"),
+            "a failing tier's circuit breaker: cool-down before the first probe (seconds)"),
     Setting("backoff_max_s", "KVTIER_BACKOFF_MAX_S", env_float, str(BACKOFF_MAX_S),
-            "longest pause between retries of a failing tier (seconds)"),
+            "longest cool-down between probes of a failing tier (seconds)"),
+    Setting("breaker_failures", "KVTIER_BREAKER_FAILURES", env_int, str(BREAKER_FAILURES),
+            "consecutive failed calls (errors, or a remote tier's missed deadline) that open a tier's breaker"),
+    Setting("flush_timeout_s", "KVTIER_FLUSH_TIMEOUT_S", env_float, str(FLUSH_TIMEOUT_S),
+            "on shutdown, how long queued K/V stores may take; what is left is dropped (logged) (seconds)"),
     Setting("integrity_key", "KVTIER_INTEGRITY_KEY", env_str, "unset",
             "shared secret (>= 16 bytes): stored K/V carries a keyed MAC, unverified values are misses",
             aliases=("KVTIER_KV_KEY",)),

@@ -8,43 +8,40 @@
   queue, off the load path). `get`/`batched_get` are reads that never promote.
 - Each tier evicts by its own policy within its byte budget; keys pinned here (chunks being
   loaded) are never evicted. Pin counts cannot go negative.
-- A tier that raises is marked unhealthy and skipped with capped exponential backoff, then
-  probed again; the caller only ever sees a miss (recompute), never the exception. Reads and
-  writes have separate health: a tier refusing writes (a full Redis, a read-only directory)
-  keeps serving reads.
+- A tier that raises is backed off by a circuit breaker (kvstore/health.py) and probed again
+  after a cool-down; the caller only ever sees a miss (recompute), never the exception. Reads
+  and writes have separate breakers: a tier refusing writes (a full Redis, a read-only
+  directory) keeps serving reads. Remote tiers bound each call by a deadline
+  (kvstore/deadlines.py); calls that fail or end past it are counted (`TierStats.timeouts`).
+- `close` writes what is queued for at most `flush_timeout_s`, then drops the rest and logs how
+  much, so a tier that never answers cannot hold a shutdown.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import Any, Final, Literal, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from kvstore import serde
-from kvstore.backend import BackendStats, StorageBackend
+from kvstore.backend import StorageBackend
 from kvstore.config import KVStoreConfig
-from kvstore.health import BACKOFF_INITIAL_S, BACKOFF_MAX_S, TierHealth
+from kvstore.deadlines import CallKind
+from kvstore.health import BACKOFF_INITIAL_S, BACKOFF_MAX_S, BREAKER_FAILURES
 from kvstore.pins import PinTable
 from kvstore.staging import stage
+from kvstore.tier_guard import SKIPPED, Skipped, TierGuard
 from kvstore.tier_stats import TierStats
-from kvstore.writer import BACKGROUND_NICE, BackgroundWriter
+from kvstore.writer import BACKGROUND_NICE, FLUSH_TIMEOUT_S, BackgroundWriter
 
 logger = logging.getLogger("kvtier.kvstore")
 T = TypeVar("T")
 
-
-class _Skip(enum.Enum):
-    SKIPPED = enum.auto()
-
-
-# What `_call` answers when a tier is backing off or just failed (an enum member so `is` narrows types).
-_SKIPPED: Final = _Skip.SKIPPED
 
 
 def _nbytes(kv: torch.Tensor) -> int:
@@ -73,7 +70,8 @@ class StorageManager:
 
     def __init__(self, tiers: Sequence[StorageBackend], names: Sequence[str] | None = None,
                  queue_size: int = 64, queue_full: str = "drop_oldest",
-                 backoff_initial_s: float = BACKOFF_INITIAL_S, backoff_max_s: float = BACKOFF_MAX_S) -> None:
+                 backoff_initial_s: float = BACKOFF_INITIAL_S, backoff_max_s: float = BACKOFF_MAX_S,
+                 breaker_failures: int = BREAKER_FAILURES, flush_timeout_s: float = FLUSH_TIMEOUT_S) -> None:
         if not tiers:
             raise ValueError("tiers: a storage manager needs at least one tier")
         self.tiers = list(tiers)
@@ -84,10 +82,11 @@ class StorageManager:
         self.pins = PinTable()
         for tier in self.tiers:
             tier.set_pin_check(self.pins.is_pinned)
-        self._read_health = [TierHealth(n, backoff_initial_s, backoff_max_s, "reads") for n in names]
-        self._write_health = [TierHealth(n, backoff_initial_s, backoff_max_s, "writes") for n in names]
-        self._stats = [TierStats(name=n) for n in names]
         self._stats_lock = threading.Lock()
+        self._guards = [TierGuard(t, n, self._stats_lock, backoff_initial_s, backoff_max_s, breaker_failures)
+                        for t, n in zip(self.tiers, names)]
+        self._stats = [g.counters for g in self._guards]
+        self.flush_timeout_s = flush_timeout_s
         self._writer = BackgroundWriter(queue_size, queue_full, nice=BACKGROUND_NICE) if len(self.tiers) > 1 else None
         self.staging_copies = 0  # chunks copied to another device by `batched_put` (once per device)
         self._listener: TierListener | None = None
@@ -112,7 +111,8 @@ class StorageManager:
             raise
         manager = cls(tiers, names=[f"{i}:{s.url}" for i, s in enumerate(config.tiers)],
                       queue_size=config.queue_size, queue_full=config.queue_full,
-                      backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s)
+                      backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s,
+                      breaker_failures=config.breaker_failures, flush_timeout_s=config.flush_timeout_s)
         manager.check_tiers()
         return manager
 
@@ -136,37 +136,20 @@ class StorageManager:
                 logger.warning("kvstore tier %s is unreachable (%s: %s); it is skipped (a miss, so requests "
                                "recompute) and retried after a backoff",
                                self.names[i], type(exc).__name__, exc)
-                self._read_health[i].failed(exc, log=False)
-                self._write_health[i].failed(exc, log=False)
+                self._guards[i].unreachable(exc)
                 down.append(self.names[i])
         return down
 
     # -- guarded tier calls --------------------------------------------------------------
-    def _call(self, i: int, fn: Callable[[], T], write: bool = False) -> T | Literal[_Skip.SKIPPED]:
-        """Returns fn()'s result, or _SKIPPED if tier i's reads (or writes) are backing off or
-        this call just failed."""
-        health = (self._write_health if write else self._read_health)[i]
-        if not health.available():
-            with self._stats_lock:
-                self._stats[i].skipped += 1
-            return _SKIPPED
-        started = time.monotonic()
-        try:
-            result = fn()
-        except Exception as exc:  # any tier failure is a miss for the caller, never a crash
-            health.failed(exc)
-            with self._stats_lock:
-                self._stats[i].errors += 1
-                self._stats[i].last_error = health.last_error
-            return _SKIPPED
-        health.succeeded(started)
-        return result
+    def _call(self, i: int, fn: Callable[[], T], kind: CallKind) -> T | Skipped:
+        """Returns fn()'s result on tier i, or SKIPPED (its breaker is open, or the call failed)."""
+        return self._guards[i].call(fn, kind)
 
     def _store(self, i: int, items: Sequence[tuple[str, torch.Tensor]], owned: bool = False) -> None:
         t0 = time.perf_counter()
         tier = self.tiers[i]
-        result = self._call(i, partial(tier.batched_adopt if owned else tier.batched_put, items), write=True)
-        if result is not _SKIPPED:
+        result = self._call(i, partial(tier.batched_adopt if owned else tier.batched_put, items), "write")
+        if result is not SKIPPED:
             # only what the tier accepted (a chunk larger than its budget is refused, not stored);
             # a backend that answers None predates per-item answers and accepted everything
             accepted = [True] * len(items) if result is None else result
@@ -227,8 +210,8 @@ class StorageManager:
         while progress and n < len(keys):
             progress = False
             for i, tier in enumerate(self.tiers):
-                got = self._call(i, partial(tier.prefix_hits, keys[n:]))
-                if got is not _SKIPPED and got:
+                got = self._call(i, partial(tier.prefix_hits, keys[n:]), "lookup")
+                if got is not SKIPPED and got:
                     n += got
                     progress = True
                 if n == len(keys):
@@ -242,8 +225,8 @@ class StorageManager:
         keys = list(keys)
         hits: dict[str, int] = {}
         for i, tier in enumerate(self.tiers):
-            got = self._call(i, partial(tier.prefix_hits, keys)) if keys else 0
-            hits[self.names[i]] = 0 if got is _SKIPPED else got
+            got = self._call(i, partial(tier.prefix_hits, keys), "lookup") if keys else 0
+            hits[self.names[i]] = 0 if got is SKIPPED else got
         return hits
 
     def batched_contains(self, keys: Sequence[str]) -> list[bool]:
@@ -255,8 +238,8 @@ class StorageManager:
             todo = [j for j, h in enumerate(held) if not h]
             if not todo:
                 break
-            got = self._call(i, partial(tier.batched_contains, [keys[j] for j in todo]))
-            if got is not _SKIPPED:
+            got = self._call(i, partial(tier.batched_contains, [keys[j] for j in todo]), "lookup")
+            if got is not SKIPPED:
                 for j, present in zip(todo, got):
                     held[j] = bool(present)
         return held
@@ -286,8 +269,8 @@ class StorageManager:
                     break
                 want = [keys[j] for j in missing]
                 t0 = time.perf_counter()
-                got = self._call(i, partial(tier.batched_read if read_only else tier.batched_get, want))
-                if got is _SKIPPED:
+                got = self._call(i, partial(tier.batched_read if read_only else tier.batched_get, want), "load")
+                if got is SKIPPED:
                     continue
                 elapsed = time.perf_counter() - t0
                 nbytes = 0
@@ -332,14 +315,14 @@ class StorageManager:
         """Removes `key` from every healthy tier (slow tiers after queued writes)."""
         self.flush()
         for i, tier in enumerate(self.tiers):
-            if self._call(i, partial(tier.delete, key), write=True) is True and self._listener is not None:
+            if self._call(i, partial(tier.delete, key), "write") is True and self._listener is not None:
                 self._listener.removed(tier.name, [key])
 
     def clear(self) -> None:
         """Removes every chunk each healthy tier owns (see each tier's `clear`)."""
         self.flush()
         for i, tier in enumerate(self.tiers):
-            self._call(i, tier.clear, write=True)
+            self._call(i, tier.clear, "write")
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until background writes are done; returns False on timeout."""
@@ -347,24 +330,7 @@ class StorageManager:
 
     def stats(self) -> dict[str, TierStats]:
         """Returns a snapshot of per-tier counters keyed by tier name."""
-        out: dict[str, TierStats] = {}
-        for i, tier in enumerate(self.tiers):
-            # not through _call: a stats read (often local counters) must not count as a
-            # health probe; a tier whose reads are failing is not asked at all
-            backend = BackendStats()
-            if self._read_health[i].healthy:
-                try:
-                    backend = tier.stats()
-                except Exception:
-                    pass
-            with self._stats_lock:
-                s = TierStats(**{**vars(self._stats[i])})
-            s.read_healthy = self._read_health[i].healthy
-            s.write_healthy = self._write_health[i].healthy
-            s.healthy = s.read_healthy and s.write_healthy
-            s.backend = backend if isinstance(backend, BackendStats) else BackendStats()
-            out[self.names[i]] = s
-        return out
+        return {self.names[i]: guard.snapshot() for i, guard in enumerate(self._guards)}
 
     def writer_stats(self) -> dict[str, int]:
         """Returns the background writer's pending, done and dropped job counts."""
@@ -372,18 +338,29 @@ class StorageManager:
             return {"pending": 0, "done": 0, "dropped": 0}
         return {"pending": self._writer.pending(), "done": self._writer.done, "dropped": self._writer.dropped}
 
-    def close(self) -> None:
-        """Finishes queued writes and closes every tier."""
+    def close(self, timeout: float | None = None) -> int:
+        """Writes what the background writer holds for at most `timeout` seconds (None: this
+        manager's `flush_timeout_s`), drops what is left (logged), and closes every tier.
+        Returns how many queued writes were dropped; a write still running past the bound is
+        left to its thread (it never holds the process: the thread is a daemon)."""
         if self._closed:
-            return
+            return 0
         self._closed = True
+        dropped = 0
         if self._writer:
-            self._writer.close()
+            bound = self.flush_timeout_s if timeout is None else max(0.0, timeout)
+            dropped = self._writer.close(bound)
+            stuck = self._writer.pending()
+            if dropped or stuck:
+                logger.warning("kvstore: the shutdown flush ran out of time (flush_timeout_s=%g): %d queued "
+                               "write(s) to the slower tiers dropped, %d still running abandoned",
+                               self.flush_timeout_s, dropped, stuck)
         for tier in self.tiers:
             try:
                 tier.close()
             except Exception:
                 logger.exception("closing tier failed")
+        return dropped
 
     def __enter__(self) -> StorageManager:
         return self

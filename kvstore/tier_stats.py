@@ -22,7 +22,11 @@ class TierStats:
     load_seconds: float = 0.0
     store_seconds: float = 0.0
     errors: int = 0
-    skipped: int = 0  # calls not made because the tier was backing off
+    skipped: int = 0  # calls not made because the tier's breaker was open
+    timeouts: int = 0  # remote calls that failed or ended past their deadline (kvstore/deadlines.py)
+    breaker_opens: int = 0  # times a breaker (reads or writes) opened
+    read_breaker: int = 0  # kvstore.health.BreakerState: 0 closed, 1 open, 2 half-open
+    write_breaker: int = 0
     dropped_writes: int = 0
     last_error: str = ""
     backend: BackendStats = field(default_factory=BackendStats)

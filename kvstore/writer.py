@@ -1,7 +1,8 @@
 """A background writer with a bounded queue, so serving never waits on a slow tier.
 
 When the queue is full a write is dropped (the oldest queued one, or the new one) and
-counted; `submit` never blocks. `flush()` waits until everything queued has been written.
+counted; `submit` never blocks. `flush()` waits until everything queued has been written;
+`close(timeout)` runs what is queued for at most `timeout` seconds, then drops the rest.
 Every submitted job either runs or, dropped under either policy, has its `on_drop` called,
 exactly once: callers that track pending work release it there, whatever the policy.
 """
@@ -17,6 +18,10 @@ from collections.abc import Callable
 logger = logging.getLogger("kvtier.kvstore")
 
 Job = Callable[[], None]
+
+FLUSH_TIMEOUT_S = 5.0
+"""Default bound of a shutdown's flush of queued writes (config `flush_timeout_s`): a tier that
+never answers cannot hold a shutdown longer; what is still queued then is dropped."""
 
 BACKGROUND_NICE = 10
 """Niceness added to threads that work in the background of serving (slower tiers' writes,
@@ -76,12 +81,25 @@ class BackgroundWriter:
         with self._cond:
             return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
 
-    def close(self, timeout: float | None = 10.0) -> None:
-        """Runs what is queued, then stops the worker."""
+    def close(self, timeout: float | None = FLUSH_TIMEOUT_S) -> int:
+        """Runs what is queued for at most `timeout` seconds (None: however long it takes),
+        then drops what is still queued (each dropped job's `on_drop` runs, on this thread)
+        and stops the worker. Returns how many jobs were dropped. A job still running past
+        the bound is left to the worker (a daemon thread), which stops after it."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout)
+            self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
+            left = list(self._queue)
+            self._queue.clear()
+            self.dropped += len(left)
+            self._cond.notify_all()
+        for _, on_drop in left:
+            if on_drop is not None:
+                on_drop()
+        if not left:
+            self._thread.join(timeout)
+        return len(left)
 
     def _run(self) -> None:
         if self._nice:

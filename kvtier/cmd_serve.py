@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                           else DEFAULT_MODEL_NAME)
         metrics = ServerMetrics(name, llm.engine.kv_connector)
+        metrics.watch_engine(llm.engine)
         loop = EngineLoop(llm.engine, args.max_queue, on_step=metrics.on_step, on_forget=metrics.forget)
         _check_kv_role(args.kv_role, llm.engine.kv_connector)
         app = build_app(ServingContext(loop, name, args.kv_role), metrics, api_key)

@@ -7,11 +7,13 @@ the server's figures. Batches are pipelined, `prefix_hits` is one PREFIX_HITS ro
 Connection failures raise BackendError; the next call reconnects (a server restart costs
 one failed call at most, usually none: a stale pooled connection is retried once).
 
-Options (`TierSpec.options` or the URL query): `auth_token` (default $KVTIER_AUTH_TOKEN),
-`lookup_timeout_s` (0.5: existence checks, on their own connections, so a frozen server
-stalls a lookup at most this long; the server answers them from memory, never the disk),
-`timeout_s` (10: GETs and PUTs, which may wait on the server's disk), `connect_timeout_s`
-(2; at most `lookup_timeout_s` for lookups), `pool_size` (8), and for kvtiers:// `ca_file`
+Options (`TierSpec.options` or the URL query): `auth_token` (default $KVTIER_AUTH_TOKEN), the
+deadlines every remote tier has (kvstore/deadlines.py: `lookup_timeout_s` 0.5 s for existence
+checks, which the server answers from memory, `load_timeout_s` 1 s for GETs, `write_timeout_s`
+5 s for PUTs, which run in the background, `connect_timeout_s` 1 s, at most a pool's deadline;
+each kind of call has its own connections, so a frozen server stalls a lookup or a load at
+most its deadline; the older `timeout_s` sets the load and write deadlines), `pool_size` (8),
+and for kvtiers:// `ca_file`
 (PEM bundle the server's certificate must chain to; default: the system's trust store; the
 certificate must name the URL's host). A `budget` or a non-LRU `eviction` is refused
 (ValueError): the server owns both.
@@ -30,6 +32,7 @@ import torch
 from kvstore import serde
 from kvstore.backend import BackendError, BackendStats, BytesBackend, StoredValue
 from kvstore.codecs import Buffer, Codec
+from kvstore.deadlines import OPTIONS, CallKind, RemoteDeadlines
 from kvstore.server.client import (
     CacheServerClient,
     Payload,
@@ -42,6 +45,8 @@ if TYPE_CHECKING:
 
 DEFAULT_PORT = 65432
 T = TypeVar("T")
+# The cache server tier's older option name -> the deadlines it sets.
+_DEADLINE_ALIASES = {"timeout_s": ("load_s", "write_s")}
 
 
 class CacheServerBackend(BytesBackend):
@@ -56,25 +61,23 @@ class CacheServerBackend(BytesBackend):
         codec: Codec | str = "raw",
         *,
         auth_token: str | None = None,
-        timeout_s: float = 10.0,
-        lookup_timeout_s: float = 0.5,
-        connect_timeout_s: float = 2.0,
+        deadlines: RemoteDeadlines | None = None,
         pool_size: int = 8,
         tls: ssl.SSLContext | None = None,
     ) -> None:
         super().__init__(codec)
         if not host:
             raise ValueError("cache server tier needs a host, e.g. kvtier://127.0.0.1:65432")
-        for name, value in (("timeout_s", timeout_s), ("lookup_timeout_s", lookup_timeout_s),
-                            ("connect_timeout_s", connect_timeout_s)):
-            if not value > 0:
-                raise ValueError(f"cache server tier: {name} must be positive, got {value}")
-        self.client = CacheServerClient(host, port, auth_token=auth_token, timeout=timeout_s,
-                                        connect_timeout=connect_timeout_s, pool_size=pool_size, tls=tls)
-        # Lookups on their own pool: they never queue behind a large GET or PUT.
-        self.lookup_client = CacheServerClient(host, port, auth_token=auth_token, timeout=lookup_timeout_s,
-                                               connect_timeout=min(connect_timeout_s, lookup_timeout_s),
-                                               pool_size=pool_size, tls=tls)
+        self.deadlines = dl = deadlines or RemoteDeadlines()
+
+        def pool(kind: CallKind) -> CacheServerClient:
+            return CacheServerClient(host, port, auth_token=auth_token, timeout=dl.for_call(kind),
+                                     connect_timeout=dl.connect_for(kind), pool_size=pool_size, tls=tls)
+
+        # a pool per kind of call, each with its deadline: lookups never queue behind a large GET or PUT
+        self.client = pool("write")
+        self.loads = pool("load")
+        self.lookup_client = pool("lookup")
         self.scheme = "kvtiers" if tls is not None else "kvtier"
         self._errors = 0
 
@@ -88,10 +91,10 @@ class CacheServerBackend(BytesBackend):
             raise ValueError(f"{spec.url}: the cache server always evicts LRU; eviction={spec.eviction!r} "
                              "cannot be honoured")
         opts = dict(spec.options)
-        unknown = set(opts) - {"auth_token", "timeout_s", "lookup_timeout_s", "connect_timeout_s", "pool_size",
-                               "ca_file"}
+        unknown = set(opts) - {"auth_token", "pool_size", "ca_file", *OPTIONS, *_DEADLINE_ALIASES}
         if unknown:
             raise ValueError(f"{spec.url}: unknown cache server tier option(s) {sorted(unknown)}")
+        deadlines = RemoteDeadlines.from_options(opts, spec.url, _DEADLINE_ALIASES)
         tls = None
         if spec.scheme == "kvtiers":
             tls = client_tls_context(opts.get("ca_file"), spec.url)
@@ -99,10 +102,7 @@ class CacheServerBackend(BytesBackend):
             raise ValueError(f"{spec.url}: ca_file is for TLS; use kvtiers://")
         token = opts.get("auth_token", os.environ.get("KVTIER_AUTH_TOKEN"))
         return cls(parts.hostname or "", parts.port or DEFAULT_PORT, spec.codec,
-                   auth_token=str(token) if token else None,
-                   timeout_s=float(opts.get("timeout_s", 10.0)),
-                   lookup_timeout_s=float(opts.get("lookup_timeout_s", 0.5)),
-                   connect_timeout_s=float(opts.get("connect_timeout_s", 2.0)),
+                   auth_token=str(token) if token else None, deadlines=deadlines,
                    pool_size=int(opts.get("pool_size", 8)), tls=tls)
 
     @property
@@ -122,7 +122,8 @@ class CacheServerBackend(BytesBackend):
             raise BackendError(f"cache server {self.url}: {exc}") from exc
 
     def check(self) -> None:
-        self._io(self.client.ping)
+        """Returns once the server answers a PING within the lookup deadline (the breaker's probe)."""
+        self._io(self.lookup_client.ping)
 
     def encode(self, key: str, kv: torch.Tensor) -> serde.SplitValue:
         """Returns the value unjoined: the client sends header and tensor bytes back to back."""
@@ -130,10 +131,10 @@ class CacheServerBackend(BytesBackend):
 
     # -- BytesBackend hooks --------------------------------------------------------------
     def _get_bytes(self, key: str) -> Buffer | None:
-        return self._io(self.client.get, key.encode())
+        return self._io(self.loads.get, key.encode())
 
     def _batched_get_bytes(self, keys: Sequence[str]) -> Sequence[Buffer | None]:
-        return self._io(self.client.get_many, [k.encode() for k in keys])
+        return self._io(self.loads.get_many, [k.encode() for k in keys])
 
     def _put_bytes(self, key: str, value: StoredValue) -> bool:
         return self._batched_put_bytes([(key, value)])[0]
@@ -154,7 +155,7 @@ class CacheServerBackend(BytesBackend):
 
     def prefix_hits(self, keys: Sequence[str]) -> int:
         """Returns how many of `keys`, from the start, the server holds: one round trip,
-        within `lookup_timeout_s`."""
+        within the lookup deadline."""
         return self._io(self.lookup_client.prefix_hits, [k.encode() for k in keys])
 
     def _delete(self, key: str) -> bool:
@@ -164,7 +165,7 @@ class CacheServerBackend(BytesBackend):
         self._io(self.client.clear)
 
     def _usage(self) -> tuple[int, int, int | None, int]:
-        s = self._io(self.client.stats)
+        s = self._io(self.lookup_client.stats)  # a /metrics scrape waits at most a lookup's deadline
         return (s["entries"] + s["disk_entries"], s["bytes"] + s["disk_bytes"],
                 s["max_bytes"] + s["max_disk_bytes"], s["evictions"])
 
@@ -182,8 +183,8 @@ class CacheServerBackend(BytesBackend):
         return stats
 
     def close(self) -> None:
-        self.client.close()
-        self.lookup_client.close()
+        for client in (self.client, self.loads, self.lookup_client):
+            client.close()
 
 
 def _payload(value: StoredValue) -> Payload:

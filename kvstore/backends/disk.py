@@ -98,14 +98,15 @@ class _SharedDir:
         return self.file is not None
 
     @contextmanager
-    def locked(self) -> Iterator[_DirState]:
-        """Yields the state under the exclusive lock and writes it back when the block ends."""
+    def locked(self, blocking: bool = True) -> Iterator[_DirState]:
+        """Yields the state under the exclusive lock and writes it back when the block ends.
+        `blocking=False`: raises BlockingIOError at once if another process holds the lock."""
         assert self.file is not None
         if self._pid != os.getpid():  # a forked child shares the parent's open file, hence its lock
             self.file.close()
             self._open()
         fd = self.file.fileno()
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
         try:
             raw = os.pread(fd, _STATE.size, 0)
             if len(raw) == _STATE.size and raw[:8] == _STATE_MAGIC:
@@ -138,6 +139,10 @@ class DiskBackend(BytesBackend):
         self.root = Path(root)
         self.fsync = fsync
         self._lock = threading.Lock()
+        # Held (before self._lock) while waiting for and holding the directory's flock: a
+        # directory another process keeps locked stalls this tier's writes, never its reads.
+        self._dir_lock = threading.Lock()
+        self._last_usage: tuple[int, int | None] = (0, byte_budget)  # (used, budget) last read
         # this process's view: the files it knows, in eviction order (the budget lives in _dir)
         self._index = ByteBudget(None, make_policy(eviction))
         self._evictions = 0
@@ -210,14 +215,20 @@ class DiskBackend(BytesBackend):
         return used
 
     @contextmanager
-    def _locked(self) -> Iterator[_DirState]:
-        """Yields the directory's state under this tier's lock and the directory's lock; a state
-        file found empty or foreign (replaced behind our back) is rebuilt from a recount."""
-        with self._lock, self._dir.locked() as state:
-            if state.used < 0:
-                state.budget = self._own_budget
-                self._recount(state)
-            yield state
+    def _locked(self, blocking: bool = True) -> Iterator[_DirState]:
+        """Yields the directory's state under its locks, then this tier's lock; a state file found
+        empty or foreign is rebuilt from a recount. `blocking=False`: BlockingIOError if held."""
+        if not self._dir_lock.acquire(blocking):
+            raise BlockingIOError("the directory's lock is held")
+        try:
+            with self._dir.locked(blocking) as state, self._lock:
+                if state.used < 0:
+                    state.budget = self._own_budget
+                    self._recount(state)
+                yield state
+                self._last_usage = (state.used, state.budget)
+        finally:
+            self._dir_lock.release()
 
     def _recount(self, state: _DirState) -> None:
         state.used = self._scan() + STATE_BYTES
@@ -376,8 +387,13 @@ class DiskBackend(BytesBackend):
         if self.read_only:
             with self._lock:
                 return len(self._index), self._index.used, None, self._evictions
-        with self._locked() as state:
-            return len(self._index), state.used, state.budget, self._evictions
+        try:
+            with self._locked(blocking=False) as state:
+                return len(self._index), state.used, state.budget, self._evictions
+        except BlockingIOError:  # a write (or another process) holds the directory: the last figures
+            used, budget = self._last_usage
+            with self._lock:
+                return len(self._index), used, budget, self._evictions
 
     def close(self) -> None:
         with self._lock:

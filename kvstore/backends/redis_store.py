@@ -5,13 +5,15 @@ redis-py), `redis+cluster://host:port` / `rediss+cluster://...` (Redis Cluster: 
 across slots; pipelines are split per node by redis-py). Batched get/put and `prefix_hits`
 are one pipelined round trip (per node); redis-py uses hiredis.
 
-Options: `ttl_s` (expire chunks), `read_timeout_s` (default 0.5: the serving path, i.e.
-existence checks and GETs, on its own connection pool, so a frozen server stalls a caller at
-most this long per call), `socket_timeout_s` (default 5: writes, which run in the background),
-`connect_timeout_s` (default 1; at most `read_timeout_s` for the serving pool),
-`max_connections`, and any `ssl_*` keyword of redis-py. The byte budget bounds what this
-client has written (evicting its own least recently used chunks); for a bound across all
-clients of a shared server, set the server's `maxmemory` and an LRU policy.
+Options: `ttl_s` (expire chunks), the deadlines every remote tier has (kvstore/deadlines.py:
+`lookup_timeout_s` 0.5 s for existence checks, `load_timeout_s` 1 s for GETs, `write_timeout_s`
+5 s for the background writes, `connect_timeout_s` 1 s, at most a pool's deadline; each kind of
+call has its own connection pool, so a frozen server stalls a lookup or a load at most its
+deadline and a lookup never queues behind a slow write; the older `read_timeout_s` sets the
+lookup and load deadlines, `socket_timeout_s` the write deadline), `max_connections`, and any
+`ssl_*` keyword of redis-py. The byte budget bounds what this client has written (evicting its
+own least recently used chunks); for a bound across all clients of a shared server, set the
+server's `maxmemory` and an LRU policy.
 
 A key that does not hold a chunk (another type, a garbage string) is a miss for that key
 alone and is removed; it never fails its batch or the tier. Connection failures, timeouts
@@ -29,30 +31,25 @@ from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import numpy as np
 import redis
 import redis.cluster
 import torch
 import xxhash
-from redis._parsers.encoders import Encoder
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from kvstore import serde
 from kvstore.backend import BackendError, BytesBackend, StoredValue
+from kvstore.backends.redis_wire import NOT_A_CHUNK, SplitValuePacker, read_bulk_replies
 from kvstore.budget import ByteBudget
 from kvstore.codecs import Buffer, Codec
 from kvstore.config import TierSpec
+from kvstore.deadlines import OPTIONS, CallKind, RemoteDeadlines
 from kvstore.eviction import make_policy
 
 CHUNK_KEY_PATTERN = "kvtier:*"
 """Every chunk key (connector/keyspace.py) matches this; `wipe_all_chunks()` removes them."""
-
-_NOT_A_CHUNK = b""
-"""Stands for a key whose GET was an error reply (WRONGTYPE): it fails `serde.decode` like any
-garbage, so the key is a miss, counted corrupt and removed."""
-
 
 def _check_redis_py() -> None:
     """Raises ImportError naming the version if redis-py lacks the internals used here."""
@@ -64,110 +61,29 @@ def _check_redis_py() -> None:
 _check_redis_py()
 
 
-class SplitValuePacker:
-    """RESP command packer that sends a `serde.SplitValue` as one bulk string written in two
-    parts (header, then the payload memoryview straight from the tensor): no join, no copy.
-
-    redis-py's default (hiredis) packer copies every argument into one new buffer; for
-    multi-MB chunks that copy and its page faults cost as much as the socket write.
-    """
-
-    def __init__(self, buffer_cutoff: int = 6000) -> None:
-        self._cutoff = buffer_cutoff
-        self._encode = Encoder("utf-8", "strict", False).encode
-
-    def pack(self, *args: Any) -> list[Any]:
-        if isinstance(args[0], str):  # "CONFIG GET" style names go out as separate words
-            args = tuple(args[0].encode().split()) + args[1:]
-        out: list[Any] = []
-        buff = b"*%d\r\n" % len(args)
-        for arg in args:
-            if isinstance(arg, serde.SplitValue):
-                out.append(buff + b"$%d\r\n" % arg.nbytes + arg.header)
-                out.append(arg.payload)
-                buff = b"\r\n"
-                continue
-            data = self._encode(arg)
-            if isinstance(data, memoryview) or len(data) > self._cutoff:
-                out.append(buff + b"$%d\r\n" % len(data))
-                out.append(data)
-                buff = b"\r\n"
-            else:
-                buff += b"$%d\r\n%s\r\n" % (len(data), data)
-        out.append(buff)
-        return out
+# The redis tier's older option names -> the deadlines they set.
+_DEADLINE_ALIASES = {"read_timeout_s": ("lookup_s", "load_s"), "socket_timeout_s": ("write_s",)}
 
 
-def _client_kwargs(options: dict[str, Any], serving: bool) -> dict[str, Any]:
-    """Returns redis-py client keywords; `serving`: the pool for existence checks and GETs."""
-    timeout = float(options.get("socket_timeout_s", 5.0))
-    connect = float(options.get("connect_timeout_s", 1.0))
-    if serving:
-        timeout = float(options.get("read_timeout_s", 0.5))
-        connect = min(connect, timeout)
+def _client_kwargs(options: dict[str, Any], deadlines: RemoteDeadlines, kind: CallKind) -> dict[str, Any]:
+    """Returns redis-py client keywords for the pool serving `kind` of call."""
     kw: dict[str, Any] = {
-        "socket_timeout": timeout,
-        "socket_connect_timeout": connect,
-        # the storage manager handles failures with backoff; redis-py must not stall a caller retrying
+        "socket_timeout": deadlines.for_call(kind),
+        "socket_connect_timeout": deadlines.connect_for(kind),
+        # the storage manager handles failures with its breaker; redis-py must not stall a caller retrying
         "retry": Retry(NoBackoff(), 0),
-        # RESP2: no server push frames can interleave with the GET replies `_read_bulk_replies` parses
+        # RESP2: no server push frames can interleave with the GET replies `read_bulk_replies` parses
         "protocol": 2,
     }
     if "max_connections" in options:
         kw["max_connections"] = int(options["max_connections"])
     kw.update({k: v for k, v in options.items() if k.startswith("ssl_")})
-    unknown = set(options) - {"socket_timeout_s", "read_timeout_s", "connect_timeout_s", "max_connections"}
+    unknown = set(options) - {"max_connections", *OPTIONS, *_DEADLINE_ALIASES}
     unknown = {k for k in unknown if not k.startswith("ssl_")}
     if unknown:
-        raise ValueError(f"redis tier: unknown option(s) {sorted(unknown)}; known: ttl_s, read_timeout_s, "
-                         "socket_timeout_s, connect_timeout_s, max_connections, ssl_*")
+        raise ValueError(f"redis tier: unknown option(s) {sorted(unknown)}; known: ttl_s, "
+                         f"{', '.join(OPTIONS)}, {', '.join(_DEADLINE_ALIASES)}, max_connections, ssl_*")
     return kw
-
-
-class _ReplyError(RedisError):
-    """Redis answered a GET with something that is neither a bulk string, a null nor an error."""
-
-
-def _read_bulk_replies(sock: Any, count: int) -> list[Buffer | None]:
-    """Returns `count` RESP bulk-string replies (None for a null, `_NOT_A_CHUNK` for a key's
-    error reply such as WRONGTYPE) read from `sock`, each received straight into its own
-    numpy-allocated (huge-page) buffer: hiredis grows one buffer and copies every value out
-    of it, and fresh small-page buffers fault on every 4 KiB. Raises _ReplyError / OSError;
-    the caller then drops the connection, since the stream position is lost."""
-    pending = bytearray()  # received, not yet consumed: reply headers and value tails
-    out: list[Buffer | None] = []
-    for _ in range(count):
-        while (eol := pending.find(b"\r\n")) < 0:
-            chunk = sock.recv(1 << 16)
-            if not chunk:
-                raise OSError("connection closed mid-reply")
-            pending += chunk
-        line = bytes(pending[:eol])
-        del pending[: eol + 2]
-        if line == b"_" or line == b"$-1":  # RESP3 / RESP2 null: a missing key
-            out.append(None)
-            continue
-        if line[:1] == b"-":  # an error reply (WRONGTYPE): this key only; the stream is intact
-            out.append(_NOT_A_CHUNK)
-            continue
-        if line[:1] != b"$" or not line[1:].isdigit():
-            raise _ReplyError(f"unexpected reply to GET: {line[:80]!r}")
-        n = int(line[1:])
-        value = np.empty(n + 2, dtype=np.uint8).data  # the value and its CRLF
-        have = min(len(pending), n + 2)
-        value[:have] = pending[:have]
-        del pending[:have]
-        while have < n + 2:
-            got = sock.recv_into(value[have:], n + 2 - have)
-            if not got:
-                raise OSError("connection closed mid-value")
-            have += got
-        if value[n:] != b"\r\n":
-            raise _ReplyError("bulk reply not terminated by CRLF")
-        out.append(value[:n])
-    if pending:
-        raise _ReplyError("unexpected bytes after the GET replies")
-    return out
 
 
 class RedisBackend(BytesBackend):
@@ -185,10 +101,12 @@ class RedisBackend(BytesBackend):
         self.cluster = scheme.endswith("+cluster")
         plain_url = urlunsplit((scheme.removesuffix("+cluster"), *parts[1:]))
         self.ttl_ms = int(ttl_s * 1000) if ttl_s else None
+        self.deadlines = RemoteDeadlines.from_options(client_options, f"redis tier {url}", _DEADLINE_ALIASES)
         try:
-            # two pools: the serving path (short timeouts) never queues behind a slow write
-            self.client = self._connect(plain_url, _client_kwargs(client_options, serving=False))
-            self.reader = self._connect(plain_url, _client_kwargs(client_options, serving=True))
+            # a pool per kind of call, each with its deadline: lookups never queue behind a slow write
+            self.client = self._connect(plain_url, _client_kwargs(client_options, self.deadlines, "write"))
+            self.reader = self._connect(plain_url, _client_kwargs(client_options, self.deadlines, "load"))
+            self.lookups = self._connect(plain_url, _client_kwargs(client_options, self.deadlines, "lookup"))
         except RedisError as exc:
             raise BackendError(f"redis tier cannot connect to {url}: {exc}") from exc
         self.url = url
@@ -220,7 +138,13 @@ class RedisBackend(BytesBackend):
         return serde.encode_split(key, kv, self.codec)
 
     def check(self) -> None:
-        self._call("ping", self.client.ping)
+        """Returns once the server (a cluster: every primary) answers a PING within the lookup
+        deadline; the breaker's probe."""
+        if isinstance(self.lookups, redis.cluster.RedisCluster):
+            cluster = self.lookups
+            self._call("ping", lambda: cluster.ping(target_nodes=redis.cluster.RedisCluster.PRIMARIES))
+        else:
+            self._call("ping", self.lookups.ping)
 
     def _pipeline(self) -> Any:
         return self.client.pipeline(transaction=False)
@@ -237,9 +161,9 @@ class RedisBackend(BytesBackend):
 
     def _get_many(self, keys: Sequence[str]) -> list[Any]:
         """Returns the values of `keys` (None per missing key) in one pipelined round trip,
-        read by `_read_bulk_replies` on a pooled connection (redis-py's reader for a cluster)."""
+        read by `read_bulk_replies` on a pooled connection (redis-py's reader for a cluster)."""
         if self.cluster:
-            return [_NOT_A_CHUNK if isinstance(r, redis.ResponseError) else r for r in self._per_key("get", keys)]
+            return [NOT_A_CHUNK if isinstance(r, redis.ResponseError) else r for r in self._per_key("get", keys)]
         assert isinstance(self.reader, redis.Redis)  # a single node (clusters returned above)
         pool = self.reader.connection_pool
         conn = pool.get_connection()
@@ -248,7 +172,7 @@ class RedisBackend(BytesBackend):
             sock = conn._get_socket()
             if sock is None:
                 raise OSError("no socket after sending")
-            return _read_bulk_replies(sock, len(keys))
+            return read_bulk_replies(sock, len(keys))
         except BaseException:
             conn.disconnect()  # its stream position is unknown: never reuse it
             raise
@@ -257,7 +181,7 @@ class RedisBackend(BytesBackend):
 
     def _per_key(self, command: str, keys: Sequence[str], *args: Any, client: Any = None) -> list[Any]:
         """Returns the replies to `command key *args` sent once per key, in one pipelined round
-        trip on `client` (default: the serving one). A key's error reply (WRONGTYPE) comes back
+        trip on `client` (default: the loads' pool). A key's error reply (WRONGTYPE) comes back
         as a ResponseError in its place; a connection failure raises."""
         pipe = (client or self.reader).pipeline(transaction=False)
         for key in keys:
@@ -273,7 +197,8 @@ class RedisBackend(BytesBackend):
         of the header per key, one round trip); a key holding anything else is removed."""
         if not keys:
             return []
-        replies = self._call("exists", lambda: self._per_key("getrange", keys, 0, serde.MAX_HEADER_LEN - 1))
+        replies = self._call("exists", lambda: self._per_key("getrange", keys, 0, serde.MAX_HEADER_LEN - 1,
+                                                             client=self.lookups))
         held = [isinstance(r, bytes) and serde.looks_like_value(r) for r in replies]
         bad = [k for k, r, h in zip(keys, replies, held) if not h and r != b""]
         if bad:
@@ -393,7 +318,7 @@ class RedisBackend(BytesBackend):
             return len(self._budget), self._budget.used, self._budget.budget, self._evictions
 
     def close(self) -> None:
-        for client in (self.client, self.reader):
+        for client in (self.client, self.reader, self.lookups):
             try:
                 client.close()
             except (RedisError, OSError):

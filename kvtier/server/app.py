@@ -9,6 +9,7 @@ the server has one;
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -53,7 +54,10 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # off the event loop: a scrape asks the tiers for their figures, and a slow tier must
+        # never hold /health or the streams
+        body = await asyncio.to_thread(generate_latest, metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:

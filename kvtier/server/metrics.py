@@ -1,7 +1,9 @@
 """Prometheus metrics of one server, named `kvtier:*` as vLLM names its own `vllm:*`.
 
 Engine-side values are updated by the engine thread after every step (`on_step`), so a
-scrape never reads engine state mid-step. Per-tier connector figures are read at scrape time
+scrape never reads engine state mid-step; the block and ref counts a leak check reads at idle
+points are read at scrape time (`EngineCollector`: exact when idle, at most a step stale
+otherwise). Per-tier connector figures, circuit breakers included, are read at scrape time
 from the connector's thread-safe counters (`ConnectorCollector`).
 """
 
@@ -64,6 +66,10 @@ class ServerMetrics:
         self._finished_samples: dict[str, set[int]] = {}
         if isinstance(connector, KVTierConnector):
             r.register(ConnectorCollector(connector))
+
+    def watch_engine(self, engine: LLMEngine) -> None:
+        """Adds the engine's block and ref counts, read at each scrape."""
+        self.registry.register(EngineCollector(engine))
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         """Engine thread: records the step's tokens and the engine's counters and gauges. An
@@ -134,6 +140,17 @@ class ConnectorCollector(Collector):
                 "kvtier:kv_tier_load_seconds", "Seconds spent loading from the tier.", labels=["tier"]
             ),
             "errors": CounterMetricFamily("kvtier:kv_tier_errors", "Failed calls to the tier.", labels=["tier"]),
+            "timeouts": CounterMetricFamily(
+                "kvtier:kv_tier_timeouts", "Remote calls that failed or ended past their deadline.", labels=["tier"]
+            ),
+            "skipped": CounterMetricFamily(
+                "kvtier:kv_tier_skipped_calls", "Calls not made: the tier's circuit breaker was open (a miss).",
+                labels=["tier"]
+            ),
+            "breaker_opens": CounterMetricFamily(
+                "kvtier:kv_tier_breaker_opens", "Times the tier's circuit breaker (reads or writes) opened.",
+                labels=["tier"]
+            ),
             "dropped_writes": CounterMetricFamily(
                 "kvtier:kv_tier_dropped_writes", "Background writes dropped (queue full).", labels=["tier"]
             ),
@@ -141,12 +158,19 @@ class ConnectorCollector(Collector):
         healthy = GaugeMetricFamily(
             "kvtier:kv_tier_healthy", "1 while the tier is in use, 0 while it backs off.", labels=["tier"]
         )
+        breaker = GaugeMetricFamily(
+            "kvtier:kv_tier_breaker_state", "The tier's circuit breaker: 0 closed, 1 open, 2 half-open.",
+            labels=["tier", "calls"]
+        )
         for t in tiers:
             for attr, fam in families.items():
                 fam.add_metric([t.name], float(getattr(t, attr)))
             healthy.add_metric([t.name], 1.0 if t.healthy else 0.0)
+            breaker.add_metric([t.name, "reads"], float(t.read_breaker))
+            breaker.add_metric([t.name, "writes"], float(t.write_breaker))
         yield from families.values()
         yield healthy
+        yield breaker
         dropped = CounterMetricFamily(
             "kvtier:kv_dropped_store_bytes", "Chunk bytes not stored: the pending-store budget was full."
         )
@@ -155,3 +179,37 @@ class ConnectorCollector(Collector):
         pending = GaugeMetricFamily("kvtier:kv_pending_stores", "Gathered chunks waiting for the store thread.")
         pending.add_metric([], float(self.connector.pending_stores()))
         yield pending
+        storage = self.connector.storage
+        gauges = (
+            ("kvtier:kv_slow_tier_writes_pending", "Background writes to the slower tiers queued or running.",
+             storage.writer_stats()["pending"]),
+            ("kvtier:kv_pinned_chunks", "Pins on stored chunks (loads in flight); 0 when idle.", storage.pins.total()),
+            ("kvtier:kv_loads_in_flight", "1 while a background load has not ended; 0 when idle.",
+             int(self.connector.worker.loads_in_flight())),
+        )
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(value))
+            yield g
+
+
+class EngineCollector(Collector):
+    """The engine's KV blocks in use and the sum of their ref counts, read at scrape time (a
+    leak shows as either staying above 0 once the server is idle)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Any]:
+        # Off the engine thread on purpose (a scrape at an idle point must see the state now):
+        # len() and the ref_cnt ints are read atomically under the GIL, never torn.
+        blocks = self.engine.block_manager
+        refs = blocks.ref_counts()
+        for name, doc, value in (
+            ("kvtier:kv_blocks_in_use", "KV blocks with a ref count above 0 (0 when idle).",
+             sum(1 for r in refs if r)),
+            ("kvtier:kv_block_refs", "Sum of the KV blocks' ref counts (0 when idle).", sum(refs)),
+        ):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(value))
+            yield g

@@ -92,12 +92,16 @@ def test_every_key_has_a_kvtier_variable() -> None:
     assert set(rows) == {f.name for f in fields(KVStoreConfig)}
     env = {"KVTIER_TIERS": "cpu?budget=1GiB",
            "KVTIER_QUEUE_SIZE": "8", "KVTIER_QUEUE_FULL": "drop_new", "KVTIER_BACKOFF_INITIAL_S": "0.5",
-           "KVTIER_BACKOFF_MAX_S": "2", "KVTIER_INTEGRITY_KEY": "k" * 16}
+           "KVTIER_BACKOFF_MAX_S": "2", "KVTIER_INTEGRITY_KEY": "k" * 16, "KVTIER_BREAKER_FAILURES": "3",
+           "KVTIER_FLUSH_TIMEOUT_S": "1.5"}
     assert set(env) == set(rows.values())
     cfg = KVStoreConfig.load(env=env)
-    assert (cfg.tiers[0].budget, cfg.queue_size, cfg.queue_full,
-            cfg.backoff_initial_s, cfg.backoff_max_s, cfg.integrity_key) == (
-        2**30, 8, "drop_new", 0.5, 2.0, "k" * 16)
+    assert (cfg.tiers[0].budget, cfg.queue_size, cfg.queue_full, cfg.backoff_initial_s, cfg.backoff_max_s,
+            cfg.integrity_key, cfg.breaker_failures, cfg.flush_timeout_s) == (
+        2**30, 8, "drop_new", 0.5, 2.0, "k" * 16, 3, 1.5)
+    for key, bad in (("breaker_failures", 0), ("flush_timeout_s", 0), ("flush_timeout_s", "soon")):
+        with pytest.raises(ValueError, match=key):
+            KVStoreConfig.from_dict({key: bad})
     # the older name of the secret still works; the documented one wins
     assert KVStoreConfig.load(env={"KVTIER_KV_KEY": "a" * 16}).integrity_key == "a" * 16
     both = {"KVTIER_KV_KEY": "a" * 16, "KVTIER_INTEGRITY_KEY": "b" * 16}
