@@ -81,13 +81,14 @@ class KVTierConnector(KVConnector):
         """Returns how many gathered chunks wait for the store thread."""
         return self.worker.stores.pending()
 
-    def lookup(self, token_ids: Sequence[int]) -> dict[str, int]:
+    def lookup(self, token_ids: Sequence[int], cache_salt: str | None = None) -> dict[str, int]:
         """Returns, per tier name (fastest first), how many leading tokens of `token_ids` that
-        tier holds as stored chunks (the partial last chunk included), never counting the last
-        token (it is always computed). Existence only; nothing is read or loaded."""
+        tier holds as stored chunks (the partial last chunk included) for requests of
+        `cache_salt` (only that salt's chunks count), never counting the last token (it is
+        always computed). Existence only; nothing is read or loaded."""
         if len(token_ids) < 2:
             return {name: 0 for name in self.storage.names}
-        ks = self.scheduler.keyspace
+        ks = self.scheduler.keyspace.for_salt(cache_salt)
         spans = ks.spans(token_ids)
         limit = len(token_ids) - 1
         chunks = self.worker.presence.tier_prefix_chunks(ks, spans)
@@ -102,12 +103,13 @@ class KVTierConnector(KVConnector):
         """Returns CacheBlend's totals since start-up; ValueError when it is not configured."""
         return self._blender().stats.to_dict()
 
-    def stored_segment(self, token_ids: Sequence[int], segment_kv: str | None = None) -> torch.Tensor | None:
+    def stored_segment(self, token_ids: Sequence[int], segment_kv: str | None = None,
+                       cache_salt: str | None = None) -> torch.Tensor | None:
         """Returns the stored K/V `(L, 2, n, H, D)` of a CacheBlend segment at positions 0.. of
-        kind `segment_kv` (default: the config's), or None unless all of it is stored and
-        well-formed. Read only (it may be a tier's own tensor)."""
+        kind `segment_kv` (default: the config's) stored for requests of `cache_salt`, or None
+        unless all of it is stored and well-formed. Read only (it may be a tier's own tensor)."""
         blender = self._blender()
-        spans = blender.keyspace.segment_spans(token_ids, segment_kv or blender.config.segment_kv)
+        spans = blender.keyspace.for_salt(cache_salt).segment_spans(token_ids, segment_kv or blender.config.segment_kv)
         return blender.fetch_segment(spans)[0]
 
     def set_blend(self, **changes: Any) -> None:

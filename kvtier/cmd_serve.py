@@ -22,6 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the model name clients send (default: the checkpoint dir's name)")
     g.add_argument("--api-key", default=None, metavar="KEY",
                    help="require Authorization: Bearer KEY on /v1/* and /kv/* (default: $KVTIER_API_KEY, else none)")
+    g.add_argument("--tenants", default=None, metavar="FILE",
+                   help="JSON/YAML file of tenant API key -> cache_salt: a tenant's requests run under its salt "
+                        "(another salt is refused, 403); needs --api-key, the operator's key (default: none, "
+                        "clients choose cache_salt as in vLLM)")
     g.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="requests admitted beyond one batch (--max-num-seqs); more get 429 (default: 256)")
     g.add_argument("--shutdown-grace", type=float, default=5.0, metavar="SECONDS",
@@ -54,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
     api_key = resolve_api_key(args.api_key)
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    from kvtier.server.tenants import TenantKeys
+
+    tenants = TenantKeys.load(args.tenants, api_key) if args.tenants else None  # before the model loads
     sock = bind_socket(args.host, args.port)  # before the model loads: a taken port fails fast
 
     from kvtier.engine_args import build_llm
@@ -70,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         metrics.watch_engine(llm.engine)
         loop = EngineLoop(llm.engine, args.max_queue, on_step=metrics.on_step, on_forget=metrics.forget)
         _check_kv_role(args.kv_role, llm.engine.kv_connector)
-        app = build_app(ServingContext(loop, name, args.kv_role), metrics, api_key)
+        app = build_app(ServingContext(loop, name, args.kv_role), metrics, api_key, tenants=tenants)
         loop.start()
         serve_app(app, sock, f"kvtier serve listening on {socket_url(sock)}", args.log_level, args.shutdown_grace)
         loop.stop()

@@ -35,6 +35,8 @@ def view_request(body: dict[str, Any], prefix_chars: int = PREFIX_CHARS,
     base = {k: body[k] for k in TOKENIZE_FIELDS if body.get(k) is not None}
     if isinstance(model, str):
         base["model"] = model
+    if isinstance(body.get("cache_salt"), str):  # the lookup counts only this tenant's entries
+        base["cache_salt"] = body["cache_salt"]
     messages = body.get("messages")
     if isinstance(messages, list) and messages:
         text = "".join(f"{m.get('role')}\x00{_text(m.get('content'))}\x00" for m in messages if isinstance(m, dict))

@@ -2,7 +2,9 @@
 routes, health, version, metrics.
 
 `/v1/*`, `/tokenize`, `/detokenize` and `/kv/*` need `Authorization: Bearer <api key>` when
-the server has one;
+the server has one (with `--tenants`, a tenant's key too, which fixes the request's
+`cache_salt`: kvtier/server/tenants.py; `/kv/reset_prefix_cache` takes the operator's key
+only);
 `/health`, `/version` and `/metrics` are open (as in vLLM). Every error is OpenAI's shape
 (kvtier/server/http_edge.py, shared with the router).
 """
@@ -32,16 +34,18 @@ from kvtier.server.protocol import (
     now,
 )
 from kvtier.server.serving import ServingContext, check_model, create_chat_completion, create_completion, render_chat
+from kvtier.server.tenants import Tenancy, TenantKeys
 
 logger = logging.getLogger("kvtier.server")
 
 
 def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = MAX_BODY_BYTES, tenants: TenantKeys | None = None) -> FastAPI:
     """Returns the server's application over a started engine loop."""
     app = FastAPI(title="kvtier", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     front = ctx.engine_loop  # every engine access goes through it
-    auth = install_edge(app, api_key, logger, max_body_bytes)
+    tenancy = Tenancy(tenants, install_edge(app, api_key, logger, max_body_bytes))
+    auth, admin = tenancy.user, tenancy.admin
 
     @app.get("/health")
     async def health() -> Response:
@@ -67,10 +71,12 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        body.cache_salt = tenancy.salt(request, body.cache_salt)
         return await create_completion(ctx, body, request)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        body.cache_salt = tenancy.salt(request, body.cache_salt)
         return await create_chat_completion(ctx, body, request)
 
     @app.post("/tokenize", dependencies=auth)
@@ -102,10 +108,12 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
         return {"prompt": str(front.tokenizer.decode(body.tokens))}
 
     @app.post("/kv/lookup", dependencies=auth)
-    async def lookup(body: LookupRequest) -> dict[str, Any]:
-        """How many leading tokens the engine's prefix cache and each tier hold, and the
-        engine's load (what a KV-aware router needs); runs, loads and counts nothing."""
+    async def lookup(body: LookupRequest, request: Request) -> dict[str, Any]:
+        """How many leading tokens the engine's prefix cache and each tier hold for the
+        request's cache_salt (only its entries count), and the engine's load (what a KV-aware
+        router needs); runs, loads and counts nothing."""
         check_model(ctx, body.model)
+        salt = tenancy.salt(request, body.cache_salt)
         forms = [f for f in ("prompt", "prompt_token_ids", "messages") if getattr(body, f) is not None]
         if len(forms) != 1:
             raise APIError(400, "give exactly one of prompt, prompt_token_ids or messages", param="prompt")
@@ -118,13 +126,13 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
             ids = front.make_sequence(prompt, SamplingParams(max_tokens=1), new_id("lookup")).prompt_token_ids
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt") from None
-        found = await front.lookup(ids)
+        found = await front.lookup(ids, salt)
         return {"model": ctx.model_name, "num_tokens": found.num_tokens,
                 "engine_prefix_cache_tokens": found.engine_prefix_cache_tokens, "tiers": found.tiers,
                 "max_hit_tokens": found.max_hit_tokens, "num_requests_running": found.num_requests_running,
                 "num_requests_waiting": found.num_requests_waiting}
 
-    @app.post("/kv/reset_prefix_cache", dependencies=auth)
+    @app.post("/kv/reset_prefix_cache", dependencies=admin)
     async def reset_prefix_cache() -> dict[str, bool]:
         """Drops the engine's prefix cache (refused, `reset: false`, while requests hold blocks)."""
         return {"reset": await front.reset_prefix_cache()}

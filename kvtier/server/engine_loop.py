@@ -200,16 +200,17 @@ class EngineLoop:
         requests hold blocks."""
         return await self.call(self._engine.reset_prefix_cache)
 
-    async def lookup(self, token_ids: list[int]) -> PrefixLookup:
+    async def lookup(self, token_ids: list[int], cache_salt: str | None = None) -> PrefixLookup:
         """Returns how many leading tokens of `token_ids` the engine's prefix cache and each
-        tier hold, and the engine's load; runs, loads and counts nothing."""
+        tier hold for requests of `cache_salt` (no other salt's entries count), and the
+        engine's load; runs, loads and counts nothing."""
         engine = self._engine
 
         def engine_side() -> tuple[int, tuple[int, int]]:
             # Off the engine thread on purpose: a router's lookup must not wait behind a long
             # prefill step. Both read dict entries and len()s, each atomic under the GIL, so
             # the answer is at most one step stale, never torn.
-            return engine.num_cached_prefix_tokens(token_ids), engine.load()
+            return engine.num_cached_prefix_tokens(token_ids, cache_salt), engine.load()
 
         in_engine, (running, waiting) = await asyncio.to_thread(engine_side)
         tiers: dict[str, int] = {}
@@ -217,7 +218,7 @@ class EngineLoop:
         # The tiers also serve the connector's load and store threads: an existence query is
         # safe from any thread, and off the engine thread it never waits behind a step.
         if isinstance(connector, KVTierConnector):
-            tiers = await asyncio.to_thread(connector.lookup, token_ids)
+            tiers = await asyncio.to_thread(connector.lookup, token_ids, cache_salt)
         return PrefixLookup(len(token_ids), in_engine, tiers, running, waiting)
 
     async def flush_stores(self, timeout_s: float) -> bool:

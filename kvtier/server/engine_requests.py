@@ -118,7 +118,8 @@ def render_chat(engine_loop: EngineLoop, messages: list[ChatMessage], add_genera
 
 def make_sequences(ctx: ServingContext, prompts: list[Any], req: SamplingRequest, max_tokens: int | None,
                    default_max_tokens: int | None, rid: str, ask: EngineAsk = EngineAsk()) -> list[Sequence]:
-    """Returns one validated engine request per prompt (each with `ask.n` samples).
+    """Returns one validated engine request per prompt (each with `ask.n` samples), under
+    `req.cache_salt` (the caller has settled it: kvtier/server/tenants.py).
     `max_tokens` None takes `default_max_tokens` (None: up to the context length). Raises a
     400 APIError naming the problem (prompt too long, bad sampling field)."""
     front = ctx.engine_loop
@@ -130,6 +131,9 @@ def make_sequences(ctx: ServingContext, prompts: list[Any], req: SamplingRequest
     base = _params(req, ask, 1 if ctx.kv_role == "producer" else first, 0, logprobs_field)
     seqs = []
     for i, prompt in enumerate(prompts):
+        if req.cache_salt is not None:  # vLLM's prompt dicts carry the salt
+            prompt = {**prompt, "cache_salt": req.cache_salt} if isinstance(prompt, dict) else {
+                "prompt": prompt, "cache_salt": req.cache_salt}
         try:
             seq = front.make_sequence(prompt, dataclasses.replace(base), f"{rid}-{i}")  # see prompt_index
         except ValueError as exc:  # the prompt, or a token id a sampling field names

@@ -7,7 +7,9 @@ import uuid
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engine.cache_salt import validate_cache_salt
 
 
 class StreamOptions(BaseModel):
@@ -44,6 +46,10 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: the request shares cached K/V only with requests of the same salt
+    cache_salt: str | None = None
+
+    _check_cache_salt = field_validator("cache_salt")(lambda cls, v: validate_cache_salt(v))
 
 
 class CompletionRequest(SamplingRequest):
@@ -111,6 +117,9 @@ class LookupRequest(BaseModel):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
+    cache_salt: str | None = None  # only this salt's entries count (none: only unsalted ones)
+
+    _check_cache_salt = field_validator("cache_salt")(lambda cls, v: validate_cache_salt(v))
 
 
 class APIError(Exception):

@@ -1,0 +1,109 @@
+"""Tenants at the HTTP edge: which `cache_salt` a request runs under.
+
+Without `--tenants` a request's salt is its body's `cache_salt` (vLLM's behaviour: the salt is
+the client's secret). With `--tenants FILE` (and `--api-key`, the operator's key) every call
+needs a key: the operator's key may name any salt; a tenant's key runs under its tenant's salt,
+the body's `cache_salt` may repeat it and naming another is refused (403), so no client can
+choose another tenant's salt. Admin calls (`/kv/reset_prefix_cache`) take the operator's key
+only.
+
+The file is JSON or YAML, one API key -> cache salt per entry:
+
+    {"sk-alice-...": "tenant-alice", "sk-bob-...": "tenant-bob"}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, Request
+
+from engine.cache_salt import validate_cache_salt
+from kvstore.config import read_yaml
+from kvtier.server.http_edge import bearer_matches
+from kvtier.server.protocol import APIError
+
+
+@dataclass(frozen=True)
+class TenantKeys:
+    """API keys and the cache salt each one forces (the operator's key forces none)."""
+
+    api_key: str
+    salts: dict[str, str]  # tenant API key -> its cache salt
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], api_key: str | None) -> TenantKeys:
+        """Returns the file's keys; ValueError naming the file and entry at fault (no
+        `api_key`, not a mapping, a key that is empty or the operator's, an invalid salt)."""
+        name = os.fspath(path)
+        if not api_key:
+            raise ValueError("--tenants needs --api-key (the operator's key, for admin calls)")
+        raw: Any = read_yaml(path)
+        if not isinstance(raw, dict) or not raw:
+            raise ValueError(f"--tenants {name}: expected a non-empty mapping of API key -> cache salt")
+        salts: dict[str, str] = {}
+        for i, (key, salt) in enumerate(raw.items()):
+            if not isinstance(key, str) or not key.strip():
+                raise ValueError(f"--tenants {name}: entry {i}: the API key must be a non-empty string")
+            if key == api_key:
+                raise ValueError(f"--tenants {name}: entry {i}: a tenant key equals --api-key")
+            try:
+                salts[key] = str(validate_cache_salt(salt if salt is not None else ""))
+            except ValueError as exc:
+                raise ValueError(f"--tenants {name}: entry {i}: {exc}") from None
+        return cls(api_key, salts)
+
+    def match(self, authorization: str) -> tuple[bool, str | None]:
+        """Returns (whether the header carries a known key, the salt it forces: None for the
+        operator's key). Every key is compared, in constant time each."""
+        found: tuple[bool, str | None] = (bearer_matches(authorization, self.api_key), None)
+        digest = hashlib.sha256(authorization.encode()).digest()
+        for key, salt in self.salts.items():
+            if secrets.compare_digest(digest, hashlib.sha256(f"Bearer {key}".encode()).digest()):
+                found = (True, salt)
+        return found
+
+
+def _unauthorized() -> APIError:
+    return APIError(401, "Invalid or missing API key (send Authorization: Bearer <key>).",
+                    "authentication_error", code="invalid_api_key")
+
+
+class Tenancy:
+    """The route dependencies and salt resolution of one server (tenants or none)."""
+
+    def __init__(self, keys: TenantKeys | None, plain_auth: list[Any]) -> None:
+        self.keys = keys
+        self.user: list[Any] = [Depends(self._user)] if keys is not None else plain_auth
+        self.admin: list[Any] = [Depends(self._admin)] if keys is not None else plain_auth
+
+    async def _user(self, request: Request) -> None:
+        assert self.keys is not None
+        ok, salt = self.keys.match(request.headers.get("authorization", ""))
+        if not ok:
+            raise _unauthorized()
+        request.state.tenant_salt = salt
+
+    async def _admin(self, request: Request) -> None:
+        assert self.keys is not None
+        ok, salt = self.keys.match(request.headers.get("authorization", ""))
+        if not ok:
+            raise _unauthorized()
+        if salt is not None:
+            raise APIError(403, "this call needs the operator's API key (--api-key), not a tenant's",
+                           "permission_error", code="forbidden")
+
+    def salt(self, request: Request, body_salt: str | None) -> str | None:
+        """Returns the salt `request` runs under: its tenant's (the body may repeat it; naming
+        another is a 403), else the body's `cache_salt` (already validated)."""
+        forced = getattr(request.state, "tenant_salt", None)
+        if forced is None:
+            return body_salt
+        if body_salt is not None and not secrets.compare_digest(body_salt.encode(), forced.encode()):
+            raise APIError(403, "cache_salt: this API key's requests run under its own tenant's cache_salt; "
+                           "omit cache_salt or send that one", "permission_error", "cache_salt", "forbidden")
+        return forced

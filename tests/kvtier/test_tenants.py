@@ -1,0 +1,192 @@
+"""Tenants end to end (issue #30): two `kvtier serve` processes sharing Redis and the cache
+server, tenants mapped from API keys (`--tenants`), the openai client. A tenant never gets
+another's cached tokens, in the engine or across processes; its own repeat hits; tokens are
+identical either way; `/kv/lookup` counts only the caller's tenant; an attacker's timing probe
+finds nothing it would find without salts."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from scipy.stats import mannwhitneyu
+
+from engine.cache_salt import tenant_tag
+from kvstore.tenant_keys import key_tenant
+from tests.fixtures.cache_server import CacheServerProcess
+from tests.fixtures.redis_server import RedisServer
+from tests.fixtures.serve import ServeProcess
+from tests.fixtures.text import long_text
+
+pytestmark = pytest.mark.slow
+ADMIN = "sk-operator"
+KEYS = {"alice": "sk-alice-1", "bob": "sk-bob-2"}
+SALTS = {"alice": "tenant-alice", "bob": "tenant-bob"}
+ENGINE_ARGS = ["--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "512", "--max-num-seqs", "4",
+               "--chunk-size", "256"]
+DOC = long_text(51) + "\n\nSummarise the sections above in one sentence:"
+
+
+@pytest.fixture(scope="module")
+def stores(redis_server_session: RedisServer) -> Iterator[tuple[RedisServer, CacheServerProcess]]:
+    redis_server_session.client().flushall()
+    cache = CacheServerProcess("--max-bytes", "512MiB")
+    yield redis_server_session, cache
+    cache.kill()
+
+
+@pytest.fixture(scope="module")
+def servers(default_model_path: Path, stores, tmp_path_factory) -> Iterator[list[ServeProcess]]:
+    """Two servers over the same Redis and cache server, with the same tenants file."""
+    redis, cache = stores
+    tenants = tmp_path_factory.mktemp("tenants") / "tenants.json"
+    tenants.write_text(json.dumps({KEYS[t]: SALTS[t] for t in KEYS}))
+    args = ["--model", str(default_model_path), *ENGINE_ARGS, "--kv-tier", redis.url, "--kv-tier", cache.url,
+            "--api-key", ADMIN, "--tenants", str(tenants)]
+    procs = [ServeProcess(*args, wait=False) for _ in range(2)]
+    for p in procs:
+        p.wait_ready()
+    yield procs
+    for p in procs:
+        assert p.stop() == 0, p.log()[-3000:]
+
+
+def client(server: ServeProcess, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=300)
+
+
+def complete(server: ServeProcess, key: str, prompt: str, salt: str | None = None,
+             max_tokens: int = 8) -> tuple[str, int]:
+    """Returns (text, cached tokens) of a greedy completion."""
+    extra = {"cache_salt": salt} if salt is not None else None
+    r = client(server, key).completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=max_tokens,
+                                               temperature=0, extra_body=extra)
+    return r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens
+
+
+def lookup(server: ServeProcess, key: str, prompt: str, salt: str | None = None) -> httpx.Response:
+    body = {"prompt": prompt} | ({"cache_salt": salt} if salt is not None else {})
+    return httpx.post(server.url + "/kv/lookup", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def test_two_tenants_one_document_across_processes(servers, stores) -> None:
+    a, b = servers
+    redis, cache = stores
+    alice, bob = KEYS["alice"], KEYS["bob"]
+    text, cached = complete(a, alice, DOC)
+    assert cached == 0
+    n = lookup(a, ADMIN, DOC).json()["num_tokens"]
+    assert 2000 <= n <= 2100
+    # Alice's chunks reach both shared tiers (written behind the request: wait for them).
+    deadline = time.monotonic() + 60
+    while min(lookup(b, alice, DOC).json()["tiers"].values()) < n - 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    found = lookup(b, alice, DOC).json()
+    assert found["max_hit_tokens"] == n - 1 and set(found["tiers"].values()) == {n - 1}
+    # Nobody else learns anything from a lookup: bob, the operator unsalted, another salt.
+    assert lookup(b, bob, DOC).json()["max_hit_tokens"] == 0
+    assert lookup(a, bob, DOC).json()["engine_prefix_cache_tokens"] == 0
+    assert lookup(b, ADMIN, DOC).json()["max_hit_tokens"] == 0
+    assert lookup(b, ADMIN, DOC, "tenant-carol").json()["max_hit_tokens"] == 0
+    assert lookup(b, ADMIN, DOC, SALTS["alice"]).json()["max_hit_tokens"] == n - 1
+    # Every stored key is alice's, named by her tag and never by her salt.
+    keys = [k.decode() for k in redis.client().scan_iter(count=1000)]
+    assert keys and {key_tenant(k) for k in keys} == {tenant_tag(SALTS["alice"])}
+    assert not any(SALTS["alice"] in k for k in keys)
+    from kvstore.server.client import CacheServerClient
+
+    cs = CacheServerClient("127.0.0.1", cache.port, connect_timeout=5, timeout=30)
+    try:
+        assert all(cs.exists_many([k.encode() for k in keys]))
+    finally:
+        cs.close()
+    # Bob, same document, on the other process: nothing cached; alice's repeat there hits.
+    assert complete(b, bob, DOC) == (text, 0)
+    assert complete(b, alice, DOC) == (text, n - 1)
+    assert complete(a, alice, DOC) == (text, n - 1)  # its own prefix cache, then the tiers
+    assert complete(a, ADMIN, DOC) == (text, 0)  # unsalted shares only with unsalted
+
+
+def test_salts_are_validated_and_forced_from_keys(servers) -> None:
+    a = servers[0]
+    for bad in ["", 5, "a/b", "x" * 129]:
+        r = httpx.post(a.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "cache_salt": bad},
+                       headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+    with pytest.raises(openai.PermissionDeniedError, match="cache_salt"):
+        complete(a, KEYS["bob"], "hi", salt=SALTS["alice"])
+    assert lookup(a, KEYS["bob"], "hi", SALTS["alice"]).status_code == 403
+    assert complete(a, KEYS["bob"], "hi", salt=SALTS["bob"], max_tokens=1)[1] == 0  # its own salt: fine
+    with pytest.raises(openai.AuthenticationError):
+        complete(a, "sk-nobody", "hi")
+    r = httpx.post(a.url + "/kv/reset_prefix_cache", headers={"Authorization": f"Bearer {KEYS['bob']}"})
+    assert r.status_code == 403
+    chat = client(a, KEYS["bob"]).chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+        extra_body={"cache_salt": SALTS["bob"]})
+    assert chat.usage.completion_tokens == 1
+    with pytest.raises(openai.PermissionDeniedError):
+        client(a, KEYS["alice"]).chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+            extra_body={"cache_salt": SALTS["bob"]})
+
+
+def _probe(server: ServeProcess, victim: tuple[str, str | None], attacker: tuple[str, str | None],
+           rounds: int) -> tuple[list[float], list[float], list[int]]:
+    """An attacker's timing probe: per round the victim sends a new document, then the
+    attacker sends that document and one nobody sent (alternating which goes first), timing
+    each. Returns (probe times, fresh times, the probes' cached tokens)."""
+    probe, fresh, cached = [], [], []
+    body = long_text(6)
+    for i in range(rounds):
+        doc, other = (f"Record {uuid.uuid4().hex}.\n{body}" for _ in range(2))
+        complete(server, victim[0], doc, victim[1], max_tokens=1)
+        order = [(doc, probe), (other, fresh)]
+        for prompt, times in order if i % 2 else order[::-1]:
+            t0 = time.perf_counter()
+            _, hit = complete(server, attacker[0], prompt, attacker[1], max_tokens=1)
+            times.append(time.perf_counter() - t0)
+            if times is probe:
+                cached.append(hit)
+    return probe, fresh, cached
+
+
+def test_timing_probe_learns_nothing_across_tenants(servers) -> None:
+    """Distributions, not single timings: a one-sided Mann-Whitney U test of "the probe is
+    faster". Across salts it must not be (p > 0.001: a false alarm in 1 run of 1000); the same
+    probe without salts must be, so the probe is shown able to see a hit."""
+    a = servers[0]
+    probe, fresh, cached = _probe(a, (KEYS["alice"], None), (KEYS["bob"], None), rounds=6)
+    assert cached == [0] * 6
+    salted_p = mannwhitneyu(probe, fresh, alternative="less").pvalue
+    probe_u, fresh_u, cached_u = _probe(a, (ADMIN, None), (ADMIN, None), rounds=6)
+    assert min(cached_u) > 0
+    unsalted_p = mannwhitneyu(probe_u, fresh_u, alternative="less").pvalue
+    assert unsalted_p < 0.01, (probe_u, fresh_u)
+    assert salted_p > 0.001, (probe, fresh)
+
+
+def test_router_lookup_carries_the_salt_and_tenant_files_are_checked(tmp_path) -> None:
+    from kvtier.router.prompt_view import view_request
+    from kvtier.server.tenants import TenantKeys
+
+    view = view_request({"prompt": "some document", "cache_salt": "tenant-x"})
+    assert view.lookup == {"prompt": "some document", "cache_salt": "tenant-x"}
+    f = tmp_path / "t.yaml"
+    f.write_text("sk-a: tenant-a\nsk-b: tenant-b\n")
+    keys = TenantKeys.load(f, "sk-admin")
+    assert keys.match("Bearer sk-b") == (True, "tenant-b") and keys.match("Bearer sk-admin") == (True, None)
+    assert keys.match("Bearer sk-c") == (False, None)
+    for text, problem in [("sk-a: ''\n", "entry 0: cache_salt"), ("sk-a: a/b\n", "entry 0: cache_salt"),
+                          ("- sk-a\n", "mapping"), ("sk-admin: t\n", "equals --api-key")]:
+        f.write_text(text)
+        with pytest.raises(ValueError, match=problem):
+            TenantKeys.load(f, "sk-admin")
+    with pytest.raises(ValueError, match="needs --api-key"):
+        TenantKeys.load(f, None)
