@@ -10,7 +10,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # vLLM on CPU: compute on both cores (its default keeps one for the scheduler), 2 GiB of KV cache.
 VLLM_ENV   := VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2
 
-.PHONY: install vllm-install demo test test-vllm bench bench-vllm bench-vs-vllm eval bench-serving-vs-vllm clean
+.PHONY: install vllm-install demo test test-vllm bench bench-vllm bench-vs-vllm eval bench-serving-vs-vllm soak clean
 
 install: $(STAMP)
 
@@ -71,6 +71,13 @@ eval: install
 # (random and prefix_repetition datasets): benchmarks/results/serving_vs_vllm.{json,md}.
 bench-serving-vs-vllm: install vllm-install
 	$(PY) benchmarks/bench_serving_vs_vllm.py
+
+# Hours of load with faults against kvtier serve (cpu, disk, Redis and cache-server tiers): answers vs a server
+# without a connector, leaks at idle points, RSS, TTFT in and out of fault windows, /health
+# (benchmarks/results/soak.{json,md,png}). SOAK_MINUTES=3 for a short functional run.
+SOAK_MINUTES ?= 30
+soak: install
+	$(PY) benchmarks/soak.py --minutes $(SOAK_MINUTES)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -22,6 +22,8 @@ TEST = [
     # tests/kvtier/test_lm_eval.py and `make eval`: lm-eval-harness's local-completions client against
     # kvtier serve. Its [api] extra is the HTTP client (aiohttp, tenacity); neither pulls torch.
     "lm-eval[api]==0.4.13",
+    # `make soak` (benchmarks/soak.py) plots its figures over time
+    "matplotlib>=3.8",
 ]
 
 setup(extras_require={

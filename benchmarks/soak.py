@@ -1,0 +1,301 @@
+"""Soak: hours of load with faults against `kvtier serve` (issue #29). Nothing may leak, no
+answer may be wrong, and no remote call may hold a request.
+
+Setup: `kvtier serve` (the bundled model, a small engine prefix cache: 512 blocks of 16
+tokens for 8 running requests) with four tiers, fast to slow: `cpu` (32 MiB), `disk`
+(256 MiB), a private redis-server and a `kvtier cache-server` (256 MiB); chunks of 128 tokens.
+Load: 8 concurrent streaming clients through the openai client; the mix is multi-turn chats
+that grow (40%), documents shared by every client (40%) and unique prompts (20%), 32 greedy
+tokens each. Capacity is measured first (the same clients, closed loop); then each client
+sends at 80% of its share of it (Poisson arrivals). Faults on a fixed schedule (30 minutes:
+Redis SIGKILLed and restarted every 5 minutes; the cache server SIGSTOPped for 5 s, later
+SIGKILLed and restarted, later frozen again; a value corrupted in place, twice; the disk
+tier's directory filled to its budget by another process); idle points every 5 minutes, where
+blocks, refs, pins and loads in flight must be 0. Runs shorter than 10 minutes do each fault
+once. Afterwards every answer is checked against a server with no connector (greedy; a first
+differing token the reference ranks within 0.01 nats of its best is reported as a near tie,
+float noise between batch shapes, not as a wrong answer).
+
+    .venv/bin/python benchmarks/soak.py [--minutes 30] [--name soak]
+
+Writes benchmarks/results/<name>.json, <name>.md and <name>.png (the figures over time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import soak_parts as P  # noqa: E402 (this script's directory is on sys.path)
+from soak_report import write_report  # noqa: E402
+
+from engine.default_model import ensure_default_model  # noqa: E402
+from tests.fixtures.redis_server import free_port, start_redis  # noqa: E402
+from tests.fixtures.serve import ServeProcess  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+CLIENTS = 8
+ENGINE_ARGS = ["--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "512", "--max-num-seqs", "8"]
+DISK_BUDGET = 256 << 20
+SAMPLE_S = 5.0
+RECOVERY_S = 15.0  # a fault window lasts until this long after the fault ended
+# (fraction of the run, fault) for a 30-minute run; shorter than 10 minutes: one of each
+FULL_PLAN = [(2.0, "redis_kill"), (3.5, "cache_freeze"), (5.0, "idle"), (6.5, "redis_kill"), (8.0, "corrupt"),
+             (10.0, "idle"), (11.5, "redis_kill"), (13.0, "cache_kill"), (15.0, "idle"), (16.5, "redis_kill"),
+             (18.0, "disk_fill"), (20.0, "idle"), (21.5, "redis_kill"), (23.0, "cache_freeze"), (25.0, "idle"),
+             (26.5, "redis_kill"), (28.0, "corrupt")]
+SHORT_PLAN = [(0.12, "redis_kill"), (0.27, "cache_freeze"), (0.42, "corrupt"), (0.5, "idle"), (0.6, "cache_kill"),
+              (0.76, "disk_fill")]
+
+
+class Soak:
+    """One run: the processes, the load, the faults, and what was recorded."""
+
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.args, self.work = args, work
+        self.model = str(ensure_default_model())
+        self.redis = start_redis(["--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru"])
+        self.cache = P.CacheServer(free_port(), work / "cache-server.log", "--max-bytes", "256MiB")
+        self.disk = work / "disk"
+        tiers = ["cpu?budget=32MiB", f"disk://{self.disk}?budget={DISK_BUDGET}", self.redis.url, self.cache.url]
+        self.server = ServeProcess("--model", self.model, *ENGINE_ARGS, "--chunk-size", "128",
+                                   *(a for t in tiers for a in ("--kv-tier", t)))
+        self.t0 = 0.0
+        self.requests: list[dict[str, Any]] = []
+        self.samples: list[dict[str, Any]] = []
+        self.health: list[tuple[float, float, int]] = []  # (t, latency, status)
+        self.events: list[dict[str, Any]] = []  # faults, idle points, errors
+        self.idle_points: list[dict[str, Any]] = []
+        self.paused = asyncio.Event()
+        self.paused.set()  # set: clients may send
+        self.in_flight = 0
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def event(self, kind: str, detail: str, **extra: Any) -> None:
+        self.events.append({"t": round(self.now(), 2), "kind": kind, "detail": detail, **extra})
+        print(f"[{self.now():7.1f}s] {kind}: {detail}", flush=True)
+
+    # ---- load --------------------------------------------------------------------------
+    async def client_loop(self, c: P.Client, api: openai.AsyncOpenAI, rate: float | None, until: float,
+                          record: bool) -> int:
+        """Sends requests until `until` (seconds on this run's clock): back to back (rate None)
+        or at Poisson arrivals of `rate` per second; returns how many finished."""
+        done = 0
+        next_at = self.now()
+        while self.now() < until:
+            if rate is not None:
+                next_at += c.rng.expovariate(rate)
+                await asyncio.sleep(max(0.0, next_at - self.now()))
+                if self.now() >= until:
+                    break
+            await self.paused.wait()
+            kind, body = c.next_request()
+            start = self.now()
+            self.in_flight += 1
+            try:
+                res = await P.stream_request(api, body)
+                c.answered(kind, res["text"])
+                done += 1
+                if record:
+                    self.requests.append({"t": round(start, 3), "kind": kind, "body": body, "ok": True,
+                                          **{k: res[k] for k in ("ttft", "e2e", "text", "cached_tokens",
+                                                                 "prompt_tokens")},
+                                          "itl_max": max(res["gaps"], default=0.0), "gaps": res["gaps"]})
+            except Exception as exc:  # a failed request is a finding, never the end of the run
+                if kind == "chat":
+                    c.chat = []
+                self.event("request_failed", f"{kind}: {type(exc).__name__}: {exc}"[:300])
+                if record:
+                    self.requests.append({"t": round(start, 3), "kind": kind, "body": body, "ok": False,
+                                          "error": f"{type(exc).__name__}: {exc}"[:300]})
+            finally:
+                self.in_flight -= 1
+        return done
+
+    async def measure_capacity(self, seconds: float) -> float:
+        """Returns requests/s of the mix with every client sending back to back for `seconds`."""
+        clients = [P.Client(i, random.Random(1000 + i)) for i in range(CLIENTS)]
+        async with self.api() as api:
+            start = self.now()
+            done = await asyncio.gather(*(self.client_loop(c, api, None, start + seconds, False) for c in clients))
+        return sum(done) / (self.now() - start)
+
+    def api(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.server.url + "/v1", api_key="unused", max_retries=0, timeout=600,
+                                  http_client=None)
+
+    # ---- watchers ----------------------------------------------------------------------
+    async def sample_loop(self, until: float) -> None:
+        while self.now() < until:
+            row: dict[str, Any] = {"t": round(self.now(), 2), "rss_server": P.rss_bytes(self.server.proc.pid),
+                                   "rss_cache_server": P.rss_bytes(self.cache.proc.pid) if self.cache.proc else 0}
+            try:
+                row["metrics"] = await asyncio.to_thread(P.scrape, self.server.url)
+            except Exception as exc:
+                self.event("metrics_failed", f"{type(exc).__name__}: {exc}")
+            self.samples.append(row)
+            await asyncio.sleep(SAMPLE_S)
+
+    async def health_loop(self, until: float) -> None:
+        async with httpx.AsyncClient(base_url=self.server.url, timeout=10) as client:
+            while self.now() < until:
+                t = self.now()
+                t1 = time.perf_counter()
+                try:
+                    status = (await client.get("/health")).status_code
+                except httpx.HTTPError:
+                    status = 0
+                latency = time.perf_counter() - t1
+                self.health.append((round(t, 2), latency, status))
+                if status != 200 or latency > 1.0:
+                    self.event("health_slow_or_failed", f"status {status} after {latency:.2f}s")
+                await asyncio.sleep(1.0)
+
+    # ---- faults and idle points --------------------------------------------------------
+    async def fault(self, kind: str) -> None:
+        start = self.now()
+        if kind == "redis_kill":
+            self.redis.kill()
+            await asyncio.sleep(5.0)
+            await asyncio.to_thread(self.redis.restart)
+            detail = "redis-server SIGKILLed, restarted (empty) 5 s later"
+        elif kind == "cache_freeze":
+            detail = await asyncio.to_thread(P.freeze, self.cache, 5.0)
+        elif kind == "cache_kill":
+            self.cache.kill()
+            await asyncio.sleep(2.0)
+            await asyncio.to_thread(self.cache.start)
+            detail = "cache server SIGKILLed, restarted (empty) 2 s later"
+        elif kind == "corrupt":
+            detail = await asyncio.to_thread(P.corrupt_in_place, self.redis.client(), self.disk, random.Random(7))
+        else:
+            detail = await asyncio.to_thread(P.fill_disk, self.disk, DISK_BUDGET)
+        self.event("fault", detail, fault=kind, start=round(start, 2), end=round(self.now(), 2),
+                   window=[round(start, 2), round(self.now() + RECOVERY_S, 2)])
+
+    async def idle_point(self) -> None:
+        """Holds the load until nothing runs and the stores landed, then reads what must be 0."""
+        self.paused.clear()
+        try:
+            deadline = self.now() + 120
+            while self.in_flight and self.now() < deadline:
+                await asyncio.sleep(0.1)
+            m: dict[str, float] = {}
+            while self.now() < deadline:
+                m = await asyncio.to_thread(P.scrape, self.server.url)
+                if not (m.get("kvtier:kv_pending_stores", 0) or m.get("kvtier:kv_slow_tier_writes_pending", 0)
+                        or m.get("kvtier:kv_loads_in_flight", 0)):
+                    break
+                await asyncio.sleep(0.2)
+            names = ("kvtier:kv_blocks_in_use", "kvtier:kv_block_refs", "kvtier:kv_pinned_chunks",
+                     "kvtier:kv_loads_in_flight", "kvtier:kv_pending_stores", "kvtier:kv_slow_tier_writes_pending",
+                     "kvtier:num_requests_running", "kvtier:num_requests_waiting")
+            point = {"t": round(self.now(), 2), **{n.split(":")[1]: m.get(n, -1.0) for n in names}}
+            self.idle_points.append(point)
+            self.event("idle_point", json.dumps({k: v for k, v in point.items() if k != "t"}))
+        finally:
+            self.paused.set()
+
+    async def schedule(self, plan: list[tuple[float, str]], start: float, length: float) -> None:
+        for at, kind in plan:
+            await asyncio.sleep(max(0.0, start + at * length - self.now()))
+            await (self.idle_point() if kind == "idle" else self.fault(kind))
+
+    # ---- the run -----------------------------------------------------------------------
+    async def run(self) -> dict[str, Any]:
+        self.t0 = time.monotonic()
+        minutes = self.args.minutes
+        calib = min(120.0, max(30.0, minutes * 6.0))
+        self.event("phase", f"measuring capacity for {calib:.0f} s")
+        capacity = await self.measure_capacity(calib)
+        rate = 0.8 * capacity / CLIENTS
+        self.event("phase", f"capacity {capacity:.2f} req/s; offering {0.8 * capacity:.2f} req/s")
+        length = minutes * 60.0
+        start = self.now()
+        until = start + length
+        plan = [(at / 30.0, k) for at, k in FULL_PLAN] if minutes >= 10 else SHORT_PLAN
+        clients = [P.Client(i, random.Random(i)) for i in range(CLIENTS)]
+        async with self.api() as api:
+            await asyncio.gather(self.sample_loop(until), self.health_loop(until), self.schedule(plan, start, length),
+                                 *(self.client_loop(c, api, rate, until, True) for c in clients))
+        await self.idle_point()  # the end is an idle point too
+        return {"capacity_rps": capacity, "offered_rps": 0.8 * capacity, "soak_start_s": start, "soak_s": length,
+                "calibration_s": calib}
+
+    def close(self) -> None:
+        for stop in (lambda: self.server.stop(), self.cache.kill, self.redis.stop):
+            try:
+                stop()
+            except Exception as exc:
+                print(f"cleanup: {exc}", file=sys.stderr)
+
+
+def check_answers(model: str, requests: list[dict[str, Any]], tie_nats: float = 0.01) -> dict[str, Any]:
+    """Replays every answered request (each distinct body once, CLIENTS at a time) on a server
+    without a connector; returns the counts and the requests whose answers differ."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    answered = [r for r in requests if r["ok"]]
+    bodies = {json.dumps(r["body"], sort_keys=True): r["body"] for r in answered}
+    ref = ServeProcess("--model", model, *ENGINE_ARGS)
+    try:
+        with ThreadPoolExecutor(CLIENTS) as pool:
+            refs = dict(zip(bodies, pool.map(lambda b: P.reference_answer(ref.url, b), bodies.values())))
+    finally:
+        ref.stop()
+    verdicts = {"same": 0, "near_tie": 0, "wrong": 0}
+    differing: list[dict[str, Any]] = []
+    for r in answered:
+        got = refs[json.dumps(r["body"], sort_keys=True)]
+        verdict = P.divergence(r["text"], got, tie_nats)
+        verdicts[verdict] += 1
+        if verdict != "same":
+            differing.append({"t": r["t"], "kind": r["kind"], "verdict": verdict, "answer": r["text"],
+                              "reference": got["text"]})
+    return {**verdicts, "distinct_prompts": len(bodies), "differing": differing[:50]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=30.0, help="soak length after calibration (default: 30)")
+    ap.add_argument("--name", default="soak", help="results file stem in benchmarks/results (default: soak)")
+    args = ap.parse_args()
+    if args.minutes <= 0:
+        ap.error("--minutes must be > 0")
+    with tempfile.TemporaryDirectory(prefix="kvtier-soak-") as tmp:
+        soak = Soak(args, Path(tmp))
+        try:
+            run = asyncio.run(soak.run())
+        finally:
+            soak.close()
+            server_log = soak.server.log()
+        print("checking every answer against a server without a connector ...", flush=True)
+        answers = check_answers(soak.model, soak.requests)
+    out = {"config": {"minutes": args.minutes, "clients": CLIENTS, "engine_args": ENGINE_ARGS, "chunk_size": 128,
+                      "tiers": ["cpu 32MiB", "disk 256MiB", "redis (maxmemory 512mb)", "cache-server 256MiB"],
+                      "max_tokens": P.MAX_TOKENS, "mix": {"chat": 0.4, "document": 0.4, "unique": 0.2}},
+           "run": run, "answers": answers, "events": soak.events, "idle_points": soak.idle_points,
+           "samples": soak.samples, "health": soak.health,
+           "requests": [{k: v for k, v in r.items() if k not in ("body", "text")} for r in soak.requests],
+           "server_log_tail": server_log[-4000:]}
+    write_report(out, RESULTS / args.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
