@@ -26,8 +26,10 @@ from connector.config import ConnectorConfig, make_config
 from connector.metrics import ConnectorMetrics, RequestKVMetrics, TierKVMetrics
 from connector.planner import KVTierPlanner
 from connector.worker import KVTierWorker
+from engine.cache_salt import tenant_tag
 from engine.kv_connector import KVConnector
 from kvstore.storage_manager import StorageManager
+from kvstore.tenant_keys import tenant_prefix
 
 
 class KVTierConnector(KVConnector):
@@ -93,6 +95,13 @@ class KVTierConnector(KVConnector):
         limit = len(token_ids) - 1
         chunks = self.worker.presence.tier_prefix_chunks(ks, spans)
         return {name: min(spans[n - 1].end, limit) if n else 0 for name, n in chunks.items()}
+
+    def forget_tenant(self, cache_salt: str) -> tuple[dict[str, int], dict[str, str]]:
+        """Removes every stored value of `cache_salt`'s requests (any model, prefix chunks and
+        CacheBlend segments) from every tier, after this connector's queued stores landed.
+        Returns (per tier the values removed, per tier that failed its error)."""
+        self.flush()
+        return self.storage.delete_prefix(tenant_prefix(tenant_tag(cache_salt)))
 
     def _blender(self) -> Blender:
         if self.worker.blender is None:

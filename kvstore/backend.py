@@ -145,6 +145,11 @@ class StorageBackend(ABC):
     def clear(self) -> None:
         """Removes every chunk this backend owns."""
 
+    def delete_prefix(self, prefix: str) -> int:
+        """Removes every stored key starting with `prefix` (non-empty), whoever wrote it (a
+        tenant's keys: kvstore/tenant_keys.py); returns how many."""
+        raise NotImplementedError(f"{type(self).__name__} cannot remove keys by prefix")
+
     @abstractmethod
     def stats(self) -> BackendStats: ...
 
@@ -264,6 +269,15 @@ class BytesBackend(StorageBackend):
 
     def clear(self) -> None:
         self._clear()
+
+    def delete_prefix(self, prefix: str) -> int:
+        if not prefix:
+            raise ValueError("delete_prefix needs a non-empty prefix")
+        return sum(self._delete(k) for k in self._keys_with_prefix(prefix))
+
+    def _keys_with_prefix(self, prefix: str) -> list[str]:
+        """Returns every stored key starting with `prefix` (tiers that can list them)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list keys by prefix")
 
     def stats(self) -> BackendStats:
         entries, used, budget, evictions = self._usage()

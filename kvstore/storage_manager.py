@@ -318,6 +318,20 @@ class StorageManager:
             if self._call(i, partial(tier.delete, key), "write") is True and self._listener is not None:
                 self._listener.removed(tier.name, [key])
 
+    def delete_prefix(self, prefix: str) -> tuple[dict[str, int], dict[str, str]]:
+        """Removes every key starting with `prefix` from every tier, after queued writes, even
+        a tier marked unhealthy (it is tried). Returns (per tier name the keys removed, per tier
+        that failed its error): a tier in the second may still hold some."""
+        self.flush()
+        removed: dict[str, int] = {}
+        errors: dict[str, str] = {}
+        for name, tier in zip(self.names, self.tiers):
+            try:
+                removed[name] = tier.delete_prefix(prefix)
+            except Exception as exc:  # noqa: BLE001 - reported per tier, never raised past the others
+                errors[name] = f"{type(exc).__name__}: {exc}"
+        return removed, errors
+
     def clear(self) -> None:
         """Removes every chunk each healthy tier owns (see each tier's `clear`)."""
         self.flush()

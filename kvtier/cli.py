@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, str] = {
     "serve": "kvtier.cmd_serve",
     "cache-server": "kvtier.cmd_cache_server",
     "router": "kvtier.cmd_router",
+    "forget-tenant": "kvtier.cmd_forget_tenant",
 }
 
 

@@ -164,6 +164,13 @@ class CacheServerBackend(BytesBackend):
     def _clear(self) -> None:
         self._io(self.client.clear)
 
+    def delete_prefix(self, prefix: str) -> int:
+        """Removes every key on the server (memory and its disk) starting with `prefix`, in one
+        request; returns how many."""
+        if not prefix:
+            raise ValueError("delete_prefix needs a non-empty prefix")
+        return int(self._io(self.client.delete_prefix, prefix.encode()))
+
     def _usage(self) -> tuple[int, int, int | None, int]:
         s = self._io(self.lookup_client.stats)  # a /metrics scrape waits at most a lookup's deadline
         return (s["entries"] + s["disk_entries"], s["bytes"] + s["disk_bytes"],

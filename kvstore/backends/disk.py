@@ -28,19 +28,19 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 import torch
 
 from kvstore import serde
 from kvstore.backend import BackendError, BytesBackend, StoredValue
+from kvstore.backends.disk_names import SUFFIX, key_path, keys_with_prefix
 from kvstore.budget import ByteBudget
 from kvstore.codecs import Buffer, Codec
 from kvstore.config import TierSpec
 from kvstore.eviction import make_policy
 from kvstore.read_buffers import ReadBufferPool
 
-_SUFFIX = ".kvc"
 _TMP_PREFIX = ".tmp-"
 STATE_FILE = ".kvtier-dir"
 """The directory's shared accounting; holding its flock freezes every change to the directory."""
@@ -174,10 +174,7 @@ class DiskBackend(BytesBackend):
 
     # -- files and accounting (callers hold self._lock, and the dir lock to change anything) --
     def _path(self, key: str) -> Path:
-        name = quote(key, safe="") + _SUFFIX
-        if len(name) > 255:
-            raise ValueError(f"key too long for a file name ({len(name)} > 255 bytes): {key[:40]}...")
-        return self.root / name
+        return key_path(self.root, key)
 
     def _scan(self) -> int:
         """Indexes every chunk file (unknown ones oldest first), forgets vanished ones, removes
@@ -196,7 +193,7 @@ class DiskBackend(BytesBackend):
                             os.unlink(entry.path)
                         except OSError:
                             pass
-                elif entry.name.endswith(_SUFFIX):
+                elif entry.name.endswith(SUFFIX):
                     try:
                         if not entry.is_file():
                             continue
@@ -204,7 +201,7 @@ class DiskBackend(BytesBackend):
                     except OSError:
                         continue
                     used += st.st_size
-                    found.append((st.st_mtime, unquote(entry.name[: -len(_SUFFIX)]), st.st_size))
+                    found.append((st.st_mtime, unquote(entry.name[: -len(SUFFIX)]), st.st_size))
         found.sort()
         present = {key for _, key, _ in found}
         for key in [k for k in self._index.sizes if k not in present]:
@@ -375,6 +372,9 @@ class DiskBackend(BytesBackend):
             freed = self._unlink(key)
             state.used -= freed
             return freed > 0
+
+    def _keys_with_prefix(self, prefix: str) -> list[str]:
+        return keys_with_prefix(self.root, prefix)  # every process's files
 
     def _clear(self) -> None:
         self._writable()

@@ -150,6 +150,16 @@ class MemoryBackend(StorageBackend):
             self._store.clear()
             self._budget.clear()
 
+    def delete_prefix(self, prefix: str) -> int:
+        if not prefix:
+            raise ValueError("delete_prefix needs a non-empty prefix")
+        with self._lock:
+            keys = [k for k in self._store if k.startswith(prefix)]
+            for key in keys:
+                self._budget.remove(key)
+                del self._store[key]
+        return len(keys)
+
     def stats(self) -> BackendStats:
         with self._lock:
             s = BackendStats(**vars(self._stats))

@@ -309,6 +309,23 @@ class RedisBackend(BytesBackend):
             self._budget.clear()
         return int(self._call("wipe", run))
 
+    def delete_prefix(self, prefix: str) -> int:
+        """Removes every key on the server starting with `prefix`, whoever wrote it (SCAN +
+        UNLINK); returns how many."""
+        if not prefix or any(c in prefix for c in "*?[]\\"):
+            raise ValueError(f"delete_prefix needs a non-empty prefix without glob characters, got {prefix!r}")
+
+        def run() -> int:
+            keys = [k.decode() if isinstance(k, bytes) else k
+                    for k in self.client.scan_iter(match=prefix + "*", count=1000)]
+            self._unlink_all(keys)
+            with self._lock:
+                for key in keys:
+                    self._budget.remove(key)
+            return len(keys)
+
+        return int(self._call("delete_prefix", run))
+
     def _unlink_all(self, keys: Sequence[str]) -> None:
         for i in range(0, len(keys), 500):
             self._per_key("unlink", keys[i : i + 500], client=self.client)

@@ -351,6 +351,10 @@ class CacheServerClient:
         """Removes `key`; returns whether it was present."""
         return _found(self._one(Request(Op.DELETE, key)))
 
+    def delete_prefix(self, prefix: bytes) -> int:
+        """Removes every key starting with `prefix` (non-empty); returns how many."""
+        return P.decode_count(_expect_ok(self._one(Request(Op.DELETE_PREFIX, prefix))).payload)
+
     def clear(self) -> None:
         _expect_ok(self._one(Request(Op.CLEAR)))
 

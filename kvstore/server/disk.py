@@ -199,6 +199,12 @@ class DiskSpill:
         for done in job.waiters:
             done(result)
 
+    def keys_with_prefix(self, prefix: bytes) -> list[bytes]:
+        """Returns the keys starting with `prefix` this spill holds (written, being written or
+        read, detached)."""
+        keys = self._index.keys() | self._writing.keys() | self._reading.keys() | self._detached.keys()
+        return [k for k in keys if k.startswith(prefix)]
+
     def delete(self, key: bytes) -> bool:
         """Removes `key` (its file is removed in order after any pending I/O on it);
         returns whether it was present."""

@@ -105,6 +105,11 @@ def dispatch(conn: HandlerConnection, h: P.Header, key: bytes, payload: memoryvi
                        b"and bodies in flight hold it; retry later")
     elif code == Op.DELETE:
         conn.reply(Status.OK if store.delete(key) else Status.NOT_FOUND, rid)
+    elif code == Op.DELETE_PREFIX:  # one pass over the keys: an operator's call (a tenant's removal)
+        if not key:
+            conn.reply(Status.BAD_REQUEST, rid, b"DELETE_PREFIX needs a non-empty prefix (CLEAR removes all)")
+        else:
+            conn.reply(Status.OK, rid, P.encode_count(store.delete_prefix(key)))
     elif code == Op.PING:
         conn.reply(Status.OK, rid, b"PONG")
     elif code == Op.CLEAR:

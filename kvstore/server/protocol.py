@@ -48,6 +48,7 @@ class Op(IntEnum):
     DELETE = 7
     CLEAR = 8
     STATS = 9
+    DELETE_PREFIX = 10  # removes every key starting with the request's key; replies the count
 
 
 class Status(IntEnum):

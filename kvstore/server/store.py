@@ -280,6 +280,13 @@ class ByteStore:
         on_disk = self.spill.delete(key) if self.spill is not None else False
         return in_memory or on_disk
 
+    def delete_prefix(self, prefix: bytes) -> int:
+        """Removes every key starting with `prefix` from memory and disk; returns how many."""
+        keys = {k for k in self._lru if k.startswith(prefix)}
+        if self.spill is not None:
+            keys.update(self.spill.keys_with_prefix(prefix))
+        return sum(self.delete(k) for k in keys)
+
     def clear(self) -> None:
         """Empties memory now, and the disk spill (its files are removed in the background)."""
         for key in list(self._lru):

@@ -3,8 +3,8 @@ routes, health, version, metrics.
 
 `/v1/*`, `/tokenize`, `/detokenize` and `/kv/*` need `Authorization: Bearer <api key>` when
 the server has one (with `--tenants`, a tenant's key too, which fixes the request's
-`cache_salt`: kvtier/server/tenants.py; `/kv/reset_prefix_cache` takes the operator's key
-only);
+`cache_salt`: kvtier/server/tenants.py; `/kv/forget_tenant` and `/kv/reset_prefix_cache` take
+the operator's key only);
 `/health`, `/version` and `/metrics` are open (as in vLLM). Every error is OpenAI's shape
 (kvtier/server/http_edge.py, shared with the router).
 """
@@ -28,6 +28,7 @@ from kvtier.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ForgetTenantRequest,
     LookupRequest,
     TokenizeRequest,
     new_id,
@@ -131,6 +132,12 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
                 "engine_prefix_cache_tokens": found.engine_prefix_cache_tokens, "tiers": found.tiers,
                 "max_hit_tokens": found.max_hit_tokens, "num_requests_running": found.num_requests_running,
                 "num_requests_waiting": found.num_requests_waiting}
+
+    @app.post("/kv/forget_tenant", dependencies=admin)
+    async def forget_tenant(body: ForgetTenantRequest) -> dict[str, Any]:
+        """Removes every entry of one cache_salt from the engine's prefix cache and every tier
+        (the cache server and Redis included); answers what was removed and which tiers failed."""
+        return await front.forget_tenant(body.cache_salt)
 
     @app.post("/kv/reset_prefix_cache", dependencies=admin)
     async def reset_prefix_cache() -> dict[str, bool]:

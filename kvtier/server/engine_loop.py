@@ -221,6 +221,18 @@ class EngineLoop:
             tiers = await asyncio.to_thread(connector.lookup, token_ids, cache_salt)
         return PrefixLookup(len(token_ids), in_engine, tiers, running, waiting)
 
+    async def forget_tenant(self, cache_salt: str) -> dict[str, Any]:
+        """Removes `cache_salt`'s entries from the engine's prefix cache (between two steps)
+        and from every tier; returns what was removed: `engine_blocks`, per tier `tiers`, and
+        per tier that failed `errors`."""
+        blocks = await self.call(lambda: self._engine.forget_tenant(cache_salt))
+        tiers: dict[str, int] = {}
+        errors: dict[str, str] = {}
+        connector = self._engine.kv_connector
+        if isinstance(connector, KVTierConnector):
+            tiers, errors = await asyncio.to_thread(connector.forget_tenant, cache_salt)
+        return {"engine_blocks": blocks, "tiers": tiers, "errors": errors}
+
     async def flush_stores(self, timeout_s: float) -> bool:
         """Returns once every K/V store the connector queued reached its tiers: True, or
         False after `timeout_s`; True at once without a connector."""

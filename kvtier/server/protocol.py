@@ -122,6 +122,14 @@ class LookupRequest(BaseModel):
     _check_cache_salt = field_validator("cache_salt")(lambda cls, v: validate_cache_salt(v))
 
 
+class ForgetTenantRequest(BaseModel):
+    """`POST /kv/forget_tenant` (operator only): the tenant's salt."""
+
+    cache_salt: str
+
+    _check_cache_salt = field_validator("cache_salt")(lambda cls, v: validate_cache_salt(v))
+
+
 class APIError(Exception):
     """An error answered in OpenAI's shape: `{"error": {message, type, param, code}}`."""
 

@@ -4,8 +4,8 @@ Without `--tenants` a request's salt is its body's `cache_salt` (vLLM's behaviou
 the client's secret). With `--tenants FILE` (and `--api-key`, the operator's key) every call
 needs a key: the operator's key may name any salt; a tenant's key runs under its tenant's salt,
 the body's `cache_salt` may repeat it and naming another is refused (403), so no client can
-choose another tenant's salt. Admin calls (`/kv/reset_prefix_cache`) take the operator's key
-only.
+choose another tenant's salt. Admin calls (`/kv/forget_tenant`, `/kv/reset_prefix_cache`)
+take the operator's key only.
 
 The file is JSON or YAML, one API key -> cache salt per entry:
 

@@ -113,6 +113,62 @@ def test_two_tenants_one_document_across_processes(servers, stores) -> None:
     assert complete(a, ADMIN, DOC) == (text, 0)  # unsalted shares only with unsalted
 
 
+def test_forgetting_a_tenant_leaves_no_key_and_others_hits_unchanged(servers, stores) -> None:
+    """Runs after the two-tenant test: alice and bob each hold the document on server b."""
+    a, b = servers
+    redis, cache = stores
+    n = lookup(b, ADMIN, DOC).json()["num_tokens"]
+    before_bob = lookup(b, KEYS["bob"], DOC).json()
+    assert before_bob["max_hit_tokens"] == n - 1
+    auth = {"Authorization": f"Bearer {KEYS['bob']}"}
+    assert httpx.post(b.url + "/kv/forget_tenant", json={"cache_salt": SALTS["alice"]}, headers=auth).status_code == 403
+    r = httpx.post(b.url + "/kv/forget_tenant", json={"cache_salt": SALTS["alice"]},
+                   headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    report = r.json()
+    assert report["errors"] == {} and report["engine_blocks"] > 0
+    assert all(v > 0 for v in report["tiers"].values()) and len(report["tiers"]) == 2
+    alice_prefix = f"kvtier:tenant-{tenant_tag(SALTS['alice'])}:"
+    assert not list(redis.client().scan_iter(match=alice_prefix + "*"))
+    assert any(key_tenant(k.decode()) == tenant_tag(SALTS["bob"]) for k in redis.client().scan_iter())
+    from kvstore.server.client import CacheServerClient
+
+    cs = CacheServerClient("127.0.0.1", cache.port, connect_timeout=5, timeout=30)
+    try:
+        assert cs.delete_prefix(alice_prefix.encode()) == 0  # the server scans its memory and disk: none left
+    finally:
+        cs.close()
+    assert lookup(b, KEYS["alice"], DOC).json()["max_hit_tokens"] == 0
+    assert lookup(b, KEYS["bob"], DOC).json() | {"num_requests_running": 0, "num_requests_waiting": 0} == \
+        before_bob | {"num_requests_running": 0, "num_requests_waiting": 0}
+
+
+def test_cli_forgets_a_tenant_in_a_disk_directory(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    import torch
+
+    from kvstore.config import KVStoreConfig, TierSpec
+    from kvstore.storage_manager import StorageManager
+    from kvstore.tenant_keys import tenant_prefix
+
+    url = f"disk://{tmp_path / 'kv'}"
+    storage = StorageManager.from_config(KVStoreConfig(tiers=[TierSpec.from_url(url, "t")]))
+    kv = torch.zeros(1, 2, 4, 1, 8, dtype=torch.float16)
+    for salt in ("tenant-x", "tenant-y"):
+        storage.batched_put([(f"{tenant_prefix(tenant_tag(salt))}m:float16:v1:c4:{i:032x}", kv) for i in range(3)])
+    storage.batched_put([("kvtier:m:float16:v1:c4:" + "0" * 32, kv)])
+    storage.close()
+    out = subprocess.run([sys.executable, "-m", "kvtier", "forget-tenant", "--cache-salt", "tenant-x",
+                          "--kv-tier", url], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["errors"] == {} and list(report["tiers"].values()) == [3]
+    names = sorted(p.name for p in (tmp_path / "kv").iterdir() if p.name.endswith(".kvc"))
+    assert len(names) == 4 and not any(tenant_tag("tenant-x") in n for n in names)
+
+
 def test_salts_are_validated_and_forced_from_keys(servers) -> None:
     a = servers[0]
     for bad in ["", 5, "a/b", "x" * 129]:
