@@ -42,9 +42,6 @@ class MoEConfig:
     norm_topk_prob: bool
     # The layers whose MLP is sparse; the others use the dense MLP of `intermediate_size`.
     layers: tuple[int, ...]
-    # A shared expert every token goes through (0: none), gated by a sigmoid when `gated`.
-    shared_intermediate_size: int = 0
-    shared_expert_gated: bool = False
 
 
 @dataclass(frozen=True)

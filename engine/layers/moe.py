@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.mlp import ACTIVATIONS, GatedMLP
+from engine.layers.mlp import ACTIVATIONS
 from engine.model_config import MoEConfig
 
 
@@ -53,12 +53,6 @@ class SparseMoE(nn.Module):
         self.weights_in_input_dtype = True
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
         self.experts = Experts(moe.num_experts, hidden_size, moe.intermediate_size, act)
-        self.shared_expert: GatedMLP | None = None
-        self.shared_expert_gate: nn.Linear | None = None
-        if moe.shared_intermediate_size:
-            self.shared_expert = GatedMLP(hidden_size, moe.shared_intermediate_size, act=act)
-            if moe.shared_expert_gated:
-                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights `[T, k]`, expert ids `[T, k]`) of each token's top-k experts."""
@@ -83,10 +77,4 @@ class SparseMoE(nn.Module):
                 y = self.experts.expert(e, routed[start:start + n])
                 out[start:start + n] = (y * w[start:start + n]).to(x.dtype)
                 start += n
-        result = torch.zeros_like(x).index_add_(0, rows, out)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            result = result + shared
-        return result
+        return torch.zeros_like(x).index_add_(0, rows, out)

@@ -57,6 +57,8 @@ def qwen3_moe(hf: HFConfig, cfg: dict[str, Any]) -> None:
     if hf.flag("use_sliding_window") and window is not None:
         cfg["sliding_window"], cfg["sliding_window_layers"] = window, tuple(range(cfg["num_layers"]))
     num_experts = hf.get("num_experts", hf.get("num_local_experts", 128))
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 0:
+        raise ValueError(f"config.json: 'num_experts' must be a non-negative integer, got {num_experts!r}")
     moe = dict(num_experts=num_experts, top_k=hf.positive_int("num_experts_per_tok", 8),
                intermediate_size=hf.positive_int("moe_intermediate_size", 768),
                norm_topk_prob=hf.flag("norm_topk_prob"))
