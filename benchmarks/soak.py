@@ -51,6 +51,8 @@ CLIENTS = 8
 ENGINE_ARGS = ["--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "512", "--max-num-seqs", "8"]
 DISK_BUDGET = 256 << 20
 SAMPLE_S = 5.0
+KEPT = {"kvtier:prompt_tokens_total", "kvtier:prefix_cache_hits_total", "kvtier:num_requests_running",
+        "kvtier:num_requests_waiting"}  # of /metrics, besides kvtier:kv_* (histograms are left out)
 RECOVERY_S = 15.0  # a fault window lasts until this long after the fault ended
 # (fraction of the run, fault) for a 30-minute run; shorter than 10 minutes: one of each
 FULL_PLAN = [(2.0, "redis_kill"), (3.5, "cache_freeze"), (5.0, "idle"), (6.5, "redis_kill"), (8.0, "corrupt"),
@@ -145,7 +147,8 @@ class Soak:
             row: dict[str, Any] = {"t": round(self.now(), 2), "rss_server": P.rss_bytes(self.server.proc.pid),
                                    "rss_cache_server": P.rss_bytes(self.cache.proc.pid) if self.cache.proc else 0}
             try:
-                row["metrics"] = await asyncio.to_thread(P.scrape, self.server.url)
+                m = await asyncio.to_thread(P.scrape, self.server.url)
+                row["metrics"] = {k: v for k, v in m.items() if k.startswith("kvtier:kv_") or k in KEPT}
             except Exception as exc:
                 self.event("metrics_failed", f"{type(exc).__name__}: {exc}")
             self.samples.append(row)
