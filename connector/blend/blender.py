@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from connector.blend.config import BlendConfig
-from connector.blend.executor import blend_recompute, compute_segment_kv, rerotate_kv
+from connector.blend.executor import blend_recompute, check_blendable, compute_segment_kv, layer_inv_freqs, rerotate_kv
 from connector.keyspace import Keyspace, Span
 from connector.loader import chunk_ok
 from connector.metadata import BlendSpec
 from connector.metrics import ConnectorMetrics
 from connector.store_queue import StoreQueue
 from engine.kv_cache import PagedKVLayout
-from engine.models.llama import LlamaForCausalLM
+from engine.models.base import CausalLM
 from kvstore.storage_manager import StorageManager
 
 if TYPE_CHECKING:
@@ -72,14 +72,12 @@ class Blender:
         self.keyspace = keyspace
         self.metrics = metrics
         self.stats = BlendStats()
-        self.model: LlamaForCausalLM | None = None
+        self.model: CausalLM | None = None
 
     def register_model(self, model_config: ModelConfig, model: torch.nn.Module | None) -> None:
         """Checks the model CacheBlend runs layer by layer; raises ValueError/TypeError if it cannot."""
         self.config.validate(model_config.num_layers)
-        if not isinstance(model, LlamaForCausalLM):  # the executor runs its layers one by one
-            raise TypeError(f"CacheBlend needs the engine's Llama-family model, got {type(model).__name__}")
-        self.model = model
+        self.model = check_blendable(model)  # the executor runs its layers one by one
 
     def run(self, spec: BlendSpec) -> int:
         """Fills positions [spec.start, spec.end): segments a tier holds are loaded (fetched,
@@ -90,7 +88,7 @@ class Blender:
         t0 = time.perf_counter()
         layout = self.layout
         dev = layout.device
-        inv_freq = self.model.model.rotary.inv_freq
+        inv_freq = layer_inv_freqs(self.model)
         b = self.config
         missing = torch.zeros(spec.end - spec.start, dtype=torch.bool, device=dev)
         loaded: list[tuple[torch.Tensor, torch.Tensor]] = []  # (slots, K/V) fetched from a tier

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from connector.blend.config import BlendConfig
+from connector.blend.executor import check_rope_moves
 from connector.blend.segments import context_segments
 from connector.keyspace import Keyspace
 from connector.metadata import BlendSpec
@@ -44,10 +45,7 @@ class BlendPlanner:
 
     def register_model(self, model_config: ModelConfig, keyspace: Keyspace, block_size: int) -> None:
         """Checks that CacheBlend can serve the model; raises ValueError if not."""
-        if model_config.sliding_window_layers:
-            # The selective recompute attends over the whole context; a windowed layer would differ.
-            raise ValueError(f"CacheBlend does not support sliding-window attention "
-                             f"({model_config.model_type}, window {model_config.sliding_window})")
+        check_rope_moves(model_config)
         self.config.validate(model_config.num_layers)
         self._keyspace = keyspace
         self.block_size = block_size

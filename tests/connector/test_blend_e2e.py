@@ -362,12 +362,14 @@ def test_segmented_prompt_forms(default_model_path, segments):
         assert_idle(llm, conn)
 
 
-def test_sliding_window_models_are_refused(tmp_path):
-    """The recompute attends over the whole context, so a windowed model would be wrong."""
+def test_longrope_models_are_refused_by_the_scheduler_side(tmp_path):
+    """Keys under longrope cannot be moved by a rotation (tests/connector/test_blend_families.py
+    covers every family CacheBlend serves, sliding windows included)."""
     from engine.model_config import ModelConfig
-    from tests.fixtures.model import make_tiny_checkpoint
+    from tests.fixtures.families import FAMILIES
+    from tests.fixtures.model import FAMILY_TINY, make_tiny_checkpoint
 
-    cfg = ModelConfig.from_pretrained(make_tiny_checkpoint(tmp_path, "mistral", sliding_window=8))
+    cfg = ModelConfig.from_pretrained(make_tiny_checkpoint(tmp_path, **{**FAMILY_TINY, **FAMILIES["phi3"]}))
     config = make_config({"tiers": ["cpu"], "chunk_size": CHUNK, "blend": {"enabled": True}})
-    with StorageManager.from_config(config.kvstore) as storage, pytest.raises(ValueError, match="sliding-window"):
+    with StorageManager.from_config(config.kvstore) as storage, pytest.raises(ValueError, match="longrope"):
         KVTierPlanner(config, Presence(storage), ConnectorMetrics()).register_model(cfg, torch.float32, 16)
