@@ -7,8 +7,8 @@
 - the fused float32 ops of a decoder layer (`rms_norm`, `add_rms_norm` adding the residual in
   place, `silu_and_mul`) each replace several PyTorch ops and Python calls per layer per step.
 
-The model uses them through `LlamaForCausalLM.enable_cpu_ops`. There are no such kernels for
-other devices: callers keep PyTorch's ops there and wherever the kernels cannot be built.
+Every model family uses them through `CausalLM.enable_cpu_ops` (engine/models/base.py).
+There are no such kernels for other devices: callers keep PyTorch's ops there and wherever the kernels cannot be built.
 
 The build (torch's C++ extension JIT, g++ with OpenMP, ~30 s) happens once per source, torch
 version, flags and CPU, under `$KVTIER_HOME/torch_extensions/`: `make install` runs it
