@@ -37,13 +37,17 @@ def _units_hint(budget: int) -> str:
 
 
 def check_tier_budgets(tiers: Sequence[TierSpec], chunk_raw_bytes: int, element_size: int) -> list[str]:
-    """Raises ValueError naming the first tier whose budget cannot hold one chunk; returns (and
+    """Raises ValueError naming the first tier whose budget (or tenant_quota) cannot hold one chunk; returns (and
     logs as warnings) one message per tier that holds fewer than FEW_CHUNKS chunks."""
     warnings = []
     for i, tier in enumerate(tiers):
+        chunk = encoded_chunk_bytes(chunk_raw_bytes, element_size, tier.codec)
+        if tier.tenant_quota is not None and tier.tenant_quota < chunk:
+            raise ValueError(f"tiers[{i}] {tier.url}: tenant_quota={tier.tenant_quota} bytes is smaller than one "
+                             f"chunk ({chunk} bytes with codec {tier.codec}), so no tenant could store anything"
+                             f"{_units_hint(tier.tenant_quota)}")
         if tier.budget is None:
             continue
-        chunk = encoded_chunk_bytes(chunk_raw_bytes, element_size, tier.codec)
         if tier.budget < chunk:
             raise ValueError(f"tiers[{i}] {tier.url}: budget={tier.budget} bytes is smaller than one chunk "
                              f"({chunk} bytes with codec {tier.codec}), so this tier would store nothing"

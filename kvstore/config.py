@@ -39,7 +39,8 @@ QUEUE_FULL_POLICIES = ("drop_oldest", "drop_new")
 class TierSpec:
     """One storage tier: where (URL), how much (byte budget, None = unbounded), how encoded.
 
-    `options` carries backend-specific settings (redis: ttl_s, socket_timeout_s, ssl_* ...;
+    `tenant_quota` caps the bytes of each tenant (cache_salt) in this tier (None = no cap;
+    kvstore/tenant_quota.py). `options` carries backend-specific settings (redis: ttl_s, socket_timeout_s, ssl_* ...;
     disk: fsync). Backends receive the whole spec through `StorageBackend.from_spec`.
     """
 
@@ -48,6 +49,7 @@ class TierSpec:
     codec: str = "raw"
     eviction: str = "lru"
     options: dict[str, Any] = field(default_factory=dict)
+    tenant_quota: int | None = None
 
     @property
     def scheme(self) -> str:
@@ -71,6 +73,7 @@ class TierSpec:
         except ValueError:
             raise ValueError(f"{where}.url: bad port in {self.url!r}") from None
         self.budget = parse_size(self.budget, f"{where}.budget")
+        self.tenant_quota = parse_size(self.tenant_quota, f"{where}.tenant_quota")
         if self.codec not in CODEC_NAMES:
             raise ValueError(f"{where}.codec: unknown codec {self.codec!r}; choose one of {list(CODEC_NAMES)}")
         if self.eviction not in POLICIES:
@@ -85,7 +88,7 @@ class TierSpec:
         base, _, query = url.partition("?")
         kw: dict[str, Any] = {"url": base, "options": {}}
         for name, value in parse_qsl(query, keep_blank_values=True):
-            if name in ("budget", "codec", "eviction"):
+            if name in ("budget", "codec", "eviction", "tenant_quota"):
                 kw[name] = value
             else:
                 kw["options"][name] = _scalar(value)
@@ -228,8 +231,9 @@ def _env_tiers(var: str, text: str) -> list[TierSpec]:
 KVSTORE_SETTINGS: tuple[Setting, ...] = (
     Setting("tiers", "KVTIER_TIERS", _env_tiers, "cpu?budget=4GiB",
             "storage tiers, fastest first: `cpu`, `device`, `disk:///path`, `redis://host:port/db`, "
-            "`kvtier://host:port`; each with `budget`, `codec` (raw, lz4, int8, int4), `eviction` "
-            "(lru, fifo) and backend options (env: comma-separated URLs, `?budget=4GiB&codec=lz4`)"),
+            "`kvtier://host:port`; each with `budget`, `tenant_quota` (bytes per cache_salt), `codec` "
+            "(raw, lz4, int8, int4), `eviction` (lru, fifo) and backend options "
+            "(env: comma-separated URLs, `?budget=4GiB&codec=lz4`)"),
     Setting("queue_size", "KVTIER_QUEUE_SIZE", env_int, "64",
             "background writes to the slower tiers that may wait; beyond it one is dropped (counted)"),
     Setting("queue_full", "KVTIER_QUEUE_FULL", env_str, "drop_oldest",

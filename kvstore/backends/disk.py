@@ -18,15 +18,11 @@ files) is served read-only: reads work, writes raise BackendError.
 
 from __future__ import annotations
 
-import fcntl
-import io
 import os
-import struct
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -35,25 +31,16 @@ import torch
 from kvstore import serde
 from kvstore.backend import BackendError, BytesBackend, StoredValue
 from kvstore.backends.disk_names import SUFFIX, key_path, keys_with_prefix
+from kvstore.backends.disk_state import STATE_BYTES, STATE_FILE, DirState, SharedDir
 from kvstore.budget import ByteBudget
 from kvstore.codecs import Buffer, Codec
 from kvstore.config import TierSpec
 from kvstore.eviction import make_policy
 from kvstore.read_buffers import ReadBufferPool
+from kvstore.tenant_keys import key_tenant, tenant_prefix
 
 _TMP_PREFIX = ".tmp-"
-STATE_FILE = ".kvtier-dir"
-"""The directory's shared accounting; holding its flock freezes every change to the directory."""
-_STATE = struct.Struct("<8sqq")  # magic, bytes used (files + reserved temp files), budget (-1: none)
-_STATE_MAGIC = b"KVTDIR01"
-STATE_BYTES = _STATE.size
-"""The state file's size: counted in the directory's budget like every file in it."""
-
-
-@dataclass
-class _DirState:
-    used: int
-    budget: int | None
+__all__ = ["STATE_BYTES", "STATE_FILE", "DiskBackend"]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -74,65 +61,14 @@ def _temp_reservation(name: str) -> tuple[int, int] | None:
     return int(parts[0]), int(parts[1])
 
 
-class _SharedDir:
-    """The state file of a directory: (bytes used, budget), read and written under its flock.
-    Not thread-safe: the tier calls it under its own lock (flock is per open file, not thread)."""
-
-    def __init__(self, root: Path) -> None:
-        self.path = root / STATE_FILE
-        self.file: io.FileIO | None = None
-        self.why_read_only = ""
-        self._open()
-
-    def _open(self) -> None:
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:  # read-only mount, another user's directory
-            self.why_read_only = f"{type(exc).__name__}: {exc}"
-            return
-        self.file = io.FileIO(fd, "r+")  # closed with the tier, or when collected
-        self._pid = os.getpid()
-
-    @property
-    def writable(self) -> bool:
-        return self.file is not None
-
-    @contextmanager
-    def locked(self, blocking: bool = True) -> Iterator[_DirState]:
-        """Yields the state under the exclusive lock and writes it back when the block ends.
-        `blocking=False`: raises BlockingIOError at once if another process holds the lock."""
-        assert self.file is not None
-        if self._pid != os.getpid():  # a forked child shares the parent's open file, hence its lock
-            self.file.close()
-            self._open()
-        fd = self.file.fileno()
-        fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        try:
-            raw = os.pread(fd, _STATE.size, 0)
-            if len(raw) == _STATE.size and raw[:8] == _STATE_MAGIC:
-                _, used, budget = _STATE.unpack(raw)
-                state = _DirState(used, None if budget < 0 else budget)
-            else:
-                state = _DirState(-1, None)  # fresh or foreign: the caller recounts
-                os.ftruncate(fd, _STATE.size)
-            yield state
-            os.pwrite(fd, _STATE.pack(_STATE_MAGIC, state.used, -1 if state.budget is None else state.budget), 0)
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-
-
 class DiskBackend(BytesBackend):
     """Chunks as files in `root`, within a hard byte budget shared by every process using it."""
 
     name = "disk"
 
     def __init__(self, root: str | os.PathLike[str], byte_budget: int | None = None,
-                 codec: Codec | str = "raw", eviction: str = "lru", fsync: bool = False) -> None:
+                 codec: Codec | str = "raw", eviction: str = "lru", fsync: bool = False,
+                 tenant_quota: int | None = None) -> None:
         super().__init__(codec)
         if byte_budget is not None and byte_budget < 0:
             raise ValueError(f"byte budget must be >= 0, got {byte_budget}")
@@ -144,7 +80,7 @@ class DiskBackend(BytesBackend):
         self._dir_lock = threading.Lock()
         self._last_usage: tuple[int, int | None] = (0, byte_budget)  # (used, budget) last read
         # this process's view: the files it knows, in eviction order (the budget lives in _dir)
-        self._index = ByteBudget(None, make_policy(eviction))
+        self._index = ByteBudget(None, make_policy(eviction), tenant_quota)
         self._evictions = 0
         self._read_buffers = ReadBufferPool()
         try:
@@ -152,7 +88,7 @@ class DiskBackend(BytesBackend):
         except OSError as exc:
             raise BackendError(f"disk tier cannot create {self.root}: {exc}") from exc
         self._own_budget = byte_budget
-        self._dir = _SharedDir(self.root)
+        self._dir = SharedDir(self.root)
         self.read_only = not self._dir.writable
         with self._lock:
             if self.read_only:
@@ -167,7 +103,7 @@ class DiskBackend(BytesBackend):
     def from_spec(cls, spec: TierSpec) -> DiskBackend:
         path = unquote(urlsplit(spec.url).path)
         return cls(path, byte_budget=spec.budget, codec=spec.codec, eviction=spec.eviction,
-                   fsync=bool(spec.options.get("fsync", False)))
+                   fsync=bool(spec.options.get("fsync", False)), tenant_quota=spec.tenant_quota)
 
     def set_pin_check(self, is_pinned: Callable[[str], bool]) -> None:
         self._index.is_pinned = is_pinned
@@ -212,7 +148,7 @@ class DiskBackend(BytesBackend):
         return used
 
     @contextmanager
-    def _locked(self, blocking: bool = True) -> Iterator[_DirState]:
+    def _locked(self, blocking: bool = True) -> Iterator[DirState]:
         """Yields the directory's state under its locks, then this tier's lock; a state file found
         empty or foreign is rebuilt from a recount. `blocking=False`: BlockingIOError if held."""
         if not self._dir_lock.acquire(blocking):
@@ -227,10 +163,10 @@ class DiskBackend(BytesBackend):
         finally:
             self._dir_lock.release()
 
-    def _recount(self, state: _DirState) -> None:
+    def _recount(self, state: DirState) -> None:
         state.used = self._scan() + STATE_BYTES
 
-    def _make_room(self, state: _DirState, nbytes: int) -> bool:
+    def _make_room(self, state: DirState, nbytes: int) -> bool:
         """Evicts files (least recently used first, never pinned ones) until `nbytes` more fit
         in the directory's budget; recounts once if this process's index is not enough.
         Returns whether they fit."""
@@ -253,6 +189,38 @@ class DiskBackend(BytesBackend):
             if attempt == 0:
                 self._recount(state)  # other processes' files, dead writers' reservations
         return False
+
+    def _make_tenant_room(self, state: DirState, key: str, nbytes: int) -> bool:
+        """Evicts `key`'s tenant's own files (its least recently used first) until `nbytes` more
+        fit in its tenant_quota, counting every process's files of that tenant (one listing of
+        them under the directory's lock); True at once for an unsalted key or no quota."""
+        tag = key_tenant(key)
+        if self._index.tenants.quota is None or tag is None:
+            return True
+        self._index_prefix(tenant_prefix(tag))
+        victims = self._index.plan(key, nbytes)
+        if victims is None:
+            return False
+        for victim in victims:
+            state.used -= self._unlink(victim)
+            self._evictions += 1
+            self._evicted([victim])
+        return True
+
+    def _index_prefix(self, prefix: str) -> None:
+        """Brings this process's index of the files whose key starts with `prefix` up to date
+        (other processes' writes and removals)."""
+        present = {}
+        for key in keys_with_prefix(self.root, prefix):
+            try:
+                present[key] = os.stat(self._path(key)).st_size
+            except FileNotFoundError:
+                continue
+        for key in [k for k in self._index.sizes if k.startswith(prefix) and k not in present]:
+            self._index.remove(key)
+        for key, size in present.items():
+            if self._index.sizes.get(key) != size:
+                self._index.add(key, size)
 
     def _unlink(self, key: str) -> int:
         """Removes `key`'s file and index entry; returns the bytes freed (0 if already gone)."""
@@ -329,7 +297,7 @@ class DiskBackend(BytesBackend):
         tmp = self.root / f"{_TMP_PREFIX}{os.getpid()}-{nbytes}-{uuid.uuid4().hex}"
         try:
             with self._locked() as state:
-                if not self._make_room(state, nbytes):
+                if not (self._make_tenant_room(state, key, nbytes) and self._make_room(state, nbytes)):
                     with self._stats_lock:
                         self._rejected += 1
                     return False

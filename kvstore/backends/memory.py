@@ -39,11 +39,12 @@ class MemoryBackend(StorageBackend):
     name = "memory"
 
     def __init__(self, device: torch.device | str = "cpu", byte_budget: int | None = None,
-                 codec: Codec | str = "raw", eviction: str = "lru", pin_memory: bool = False) -> None:
+                 codec: Codec | str = "raw", eviction: str = "lru", pin_memory: bool = False,
+                 tenant_quota: int | None = None) -> None:
         self.device = torch.device(device)
         self.codec = get_codec(codec) if isinstance(codec, str) else codec
         self.pin_memory = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
-        self._budget = ByteBudget(byte_budget, make_policy(eviction))
+        self._budget = ByteBudget(byte_budget, make_policy(eviction), tenant_quota)
         self._store: dict[str, torch.Tensor | Buffer] = {}
         self._lock = threading.Lock()
         self._stats = BackendStats(byte_budget=byte_budget)
@@ -178,7 +179,8 @@ class DeviceBackend(MemoryBackend):
     @classmethod
     def from_spec(cls, spec: TierSpec) -> DeviceBackend:
         device = spec.options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-        return cls(device=device, byte_budget=spec.budget, codec=spec.codec, eviction=spec.eviction)
+        return cls(device=device, byte_budget=spec.budget, codec=spec.codec, eviction=spec.eviction,
+                   tenant_quota=spec.tenant_quota)
 
 
 class CPUBackend(MemoryBackend):
@@ -189,4 +191,5 @@ class CPUBackend(MemoryBackend):
     @classmethod
     def from_spec(cls, spec: TierSpec) -> CPUBackend:
         pin = bool(spec.options.get("pin_memory", True))
-        return cls(device="cpu", byte_budget=spec.budget, codec=spec.codec, eviction=spec.eviction, pin_memory=pin)
+        return cls(device="cpu", byte_budget=spec.budget, codec=spec.codec, eviction=spec.eviction, pin_memory=pin,
+                   tenant_quota=spec.tenant_quota)

@@ -92,7 +92,8 @@ class RedisBackend(BytesBackend):
     name = "redis"
 
     def __init__(self, url: str, byte_budget: int | None = None, codec: Codec | str = "raw",
-                 eviction: str = "lru", ttl_s: float | None = None, **client_options: Any) -> None:
+                 eviction: str = "lru", ttl_s: float | None = None, tenant_quota: int | None = None,
+                 **client_options: Any) -> None:
         super().__init__(codec)
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
@@ -112,7 +113,7 @@ class RedisBackend(BytesBackend):
         self.url = url
         self._lock = threading.Lock()
         self._stripes = [threading.Lock() for _ in range(64)]
-        self._budget = ByteBudget(byte_budget, make_policy(eviction))
+        self._budget = ByteBudget(byte_budget, make_policy(eviction), tenant_quota)
         self._evictions = 0
 
     def _connect(self, url: str, kw: dict[str, Any]) -> redis.Redis | redis.cluster.RedisCluster:
@@ -125,7 +126,8 @@ class RedisBackend(BytesBackend):
     def from_spec(cls, spec: TierSpec) -> RedisBackend:
         opts = dict(spec.options)
         ttl = opts.pop("ttl_s", None)
-        return cls(spec.url, byte_budget=spec.budget, codec=spec.codec, eviction=spec.eviction, ttl_s=ttl, **opts)
+        return cls(spec.url, byte_budget=spec.budget, codec=spec.codec, eviction=spec.eviction, ttl_s=ttl,
+                   tenant_quota=spec.tenant_quota, **opts)
 
     def set_pin_check(self, is_pinned: Callable[[str], bool]) -> None:
         self._budget.is_pinned = is_pinned
