@@ -18,9 +18,13 @@ whose K/V deviate most from full prefill itself (summed over every layer), which
 can know, instead of by the check layer's deviation, then recompute as usual: whether a better
 selection by deviation would help.
 
-    .venv/bin/python benchmarks/bench_blend_fidelity.py [--num-questions 10] [--quick]
+    .venv/bin/python benchmarks/bench_blend_fidelity.py [--num-questions 10] [--quick] [--family qwen3]
 
-Writes benchmarks/results/blend_fidelity.json and .md and prints the table.
+Writes benchmarks/results/blend_fidelity.json and .md and prints the table. `--family NAME`
+runs a random-weight checkpoint of that family instead (tests/fixtures/families.py's shapes,
+with the bundled tokenizer's vocabulary; written to blend_fidelity_<NAME>.*): its figures
+show that blending works on the family's layers (KL 0 at ratio 1, the selection's effect),
+not a trained model's quality.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,11 +47,15 @@ sys.path.insert(0, str(REPO / "examples" / "blend_kv"))
 from eval_blend import token_f1  # noqa: E402
 from qa_dataset import chat_segments, make_documents, make_questions  # noqa: E402
 
-from connector.blend.executor import blend_recompute, compute_segment_kv, rerotate_kv  # noqa: E402
+from connector.blend.executor import blend_recompute, compute_segment_kv, layer_inv_freqs, rerotate_kv  # noqa: E402
 from connector.kvtier_connector import build_connector  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.attention_metadata import AttentionMetadata  # noqa: E402
+from engine.default_model import ensure_default_model  # noqa: E402
 from engine.kv_cache import layout_for  # noqa: E402
+from engine.model_loader import load_tokenizer  # noqa: E402
+from tests.fixtures.families import FAMILIES  # noqa: E402
+from tests.fixtures.model import FAMILY_TINY, make_tiny_checkpoint  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 BLOCK = 16
@@ -141,20 +150,35 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--family", choices=sorted(FAMILIES), default=None,
+                    help="a random-weight checkpoint of this family instead of the bundled model")
     args = ap.parse_args()
     if args.quick:
         args.num_questions, args.docs_per_question, args.doc_tokens, args.pool = 3, 3, 128, 6
-    out_name = args.out or ("blend_fidelity_quick" if args.quick else "blend_fidelity")
+    out_name = args.out or ("blend_fidelity" + (f"_{args.family}" if args.family else "")
+                            + ("_quick" if args.quick else ""))
     t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvtier-blend-family-") as tmp:
+        model_path = None
+        if args.family:
+            tok_dir = ensure_default_model()
+            sizes = {**FAMILY_TINY, **FAMILIES[args.family], "vocab_size": len(load_tokenizer(tok_dir)),
+                     "max_position_embeddings": 16384}
+            model_path = make_tiny_checkpoint(Path(tmp), tokenizer_dir=tok_dir, **sizes)
+        run_bench(args, out_name, t_start, model_path)
+
+
+def run_bench(args: argparse.Namespace, out_name: str, t_start: float, model_path: Path | None) -> None:
 
     # The connector stores in-context document K/V as in eval_blend's warm-up (at ratio 0).
     conn = build_connector({"tiers": ["cpu"],
                             "blend": {"enabled": True, "ratio": 0.0, "check_layer": args.check_layer}})
-    llm = LLM(kv_connector=conn, device=args.device, max_num_batched_tokens=8192)
+    llm = LLM(None if model_path is None else str(model_path), kv_connector=conn, device=args.device,
+              max_num_batched_tokens=8192)
     tok = llm.get_tokenizer()
     model = llm.engine.runner.model
     num_layers = model.config.num_layers
-    inv_freq = model.model.rotary.inv_freq
+    inv_freq = layer_inv_freqs(model)
     docs = make_documents(args.pool, args.doc_tokens, lambda s: len(tok.encode(s)), seed=args.seed)
     questions = make_questions(docs, args.num_questions, args.docs_per_question, seed=args.seed)
     warm = make_questions(docs, args.pool, args.docs_per_question, seed=args.seed + 1)
@@ -163,7 +187,8 @@ def main() -> None:
     for q in warm:  # one at a time, as eval_blend: a later question finds the earlier's documents
         llm.generate([chat_segments(tok, docs, q)], params)
 
-    rows: dict[str, dict[str, list[float]]] = {name: {} for name in MODES}
+    modes = {name: m for name, m in MODES.items() if all(layer < num_layers for layer, _ in m.narrowing)}
+    rows: dict[str, dict[str, list[float]]] = {name: {} for name in modes}
     standalone: dict[tuple[int, ...], torch.Tensor] = {}
     for qi, q in enumerate(questions):
         seq = llm.engine.make_sequence(chat_segments(tok, docs, q), params)
@@ -181,7 +206,7 @@ def main() -> None:
         ref_logp = ref_logits.log_softmax(-1)
         print(f"q{qi}: {ref_text!r}", flush=True)
 
-        for name, mode in MODES.items():
+        for name, mode in modes.items():
             run = Runner(model, room)
             run.forward(ids[:head], 0)  # the exact head (the engine's prefix-cache hit)
             pieces = []
@@ -227,7 +252,7 @@ def main() -> None:
             r.setdefault("same_answer", []).append(float(mine == answer))
 
     results = []
-    for name, mode in MODES.items():
+    for name, mode in modes.items():
         r = rows[name]
         results.append({
             "mode": name, "segment_kv": mode.segment_kv, "ratio": mode.ratio,
