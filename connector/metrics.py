@@ -30,6 +30,7 @@ class RequestKVMetrics:
     stored_tokens: int = 0  # tokens of chunks put into the tiers (counted once the put ran)
     bytes_stored: int = 0
     dropped_store_bytes: int = 0  # over the pending-store budget: not stored, not waited for
+    tenant: str | None = None  # the tag of the request's cache_salt (kvstore/tenant_keys.py); None: unsalted
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,8 +70,16 @@ class TierKVMetrics:
         return asdict(self)
 
 
+UNSALTED_LABEL = "none"
+OTHER_TENANTS_LABEL = "other"
+TENANT_FIGURES = ("connector_hit_tokens", "bytes_loaded", "load_seconds", "stored_tokens", "bytes_stored")
+"""The running totals kept per tenant label (hits, loads and stores)."""
+
+
 class ConnectorMetrics:
-    """Per-request records (live ones plus the last `keep` finished) and running totals.
+    """Per-request records (live ones plus the last `keep` finished) and running totals, also
+    per tenant label: a configured tenant's name (`tenant_names`, tag -> name), "other" for
+    any other salt, "none" for unsalted requests, so the labels stay a bounded set.
 
     Thread-safe: the store thread adds stored bytes while the engine thread reads.
     """
@@ -81,6 +90,26 @@ class ConnectorMetrics:
         self._done: OrderedDict[str, RequestKVMetrics] = OrderedDict()
         self._lock = threading.Lock()
         self.totals = RequestKVMetrics(request_id="*")
+        self.tenant_names: dict[str, str] = {}
+        self._by_tenant: dict[str, dict[str, float]] = {}
+
+    def tenant_label(self, tag: str | None) -> str:
+        """Returns the label of tenant `tag`: its configured name, "other", or "none" (unsalted)."""
+        if tag is None:
+            return UNSALTED_LABEL
+        return self.tenant_names.get(tag, OTHER_TENANTS_LABEL)
+
+    def set_tenant(self, request_id: str, tag: str | None) -> None:
+        """Records the tenant tag of a request in flight (its later figures count for it)."""
+        self.live(request_id).tenant = tag
+
+    def tenant_totals(self) -> dict[str, dict[str, float]]:
+        """Returns label -> TENANT_FIGURES totals; every configured name, "other" and "none"
+        are present (zeros until they move)."""
+        with self._lock:
+            labels = [*self.tenant_names.values(), OTHER_TENANTS_LABEL, UNSALTED_LABEL]
+            zero = dict.fromkeys(TENANT_FIGURES, 0.0)
+            return {label: {**zero, **self._by_tenant.get(label, {})} for label in labels}
 
     def live(self, request_id: str) -> RequestKVMetrics:
         """Returns the record of a request in flight, creating it on first use."""
@@ -99,9 +128,12 @@ class ConnectorMetrics:
                 m = self._done[request_id] = RequestKVMetrics(request_id)
                 while len(self._done) > self.keep:
                     self._done.popitem(last=False)
+            per_tenant = self._by_tenant.setdefault(self.tenant_label(m.tenant), {})
             for name, value in deltas.items():
                 setattr(m, name, getattr(m, name) + value)
                 setattr(self.totals, name, getattr(self.totals, name) + value)
+                if name in TENANT_FIGURES:
+                    per_tenant[name] = per_tenant.get(name, 0) + value
             for tier, n in (loaded_by_tier or {}).items():
                 for rec in (m, self.totals):
                     rec.loaded_tokens_by_tier[tier] = rec.loaded_tokens_by_tier.get(tier, 0) + n

@@ -35,6 +35,7 @@ from connector.metadata import KVTierMeta, LoadSpec, SaveSpec
 from connector.metrics import ConnectorMetrics, RequestKVMetrics
 from connector.presence import ChunkPresence
 from connector.save_plan import SavePlan, SavePolicy
+from engine.cache_salt import tenant_tag
 from engine.kv_connector import KVConnectorOutput, KVConnectorScheduler
 
 if TYPE_CHECKING:
@@ -110,6 +111,8 @@ class KVTierPlanner(KVConnectorScheduler):
         """Returns (how many tokens after `num_computed_tokens` are held, whether they load in
         the background: True, or layerwise in the request's first step: False); (0, False)
         on a miss. Never reaches the last token."""
+        if seq.cache_salt is not None and self.metrics.live(seq.request_id).tenant is None:
+            self.metrics.set_tenant(seq.request_id, tenant_tag(seq.cache_salt))  # its figures' label
         if self.blend is not None and self.blend.applies(seq):
             return self.blend.get_num_new_matched_tokens(seq, num_computed_tokens)
         rid = seq.request_id

@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None, metavar="KEY",
                    help="require Authorization: Bearer KEY on /v1/* and /kv/* (default: $KVTIER_API_KEY, else none)")
     g.add_argument("--tenants", default=None, metavar="FILE",
-                   help="JSON/YAML file of tenant API key -> cache_salt: a tenant's requests run under its salt "
+                   help="JSON/YAML file of tenant API key -> cache_salt (or -> {cache_salt, name}: the name labels "
+                        "its figures in /metrics): a tenant's requests run under its salt "
                         "(another salt is refused, 403); needs --api-key, the operator's key (default: none, "
                         "clients choose cache_salt as in vLLM)")
     g.add_argument("--max-queue", type=int, default=256, metavar="N",
@@ -74,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                           else DEFAULT_MODEL_NAME)
         metrics = ServerMetrics(name, llm.engine.kv_connector)
+        if tenants is not None:
+            metrics.label_tenants(tenants.names)
         metrics.watch_engine(llm.engine)
         loop = EngineLoop(llm.engine, args.max_queue, on_step=metrics.on_step, on_forget=metrics.forget)
         _check_kv_role(args.kv_role, llm.engine.kv_connector)

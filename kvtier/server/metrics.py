@@ -10,7 +10,7 @@ from the connector's thread-safe counters (`ConnectorCollector`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from connector.kvtier_connector import KVTierConnector
+from engine.cache_salt import tenant_tag
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 
@@ -64,8 +65,16 @@ class ServerMetrics:
         # request -> sample index -> (tokens, last token time); samples already counted finished
         self._tokens_seen: dict[str, dict[int, tuple[int, float]]] = {}
         self._finished_samples: dict[str, set[int]] = {}
+        self._connector = connector
         if isinstance(connector, KVTierConnector):
             r.register(ConnectorCollector(connector))
+
+    def label_tenants(self, names: Mapping[str, str]) -> None:
+        """Labels the per-tenant figures of each salt in `names` (cache salt -> tenant name) with
+        its name; other salts are "other" (the salt itself is never a label: it is a secret)."""
+        connector = self._connector
+        if isinstance(connector, KVTierConnector):
+            connector.metrics.tenant_names = {tenant_tag(salt): name for salt, name in names.items()}
 
     def watch_engine(self, engine: LLMEngine) -> None:
         """Adds the engine's block and ref counts, read at each scrape."""
@@ -171,6 +180,7 @@ class ConnectorCollector(Collector):
         yield from families.values()
         yield healthy
         yield breaker
+        yield from self._tenant_families()
         dropped = CounterMetricFamily(
             "kvtier:kv_dropped_store_bytes", "Chunk bytes not stored: the pending-store budget was full."
         )
@@ -191,6 +201,23 @@ class ConnectorCollector(Collector):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
             yield g
+
+
+    def _tenant_families(self) -> Iterator[Any]:
+        """Hit, load and store figures per tenant label (bounded: configured names, "other",
+        "none" for unsalted requests; connector/metrics.py)."""
+        totals = self.connector.metrics.tenant_totals()
+        for attr, name, doc in (
+            ("connector_hit_tokens", "kv_tenant_hit_tokens", "Prompt tokens loaded by the KV connector, per tenant."),
+            ("bytes_loaded", "kv_tenant_loaded_bytes", "Bytes loaded from the tiers, per tenant."),
+            ("load_seconds", "kv_tenant_load_seconds", "Seconds spent loading from the tiers, per tenant."),
+            ("stored_tokens", "kv_tenant_stored_tokens", "Tokens of chunks stored into the tiers, per tenant."),
+            ("bytes_stored", "kv_tenant_stored_bytes", "Bytes of chunks stored into the tiers, per tenant."),
+        ):
+            fam = CounterMetricFamily(f"kvtier:{name}", doc, labels=["tenant"])
+            for label, figures in totals.items():
+                fam.add_metric([label], float(figures[attr]))
+            yield fam
 
 
 class EngineCollector(Collector):

@@ -7,17 +7,21 @@ the body's `cache_salt` may repeat it and naming another is refused (403), so no
 choose another tenant's salt. Admin calls (`/kv/forget_tenant`, `/kv/reset_prefix_cache`)
 take the operator's key only.
 
-The file is JSON or YAML, one API key -> cache salt per entry:
+The file is JSON or YAML, one API key -> cache salt per entry, or -> {cache_salt, name}: a
+named tenant's hit, load and store figures in /metrics carry `tenant="<name>"`, other salts'
+`tenant="other"` and unsalted requests' `tenant="none"` (a bounded label set; the salt, a
+secret, is never a label):
 
-    {"sk-alice-...": "tenant-alice", "sk-bob-...": "tenant-bob"}
+    {"sk-alice-...": {"cache_salt": "tenant-alice", "name": "alice"}, "sk-bob-...": "tenant-bob"}
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Depends, Request
@@ -34,6 +38,7 @@ class TenantKeys:
 
     api_key: str
     salts: dict[str, str]  # tenant API key -> its cache salt
+    names: dict[str, str] = field(default_factory=dict)  # cache salt -> tenant name (its metrics label)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], api_key: str | None) -> TenantKeys:
@@ -46,16 +51,23 @@ class TenantKeys:
         if not isinstance(raw, dict) or not raw:
             raise ValueError(f"--tenants {name}: expected a non-empty mapping of API key -> cache salt")
         salts: dict[str, str] = {}
-        for i, (key, salt) in enumerate(raw.items()):
+        names: dict[str, str] = {}
+        for i, (key, value) in enumerate(raw.items()):
+            where = f"--tenants {name}: entry {i}"
             if not isinstance(key, str) or not key.strip():
-                raise ValueError(f"--tenants {name}: entry {i}: the API key must be a non-empty string")
+                raise ValueError(f"{where}: the API key must be a non-empty string")
             if key == api_key:
-                raise ValueError(f"--tenants {name}: entry {i}: a tenant key equals --api-key")
+                raise ValueError(f"{where}: a tenant key equals --api-key")
+            salt, label = _entry(value, where)
             try:
                 salts[key] = str(validate_cache_salt(salt if salt is not None else ""))
             except ValueError as exc:
-                raise ValueError(f"--tenants {name}: entry {i}: {exc}") from None
-        return cls(api_key, salts)
+                raise ValueError(f"{where}: {exc}") from None
+            if label is not None:
+                if names.get(salts[key], label) != label:
+                    raise ValueError(f"{where}: its cache_salt already has the name {names[salts[key]]!r}")
+                names[salts[key]] = label
+        return cls(api_key, salts, names)
 
     def match(self, authorization: str) -> tuple[bool, str | None]:
         """Returns (whether the header carries a known key, the salt it forces: None for the
@@ -66,6 +78,26 @@ class TenantKeys:
             if secrets.compare_digest(digest, hashlib.sha256(f"Bearer {key}".encode()).digest()):
                 found = (True, salt)
         return found
+
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+RESERVED_NAMES = ("other", "none")
+"""Labels of unnamed salts and unsalted requests in /metrics: no tenant may take them."""
+
+
+def _entry(value: Any, where: str) -> tuple[Any, str | None]:
+    """Returns (the salt, the tenant name or None) of one file entry: a salt, or a mapping with
+    `cache_salt` and `name` (1-64 of A-Z a-z 0-9 _ . -, not "other" or "none")."""
+    if not isinstance(value, dict):
+        return value, None
+    unknown = set(value) - {"cache_salt", "name"}
+    if unknown or "cache_salt" not in value:
+        raise ValueError(f"{where}: a mapping needs cache_salt (and optionally name), got keys {sorted(value)}")
+    label = value.get("name")
+    if label is not None and (not isinstance(label, str) or not _NAME.fullmatch(label) or label in RESERVED_NAMES):
+        raise ValueError(f"{where}: name must be 1-64 of A-Z a-z 0-9 _ . - and not {' or '.join(RESERVED_NAMES)}, "
+                         f"got {label!r}")
+    return value["cache_salt"], label
 
 
 def _unauthorized() -> APIError:

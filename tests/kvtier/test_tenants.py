@@ -46,7 +46,9 @@ def servers(default_model_path: Path, stores, tmp_path_factory) -> Iterator[list
     """Two servers over the same Redis and cache server, with the same tenants file."""
     redis, cache = stores
     tenants = tmp_path_factory.mktemp("tenants") / "tenants.json"
-    tenants.write_text(json.dumps({KEYS[t]: SALTS[t] for t in KEYS}))
+    # alice is named (her figures in /metrics carry tenant="alice"); bob's salt is unnamed ("other")
+    tenants.write_text(json.dumps({KEYS["alice"]: {"cache_salt": SALTS["alice"], "name": "alice"},
+                                   KEYS["bob"]: SALTS["bob"]}))
     args = ["--model", str(default_model_path), *ENGINE_ARGS, "--kv-tier", redis.url, "--kv-tier", cache.url,
             "--api-key", ADMIN, "--tenants", str(tenants)]
     procs = [ServeProcess(*args, wait=False) for _ in range(2)]
@@ -111,6 +113,39 @@ def test_two_tenants_one_document_across_processes(servers, stores) -> None:
     assert complete(b, alice, DOC) == (text, n - 1)
     assert complete(a, alice, DOC) == (text, n - 1)  # its own prefix cache, then the tiers
     assert complete(a, ADMIN, DOC) == (text, 0)  # unsalted shares only with unsalted
+
+
+def tenant_figures(server: ServeProcess) -> tuple[dict[tuple[str, str], float], str]:
+    """Returns ((metric, tenant label) -> value of the per-tenant figures, the whole exposition)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith("kvtier:kv_tenant_"):
+                out[(s.name.removesuffix("_total"), s.labels["tenant"])] = s.value
+    return out, text
+
+
+def test_metrics_label_hits_loads_and_stores_by_tenant(servers) -> None:
+    """Runs after the two-tenant test: on b, alice (named) loaded the document from the shared
+    tiers and bob (unnamed: "other") stored it; on a, the operator's unsalted request ("none")."""
+    a, b = servers
+    n = lookup(b, ADMIN, DOC).json()["num_tokens"]
+    on_b, text_b = tenant_figures(b)
+    assert {label for _, label in on_b} == {"alice", "other", "none"}  # bounded: names, other, none
+    assert on_b[("kvtier:kv_tenant_hit_tokens", "alice")] == n - 1
+    assert on_b[("kvtier:kv_tenant_loaded_bytes", "alice")] > 0
+    assert on_b[("kvtier:kv_tenant_hit_tokens", "other")] == 0 and on_b[("kvtier:kv_tenant_stored_bytes", "other")] > 0
+    deadline = time.monotonic() + 60  # stores count once they ran, behind the request
+    while (on_a := tenant_figures(a)[0])[("kvtier:kv_tenant_stored_tokens", "none")] < 7 * 256:
+        assert time.monotonic() < deadline, on_a
+        time.sleep(0.2)
+    on_a, text_a = tenant_figures(a)
+    assert on_a[("kvtier:kv_tenant_stored_tokens", "alice")] >= 7 * 256  # the document's full chunks
+    assert on_a[("kvtier:kv_tenant_hit_tokens", "none")] == 0
+    assert not any(salt in text for salt in SALTS.values() for text in (text_a, text_b))  # salts are secrets
 
 
 def test_forgetting_a_tenant_leaves_no_key_and_others_hits_unchanged(servers, stores) -> None:
@@ -239,7 +274,14 @@ def test_router_lookup_carries_the_salt_and_tenant_files_are_checked(tmp_path) -
     keys = TenantKeys.load(f, "sk-admin")
     assert keys.match("Bearer sk-b") == (True, "tenant-b") and keys.match("Bearer sk-admin") == (True, None)
     assert keys.match("Bearer sk-c") == (False, None)
+    f.write_text("sk-a: {cache_salt: tenant-a, name: team-a}\nsk-b: tenant-b\n")
+    assert TenantKeys.load(f, "sk-admin").names == {"tenant-a": "team-a"}
     for text, problem in [("sk-a: ''\n", "entry 0: cache_salt"), ("sk-a: a/b\n", "entry 0: cache_salt"),
+                          ("sk-a: {cache_salt: t, name: other}\n", "entry 0: name"),
+                          ("sk-a: {cache_salt: t, name: 'a b'}\n", "entry 0: name"),
+                          ("sk-a: {salt: t}\n", "entry 0: a mapping needs cache_salt"),
+                          ("sk-a: {cache_salt: t, name: x}\nsk-b: {cache_salt: t, name: y}\n",
+                           "entry 1: its cache_salt"),
                           ("- sk-a\n", "mapping"), ("sk-admin: t\n", "equals --api-key")]:
         f.write_text(text)
         with pytest.raises(ValueError, match=problem):
