@@ -192,13 +192,20 @@ class DiskBackend(BytesBackend):
 
     def _make_tenant_room(self, state: DirState, key: str, nbytes: int) -> bool:
         """Evicts `key`'s tenant's own files (its least recently used first) until `nbytes` more
-        fit in its tenant_quota, counting every process's files of that tenant (one listing of
-        them under the directory's lock); True at once for an unsalted key or no quota."""
+        fit in its tenant_quota, counting every process's files of that tenant and live writers'
+        reservations for it (listed under the directory's lock); True at once for an unsalted
+        key or no quota."""
         tag = key_tenant(key)
         if self._index.tenants.quota is None or tag is None:
             return True
         self._index_prefix(tenant_prefix(tag))
-        victims = self._index.plan(key, nbytes)
+        reserved = 0
+        with os.scandir(self.root) as it:
+            for entry in it:
+                res = _temp_reservation(entry.name) if entry.name.endswith(f".{tag}") else None
+                if entry.name.startswith(_TMP_PREFIX) and res is not None and _pid_alive(res[0]):
+                    reserved += res[1]
+        victims = self._index.plan(key, nbytes + reserved)
         if victims is None:
             return False
         for victim in victims:
@@ -294,7 +301,8 @@ class DiskBackend(BytesBackend):
         self._writable()
         path = self._path(key)
         nbytes = len(value)
-        tmp = self.root / f"{_TMP_PREFIX}{os.getpid()}-{nbytes}-{uuid.uuid4().hex}"
+        tag = key_tenant(key)  # a salted write's reservation names its tenant (its quota counts it)
+        tmp = self.root / f"{_TMP_PREFIX}{os.getpid()}-{nbytes}-{uuid.uuid4().hex}{'.' + tag if tag else ''}"
         try:
             with self._locked() as state:
                 if not (self._make_tenant_room(state, key, nbytes) and self._make_room(state, nbytes)):

@@ -8,6 +8,7 @@ exactly its own LRU (so another tenant's entries are never evicted)."""
 
 from __future__ import annotations
 
+import os
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -139,6 +140,19 @@ def test_disk_quota_counts_every_processes_files(tmp_path: Path) -> None:
         files = keys_with_prefix(tmp_path, tenant_prefix(tag))
         assert sum(key_path(tmp_path, k).stat().st_size for k in files) <= QUOTA
     assert len(files) >= 5
+
+
+def test_disk_quota_counts_live_writers_reservations(tmp_path: Path) -> None:
+    """Another writer's temp file for the tenant (reserved under the directory's lock, not yet
+    renamed) counts in the tenant's quota: a put that would exceed it with that is refused."""
+    tier = DiskBackend(tmp_path, tenant_quota=QUOTA)
+    tag = TAGS[0]
+    chunk = _chunk(16, 1.0)
+    assert tier.put(_key(tag, 0), chunk)
+    one = key_path(tmp_path, _key(tag, 0)).stat().st_size
+    (tmp_path / f".tmp-{os.getpid()}-{QUOTA - one // 2}-feed.{tag}").write_bytes(b"")  # a live writer's
+    assert not tier.put(_key(tag, 1), chunk)
+    assert tier.put(_key(TAGS[1], 1), chunk)  # another tenant's reservation is not this one's
 
 
 def test_a_chunk_larger_than_the_quota_is_refused_and_evicts_nothing() -> None:
