@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ SHARED = ["--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--max-mod
 # Server-side histograms (the last three only vLLM has: its split of a request's time).
 HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
               "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds")
+CPU_TIER = {"tiers": ["cpu?budget=4GiB"]}  # the connector's tiers in this comparison
 
 
 def workloads(quick: bool) -> dict[str, list[str]]:
@@ -80,17 +82,20 @@ def vllm_env() -> dict[str, str]:
 
 class VllmServe:
     """`kvtier-vllm serve` (= `vllm serve`) from .venv-vllm with KVTierConnector over a `cpu`
-    tier, on a free loopback port; `stop()` drains it with SIGINT."""
+    tier (or `extra_config`; None: no connector), on a free loopback port; `args` are vLLM's
+    engine flags (default SHARED). `stop()` drains it with SIGINT. benchmarks/soak.py uses it too."""
 
-    def __init__(self, model: Path, log: Path) -> None:
+    def __init__(self, model: Path, log: Path, extra_config: dict[str, Any] | None = CPU_TIER,
+                 args: Sequence[str] = SHARED) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         kvt = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "connector.vllm", "kv_role": "kv_both",
-               "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"tiers": ["cpu?budget=4GiB"]}}
+               "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra_config}
+        connector = ["--kv-transfer-config", json.dumps(kvt)] if extra_config is not None else []
         cmd = [str(VLLM_VENV / "bin" / "kvtier-vllm"), "serve", str(model), "--served-model-name", NAME,
-               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager", *SHARED,
-               "--seed", "0", "--shutdown-timeout", "30", "--kv-transfer-config", json.dumps(kvt)]
+               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager", *args,
+               "--seed", "0", "--shutdown-timeout", "30", *connector]
         env = vllm_env()
         iomp = VLLM_VENV / "lib" / "libiomp5.so"
         if iomp.exists():  # vLLM's CPU docs' setup, as bench_vs_vllm gives it

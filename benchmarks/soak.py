@@ -16,7 +16,14 @@ once. Afterwards every answer is checked against a server with no connector (gre
 differing token the reference ranks within 0.01 nats of its best is reported as a near tie,
 float noise between batch shapes, not as a wrong answer).
 
-    .venv/bin/python benchmarks/soak.py [--minutes 30] [--name soak]
+    .venv/bin/python benchmarks/soak.py [--minutes 30] [--name soak] [--engine kvtier|vllm]
+
+`--engine vllm`: the same soak against `vllm serve` (vLLM's CPU build in .venv-vllm) with
+kvtier's connector over the same tiers (chunks of 256 tokens) and vLLM's own prefix cache
+off, so every reuse comes from the tiers; the reference is `vllm serve` without a connector
+(benchmarks/soak_engines.py says which figures vLLM's /metrics has no counterpart for).
+tests/kvtier/test_soak_short.py runs this same `Soak` with fewer clients, closed-loop load and
+one of each fault.
 
 Writes benchmarks/results/<name>.json, <name>.md and <name>.png (the figures over time).
 """
@@ -30,6 +37,7 @@ import random
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,20 +47,16 @@ import openai
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import soak_parts as P  # noqa: E402 (this script's directory is on sys.path)
-from soak_report import write_report  # noqa: E402
-
+from benchmarks import soak_parts as P  # noqa: E402
+from benchmarks.soak_engines import VLLM_CHUNK_SIZE, Server, figures, start_server, unavailable  # noqa: E402
+from benchmarks.soak_report import write_report  # noqa: E402
 from engine.default_model import ensure_default_model  # noqa: E402
 from tests.fixtures.redis_server import free_port, start_redis  # noqa: E402
-from tests.fixtures.serve import ServeProcess  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
-CLIENTS = 8
-ENGINE_ARGS = ["--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "512", "--max-num-seqs", "8"]
-DISK_BUDGET = 256 << 20
+CHUNK_SIZE = 128
 SAMPLE_S = 5.0
-KEPT = {"kvtier:prompt_tokens_total", "kvtier:prefix_cache_hits_total", "kvtier:num_requests_running",
-        "kvtier:num_requests_waiting"}  # of /metrics, besides kvtier:kv_* (histograms are left out)
+REPLAY_CONCURRENCY = 8  # requests at a time on the reference server
 RECOVERY_S = 15.0  # a fault window lasts until this long after the fault ended
 # (fraction of the run, fault) for a 30-minute run; shorter than 10 minutes: one of each
 FULL_PLAN = [(2.0, "redis_kill"), (3.5, "cache_freeze"), (5.0, "idle"), (6.5, "redis_kill"), (8.0, "corrupt"),
@@ -63,18 +67,49 @@ SHORT_PLAN = [(0.12, "redis_kill"), (0.27, "cache_freeze"), (0.42, "corrupt"), (
               (0.76, "disk_fill")]
 
 
-class Soak:
-    """One run: the processes, the load, the faults, and what was recorded."""
+@dataclass
+class SoakConfig:
+    """What a run is: its length, load, engine, tiers' sizes and fault plan."""
 
-    def __init__(self, args: argparse.Namespace, work: Path) -> None:
-        self.args, self.work = args, work
+    minutes: float = 30.0
+    clients: int = 8
+    engine: str = "kvtier"  # or "vllm"
+    calibrate: bool = True  # False: clients send back to back (no capacity measured; the test's setting)
+    disk_budget: int = 256 << 20
+    cache_server_bytes: str = "256MiB"
+    kvtier_blocks: int = 512  # kvtier serve's KV blocks of 16 tokens: small, so the tiers are used
+    documents: int = len(P.DOCUMENTS)  # the shared documents in use (fewer: more reuse in a short run)
+    max_tokens: int = P.MAX_TOKENS  # greedy tokens per answer
+    # (fraction of the soak, fault or "idle"); None: FULL_PLAN from 10 minutes on, else SHORT_PLAN
+    plan: list[tuple[float, str]] | None = None
+    seed: int = 0
+    tiers_desc: list[str] = field(default_factory=list)
+
+    def fault_plan(self) -> list[tuple[float, str]]:
+        if self.plan is not None:
+            return self.plan
+        return [(at / 30.0, k) for at, k in FULL_PLAN] if self.minutes >= 10 else SHORT_PLAN
+
+
+class Soak:
+    """One run: the processes, the load, the faults, and what was recorded. `close()` stops
+    every process it started."""
+
+    def __init__(self, cfg: SoakConfig, work: Path) -> None:
+        self.cfg, self.work = cfg, work
         self.model = str(ensure_default_model())
         self.redis = start_redis(["--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru"])
-        self.cache = P.CacheServer(free_port(), work / "cache-server.log", "--max-bytes", "256MiB")
+        self.cache = P.CacheServer(free_port(), work / "cache-server.log", "--max-bytes", cfg.cache_server_bytes)
         self.disk = work / "disk"
-        tiers = ["cpu?budget=32MiB", f"disk://{self.disk}?budget={DISK_BUDGET}", self.redis.url, self.cache.url]
-        self.server = ServeProcess("--model", self.model, *ENGINE_ARGS, "--chunk-size", "128",
-                                   *(a for t in tiers for a in ("--kv-tier", t)))
+        tiers = ["cpu?budget=32MiB", f"disk://{self.disk}?budget={cfg.disk_budget}", self.redis.url, self.cache.url]
+        cfg.tiers_desc = ["cpu 32MiB", f"disk {cfg.disk_budget >> 20}MiB", "redis (maxmemory 512mb)",
+                          f"cache-server {cfg.cache_server_bytes}"]
+        self.server: Server | None = None
+        try:
+            self.server = start_server(cfg.engine, self.model, tiers, CHUNK_SIZE, work, cfg.kvtier_blocks)
+        except BaseException:
+            self.close()
+            raise
         self.t0 = 0.0
         self.requests: list[dict[str, Any]] = []
         self.samples: list[dict[str, Any]] = []
@@ -110,7 +145,7 @@ class Soak:
             start = self.now()
             self.in_flight += 1
             try:
-                res = await P.stream_request(api, body)
+                res = await P.stream_request(api, body, self.cfg.max_tokens)
                 c.answered(kind, res["text"])
                 done += 1
                 if record:
@@ -131,30 +166,37 @@ class Soak:
 
     async def measure_capacity(self, seconds: float) -> float:
         """Returns requests/s of the mix with every client sending back to back for `seconds`."""
-        clients = [P.Client(i, random.Random(1000 + i)) for i in range(CLIENTS)]
+        clients = [P.Client(i, random.Random(1000 + i), self.cfg.documents) for i in range(self.cfg.clients)]
         async with self.api() as api:
             start = self.now()
             done = await asyncio.gather(*(self.client_loop(c, api, None, start + seconds, False) for c in clients))
         return sum(done) / (self.now() - start)
 
     def api(self) -> openai.AsyncOpenAI:
+        assert self.server is not None
         return openai.AsyncOpenAI(base_url=self.server.url + "/v1", api_key="unused", max_retries=0, timeout=600,
                                   http_client=None)
 
     # ---- watchers ----------------------------------------------------------------------
+    async def sample(self) -> None:
+        """Records one sample: both RSS figures and the server's /metrics (soak_engines.figures)."""
+        assert self.server is not None
+        row: dict[str, Any] = {"t": round(self.now(), 2), "rss_server": self.server.rss(),
+                               "rss_cache_server": P.rss_bytes(self.cache.proc.pid) if self.cache.proc else 0}
+        try:
+            m = await asyncio.to_thread(P.scrape, self.server.url)
+            row["metrics"] = figures(self.cfg.engine, m)
+        except Exception as exc:
+            self.event("metrics_failed", f"{type(exc).__name__}: {exc}")
+        self.samples.append(row)
+
     async def sample_loop(self, until: float) -> None:
         while self.now() < until:
-            row: dict[str, Any] = {"t": round(self.now(), 2), "rss_server": P.rss_bytes(self.server.proc.pid),
-                                   "rss_cache_server": P.rss_bytes(self.cache.proc.pid) if self.cache.proc else 0}
-            try:
-                m = await asyncio.to_thread(P.scrape, self.server.url)
-                row["metrics"] = {k: v for k, v in m.items() if k.startswith("kvtier:kv_") or k in KEPT}
-            except Exception as exc:
-                self.event("metrics_failed", f"{type(exc).__name__}: {exc}")
-            self.samples.append(row)
+            await self.sample()
             await asyncio.sleep(SAMPLE_S)
 
     async def health_loop(self, until: float) -> None:
+        assert self.server is not None
         async with httpx.AsyncClient(base_url=self.server.url, timeout=10) as client:
             while self.now() < until:
                 t = self.now()
@@ -187,12 +229,14 @@ class Soak:
         elif kind == "corrupt":
             detail = await asyncio.to_thread(P.corrupt_in_place, self.redis.client(), self.disk, random.Random(7))
         else:
-            detail = await asyncio.to_thread(P.fill_disk, self.disk, DISK_BUDGET)
+            detail = await asyncio.to_thread(P.fill_disk, self.disk, self.cfg.disk_budget)
         self.event("fault", detail, fault=kind, start=round(start, 2), end=round(self.now(), 2),
                    window=[round(start, 2), round(self.now() + RECOVERY_S, 2)])
 
     async def idle_point(self) -> None:
-        """Holds the load until nothing runs and the stores landed, then reads what must be 0."""
+        """Holds the load until nothing runs and the stores landed, then reads what must be 0
+        (the figures this engine exposes: soak_engines.unavailable names the others)."""
+        assert self.server is not None
         self.paused.clear()
         try:
             deadline = self.now() + 120
@@ -200,7 +244,7 @@ class Soak:
                 await asyncio.sleep(0.1)
             m: dict[str, float] = {}
             while self.now() < deadline:
-                m = await asyncio.to_thread(P.scrape, self.server.url)
+                m = figures(self.cfg.engine, await asyncio.to_thread(P.scrape, self.server.url))
                 if not (m.get("kvtier:kv_pending_stores", 0) or m.get("kvtier:kv_slow_tier_writes_pending", 0)
                         or m.get("kvtier:kv_loads_in_flight", 0)):
                     break
@@ -208,7 +252,9 @@ class Soak:
             names = ("kvtier:kv_blocks_in_use", "kvtier:kv_block_refs", "kvtier:kv_pinned_chunks",
                      "kvtier:kv_loads_in_flight", "kvtier:kv_pending_stores", "kvtier:kv_slow_tier_writes_pending",
                      "kvtier:num_requests_running", "kvtier:num_requests_waiting")
-            point = {"t": round(self.now(), 2), **{n.split(":")[1]: m.get(n, -1.0) for n in names}}
+            missing = unavailable(self.cfg.engine)
+            point = {"t": round(self.now(), 2),
+                     **{n.split(":")[1]: m.get(n, -1.0) for n in names if n.split(":")[1] not in missing}}
             self.idle_points.append(point)
             self.event("idle_point", json.dumps({k: v for k, v in point.items() if k != "t"}))
         finally:
@@ -222,43 +268,50 @@ class Soak:
     # ---- the run -----------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
         self.t0 = time.monotonic()
-        minutes = self.args.minutes
-        calib = min(120.0, max(30.0, minutes * 6.0))
-        self.event("phase", f"measuring capacity for {calib:.0f} s")
-        capacity = await self.measure_capacity(calib)
-        rate = 0.8 * capacity / CLIENTS
-        self.event("phase", f"capacity {capacity:.2f} req/s; offering {0.8 * capacity:.2f} req/s")
-        length = minutes * 60.0
+        cfg = self.cfg
+        calib = min(120.0, max(30.0, cfg.minutes * 6.0)) if cfg.calibrate else 0.0
+        capacity, rate = float("nan"), None  # uncalibrated: closed loop, back to back
+        if cfg.calibrate:
+            self.event("phase", f"measuring capacity for {calib:.0f} s")
+            capacity = await self.measure_capacity(calib)
+            rate = 0.8 * capacity / cfg.clients
+            self.event("phase", f"capacity {capacity:.2f} req/s; offering {0.8 * capacity:.2f} req/s")
+        length = cfg.minutes * 60.0
         start = self.now()
         until = start + length
-        plan = [(at / 30.0, k) for at, k in FULL_PLAN] if minutes >= 10 else SHORT_PLAN
-        clients = [P.Client(i, random.Random(i)) for i in range(CLIENTS)]
+        clients = [P.Client(i, random.Random(cfg.seed + i), cfg.documents) for i in range(cfg.clients)]
         async with self.api() as api:
-            await asyncio.gather(self.sample_loop(until), self.health_loop(until), self.schedule(plan, start, length),
+            await asyncio.gather(self.sample_loop(until), self.health_loop(until),
+                                 self.schedule(cfg.fault_plan(), start, length),
                                  *(self.client_loop(c, api, rate, until, True) for c in clients))
         await self.idle_point()  # the end is an idle point too
+        await self.sample()  # the run's totals
         return {"capacity_rps": capacity, "offered_rps": 0.8 * capacity, "soak_start_s": start, "soak_s": length,
                 "calibration_s": calib}
 
     def close(self) -> None:
-        for stop in (lambda: self.server.stop(), self.cache.kill, self.redis.stop):
+        server = self.server
+        for stop in (lambda: server.stop() if server else None, self.cache.kill, self.redis.stop):
             try:
                 stop()
             except Exception as exc:
                 print(f"cleanup: {exc}", file=sys.stderr)
 
 
-def check_answers(model: str, requests: list[dict[str, Any]], tie_nats: float = 0.01) -> dict[str, Any]:
-    """Replays every answered request (each distinct body once, CLIENTS at a time) on a server
-    without a connector; returns the counts and the requests whose answers differ."""
+def check_answers(cfg: SoakConfig, model: str, requests: list[dict[str, Any]], work: Path,
+                  tie_nats: float = 0.01) -> dict[str, Any]:
+    """Replays every answered request (each distinct body once, REPLAY_CONCURRENCY at a time)
+    on a server of the same engine without a connector (512 blocks); returns the counts ("same", "near_tie",
+    "wrong", "distinct_prompts") and up to 50 requests whose answers differ."""
     from concurrent.futures import ThreadPoolExecutor
 
     answered = [r for r in requests if r["ok"]]
     bodies = {json.dumps(r["body"], sort_keys=True): r["body"] for r in answered}
-    ref = ServeProcess("--model", model, *ENGINE_ARGS)
+    ref = start_server(cfg.engine, model, [], CHUNK_SIZE, work)
     try:
-        with ThreadPoolExecutor(CLIENTS) as pool:
-            refs = dict(zip(bodies, pool.map(lambda b: P.reference_answer(ref.url, b), bodies.values())))
+        with ThreadPoolExecutor(REPLAY_CONCURRENCY) as pool:
+            refs = dict(zip(bodies, pool.map(lambda b: P.reference_answer(ref.url, b, cfg.max_tokens),
+                                             bodies.values())))
     finally:
         ref.stop()
     verdicts = {"same": 0, "near_tie": 0, "wrong": 0}
@@ -273,30 +326,42 @@ def check_answers(model: str, requests: list[dict[str, Any]], tie_nats: float = 
     return {**verdicts, "distinct_prompts": len(bodies), "differing": differing[:50]}
 
 
+def run_soak(cfg: SoakConfig, work: Path) -> dict[str, Any]:
+    """Runs a soak in `work` (a scratch directory), checks every answer, and returns what the
+    report reads (config, run, answers, events, idle points, samples, health, requests)."""
+    soak = Soak(cfg, work)
+    try:
+        run = asyncio.run(soak.run())
+    finally:
+        soak.close()
+    server_log = soak.server.log() if soak.server else ""
+    print("checking every answer against a server without a connector ...", flush=True)
+    answers = check_answers(cfg, soak.model, soak.requests, work)
+    return {"config": {"engine": cfg.engine, "minutes": cfg.minutes, "clients": cfg.clients,
+                       "chunk_size": CHUNK_SIZE if cfg.engine == "kvtier" else VLLM_CHUNK_SIZE,
+                       "tiers": cfg.tiers_desc, "max_tokens": cfg.max_tokens,
+                       "mix": {"chat": 0.4, "document": 0.4, "unique": 0.2},
+                       "unavailable_figures": unavailable(cfg.engine)},
+            "run": run, "answers": answers, "events": soak.events, "idle_points": soak.idle_points,
+            "samples": soak.samples, "health": soak.health,
+            "requests": [{k: v for k, v in r.items() if k not in ("body", "text")} for r in soak.requests],
+            "server_log_tail": server_log[-4000:]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=30.0, help="soak length after calibration (default: 30)")
-    ap.add_argument("--name", default="soak", help="results file stem in benchmarks/results (default: soak)")
+    ap.add_argument("--name", default=None,
+                    help="results file stem in benchmarks/results (default: soak, or soak_vllm with --engine vllm)")
+    ap.add_argument("--engine", choices=["kvtier", "vllm"], default="kvtier",
+                    help="the server soaked: kvtier serve, or vllm serve with kvtier's connector (default: kvtier)")
     args = ap.parse_args()
     if args.minutes <= 0:
         ap.error("--minutes must be > 0")
+    name = args.name or ("soak" if args.engine == "kvtier" else "soak_vllm")
     with tempfile.TemporaryDirectory(prefix="kvtier-soak-") as tmp:
-        soak = Soak(args, Path(tmp))
-        try:
-            run = asyncio.run(soak.run())
-        finally:
-            soak.close()
-            server_log = soak.server.log()
-        print("checking every answer against a server without a connector ...", flush=True)
-        answers = check_answers(soak.model, soak.requests)
-    out = {"config": {"minutes": args.minutes, "clients": CLIENTS, "engine_args": ENGINE_ARGS, "chunk_size": 128,
-                      "tiers": ["cpu 32MiB", "disk 256MiB", "redis (maxmemory 512mb)", "cache-server 256MiB"],
-                      "max_tokens": P.MAX_TOKENS, "mix": {"chat": 0.4, "document": 0.4, "unique": 0.2}},
-           "run": run, "answers": answers, "events": soak.events, "idle_points": soak.idle_points,
-           "samples": soak.samples, "health": soak.health,
-           "requests": [{k: v for k, v in r.items() if k not in ("body", "text")} for r in soak.requests],
-           "server_log_tail": server_log[-4000:]}
-    write_report(out, RESULTS / args.name)
+        out = run_soak(SoakConfig(minutes=args.minutes, engine=args.engine), Path(tmp))
+    write_report(out, RESULTS / name)
     return 0
 
 

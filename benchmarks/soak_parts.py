@@ -45,10 +45,12 @@ DOCUMENTS = [f"Document {d}.\n\n" + _paragraphs(d, 14) for d in range(24)]
 @dataclass
 class Client:
     """One of the concurrent users: its own chat that grows (reset after a few turns), the
-    shared documents, and unique prompts, chosen by a seeded mix."""
+    shared documents (the first `documents` of DOCUMENTS), and unique prompts, chosen by a
+    seeded mix."""
 
     index: int
     rng: random.Random
+    documents: int = len(DOCUMENTS)
     chat: list[dict[str, str]] = field(default_factory=list)
     chats_started: int = 0
     unique: int = 0
@@ -65,7 +67,7 @@ class Client:
             self.chat.append({"role": "user", "content": TURNS[(len(self.chat) // 2) % len(TURNS)]})
             return "chat", {"messages": list(self.chat)}
         if r < 0.8:
-            doc = self.rng.randrange(len(DOCUMENTS))
+            doc = self.rng.randrange(self.documents)
             q = self.rng.randrange(len(QUESTIONS))
             system = "Answer from this text.\n\n" + DOCUMENTS[doc]
             return "document", {"messages": [{"role": "system", "content": system},
@@ -79,8 +81,9 @@ class Client:
             self.chat.append({"role": "assistant", "content": text})
 
 
-async def stream_request(client: openai.AsyncOpenAI, body: dict[str, Any]) -> dict[str, Any]:
-    """Runs one greedy streamed request; returns its TTFT, inter-token gaps, text, cached
+async def stream_request(client: openai.AsyncOpenAI, body: dict[str, Any],
+                         max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    """Runs one greedy streamed request of `max_tokens`; returns its TTFT, inter-token gaps, text, cached
     tokens and prompt tokens (raises what the openai client raises)."""
     t0 = time.perf_counter()
     ttft: float | None = None
@@ -88,7 +91,7 @@ async def stream_request(client: openai.AsyncOpenAI, body: dict[str, Any]) -> di
     gaps: list[float] = []
     text: list[str] = []
     usage: Any = None
-    common = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+    common = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "stream": True,
               "stream_options": {"include_usage": True}}
     if "messages" in body:
         stream = await client.chat.completions.create(messages=body["messages"], **common)
@@ -116,10 +119,10 @@ async def stream_request(client: openai.AsyncOpenAI, body: dict[str, Any]) -> di
             "prompt_tokens": int(getattr(usage, "prompt_tokens", 0) or 0), "e2e": time.perf_counter() - t0}
 
 
-def reference_answer(url: str, body: dict[str, Any]) -> dict[str, Any]:
+def reference_answer(url: str, body: dict[str, Any], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
     """Returns the greedy answer of a server for `body` with the top-2 logprobs of each token
     (`tokens`: [(token text, top-1 logprob, top-2 logprob)])."""
-    common = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0}
+    common = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0}
     if "messages" in body:
         r = httpx.post(url + "/v1/chat/completions", json={**common, "messages": body["messages"],
                                                            "logprobs": True, "top_logprobs": 2}, timeout=600)

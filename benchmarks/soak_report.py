@@ -77,7 +77,9 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
     rss = [(s["t"], s["rss_server"]) for s in out["samples"] if s["t"] >= settle and s["rss_server"]]
     growth = (rss[-1][1] - rss[0][1]) / rss[0][1] if len(rss) >= 2 else float("nan")
     slope = _slope(rss) * 3600 / 2**20 if len(rss) >= 2 else float("nan")  # MiB per hour
-    leak_keys = ("kv_blocks_in_use", "kv_block_refs", "kv_pinned_chunks", "kv_loads_in_flight")
+    missing = out["config"].get("unavailable_figures", [])  # not on this engine's /metrics (vllm serve)
+    leak_keys = [k for k in ("kv_blocks_in_use", "kv_block_refs", "kv_pinned_chunks", "kv_loads_in_flight")
+                 if k not in missing]
     idle_bad = [p for p in out["idle_points"] if any(p.get(k, -1) != 0 for k in leak_keys)]
     win = _windows(out)
     ok = [r for r in reqs if r["ok"] and r["t"] >= start]
@@ -95,7 +97,7 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
         {"target": "RSS growth after the first 5 min <= 5%", "value":
          f"{growth * 100:+.1f}% ({rss[0][1] / 2**20:.0f} -> {rss[-1][1] / 2**20:.0f} MiB; {slope:+.1f} MiB/h)"
          if rss else "no samples", "pass": bool(rss) and growth <= 0.05},
-        {"target": "blocks, refs, pins, loads in flight 0 at every idle point", "value":
+        {"target": f"{', '.join(leak_keys)} 0 at every idle point", "value":
          f"{len(out['idle_points']) - len(idle_bad)} of {len(out['idle_points'])} idle points at 0",
          "pass": bool(out["idle_points"]) and not idle_bad},
         {"target": "p99 TTFT in fault windows <= 2x outside", "value":
@@ -130,11 +132,15 @@ def _markdown(out: dict[str, Any], name: str) -> str:
     if cfg["minutes"] < 30:
         lines += [f"**Short functional run ({cfg['minutes']:g} min, one of each fault), on a shared machine: "
                   "the correctness and leak figures hold; timing figures are not meaningful.**", ""]
-    lines += [f"kvtier serve, tiers {', '.join(cfg['tiers'])}; {cfg['clients']} streaming openai clients, "
+    server = "kvtier serve" if cfg.get("engine", "kvtier") == "kvtier" else "vllm serve + KVTierConnector"
+    lines += [f"{server}, tiers {', '.join(cfg['tiers'])}; {cfg['clients']} streaming openai clients, "
               f"mix {cfg['mix']}, {cfg['max_tokens']} greedy tokens; capacity {run['capacity_rps']:.2f} req/s "
               f"(measured over {run['calibration_s']:.0f} s), offered {run['offered_rps']:.2f} req/s.", "",
               "| target | measured | |", "|---|---|---|"]
     lines += [f"| {t['target']} | {t['value']} | {'pass' if t['pass'] else '**FAIL**'} |" for t in out["targets"]]
+    if cfg.get("unavailable_figures"):
+        lines += ["", f"Not on {server}'s /metrics, so not shown: {', '.join(cfg['unavailable_figures'])} "
+                  "(kv_blocks_in_use is vllm:kv_cache_usage_perc, a fraction; benchmarks/soak_engines.py)."]
     lines += ["", f"![figures over time]({name}.png)", "", "## Faults and idle points", "", "| t (s) | what |",
               "|---|---|"]
     lines += [f"| {e['t']:.0f} | {e['kind']}: {e['detail']} |" for e in out["events"]
