@@ -75,10 +75,12 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def _complete(url: str, ids: list[int], max_tokens: int = 4) -> list[int]:
-    """Returns the greedy completion's token ids (vLLM's `return_token_ids` extension)."""
+def _complete(url: str, ids: list[int], max_tokens: int = 4, cache_salt: str | None = None) -> list[int]:
+    body: dict[str, Any] = {"return_token_ids": True, "ignore_eos": True}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     out = _client(url).completions.create(model="default", prompt=ids, max_tokens=max_tokens, temperature=0.0,
-                                          extra_body={"return_token_ids": True, "ignore_eos": True})
+                                          extra_body=body)
     return list(out.choices[0].token_ids)  # type: ignore[attr-defined]
 
 
@@ -136,6 +138,22 @@ def test_lookup_answers_what_the_connector_then_loads(backends: list[VllmServer]
     before = server.metrics().get(HIT, 0.0)
     assert _complete(server.url, ids) == cold
     assert server.metrics()[HIT] - before == answer["max_hit_tokens"]
+
+
+def test_vllms_cache_salt_keys_the_connectors_chunks(backends: list[VllmServer], tokenizer: Any) -> None:
+    """vLLM's own per-request `cache_salt` reaches the connector: a salted request's chunks are
+    found only under its salt (by lookup and by a load), never without it or under another."""
+    server = backends[1]
+    ids = _ids(tokenizer, "Salted tenant document.", 1024)
+    cold = _complete(server.url, ids, cache_salt="tenant-a")
+    _wait_hit(server, {"prompt_token_ids": ids, "cache_salt": "tenant-a"}, 1023)
+    assert _lookup(server, {"prompt_token_ids": ids}).json()["max_hit_tokens"] == 0
+    assert _lookup(server, {"prompt_token_ids": ids, "cache_salt": "tenant-b"}).json()["max_hit_tokens"] == 0
+    before = server.metrics().get(HIT, 0.0)
+    assert _complete(server.url, ids, cache_salt="tenant-b") == cold  # computed: nothing of tenant-a's loads
+    assert server.metrics().get(HIT, 0.0) == before
+    assert _complete(server.url, ids, cache_salt="tenant-a") == cold  # tenant-a's repeat loads its chunks
+    assert server.metrics()[HIT] - before == 1023
 
 
 def test_text_and_chat_are_tokenized_as_vllm_serves_them(backends: list[VllmServer]) -> None:
