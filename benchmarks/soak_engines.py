@@ -131,7 +131,8 @@ def figures(engine: str, metrics: dict[str, float]) -> dict[str, float]:
     """Returns the samples the soak keeps of one /metrics scrape, under kvtier serve's names."""
     if engine == "kvtier":
         return {k: v for k, v in metrics.items() if k.startswith("kvtier:kv_") or k in KEPT}
-    out: dict[str, float] = {}
+    # counters vLLM shows only once incremented: absent means 0 (never a gauge: absent is unknown)
+    out: dict[str, float] = {"kvtier:kv_dropped_store_bytes_total": 0.0, "kvtier:kv_load_error_tokens_total": 0.0}
     for k, v in metrics.items():
         if k in VLLM_NAMES:
             out[VLLM_NAMES[k]] = v

@@ -171,21 +171,29 @@ def _plot(out: dict[str, Any], path: Path) -> None:
     def minutes(t: float) -> float:
         return (t - start) / 60
 
+    missing = set(out["config"].get("unavailable_figures", []))  # not on this engine's /metrics: not drawn
+    server = "kvtier serve" if out["config"].get("engine", "kvtier") == "kvtier" else "vllm serve (all processes)"
     fig, axes = plt.subplots(6, 1, figsize=(11, 19), sharex=True)
     xs = [minutes(s["t"]) for s in out["samples"]]
-    axes[0].plot(xs, [s["rss_server"] / 2**20 for s in out["samples"]], label="kvtier serve")
+    axes[0].plot(xs, [s["rss_server"] / 2**20 for s in out["samples"]], label=server)
     axes[0].plot(xs, [s["rss_cache_server"] / 2**20 for s in out["samples"]], label="cache server")
     axes[0].set_ylabel("RSS (MiB)")
     ix = [minutes(p["t"]) for p in out["idle_points"]]
     for key in ("kv_blocks_in_use", "kv_block_refs", "kv_pinned_chunks", "kv_loads_in_flight"):
+        if key in missing:
+            continue
         axes[1].plot(ix, [p.get(key, -1) for p in out["idle_points"]], "o-", label=key)
     axes[1].set_ylabel("at idle points")
     sx = [minutes(s["t"]) for s in samples]
     m = [s["metrics"] for s in samples]
-    axes[2].plot(sx, [x.get("kvtier:kv_pending_stores", 0) for x in m], label="store queue (chunks)")
-    axes[2].plot(sx, [x.get("kvtier:kv_slow_tier_writes_pending", 0) for x in m], label="slow-tier writes pending")
-    axes[2].plot(sx, [sum(v for k, v in x.items() if k.startswith("kvtier:kv_tier_dropped_writes_total"))
-                      for x in m], label="dropped writes (total)")
+    for key, label in (("kv_pending_stores", "store queue (chunks)"),
+                       ("kv_slow_tier_writes_pending", "slow-tier writes pending"),
+                       ("kv_tier_dropped_writes_total", "dropped writes (total)"),
+                       ("kv_dropped_store_bytes_total", "dropped store MiB (total)")):
+        if key not in missing and any(k.startswith("kvtier:" + key) for x in m for k in x):
+            scale = 2**20 if key.endswith("bytes_total") else 1
+            axes[2].plot(sx, [sum(v for k, v in x.items() if k.startswith("kvtier:" + key)) / scale for x in m],
+                         label=label)
     axes[2].set_ylabel("stores")
     rows = out["per_minute"]
     mx = [r["minute"] - 0.5 for r in rows]
@@ -196,10 +204,11 @@ def _plot(out: dict[str, Any], path: Path) -> None:
         axes[4].plot(mx, [r[key] for r in rows], "o-", label=label)
     axes[4].set_ylabel("seconds")
     axes[5].bar(mx, [r["failed"] for r in rows], width=0.8, label="failed requests")
-    axes[5].plot(sx, [sum(v for k, v in x.items() if k.startswith("kvtier:kv_tier_breaker_opens_total"))
-                      for x in m], label="breaker opens (total)")
-    axes[5].plot(sx, [sum(v for k, v in x.items() if k.startswith("kvtier:kv_tier_timeouts_total"))
-                      for x in m], label="deadline misses (total)")
+    for key, label in (("kv_tier_breaker_opens_total", "breaker opens (total)"),
+                       ("kv_tier_timeouts_total", "deadline misses (total)"),
+                       ("kv_load_error_tokens_total", "tokens of failed loads (total)")):
+        if key not in missing and any(k.startswith("kvtier:" + key) for x in m for k in x):
+            axes[5].plot(sx, [sum(v for k, v in x.items() if k.startswith("kvtier:" + key)) for x in m], label=label)
     axes[5].set_ylabel("errors")
     axes[5].set_xlabel("minutes into the soak (shaded: fault windows)")
     for ax in axes:
@@ -207,7 +216,7 @@ def _plot(out: dict[str, Any], path: Path) -> None:
             ax.axvspan(minutes(a), minutes(b), color="red", alpha=0.12)
         ax.legend(loc="upper left", fontsize=7)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"kvtier soak, {out['config']['minutes']:g} minutes")
+    fig.suptitle(f"{server}: soak, {out['config']['minutes']:g} minutes")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
