@@ -74,10 +74,12 @@ bench-serving-vs-vllm: install vllm-install
 
 # Hours of load with faults against kvtier serve (cpu, disk, Redis and cache-server tiers): answers vs a server
 # without a connector, leaks at idle points, RSS, TTFT in and out of fault windows, /health
-# (benchmarks/results/soak.{json,md,png}). SOAK_MINUTES=3 for a short functional run.
+# (benchmarks/results/soak.{json,md,png}). SOAK_MINUTES=3 for a short functional run; SOAK_ENGINE=vllm: the
+# same against vllm serve + kvtier's connector (benchmarks/results/soak_vllm.*; needs make vllm-install).
 SOAK_MINUTES ?= 30
+SOAK_ENGINE ?= kvtier
 soak: install
-	$(PY) benchmarks/soak.py --minutes $(SOAK_MINUTES)
+	$(PY) benchmarks/soak.py --minutes $(SOAK_MINUTES) --engine $(SOAK_ENGINE)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
