@@ -5,11 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvstore.eviction import EvictionPolicy, LRUPolicy
-from kvstore.tenant_quota import TenantBytes
-
-
-def _never_pinned(key: str) -> bool:
-    return False
+from kvstore.tenant_keys import key_tenant
+from kvstore.tenant_quota import TenantBytes, never_pinned
 
 
 class ByteBudget:
@@ -28,8 +25,8 @@ class ByteBudget:
         self.policy = policy if policy is not None else LRUPolicy()
         self.sizes: dict[str, int] = {}
         self.used = 0
-        self.is_pinned: Callable[[str], bool] = _never_pinned
-        self.tenants = TenantBytes(tenant_quota)
+        self.is_pinned: Callable[[str], bool] = never_pinned
+        self.tenants: TenantBytes[str] = TenantBytes(tenant_quota, key_tenant)
 
     def __contains__(self, key: str) -> bool:
         return key in self.sizes

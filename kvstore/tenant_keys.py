@@ -36,3 +36,16 @@ def key_tenant(key: str) -> str | None:
         return None
     tag = key[_START:_START + 16]
     return tag if key[_START + 16:_START + 17] == ":" else None
+
+
+_BYTES_PREFIX = (KEY_ROOT + TENANT_FIELD).encode()
+
+
+def key_tenant_bytes(key: bytes) -> str | None:
+    """Returns the tenant tag a stored key in bytes names (the cache server's keys), or None."""
+    if not key.startswith(_BYTES_PREFIX):
+        return None
+    try:
+        return key_tenant(key[:_START + 17].decode("ascii"))
+    except UnicodeDecodeError:
+        return None

@@ -10,25 +10,34 @@ entries, never another tenant's: the tier's budget (kvstore/budget.py) is applie
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from typing import Generic, TypeVar
 
-from kvstore.tenant_keys import key_tenant
+K = TypeVar("K", str, bytes)
 
 
-class TenantBytes:
-    """Bytes per tenant tag and the quota each may hold (None: no quota).
+def never_pinned(key: object) -> bool:
+    return False
 
-    Not thread-safe on its own: the owning ByteBudget is used under its tier's lock.
+
+class TenantBytes(Generic[K]):
+    """Bytes per tenant tag and the quota each may hold (None: no quota). Keys are the tier's
+    own: `tenant_of` reads the tag from one (kvstore/tenant_keys.py `key_tenant`, or
+    `key_tenant_bytes` for the cache server's byte keys).
+
+    Not thread-safe on its own: its owner (a ByteBudget under its tier's lock, or the cache
+    server's event loop) serialises the calls.
     """
 
-    def __init__(self, quota: int | None) -> None:
+    def __init__(self, quota: int | None, tenant_of: Callable[[K], str | None]) -> None:
         if quota is not None and (isinstance(quota, bool) or not isinstance(quota, int) or quota < 0):
             raise ValueError(f"tenant_quota must be a byte count >= 0, got {quota!r}")
         self.quota = quota
+        self.tenant_of: Callable[[K], str | None] = tenant_of
         self.used: dict[str, int] = {}
 
-    def record(self, key: str, delta: int) -> None:
+    def record(self, key: K, delta: int) -> None:
         """Adds `delta` bytes to the tenant `key` names (nothing for an unsalted key)."""
-        tag = key_tenant(key)
+        tag = self.tenant_of(key)
         if tag is None or delta == 0:
             return
         left = self.used.get(tag, 0) + delta
@@ -37,24 +46,24 @@ class TenantBytes:
         else:
             self.used.pop(tag, None)
 
-    def own_victims(self, key: str, nbytes: int, sizes: Mapping[str, int], order: Callable[[], Iterable[str]],
-                    is_pinned: Callable[[str], bool]) -> list[str] | None:
+    def own_victims(self, key: K, nbytes: int, sizes: Mapping[K, int], order: Callable[[], Iterable[K]],
+                    is_pinned: Callable[[K], bool] = never_pinned) -> list[K] | None:
         """Returns the entries of `key`'s tenant to evict (in `order()`, the tier's eviction
         order, called only when some must go; never pinned ones, never `key`) so that storing
         `key` with `nbytes` keeps the tenant within its quota; [] when no quota applies; None
         when it cannot fit (larger than the quota, or only pinned entries of the tenant are
         left). Changes nothing."""
-        tag = key_tenant(key)
+        tag = self.tenant_of(key)
         if self.quota is None or tag is None:
             return []
         if nbytes > self.quota:
             return None
         free = self.quota - self.used.get(tag, 0) + sizes.get(key, 0)
-        victims: list[str] = []
+        victims: list[K] = []
         if free >= nbytes:
             return victims
         for victim in order():
-            if victim == key or key_tenant(victim) != tag or is_pinned(victim):
+            if victim == key or self.tenant_of(victim) != tag or is_pinned(victim):
                 continue
             victims.append(victim)
             free += sizes[victim]

@@ -74,6 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "evicted entries are dropped)")
     parser.add_argument("--max-disk-bytes", default="16GiB", metavar="SIZE",
                         help="budget of the disk spill (file sizes)")
+    parser.add_argument("--tenant-quota", default=None, metavar="SIZE",
+                        help="most bytes one tenant (cache_salt) may hold, in memory and on the disk spill "
+                             "each; a tenant at its quota evicts its own least recently used entries "
+                             "(default: no quota)")
     parser.add_argument("--auth-token", default=None, metavar="TOKEN",
                         help="require clients to send this token first (default: $KVTIER_AUTH_TOKEN, else none)")
     parser.add_argument("--max-payload", default="512MiB", metavar="SIZE", help="largest payload one frame may carry")
@@ -122,10 +126,11 @@ def run(args: argparse.Namespace) -> int:
         # An empty token would silently mean "no auth": refuse it rather than guess.
         source = "--auth-token" if args.auth_token is not None else "$KVTIER_AUTH_TOKEN"
         raise ValueError(f"{source} is empty; give a non-empty token, or leave both unset to run without auth")
+    quota = parse_size(args.tenant_quota, "--tenant-quota") if args.tenant_quota is not None else None
     spill = None
     if args.disk:
-        spill = DiskSpill(writable_dir(args.disk, "--disk"), parse_size(args.max_disk_bytes, '--max-disk-bytes'))
-    store = ByteStore(parse_size(args.max_bytes, '--max-bytes'), spill)
+        spill = DiskSpill(writable_dir(args.disk, "--disk"), parse_size(args.max_disk_bytes, '--max-disk-bytes'), quota)
+    store = ByteStore(parse_size(args.max_bytes, '--max-bytes'), spill, quota)
     config = ServerConfig(
         host=args.host,
         port=args.port,

@@ -88,8 +88,9 @@ class CacheServerBackend(BytesBackend):
             raise ValueError(f"{spec.url}: a cache server tier has no client-side budget; "
                              "set it on the server (kvtier cache-server --max-bytes)")
         if spec.tenant_quota is not None:
-            raise ValueError(f"{spec.url}: a cache server tier has no tenant_quota: the server keeps one "
-                             "LRU over every client's entries and does not count bytes per tenant")
+            raise ValueError(f"{spec.url}: a cache server tier has no client-side tenant_quota; "
+                             "set it on the server, which counts every client's entries "
+                             "(kvtier cache-server --tenant-quota)")
         if spec.eviction != "lru":
             raise ValueError(f"{spec.url}: the cache server always evicts LRU; eviction={spec.eviction!r} "
                              "cannot be honoured")

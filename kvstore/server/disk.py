@@ -14,6 +14,9 @@ issued them, so a slow or stalled disk never stalls a client. Files and director
 - `clear` forgets every entry at once and switches to a new generation directory; the old
   one is removed by a second thread, so neither the loop nor later spills wait for it.
 
+With a tenant quota, no tenant (the tag of a salted key) holds more than that many bytes of
+files: a tenant at its quota evicts its own least recently used files first.
+
 The directory is a cache, never a reason to stop serving: when it stops accepting writes
 (read-only, full) the failure is logged once per episode and evicted entries are dropped.
 """
@@ -31,6 +34,8 @@ from pathlib import Path
 from kvstore.server import spillfile as F
 from kvstore.server.protocol import Buffer
 from kvstore.server.worker import IOWorker
+from kvstore.tenant_keys import key_tenant_bytes
+from kvstore.tenant_quota import TenantBytes
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +65,11 @@ class DiskSpill:
     worker's completions there.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], max_bytes: int) -> None:
+    def __init__(self, directory: str | os.PathLike[str], max_bytes: int, tenant_quota: int | None = None) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_disk_bytes must be positive, got {max_bytes}")
+        self.tenants: TenantBytes[bytes] = TenantBytes(tenant_quota, key_tenant_bytes)
+        self.tenant_evictions = 0
         self.root = Path(directory)
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
@@ -85,9 +92,9 @@ class DiskSpill:
         for old in gens[:-1]:
             self.janitor.submit(partial(F.remove_tree, F.generation_dir(self.root, old)))
         for entry in F.scan(self.dir):
-            self._index[entry.key] = entry.size
-            self.bytes_used += entry.size
+            self._add(entry.key, entry.size)
         self._evict_to(self.max_bytes)
+        self._evict_over_quota()  # a restart with a smaller quota
 
     def attach(self, wake: Callable[[Callable[[], None]], object]) -> None:
         """Has completions run through `wake` (the event loop's call_soon_threadsafe)."""
@@ -106,16 +113,15 @@ class DiskSpill:
     def put(self, key: bytes, value: Buffer, done: Callable[[bool], None]) -> bool:
         """Queues a write of `value` under `key`, evicting LRU files first; returns False
         (queuing nothing, and `done` is never called) if the entry alone exceeds the disk
-        budget. Otherwise `done(written)` runs on this thread once the worker no longer
+        budget or its tenant's quota. Otherwise `done(written)` runs on this thread once the worker no longer
         holds `value` (written, failed, or cancelled by `take`/`delete`/`clear`)."""
         size = F.file_size(len(key), len(value))
         self.delete(key)
-        if size > self.max_bytes:
+        if size > self.max_bytes or not self._make_tenant_room(key, size):
             return False
         self._evict_to(self.max_bytes - size)
         job = _Write(key, value, self._path(key), size)
-        self._index[key] = size
-        self.bytes_used += size
+        self._add(key, size)
         self._writing[key] = job
         self.worker.submit(lambda: _run_write(job), lambda error: self._written(job, error, done))
         return True
@@ -125,8 +131,7 @@ class DiskSpill:
         if self._writing.get(job.key) is job:
             del self._writing[job.key]
             if not ok:  # the entry is not on disk after all
-                self._index.pop(job.key, None)
-                self.bytes_used -= job.size
+                self._take_out(job.key)
         if error is not None:
             self._write_failed(error)
         elif ok:
@@ -153,8 +158,7 @@ class DiskSpill:
             return size
         if key in self._reading or key in self._writing or key not in self._index:
             return 0
-        size = self._index.pop(key)
-        self.bytes_used -= size
+        size = self._take_out(key)
         self._detached[key] = size
         return size
 
@@ -164,11 +168,15 @@ class DiskSpill:
 
     def restore(self, key: bytes) -> None:
         """Puts a detached key back under the disk budget (most recently used)."""
-        size = self._detached.pop(key, None)
-        if size is not None:
-            self._evict_to(self.max_bytes - size)
-            self._index[key] = size
-            self.bytes_used += size
+        size = self._detached.get(key)
+        if size is None:
+            return
+        if not self._make_tenant_room(key, size):
+            self.delete(key)  # larger than its tenant's quota (set lower since it was written)
+            return
+        del self._detached[key]
+        self._evict_to(self.max_bytes - size)
+        self._add(key, size)
 
     def reading(self, key: bytes) -> bool:
         return key in self._reading
@@ -214,11 +222,10 @@ class DiskSpill:
         write = self._writing.pop(key, None)
         if write is not None:
             write.cancelled = True
-        size = self._index.pop(key, None)
+        size = self._take_out(key) if key in self._index else None
         detached = self._detached.pop(key, None) is not None
         if size is None and not detached:
             return read is not None
-        self.bytes_used -= size or 0
         path = self._path(key)
         self.worker.submit(lambda: F.unlink(path), self._unlinked)
         return True
@@ -241,6 +248,7 @@ class DiskSpill:
         self._reading.clear()
         self._writing.clear()
         self.bytes_used = 0
+        self.tenants.used.clear()
         old, new = self.dir, F.generation_dir(self.root, self.generation + 1)
         try:
             new.mkdir(exist_ok=True)
@@ -278,6 +286,45 @@ class DiskSpill:
             self._failing = True
             log.error("disk spill %s stopped accepting writes (%s): evicted entries are dropped, "
                       "memory keeps serving", self.root, exc)
+
+    def tenant_bytes(self) -> dict[str, int]:
+        """Returns the bytes of files (written or being written) per tenant tag."""
+        return dict(self.tenants.used)
+
+    def _add(self, key: bytes, size: int) -> None:
+        self._index[key] = size
+        self.bytes_used += size
+        self.tenants.record(key, size)
+
+    def _take_out(self, key: bytes) -> int:
+        """Removes `key` from the index (not its file); returns its size."""
+        size = self._index.pop(key)
+        self.bytes_used -= size
+        self.tenants.record(key, -size)
+        return size
+
+    def _make_tenant_room(self, key: bytes, size: int) -> bool:
+        """Evicts `key`'s tenant's own least recently used files until `size` more bytes fit
+        in its quota; returns False (evicting nothing) when they cannot."""
+        victims = self.tenants.own_victims(key, size, self._index, lambda: iter(self._index))
+        if victims is None:
+            return False
+        for victim in victims:
+            self.delete(victim)
+            self.evictions += 1
+            self.tenant_evictions += 1
+        return True
+
+    def _evict_over_quota(self) -> None:
+        quota = self.tenants.quota
+        if quota is None:
+            return
+        for key in list(self._index):  # least recently used first
+            tag = key_tenant_bytes(key)
+            if tag is not None and self.tenants.used.get(tag, 0) > quota:
+                self.delete(key)
+                self.evictions += 1
+                self.tenant_evictions += 1
 
     def _evict_to(self, limit: int) -> None:
         while self.bytes_used > limit and self._index:

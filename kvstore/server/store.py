@@ -15,7 +15,10 @@ covers every large buffer the server holds, and is never exceeded:
   straight back into memory.
 
 Making room evicts least recently used entries (to the disk spill when there is one); a
-value that cannot fit at all is refused. Memory and disk hold disjoint sets of keys: a GET
+value that cannot fit at all is refused. With a `tenant_quota`, no tenant (the tag of a salted
+key, kvstore/tenant_keys.py) holds more than that many bytes of stored entries: a tenant at
+its quota evicts its own least recently used entries first, never another tenant's (the disk
+spill applies the same quota to its files). Memory and disk hold disjoint sets of keys: a GET
 that finds its key on disk reads it back into memory (`load`, off the event loop).
 """
 
@@ -27,6 +30,8 @@ from dataclasses import asdict, dataclass
 
 from kvstore.server.disk import DiskSpill
 from kvstore.server.protocol import Buffer
+from kvstore.tenant_keys import key_tenant_bytes
+from kvstore.tenant_quota import TenantBytes
 
 
 @dataclass
@@ -51,6 +56,8 @@ class StoreStats:
     reserved_bytes: int
     pinned_bytes: int
     spilling_bytes: int
+    tenant_quota: int  # 0: none
+    tenant_evictions: int  # entries (memory and disk) evicted to keep a tenant within its quota
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -60,11 +67,16 @@ class ByteStore:
     """LRU map of byte keys to byte values within `max_bytes`. Not thread-safe: the server
     touches it only from its event loop thread (the spill's completions run there too)."""
 
-    def __init__(self, max_bytes: int, spill: DiskSpill | None = None) -> None:
+    def __init__(self, max_bytes: int, spill: DiskSpill | None = None, tenant_quota: int | None = None) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        if spill is not None and spill.tenants.quota != tenant_quota:
+            raise ValueError(f"the disk spill's tenant quota ({spill.tenants.quota}) differs from "
+                             f"memory's ({tenant_quota})")
         self.max_bytes = max_bytes
         self.spill = spill
+        self.tenants: TenantBytes[bytes] = TenantBytes(tenant_quota, key_tenant_bytes)
+        self.tenant_evictions = 0
         self.bytes_used = 0
         self.hits = self.misses = self.puts = self.evictions = self.rejected = 0
         self.disk_hits = 0
@@ -158,15 +170,13 @@ class ByteStore:
         self._remove(key)
         if self.spill is not None:
             self.spill.delete(key)  # memory and disk hold disjoint keys
-        if size > self._room():
+        if size > self._room() or not self._make_tenant_room(key, size):
             self.rejected += 1
             return False
         self._make_room(size)
         if self.committed + size > self.max_bytes:
             return False  # room comes when queued spill writes finish (the server reserves first)
-        self._lru[key] = value
-        self._sizes[key] = size
-        self.bytes_used += size
+        self._hold(key, value, size)
         self.puts += 1
         return True
 
@@ -242,14 +252,14 @@ class ByteStore:
     def _loaded(self, key: bytes, size: int, value: memoryview | None,
                 waiters: list[Callable[[Buffer | None], None]]) -> None:
         self.reserved -= size
-        if value is None:
+        if value is None or not self._make_tenant_room(key, size):
+            # Stale (a PUT or DELETE of the key meanwhile), damaged, or larger than its
+            # tenant's quota as a file: the waiters get it, memory does not keep it.
             self._freed()
         else:
             # The buffer is the whole file (>= key + value): its reserved room becomes the entry.
-            # (A PUT or DELETE of the key meanwhile made the read stale: value None.)
-            self._lru[key] = value
-            self._sizes[key] = size
-            self.bytes_used += size
+            self._hold(key, value, size)
+        if value is not None:
             self.disk_hits += 1
         for done in waiters:
             self._count_load(value, done)
@@ -329,7 +339,30 @@ class ByteStore:
             reserved_bytes=self.reserved,
             pinned_bytes=self.retired - self.spilling,
             spilling_bytes=self.spilling,
+            tenant_quota=self.tenants.quota or 0,
+            tenant_evictions=self.tenant_evictions + (spill.tenant_evictions if spill is not None else 0),
         )
+
+    def tenant_bytes(self) -> dict[str, int]:
+        """Returns the bytes of stored entries in memory per tenant tag (salted keys only)."""
+        return dict(self.tenants.used)
+
+    def _hold(self, key: bytes, value: Buffer, size: int) -> None:
+        self._lru[key] = value
+        self._sizes[key] = size
+        self.bytes_used += size
+        self.tenants.record(key, size)
+
+    def _make_tenant_room(self, key: bytes, size: int) -> bool:
+        """Evicts `key`'s tenant's own least recently used entries until `size` more bytes fit
+        in its quota; returns False (evicting nothing) when they cannot (larger than the quota)."""
+        victims = self.tenants.own_victims(key, size, self._sizes, lambda: iter(self._lru))
+        if victims is None:
+            return False
+        for victim in victims:
+            self.tenant_evictions += 1
+            self._evict(victim, self._lru.pop(victim))
+        return True
 
     def _remove(self, key: bytes) -> bool:
         value = self._lru.pop(key, None)
@@ -339,7 +372,9 @@ class ByteStore:
         return True
 
     def _forget(self, key: bytes, value: Buffer) -> None:
-        self.bytes_used -= self._sizes.pop(key)
+        size = self._sizes.pop(key)
+        self.bytes_used -= size
+        self.tenants.record(key, -size)
         entry = self._pins.get(id(value))
         if entry is not None:  # still being sent: its bytes stay counted until then
             entry[2] = 1
@@ -351,12 +386,15 @@ class ByteStore:
         (callers check _room() first, so the entries that replies are sending, which free
         nothing, never leave it short)."""
         while self._lru and self.committed - self.spilling + n > self.max_bytes:
-            key, value = self._lru.popitem(last=False)
-            self.evictions += 1
-            if self.spill is None:
-                self._forget(key, value)
-            else:
-                self._spill(key, value)
+            self._evict(*self._lru.popitem(last=False))
+
+    def _evict(self, key: bytes, value: Buffer) -> None:
+        """Evicts an entry just taken out of the LRU: to the disk spill, else dropped."""
+        self.evictions += 1
+        if self.spill is None:
+            self._forget(key, value)
+        else:
+            self._spill(key, value)
 
     def _spill(self, key: bytes, value: Buffer) -> None:
         # The write holds the buffer like a reply does: its bytes stay counted until written.
@@ -379,17 +417,19 @@ class ByteStore:
 
     def _reclaim(self, key: bytes, value: Buffer) -> None:
         """Puts back a value whose spill write was cancelled: retired becomes stored again
-        (the write still holds it until its completion runs)."""
+        (the write still holds it until its completion runs). It fit its tenant's quota when
+        stored, so its tenant can always make room; were it not so, it would stay retired and
+        leave with the write."""
         entry = self._pins[id(value)]
         size = entry[1]
+        if not self._make_tenant_room(key, size):
+            return
         if self._spilling.pop(id(value), None) is not None:
             self.spilling -= size
         entry[2] = 0
         self.retired -= size
         self.pinned_stored += size
-        self._lru[key] = value
-        self._sizes[key] = size
-        self.bytes_used += size
+        self._hold(key, value, size)
 
     def _freed(self) -> None:
         if self.on_freed is not None:
