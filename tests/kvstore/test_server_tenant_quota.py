@@ -10,8 +10,6 @@ import os
 import random
 from collections import OrderedDict
 
-import pytest
-
 from kvstore.server import spillfile as F
 from kvstore.server.client import CacheServerClient
 from kvstore.server.store import ByteStore
@@ -119,10 +117,3 @@ def test_a_restart_with_a_smaller_quota_evicts_the_tenants_oldest_files(
     assert _files_per_tenant(tmp_path)[TAGS[2]] <= 1 << 20
     c.close()
 
-
-def test_the_client_side_tenant_quota_points_to_the_server_flag() -> None:
-    from kvstore.config import TierSpec
-    from kvstore.registry import create_backend
-
-    with pytest.raises(ValueError, match="kvtier cache-server --tenant-quota"):
-        create_backend(TierSpec.from_url("kvtier://127.0.0.1:1?tenant_quota=1MiB"))

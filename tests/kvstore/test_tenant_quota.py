@@ -172,9 +172,9 @@ def test_tenant_quota_config_errors_name_the_key(bad: str) -> None:
         KVStoreConfig.from_dict({"tiers": [{"url": "cpu", "tenant_quota": bad}]})
 
 
-def test_tenant_quota_parses_sizes_and_the_cache_server_refuses_it() -> None:
+def test_tenant_quota_parses_sizes_and_the_cache_server_tier_points_to_its_flag() -> None:
     assert TierSpec.from_url("cpu?budget=1GiB&tenant_quota=64MiB").tenant_quota == 64 * 2**20
-    with pytest.raises(ValueError, match="tenant_quota"):
+    with pytest.raises(ValueError, match="tenant_quota.*kvtier cache-server --tenant-quota"):
         create_backend(TierSpec.from_url("kvtier://127.0.0.1:1?tenant_quota=1MiB"))
 
 
