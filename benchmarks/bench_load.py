@@ -1,0 +1,430 @@
+"""Load speed of every tier against this machine's physical floor, measured in one run (#31).
+
+A load is what a warm request waits for: the connector's loader (connector/loader.py, the real
+one) fetches a prefix's stored chunks from one tier and scatters them into fresh blocks of an
+engine-shaped paged cache (the bundled model's geometry, fp32: 30 layers x 3 KV heads x 64).
+Each load is timed from submit to its end and checked (the blocks hold the stored K/V). Next
+to it, the floor of the same bytes on this machine, in the same invocation:
+
+- `cpu`: a memcpy of the prefix's K/V (torch `copy_`, this process's threads);
+- `disk`: plain `readinto` of the same files into a preallocated buffer, page cache warm, and
+  cold (`posix_fadvise(DONTNEED)` on the files before each read, for the load too);
+- `redis`, `kvtier` (the cache server): a raw client fetch of the same values over loopback
+  (redis-py pipelined GETs; the cache server's own client `get_many`), i.e. the transport.
+
+Arms: raw and lz4 codecs, with and without an integrity key, at 1k, 4k and 16k tokens; the
+growth of load time with length (least squares: seconds = a + b * tokens). `--ttft` adds the
+warm TTFT of a 2k-token prompt from the cpu tier against a one-token forward (the engine's
+prefix-cache hit of the same prompt) plus the memcpy floor of its K/V (target <= 2x).
+`--profile` prints where one 4k load's time goes per tier (cProfile, by own time).
+
+    .venv/bin/python benchmarks/bench_load.py [--quick] [--tiers cpu,disk,redis,kvtier]
+        [--tokens 1024,4096,16384] [--ttft] [--profile]
+
+Writes benchmarks/results/load.{json,md} (not with --quick, whose figures mean little).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from connector.config import make_config  # noqa: E402
+from connector.keyspace import Keyspace, Span  # noqa: E402
+from connector.loader import Loader  # noqa: E402
+from connector.metadata import LoadSpec  # noqa: E402
+from connector.metrics import ConnectorMetrics  # noqa: E402
+from connector.store_queue import StoreQueue  # noqa: E402
+from engine.kv_cache import EngineLayout  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
+from kvstore.backends.disk_names import key_path  # noqa: E402
+from kvstore.storage_manager import StorageManager  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+CHUNK = 256
+BLOCK = 16
+SECRET = "bench-load-integrity-secret-0123456789"
+
+
+def best_of(fn: Callable[[], object], reps: int, before: Callable[[], object] | None = None) -> float:
+    """Returns the least seconds of `reps` calls of `fn` after one warm-up (`before` runs,
+    untimed, ahead of each): on a shared machine the minimum is the repeatable figure."""
+    times = []
+    for _ in range(reps + 1):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
+
+def engine_caches(mc: ModelConfig, num_blocks: int) -> list[torch.Tensor]:
+    """The paged caches as kvtier's engine allocates them (engine/model_runner.py)."""
+    shape = (2, num_blocks, BLOCK, mc.num_kv_heads, mc.head_size)
+    return [torch.zeros(shape, dtype=torch.float32) for _ in range(mc.num_layers)]
+
+
+@dataclass
+class Bench:
+    """One tier's loader over an engine-shaped cache whose first half holds the stored prefix."""
+
+    storage: StorageManager
+    loader: Loader
+    layout: EngineLayout
+    keyspace: Keyspace
+    blocks_per_half: int
+    n_loads: int = 0
+
+    def store(self, ids: list[int]) -> list[Span]:
+        """Fills the source blocks with random K/V, stores the prefix's chunks in the tier (and
+        waits until written); returns its spans."""
+        spans = self.keyspace.spans(ids)
+        for kv in self.layout.kv_caches:
+            kv[:, :self.blocks_per_half].normal_()
+        src = list(range(self.blocks_per_half))
+        items = [(sp.key, self.layout.gather_chunk(self.layout.slots(src, sp.start, sp.end))) for sp in spans]
+        self.storage.batched_put(items, owned=True)
+        if not self.storage.flush(timeout=600):
+            raise RuntimeError("the tier did not finish writing the prefix")
+        return spans
+
+    def load(self, spans: list[Span], n: int) -> None:
+        """Loads positions [0, n) into the second half's blocks through the real loader."""
+        self.n_loads += 1
+        dst = list(range(self.blocks_per_half, 2 * self.blocks_per_half))
+        job = self.loader.submit(LoadSpec(f"load-{self.n_loads}", 0, n, spans, dst))
+        self.loader.wait_ended(job)
+        if job.filled != n:
+            raise RuntimeError(f"load {self.n_loads} ended at {job.filled} of {n} tokens")
+
+    def check(self, n: int) -> None:
+        """Raises unless every layer's destination slots hold what its source slots hold."""
+        off = self.blocks_per_half * BLOCK
+        for kv in self.layout.kv_caches:
+            flat = kv.reshape(2, -1, kv.shape[-2], kv.shape[-1])
+            if not torch.equal(flat[:, :n], flat[:, off:off + n]):
+                raise RuntimeError("a load wrote other K/V than was stored")
+
+
+@contextmanager
+def tier_bench(url: str, codec: str, integrity: bool, mc: ModelConfig, max_tokens: int) -> Iterator[Bench]:
+    config = make_config([url], chunk_size=CHUNK, codec=codec)
+    config.kvstore.integrity_key = SECRET if integrity else None
+    storage = StorageManager.from_config(config.kvstore)
+    try:
+        blocks = -(-max_tokens // BLOCK)
+        layout = EngineLayout(engine_caches(mc, 2 * blocks))
+        keyspace = Keyspace(mc.fingerprint, layout.dtype, CHUNK, mc.num_layers)
+        stores = StoreQueue(storage, config.store_queue_size, config.max_pending_store_bytes)
+        loader = Loader(storage, stores, layout, keyspace, ConnectorMetrics())
+        yield Bench(storage, loader, layout, keyspace, blocks)
+        loader.writer.close()
+    finally:
+        storage.close()
+
+
+# ---- floors ------------------------------------------------------------------------------
+def memcpy_seconds(nbytes: int, reps: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+    return best_of(lambda: dst.copy_(src), reps)
+
+
+def drop_page_cache(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_files(paths: list[Path], buf: bytearray) -> int:
+    view = memoryview(buf)
+    n = 0
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            n += f.readinto(view[:size])
+    return n
+
+
+def transport_fetch(url: str, keys: list[str]) -> Callable[[], int]:
+    """Returns a raw fetch of `keys` from the Redis or cache server at `url` (bytes fetched)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme == "redis":
+        import redis
+
+        client = redis.Redis(host=parts.hostname or "127.0.0.1", port=parts.port or 6379)
+
+        def redis_fetch() -> int:
+            pipe = client.pipeline(transaction=False)
+            for k in keys:
+                pipe.get(k)
+            return sum(len(v) for v in pipe.execute())
+        return redis_fetch
+    from kvstore.server.client import CacheServerClient
+
+    cs = CacheServerClient(parts.hostname or "127.0.0.1", parts.port or 0)
+    raw = [k.encode() for k in keys]
+
+    def cache_server_fetch() -> int:
+        return sum(len(v) for v in cs.get_many(raw) if v is not None)
+    return cache_server_fetch
+
+
+# ---- arms --------------------------------------------------------------------------------
+def measure_tier(name: str, url: str, mc: ModelConfig, tokens: list[int], codecs: list[str], reps: int,
+                 disk_root: Path | None) -> list[dict]:
+    rows = []
+    for codec in codecs:
+        for integrity in (False, True):
+            if name == "cpu" and codec == "raw" and integrity:
+                continue  # the cpu tier keeps raw chunks as tensors: no value, no MAC
+            with tier_bench(url, codec, integrity, mc, max(tokens)) as b:
+                for n in tokens:
+                    row = {"tier": name, "codec": codec, "integrity": integrity, "tokens": n,
+                           **measure_length(name, url, b, n, reps, disk_root)}
+                    rows.append(row)
+                    print(summary(row), flush=True)
+    return rows
+
+
+def measure_length(name: str, url: str, b: Bench, n: int, reps: int, disk_root: Path | None) -> dict:
+    """Stores an n-token prefix in the tier; returns its load and floor seconds (and bytes)."""
+    b.storage.clear()
+    spans = b.store(list(range(1, n + 1)))
+    kv_bytes = n * b.layout.bytes_per_token()
+    row: dict = {"kv_bytes": kv_bytes}
+
+    def load() -> None:
+        b.load(spans, n)
+    if name == "disk":
+        assert disk_root is not None
+        paths = [key_path(disk_root, sp.key) for sp in spans]
+        buf = bytearray(max(p.stat().st_size for p in paths))
+        row["stored_bytes"] = sum(p.stat().st_size for p in paths)
+        row["load_s"] = best_of(load, reps)
+        row["floor_s"] = best_of(lambda: read_files(paths, buf), reps)
+        row["load_cold_s"] = best_of(load, reps, lambda: drop_page_cache(paths))
+        row["floor_cold_s"] = best_of(lambda: read_files(paths, buf), reps, lambda: drop_page_cache(paths))
+    else:
+        row["load_s"] = best_of(load, reps)
+        if name == "cpu":
+            row["floor_s"] = memcpy_seconds(kv_bytes, reps)
+        else:
+            fetch = transport_fetch(url, [sp.key for sp in spans])
+            row["stored_bytes"] = fetch()
+            row["floor_s"] = best_of(fetch, reps)
+    b.check(n)
+    return row
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def summary(row: dict) -> str:
+    floor_bytes = row.get("stored_bytes", row["kv_bytes"])
+    s = (f"{row['tier']:7s} {row['codec']:4s} mac={'on ' if row['integrity'] else 'off'} {row['tokens']:6d} tok: "
+         f"load {gbps(row['kv_bytes'], row['load_s']):5.2f} GB/s, floor {gbps(floor_bytes, row['floor_s']):5.2f} "
+         f"GB/s, {row['floor_s'] / row['load_s']:4.0%}")
+    if "load_cold_s" in row:
+        s += (f" | cold: load {gbps(row['kv_bytes'], row['load_cold_s']):5.2f}, floor "
+              f"{gbps(floor_bytes, row['floor_cold_s']):5.2f} GB/s, {row['floor_cold_s'] / row['load_cold_s']:4.0%}")
+    return s
+
+
+def growth(rows: list[dict]) -> list[dict]:
+    """Per (tier, codec, integrity): seconds = a + b * tokens, fitted over the token counts."""
+    out = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["tier"], r["codec"], r["integrity"]), []).append(r)
+    for (tier, codec, integrity), rs in groups.items():
+        if len(rs) < 2:
+            continue
+        xs = [r["tokens"] for r in rs]
+        ys = [r["load_s"] for r in rs]
+        slope, intercept = statistics.linear_regression(xs, ys)
+        out.append({"tier": tier, "codec": codec, "integrity": integrity, "us_per_token": slope * 1e6,
+                    "constant_ms": intercept * 1e3,
+                    "s_per_token_by_length": {str(x): y / x * 1e6 for x, y in zip(xs, ys)}})
+    return out
+
+
+# ---- warm TTFT against its floor ----------------------------------------------------------
+def measure_ttft(model_dir: Path, tokens: int, reps: int) -> dict:
+    from connector.kvtier_connector import build_connector
+    from engine import LLM, SamplingParams
+
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    conn = build_connector(["cpu"], chunk_size=CHUNK)
+    llm = LLM(str(model_dir), kv_connector=conn, enable_prefix_caching=True)
+    try:
+        vocab = llm.model_config.vocab_size
+        out: dict[str, list[float]] = {"cold": [], "engine_hit": [], "cpu_load": []}
+        for r in range(reps):
+            ids = [(7919 * i + 104729 * r) % (vocab - 10) + 5 for i in range(tokens)]
+
+            def ttft(prompt: list[int]) -> float:
+                t0 = time.perf_counter()
+                llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)
+                return time.perf_counter() - t0
+            out["cold"].append(ttft(ids))
+            conn.flush(timeout=120)
+            out["engine_hit"].append(ttft(ids))  # the engine's prefix cache: one token computed
+            llm.reset_prefix_cache()
+            out["cpu_load"].append(ttft(ids))  # all but the last token from the cpu tier
+        mc = llm.model_config
+        kv_bytes = (tokens - 1) * mc.num_layers * 2 * mc.num_kv_heads * mc.head_size * 4
+    finally:
+        llm.shutdown()
+    med = {k: statistics.median(v) for k, v in out.items()}
+    floor = med["engine_hit"] + memcpy_seconds(kv_bytes, 5)
+    return {"tokens": tokens, "kv_bytes": kv_bytes, **{f"{k}_s": v for k, v in med.items()},
+            "floor_s": floor, "ratio": med["cpu_load"] / floor, "target": "<= 2.0"}
+
+
+def profile_loads(tiers: dict[str, str], mc: ModelConfig, n: int) -> str:
+    out = io.StringIO()
+    for name, url in tiers.items():
+        with tier_bench(url, "raw", False, mc, n) as b:
+            spans = b.store(list(range(1, n + 1)))
+            b.load(spans, n)
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(3):
+                b.load(spans, n)
+            prof.disable()
+        out.write(f"\n== {name}: 3 loads of {n} tokens (the loader's threads are not profiled by cProfile: "
+                  "their time shows as waits here; see --profile-threads)\n")
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+    return out.getvalue()
+
+
+def render_md(res: dict) -> str:
+    lines = ["# Load speed against this machine's floor (benchmarks/bench_load.py)", "",
+             f"{res['machine']}; torch threads {res['threads']}; model geometry {res['geometry']}; "
+             f"chunk {CHUNK} tokens; minimum of {res['reps']} loads after a warm-up. Load GB/s counts the K/V "
+             "bytes scattered into blocks; the floor counts the bytes it moves (K/V for memcpy, stored values "
+             "for files and transports). Share = floor time / load time (target >= 50%).", "",
+             "| tier | codec | MAC | tokens | load GB/s | floor GB/s | share | cold load GB/s | cold floor GB/s "
+             "| cold share |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        fb = r.get("stored_bytes", r["kv_bytes"])
+        cold = ["", "", ""]
+        if "load_cold_s" in r:
+            cold = [f"{gbps(r['kv_bytes'], r['load_cold_s']):.2f}", f"{gbps(fb, r['floor_cold_s']):.2f}",
+                    f"{r['floor_cold_s'] / r['load_cold_s']:.0%}"]
+        lines.append(f"| {r['tier']} | {r['codec']} | {'on' if r['integrity'] else 'off'} | {r['tokens']} | "
+                     f"{gbps(r['kv_bytes'], r['load_s']):.2f} | {gbps(fb, r['floor_s']):.2f} | "
+                     f"{r['floor_s'] / r['load_s']:.0%} | " + " | ".join(cold) + " |")
+    lines += ["", "Growth with length (least squares over the token counts: seconds = constant + per-token x "
+              "tokens):", "", "| tier | codec | MAC | us per token | constant ms |", "|---|---|---|---:|---:|"]
+    for g in res["growth"]:
+        lines.append(f"| {g['tier']} | {g['codec']} | {'on' if g['integrity'] else 'off'} | "
+                     f"{g['us_per_token']:.2f} | {g['constant_ms']:.1f} |")
+    t = res.get("ttft")
+    if t:
+        lines += ["", f"Warm TTFT of a {t['tokens']}-token prompt from the cpu tier: {t['cpu_load_s'] * 1e3:.0f} ms; "
+                  f"one-token forward (engine prefix-cache hit) {t['engine_hit_s'] * 1e3:.0f} ms + memcpy floor of "
+                  f"its K/V ({t['kv_bytes'] / 1e6:.0f} MB) = {t['floor_s'] * 1e3:.0f} ms; ratio {t['ratio']:.2f}x "
+                  f"(target {t['target']}); cold {t['cold_s'] * 1e3:.0f} ms."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, one codec; writes no results")
+    ap.add_argument("--tiers", default="cpu,disk,redis,kvtier")
+    ap.add_argument("--tokens", default="1024,4096,16384")
+    ap.add_argument("--codecs", default="raw,lz4")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--ttft", action="store_true", help="also the warm TTFT of a 2k prompt against its floor")
+    ap.add_argument("--profile", action="store_true", help="print where a 4k load's time goes per tier")
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the bundled SmolLM2)")
+    args = ap.parse_args()
+    tokens = [256, 1024] if args.quick else [int(t) for t in args.tokens.split(",")]
+    codecs = ["raw"] if args.quick else args.codecs.split(",")
+    reps = 1 if args.quick else args.reps
+    from engine.default_model import ensure_default_model
+
+    model_dir = Path(args.model) if args.model else ensure_default_model()
+    mc = ModelConfig.from_pretrained(model_dir)
+    wanted = args.tiers.split(",")
+    unknown = set(wanted) - {"cpu", "disk", "redis", "kvtier"}
+    if unknown:
+        ap.error(f"unknown tier(s) {sorted(unknown)}")
+    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-load-", dir=REPO / "build" if (REPO / "build").is_dir()
+                                 else None))
+    procs: list = []  # servers started here (a RedisServer, a CacheServerProcess): stopped at the end
+    tiers: dict[str, str] = {}
+    try:
+        for name in wanted:
+            if name == "cpu":
+                tiers[name] = "cpu?budget=2GiB"
+            elif name == "disk":
+                tiers[name] = f"disk://{work / 'disk'}?budget=4GiB"
+            elif name == "redis":
+                from tests.fixtures.redis_server import start_redis
+
+                server = start_redis()
+                procs.append(server)
+                tiers[name] = server.url
+            else:
+                from tests.fixtures.cache_server import CacheServerProcess
+
+                cs = CacheServerProcess("--max-bytes", "4GiB")
+                procs.append(cs)
+                tiers[name] = cs.url
+        if args.profile:
+            print(profile_loads(tiers, mc, 4096))
+            return 0
+        rows = []
+        for name, url in tiers.items():
+            rows += measure_tier(name, url, mc, tokens, codecs, reps, work / "disk" if name == "disk" else None)
+        res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "threads": torch.get_num_threads(),
+               "geometry": f"{mc.num_layers} layers x {mc.num_kv_heads} KV heads x {mc.head_size}, fp32",
+               "reps": reps, "rows": rows, "growth": growth(rows)}
+        if args.ttft:
+            res["ttft"] = measure_ttft(model_dir, 256 if args.quick else 2048, 1 if args.quick else 3)
+        md = render_md(res)
+        print(md)
+        if not args.quick:
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            (RESULTS / "load.json").write_text(json.dumps(res, indent=2) + "\n")
+            (RESULTS / "load.md").write_text(md)
+        return 0
+    finally:
+        for p in procs:
+            p.stop()
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
