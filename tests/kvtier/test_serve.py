@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -190,6 +191,20 @@ def test_client_hanging_up_mid_stream_frees_everything(server: ServeProcess) -> 
     assert m["kvtier:kv_cache_usage_perc"] == 0  # every block released
     assert m["kvtier:generation_tokens_total"] < 400 + 1000  # it stopped long before its 400 tokens
     assert m['kvtier:request_success_total'] > 0
+
+
+def test_an_idle_keep_alive_connection_outlives_the_clients_expiry(server: ServeProcess) -> None:
+    """A connection idle for 6 s (the openai client's httpx keeps one 5 s) still serves the next
+    request: the server never closes it under a client that is about to reuse it."""
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        for i in range(2):
+            sock.sendall(request)
+            reply = sock.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 200"), (i, reply[:200])
+            if i == 0:
+                time.sleep(6)
 
 
 def test_metrics_parse_and_move(server: ServeProcess, client: openai.OpenAI) -> None:
