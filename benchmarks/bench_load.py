@@ -53,7 +53,8 @@ from connector.loader import Loader  # noqa: E402
 from connector.metadata import LoadSpec  # noqa: E402
 from connector.metrics import ConnectorMetrics  # noqa: E402
 from connector.store_queue import StoreQueue  # noqa: E402
-from engine.kv_cache import EngineLayout  # noqa: E402
+from connector.vllm_layouts import vllm_layout_for  # noqa: E402
+from engine.kv_cache import EngineLayout, PagedKVLayout  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from kvstore.backends.disk_names import key_path  # noqa: E402
 from kvstore.storage_manager import StorageManager  # noqa: E402
@@ -77,10 +78,14 @@ def best_of(fn: Callable[[], object], reps: int, before: Callable[[], object] | 
     return min(times[1:])
 
 
-def engine_caches(mc: ModelConfig, num_blocks: int) -> list[torch.Tensor]:
-    """The paged caches as kvtier's engine allocates them (engine/model_runner.py)."""
-    shape = (2, num_blocks, BLOCK, mc.num_kv_heads, mc.head_size)
-    return [torch.zeros(shape, dtype=torch.float32) for _ in range(mc.num_layers)]
+def make_layout(name: str, mc: ModelConfig, num_blocks: int) -> PagedKVLayout:
+    """Paged caches as kvtier's engine allocates them (engine/model_runner.py), or as vLLM's
+    CPU backend does (`(num_blocks, H, block_size, 2 * D)` per layer, connector/vllm_layouts.py)."""
+    if name == "engine":
+        shape: tuple[int, ...] = (mc.num_layers, 2, num_blocks, BLOCK, mc.num_kv_heads, mc.head_size)
+        return EngineLayout(list(torch.zeros(shape).unbind(0)))
+    shape = (num_blocks, mc.num_kv_heads, BLOCK, 2 * mc.head_size)
+    return vllm_layout_for([torch.zeros(shape) for _ in range(mc.num_layers)], "cpu")
 
 
 @dataclass
@@ -89,7 +94,7 @@ class Bench:
 
     storage: StorageManager
     loader: Loader
-    layout: EngineLayout
+    layout: PagedKVLayout
     keyspace: Keyspace
     blocks_per_half: int
     n_loads: int = 0
@@ -99,7 +104,7 @@ class Bench:
         waits until written); returns its spans."""
         spans = self.keyspace.spans(ids)
         for kv in self.layout.kv_caches:
-            kv[:, :self.blocks_per_half].normal_()
+            kv.normal_()
         src = list(range(self.blocks_per_half))
         items = [(sp.key, self.layout.gather_chunk(self.layout.slots(src, sp.start, sp.end))) for sp in spans]
         self.storage.batched_put(items, owned=True)
@@ -117,22 +122,22 @@ class Bench:
             raise RuntimeError(f"load {self.n_loads} ended at {job.filled} of {n} tokens")
 
     def check(self, n: int) -> None:
-        """Raises unless every layer's destination slots hold what its source slots hold."""
-        off = self.blocks_per_half * BLOCK
-        for kv in self.layout.kv_caches:
-            flat = kv.reshape(2, -1, kv.shape[-2], kv.shape[-1])
-            if not torch.equal(flat[:, :n], flat[:, off:off + n]):
-                raise RuntimeError("a load wrote other K/V than was stored")
+        """Raises unless the destination blocks hold what the source blocks hold."""
+        src = self.layout.slots(list(range(self.blocks_per_half)), 0, n)
+        dst = self.layout.slots(list(range(self.blocks_per_half, 2 * self.blocks_per_half)), 0, n)
+        if not torch.equal(self.layout.gather_chunk(src), self.layout.gather_chunk(dst)):
+            raise RuntimeError("a load wrote other K/V than was stored")
 
 
 @contextmanager
-def tier_bench(url: str, codec: str, integrity: bool, mc: ModelConfig, max_tokens: int) -> Iterator[Bench]:
+def tier_bench(url: str, codec: str, integrity: bool, mc: ModelConfig, max_tokens: int,
+               layout_name: str = "engine") -> Iterator[Bench]:
     config = make_config([url], chunk_size=CHUNK, codec=codec)
     config.kvstore.integrity_key = SECRET if integrity else None
     storage = StorageManager.from_config(config.kvstore)
     try:
         blocks = -(-max_tokens // BLOCK)
-        layout = EngineLayout(engine_caches(mc, 2 * blocks))
+        layout = make_layout(layout_name, mc, 2 * blocks)
         keyspace = Keyspace(mc.fingerprint, layout.dtype, CHUNK, mc.num_layers)
         stores = StoreQueue(storage, config.store_queue_size, config.max_pending_store_bytes)
         loader = Loader(storage, stores, layout, keyspace, ConnectorMetrics())
@@ -197,16 +202,16 @@ def transport_fetch(url: str, keys: list[str]) -> Callable[[], int]:
 
 # ---- arms --------------------------------------------------------------------------------
 def measure_tier(name: str, url: str, mc: ModelConfig, tokens: list[int], codecs: list[str], reps: int,
-                 disk_root: Path | None) -> list[dict]:
+                 disk_root: Path | None, layout_name: str = "engine") -> list[dict]:
     rows = []
     for codec in codecs:
         for integrity in (False, True):
             if name == "cpu" and codec == "raw" and integrity:
                 continue  # the cpu tier keeps raw chunks as tensors: no value, no MAC
-            with tier_bench(url, codec, integrity, mc, max(tokens)) as b:
+            with tier_bench(url, codec, integrity, mc, max(tokens), layout_name) as b:
                 for n in tokens:
-                    row = {"tier": name, "codec": codec, "integrity": integrity, "tokens": n,
-                           **measure_length(name, url, b, n, reps, disk_root)}
+                    row = {"tier": name, "layout": layout_name, "codec": codec, "integrity": integrity,
+                           "tokens": n, **measure_length(name, url, b, n, reps, disk_root)}
                     rows.append(row)
                     print(summary(row), flush=True)
     return rows
@@ -248,7 +253,8 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 def summary(row: dict) -> str:
     floor_bytes = row.get("stored_bytes", row["kv_bytes"])
-    s = (f"{row['tier']:7s} {row['codec']:4s} mac={'on ' if row['integrity'] else 'off'} {row['tokens']:6d} tok: "
+    mac = "on " if row["integrity"] else "off"
+    s = (f"{row['tier']:7s} {row['layout']:8s} {row['codec']:4s} mac={mac} {row['tokens']:6d} tok: "
          f"load {gbps(row['kv_bytes'], row['load_s']):5.2f} GB/s, floor {gbps(floor_bytes, row['floor_s']):5.2f} "
          f"GB/s, {row['floor_s'] / row['load_s']:4.0%}")
     if "load_cold_s" in row:
@@ -262,14 +268,14 @@ def growth(rows: list[dict]) -> list[dict]:
     out = []
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["tier"], r["codec"], r["integrity"]), []).append(r)
-    for (tier, codec, integrity), rs in groups.items():
+        groups.setdefault((r["tier"], r["layout"], r["codec"], r["integrity"]), []).append(r)
+    for (tier, layout, codec, integrity), rs in groups.items():
         if len(rs) < 2:
             continue
         xs = [r["tokens"] for r in rs]
         ys = [r["load_s"] for r in rs]
         slope, intercept = statistics.linear_regression(xs, ys)
-        out.append({"tier": tier, "codec": codec, "integrity": integrity, "us_per_token": slope * 1e6,
+        out.append({"tier": tier, "layout": layout, "codec": codec, "integrity": integrity, "us_per_token": slope * 1e6,
                     "constant_ms": intercept * 1e3,
                     "s_per_token_by_length": {str(x): y / x * 1e6 for x, y in zip(xs, ys)}})
     return out
@@ -328,24 +334,27 @@ def profile_loads(tiers: dict[str, str], mc: ModelConfig, n: int) -> str:
 def render_md(res: dict) -> str:
     lines = ["# Load speed against this machine's floor (benchmarks/bench_load.py)", "",
              f"{res['machine']}; torch threads {res['threads']}; model geometry {res['geometry']}; "
-             f"chunk {CHUNK} tokens; minimum of {res['reps']} loads after a warm-up. Load GB/s counts the K/V "
+             f"chunk {CHUNK} tokens; blocks: kvtier's engine layout, or vLLM's CPU one (K transposed per block); "
+             f"minimum of {res['reps']} loads after a warm-up. Load GB/s counts the K/V "
              "bytes scattered into blocks; the floor counts the bytes it moves (K/V for memcpy, stored values "
              "for files and transports). Share = floor time / load time (target >= 50%).", "",
-             "| tier | codec | MAC | tokens | load GB/s | floor GB/s | share | cold load GB/s | cold floor GB/s "
-             "| cold share |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| tier | blocks | codec | MAC | tokens | load GB/s | floor GB/s | share | cold load GB/s "
+             "| cold floor GB/s | cold share |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
         fb = r.get("stored_bytes", r["kv_bytes"])
         cold = ["", "", ""]
         if "load_cold_s" in r:
             cold = [f"{gbps(r['kv_bytes'], r['load_cold_s']):.2f}", f"{gbps(fb, r['floor_cold_s']):.2f}",
                     f"{r['floor_cold_s'] / r['load_cold_s']:.0%}"]
-        lines.append(f"| {r['tier']} | {r['codec']} | {'on' if r['integrity'] else 'off'} | {r['tokens']} | "
+        mac = "on" if r["integrity"] else "off"
+        lines.append(f"| {r['tier']} | {r['layout']} | {r['codec']} | {mac} | {r['tokens']} | "
                      f"{gbps(r['kv_bytes'], r['load_s']):.2f} | {gbps(fb, r['floor_s']):.2f} | "
                      f"{r['floor_s'] / r['load_s']:.0%} | " + " | ".join(cold) + " |")
     lines += ["", "Growth with length (least squares over the token counts: seconds = constant + per-token x "
-              "tokens):", "", "| tier | codec | MAC | us per token | constant ms |", "|---|---|---|---:|---:|"]
+              "tokens):", "", "| tier | blocks | codec | MAC | us per token | constant ms |",
+              "|---|---|---|---|---:|---:|"]
     for g in res["growth"]:
-        lines.append(f"| {g['tier']} | {g['codec']} | {'on' if g['integrity'] else 'off'} | "
+        lines.append(f"| {g['tier']} | {g['layout']} | {g['codec']} | {'on' if g['integrity'] else 'off'} | "
                      f"{g['us_per_token']:.2f} | {g['constant_ms']:.1f} |")
     t = res.get("ttft")
     if t:
@@ -406,6 +415,8 @@ def main() -> int:
         rows = []
         for name, url in tiers.items():
             rows += measure_tier(name, url, mc, tokens, codecs, reps, work / "disk" if name == "disk" else None)
+        if "cpu" in tiers and not args.quick:  # vLLM's CPU blocks: another scatter, the same fetch
+            rows += measure_tier("cpu", tiers["cpu"], mc, tokens, ["raw"], reps, None, "vllm-cpu")
         res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "threads": torch.get_num_threads(),
                "geometry": f"{mc.num_layers} layers x {mc.num_kv_heads} KV heads x {mc.head_size}, fp32",
                "reps": reps, "rows": rows, "growth": growth(rows)}

@@ -82,6 +82,17 @@ def check_slots(slots: torch.Tensor, num_slots: int) -> None:
         raise ValueError(f"slots must lie in [0, {num_slots}), the kv_cache's slot range")
 
 
+def consecutive_start(slots: torch.Tensor) -> int | None:
+    """Returns the first of `slots` when they are one run of consecutive slots (a request whose
+    blocks are adjacent), else None; None for device slots too (reading them would sync)."""
+    if slots.device.type != "cpu" or slots.numel() == 0:
+        return None
+    first = int(slots[0])
+    if int(slots[-1]) - first != slots.numel() - 1:
+        return None
+    return first if slots.numel() == 1 or bool((slots.diff() == 1).all()) else None
+
+
 class PagedKVLayout(ABC):
     """The per-layer paged caches of one engine and the moves into and out of them.
 
@@ -205,8 +216,12 @@ class EngineLayout(PagedKVLayout):
 
     def gather_chunk(self, slots: torch.Tensor) -> torch.Tensor:
         check_slots(slots, self.num_slots)  # before the move: host-side slots need no device sync
+        first = consecutive_start(slots) if self._stacked is not None else None
         slots = slots.to(self.device, non_blocking=True)
         if self._stacked is not None:
+            if first is not None:  # one strided copy instead of an index per slot
+                run = self._stacked[:, :, first:first + slots.numel()]
+                return torch.empty(run.shape, dtype=self.dtype, device=self.device).copy_(run)
             return self._stacked.index_select(2, slots)
         out = torch.empty(self.chunk_shape(self.num_layers, slots.numel()), dtype=self.dtype, device=self.device)
         for layer, kv in enumerate(self.kv_caches):
@@ -220,10 +235,16 @@ class EngineLayout(PagedKVLayout):
         if tuple(chunk.shape) != expected:
             raise ValueError(f"chunk shape {tuple(chunk.shape)} does not match expected {expected}")
         check_slots(slots, self.num_slots)
+        first = consecutive_start(slots) if self._stacked is not None else None
         slots = slots.to(self.device, non_blocking=True)
         chunk = chunk.to(device=self.device, dtype=self.dtype, non_blocking=True)
         if self._stacked is not None:
-            self._stacked.index_copy_(2, slots, chunk)
+            # Every layer in one op: from a background thread each op pays an OpenMP team's
+            # start, so per-layer ops cost twice the copy (benchmarks/bench_load.py).
+            if first is not None:
+                self._stacked[:, :, first:first + slots.numel()].copy_(chunk)
+            else:
+                self._stacked.index_copy_(2, slots, chunk)
             return
         for layer, kv in enumerate(self.kv_caches):
             self._flat(kv).index_copy_(1, slots, chunk[layer])

@@ -37,8 +37,10 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = self._decide_num_blocks()
         mc = self.model_config
-        shape = (2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
+        shape = (mc.num_layers, 2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_size)
+        # One allocation, one view per layer: the connector then moves a chunk of every layer
+        # in one op (engine/kv_cache.py `_stacked_view`; benchmarks/bench_load.py).
+        self.kv_caches = list(torch.zeros(shape, dtype=self.dtype, device=self.device).unbind(0))
         self.connector = kv_connector
         if kv_connector is not None:
             kv_connector.register_model(mc)

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_cache import EngineLayout, PagedKVLayout, kv_bytes_per_block, layout_for, request_slots, slot_mapping
+from engine.kv_cache import (
+    EngineLayout,
+    PagedKVLayout,
+    consecutive_start,
+    kv_bytes_per_block,
+    layout_for,
+    request_slots,
+    slot_mapping,
+)
 from engine.model_config import ModelConfig
 
 NUM_LAYERS, H, D = 3, 2, 4
@@ -30,6 +38,7 @@ def _reference_gather(caches, block_table, block_size, start, end):
     return torch.stack(out, dim=0)
 
 
+@pytest.mark.parametrize("adjacent", [False, True])
 @pytest.mark.parametrize("stacked", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
@@ -43,12 +52,14 @@ def _reference_gather(caches, block_table, block_size, start, end):
         (7, 5, 53, 3),  # odd sizes
     ],
 )
-def test_round_trip_exact(chunk_size, block_size, num_tokens, start, dtype, stacked):
+def test_round_trip_exact(chunk_size, block_size, num_tokens, start, dtype, stacked, adjacent):
     seq_len = start + num_tokens
     num_seq_blocks = -(-seq_len // block_size)
     num_blocks = num_seq_blocks * 2 + 3
     g = torch.Generator().manual_seed(chunk_size * 1000 + block_size)
     table = torch.randperm(num_blocks, generator=g)[:num_seq_blocks].tolist()  # random, scattered
+    if adjacent:  # one run of slots: the stacked layout copies it whole
+        table = list(range(3, 3 + num_seq_blocks))
     src = _caches(num_blocks, block_size, dtype, stacked, seed=1)
     dst = _caches(num_blocks, block_size, dtype, stacked, seed=2)
     dst_before = [kv.clone() for kv in dst]
@@ -105,6 +116,22 @@ def test_stacked_scatter_writes_through_to_layer_views():
     layout.scatter_chunk(slots, chunk)
     assert torch.equal(layout.gather_chunk(slots), chunk)
     assert torch.equal(whole[1, :, 2, 3:8], chunk[1, :, :5])
+
+
+def test_consecutive_start_finds_one_run_only():
+    assert consecutive_start(torch.arange(40, 72)) == 40
+    assert consecutive_start(torch.tensor([7])) == 7
+    assert consecutive_start(torch.tensor([3, 4, 6, 5, 7])) is None  # right ends, not one run
+    assert consecutive_start(torch.tensor([3, 5])) is None
+    assert consecutive_start(torch.tensor([], dtype=torch.long)) is None
+
+
+def test_a_gathered_run_is_a_new_tensor():
+    layout = layout_for(_caches(4, 4, torch.float32, stacked=True))
+    slots = layout.slots([1, 2], 0, 8)
+    chunk = layout.gather_chunk(slots)
+    chunk.zero_()
+    assert not torch.equal(layout.gather_chunk(slots), chunk)
 
 
 def test_scatter_casts_dtype():
