@@ -26,41 +26,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
 
 from kvstore.server.disk import DiskSpill
 from kvstore.server.protocol import Buffer
+from kvstore.server.store_stats import StoreStats, read_stats
 from kvstore.tenant_keys import key_tenant_bytes
 from kvstore.tenant_quota import TenantBytes
-
-
-@dataclass
-class StoreStats:
-    """What STATS reports (as JSON)."""
-
-    entries: int
-    bytes: int
-    max_bytes: int
-    hits: int
-    misses: int
-    puts: int
-    evictions: int
-    rejected: int
-    disk_entries: int
-    disk_bytes: int
-    max_disk_bytes: int
-    disk_hits: int
-    disk_evictions: int
-    disk_corrupt: int
-    disk_write_failures: int
-    reserved_bytes: int
-    pinned_bytes: int
-    spilling_bytes: int
-    tenant_quota: int  # 0: none
-    tenant_evictions: int  # entries (memory and disk) evicted to keep a tenant within its quota
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 class ByteStore:
@@ -93,6 +64,11 @@ class ByteStore:
         self._sizes: dict[bytes, int] = {}
         # id(value) -> [replies (and spill writes) holding it, bytes it holds, whether it has left the store]
         self._pins: dict[int, list[int]] = {}
+
+    @property
+    def memory_entries(self) -> int:
+        """Entries held in memory (not on the disk spill)."""
+        return len(self._lru)
 
     def __len__(self) -> int:
         return len(self._lru) + (len(self.spill) if self.spill is not None else 0)
@@ -319,29 +295,8 @@ class ByteStore:
         return sum(written)
 
     def stats(self) -> StoreStats:
-        spill = self.spill
-        return StoreStats(
-            entries=len(self._lru),
-            bytes=self.bytes_used,
-            max_bytes=self.max_bytes,
-            hits=self.hits,
-            misses=self.misses,
-            puts=self.puts,
-            evictions=self.evictions,
-            rejected=self.rejected,
-            disk_entries=len(spill) if spill is not None else 0,
-            disk_bytes=spill.bytes_used if spill is not None else 0,
-            max_disk_bytes=spill.max_bytes if spill is not None else 0,
-            disk_hits=self.disk_hits,
-            disk_evictions=spill.evictions if spill is not None else 0,
-            disk_corrupt=spill.corrupt if spill is not None else 0,
-            disk_write_failures=spill.write_failures if spill is not None else 0,
-            reserved_bytes=self.reserved,
-            pinned_bytes=self.retired - self.spilling,
-            spilling_bytes=self.spilling,
-            tenant_quota=self.tenants.quota or 0,
-            tenant_evictions=self.tenant_evictions + (spill.tenant_evictions if spill is not None else 0),
-        )
+        """Returns what STATS reports of this store and its disk spill."""
+        return read_stats(self)
 
     def tenant_bytes(self) -> dict[str, int]:
         """Returns the bytes of stored entries in memory per tenant tag (salted keys only)."""
