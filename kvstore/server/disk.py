@@ -113,8 +113,8 @@ class DiskSpill:
     def put(self, key: bytes, value: Buffer, done: Callable[[bool], None]) -> bool:
         """Queues a write of `value` under `key`, evicting LRU files first; returns False
         (queuing nothing, and `done` is never called) if the entry alone exceeds the disk
-        budget or its tenant's quota. Otherwise `done(written)` runs on this thread once the worker no longer
-        holds `value` (written, failed, or cancelled by `take`/`delete`/`clear`)."""
+        budget or its tenant's quota. Otherwise `done(written)` runs on this thread once the
+        worker no longer holds `value` (written, failed, or cancelled by `take`/`delete`/`clear`)."""
         size = F.file_size(len(key), len(value))
         self.delete(key)
         if size > self.max_bytes or not self._make_tenant_room(key, size):

@@ -228,14 +228,14 @@ class ByteStore:
     def _loaded(self, key: bytes, size: int, value: memoryview | None,
                 waiters: list[Callable[[Buffer | None], None]]) -> None:
         self.reserved -= size
+        # Stale (a PUT or DELETE of the key meanwhile), damaged, or (a quota lowered since it
+        # was written) larger than its tenant's quota: a miss, and the entry is gone.
         if value is None or not self._make_tenant_room(key, size):
-            # Stale (a PUT or DELETE of the key meanwhile), damaged, or larger than its
-            # tenant's quota as a file: the waiters get it, memory does not keep it.
+            value = None
             self._freed()
         else:
             # The buffer is the whole file (>= key + value): its reserved room becomes the entry.
             self._hold(key, value, size)
-        if value is not None:
             self.disk_hits += 1
         for done in waiters:
             self._count_load(value, done)
