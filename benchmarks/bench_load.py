@@ -325,8 +325,8 @@ def profile_loads(tiers: dict[str, str], mc: ModelConfig, n: int) -> str:
             for _ in range(3):
                 b.load(spans, n)
             prof.disable()
-        out.write(f"\n== {name}: 3 loads of {n} tokens (the loader's threads are not profiled by cProfile: "
-                  "their time shows as waits here; see --profile-threads)\n")
+        out.write(f"\n== {name}: 3 loads of {n} tokens (cProfile sees this thread only: the loader's "
+                  "own time shows here as waits)\n")
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
     return out.getvalue()
 
