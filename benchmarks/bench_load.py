@@ -47,6 +47,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_store import timed  # noqa: E402 (this script's directory is on sys.path)
+
 from connector.config import make_config  # noqa: E402
 from connector.keyspace import Keyspace, Span  # noqa: E402
 from connector.loader import Loader  # noqa: E402
@@ -63,19 +65,6 @@ RESULTS = REPO / "benchmarks" / "results"
 CHUNK = 256
 BLOCK = 16
 SECRET = "bench-load-integrity-secret-0123456789"
-
-
-def best_of(fn: Callable[[], object], reps: int, before: Callable[[], object] | None = None) -> float:
-    """Returns the least seconds of `reps` calls of `fn` after one warm-up (`before` runs,
-    untimed, ahead of each): on a shared machine the minimum is the repeatable figure."""
-    times = []
-    for _ in range(reps + 1):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times[1:])
 
 
 def make_layout(name: str, mc: ModelConfig, num_blocks: int) -> PagedKVLayout:
@@ -151,7 +140,7 @@ def tier_bench(url: str, codec: str, integrity: bool, mc: ModelConfig, max_token
 def memcpy_seconds(nbytes: int, reps: int) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
-    return best_of(lambda: dst.copy_(src), reps)
+    return timed(lambda: dst.copy_(src), reps)
 
 
 def drop_page_cache(paths: list[Path]) -> None:
@@ -231,18 +220,18 @@ def measure_length(name: str, url: str, b: Bench, n: int, reps: int, disk_root: 
         paths = [key_path(disk_root, sp.key) for sp in spans]
         buf = bytearray(max(p.stat().st_size for p in paths))
         row["stored_bytes"] = sum(p.stat().st_size for p in paths)
-        row["load_s"] = best_of(load, reps)
-        row["floor_s"] = best_of(lambda: read_files(paths, buf), reps)
-        row["load_cold_s"] = best_of(load, reps, lambda: drop_page_cache(paths))
-        row["floor_cold_s"] = best_of(lambda: read_files(paths, buf), reps, lambda: drop_page_cache(paths))
+        row["load_s"] = timed(load, reps)
+        row["floor_s"] = timed(lambda: read_files(paths, buf), reps)
+        row["load_cold_s"] = timed(load, reps, lambda: drop_page_cache(paths))
+        row["floor_cold_s"] = timed(lambda: read_files(paths, buf), reps, lambda: drop_page_cache(paths))
     else:
-        row["load_s"] = best_of(load, reps)
+        row["load_s"] = timed(load, reps)
         if name == "cpu":
             row["floor_s"] = memcpy_seconds(kv_bytes, reps)
         else:
             fetch = transport_fetch(url, [sp.key for sp in spans])
             row["stored_bytes"] = fetch()
-            row["floor_s"] = best_of(fetch, reps)
+            row["floor_s"] = timed(fetch, reps)
     b.check(n)
     return row
 

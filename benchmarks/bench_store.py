@@ -80,15 +80,18 @@ def real_kv_chunk(model_dir: Path) -> torch.Tensor:
     return torch.stack([torch.stack([k[0], v[0]]) for k, v in layers]).transpose(2, 3).contiguous()
 
 
-def timed(fn: Callable[[], object], reps: int) -> float:
-    """Returns the best (minimum) seconds of `reps` calls after one warm-up call: on a shared,
-    noisy machine the minimum is the most repeatable estimate of what the code costs."""
-    fn()
+def timed(fn: Callable[[], object], reps: int, before: Callable[[], object] | None = None) -> float:
+    """Returns the best (minimum) seconds of `reps` calls after one warm-up call (`before` runs,
+    untimed, ahead of each): on a shared, noisy machine the minimum is the most repeatable
+    estimate of what the code costs."""
     best = float("inf")
-    for _ in range(reps):
+    for i in range(reps + 1):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        if i:
+            best = min(best, time.perf_counter() - t0)
     return best
 
 

@@ -287,10 +287,6 @@ class DiskSpill:
             log.error("disk spill %s stopped accepting writes (%s): evicted entries are dropped, "
                       "memory keeps serving", self.root, exc)
 
-    def tenant_bytes(self) -> dict[str, int]:
-        """Returns the bytes of files (written or being written) per tenant tag."""
-        return dict(self.tenants.used)
-
     def _add(self, key: bytes, size: int) -> None:
         self._index[key] = size
         self.bytes_used += size
