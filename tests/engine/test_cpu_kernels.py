@@ -11,7 +11,7 @@ from torch import nn
 
 from engine import LLM, SamplingParams, cpu_ops
 from engine.attention_metadata import AttentionMetadata
-from engine.linear_backend import PackedLinear, onednn_supported, pack_linears
+from engine.linear_backend import EXACT_ROWS, PackedLinear, onednn_supported, pack_linears, padded_rows
 from engine.model_loader import load_model
 from engine.paged_attention import build_plan, paged_attention
 
@@ -150,6 +150,28 @@ def test_packed_linear_equals_f_linear(dtype: torch.dtype) -> None:
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(net(x), ref, atol=tol, rtol=0)
     torch.testing.assert_close(net[0](x), F.linear(x, weight.to(dtype), net[0].bias), atol=tol, rtol=0)
+
+
+def test_row_counts_are_bounded_with_little_padding() -> None:
+    """Every step size up to 8k tokens maps to one of a few hundred oneDNN shapes (its primitive
+    cache holds 1024), each at least the real row count and under 1/16 more."""
+    sizes = [padded_rows(rows) for rows in range(1, 8193)]
+    assert sizes[:EXACT_ROWS] == list(range(1, EXACT_ROWS + 1))
+    assert all(rows <= size < rows * 17 / 16 for rows, size in enumerate(sizes, start=1))
+    assert sizes == sorted(sizes) and all(padded_rows(size) == size for size in sizes)
+    assert len(set(sizes)) == EXACT_ROWS + 7 * 16
+
+
+@pytest.mark.skipif(not onednn_supported(CPU, torch.float32), reason="needs oneDNN")
+def test_packed_linear_pads_rows_and_keeps_the_input_shape() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80)
+    packed = PackedLinear(linear.weight, linear.bias)
+    for shape in [(EXACT_ROWS + 1, 48), (3, 131, 48), (EXACT_ROWS, 48)]:
+        x = torch.randn(shape)
+        out = packed(x)
+        assert out.shape == (*shape[:-1], 80) and out.is_contiguous()
+        torch.testing.assert_close(out, linear(x), atol=1e-5, rtol=0)
 
 
 def test_unknown_kernels_is_refused_before_loading(default_model_path) -> None:
