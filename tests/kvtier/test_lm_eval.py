@@ -19,22 +19,24 @@ from tests.fixtures.redis_server import RedisServer
 from tests.kvtier.test_serve import ENGINE_ARGS, NAME
 
 pytestmark = pytest.mark.slow
-NUM_GEN_DOCS = 20  # tests/fixtures/lm_eval_tasks/data/gen.jsonl
+# Each task's first 10 documents (of 20: tests/fixtures/lm_eval_tasks/data): two generate_until
+# batches of 8 and 2 prompts, 40 scored continuations; the benchmark evaluates all 20.
+DOCS_PER_TASK = 10
 
 
 def test_scores_identical_cold_and_warm(default_model_path: Path, redis_server: RedisServer) -> None:
-    runs = run_configurations(default_model_path, NAME, redis_server.url, ENGINE_ARGS)
+    runs = run_configurations(default_model_path, NAME, redis_server.url, ENGINE_ARGS, limit=DOCS_PER_TASK)
     cold, engine, cpu, redis = (runs[c].moved for c in ("cold", "engine", "cpu", "redis"))
 
     queried = cold["kvtier:prefix_cache_queries_total"]
-    assert queried > 50 * NUM_GEN_DOCS  # the generate_until prompts; scoring requests look nothing up
+    assert queried > 50 * DOCS_PER_TASK  # the generate_until prompts; scoring requests look nothing up
     # cold: nothing loaded, only the shared instruction found again within the run
     assert cold["kvtier:kv_connector_hit_tokens_total"] == 0
-    assert cold["kvtier:prefix_cache_hits_total"] < queried - 10 * NUM_GEN_DOCS
+    assert cold["kvtier:prefix_cache_hits_total"] < queried - 10 * DOCS_PER_TASK
     for name, moved in (("engine", engine), ("cpu", cpu), ("redis", redis)):
         assert moved["kvtier:prefix_cache_queries_total"] == queried, name
         reused = moved["kvtier:prefix_cache_hits_total"] + moved["kvtier:kv_connector_hit_tokens_total"]
-        assert reused == queried - NUM_GEN_DOCS, (name, moved)  # all but each prompt's last token
+        assert reused == queried - DOCS_PER_TASK, (name, moved)  # all but each prompt's last token
     assert engine["kvtier:prefix_cache_hits_total"] > 0.8 * queried
     assert cpu["loaded[cpu]"] > 0 and cpu["loaded[redis]"] == 0  # the fastest tier holding a chunk serves it
     assert cpu["kvtier:kv_connector_hit_tokens_total"] > queried / 3
@@ -42,6 +44,7 @@ def test_scores_identical_cold_and_warm(default_model_path: Path, redis_server: 
     assert redis["kvtier:kv_connector_hit_tokens_total"] > queried / 3
 
     want = runs["cold"].run
+    assert [len(want.samples[t]) for t in ("kvtier_mc", "kvtier_gen")] == [DOCS_PER_TASK, DOCS_PER_TASK]
     assert want.scores["kvtier_mc"]["acc"] > 0.25 and want.scores["kvtier_gen"]["exact_match"] > 0.25  # not noise
     for name, config in runs.items():
         got = config.run
