@@ -9,6 +9,12 @@ import importlib.util
 import os
 
 import pytest
+from hypothesis import settings
+
+# Hypothesis fails an example slower than 200 ms by default: a wall-clock assertion, which
+# tests here never make (a busy machine is not a bug; speed lives in benchmarks/).
+settings.register_profile("kvtier", deadline=None)
+settings.load_profile("kvtier")
 
 # tests/vllm needs vLLM, which lives in its own virtualenv: `make test` runs them there
 # (`make test-vllm`); a bare `pytest` in kvtier's environment leaves them out.
