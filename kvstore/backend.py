@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 # What a BytesBackend's `encode` returns and its `_put_bytes` stores: one buffer, or header and
 # payload unjoined for tiers that write the two parts separately.
 StoredValue = Buffer | serde.SplitValue
+ReadValue = Buffer | serde.CheckedValue
+"""What a tier's read hook returns: the value, or the value with its check fed as it was read."""
 
 
 class BackendError(RuntimeError):
@@ -174,7 +176,7 @@ class BytesBackend(StorageBackend):
 
     # -- byte-level hooks ---------------------------------------------------------------
     @abstractmethod
-    def _get_bytes(self, key: str) -> Buffer | None:
+    def _get_bytes(self, key: str) -> ReadValue | None:
         """Returns the stored value of `key`, or None if absent."""
 
     @abstractmethod
@@ -195,7 +197,7 @@ class BytesBackend(StorageBackend):
     def _usage(self) -> tuple[int, int, int | None, int]:
         """Returns (entries, bytes_used, byte_budget, evictions) as far as this tier knows."""
 
-    def _batched_get_bytes(self, keys: Sequence[str]) -> Sequence[Buffer | None]:
+    def _batched_get_bytes(self, keys: Sequence[str]) -> Sequence[ReadValue | None]:
         return [self._get_bytes(k) for k in keys]
 
     def _batched_put_bytes(self, items: Sequence[tuple[str, StoredValue]]) -> list[bool]:
@@ -212,7 +214,7 @@ class BytesBackend(StorageBackend):
         (it has `len()`), and then get it in their `_put_bytes`."""
         return serde.encode(key, kv, self.codec)
 
-    def decode(self, key: str, value: Buffer | None) -> torch.Tensor | None:
+    def decode(self, key: str, value: ReadValue | None) -> torch.Tensor | None:
         """Returns the chunk in `value`, or None (counted as a miss or as corrupt)."""
         if value is None:
             with self._stats_lock:

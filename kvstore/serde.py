@@ -23,6 +23,7 @@ from __future__ import annotations
 import hmac
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import blake3
 import numpy as np
@@ -92,14 +93,21 @@ def integrity_enabled() -> bool:
     return _mac_key is not None
 
 
-def _mac(mac_key: bytes, key: str, header: Buffer, payload: Buffer) -> bytes:
-    """Returns the 32-byte MAC of a value stored under `key` (header with checksum and MAC zeroed)."""
+def _mac_hasher(mac_key: bytes, key: str, header: Buffer) -> Any:
+    """Returns a BLAKE3 hasher keyed for the MAC of a value stored under `key`, fed with the key
+    and `header` (checksum and MAC zeroed): the payload is fed next."""
     kb = key.encode()
     h = blake3.blake3(key=mac_key)
     h.update(struct.pack("<I", len(kb)) + kb)
     h.update(header)
+    return h
+
+
+def _mac(mac_key: bytes, key: str, header: Buffer, payload: Buffer) -> bytes:
+    """Returns the 32-byte MAC of a value stored under `key` (header with checksum and MAC zeroed)."""
+    h = _mac_hasher(mac_key, key, header)
     h.update(payload)
-    return h.digest()
+    return bytes(h.digest())
 
 
 def key_tag(key: str) -> int:
@@ -203,38 +211,106 @@ def looks_like_value(prefix: Buffer) -> bool:
     return True
 
 
-def decode(key: str, value: Buffer) -> torch.Tensor:
-    """Returns the CPU chunk stored in `value` under `key`.
+class ValueCheck:
+    """The checksum and (with an integrity key) the MAC of a value stored under `key`, computed
+    from its bytes as they arrive: a tier that reads a value in pieces feeds each piece while it
+    is still in the CPU's cache instead of reading the whole value again to check it.
 
-    Raises SerdeError if the value is truncated, corrupt (checksum), stored under another key,
-    of an unknown format, or (with an integrity key set) lacks a valid MAC. The result may view
-    `value`'s memory (raw codec): no copy.
-    """
-    header = read_header(value)
-    if len(value) != header.header_len + header.payload_len:
-        raise SerdeError(f"value is {len(value)} bytes, header says {header.header_len + header.payload_len}")
-    tag, stored_sum = struct.unpack_from("<QQ", value, _CHECKSUM_OFFSET - 8)
-    if tag != key_tag(key):
-        raise SerdeError("value was stored under a different key")
-    h = xxhash.xxh3_64()
-    mv = memoryview(value)
-    h.update(mv[:_CHECKSUM_OFFSET])
-    h.update(b"\0" * 8)
-    h.update(mv[_CHECKSUM_OFFSET + 8 :])
-    if h.intdigest() != stored_sum:
-        raise SerdeError("checksum mismatch: value is corrupt")
-    payload = mv[header.header_len :]
-    mac_key = _mac_key
-    if mac_key is not None:
-        if not header.has_mac:
-            raise SerdeError("value carries no MAC and an integrity key is set: refused")
-        unsigned = bytearray(mv[: header.header_len])
-        stored_mac = bytes(unsigned[-MAC_LEN:])
-        unsigned[_CHECKSUM_OFFSET : _CHECKSUM_OFFSET + 8] = bytes(8)
-        unsigned[-MAC_LEN:] = bytes(MAC_LEN)
-        if not hmac.compare_digest(stored_mac, _mac(mac_key, key, unsigned, payload)):
+    `feed` takes the value's bytes in order, the first piece holding at least its header
+    (`MAX_HEADER_LEN` bytes, or the whole value if shorter); it never raises: a bad header is
+    remembered and `decode` raises it."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self._header: ValueHeader | None = None
+        self._error: SerdeError | None = None
+        self._stored_sum = 0
+        self._stored_mac = b""
+        self._sum = xxhash.xxh3_64()
+        self._mac: Any = None  # blake3 hasher when a MAC is checked
+        self._fed = 0
+
+    def feed(self, piece: Buffer) -> None:
+        """Adds the value's next `piece` (its bytes are not kept)."""
+        if self._error is not None:
+            return
+        mv = memoryview(piece).cast("B")
+        if self._header is None:
+            try:
+                mv = self._start(mv)
+            except SerdeError as exc:
+                self._error = exc
+                return
+        self._sum.update(mv)
+        if self._mac is not None:
+            self._mac.update(mv)
+        self._fed += mv.nbytes
+
+    def _start(self, first: memoryview) -> memoryview:
+        """Checks the header in `first`, hashes it; returns the rest of `first` (payload)."""
+        header = read_header(first)
+        tag, self._stored_sum = struct.unpack_from("<QQ", first, _CHECKSUM_OFFSET - 8)
+        if tag != key_tag(self.key):
+            raise SerdeError("value was stored under a different key")
+        hlen = header.header_len
+        self._sum.update(first[:_CHECKSUM_OFFSET])
+        self._sum.update(bytes(8))
+        self._sum.update(first[_CHECKSUM_OFFSET + 8 : hlen])
+        mac_key = _mac_key  # one read: a concurrent set_integrity_key cannot split this check
+        if mac_key is not None:
+            if not header.has_mac:
+                raise SerdeError("value carries no MAC and an integrity key is set: refused")
+            unsigned = bytearray(first[:hlen])
+            self._stored_mac = bytes(unsigned[-MAC_LEN:])
+            unsigned[_CHECKSUM_OFFSET : _CHECKSUM_OFFSET + 8] = bytes(8)
+            unsigned[-MAC_LEN:] = bytes(MAC_LEN)
+            self._mac = _mac_hasher(mac_key, self.key, unsigned)
+        self._header = header
+        self._fed = hlen
+        return first[hlen:]
+
+    def decode(self, value: Buffer) -> torch.Tensor:
+        """Returns the chunk in `value`, the bytes that were fed. Raises SerdeError if the
+        value is truncated, corrupt (checksum), stored under another key, of an unknown
+        format, or (with an integrity key set) lacks a valid MAC. The result may view `value`'s
+        memory (raw codec): no copy."""
+        if self._error is not None:
+            raise self._error
+        header = self._header
+        if header is None:
+            raise SerdeError("value is empty")
+        if len(value) != header.header_len + header.payload_len:
+            raise SerdeError(f"value is {len(value)} bytes, header says {header.header_len + header.payload_len}")
+        if self._fed != len(value):
+            raise SerdeError(f"checked {self._fed} bytes of a {len(value)}-byte value")
+        if self._sum.intdigest() != self._stored_sum:
+            raise SerdeError("checksum mismatch: value is corrupt")
+        if self._mac is not None and not hmac.compare_digest(self._stored_mac, self._mac.digest()):
             raise SerdeError("MAC mismatch: value was not written with this integrity key")
-    try:
-        return get_codec(header.codec).decode(payload, header.dtype, header.shape)
-    except CodecError as exc:
-        raise SerdeError(f"payload does not decode: {exc}") from None
+        try:
+            return get_codec(header.codec).decode(memoryview(value)[header.header_len :], header.dtype, header.shape)
+        except CodecError as exc:
+            raise SerdeError(f"payload does not decode: {exc}") from None
+
+
+@dataclass(frozen=True)
+class CheckedValue:
+    """A value read together with its `ValueCheck`, fed with all of its bytes as they were read."""
+
+    value: Buffer
+    check: ValueCheck
+
+    def __len__(self) -> int:
+        return len(self.value)
+
+
+def decode(key: str, value: Buffer | CheckedValue) -> torch.Tensor:
+    """Returns the CPU chunk stored in `value` under `key` (see `ValueCheck.decode` for what is
+    refused, with SerdeError). A `CheckedValue` is not hashed again; its check must be for `key`."""
+    if isinstance(value, CheckedValue):
+        if value.check.key != key:
+            raise SerdeError("value was checked for a different key")
+        return value.check.decode(value.value)
+    check = ValueCheck(key)
+    check.feed(value)
+    return check.decode(value)

@@ -91,3 +91,34 @@ def test_integrity_key_is_checked() -> None:
         KVStoreConfig.from_dict({"integrity_key": "hunter2"})
     with pytest.raises(ValueError, match="integrity_key: expected str"):
         KVStoreConfig.from_dict({"integrity_key": 12345678901234567890})
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_a_value_checked_piece_by_piece_decodes_as_a_whole_one(secret: str | None) -> None:
+    """The disk tier checks a value as it reads it (serde.ValueCheck): any split into pieces
+    accepts what `decode` accepts and refuses a flipped byte wherever it lands."""
+    serde.set_integrity_key(secret)
+    kv = chunk(3)
+    value = bytes(serde.encode(ckey(3), kv))
+
+    def checked(data: bytes, first: int, step: int, key: str = ckey(3)) -> serde.CheckedValue:
+        check = serde.ValueCheck(key)
+        check.feed(data[:first])
+        for i in range(first, len(data), step):
+            check.feed(data[i : i + step])
+        return serde.CheckedValue(data, check)
+
+    header_len = serde.read_header(value).header_len
+    for first, step in [(serde.MAX_HEADER_LEN, 1000), (header_len, 7), (len(value), 1)]:
+        assert torch.equal(serde.decode(ckey(3), checked(value, first, step)), kv)
+    for at in (5, serde._CHECKSUM_OFFSET + 2, header_len + 3, len(value) - 1):
+        bad = bytearray(value)
+        bad[at] ^= 0x01
+        with pytest.raises(serde.SerdeError):
+            serde.decode(ckey(3), checked(bytes(bad), serde.MAX_HEADER_LEN, 4096))
+    with pytest.raises(serde.SerdeError, match="checked 200 bytes"):  # a piece went missing
+        serde.decode(ckey(3), serde.CheckedValue(value, checked(value[:200], 200, 1).check))
+    with pytest.raises(serde.SerdeError, match="different key"):
+        serde.decode(ckey(4), checked(value, serde.MAX_HEADER_LEN, 4096))
+    with pytest.raises(serde.SerdeError, match="different key"):
+        serde.decode(ckey(4), checked(value, serde.MAX_HEADER_LEN, 4096, key=ckey(4)))
