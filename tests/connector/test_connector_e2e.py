@@ -195,30 +195,30 @@ _CHILD = r"""
 import json, sys
 from connector.kvtier_connector import build_connector
 from engine import LLM, SamplingParams
-conn = build_connector([sys.argv[1]], chunk_size=int(sys.argv[2]))
+conn = build_connector(json.loads(sys.argv[1]), chunk_size=int(sys.argv[2]))
 llm = LLM(sys.argv[3], device="cpu", dtype="float32", block_size=16, num_gpu_blocks=64,
           enable_prefix_caching=False, kv_connector=conn)
 ids = json.loads(sys.argv[4])
 out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=6))[0]
-llm.shutdown()  # flushes the store to the shared tier before exit
+llm.shutdown()  # flushes the stores to the shared tiers before exit
 print(json.dumps({"cached": out.num_cached_tokens, "tokens": out.outputs[0].token_ids}))
 """
 
 
-@pytest.mark.parametrize("shared", ["redis_server", "cache_server"])
-def test_second_process_reuses_prefix_through_a_shared_tier(shared, default_model_path, prompt_ids, reference,
-                                                            request):
-    """Two engine processes (different PYTHONHASHSEED) share a prefix through Redis or the cache server."""
-    url = request.getfixturevalue(shared).url
+def test_a_second_process_reuses_prefix_through_each_shared_tier(default_model_path, prompt_ids, reference,
+                                                                 redis_server, cache_server):
+    """Engine processes (different PYTHONHASHSEED each) share a prefix through Redis and through
+    the cache server: one process stores it in both, then one process per tier, reading that
+    tier alone, reuses all but the last token."""
 
-    def child(seed: str) -> dict:
+    def child(seed: str, urls: list[str]) -> dict:
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO)}
-        proc = subprocess.run([sys.executable, "-c", _CHILD, url, str(CHUNK),
+        proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(urls), str(CHUNK),
                                str(default_model_path), json.dumps(prompt_ids)],
                               capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
-    first, second = child("1"), child("2")
-    assert first == {"cached": 0, "tokens": reference}
-    assert second == {"cached": len(prompt_ids) - 1, "tokens": reference}
+    assert child("1", [redis_server.url, cache_server.url]) == {"cached": 0, "tokens": reference}
+    for seed, url in (("2", redis_server.url), ("3", cache_server.url)):
+        assert child(seed, [url]) == {"cached": len(prompt_ids) - 1, "tokens": reference}, url
