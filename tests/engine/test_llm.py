@@ -48,7 +48,6 @@ def prompts(llm: LLM) -> list:
         chat("Write a haiku about autumn leaves."),
         chat("Explain in one sentence what a hash function is."),
         {"prompt_token_ids": doc_ids[:300]},
-        {"prompt_token_ids": doc_ids[:700]},
         chat("Summarise this text in two sentences:\n\n" + long_text(14)),
         {"prompt_token_ids": doc_ids[:1990]},
     ]
@@ -67,7 +66,7 @@ def greedy() -> SamplingParams:
 def test_prompt_set_spans_lengths(llm: LLM, prompts: list) -> None:
     lens = [len(llm.engine.make_sequence(p, greedy()).prompt_token_ids) for p in prompts]
     assert min(lens) == 1 and max(lens) >= 1900 and len(prompts) >= 8
-    assert lens[7] > 500  # a long chat-templated prompt too
+    assert lens[6] > 500  # a long chat-templated prompt too
 
 
 def test_one_at_a_time_matches_transformers(llm: LLM, prompts: list, oracle: list[list[int]]) -> None:
