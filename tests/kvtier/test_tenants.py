@@ -234,7 +234,7 @@ def _probe(server: ServeProcess, victim: tuple[str, str | None], attacker: tuple
     attacker sends that document and one nobody sent (alternating which goes first), timing
     each. Returns (probe times, fresh times, the probes' cached tokens)."""
     probe, fresh, cached = [], [], []
-    body = long_text(6)
+    body = long_text(3)  # ~120 tokens: a miss computes all, a hit all but the last few
     for i in range(rounds):
         doc, other = (f"Record {uuid.uuid4().hex}.\n{body}" for _ in range(2))
         complete(server, victim[0], doc, victim[1], max_tokens=1)
