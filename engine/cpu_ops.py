@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
 from pathlib import Path
 from types import ModuleType
@@ -53,6 +54,23 @@ def _cpu_fingerprint() -> str:
     return "\n".join(sorted(set(lines)))
 
 
+def _copy_sources(dest: Path) -> Path:
+    """Returns `dest`, holding a copy of engine/csrc. The build names its sources by path, so
+    building from the checkout would make every other checkout (a fresh clone, CI) rebuild
+    the same key; copies under the content-keyed build dir have one path for all of them."""
+    dest.mkdir(exist_ok=True)
+    for src in _CSRC.iterdir():
+        if src.suffix not in (".cpp", ".h"):
+            continue
+        target = dest / src.name
+        data = src.read_bytes()
+        if not target.exists() or target.read_bytes() != data:  # rewriting would bump the mtime
+            tmp = dest / f".{src.name}.{os.getpid()}"
+            tmp.write_bytes(data)
+            os.replace(tmp, target)  # whole or absent for a process building at the same time
+    return dest
+
+
 @functools.cache
 def load() -> ModuleType | None:
     """Returns the compiled kernels, building them on first use; None (logged once, with the
@@ -65,7 +83,9 @@ def load() -> ModuleType | None:
         from torch.utils.cpp_extension import load as build
 
         build_dir.mkdir(parents=True, exist_ok=True)
-        return build(name="kvtier_cpu_ops", sources=[str(p) for p in _SOURCES], build_directory=str(build_dir),
+        sources_dir = _copy_sources(build_dir / "src")
+        return build(name="kvtier_cpu_ops", sources=[str(sources_dir / p.name) for p in _SOURCES],
+                     build_directory=str(build_dir),
                      extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
         logger.warning("kvtier's CPU kernels could not be built (%s: %s); decode attention uses the "
