@@ -250,8 +250,10 @@ def _probe(server: ServeProcess, victim: tuple[str, str | None], attacker: tuple
 
 def test_timing_probe_learns_nothing_across_tenants(servers) -> None:
     """Distributions, not single timings: a one-sided Mann-Whitney U test of "the probe is
-    faster". Across salts it must not be (p > 0.001: a false alarm in 1 run of 1000); the same
-    probe without salts must be, so the probe is shown able to see a hit."""
+    faster". Across salts it must not be; with 6 rounds against 6 the smallest p is 1/924
+    (every probe faster than every fresh prompt), and p > 0.002 refuses exactly that: a false
+    alarm in 1 run of 924. The same probe without salts must be faster, so the probe is shown
+    able to see a hit."""
     a = servers[0]
     probe, fresh, cached = _probe(a, (KEYS["alice"], None), (KEYS["bob"], None), rounds=6)
     assert cached == [0] * 6
@@ -260,7 +262,7 @@ def test_timing_probe_learns_nothing_across_tenants(servers) -> None:
     assert min(cached_u) > 0
     unsalted_p = mannwhitneyu(probe_u, fresh_u, alternative="less").pvalue
     assert unsalted_p < 0.01, (probe_u, fresh_u)
-    assert salted_p > 0.001, (probe, fresh)
+    assert salted_p > 0.002, (probe, fresh)
 
 
 def test_router_lookup_carries_the_salt_and_tenant_files_are_checked(tmp_path) -> None:
