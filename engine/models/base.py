@@ -37,7 +37,10 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_size, cfg.max_position_embeddings,
                                       cfg.rope_theta, cfg.rope_scaling)
         ropes = {repr((cfg.rope_theta, cfg.rope_scaling)): self.rotary}
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Uninitialised: load_model overwrites every weight, and nn.Embedding's N(0, 1) init on
+        # the meta device imports torch._dynamo (~1 s of every engine start).
+        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.hidden_size),
+                                                         freeze=False)
         layers = []
         for i in range(cfg.num_layers):
             theta, scaling = cfg.layer_rope(i)
