@@ -111,7 +111,9 @@ def load_model(model: str | Path | None, device: torch.device, dtype: torch.dtyp
     cls = get_model_class(config.architecture)
     with torch.device("meta"):  # skip random init: every weight is overwritten below
         net: CausalLM = cls(config)
-    net = net.to(dtype).to_empty(device=device)
+    # to_empty() would do this with empty_like, which on meta tensors runs torch._refs and
+    # imports sympy (~0.4 s of every engine start); every parameter is contiguous.
+    net = net.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     net.load_weights(iter_safetensors(path, progress=None))
     net = net.eval().requires_grad_(False)
     if kernels == "auto":
@@ -124,6 +126,36 @@ def load_model(model: str | Path | None, device: torch.device, dtype: torch.dtyp
 
 
 def load_tokenizer(path: str | Path):
-    """Returns the checkpoint's HF tokenizer (local files only)."""
+    """Returns the checkpoint's HF tokenizer (local files only): what AutoTokenizer returns."""
     from transformers import AutoTokenizer
+
+    if _is_plain_tokenizers_backend(Path(path)):
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(path), local_files_only=True)
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _is_plain_tokenizers_backend(path: Path) -> bool:
+    """Returns whether AutoTokenizer would load `path` as a TokenizersBackend without needing
+    the model's config: tokenizer_config.json names that class, no remote code is declared,
+    and transformers maps the model_type to no tokenizer class of its own (the default model,
+    Llama). AutoTokenizer first builds the config object, and importing the model's config
+    class pulls in torch.distributed and sympy (~1 s of every engine start)."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    try:
+        from transformers import TokenizersBackend  # noqa: F401  (transformers >= 5 only)
+    except ImportError:
+        return False
+    try:
+        tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+        model_cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # AutoTokenizer decides, and reports what is wrong
+    if not isinstance(tok_cfg, dict) or not isinstance(model_cfg, dict):
+        return False
+    model_type = model_cfg.get("model_type")
+    return (tok_cfg.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in tok_cfg
+            and "auto_map" not in model_cfg and isinstance(model_type, str) and bool(model_type)
+            and TOKENIZER_MAPPING_NAMES.get(model_type) is None)
