@@ -13,7 +13,7 @@ import torch
 
 from engine.attention_metadata import AttentionMetadata
 from engine.config import EngineConfig
-from engine.kv_cache import kv_bytes_per_block, slot_mapping
+from engine.kv_cache import kv_bytes_per_block, slot_mapping, zeroed_pool
 from engine.kv_connector import KVConnectorOutput, KVConnectorWorker
 from engine.logprobs import PromptLogprobsChunk, StepLogprobs, prompt_top_logprobs
 from engine.model_loader import load_model, resolve_device, resolve_dtype
@@ -40,7 +40,7 @@ class ModelRunner:
         shape = (mc.num_layers, 2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_size)
         # One allocation, one view per layer: the connector then moves a chunk of every layer
         # in one op (engine/kv_cache.py `_stacked_view`; benchmarks/bench_load.py).
-        self.kv_caches = list(torch.zeros(shape, dtype=self.dtype, device=self.device).unbind(0))
+        self.kv_caches = list(zeroed_pool(shape, self.dtype, self.device).unbind(0))
         self.connector = kv_connector
         if kv_connector is not None:
             kv_connector.register_model(mc)

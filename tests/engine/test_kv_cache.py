@@ -221,3 +221,16 @@ def test_non_contiguous_caches_gather_but_refuse_scatter():
         layout.scatter_chunk(slots, torch.zeros(2, 2, 5, H, D))
     with pytest.raises(ValueError, match="contiguous"):
         layout.scatter_layer(0, slots, torch.zeros(2, 5, H, D))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_zeroed_pool_is_zero_contiguous_and_aligned(dtype: torch.dtype) -> None:
+    from engine.kv_cache import zeroed_pool
+
+    pool = zeroed_pool((3, 2, 5, 16, 3, 64), dtype, torch.device("cpu"))
+    assert pool.shape == (3, 2, 5, 16, 3, 64) and pool.dtype == dtype and pool.is_contiguous()
+    assert pool.data_ptr() % 64 == 0 and not pool.any()
+    pool[1, 0, 2] = 1.5  # writable, and every view of a layer lands in the one allocation
+    layers = pool.unbind(0)
+    assert layers[1].untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()
+    assert float(pool.float().sum()) == 1.5 * 16 * 3 * 64
