@@ -3,8 +3,8 @@
 On CPU, `F.linear` goes to MKL's sgemm, which on this project's AMD machine runs its generic
 code path: oneDNN (shipped inside torch) with the weight reordered once into its blocked
 layout is 2-3x faster at every batch size, from a 1-token decode to a 2k-token prefill
-(`benchmarks/bench_linear.py`). vLLM's CPU backend makes the same choice. Results agree with
-`F.linear` to float rounding (a different summation order), not bit for bit.
+(`benchmarks/bench_kernels.py`, `bench_linear`). vLLM's CPU backend makes the same choice.
+Results agree with `F.linear` to float rounding (a different summation order), not bit for bit.
 
 oneDNN compiles and caches one primitive (with its own scratchpad) per distinct input row
 count, up to 1024 of them. A server sees every prompt length, so its RSS grew by hundreds of MB
