@@ -10,7 +10,8 @@ to it, the floor of the same bytes on this machine, in the same invocation:
 - `disk`: plain `readinto` of the same files into a preallocated buffer, page cache warm, and
   cold (`posix_fadvise(DONTNEED)` on the files before each read, for the load too);
 - `redis`, `kvtier` (the cache server): a raw client fetch of the same values over loopback
-  (redis-py pipelined GETs; the cache server's own client `get_many`), i.e. the transport.
+  (Redis: pipelined GETs on a plain socket into one preallocated buffer; the cache server:
+  its own client's `get_many`), i.e. the transport.
 
 Arms: raw and lz4 codecs, with and without an integrity key, at 1k, 4k and 16k tokens; the
 growth of load time with length (least squares: seconds = a + b * tokens). `--ttft` adds the
@@ -33,6 +34,7 @@ import json
 import os
 import platform
 import pstats
+import socket
 import statistics
 import sys
 import tempfile
@@ -163,22 +165,38 @@ def read_files(paths: list[Path], buf: bytearray) -> int:
     return n
 
 
+def redis_raw_fetch(host: str, port: int, keys: list[str]) -> Callable[[], int]:
+    """Returns a fetch of `keys` from Redis at the transport's floor: pipelined GETs on a plain
+    socket, every reply received into one preallocated buffer, nothing parsed but its length."""
+    import redis
+
+    sizes = [len(v) for v in redis.Redis(host=host, port=port).mget(keys) if v is not None]
+    if len(sizes) != len(keys):
+        raise RuntimeError("a stored value is missing from Redis")
+    expected = sum(len(b"$%d\r\n" % n) + n + 2 for n in sizes)  # each bulk reply as sent
+    commands = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k.encode()) for k in keys)
+    sock = socket.create_connection((host, port))
+    view = memoryview(bytearray(expected))
+
+    def fetch() -> int:
+        sock.sendall(commands)
+        got = 0
+        while got < expected:
+            n = sock.recv_into(view[got:])
+            if not n:
+                raise ConnectionError("Redis closed the connection mid-reply")
+            got += n
+        return sum(sizes)
+    return fetch
+
+
 def transport_fetch(url: str, keys: list[str]) -> Callable[[], int]:
     """Returns a raw fetch of `keys` from the Redis or cache server at `url` (bytes fetched)."""
     from urllib.parse import urlsplit
 
     parts = urlsplit(url)
     if parts.scheme == "redis":
-        import redis
-
-        client = redis.Redis(host=parts.hostname or "127.0.0.1", port=parts.port or 6379)
-
-        def redis_fetch() -> int:
-            pipe = client.pipeline(transaction=False)
-            for k in keys:
-                pipe.get(k)
-            return sum(len(v) for v in pipe.execute())
-        return redis_fetch
+        return redis_raw_fetch(parts.hostname or "127.0.0.1", parts.port or 6379, keys)
     from kvstore.server.client import CacheServerClient
 
     cs = CacheServerClient(parts.hostname or "127.0.0.1", parts.port or 0)
