@@ -11,7 +11,7 @@ Every model family uses them through `CausalLM.enable_cpu_ops` (engine/models/ba
 There are no such kernels for other devices: callers keep PyTorch's ops there and wherever the kernels cannot be built.
 
 The build (torch's C++ extension JIT, g++ with OpenMP, ~30 s) happens once per source, torch
-version, flags and CPU, under `$KVTIER_HOME/torch_extensions/`: `make install` runs it
+installation, flags and CPU, under `$KVTIER_HOME/torch_extensions/`: `make install` runs it
 (`python -m engine.cpu_ops`), else the first model load does; processes that start together
 wait on one build (torch's lock file). Without a compiler, `load()` returns None and says why
 once.
@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import platform
+import sysconfig
 from pathlib import Path
 from types import ModuleType
 
@@ -54,18 +55,20 @@ def _cpu_fingerprint() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _copy_sources(dest: Path) -> Path:
-    """Returns `dest`, holding a copy of engine/csrc. The build names its sources by path, so
+def _read_sources() -> dict[str, bytes]:
+    """Returns engine/csrc's sources and headers by file name, in name order."""
+    return {p.name: p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.suffix in (".cpp", ".h")}
+
+
+def _copy_sources(sources: dict[str, bytes], dest: Path) -> Path:
+    """Returns `dest`, holding `sources` (engine/csrc). The build names its sources by path, so
     building from the checkout would make every other checkout (a fresh clone, CI) rebuild
     the same key; copies under the content-keyed build dir have one path for all of them."""
     dest.mkdir(exist_ok=True)
-    for src in _CSRC.iterdir():
-        if src.suffix not in (".cpp", ".h"):
-            continue
-        target = dest / src.name
-        data = src.read_bytes()
+    for name, data in sources.items():
+        target = dest / name
         if not target.exists() or target.read_bytes() != data:  # rewriting would bump the mtime
-            tmp = dest / f".{src.name}.{os.getpid()}"
+            tmp = dest / f".{name}.{os.getpid()}"
             tmp.write_bytes(data)
             os.replace(tmp, target)  # whole or absent for a process building at the same time
     return dest
@@ -75,15 +78,19 @@ def _copy_sources(dest: Path) -> Path:
 def load() -> ModuleType | None:
     """Returns the compiled kernels, building them on first use; None (logged once, with the
     reason) where they cannot be built."""
-    sources = b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.suffix in (".cpp", ".h"))
-    key = hashlib.sha256(sources + " ".join([torch.__version__, *_CFLAGS]).encode()
+    sources = _read_sources()
+    # The build file names the torch and Python headers it compiles against by path: two
+    # environments with the same torch version (kvtier's and vLLM's) sharing one key rebuilt
+    # it each time the other had built last.
+    headers = [str(Path(torch.__file__).parent), sysconfig.get_paths()["include"]]
+    key = hashlib.sha256(b"".join(sources.values()) + " ".join([torch.__version__, *headers, *_CFLAGS]).encode()
                          + _cpu_fingerprint().encode()).hexdigest()[:16]
     build_dir = kvtier_home() / "torch_extensions" / f"cpu_ops-{key}"
     try:
         from torch.utils.cpp_extension import load as build
 
         build_dir.mkdir(parents=True, exist_ok=True)
-        sources_dir = _copy_sources(build_dir / "src")
+        sources_dir = _copy_sources(sources, build_dir / "src")
         return build(name="kvtier_cpu_ops", sources=[str(sources_dir / p.name) for p in _SOURCES],
                      build_directory=str(build_dir),
                      extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
