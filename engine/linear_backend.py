@@ -6,17 +6,22 @@ layout is 2-3x faster at every batch size, from a 1-token decode to a 2k-token p
 (`benchmarks/bench_kernels.py`, `bench_linear`). vLLM's CPU backend makes the same choice.
 Results agree with `F.linear` to float rounding (a different summation order), not bit for bit.
 
-oneDNN compiles and caches one primitive (with its own scratchpad) per distinct input row
-count, up to 1024 of them. A server sees every prompt length, so its RSS grew by hundreds of MB
-over hours until that cache filled (benchmarks/soak.py). Row counts above `EXACT_ROWS` are
-therefore padded up to one of 16 sizes per power of two (`padded_rows`): the distinct shapes
-stay bounded, all fit in the cache, and padding costs under 1/16 more rows.
+oneDNN compiles and caches one primitive per distinct input row count, and torch's ideep layer
+caches one computation per row count beside it, each with memory that grows with the rows and
+each up to 1024 entries. A server sees every prompt length, so its RSS grew by hundreds of MB
+over hours (benchmarks/soak.py). Two bounds: row counts above `EXACT_ROWS` are padded up to
+one of 16 sizes per power of two (`padded_rows`, under 1/16 more rows), and `pack_linears`
+caps both caches at `GEMM_CACHE_CAPACITY` entries. Compiling a GEMM costs ~0.4 ms, against
+tens of ms for a step's 30 layers, so misses are cheap; 144 bucket sizes x 4 shapes cached
+held ~340 MiB, the capped caches ~30 MiB.
 
 The engine's `kernels="auto"` packs the linears where `onednn_supported` (CPU: fp32 always,
 bf16 and fp16 where the CPU has the instructions); elsewhere (CUDA) they stay `nn.Linear`.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -75,15 +80,32 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
 
 
+# Entries kept by oneDNN's primitive cache and by ideep's computation cache (both default 1024).
+GEMM_CACHE_CAPACITY = 128
+_CACHE_CAPACITY_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_gemm_caches() -> None:
+    """Caps oneDNN's and ideep's GEMM caches at `GEMM_CACHE_CAPACITY` unless the environment
+    already sets them. Both libraries read the cap at their first use in the process, so this
+    takes effect only before the process's first oneDNN op (`pack_linears` calls it first)."""
+    for var in _CACHE_CAPACITY_VARS:
+        os.environ.setdefault(var, str(GEMM_CACHE_CAPACITY))
+
+
 def pack_linears(module: nn.Module) -> int:
     """Replaces every `nn.Linear` under `module` by a PackedLinear of the same weights (the
-    plain weights are then freed); returns how many were replaced."""
+    plain weights are then freed), after `bound_gemm_caches`; returns how many were replaced."""
+    bound_gemm_caches()
+    return _replace_linears(module)
+
+
+def _replace_linears(module: nn.Module) -> int:
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
             setattr(module, name, PackedLinear(child.weight, child.bias))
             count += 1
         else:
-            count += pack_linears(child)
+            count += _replace_linears(child)
     return count
-

@@ -4,6 +4,11 @@ against `F.linear`, and whole generations with `kernels="auto"` against `kernels
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,11 +16,19 @@ from torch import nn
 
 from engine import LLM, SamplingParams, cpu_ops
 from engine.attention_metadata import AttentionMetadata
-from engine.linear_backend import EXACT_ROWS, PackedLinear, onednn_supported, pack_linears, padded_rows
+from engine.linear_backend import (
+    EXACT_ROWS,
+    GEMM_CACHE_CAPACITY,
+    PackedLinear,
+    onednn_supported,
+    pack_linears,
+    padded_rows,
+)
 from engine.model_loader import load_model
 from engine.paged_attention import build_plan, paged_attention
 
 CPU = torch.device("cpu")
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +166,8 @@ def test_packed_linear_equals_f_linear(dtype: torch.dtype) -> None:
 
 
 def test_row_counts_are_bounded_with_little_padding() -> None:
-    """Every step size up to 8k tokens maps to one of a few hundred oneDNN shapes (its primitive
-    cache holds 1024), each at least the real row count and under 1/16 more."""
+    """Every step size up to 8k tokens maps to one of a few hundred oneDNN shapes, each at least
+    the real row count and under 1/16 more."""
     sizes = [padded_rows(rows) for rows in range(1, 8193)]
     assert sizes[:EXACT_ROWS] == list(range(1, EXACT_ROWS + 1))
     assert all(rows <= size < rows * 17 / 16 for rows, size in enumerate(sizes, start=1))
@@ -173,6 +186,36 @@ def test_packed_linear_pads_rows_and_keeps_the_input_shape() -> None:
         out = packed(x)
         assert out.shape == (*shape[:-1], 80) and out.is_contiguous()
         torch.testing.assert_close(out, linear(x), atol=1e-5, rtol=0)
+
+
+_CACHE_PROBE = """
+import ctypes, os, sys, torch
+from engine.linear_backend import padded_rows, pack_linears
+shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+net = torch.nn.Sequential(*[torch.nn.Linear(i, o, bias=False) for o, i in shapes])
+pack_linears(net)
+def rss_mib():
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+start = rss_mib()
+for rows in sorted({padded_rows(r) for r in range(1, 2049)}):
+    for linear in net:
+        linear(torch.zeros(rows, linear.in_features))
+print(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], os.environ["LRU_CACHE_CAPACITY"], rss_mib() - start)
+"""
+
+
+@pytest.mark.skipif(not onednn_supported(CPU, torch.float32),
+                    reason="this torch build has no oneDNN: the engine keeps nn.Linear")
+def test_gemm_caches_are_bounded_in_a_fresh_process() -> None:
+    """oneDNN and ideep keep memory per cached GEMM shape (~340 MiB for these 576 shapes when
+    their default 1024 entries all fit): `pack_linears` caps both caches, which only works
+    before the process's first oneDNN op, so the probe is a new process."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    out = subprocess.run([sys.executable, "-c", _CACHE_PROBE], env={**env, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    assert out[:2] == [str(GEMM_CACHE_CAPACITY)] * 2
+    assert float(out[2]) < 150, f"{out[2]} MiB held after 576 GEMM shapes: the caches are not capped"
 
 
 def test_unknown_kernels_is_refused_before_loading(default_model_path) -> None:
