@@ -36,11 +36,22 @@ def _malloc_trim():  # -> ctypes function or None
     return trim
 
 
+_TRIM = _malloc_trim()
+
+
+def trim_heap() -> bool:
+    """Hands the heap's free pages back to the OS (glibc's malloc_trim(0)); returns whether
+    it could (False where the C library is not glibc). Live allocations are untouched."""
+    if _TRIM is None:
+        return False
+    _TRIM(0)
+    return True
+
+
 class ResidentGuard:
     """Trims the allocator when resident memory would pass baseline + a limit."""
 
     def __init__(self) -> None:
-        self._trim = _malloc_trim()
         self.baseline = resident_bytes()
         self.trims = 0
 
@@ -52,10 +63,8 @@ class ResidentGuard:
         """Returns whether it trimmed: it does when resident memory plus `pending` (bytes
         about to be allocated) exceeds the baseline plus `limit` (the budget plus what lives
         outside it: per-connection buffers, allocator slack)."""
-        if self._trim is None:
+        if _TRIM is None or resident_bytes() + pending - self.baseline <= limit:
             return False
-        if resident_bytes() + pending - self.baseline <= limit:
-            return False
-        self._trim(0)
+        trim_heap()
         self.trims += 1
         return True

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -26,9 +27,13 @@ from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from kvstore.server.heap import trim_heap
 
 logger = logging.getLogger("kvtier.server")
 T = TypeVar("T")
+
+# At most one heap trim per this many seconds, when the engine goes idle after steps.
+IDLE_TRIM_INTERVAL_S = 5.0
 
 
 class EngineDeadError(RuntimeError):
@@ -276,13 +281,24 @@ class EngineLoop:
     # ---- the engine thread ----
     def _run(self) -> None:
         engine = self._engine
+        stepped_since_trim = False
+        last_trim = 0.0
         try:
             while not self._stop.is_set():
                 self._run_commands(block=not engine.has_unfinished_requests())
                 if self._stop.is_set():
                     break
-                # A short wait for loads keeps new requests and aborts from waiting behind it.
-                outputs = engine.step(kv_wait_s=0.005) if engine.has_unfinished_requests() else []
+                if engine.has_unfinished_requests():
+                    # A short wait for loads keeps new requests and aborts from waiting behind it.
+                    outputs = engine.step(kv_wait_s=0.005)
+                    stepped_since_trim = True
+                else:
+                    outputs = []
+                    # Idle: the steps' freed activations go back to the OS, so a server's RSS
+                    # is what it holds, not the heap's high-water mark (benchmarks/soak.py).
+                    if stepped_since_trim and time.monotonic() - last_trim >= IDLE_TRIM_INTERVAL_S:
+                        trim_heap()
+                        stepped_since_trim, last_trim = False, time.monotonic()
                 if self._on_step is not None:
                     self._on_step(engine, outputs)
                 for out in outputs:
