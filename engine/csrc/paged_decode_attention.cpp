@@ -264,6 +264,9 @@ torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, cons
                            double eps);
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
 void rotary_(torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos_sin, int64_t num_heads);
+// kv_pages.cpp
+void copy_kv_pages(const std::vector<torch::Tensor>& caches, torch::Tensor& chunk, const torch::Tensor& slots,
+                   bool to_pages);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache, in place",
@@ -273,4 +276,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns rms_norm(residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows");
   m.def("rotary_", &rotary_, "rotates the first num_heads heads of each row in place (neox layout)");
+  m.def("copy_kv_pages", &copy_kv_pages, "moves slots' K/V between a chunk and vLLM CPU attention pages",
+        py::arg("caches"), py::arg("chunk"), py::arg("slots"), py::arg("to_pages"));
 }

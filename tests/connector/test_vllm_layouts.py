@@ -157,3 +157,24 @@ def test_engine_backend_is_the_engine_layout() -> None:
     chunk = layout.gather_chunk(SLOTS)
     b, off = divmod(int(SLOTS[2]), BS)
     assert torch.equal(chunk[1, :, 2], caches[1][:, b, off])
+
+
+@pytest.mark.parametrize("order", ["LBHNC", "BLHNC", "LHBNC"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cpu_kernel_moves_exactly_what_the_views_move(order: str, dtype: torch.dtype) -> None:
+    """VllmCpuLayout's compiled copies (engine/csrc/kv_pages.cpp; the formula tests above run
+    them) against its PyTorch path through the K^T views, on the same caches."""
+    torch.manual_seed(0)
+    fast = VllmCpuLayout(vllm_caches(order, dtype))
+    torch.manual_seed(0)
+    slow = VllmCpuLayout(vllm_caches(order, dtype), kernels=False)
+    assert fast._ops is not None, "engine/csrc did not build (needs g++)"
+    slots = torch.randperm(NB * BS)[:29]
+    assert torch.equal(fast.gather_chunk(slots), slow.gather_chunk(slots))
+    assert all(torch.equal(a, b) for a, b in zip(fast.gather_layers(slots), slow.gather_layers(slots)))
+    chunk = torch.randn(L, 2, len(slots), H, D).to(dtype)
+    fast.scatter_chunk(slots, chunk)
+    slow.scatter_chunk(slots, chunk)
+    fast.scatter_layer(2, slots[:5], -chunk[2, :, :5])
+    slow.scatter_layer(2, slots[:5], -chunk[2, :, :5])
+    assert all(torch.equal(a, b) for a, b in zip(fast.kv_caches, slow.kv_caches))
