@@ -92,6 +92,14 @@ class FreeKVCacheBlockQueue:
         block.next_free, self._tail.prev_free = self._tail, block
         self.num_free_blocks += 1
 
+    def appendleft(self, block: KVCacheBlock) -> None:
+        """Queues `block` at the head (handed out next)."""
+        first = self._head.next_free
+        assert first is not None
+        self._head.next_free, block.prev_free = block, self._head
+        block.next_free, first.prev_free = first, block
+        self.num_free_blocks += 1
+
     def block_ids(self) -> list[int]:
         """Returns queued block ids head to tail (for tests and stats)."""
         out, b = [], self._head.next_free
@@ -153,14 +161,19 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drops one reference per block; blocks reaching zero join the free queue in the
-        given order (so pass the eviction order: first freed = first evicted)."""
+        """Drops one reference per block; blocks reaching zero join the free queue: cached ones
+        at its tail in the given order (so pass the eviction order: first freed = first
+        evicted), uncached ones at its head, handed out before any cached block is evicted
+        (and their memory is already written: a fresh CPU page costs a fault)."""
         for block in ordered_blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"block {block.block_id} freed with ref_cnt {block.ref_cnt}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: bytes, tenant: str | None = None) -> None:
         """Registers a full, computed block under `block_hash`, for `tenant` (a salted
@@ -198,7 +211,11 @@ class BlockPool:
         Returns how many blocks were uncached."""
         ids = sorted(self._by_tenant.get(tenant, ()))
         for i in ids:
-            self._evict(self.blocks[i])
+            block = self.blocks[i]
+            self._evict(block)
+            if block.ref_cnt == 0:  # free and now uncached: reused first, as `free_blocks` does
+                self.free_queue.remove(block)
+                self.free_queue.appendleft(block)
         return len(ids)
 
     def tenant_blocks(self, tenant: str) -> int:
@@ -206,7 +223,9 @@ class BlockPool:
         return len(self._by_tenant.get(tenant, ()))
 
     def reset_prefix_cache(self) -> bool:
-        """Forgets all cached hashes; returns False (and does nothing) while blocks are in use."""
+        """Forgets all cached hashes; returns False (and does nothing) while blocks are in use.
+        The queue is then reversed: the blocks that were cached, most recently freed first,
+        are handed out before blocks never used (their memory is written already)."""
         if self.num_free_blocks != self.num_blocks:
             return False
         for block in self.blocks:
@@ -214,4 +233,6 @@ class BlockPool:
             block.tenant = None
         self.cached.clear()
         self._by_tenant.clear()
+        order = self.free_queue.block_ids()
+        self.free_queue = FreeKVCacheBlockQueue(self.blocks[i] for i in reversed(order))
         return True

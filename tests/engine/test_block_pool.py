@@ -56,6 +56,8 @@ def test_ref_counts_never_negative_and_free_order_is_eviction_order() -> None:
     pool = BlockPool(4)
     got = pool.get_new_blocks(3)
     assert [b.ref_cnt for b in got] == [1, 1, 1] and pool.num_free_blocks == 1
+    for i, b in enumerate(got):
+        pool.cache_full_block(b, hash_block_tokens(None, [i]))
     pool.touch([got[0]])
     assert got[0].ref_cnt == 2
     pool.free_blocks([got[2], got[1], got[0]])
@@ -67,6 +69,35 @@ def test_ref_counts_never_negative_and_free_order_is_eviction_order() -> None:
     assert all(b.ref_cnt == 0 for b in pool.blocks) and pool.num_free_blocks == 4
     with pytest.raises(ValueError, match="only 4 free"):
         pool.get_new_blocks(5)
+
+
+def test_uncached_blocks_are_handed_out_before_cached_ones_are_evicted() -> None:
+    """A freed block without cached K/V is worth nothing to the prefix cache: it is reused
+    first (so no cached block is evicted while one exists, and its memory is already written)."""
+    pool = BlockPool(4)
+    a, b, c = pool.get_new_blocks(3)
+    pool.cache_full_block(a, hash_block_tokens(None, [1]))
+    pool.free_blocks([a, b, c])  # b, c uncached: to the head
+    assert pool.free_queue.block_ids() == [2, 1, 3, 0]
+    assert [blk.block_id for blk in pool.get_new_blocks(3)] == [2, 1, 3]
+    assert pool.get_cached_block(hash_block_tokens(None, [1])) is a  # still cached
+    pool.free_blocks(pool.blocks[1:])
+    pool.forget_tenant("nobody")
+    # A reset reverses the queue: what was cached (at the tail), most recently freed first.
+    assert pool.reset_prefix_cache()
+    assert pool.free_queue.block_ids() == [0, 1, 2, 3]
+    assert pool.get_cached_block(hash_block_tokens(None, [1])) is None
+
+
+def test_a_forgotten_tenants_free_blocks_are_reused_first() -> None:
+    pool = BlockPool(3)
+    blocks = pool.get_new_blocks(3)
+    for i, blk in enumerate(blocks):
+        pool.cache_full_block(blk, hash_block_tokens(None, [i]), tenant="t" if i == 2 else None)
+    pool.free_blocks(blocks)
+    assert pool.free_queue.block_ids() == [0, 1, 2]
+    assert pool.forget_tenant("t") == 1
+    assert pool.free_queue.block_ids() == [2, 0, 1] and pool.num_free_blocks == 3
 
 
 def test_cached_block_is_reused_until_evicted() -> None:
