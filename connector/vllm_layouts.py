@@ -61,18 +61,20 @@ class _SplitKVLayout(PagedKVLayout):
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
         return blocks, slots - blocks * self.block_size
 
-    def _move(self, layers: Sequence[int], slots: torch.Tensor, chunk: torch.Tensor, to_cache: bool) -> None:
-        """Copies the K/V of `slots` (checked) in `layers` into the caches from `chunk`
-        `[len(layers), 2, n, H, D]` (`to_cache`), else from the caches into `chunk`."""
+    def _move(self, layers: Sequence[int], slots: torch.Tensor, chunk: torch.Tensor | Sequence[torch.Tensor],
+              to_cache: bool) -> None:
+        """Copies the K/V of `slots` (checked) in `layers` into the caches from `chunk` (`to_cache`),
+        else from the caches into `chunk`: `[len(layers), 2, n, H, D]`, or one `[2, n, H, D]`
+        tensor per layer."""
         blocks, offsets = self._positions(slots)
         for i, layer in enumerate(layers):
             k, v = self._kv_views[layer]
             if to_cache:
-                k[blocks, offsets] = chunk[i, 0]
-                v[blocks, offsets] = chunk[i, 1]
+                k[blocks, offsets] = chunk[i][0]
+                v[blocks, offsets] = chunk[i][1]
             else:
-                chunk[i, 0] = k[blocks, offsets]
-                chunk[i, 1] = v[blocks, offsets]
+                chunk[i][0] = k[blocks, offsets]
+                chunk[i][1] = v[blocks, offsets]
 
     def gather_chunk(self, slots: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self.chunk_shape(self.num_layers, slots.numel()), dtype=self.dtype, device=self.device)
@@ -80,11 +82,9 @@ class _SplitKVLayout(PagedKVLayout):
         return out
 
     def gather_layers(self, slots: torch.Tensor) -> list[torch.Tensor]:
-        outs = []
-        for layer in range(self.num_layers):
-            out = torch.empty(self.chunk_shape(1, slots.numel()), dtype=self.dtype, device=self.device)
-            self._move([layer], slots, out, to_cache=False)
-            outs.append(out)
+        outs = [torch.empty(self.chunk_shape(1, slots.numel()), dtype=self.dtype, device=self.device)
+                for _ in range(self.num_layers)]
+        self._move(range(self.num_layers), slots, [out[0] for out in outs], to_cache=False)
         return outs
 
     def scatter_chunk(self, slots: torch.Tensor, chunk: torch.Tensor) -> None:
@@ -118,12 +118,18 @@ class VllmCpuLayout(_SplitKVLayout):
         same_strides = all(kv.stride() == self.kv_caches[0].stride() for kv in self.kv_caches)
         self._ops = cpu_ops.load() if kernels and same_strides and self.device.type == "cpu" else None
 
-    def _move(self, layers: Sequence[int], slots: torch.Tensor, chunk: torch.Tensor, to_cache: bool) -> None:
+    def _move(self, layers: Sequence[int], slots: torch.Tensor, chunk: torch.Tensor | Sequence[torch.Tensor],
+              to_cache: bool) -> None:
         if self._ops is None:
             super()._move(layers, slots, chunk, to_cache)
             return
         check_slots(slots, self.num_slots)
-        self._ops.copy_kv_pages([self.kv_caches[layer] for layer in layers], chunk, slots.contiguous(), to_cache)
+        slots = slots.contiguous()
+        if isinstance(chunk, torch.Tensor):
+            self._ops.copy_kv_pages([self.kv_caches[layer] for layer in layers], chunk, slots, to_cache)
+            return
+        for layer, per_layer in zip(layers, chunk, strict=True):
+            self._ops.copy_kv_pages([self.kv_caches[layer]], per_layer[None], slots, to_cache)
 
     def _halves(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         nb, h, bs, d2 = kv.shape
