@@ -13,7 +13,7 @@ over hours (benchmarks/soak.py). Two bounds: row counts above `EXACT_ROWS` are p
 one of 16 sizes per power of two (`padded_rows`, under 1/16 more rows), and `pack_linears`
 caps both caches at `GEMM_CACHE_CAPACITY` entries. Compiling a GEMM costs ~0.4 ms, against
 tens of ms for a step's 30 layers, so misses are cheap; 144 bucket sizes x 4 shapes cached
-held ~340 MiB, the capped caches ~30 MiB.
+held ~340 MiB, the capped caches ~60 MiB.
 
 The engine's `kernels="auto"` packs the linears where `onednn_supported` (CPU: fp32 always,
 bf16 and fp16 where the CPU has the instructions); elsewhere (CUDA) they stay `nn.Linear`.

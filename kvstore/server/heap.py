@@ -7,6 +7,8 @@ grows, and resident memory drifts above the budget. `ResidentGuard.check` runs b
 large allocation and, only when resident memory plus that allocation would pass the bound
 (baseline + budget + allowance), hands free pages back with malloc_trim(0): below the bound
 freed buffers keep their zero-fault reuse, and no client mix takes the process past it.
+`trim_heap` is that one malloc_trim; `kvtier serve`'s engine loop also calls it when it goes
+idle (kvtier/server/engine_loop.py).
 """
 
 from __future__ import annotations

@@ -189,14 +189,15 @@ def test_packed_linear_pads_rows_and_keeps_the_input_shape() -> None:
 
 
 _CACHE_PROBE = """
-import ctypes, os, sys, torch
+import os, torch
 from engine.linear_backend import padded_rows, pack_linears
+from kvstore.server.heap import resident_bytes, trim_heap
 shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 net = torch.nn.Sequential(*[torch.nn.Linear(i, o, bias=False) for o, i in shapes])
 pack_linears(net)
 def rss_mib():
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    trim_heap()
+    return resident_bytes() / 2**20
 start = rss_mib()
 for rows in sorted({padded_rows(r) for r in range(1, 2049)}):
     for linear in net:
