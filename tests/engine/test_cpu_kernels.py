@@ -73,6 +73,16 @@ def test_decode_kernel_equals_gather_path(ops, window: int | None, dtype: torch.
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=0)
 
 
+# Query heads per kv head 1, 5 and 8 split into the kernel's groups differently (3 + 2 for K
+# and 4 + 1 for V at G = 5; 2 per group for V at head size 128); lengths off the 8-key steps.
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (10, 2, 64), (8, 1, 128), (6, 3, 32)])
+def test_decode_kernel_head_groupings(ops, hq: int, hkv: int, d: int) -> None:
+    q, k, v, kv, meta = _decode_case([1, 9, 300, 700], torch.float32, seed=4, hq=hq, hkv=hkv, d=d)
+    ref = paged_attention(q, k, v, kv, build_plan(meta, CPU), 0.125)
+    got = paged_attention(q, k, v, kv, build_plan(meta, CPU, cpu_ops=ops), 0.125)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
 def test_decode_kernel_in_a_mixed_step(ops) -> None:
     """Decode rows interleaved with a prefill: the kernel answers only the decode rows."""
     bs = 16
