@@ -39,8 +39,10 @@ def ops():
 
 
 def _decode_case(lens: list[int], dtype: torch.dtype, seed: int, bs: int = 16, hq: int = 9, hkv: int = 3,
-                 d: int = 64) -> tuple[torch.Tensor, ...]:
-    """A decode step of len(lens) sequences over shuffled blocks of a random cache."""
+                 d: int = 64, q_lens: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+    """A step of len(lens) sequences over shuffled blocks of a random cache: decodes, or the
+    last `q_lens` tokens of each (their K/V already in the cache)."""
+    q_lens = q_lens or [1] * len(lens)
     g = torch.Generator().manual_seed(seed)
     blocks_each = [-(-n // bs) for n in lens]
     num_blocks = sum(blocks_each) + 5
@@ -51,12 +53,12 @@ def _decode_case(lens: list[int], dtype: torch.dtype, seed: int, bs: int = 16, h
     for i, nb in enumerate(blocks_each):
         tables[i, :nb] = perm[used:used + nb]
         used += nb
-    slots = torch.stack([tables[i, (n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(lens)])
-    meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_start_loc=list(range(len(lens) + 1)),
-                             seq_lens=lens, block_size=bs)
-    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
-    k = torch.randn(len(lens), hkv, d, generator=g).to(dtype)
-    v = torch.randn(len(lens), hkv, d, generator=g).to(dtype)
+    slots = torch.stack([tables[i, p // bs] * bs + p % bs for i, n in enumerate(lens) for p in range(n - q_lens[i], n)])
+    qsl = [sum(q_lens[:i]) for i in range(len(lens) + 1)]
+    meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_start_loc=qsl, seq_lens=lens, block_size=bs)
+    q = torch.randn(qsl[-1], hq, d, generator=g).to(dtype)
+    k = torch.randn(qsl[-1], hkv, d, generator=g).to(dtype)
+    v = torch.randn(qsl[-1], hkv, d, generator=g).to(dtype)
     return q, k, v, kv, meta  # type: ignore[return-value]
 
 
@@ -83,8 +85,24 @@ def test_decode_kernel_head_groupings(ops, hq: int, hkv: int, d: int) -> None:
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
+# Prefills over cached context: short and long, inside and beyond the window, one of 1100 new
+# tokens over 300 cached (the padded flash path's case, not the kernel's), among decodes.
+@pytest.mark.parametrize("window", [None, 100])
+def test_kernel_answers_prefills_over_cached_context(ops, window: int | None) -> None:
+    lens, q_lens = [40, 301, 90, 1400, 700], [30, 1, 85, 1100, 3]
+    q, k, v, kv, meta = _decode_case(lens, torch.float32, seed=5, q_lens=q_lens)
+    ref = paged_attention(q, k, v, kv, build_plan(meta, CPU, sliding_window=window), 0.125)
+    plan = build_plan(meta, CPU, sliding_window=window, cpu_ops=ops)
+    padded = [p for p in plan.prefills if p.pad]
+    assert len(padded) == (1 if window is None else 0)
+    assert plan.decode_batch == sum(q_lens) - (1100 if window is None else 0)
+    got = paged_attention(q, k, v, kv, plan, 0.125)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
 def test_decode_kernel_in_a_mixed_step(ops) -> None:
-    """Decode rows interleaved with a prefill: the kernel answers only the decode rows."""
+    """Decode rows interleaved with a prefill chunk over cached context: the kernel answers
+    both, as the gather path does."""
     bs = 16
     lens = [40, 70, 33]  # query lengths 1, 30, 1: the middle one is a prefill chunk over cached context
     g = torch.Generator().manual_seed(3)
