@@ -89,6 +89,19 @@ inline void dots8(const float* q, const float* const* keys, int64_t offset, floa
   }
 }
 
+// Requests into L2 the rows (row_floats each) of the keys in [from, to) whose `fetch` flag is
+// set. Measured on 2 cores, 16-64 sequences of 1-4k keys: 10-30% faster when each sequence's
+// K/V comes from memory; on rows another sequence just read (a shared prefix, in cache) the
+// requests only cost (~15%), so those are not flagged.
+inline void prefetch_rows(const float* base, const int64_t* offsets, const uint8_t* fetch, int64_t from,
+                          int64_t to, int64_t row_floats) {
+  for (int64_t j = from; j < to; ++j) {
+    if (!fetch[j]) continue;
+    const float* row = base + offsets[j];
+    for (int64_t f = 0; f < row_floats; f += 64 / sizeof(float)) __builtin_prefetch(row + f, 0, 1);
+  }
+}
+
 // tanh(x), vectorisable: Eigen's rational approximation (odd degree-13 over even degree-6
 // polynomial) on x clamped to +-7.9, beyond which tanh is 1 in float32; a few ulp of error.
 inline float tanh_approx(float x) {
@@ -150,6 +163,7 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> score_buf(H * partition), q_buf(H * D), row_buf(token_stride);
     std::vector<int64_t> offset_buf(partition);
+    std::vector<uint8_t> fetch_buf(partition);
     float* __restrict scores = score_buf.data();
     float* __restrict qs = q_buf.data();
     float* __restrict row = row_buf.data();
@@ -163,9 +177,15 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
       for (int64_t i = 0; i < H * D; ++i) qs[i] = qb[i] * scale;
       // Each key's row offset in the K cache (V's is v_offset more), stepping through the
       // block table: no division per key.
+      // And whether to prefetch it: not if the sequence before this one has the same block
+      // there (parallel_for hands each thread a run of consecutive sequences).
       int64_t* __restrict offsets = offset_buf.data();
+      uint8_t* __restrict fetch = fetch_buf.data();
+      const int64_t* prev = b > 0 ? tables + (b - 1) * max_blocks : nullptr;
+      const int64_t prev_len = b > 0 ? lens[b - 1] : 0;
       for (int64_t t = 0, blk = t0 / block_size, in = t0 % block_size; t < n; ++t) {
         offsets[t] = table[blk] * block_stride + in * token_stride;
+        fetch[t] = !(prev != nullptr && t0 + t < prev_len && prev[blk] == table[blk]);
         if (++in == block_size) in = 0, ++blk;
       }
       int64_t t = 0;
@@ -174,6 +194,7 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
         // fill 24 of the vector registers).
         const float* keys[8];
         for (; t + 8 <= n; t += 8) {
+          prefetch_rows(kv, offsets, fetch, t + 64, std::min(n, t + 72), token_stride);
           for (int64_t j = 0; j < 8; ++j) keys[j] = kv + offsets[t + j];
           for (int64_t hq = 0; hq < H;) {
             const int64_t step = std::min<int64_t>(3, G - hq % G);
@@ -232,6 +253,7 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
         std::fill(acc, acc + H * D, 0.f);
         for (int64_t t = 0; t < n; t += kTile) {
           const int64_t len = std::min(kTile, n - t);
+          prefetch_rows(kv + v_offset, offsets, fetch, t + 64, std::min(n, t + 64 + kTile), token_stride);
           for (int64_t hq = 0; hq < H;) {
             const int64_t step = std::min(kGroup, G - hq % G);
             const float* v = kv + v_offset + (hq / G) * D;
