@@ -4,7 +4,9 @@ Cache layout per layer: `(2, num_blocks, block_size, num_kv_heads, head_size)` (
 at logical position p of a sequence lives in slot `block_table[p // bs] * bs + p % bs`.
 
 `build_plan` turns one step's `AttentionMetadata` into device tensors once per forward; every
-layer then reuses it. Three paths, chosen per sequence:
+layer then reuses it. With engine/cpu_ops.py's compiled kernels (CPU, float32), a prefill the
+window does not bite (fresh, or 8+ new tokens over cached context) is read in place from the
+blocks by the tiled prefill kernel. Otherwise three paths, chosen per sequence:
 - fresh prefill (no cached context): causal SDPA over the new k/v directly, no gather;
 - prefill with cached context: gather its blocks (one `index_select`); when the context is
   at most half of 1k+ new tokens, front-pad the queries with `context_len` zero rows so SDPA's
@@ -39,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention_metadata import AttentionMetadata
-from engine.cpu_ops import paged_decode_attention
+from engine.cpu_ops import paged_decode_attention, paged_prefill_attention
 from engine.softcap_attention import capped_decode, capped_prefill
 
 
@@ -104,6 +106,13 @@ class AttentionPlan:
     decode_tables: torch.Tensor | None = None
     decode_starts: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
+    # Prefills the compiled prefill kernel answers (then not in `prefills`): its module, and
+    # per prefill its block table row, first flat row, new tokens and cached context.
+    tiled_ops: ModuleType | None = None
+    tiled_tables: torch.Tensor | None = None
+    tiled_starts: torch.Tensor | None = None
+    tiled_lens: torch.Tensor | None = None
+    tiled_ctx: torch.Tensor | None = None
 
 
 def build_plan(meta: AttentionMetadata, device: torch.device,
@@ -125,6 +134,11 @@ def build_plan(meta: AttentionMetadata, device: torch.device,
         raise ValueError(f"block_tables has {meta.block_tables.shape[1]} blocks per sequence, "
                          f"too few for seq_len {max(seq_lens)} at block_size {bs}")
     kernel = cpu_ops is not None and device.type == "cpu"
+    # Float32 prefills the window does not bite go through the tiled prefill kernel: a fresh
+    # 4k prompt 1.4x faster than the flash SDPA; 16-2048 new tokens over 1-4k cached keys
+    # 1.4-1.9x faster than the decode kernel's rows, which keep fewer than 8 (3: 1.2x faster).
+    tiled_kernel = kernel and dtype == torch.float32
+    tiled: list[tuple[int, int, int, int]] = []  # (sequence, first row, new tokens, context)
     # Rows attended one query at a time over their sequence's blocks: every decode, and with
     # the compiled kernel every prefill over cached context but the padded one. Against the
     # masked SDPA (one layer, 1-64 sequences of 16-64 new tokens over 1-4k cached keys they
@@ -140,7 +154,9 @@ def build_plan(meta: AttentionMetadata, device: torch.device,
             raise ValueError(f"sequence {i}: query_len {q_len} and seq_len {seq_len} are inconsistent")
         windowed = sliding_window is not None and seq_len > sliding_window
         padded = q_len >= _PAD_MIN_QUERY and 2 * ctx <= q_len and not windowed
-        if ctx > 0 and (q_len == 1 or (kernel and not padded)):
+        if tiled_kernel and q_len >= (2 if ctx == 0 else _TILED_MIN_QUERY) and not windowed:
+            tiled.append((i, start, q_len, ctx))
+        elif ctx > 0 and (q_len == 1 or (kernel and not padded)):
             row_seqs += [i] * q_len
             rows += range(start, end)
             lens += range(ctx + 1, seq_len + 1)
@@ -160,6 +176,11 @@ def build_plan(meta: AttentionMetadata, device: torch.device,
             future = torch.arange(seq_len, device=device).unsqueeze(0) > q_pos
             mask = _additive(future, dtype)
             plan.prefills.append(_Prefill(start, end, block_ids, mask, seq_len))
+    if tiled:
+        seqs = torch.tensor([t[0] for t in tiled], device=meta.block_tables.device)
+        plan.tiled_ops = cpu_ops
+        plan.tiled_tables = meta.block_tables.index_select(0, seqs).contiguous()
+        plan.tiled_starts, plan.tiled_lens, plan.tiled_ctx = (torch.tensor(col) for col in list(zip(*tiled))[1:])
     if rows:
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
         plan.decode_rows = (slice(rows[0], rows[0] + len(rows)) if contiguous
@@ -189,6 +210,11 @@ def build_plan(meta: AttentionMetadata, device: torch.device,
         plan.decode_len = n
         plan.decode_mask = _additive(~valid, dtype).view(len(lens), 1, 1, n)
     return plan
+
+
+# New tokens over cached context from which the tiled prefill kernel beats the decode kernel's
+# rows (one layer, 2k cached keys: 3 new tokens 0.8x, 8 1.05x, 16 1.4x).
+_TILED_MIN_QUERY = 8
 
 
 # Padding wastes ~context_len**2 / 2 of attention work; the masked path materialises the
@@ -268,11 +294,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     `q` `[T, Hq, D]`, `k`/`v` `[T, Hkv, D]` (already written to `kv_cache`). Returns `[T, Hq, D]`.
     """
-    only_fresh = not plan.decode_batch and len(plan.prefills) == 1 and plan.prefills[0].block_ids is None
+    only_fresh = (not plan.decode_batch and plan.tiled_ops is None and len(plan.prefills) == 1
+                  and plan.prefills[0].block_ids is None)
     if only_fresh and softcap is None:  # the common single-prompt prefill: no output copy
         return sdpa_gqa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale,
                         causal=True).transpose(0, 1)
     out = torch.empty_like(q)
+    if plan.tiled_ops is not None:
+        assert plan.tiled_tables is not None and plan.tiled_starts is not None
+        assert plan.tiled_lens is not None and plan.tiled_ctx is not None
+        paged_prefill_attention(plan.tiled_ops, q, kv_cache, plan.tiled_tables, plan.tiled_starts,
+                                plan.tiled_lens, plan.tiled_ctx, scale, softcap, out)
     for p in plan.prefills:
         qs = q[p.start:p.end].transpose(0, 1)
         if p.block_ids is None:

@@ -28,9 +28,9 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;
-typedef float vec16 __attribute__((vector_size(64)));
-typedef int32_t ivec16 __attribute__((vector_size(64)));
+using kvtier::ivec16;
+using kvtier::kLanes;
+using kvtier::vec16;
 
 // Lanes 0-7: the sums of a's adjacent lane pairs; lanes 8-15: b's.
 inline vec16 pair_sums(vec16 a, vec16 b) {
@@ -100,25 +100,6 @@ inline void prefetch_rows(const float* base, const int64_t* offsets, const uint8
     const float* row = base + offsets[j];
     for (int64_t f = 0; f < row_floats; f += 64 / sizeof(float)) __builtin_prefetch(row + f, 0, 1);
   }
-}
-
-// tanh(x), vectorisable: Eigen's rational approximation (odd degree-13 over even degree-6
-// polynomial) on x clamped to +-7.9, beyond which tanh is 1 in float32; a few ulp of error.
-inline float tanh_approx(float x) {
-  x = std::min(std::max(x, -7.90531110763549805f), 7.90531110763549805f);
-  const float x2 = x * x;
-  float p = -2.76076847742355e-16f;
-  p = p * x2 + 2.00018790482477e-13f;
-  p = p * x2 - 8.60467152213735e-11f;
-  p = p * x2 + 5.12229709037114e-08f;
-  p = p * x2 + 1.48572235717979e-05f;
-  p = p * x2 + 6.37261928875436e-04f;
-  p = p * x2 + 4.89352455891786e-03f;
-  float q = 1.19825839466702e-06f;
-  q = q * x2 + 1.18534705686654e-04f;
-  q = q * x2 + 2.26843463243900e-03f;
-  q = q * x2 + 4.89352518554385e-03f;
-  return x * p / q;
 }
 
 template <typename scalar_t>
@@ -229,7 +210,7 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
         if (softcap > 0.f) {
           const float inv_cap = 1.f / softcap;
 #pragma omp simd
-          for (int64_t t = 0; t < n; ++t) sh[t] = softcap * tanh_approx(sh[t] * inv_cap);
+          for (int64_t t = 0; t < n; ++t) sh[t] = softcap * kvtier::tanh_approx(sh[t] * inv_cap);
         }
         float top = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : top)
@@ -353,6 +334,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   return out;
 }
 
+// paged_prefill_attention.cpp
+void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                             const torch::Tensor& q_starts, const torch::Tensor& q_lens,
+                             const torch::Tensor& ctx_lens, double scale, double softcap, torch::Tensor& out);
 // fused_ops.cpp
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
@@ -367,6 +352,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache, in place",
         py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("starts"), py::arg("lens"),
         py::arg("scale"), py::arg("partition"), py::arg("softcap") = 0.0);
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal prefill attention over a paged KV cache, in place, into out's prefill rows", py::arg("q"),
+        py::arg("kv_cache"), py::arg("block_tables"), py::arg("q_starts"), py::arg("q_lens"), py::arg("ctx_lens"),
+        py::arg("scale"), py::arg("softcap"), py::arg("out"));
   m.def("rms_norm", &rms_norm, "weight * x / sqrt(mean(x^2) + eps) per row");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns rms_norm(residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows");

@@ -41,7 +41,7 @@ def ops():
 def _decode_case(lens: list[int], dtype: torch.dtype, seed: int, bs: int = 16, hq: int = 9, hkv: int = 3,
                  d: int = 64, q_lens: list[int] | None = None) -> tuple[torch.Tensor, ...]:
     """A step of len(lens) sequences over shuffled blocks of a random cache: decodes, or the
-    last `q_lens` tokens of each (their K/V already in the cache)."""
+    last `q_lens` tokens of each (their K/V, returned too, already in the cache)."""
     q_lens = q_lens or [1] * len(lens)
     g = torch.Generator().manual_seed(seed)
     blocks_each = [-(-n // bs) for n in lens]
@@ -57,8 +57,7 @@ def _decode_case(lens: list[int], dtype: torch.dtype, seed: int, bs: int = 16, h
     qsl = [sum(q_lens[:i]) for i in range(len(lens) + 1)]
     meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_start_loc=qsl, seq_lens=lens, block_size=bs)
     q = torch.randn(qsl[-1], hq, d, generator=g).to(dtype)
-    k = torch.randn(qsl[-1], hkv, d, generator=g).to(dtype)
-    v = torch.randn(qsl[-1], hkv, d, generator=g).to(dtype)
+    k, v = kv.flatten(1, 2)[:, slots]  # the new tokens' K/V, as written to the cache
     return q, k, v, kv, meta  # type: ignore[return-value]
 
 
@@ -85,19 +84,59 @@ def test_decode_kernel_head_groupings(ops, hq: int, hkv: int, d: int) -> None:
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
-# Prefills over cached context: short and long, inside and beyond the window, one of 1100 new
-# tokens over 300 cached (the padded flash path's case, not the kernel's), among decodes.
+# Prefills over cached context, short and long, inside and beyond the window, among decodes:
+# the tiled prefill kernel answers those of 8+ new tokens the window does not bite, the decode
+# kernel's rows the others (one row per new token).
 @pytest.mark.parametrize("window", [None, 100])
-def test_kernel_answers_prefills_over_cached_context(ops, window: int | None) -> None:
+def test_kernels_answer_prefills_over_cached_context(ops, window: int | None) -> None:
     lens, q_lens = [40, 301, 90, 1400, 700], [30, 1, 85, 1100, 3]
     q, k, v, kv, meta = _decode_case(lens, torch.float32, seed=5, q_lens=q_lens)
     ref = paged_attention(q, k, v, kv, build_plan(meta, CPU, sliding_window=window), 0.125)
     plan = build_plan(meta, CPU, sliding_window=window, cpu_ops=ops)
-    padded = [p for p in plan.prefills if p.pad]
-    assert len(padded) == (1 if window is None else 0)
-    assert plan.decode_batch == sum(q_lens) - (1100 if window is None else 0)
+    assert not plan.prefills and plan.tiled_lens is not None
+    tiled = [30, 85] if window else [30, 85, 1100]  # 3 new tokens: the decode kernel's rows
+    assert plan.tiled_lens.tolist() == tiled and plan.decode_batch == sum(q_lens) - sum(tiled)
     got = paged_attention(q, k, v, kv, plan, 0.125)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+# Fresh prompts (2 to 300 tokens: one tile, several, a partial last one) and prefills over
+# cached context beside a decode; head groupings and head sizes the kernel tiles differently
+# (24 and 48: not a multiple of its 4 x 16 columns), with and without a soft cap that bites.
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 1, 128), (6, 3, 24), (4, 4, 48), (16, 2, 32)])
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_prefill_kernel_equals_gather_path(ops, hq: int, hkv: int, d: int, softcap: float | None) -> None:
+    lens, q_lens = [2, 33, 300, 77, 520, 9], [2, 33, 300, 40, 130, 1]
+    q, k, v, kv, meta = _decode_case(lens, torch.float32, seed=6, hq=hq, hkv=hkv, d=d, q_lens=q_lens)
+    ref = paged_attention(q, k, v, kv, build_plan(meta, CPU), 0.3, softcap)
+    plan = build_plan(meta, CPU, cpu_ops=ops)
+    assert plan.tiled_lens is not None and plan.tiled_lens.tolist() == q_lens[:-1] and plan.decode_batch == 1
+    got = paged_attention(q, k, v, kv, plan, 0.3, softcap)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_kernel_beside_a_one_token_prompt(ops) -> None:
+    """A one-token prompt stays on the SDPA path while the others take the kernel: the step is
+    not the single fresh prompt whose output SDPA writes whole."""
+    q, k, v, kv, meta = _decode_case([1, 5, 37], torch.float32, seed=8, q_lens=[1, 5, 37])
+    ref = paged_attention(q, k, v, kv, build_plan(meta, CPU), 0.125)
+    plan = build_plan(meta, CPU, cpu_ops=ops)
+    assert len(plan.prefills) == 1 and plan.tiled_lens is not None and plan.tiled_lens.tolist() == [5, 37]
+    torch.testing.assert_close(paged_attention(q, k, v, kv, plan, 0.125), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_kernel_refuses_bad_inputs(ops) -> None:
+    q, _, _, kv, meta = _decode_case([40], torch.float32, seed=7, q_lens=[40])
+    out = torch.empty_like(q)
+    one, forty = torch.tensor([0]), torch.tensor([40])
+    with pytest.raises(RuntimeError, match="outside q"):
+        ops.paged_prefill_attention(q, kv, meta.block_tables, one, torch.tensor([41]), one * 0, 0.1, 0.0, out)
+    with pytest.raises(RuntimeError, match="more keys than its block table"):
+        ops.paged_prefill_attention(q, kv, meta.block_tables[:, :2], one, forty, one * 0, 0.1, 0.0, out)
+    with pytest.raises(RuntimeError, match="contiguous int64 with one row per prefill"):
+        ops.paged_prefill_attention(q, kv, meta.block_tables, one, forty.int(), one * 0, 0.1, 0.0, out)
+    with pytest.raises(RuntimeError, match="kv_cache must be contiguous float32"):
+        ops.paged_prefill_attention(q, kv.bfloat16(), meta.block_tables, one, forty, one * 0, 0.1, 0.0, out)
 
 
 def test_decode_kernel_in_a_mixed_step(ops) -> None:
