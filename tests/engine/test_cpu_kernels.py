@@ -16,6 +16,7 @@ from torch import nn
 
 from engine import LLM, SamplingParams, cpu_ops
 from engine.attention_metadata import AttentionMetadata
+from engine.layers import mlp as mlp_module
 from engine.linear_backend import (
     EXACT_ROWS,
     GEMM_CACHE_CAPACITY,
@@ -171,6 +172,17 @@ def test_decode_kernel_refuses_bad_inputs(ops) -> None:
         ops.paged_decode_attention(q, kv, meta.block_tables.int(), torch.tensor([0]), lens, 0.1, 512)
     with pytest.raises(RuntimeError, match="heads disagree"):
         ops.paged_decode_attention(q[:, :, :32].contiguous(), kv, meta.block_tables, torch.tensor([0]), lens, 0.1, 512)
+
+
+def test_mlp_in_passes_equals_pytorch(ops) -> None:
+    """A long prefill's MLP runs in passes of rows on the fused path; the rows come out as
+    PyTorch's unfused MLP computes them, the last (partial) pass included."""
+    torch.manual_seed(0)
+    mlp = mlp_module.GatedMLP(32, 48)
+    x = torch.randn(2 * mlp_module._ROWS_PER_PASS + 5, 32)
+    ref = mlp(x)  # no cpu_ops: split, F.silu, multiply
+    mlp.cpu_ops = ops
+    torch.testing.assert_close(mlp(x), ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
