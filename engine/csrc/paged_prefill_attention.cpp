@@ -176,12 +176,11 @@ void prefill(const float* q, const float* kv, const int64_t* tables, const int64
       const int64_t num_keys = first_pos + tq;
       for (int64_t k0 = 0; k0 < num_keys; k0 += kTk) {
         const int64_t nk = std::min(kTk, num_keys - k0);
-        for (int64_t j = 0; j < kTk; ++j) {
-          const int64_t t = k0 + j;
-          keys[j] = j < nk ? kv + table[t / shape.block_size] * block_stride + (t % shape.block_size) * token_stride +
-                                 item.kv_head * D
+        for (int64_t j = 0, blk = k0 / shape.block_size, in = k0 % shape.block_size; j < kTk; ++j) {
+          keys[j] = j < nk ? kv + table[blk] * block_stride + in * token_stride + item.kv_head * D
                            : zero.data();  // past the last key: scored, then masked
           vals[j] = keys[j] + (j < nk ? v_offset : 0);
+          if (++in == shape.block_size) in = 0, ++blk;
         }
         for (int64_t j = 0; j < kTk; j += kKeyStep) {
           for (int64_t v = 0; v < rvecs;) {
