@@ -5,7 +5,10 @@
   against oneDNN with prepacked weights (engine/linear_backend.py);
 - decode attention, one layer: the gather + SDPA path against the compiled kernel that reads
   the blocks in place (engine/cpu_ops.py), at batch 1, 16, 64 and contexts 1k and 4k, each
-  sequence on its own blocks.
+  sequence on its own blocks;
+- prefill attention, one layer: PyTorch's SDPA path (flash for a fresh prompt; padded or
+  masked over cached context) against the tiled kernel that reads the blocks in place, for
+  fresh prompts of 1k and 4k tokens and new tokens over cached context.
 
     .venv/bin/python benchmarks/bench_kernels.py [--quick]
 
@@ -85,17 +88,51 @@ def bench_decode(cells: list[tuple[int, int]], reps: int) -> list[dict[str, Any]
     return out
 
 
+def bench_prefill(cells: list[tuple[int, int, int]], reps: int) -> list[dict[str, Any]]:
+    """Cells: (sequences, cached context, new tokens each), each sequence on its own blocks."""
+    ops = cpu_ops.load()
+    if ops is None:
+        raise SystemExit("engine/csrc did not build: see the warning above")
+    bs, hq, hkv, d = 16, 9, 3, 64
+    out = []
+    for batch, ctx, new in cells:
+        per_seq = -(-(ctx + new) // bs)
+        kv = torch.randn(2, batch * per_seq + 1, bs, hkv, d)
+        tables = torch.randperm(batch * per_seq).view(batch, per_seq)
+        slots = torch.cat([tables[b].repeat_interleave(bs) * bs + torch.arange(bs).repeat(per_seq)
+                           for b in range(batch)]).view(batch, -1)[:, ctx:ctx + new].reshape(-1)
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables,
+                                 query_start_loc=[b * new for b in range(batch + 1)],
+                                 seq_lens=[ctx + new] * batch, block_size=bs)
+        q = torch.randn(batch * new, hq, d)
+        k, v = kv.flatten(1, 2)[:, slots]  # the new tokens' K/V, as written to the cache
+        torch_plan, kernel_plan = build_plan(meta, torch.device("cpu")), build_plan(meta, torch.device("cpu"),
+                                                                                    cpu_ops=ops)
+        assert kernel_plan.tiled_ops is not None  # the kernel is what is measured
+        args = (q, k, v, kv)
+        plain = median_s(lambda a=args, p=torch_plan: paged_attention(*a, p, 0.125), reps)
+        kernel = median_s(lambda a=args, p=kernel_plan: paged_attention(*a, p, 0.125), reps)
+        flops = 4 * batch * hq * d * (new * ctx + new * (new + 1) / 2)  # q.k and p.v, causal
+        out.append({"batch": batch, "context": ctx, "new": new, "torch_s": plain, "kernel_s": kernel,
+                    "speedup": plain / kernel, "kernel_GFLOPs": flops / kernel / 1e9})
+        print(f"prefill attention {batch}x({ctx} + {new}): SDPA path {plain * 1e3:.2f} ms, "
+              f"kernel {kernel * 1e3:.2f} ms", file=sys.stderr)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
         rows, layers, cells, reps = [1, 16], 2, [(1, 256), (4, 256)], 3
+        prefills = [(1, 0, 300), (2, 200, 40)]
     else:
         rows, layers, cells, reps = [1, 16, 64, 2048], 30, [(b, c) for c in (1024, 4096) for b in (1, 16, 64)], 7
+        prefills = [(1, 0, 1024), (1, 0, 4096), (1, 2048, 16), (16, 1024, 64), (4, 1024, 256)]
     res = {"quick": args.quick, "platform": platform.platform(), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "linear": bench_linear(rows, layers, reps),
-           "decode_attention": bench_decode(cells, reps)}
+           "decode_attention": bench_decode(cells, reps), "prefill_attention": bench_prefill(prefills, reps)}
     suffix = "_quick" if args.quick else ""
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"kernels{suffix}.json").write_text(json.dumps(res, indent=2) + "\n")
@@ -110,6 +147,11 @@ def main() -> int:
     lines += [f"| batch {r['batch']}, context {r['context']} | {r['gather_s'] * 1e3:.2f} ms | "
               f"{r['kernel_s'] * 1e3:.2f} ms | **{r['speedup']:.2f}x** | {r['kernel_GBps']:.1f} GB/s |"
               for r in res["decode_attention"]]
+    lines += ["", "| prefill attention, one layer (9 q / 3 kv heads of 64) | PyTorch SDPA path | tiled kernel | "
+              "speedup | kernel |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['batch']} x {r['new']} new tokens over {r['context']} cached | {r['torch_s'] * 1e3:.2f} ms | "
+              f"{r['kernel_s'] * 1e3:.2f} ms | **{r['speedup']:.2f}x** | {r['kernel_GFLOPs']:.0f} GFLOP/s |"
+              for r in res["prefill_attention"]]
     table = "\n".join(lines) + "\n"
     (RESULTS / f"kernels{suffix}.md").write_text(table)
     print(table)
