@@ -29,7 +29,7 @@ reusable by a longer prompt), attention just never reads them.
 
 Soft-capped scores (Gemma 2's `cap * tanh(scale * q.k / cap)`): SDPA cannot cap, so every
 path above keeps its keys and masks but computes the scores explicitly
-(engine/softcap_attention.py); the compiled decode kernel caps its own scores.
+(engine/softcap_attention.py); the compiled kernels cap their own scores.
 """
 
 from __future__ import annotations
@@ -140,9 +140,10 @@ def build_plan(meta: AttentionMetadata, device: torch.device,
     tiled_kernel = kernel and dtype == torch.float32
     tiled: list[tuple[int, int, int, int]] = []  # (sequence, first row, new tokens, context)
     # Rows attended one query at a time over their sequence's blocks: every decode, and with
-    # the compiled kernel every prefill over cached context but the padded one. Against the
-    # masked SDPA (one layer, 1-64 sequences of 16-64 new tokens over 1-4k cached keys they
-    # share): 1.1-1.6x faster; equal when each sequence has its own context.
+    # the compiled kernel every prefill over cached context the tiled kernel does not take
+    # (bf16, windowed, or fewer than 8 new tokens) but the padded one. Against the masked
+    # SDPA (one layer, 1-64 sequences of 16-64 new tokens over 1-4k cached keys they share):
+    # 1.1-1.6x faster; equal when each sequence has its own context.
     row_seqs: list[int] = []  # each row's sequence
     rows: list[int] = []  # its flat row
     lens: list[int] = []  # the keys it sees: its position + 1
