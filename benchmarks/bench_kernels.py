@@ -35,6 +35,7 @@ from bench_engine import median_time  # noqa: E402 (this script's directory is o
 
 from engine import cpu_ops  # noqa: E402
 from engine.attention_metadata import AttentionMetadata  # noqa: E402
+from engine.kv_cache import slot_mapping  # noqa: E402
 from engine.linear_backend import PackedLinear  # noqa: E402
 from engine.paged_attention import build_plan, paged_attention  # noqa: E402
 
@@ -99,8 +100,8 @@ def bench_prefill(cells: list[tuple[int, int, int]], reps: int) -> list[dict[str
         per_seq = -(-(ctx + new) // bs)
         kv = torch.randn(2, batch * per_seq + 1, bs, hkv, d)
         tables = torch.randperm(batch * per_seq).view(batch, per_seq)
-        slots = torch.cat([tables[b].repeat_interleave(bs) * bs + torch.arange(bs).repeat(per_seq)
-                           for b in range(batch)]).view(batch, -1)[:, ctx:ctx + new].reshape(-1)
+        seq_index = torch.arange(batch).repeat_interleave(new)
+        slots = slot_mapping(tables, seq_index, torch.arange(ctx, ctx + new).repeat(batch), bs)
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables,
                                  query_start_loc=[b * new for b in range(batch + 1)],
                                  seq_lens=[ctx + new] * batch, block_size=bs)

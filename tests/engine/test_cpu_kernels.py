@@ -16,6 +16,7 @@ from torch import nn
 
 from engine import LLM, SamplingParams, cpu_ops
 from engine.attention_metadata import AttentionMetadata
+from engine.kv_cache import slot_mapping
 from engine.layers import mlp as mlp_module
 from engine.linear_backend import (
     EXACT_ROWS,
@@ -54,7 +55,9 @@ def _decode_case(lens: list[int], dtype: torch.dtype, seed: int, bs: int = 16, h
     for i, nb in enumerate(blocks_each):
         tables[i, :nb] = perm[used:used + nb]
         used += nb
-    slots = torch.stack([tables[i, p // bs] * bs + p % bs for i, n in enumerate(lens) for p in range(n - q_lens[i], n)])
+    seq_index = torch.tensor([i for i, n in enumerate(q_lens) for _ in range(n)])
+    positions = torch.cat([torch.arange(n - q, n) for n, q in zip(lens, q_lens)])
+    slots = slot_mapping(tables, seq_index, positions, bs)
     qsl = [sum(q_lens[:i]) for i in range(len(lens) + 1)]
     meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_start_loc=qsl, seq_lens=lens, block_size=bs)
     q = torch.randn(qsl[-1], hq, d, generator=g).to(dtype)
