@@ -120,9 +120,9 @@ def build_plan(meta: AttentionMetadata, device: torch.device,
                sliding_window: int | None = None,
                cpu_ops: ModuleType | None = None) -> AttentionPlan:
     """Returns the plan for one step (masks in `dtype`, the model's) of layers attending over
-    `sliding_window` keys (None: full causal attention); decodes and most prefills over cached
-    context use `cpu_ops`' kernel when given and the device is a CPU. Raises ValueError if the
-    metadata is inconsistent, before anything is written to the cache."""
+    `sliding_window` keys (None: full causal attention); decodes and most prefills use
+    `cpu_ops`' kernels when given and the device is a CPU. Raises ValueError if the metadata
+    is inconsistent, before anything is written to the cache."""
     qsl, seq_lens, bs = meta.query_start_loc, meta.seq_lens, meta.block_size
     if len(qsl) != len(seq_lens) + 1:
         raise ValueError(f"query_start_loc has {len(qsl)} entries for {len(seq_lens)} sequences")

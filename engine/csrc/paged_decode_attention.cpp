@@ -48,18 +48,18 @@ inline void add_weighted_values(const float* v, const int64_t* offsets, int64_t 
   constexpr int64_t C = D / kLanes;
   vec16 a[NG][C];
   for (int64_t g = 0; g < NG; ++g)
-    for (int64_t c = 0; c < C; ++c) std::memcpy(&a[g][c], acc + g * D + c * kLanes, sizeof(vec16));
+    for (int64_t c = 0; c < C; ++c) a[g][c] = kvtier::load16(acc + g * D + c * kLanes);
   for (int64_t t = 0; t < n; ++t) {
     const float* row = v + offsets[t];
     vec16 vc[C];
-    for (int64_t c = 0; c < C; ++c) std::memcpy(&vc[c], row + c * kLanes, sizeof(vec16));
+    for (int64_t c = 0; c < C; ++c) vc[c] = kvtier::load16(row + c * kLanes);
     for (int64_t g = 0; g < NG; ++g) {
       const vec16 p = vec16{} + scores[g * stride + t];
       for (int64_t c = 0; c < C; ++c) a[g][c] += p * vc[c];
     }
   }
   for (int64_t g = 0; g < NG; ++g)
-    for (int64_t c = 0; c < C; ++c) std::memcpy(acc + g * D + c * kLanes, &a[g][c], sizeof(vec16));
+    for (int64_t c = 0; c < C; ++c) kvtier::store16(acc + g * D + c * kLanes, a[g][c]);
 }
 
 // Scores of NG query heads sharing one kv head against 8 keys: lane j (j < 8) of the result
@@ -72,10 +72,9 @@ inline void dots8(const float* q, const float* const* keys, int64_t offset, floa
     for (int64_t j = 0; j < 8; ++j) acc[g][j] = vec16{};
   for (int64_t c = 0; c < D; c += kLanes) {
     vec16 qc[NG];
-    for (int64_t g = 0; g < NG; ++g) std::memcpy(&qc[g], q + g * D + c, sizeof(vec16));
+    for (int64_t g = 0; g < NG; ++g) qc[g] = kvtier::load16(q + g * D + c);
     for (int64_t j = 0; j < 8; ++j) {
-      vec16 kc;
-      std::memcpy(&kc, keys[j] + offset + c, sizeof kc);
+      const vec16 kc = kvtier::load16(keys[j] + offset + c);
       for (int64_t g = 0; g < NG; ++g) acc[g][j] += qc[g] * kc;
     }
   }
