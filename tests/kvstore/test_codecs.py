@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvstore import serde
-from kvstore.codecs import QuantCodec, get_codec
+from kvstore.codecs import CodecError, QuantCodec, get_codec
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -43,6 +43,35 @@ def test_lz4_shuffle_compresses_real_looking_fp16() -> None:
     # smooth, low-entropy data: shuffling puts exponent bytes together, which lz4 can use
     kv = (torch.linspace(0, 1, 4 * 2 * 64 * 3 * 64).reshape(4, 2, 64, 3, 64)).half()
     assert len(serde.encode("k", kv, "lz4")) < 0.8 * len(serde.encode("k", kv, "raw"))
+
+
+def test_lz4_decodes_back_to_back_chunks_through_reused_buffers() -> None:
+    # the second decode reuses the first one's scratch buffer: stale bytes must not leak through
+    codec = get_codec("lz4")
+    a, b = kv_chunk(torch.float32, seed=1), kv_chunk(torch.float32, seed=2)
+    pa, pb = bytes(codec.encode(a)), bytes(codec.encode(b))
+    out_a = codec.decode(pa, a.dtype, tuple(a.shape))
+    assert torch.equal(codec.decode(pb, b.dtype, tuple(b.shape)), b)
+    assert torch.equal(out_a, a)
+
+
+def test_lz4_refuses_payloads_that_do_not_hold_their_shape() -> None:
+    # a forged value can carry a valid checksum: the codec itself must refuse what does not fit
+    codec = get_codec("lz4")
+    kv = kv_chunk(torch.float16, tokens=16)
+    shape = tuple(kv.shape)
+    payload = bytes(codec.encode(kv))
+    cases = {
+        "another shape": (payload, (4, 2, 8, 3, 64)),
+        "a huge forged shape": (payload, (1 << 20, 1 << 20)),
+        "a truncated block": (payload[:-10], shape),
+        "garbage after the size": (payload[:4] + bytes(range(256)) * 8, shape),
+        "no size": (payload[:2], shape),
+    }
+    for name, (bad, bad_shape) in cases.items():
+        with pytest.raises(CodecError):
+            codec.decode(bad, kv.dtype, bad_shape)
+            pytest.fail(f"{name} decoded")
 
 
 @pytest.mark.parametrize("bits", [8, 4])
