@@ -7,10 +7,11 @@ import gc
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvstore.config import TierSpec
-from kvstore.read_buffers import ReadBufferPool
+from kvstore.read_buffers import PAGE, ReadBufferPool
 from kvstore.registry import create_backend
 from tests.fixtures.tiers import chunk, ckey
 
@@ -37,13 +38,24 @@ def test_a_buffer_viewed_by_a_tensor_is_not_handed_out_again() -> None:
 
 
 def test_sizes_fit_and_the_free_bound_holds() -> None:
-    pool = ReadBufferPool(max_free_bytes=10_000)
+    held = 4000 + PAGE  # a buffer holds a page more than it serves, to start a view on one
+    pool = ReadBufferPool(max_free_bytes=2 * held + 100)
     views = [pool.take(4000) for _ in range(3)]
     del views
-    assert pool.free_bytes == 8000  # the third did not fit under the bound
+    assert pool.free_bytes == 2 * held  # the third did not fit under the bound
     assert len(pool.take(1000)) == 1000 and pool.reused == 0  # 4000 > 2 x 1000: not wasted on it
     assert len(pool.take(3000)) == 3000 and pool.reused == 1
     assert len(pool.take(0)) == 0
+
+
+def test_views_start_on_a_page_boundary() -> None:
+    # reads from the page cache into memory 16 bytes past a page ran at half speed
+    pool = ReadBufferPool()
+    views = [pool.take(n) for n in (1, 4000, 5000, 1 << 20)]
+    assert all(np.frombuffer(v, dtype=np.uint8).ctypes.data % PAGE == 0 for v in views)
+    del views
+    again = pool.take(3000)  # a reused buffer too
+    assert pool.reused == 1 and np.frombuffer(again, dtype=np.uint8).ctypes.data % PAGE == 0
 
 
 def test_the_disk_tier_reuses_read_buffers_and_reads_right(tmp_path: Path) -> None:
