@@ -8,9 +8,9 @@ Measured in the connector loader's pattern: benchmarks/bench_read_buffers.py. A 
 to the pool when nothing refers to it any more: the decoded tensor views it (raw codec), so
 that is when the last tensor over it is gone; no caller has to give it back.
 
-Every view starts on a page boundary: a read from the page cache into memory 16 bytes past one
-(where the allocator puts a bytearray's data) ran at half the speed here, 6 vs 12 GB/s
-(benchmarks/bench_read_buffers.py).
+Every view starts on a page boundary: reads from the page cache into memory 16 bytes past one
+(where the allocator puts a bytearray's data) ran at half the speed here, 4.5 vs 9.1 GB/s in
+the loader's pattern (benchmarks/bench_read_buffers.py).
 """
 
 from __future__ import annotations
