@@ -102,6 +102,10 @@ class RawCodec(Codec):
         return tensor_from_bytes(payload, dtype, shape)
 
 
+# Shuffled bytes between decompression and unshuffle (one chunk per decoding thread at a time).
+_SHUFFLED = ReadBufferPool(max_free_bytes=64 << 20)
+
+
 class LZ4Codec(Codec):
     """Byte-shuffle, then lz4. Exact. Shuffling groups the i-th byte of every element together
     (sign/exponent bytes compress well; mantissa bytes do not), which is what makes lz4 worth
@@ -143,10 +147,6 @@ class LZ4Codec(Codec):
         for i in range(itemsize):
             out[:, i] = planes[i]
         return tensor_from_bytes(out.reshape(-1).data, dtype, shape)
-
-
-# Shuffled bytes between decompression and unshuffle (one chunk per decoding thread at a time).
-_SHUFFLED = ReadBufferPool(max_free_bytes=64 << 20)
 
 
 class QuantCodec(Codec):
