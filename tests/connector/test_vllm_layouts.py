@@ -178,3 +178,24 @@ def test_cpu_kernel_moves_exactly_what_the_views_move(order: str, dtype: torch.d
     fast.scatter_layer(2, slots[:5], -chunk[2, :, :5])
     slow.scatter_layer(2, slots[:5], -chunk[2, :, :5])
     assert all(torch.equal(a, b) for a, b in zip(fast.kv_caches, slow.kv_caches))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_tiles_match_the_views(dtype: torch.dtype) -> None:
+    """The compiled copies' 16 x 16 register tiles of K^T (4-byte elements; other sizes go
+    element by element) at a real geometry: whole blocks, runs starting inside a block with a
+    tile and a remainder, single tokens, head sizes with and without a partial tile."""
+    for layers, nb, h, bs, d in [(2, 6, 3, 32, 64), (1, 5, 2, 48, 40)]:
+        torch.manual_seed(1)
+        physical = torch.randn(layers, nb, h, bs, 2 * d).to(dtype)
+        fast, slow = VllmCpuLayout(list(physical.clone())), VllmCpuLayout(list(physical.clone()), kernels=False)
+        assert fast._ops is not None, "engine/csrc did not build (needs g++)"
+        runs = [torch.arange(0, bs), torch.arange(2 * bs + 5, 2 * bs + 5 + 27), torch.tensor([bs + 3, 4 * bs + 1]),
+                torch.arange(3 * bs + 16, 4 * bs)]
+        slots = torch.cat(runs)
+        assert torch.equal(fast.gather_chunk(slots), slow.gather_chunk(slots))
+        chunk = torch.randn(layers, 2, len(slots), h, d).to(dtype)
+        fast.scatter_chunk(slots, chunk)
+        slow.scatter_chunk(slots, chunk)
+        assert all(torch.equal(a, b) for a, b in zip(fast.kv_caches, slow.kv_caches))
+        assert torch.equal(fast.gather_chunk(slots), chunk)
