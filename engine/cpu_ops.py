@@ -107,13 +107,17 @@ def load() -> ModuleType | None:
 
 def paged_decode_attention(ops: ModuleType, q: torch.Tensor, kv_cache: torch.Tensor,
                            block_tables: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-                           scale: float, softcap: float | None = None) -> torch.Tensor:
+                           scale: float, softcap: float | None = None,
+                           prior: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Returns `[B, Hq, D]` (q's dtype): each decode query `q` `[B, Hq, D]` attending over keys
     `starts[b]..lens[b] - 1` of its sequence, read in place from `kv_cache`'s blocks named by
     `block_tables` `[B, max_blocks]`, its scores `scale * q.k` capped to
-    `softcap * tanh(scale * q.k / softcap)` when `softcap` is given. The cache is not modified."""
+    `softcap * tanh(scale * q.k / softcap)` when `softcap` is given. `prior`: (output
+    `[B, Hq, D]`, log-sum-exp `[B, Hq]`, -inf where none), float32, of the same rows over
+    other keys, merged in: the result is then the softmax over both. The cache is not modified."""
+    prior_out, prior_lse = prior if prior is not None else (None, None)
     out = ops.paged_decode_attention(q.float().contiguous(), kv_cache, block_tables, starts, lens,
-                                     scale, DECODE_PARTITION, softcap or 0.0)
+                                     scale, DECODE_PARTITION, softcap or 0.0, prior_out, prior_lse)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
@@ -129,6 +133,21 @@ def paged_prefill_attention(ops: ModuleType, q: torch.Tensor, kv_cache: torch.Te
     if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
         q = q.contiguous()
     ops.paged_prefill_attention(q, kv_cache, block_tables, q_starts, q_lens, ctx_lens, scale, softcap or 0.0, out)
+
+
+def paged_prefix_attention(ops: ModuleType, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           q_starts: torch.Tensor, q_lens: torch.Tensor, prefix_lens: torch.Tensor, scale: float,
+                           softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (output `[T, Hq, D]`, log-sum-exp of scores `[T, Hq]`), float32, where the
+    `q_lens[s]` rows of `q` `[T, Hq, D]` (float32) from `q_starts[s]` each attend the first
+    `prefix_lens[s]` keys of `block_tables[s]`, not causally (scores as in
+    `paged_prefill_attention`). Rows in no group are 0 with log-sum-exp -inf."""
+    q = q.contiguous()
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:2], float("-inf"))
+    ops.paged_prefix_attention(q, kv_cache, block_tables, q_starts, q_lens, prefix_lens, scale, softcap or 0.0,
+                               out, lse)
+    return out, lse
 
 
 if __name__ == "__main__":  # `make install` builds the kernels here, not in the first request

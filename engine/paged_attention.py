@@ -14,9 +14,10 @@ blocks by the tiled prefill kernel. Otherwise three paths, chosen per sequence:
   (an explicit mask forces the slow math path); otherwise, with engine/cpu_ops.py's compiled
   kernel (CPU), each new token is a query row of the decode kernel below, else an explicit
   causal mask offset by the context length;
-- decode (query_len 1): with the compiled kernel, read in place from the blocks; otherwise
-  all such sequences in ONE SDPA call, gathered and padded to the longest context with a key
-  mask.
+- decode (query_len 1): with the compiled kernel, read in place from the blocks (a prefix
+  that 8+ consecutive rows share is attended once for all of them, engine/cascade_attention.py);
+  otherwise all such sequences in ONE SDPA call, gathered and padded to the longest context
+  with a key mask.
 
 Sliding window W (Mistral, Qwen2's sliding layers; transformers' convention): the query at
 position i attends keys j with i - W < j <= i. A plan is built per distinct window, and a
@@ -41,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention_metadata import AttentionMetadata
+from engine.cascade_attention import SharedPrefixes, find_shared_prefixes, shared_prefix_attention
 from engine.cpu_ops import paged_decode_attention, paged_prefill_attention
 from engine.softcap_attention import capped_decode, capped_prefill
 
@@ -106,6 +108,7 @@ class AttentionPlan:
     decode_tables: torch.Tensor | None = None
     decode_starts: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
+    decode_shared: SharedPrefixes | None = None  # prefixes rows share, attended once (cascade)
     # Prefills the compiled prefill kernel answers (then not in `prefills`): its module, and
     # per prefill its block table row, first flat row, new tokens and cached context.
     tiled_ops: ModuleType | None = None
@@ -193,6 +196,8 @@ def build_plan(meta: AttentionMetadata, device: torch.device,
             plan.decode_tables = meta.block_tables.index_select(0, idx).contiguous()
             plan.decode_lens = torch.tensor(lens)
             starts = [0 if sliding_window is None else max(0, n - sliding_window) for n in lens]
+            if sliding_window is None and dtype == torch.float32:  # the prefix kernel's case
+                plan.decode_shared, starts = find_shared_prefixes(plan.decode_tables, lens, bs)
             plan.decode_starts = torch.tensor(starts)
             return plan
         if sliding_window is not None and max(lens) > sliding_window:
@@ -364,8 +369,10 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPl
     """
     if plan.decode_ops is not None:
         assert plan.decode_tables is not None and plan.decode_starts is not None and plan.decode_lens is not None
+        prior = (None if plan.decode_shared is None else
+                 shared_prefix_attention(plan.decode_ops, q, kv_cache, plan.decode_shared, scale, softcap))
         return paged_decode_attention(plan.decode_ops, q.contiguous(), kv_cache, plan.decode_tables,
-                                      plan.decode_starts, plan.decode_lens, scale, softcap)
+                                      plan.decode_starts, plan.decode_lens, scale, softcap, prior)
     b, n = plan.decode_batch, plan.decode_len
     h_kv, d = kv_cache.shape[-2:]
     flat = kv_cache.view(2, -1, h_kv, d)

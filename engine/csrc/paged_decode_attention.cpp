@@ -12,6 +12,10 @@
 //
 // A "sequence" here is one query row: a prefill over cached context passes each of its new
 // tokens as a row with the same block table and its own length (causal attention).
+//
+// A prior result can be merged in: rows whose keys before starts[b] were attended elsewhere
+// (a prefix that several rows share, once for all of them: engine/cascade_attention.py) pass
+// that output and its log-sum-exp, and get the softmax over both key ranges.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -27,6 +31,9 @@
 #include <vector>
 
 namespace {
+
+// A row's prior log-sum-exp when nothing was attended before starts[b].
+constexpr float kNoPrior = -std::numeric_limits<float>::infinity();
 
 using kvtier::ivec16;
 using kvtier::kLanes;
@@ -116,8 +123,8 @@ inline const float* as_float(const scalar_t* __restrict src, float* __restrict b
 // from `head_size`.
 template <typename scalar_t, int64_t HEAD>
 void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int64_t* starts,
-            const int64_t* lens, float* out, int64_t num_seqs, int64_t num_q_heads,
-            int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t num_blocks,
+            const int64_t* lens, const float* prior_out, const float* prior_lse, float* out, int64_t num_seqs,
+            int64_t num_q_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t num_blocks,
             int64_t max_blocks, float scale, float softcap, int64_t partition) {
   const int64_t H = num_q_heads, G = num_q_heads / num_kv_heads, D = HEAD > 0 ? HEAD : head_size;
   const int64_t token_stride = num_kv_heads * D;  // one token's row: every kv head, contiguous
@@ -263,11 +270,21 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
       }
       if (first[b + 1] - first[b] == 1) {  // the whole sequence: normalise into out now
         for (int64_t hq = 0; hq < H; ++hq) {
-          const float inv = 1.f / l[hq];
           float* __restrict o = out + (b * H + hq) * D;
           const float* __restrict a = acc + hq * D;
+          const float pl = prior_lse != nullptr ? prior_lse[b * H + hq] : kNoPrior;
+          if (pl == kNoPrior) {
+            const float inv = 1.f / l[hq];
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
+            for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
+            continue;
+          }
+          const float top = std::max(m[hq], pl);
+          const float w = std::exp(m[hq] - top), wp = std::exp(pl - top);
+          const float inv = 1.f / (l[hq] * w + wp);
+          const float* __restrict po = prior_out + (b * H + hq) * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] = (a[d] * w + po[d] * wp) * inv;
         }
       }
     }
@@ -278,11 +295,19 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, hq = bh % H;
       if (first[b + 1] - first[b] == 1) continue;  // written by its only partition
-      float top = -std::numeric_limits<float>::infinity();
+      const float pl = prior_lse != nullptr ? prior_lse[bh] : kNoPrior;
+      float top = pl;
       for (int64_t p = first[b]; p < first[b + 1]; ++p) top = std::max(top, part_max[p * H + hq]);
       float* __restrict o = out + bh * D;
       std::fill(o, o + D, 0.f);
       float total = 0.f;
+      if (pl != kNoPrior) {  // the prior result as one more partition: max pl, sum 1
+        const float wp = std::exp(pl - top);
+        total = wp;
+        const float* __restrict po = prior_out + bh * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] = wp * po[d];
+      }
       for (int64_t p = first[b]; p < first[b + 1]; ++p) {
         const float w = std::exp(part_max[p * H + hq] - top);
         total += part_sum[p * H + hq] * w;
@@ -300,12 +325,15 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
 }  // namespace
 
 // q [B, Hq, D] float32; kv_cache [2, num_blocks, block_size, Hkv, D] (float32, bfloat16 or
-// float16); block_tables [B, max_blocks], starts [B], lens [B] int64; softcap <= 0: no cap.
-// Returns [B, Hq, D] float32.
+// float16); block_tables [B, max_blocks], starts [B], lens [B] int64; softcap <= 0: no cap;
+// prior_out [B, Hq, D] and prior_lse [B, Hq] float32:
+// a result over other keys to merge in (lse -inf where there is none), or None for both.
+// Returns [B, Hq, D].
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                      const torch::Tensor& block_tables, const torch::Tensor& starts,
                                      const torch::Tensor& lens, double scale, int64_t partition,
-                                     double softcap) {
+                                     double softcap, const c10::optional<torch::Tensor>& prior_out,
+                                     const c10::optional<torch::Tensor>& prior_lse) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, Hq, D]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be contiguous [2, num_blocks, block_size, Hkv, D]");
@@ -315,12 +343,26 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                 "block_tables, starts and lens must be contiguous int64 with one row per query");
   }
   TORCH_CHECK(partition > 0, "partition must be positive");
+  TORCH_CHECK(prior_out.has_value() == prior_lse.has_value(), "prior_out and prior_lse go together");
+  const float* p_out = nullptr;
+  const float* p_lse = nullptr;
+  if (prior_out.has_value()) {
+    TORCH_CHECK(prior_out->sizes() == q.sizes() && prior_out->is_contiguous() &&
+                    prior_out->scalar_type() == torch::kFloat,
+                "prior_out must be contiguous float32 shaped like q");
+    TORCH_CHECK(prior_lse->dim() == 2 && prior_lse->size(0) == q.size(0) && prior_lse->size(1) == q.size(1) &&
+                    prior_lse->is_contiguous() && prior_lse->scalar_type() == torch::kFloat,
+                "prior_lse must be contiguous float32 [B, Hq]");
+    p_out = prior_out->data_ptr<float>();
+    p_lse = prior_lse->data_ptr<float>();
+  }
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_cache.scalar_type(), "paged_decode_attention", [&] {
     auto run = [&](auto head) {
       decode<scalar_t, decltype(head)::value>(
           q.data_ptr<float>(), kv_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
-          starts.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), q.size(0), q.size(1),
+          starts.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), p_out, p_lse, out.data_ptr<float>(), q.size(0),
+          q.size(1),
           kv_cache.size(3), q.size(2), kv_cache.size(2), kv_cache.size(1), block_tables.size(1),
           static_cast<float>(scale), static_cast<float>(softcap), partition);
     };
@@ -337,6 +379,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
                              const torch::Tensor& q_starts, const torch::Tensor& q_lens,
                              const torch::Tensor& ctx_lens, double scale, double softcap, torch::Tensor& out);
+void paged_prefix_attention(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                            const torch::Tensor& q_starts, const torch::Tensor& q_lens,
+                            const torch::Tensor& prefix_lens, double scale, double softcap, torch::Tensor& out,
+                            torch::Tensor& lse);
 // fused_ops.cpp
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
@@ -350,11 +396,16 @@ void copy_kv_pages(const std::vector<torch::Tensor>& caches, torch::Tensor& chun
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache, in place",
         py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("starts"), py::arg("lens"),
-        py::arg("scale"), py::arg("partition"), py::arg("softcap") = 0.0);
+        py::arg("scale"), py::arg("partition"), py::arg("softcap") = 0.0, py::arg("prior_out") = py::none(),
+        py::arg("prior_lse") = py::none());
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal prefill attention over a paged KV cache, in place, into out's prefill rows", py::arg("q"),
         py::arg("kv_cache"), py::arg("block_tables"), py::arg("q_starts"), py::arg("q_lens"), py::arg("ctx_lens"),
         py::arg("scale"), py::arg("softcap"), py::arg("out"));
+  m.def("paged_prefix_attention", &paged_prefix_attention,
+        "attention of groups of rows over a prefix of keys they share, with each row's log-sum-exp", py::arg("q"),
+        py::arg("kv_cache"), py::arg("block_tables"), py::arg("q_starts"), py::arg("q_lens"), py::arg("prefix_lens"),
+        py::arg("scale"), py::arg("softcap"), py::arg("out"), py::arg("lse"));
   m.def("rms_norm", &rms_norm, "weight * x / sqrt(mean(x^2) + eps) per row");
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns rms_norm(residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows");

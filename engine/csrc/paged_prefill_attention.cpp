@@ -7,6 +7,12 @@
 // (kTq positions) of one kv head: its rows are the tile's positions times the G query heads
 // sharing that kv head, so each key is read once for all of them (GQA without expanding K/V).
 //
+// Shared prefixes (`paged_prefix_attention`, engine/cascade_attention.py): the same tiles, not
+// causal: every query row of group s (one decode row per sequence of a group whose block
+// tables begin alike) attends the group's first prefix_lens[s] keys, read once for the
+// group's rows instead of once per sequence; the output comes with its log-sum-exp, which the
+// decode kernel merges with each row's own keys.
+//
 // Layout: the tile's queries are kept transposed, qt[d][row], and its scores too,
 // st[key][row]. Scores are then key rows times qt (each key element broadcast against 16 rows
 // at a time), and the softmax runs down columns with no horizontal sums. On 2 cores, 9 query /
@@ -18,6 +24,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -118,11 +125,16 @@ inline void tile_values(const float* const* vals, int64_t n, const float* pt, in
 }
 
 struct Shape {
-  int64_t num_q_heads, num_kv_heads, head_size, block_size, num_blocks, max_blocks, q_row_stride;
+  int64_t num_q_heads, num_kv_heads, head_size, block_size, num_blocks, max_blocks, q_row_stride, q_rows;
 };
 
+// causal: the prefill's rows are positions ctx_lens[s]... (see the top); else every row sees
+// keys [0, ctx_lens[s]), in `splits` key ranges attended by separate work items and merged by
+// their log-sum-exp (few rows still spread over every thread). lse: when given, each row's
+// log-sum-exp of scores, [T, Hq].
 void prefill(const float* q, const float* kv, const int64_t* tables, const int64_t* q_starts, const int64_t* q_lens,
-             const int64_t* ctx_lens, int64_t num_seqs, const Shape& shape, float scale, float softcap, float* out) {
+             const int64_t* ctx_lens, int64_t num_seqs, const Shape& shape, float scale, float softcap, bool causal,
+             int64_t splits, float* out, float* lse) {
   const int64_t Hq = shape.num_q_heads, G = Hq / shape.num_kv_heads, D = shape.head_size;
   const int64_t token_stride = shape.num_kv_heads * D, block_stride = shape.block_size * token_stride;
   const int64_t v_offset = shape.num_blocks * block_stride;
@@ -131,15 +143,20 @@ void prefill(const float* q, const float* kv, const int64_t* tables, const int64
   // prompt's tiles cost from 1 to its length in key tiles.
   struct Item {
     int64_t seq, kv_head, first;  // first: the tile's first query, from the prefill's first
+    int64_t split;                // not causal: which of the `splits` key ranges
   };
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s)
     for (int64_t i = 0; i < q_lens[s]; i += kTq)
-      for (int64_t h = 0; h < shape.num_kv_heads; ++h) items.push_back({s, h, i});
-  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
-    return std::min(kTq, q_lens[a.seq] - a.first) + ctx_lens[a.seq] + a.first >
-           std::min(kTq, q_lens[b.seq] - b.first) + ctx_lens[b.seq] + b.first;
-  });
+      for (int64_t h = 0; h < shape.num_kv_heads; ++h)
+        for (int64_t k = 0; k < splits; ++k) items.push_back({s, h, i, k});
+  auto cost = [&](const Item& a) {
+    return causal ? std::min(kTq, q_lens[a.seq] - a.first) + ctx_lens[a.seq] + a.first : ctx_lens[a.seq] / splits;
+  };
+  // Split key ranges: each item's normalised output and log-sum-exp, merged at the end.
+  const int64_t T = shape.q_rows;
+  std::vector<float> part_out(splits > 1 ? splits * T * Hq * D : 0), part_lse(splits > 1 ? splits * T * Hq : 0);
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
@@ -157,7 +174,12 @@ void prefill(const float* q, const float* kv, const int64_t* tables, const int64
     const vec16 ninf = vec16{} - std::numeric_limits<float>::infinity();
     for (int64_t it; (it = next.fetch_add(1)) < num_items;) {
       const Item item = items[it];
-      const int64_t first_pos = ctx_lens[item.seq] + item.first;
+      // Not causal: keys [k_begin, k_end), every row at the last one's position. Ranges start
+      // on key tiles.
+      const int64_t n_ctx = ctx_lens[item.seq];
+      const int64_t k_begin = causal ? 0 : (n_ctx / kTk * item.split / splits) * kTk;
+      const int64_t k_end = causal || item.split + 1 == splits ? n_ctx : (n_ctx / kTk * (item.split + 1) / splits) * kTk;
+      const int64_t first_pos = causal ? n_ctx + item.first : k_end - 1;
       const int64_t tq = std::min(kTq, q_lens[item.seq] - item.first);
       const int64_t rows = G * tq, rvecs = (rows + kLanes - 1) / kLanes;
       const int64_t* table = tables + item.seq * shape.max_blocks;
@@ -169,12 +191,13 @@ void prefill(const float* q, const float* kv, const int64_t* tables, const int64
         for (int64_t g = 0; g < G; ++g)
           for (int64_t d = 0; d < D; ++d) qt[d * rpad + i * G + g] = qrow[g * D + d] * scale;
       }
-      for (int64_t r = 0; r < rpad; ++r) pos[r] = static_cast<float>(first_pos + std::min(r, rows - 1) / G);
+      for (int64_t r = 0; r < rpad; ++r)
+        pos[r] = static_cast<float>(causal ? first_pos + std::min(r, rows - 1) / G : first_pos);
       std::fill(o, o + rows * D, 0.f);
       std::fill(m, m + rpad, -std::numeric_limits<float>::infinity());
       std::fill(l, l + rpad, 0.f);
-      const int64_t num_keys = first_pos + tq;
-      for (int64_t k0 = 0; k0 < num_keys; k0 += kTk) {
+      const int64_t num_keys = causal ? first_pos + tq : k_end;
+      for (int64_t k0 = k_begin; k0 < num_keys; k0 += kTk) {
         const int64_t nk = std::min(kTk, num_keys - k0);
         for (int64_t j = 0, blk = k0 / shape.block_size, in = k0 % shape.block_size; j < kTk; ++j) {
           keys[j] = j < nk ? kv + table[blk] * block_stride + in * token_stride + item.kv_head * D
@@ -222,27 +245,54 @@ void prefill(const float* q, const float* kv, const int64_t* tables, const int64
         }
         tile_values(vals, nk, st, rpad, alpha, o, rows, D);
       }
+      float* dst_out = splits > 1 ? part_out.data() + item.split * T * Hq * D : out;
+      float* dst_lse = splits > 1 ? part_lse.data() + item.split * T * Hq : lse;
       for (int64_t i = 0; i < tq; ++i) {
-        float* orow = out + (first_row + i) * Hq * D + item.kv_head * G * D;
+        float* orow = dst_out + (first_row + i) * Hq * D + item.kv_head * G * D;
         for (int64_t g = 0; g < G; ++g) {
           const float inv = 1.f / l[i * G + g];
           const float* src = o + (i * G + g) * D;
           for (int64_t d = 0; d < D; ++d) orow[g * D + d] = src[d] * inv;
+          if (dst_lse != nullptr) {
+            dst_lse[(first_row + i) * Hq + item.kv_head * G + g] = m[i * G + g] + std::log(l[i * G + g]);
+          }
         }
       }
+    }
+  });
+  if (splits == 1) return;
+  // Each row's split results, weighted by exp(lse_k - max) (FlashDecoding's merge).
+  std::vector<int64_t> rows;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t i = 0; i < q_lens[s]; ++i) rows.push_back(q_starts[s] + i);
+  at::parallel_for(0, static_cast<int64_t>(rows.size()) * Hq, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t rh = begin; rh < end; ++rh) {
+      const int64_t at = rows[rh / Hq] * Hq + rh % Hq;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t k = 0; k < splits; ++k) top = std::max(top, part_lse[k * T * Hq + at]);
+      float* o = out + at * D;
+      std::fill(o, o + D, 0.f);
+      float total = 0.f;
+      for (int64_t k = 0; k < splits; ++k) {
+        const float w = std::exp(part_lse[k * T * Hq + at] - top);
+        total += w;
+        const float* src = part_out.data() + (k * T * Hq + at) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * src[d];
+      }
+      for (int64_t d = 0; d < D; ++d) o[d] /= total;
+      if (lse != nullptr) lse[at] = top + std::log(total);
     }
   });
 }
 
 }  // namespace
 
-// q [T, Hq, D] float32 (heads contiguous within a row; rows may be strided); kv_cache
-// [2, num_blocks, block_size, Hkv, D] float32; block_tables [S, max_blocks], q_starts, q_lens,
-// ctx_lens [S] int64; out [T, Hq, D] float32 contiguous, of which each prefill's rows are
-// written; softcap <= 0: no cap.
-void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
-                             const torch::Tensor& q_starts, const torch::Tensor& q_lens,
-                             const torch::Tensor& ctx_lens, double scale, double softcap, torch::Tensor& out) {
+namespace {
+
+// Checks the arguments both entry points share; returns the kernel's shape.
+Shape checked_shape(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                    const torch::Tensor& q_starts, const torch::Tensor& q_lens, const torch::Tensor& ctx_lens,
+                    const torch::Tensor& out, bool causal) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be float32 [T, Hq, D] with each row's heads contiguous");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
@@ -261,12 +311,55 @@ void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& kv_cac
   const int64_t* ctx = ctx_lens.data_ptr<int64_t>();
   const int64_t bs = kv_cache.size(2);
   for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(lens[s] > 0 && ctx[s] >= 0 && starts[s] >= 0 && starts[s] + lens[s] <= q.size(0),
-                "prefill ", s, "'s rows are outside q");
-    TORCH_CHECK((ctx[s] + lens[s] + bs - 1) / bs <= block_tables.size(1), "prefill ", s,
-                " has more keys than its block table holds");
+    TORCH_CHECK(lens[s] > 0 && ctx[s] >= (causal ? 0 : 1) && starts[s] >= 0 && starts[s] + lens[s] <= q.size(0),
+                "prefill ", s, "'s rows are outside q, or it has no keys");
+    const int64_t keys = causal ? ctx[s] + lens[s] : ctx[s];
+    TORCH_CHECK((keys + bs - 1) / bs <= block_tables.size(1), "prefill ", s, " has more keys than its block table holds");
   }
-  const Shape shape{q.size(1), kv_cache.size(3), q.size(2), bs, kv_cache.size(1), block_tables.size(1), q.stride(0)};
-  prefill(q.data_ptr<float>(), kv_cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(), starts, lens, ctx,
-          num_seqs, shape, static_cast<float>(scale), static_cast<float>(softcap), out.data_ptr<float>());
+  return Shape{q.size(1), kv_cache.size(3), q.size(2), bs, kv_cache.size(1), block_tables.size(1), q.stride(0),
+               q.size(0)};
+}
+
+}  // namespace
+
+// q [T, Hq, D] float32 (heads contiguous within a row; rows may be strided); kv_cache
+// [2, num_blocks, block_size, Hkv, D] float32; block_tables [S, max_blocks], q_starts, q_lens,
+// ctx_lens [S] int64; out [T, Hq, D] float32 contiguous, of which each prefill's rows are
+// written; softcap <= 0: no cap.
+void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                             const torch::Tensor& q_starts, const torch::Tensor& q_lens,
+                             const torch::Tensor& ctx_lens, double scale, double softcap, torch::Tensor& out) {
+  const Shape shape = checked_shape(q, kv_cache, block_tables, q_starts, q_lens, ctx_lens, out, true);
+  prefill(q.data_ptr<float>(), kv_cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
+          q_starts.data_ptr<int64_t>(), q_lens.data_ptr<int64_t>(), ctx_lens.data_ptr<int64_t>(), q_starts.size(0),
+          shape, static_cast<float>(scale), static_cast<float>(softcap), true, 1, out.data_ptr<float>(), nullptr);
+}
+
+// Shared prefixes: group s's q_lens[s] rows from q_starts[s] each attend keys
+// [0, prefix_lens[s]) of block_tables[s], not causally; writes their rows of out and of lse
+// [T, Hq] (float32 contiguous: each row's log-sum-exp of scores).
+void paged_prefix_attention(const torch::Tensor& q, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                            const torch::Tensor& q_starts, const torch::Tensor& q_lens,
+                            const torch::Tensor& prefix_lens, double scale, double softcap, torch::Tensor& out,
+                            torch::Tensor& lse) {
+  const Shape shape = checked_shape(q, kv_cache, block_tables, q_starts, q_lens, prefix_lens, out, false);
+  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.is_contiguous() &&
+                  lse.scalar_type() == torch::kFloat,
+              "lse must be contiguous float32 [T, Hq]");
+  // Key ranges enough for 4 work items per thread (a group of 16 rows over 3 kv heads would
+  // otherwise be 3 items on 2 threads), each of at least 512 keys.
+  const int64_t* lens = q_lens.data_ptr<int64_t>();
+  const int64_t* prefix = prefix_lens.data_ptr<int64_t>();
+  int64_t items = 0, shortest = std::numeric_limits<int64_t>::max();
+  for (int64_t s = 0; s < q_starts.size(0); ++s) {
+    items += (lens[s] + kTq - 1) / kTq * shape.num_kv_heads;
+    shortest = std::min(shortest, prefix[s]);
+  }
+  const int64_t want = 4 * at::get_num_threads();
+  const int64_t splits = std::clamp<int64_t>((want + items - 1) / std::max<int64_t>(1, items), 1,
+                                             std::max<int64_t>(1, shortest / 512));
+  prefill(q.data_ptr<float>(), kv_cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(),
+          q_starts.data_ptr<int64_t>(), q_lens.data_ptr<int64_t>(), prefix_lens.data_ptr<int64_t>(),
+          q_starts.size(0), shape, static_cast<float>(scale), static_cast<float>(softcap), false, splits,
+          out.data_ptr<float>(), lse.data_ptr<float>());
 }
