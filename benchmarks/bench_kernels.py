@@ -8,7 +8,12 @@
   sequence on its own blocks;
 - prefill attention, one layer: PyTorch's SDPA path (flash for a fresh prompt; padded or
   masked over cached context) against the tiled kernel that reads the blocks in place, for
-  fresh prompts of 1k and 4k tokens and new tokens over cached context.
+  fresh prompts of 1k and 4k tokens and new tokens over cached context;
+- decode rows sharing a prefix, one layer: every row reading the prefix itself (the decode
+  kernel) against the cascade (engine/cascade_attention.py: the prefix once for all rows);
+- vLLM CPU pages (K transposed per block), one 256-token chunk of the default model's 30
+  layers into and out of shuffled blocks: PyTorch's indexing through views against the
+  compiled copy (connector/vllm_layouts.py).
 
     .venv/bin/python benchmarks/bench_kernels.py [--quick]
 
@@ -121,6 +126,56 @@ def bench_prefill(cells: list[tuple[int, int, int]], reps: int) -> list[dict[str
     return out
 
 
+def bench_shared_decode(cells: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
+    """Cells: (rows, shared prefix); each row also has 64 keys of its own, on its own blocks."""
+    ops = cpu_ops.load()
+    if ops is None:
+        raise SystemExit("engine/csrc did not build: see the warning above")
+    bs, hq, hkv, d, own = 16, 9, 3, 64, 64
+    out = []
+    for batch, prefix in cells:
+        shared, mine = prefix // bs, own // bs
+        blocks = torch.randperm(shared + batch * mine)
+        tables = torch.cat([blocks[:shared].expand(batch, shared), blocks[shared:].view(batch, mine)], dim=1)
+        kv = torch.randn(2, len(blocks), bs, hkv, d)
+        lens = [prefix + own] * batch
+        slots = slot_mapping(tables, torch.arange(batch), torch.tensor(lens) - 1, bs)
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, query_start_loc=list(range(batch + 1)),
+                                 seq_lens=lens, block_size=bs)
+        q = torch.randn(batch, hq, d)
+        k, v = kv.flatten(1, 2)[:, slots]
+        cascade_plan = build_plan(meta, torch.device("cpu"), cpu_ops=ops)
+        rows_plan = build_plan(meta, torch.device("cpu"), cpu_ops=ops)
+        assert cascade_plan.decode_shared is not None and rows_plan.decode_starts is not None
+        rows_plan.decode_shared, rows_plan.decode_starts = None, torch.zeros_like(rows_plan.decode_starts)
+        args = (q, k, v, kv)
+        rows = median_s(lambda a=args, p=rows_plan: paged_attention(*a, p, 0.125), reps)
+        cascade = median_s(lambda a=args, p=cascade_plan: paged_attention(*a, p, 0.125), reps)
+        out.append({"batch": batch, "prefix": prefix, "own": own, "rows_s": rows, "cascade_s": cascade,
+                    "speedup": rows / cascade})
+        print(f"shared-prefix decode {batch}x{prefix}: rows {rows * 1e3:.2f} ms, cascade {cascade * 1e3:.2f} ms",
+              file=sys.stderr)
+    return out
+
+
+def bench_vllm_pages(reps: int) -> dict[str, Any]:
+    from connector.vllm_layouts import VllmCpuLayout
+
+    layers, blocks, bs, hkv, d, n = 30, 512, 16, 3, 64, 256
+    caches = [torch.randn(blocks, hkv, bs, 2 * d) for _ in range(layers)]
+    fast, views = VllmCpuLayout(caches), VllmCpuLayout(caches, kernels=False)
+    assert fast._ops is not None, "engine/csrc did not build: see the warning above"
+    slots = (torch.randperm(blocks)[:n // bs].unsqueeze(1) * bs + torch.arange(bs)).flatten()
+    chunk = torch.randn(layers, 2, n, hkv, d)
+    res: dict[str, Any] = {"tokens": n, "bytes": chunk.numel() * 4}
+    for name, layout in (("views", views), ("kernel", fast)):
+        res[f"{name}_scatter_s"] = median_s(lambda lay=layout: lay.scatter_chunk(slots, chunk), reps)
+        res[f"{name}_gather_s"] = median_s(lambda lay=layout: lay.gather_chunk(slots), reps)
+    print(f"vLLM CPU pages: scatter {res['views_scatter_s'] * 1e3:.2f} -> {res['kernel_scatter_s'] * 1e3:.2f} ms",
+          file=sys.stderr)
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -128,12 +183,15 @@ def main() -> int:
     if args.quick:
         rows, layers, cells, reps = [1, 16], 2, [(1, 256), (4, 256)], 3
         prefills = [(1, 0, 300), (2, 200, 40)]
+        shared = [(8, 1024)]
     else:
         rows, layers, cells, reps = [1, 16, 64, 2048], 30, [(b, c) for c in (1024, 4096) for b in (1, 16, 64)], 7
         prefills = [(1, 0, 1024), (1, 0, 4096), (1, 2048, 16), (16, 1024, 64), (4, 1024, 256)]
+        shared = [(b, p) for p in (1024, 4096) for b in (8, 16, 64)]
     res = {"quick": args.quick, "platform": platform.platform(), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "linear": bench_linear(rows, layers, reps),
-           "decode_attention": bench_decode(cells, reps), "prefill_attention": bench_prefill(prefills, reps)}
+           "decode_attention": bench_decode(cells, reps), "prefill_attention": bench_prefill(prefills, reps),
+           "shared_prefix_decode": bench_shared_decode(shared, reps), "vllm_cpu_pages": bench_vllm_pages(reps)}
     suffix = "_quick" if args.quick else ""
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"kernels{suffix}.json").write_text(json.dumps(res, indent=2) + "\n")
@@ -153,6 +211,15 @@ def main() -> int:
     lines += [f"| {r['batch']} x {r['new']} new tokens over {r['context']} cached | {r['torch_s'] * 1e3:.2f} ms | "
               f"{r['kernel_s'] * 1e3:.2f} ms | **{r['speedup']:.2f}x** | {r['kernel_GFLOPs']:.0f} GFLOP/s |"
               for r in res["prefill_attention"]]
+    lines += ["", "| decode rows sharing a prefix, one layer (64 keys of their own each) | each row reads it | "
+              "cascade | speedup |", "|---|---:|---:|---:|"]
+    lines += [f"| {r['batch']} rows over {r['prefix']} shared keys | {r['rows_s'] * 1e3:.2f} ms | "
+              f"{r['cascade_s'] * 1e3:.2f} ms | **{r['speedup']:.2f}x** |" for r in res["shared_prefix_decode"]]
+    pg = res["vllm_cpu_pages"]
+    lines += ["", f"| vLLM CPU pages, one {pg['tokens']}-token chunk of 30 layers ({pg['bytes'] / 1e6:.1f} MB) | "
+              "PyTorch views | compiled copy | speedup |", "|---|---:|---:|---:|"]
+    lines += [f"| {op} | {pg[f'views_{op}_s'] * 1e3:.2f} ms | {pg[f'kernel_{op}_s'] * 1e3:.2f} ms | "
+              f"**{pg[f'views_{op}_s'] / pg[f'kernel_{op}_s']:.2f}x** |" for op in ("scatter", "gather")]
     table = "\n".join(lines) + "\n"
     (RESULTS / f"kernels{suffix}.md").write_text(table)
     print(table)
