@@ -28,6 +28,7 @@ import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -68,10 +69,16 @@ def bench_linear(rows: list[int], layers: int, reps: int) -> list[dict[str, Any]
     return out
 
 
-def bench_decode(cells: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
+def load_ops() -> ModuleType:
+    """Returns the built kernels, or exits saying why there are none."""
     ops = cpu_ops.load()
     if ops is None:
         raise SystemExit("engine/csrc did not build: see the warning above")
+    return ops
+
+
+def bench_decode(cells: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
+    ops = load_ops()
     bs, hq, hkv, d = 16, 9, 3, 64
     out = []
     for batch, ctx in cells:
@@ -96,9 +103,7 @@ def bench_decode(cells: list[tuple[int, int]], reps: int) -> list[dict[str, Any]
 
 def bench_prefill(cells: list[tuple[int, int, int]], reps: int) -> list[dict[str, Any]]:
     """Cells: (sequences, cached context, new tokens each), each sequence on its own blocks."""
-    ops = cpu_ops.load()
-    if ops is None:
-        raise SystemExit("engine/csrc did not build: see the warning above")
+    ops = load_ops()
     bs, hq, hkv, d = 16, 9, 3, 64
     out = []
     for batch, ctx, new in cells:
@@ -128,9 +133,7 @@ def bench_prefill(cells: list[tuple[int, int, int]], reps: int) -> list[dict[str
 
 def bench_shared_decode(cells: list[tuple[int, int]], reps: int) -> list[dict[str, Any]]:
     """Cells: (rows, shared prefix); each row also has 64 keys of its own, on its own blocks."""
-    ops = cpu_ops.load()
-    if ops is None:
-        raise SystemExit("engine/csrc did not build: see the warning above")
+    ops = load_ops()
     bs, hq, hkv, d, own = 16, 9, 3, 64, 64
     out = []
     for batch, prefix in cells:

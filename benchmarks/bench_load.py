@@ -50,7 +50,6 @@ from pathlib import Path
 
 import blake3
 import cramjam
-import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,7 +68,7 @@ from engine.kv_cache import EngineLayout, PagedKVLayout  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from kvstore import serde  # noqa: E402
 from kvstore.backends.disk_names import key_path  # noqa: E402
-from kvstore.read_buffers import PAGE  # noqa: E402
+from kvstore.read_buffers import PAGE, page_aligned  # noqa: E402
 from kvstore.storage_manager import StorageManager  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -190,9 +189,7 @@ def drop_page_cache(paths: list[Path]) -> None:
 def file_buffer(paths: list[Path]) -> memoryview:
     """Returns a page-aligned buffer with a page-aligned place for every file of `paths`."""
     size = sum(-(-p.stat().st_size // PAGE) * PAGE for p in paths)
-    whole = np.frombuffer(bytearray(size + PAGE), dtype=np.uint8)
-    start = -whole.ctypes.data % PAGE
-    return whole[start:start + size].data
+    return page_aligned(bytearray(size + PAGE), size).data
 
 
 def read_files(paths: list[Path], buf: memoryview, reuse: bool = False) -> int:

@@ -25,6 +25,14 @@ DEFAULT_MAX_FREE_BYTES = 128 << 20  # a load holds a few chunks at a time (conne
 PAGE = 4096
 
 
+def page_aligned(buf: bytearray, nbytes: int) -> np.ndarray:
+    """Returns the `nbytes` of `buf` that start on its first page boundary; `buf` holds at
+    least `nbytes + PAGE` bytes."""
+    whole = np.frombuffer(buf, dtype=np.uint8)
+    start = -whole.ctypes.data % PAGE
+    return whole[start:start + nbytes]
+
+
 class ReadBufferPool:
     """Free buffers by capacity, at most `max_free_bytes` of them kept. Thread-safe."""
 
@@ -51,9 +59,7 @@ class ReadBufferPool:
                 self.reused += 1
         if buf is None:
             buf = bytearray(nbytes + PAGE)  # room to start the view on a page boundary
-        whole = np.frombuffer(buf, dtype=np.uint8)
-        start = -whole.ctypes.data % PAGE
-        arr = whole[start:start + nbytes]
+        arr = page_aligned(buf, nbytes)
         # `arr` is what every view of this value refers to (memoryview exports, torch.frombuffer):
         # when it is collected nothing reads the buffer any more.
         weakref.finalize(arr, self._give_back, buf).atexit = False

@@ -22,6 +22,7 @@ collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
 
 pytest_plugins = [
     "tests.fixtures.model",
+    "tests.fixtures.cpu_kernels",
     "tests.fixtures.redis_server",
     "tests.fixtures.cache_server",
 ]

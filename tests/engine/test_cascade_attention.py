@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams, cascade_attention, cpu_ops
+from engine import LLM, SamplingParams, cascade_attention
 from engine import paged_attention as paged_attention_module
 from engine.attention_metadata import AttentionMetadata
 from engine.cascade_attention import MIN_PREFIX, MIN_ROWS, find_shared_prefixes
@@ -16,13 +16,6 @@ from engine.paged_attention import build_plan, paged_attention
 
 CPU = torch.device("cpu")
 BS = 16
-
-
-@pytest.fixture(scope="module")
-def ops():
-    built = cpu_ops.load()
-    assert built is not None, "engine/csrc did not build (needs g++); see the warning logged above"
-    return built
 
 
 def _shared_case(groups: list[tuple[int, list[int]]], seed: int, hq: int = 9, hkv: int = 3,

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import LLM, SamplingParams, cpu_ops
+from engine import LLM, SamplingParams
 from engine.attention_metadata import AttentionMetadata
 from engine.kv_cache import slot_mapping
 from engine.layers import mlp as mlp_module
@@ -31,13 +31,6 @@ from engine.paged_attention import build_plan, paged_attention
 
 CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def ops():
-    built = cpu_ops.load()
-    assert built is not None, "engine/csrc did not build (needs g++); see the warning logged above"
-    return built
 
 
 def _decode_case(lens: list[int], dtype: torch.dtype, seed: int, bs: int = 16, hq: int = 9, hkv: int = 3,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import cpu_ops
 from engine.attention_metadata import AttentionMetadata
 from engine.paged_attention import build_plan, paged_attention
 
@@ -74,13 +73,6 @@ def _reference(full, specs: list[tuple[int, int]], cap: float | None,
             blocked |= kp <= qp - window
         outs.append(torch.einsum("hqk,khd->qhd", s.masked_fill(blocked, float("-inf")).softmax(-1), v))
     return torch.cat(outs)
-
-
-@pytest.fixture(scope="module")
-def ops():
-    built = cpu_ops.load()
-    assert built is not None, "engine/csrc did not build (needs g++); see the warning logged above"
-    return built
 
 
 @pytest.fixture(scope="module")
