@@ -17,12 +17,13 @@ host memory (connector/staging.py).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -35,6 +36,7 @@ from connector.metrics import ConnectorMetrics
 from connector.staging import to_device_source
 from connector.store_queue import StoreQueue
 from engine.kv_cache import PagedKVLayout
+from kvstore.backend import Destination
 from kvstore.storage_manager import StorageManager
 from kvstore.writer import BACKGROUND_NICE, BackgroundWriter, lower_thread_priority
 
@@ -80,8 +82,11 @@ class Loader:
         self.num_layers = layout.num_layers
         # A full queue refuses a job; that load is reported failed (recomputed).
         self.writer = BackgroundWriter(LOAD_QUEUE_SIZE, "drop_new", "kvtier-connector-load", nice=BACKGROUND_NICE)
-        self._prefetch = ThreadPoolExecutor(1, thread_name_prefix="kvtier-connector-fetch",
+        # Two threads: chunks read in place (the fastest tier reads them straight into the
+        # blocks) are read two at a time, a read per core.
+        self._prefetch = ThreadPoolExecutor(2, thread_name_prefix="kvtier-connector-fetch",
                                             initializer=lower_thread_priority, initargs=(BACKGROUND_NICE,))
+        self._in_place = storage.reads_in_place and layout.writes_in_place
         device = layout.device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._cond = threading.Condition()
@@ -183,38 +188,61 @@ class Loader:
                 self.stores.promote(promote)  # refused when the queue is full: promoted by a later load
 
     def _load_chunks(self, job: LoadJob, nbytes: list[int], promote: list[tuple[str, torch.Tensor, int]]) -> int:
-        """Scatters whole chunks in order; returns the end of what arrived."""
+        """Scatters whole chunks in order (chunks read in place are there already); returns
+        the end of what arrived."""
         filled = job.start
         keep: list[torch.Tensor] = []  # pinned sources stay alive until the stream is synchronised
         layout = self.layout
-        for i, (sp, (kv, tier)) in enumerate(self._fetch_groups(job)):
-            if job.cancelled or kv is None or not chunk_ok(kv, self._shape(self.num_layers, sp.num_tokens)):
-                break  # corrupt, evicted or foreign: computed from here on
-            lo, hi = max(sp.start, job.start), min(sp.end, job.end)
-            src = to_device_source(kv[:, :, lo - sp.start:hi - sp.start], layout.device, keep)
-            layout.scatter_chunk(layout.slots(job.block_ids, lo, hi), src)
-            nbytes[0] += kv.numel() * kv.element_size()
-            filled = hi
-            job.tiers[i] = tier
-            if tier > 0:
-                promote.append((sp.key, kv, tier))
+        with contextlib.closing(self._fetch_groups(job)) as fetched:
+            for i, (sp, (kv, tier)) in enumerate(fetched):
+                if job.cancelled or kv is None:
+                    break  # evicted or corrupt: computed from here on
+                lo, hi = max(sp.start, job.start), min(sp.end, job.end)
+                if isinstance(kv, torch.Tensor):
+                    if not chunk_ok(kv, self._shape(self.num_layers, sp.num_tokens)):
+                        break  # foreign
+                    src = to_device_source(kv[:, :, lo - sp.start:hi - sp.start], layout.device, keep)
+                    layout.scatter_chunk(layout.slots(job.block_ids, lo, hi), src)
+                    if tier > 0:
+                        promote.append((sp.key, kv, tier))
+                nbytes[0] += kv.nbytes
+                filled = hi
+                job.tiers[i] = tier
         return filled
 
-    def _fetch_groups(self, job: LoadJob) -> Iterator[tuple[Span, tuple[torch.Tensor | None, int]]]:
+    def _fetch_groups(self, job: LoadJob) -> Generator[tuple[Span, tuple[torch.Tensor | Destination | None, int]]]:
         """Yields each span of `job` with its fetched (value, tier), in order, FETCH_GROUP per
-        fetch, the next group fetched while the caller scatters this one; stops fetching once
-        the job is cancelled or a group comes back short."""
+        fetch, the next group fetched while the caller scatters this one (two groups, read
+        in place on two threads, when the fastest tier reads in place); stops fetching once
+        the job is cancelled or a group comes back short. Closed, it returns once no fetch
+        is running: nothing writes the job's blocks after it."""
         groups = [job.spans[i:i + FETCH_GROUP] for i in range(0, len(job.spans), FETCH_GROUP)]
-        fetch = functools.partial(self.storage.fetch, read_only=True)  # only scattered
-        pending = self._prefetch.submit(fetch, [sp.key for sp in groups[0]])
-        for g, group in enumerate(groups):
-            values = pending.result()
-            last = g + 1 == len(groups) or job.cancelled or any(v is None for v, _ in values)
-            if not last:
-                pending = self._prefetch.submit(fetch, [sp.key for sp in groups[g + 1]])
-            yield from zip(group, values)
-            if last:
-                return
+        ahead = 2 if self._in_place else 1  # fetches running while the caller scatters
+        pending = collections.deque(self._prefetch.submit(self._fetch_group, job, group) for group in groups[:ahead])
+        try:
+            for g, group in enumerate(groups):
+                values = pending.popleft().result()
+                stop = job.cancelled or any(v is None for v, _ in values)
+                if not stop and g + ahead < len(groups):
+                    pending.append(self._prefetch.submit(self._fetch_group, job, groups[g + ahead]))
+                yield from zip(group, values)
+                if stop:
+                    return
+        finally:
+            for f in pending:
+                f.exception()  # waits; a fetch that failed is only a miss
+
+    def _fetch_group(self, job: LoadJob, group: list[Span]) -> Sequence[tuple[torch.Tensor | Destination | None, int]]:
+        """Returns the fetched (value, tier) of each span of `group` (see `StorageManager.fetch`)."""
+        keys = [sp.key for sp in group]
+        if not self._in_place:
+            return self.storage.fetch(keys, read_only=True)  # only scattered
+        into = []
+        for sp in group:
+            lo, hi = max(sp.start, job.start), min(sp.end, job.end)
+            views = self.layout.chunk_views(self.layout.slots(job.block_ids, lo, hi), lo - sp.start, sp.end - hi)
+            into.append(Destination(self._shape(self.num_layers, sp.num_tokens), self.layout.dtype, views))
+        return self.storage.fetch(keys, read_only=True, into=into)
 
     def _load_layers(self, job: LoadJob, nbytes: list[int], promote: list[tuple[str, torch.Tensor, int]]) -> int:
         """Scatters layer by layer, marking each layer done; returns the end of what arrived

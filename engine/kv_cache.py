@@ -195,6 +195,17 @@ class PagedKVLayout(ABC):
         """Writes `layer_kv` `(2, len(slots), H, D)` into `slots` of layer `layer`, in place;
         a mismatched shape raises ValueError before anything is written."""
 
+    # Whether `chunk_views` can give views of the caches' own memory (host memory, contiguous).
+    writes_in_place: bool = False
+
+    def chunk_views(self, slots: torch.Tensor, before: int = 0, after: int = 0) -> list[memoryview]:
+        """Returns writable byte views of where the bytes of a chunk `(num_layers, 2, before +
+        len(slots) + after, H, D)` go, in its C order, when its tokens [before, before +
+        len(slots)) are scattered to `slots`: bytes written end to end through them land where
+        `scatter_chunk` puts them, and the `before` / `after` tokens of each layer and K/V in
+        scratch memory. Raises ValueError for bad slots or when not `writes_in_place`."""
+        raise ValueError(f"{type(self).__name__} cannot be written in place")
+
 
 class EngineLayout(PagedKVLayout):
     """Per layer `(2, num_blocks, block_size, num_kv_heads, head_size)` (K then V)."""
@@ -209,6 +220,10 @@ class EngineLayout(PagedKVLayout):
         _, nb, bs, h, d = ref.shape
         super().__init__(kv_caches, bs, nb, h, d)
         self._stacked = self._stacked_view()
+        self.writes_in_place = self.device.type == "cpu" and all(kv.is_contiguous() for kv in kv_caches)
+        # per layer, K then V: its bytes, for chunk_views
+        self._planes = [kv[i].reshape(-1).view(torch.uint8).numpy().data
+                        for kv in kv_caches for i in (0, 1)] if self.writes_in_place else []
 
     def _flat(self, kv: torch.Tensor) -> torch.Tensor:
         """Returns one layer's cache as `(2, num_slots, H, D)`: a view for a contiguous cache
@@ -286,6 +301,32 @@ class EngineLayout(PagedKVLayout):
         slots = slots.to(self.device, non_blocking=True)
         src = layer_kv.to(device=self.device, dtype=self.dtype, non_blocking=True)
         self._flat(kv_cache).index_copy_(1, slots, src)
+
+
+    def chunk_views(self, slots: torch.Tensor, before: int = 0, after: int = 0) -> list[memoryview]:
+        """One view per run of consecutive slots, per layer and K/V (see the base class)."""
+        if not self.writes_in_place:
+            raise ValueError("chunk_views needs contiguous kv_caches in host memory")
+        check_slots(slots, self.num_slots)
+        token = self.num_kv_heads * self.head_size * self.dtype.itemsize
+        starts: list[int] = []
+        ends: list[int] = []
+        for s in slots.tolist():
+            if ends and ends[-1] == s:
+                ends[-1] = s + 1
+            else:
+                starts.append(s)
+                ends.append(s + 1)
+        pad = (before + after) * token
+        scratch = memoryview(bytearray(pad * len(self._planes)))
+        views: list[memoryview] = []
+        for i, plane in enumerate(self._planes):
+            if before:
+                views.append(scratch[i * pad:i * pad + before * token])
+            views.extend(plane[a * token:b * token] for a, b in zip(starts, ends))
+            if after:
+                views.append(scratch[i * pad + before * token:(i + 1) * pad])
+        return views
 
 
 def layout_for(kv_caches: Sequence[torch.Tensor]) -> PagedKVLayout:

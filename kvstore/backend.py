@@ -32,6 +32,24 @@ ReadValue = Buffer | serde.CheckedValue
 """What a tier's read hook returns: the value, or the value with its check fed as it was read."""
 
 
+@dataclass(frozen=True)
+class Destination:
+    """Memory a chunk is read straight into (`read_into`): its shape and dtype, and byte views
+    (format "B", contiguous) whose bytes, end to end, take the chunk's bytes in C order."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    views: Sequence[memoryview]
+
+    def __post_init__(self) -> None:
+        if any(v.format != "B" or not v.c_contiguous or v.readonly for v in self.views):
+            raise ValueError("destination views must be writable, contiguous byte views (format 'B')")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.views)
+
+
 class BackendError(RuntimeError):
     """A tier failed (connection refused, disk full, ...). The storage manager catches it,
     marks the tier unhealthy and retries later; it never reaches the engine."""
@@ -124,6 +142,27 @@ class StorageBackend(ABC):
         stored tensor (memory tiers skip the copy), so the caller must never modify it."""
         return self.batched_get(keys)
 
+    # Whether `read_into` can fill memory straight from this tier's stored values.
+    reads_in_place: bool = False
+
+    def read_into(self, key: str, dest: Destination) -> bool | None:
+        """Reads the chunk stored under `key` straight into `dest`. Returns True once `dest`
+        holds it, checked as `get` checks it; False on a miss (absent, corrupt or foreign,
+        counted as `get` counts it; `dest` may then hold anything); None, with `dest`
+        untouched, when it cannot be read in place (this tier never does, or the value is not
+        raw `dest.dtype` of `dest.shape`): `get` reads it."""
+        return None
+
+    def batched_read_into(self, keys: Sequence[str], dests: Sequence[Destination]
+                          ) -> list[torch.Tensor | Destination | None]:
+        """Returns per key its destination once the chunk was read into it (`read_into`),
+        else the chunk as `batched_read` returns it (a value not readable in place), or None."""
+        out: list[torch.Tensor | Destination | None] = []
+        for key, dest in zip(keys, dests, strict=True):
+            done = self.read_into(key, dest)
+            out.append(dest if done else None if done is False else self.batched_read([key])[0])
+        return out
+
     @abstractmethod
     def put(self, key: str, kv: torch.Tensor) -> bool:
         """Stores `kv` under `key`, evicting as needed to stay within the byte budget; returns
@@ -214,26 +253,51 @@ class BytesBackend(StorageBackend):
         (it has `len()`), and then get it in their `_put_bytes`."""
         return serde.encode(key, kv, self.codec)
 
+    def _read_in_place(self, key: str, dest: Destination) -> bool | None:
+        """Reads `key`'s value straight into `dest` (tiers that can: `reads_in_place`).
+        Returns True when read and checked, False if absent, None (`dest` untouched) when the
+        value is not raw `dest.dtype` of `dest.shape`; raises SerdeError for a corrupt one."""
+        return None
+
     def decode(self, key: str, value: ReadValue | None) -> torch.Tensor | None:
         """Returns the chunk in `value`, or None (counted as a miss or as corrupt)."""
         if value is None:
-            with self._stats_lock:
-                self._misses += 1
+            self._count(hit=False)
             return None
         try:
             kv = serde.decode(key, value)
         except serde.SerdeError:
-            with self._stats_lock:
-                self._corrupt += 1
-                self._misses += 1
-            try:
-                self._delete(key)
-            except BackendError:
-                pass
+            self._refuse(key)
             return None
-        with self._stats_lock:
-            self._hits += 1
+        self._count(hit=True)
         return kv
+
+    def read_into(self, key: str, dest: Destination) -> bool | None:
+        try:
+            done = self._read_in_place(key, dest)
+        except serde.SerdeError:
+            self._refuse(key)
+            return False
+        if done is not None:
+            self._count(hit=done)
+        return done
+
+    def _count(self, hit: bool) -> None:
+        with self._stats_lock:
+            if hit:
+                self._hits += 1
+            else:
+                self._misses += 1
+
+    def _refuse(self, key: str) -> None:
+        """Counts `key`'s value as corrupt (and a miss) and deletes it, best effort."""
+        with self._stats_lock:
+            self._corrupt += 1
+            self._misses += 1
+        try:
+            self._delete(key)
+        except BackendError:
+            pass
 
     def contains(self, key: str) -> bool:
         return self._contains(key)

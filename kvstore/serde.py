@@ -269,24 +269,30 @@ class ValueCheck:
         self._fed = hlen
         return first[hlen:]
 
-    def decode(self, value: Buffer) -> torch.Tensor:
-        """Returns the chunk in `value`, the bytes that were fed. Raises SerdeError if the
-        value is truncated, corrupt (checksum), stored under another key, of an unknown
-        format, or (with an integrity key set) lacks a valid MAC. The result may view `value`'s
-        memory (raw codec): no copy."""
+    def verify(self, nbytes: int) -> ValueHeader:
+        """Returns the header of the `nbytes`-byte value that was fed, once its bytes are
+        whole and check out. Raises SerdeError if the value is truncated, corrupt (checksum),
+        stored under another key, of an unknown format, or (with an integrity key set) lacks
+        a valid MAC."""
         if self._error is not None:
             raise self._error
         header = self._header
         if header is None:
             raise SerdeError("value is empty")
-        if len(value) != header.header_len + header.payload_len:
-            raise SerdeError(f"value is {len(value)} bytes, header says {header.header_len + header.payload_len}")
-        if self._fed != len(value):
-            raise SerdeError(f"checked {self._fed} bytes of a {len(value)}-byte value")
+        if nbytes != header.header_len + header.payload_len:
+            raise SerdeError(f"value is {nbytes} bytes, header says {header.header_len + header.payload_len}")
+        if self._fed != nbytes:
+            raise SerdeError(f"checked {self._fed} bytes of a {nbytes}-byte value")
         if self._sum.intdigest() != self._stored_sum:
             raise SerdeError("checksum mismatch: value is corrupt")
         if self._mac is not None and not hmac.compare_digest(self._stored_mac, self._mac.digest()):
             raise SerdeError("MAC mismatch: value was not written with this integrity key")
+        return header
+
+    def decode(self, value: Buffer) -> torch.Tensor:
+        """Returns the chunk in `value`, the bytes that were fed (refused as by `verify`, with
+        SerdeError). The result may view `value`'s memory (raw codec): no copy."""
+        header = self.verify(len(value))
         try:
             return get_codec(header.codec).decode(memoryview(value)[header.header_len :], header.dtype, header.shape)
         except CodecError as exc:

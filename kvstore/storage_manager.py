@@ -24,12 +24,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, overload
 
 import torch
 
 from kvstore import serde
-from kvstore.backend import StorageBackend
+from kvstore.backend import Destination, StorageBackend
 from kvstore.config import KVStoreConfig
 from kvstore.deadlines import CallKind
 from kvstore.health import BACKOFF_INITIAL_S, BACKOFF_MAX_S, BREAKER_FAILURES
@@ -42,10 +42,6 @@ from kvstore.writer import BACKGROUND_NICE, FLUSH_TIMEOUT_S, BackgroundWriter
 logger = logging.getLogger("kvtier.kvstore")
 T = TypeVar("T")
 
-
-
-def _nbytes(kv: torch.Tensor) -> int:
-    return kv.numel() * kv.element_size()
 
 
 def _check_chunk(key: str, kv: Any) -> None:
@@ -154,7 +150,7 @@ class StorageManager:
             # a backend that answers None predates per-item answers and accepted everything
             accepted = [True] * len(items) if result is None else result
             with self._stats_lock:
-                self._stats[i].bytes_stored += sum(_nbytes(kv) for (_, kv), ok in zip(items, accepted) if ok)
+                self._stats[i].bytes_stored += sum(kv.nbytes for (_, kv), ok in zip(items, accepted) if ok)
                 self._stats[i].store_seconds += time.perf_counter() - t0
             if self._listener is not None:
                 self._listener.stored(tier.name, [k for (k, _), ok in zip(items, accepted) if ok])
@@ -254,13 +250,28 @@ class StorageManager:
         """Returns one chunk or None per key, as `fetch` does, without the tier indexes."""
         return [kv for kv, _ in self.fetch(keys, read_only=read_only)]
 
-    def fetch(self, keys: Sequence[str], *, read_only: bool = False) -> list[tuple[torch.Tensor | None, int]]:
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether `fetch(into=...)` can read chunks straight into memory: the fastest tier
+        can, and only from it (a hit below it is promoted, so it is read into memory it keeps)."""
+        return self.tiers[0].reads_in_place
+
+    @overload
+    def fetch(self, keys: Sequence[str], *, read_only: bool = ...,
+              into: None = ...) -> list[tuple[torch.Tensor | None, int]]: ...
+    @overload
+    def fetch(self, keys: Sequence[str], *, read_only: bool = ...,
+              into: Sequence[Destination]) -> list[tuple[torch.Tensor | Destination | None, int]]: ...
+
+    def fetch(self, keys: Sequence[str], *, read_only: bool = False, into: Sequence[Destination] | None = None
+              ) -> list[tuple[torch.Tensor | Destination | None, int]] | list[tuple[torch.Tensor | None, int]]:
         """Returns per key (the chunk from the fastest tier holding it, that tier's index) or
         (None, -1); promotes nothing (see `promote`). Keys are pinned while they load.
         `read_only`: the caller never modifies the results, so memory tiers return their
-        tensors without copying them."""
+        tensors without copying them. `into` (one per key): the fastest tier reads chunks it
+        can straight into them (`reads_in_place`); each comes back as its destination."""
         keys = list(keys)
-        out: list[tuple[torch.Tensor | None, int]] = [(None, -1)] * len(keys)
+        out: list[tuple[torch.Tensor | Destination | None, int]] = [(None, -1)] * len(keys)
         self.pins.pin(keys)
         try:
             missing = list(range(len(keys)))
@@ -269,7 +280,11 @@ class StorageManager:
                     break
                 want = [keys[j] for j in missing]
                 t0 = time.perf_counter()
-                got = self._call(i, partial(tier.batched_read if read_only else tier.batched_get, want), "load")
+                got: Sequence[torch.Tensor | Destination | None] | Skipped
+                if i == 0 and into is not None and tier.reads_in_place:
+                    got = self._call(i, partial(tier.batched_read_into, want, [into[j] for j in missing]), "load")
+                else:
+                    got = self._call(i, partial(tier.batched_read if read_only else tier.batched_get, want), "load")
                 if got is SKIPPED:
                     continue
                 elapsed = time.perf_counter() - t0
@@ -280,7 +295,7 @@ class StorageManager:
                         still.append(j)
                     else:
                         out[j] = (kv, i)
-                        nbytes += _nbytes(kv)
+                        nbytes += kv.nbytes
                 with self._stats_lock:
                     s = self._stats[i]
                     s.hits += len(missing) - len(still)

@@ -29,8 +29,9 @@ from urllib.parse import unquote, urlsplit
 import torch
 
 from kvstore import serde
-from kvstore.backend import BackendError, BytesBackend, ReadValue, StoredValue
+from kvstore.backend import BackendError, BytesBackend, Destination, ReadValue, StoredValue
 from kvstore.backends.disk_names import SUFFIX, key_path, keys_with_prefix
+from kvstore.backends.disk_reads import read_in_place, read_value
 from kvstore.backends.disk_state import STATE_BYTES, STATE_FILE, DirState, SharedDir
 from kvstore.budget import ByteBudget
 from kvstore.codecs import Buffer, Codec
@@ -40,9 +41,6 @@ from kvstore.read_buffers import ReadBufferPool
 from kvstore.tenant_keys import key_tenant, tenant_prefix
 
 _TMP_PREFIX = ".tmp-"
-# A value is read and checked in pieces this big: each is hashed while still in the CPU's
-# cache (half of one core's L2 here), not read back from memory by a second pass.
-READ_PIECE = 512 << 10
 __all__ = ["STATE_BYTES", "STATE_FILE", "DiskBackend"]
 
 
@@ -73,6 +71,7 @@ class DiskBackend(BytesBackend):
                  codec: Codec | str = "raw", eviction: str = "lru", fsync: bool = False,
                  tenant_quota: int | None = None) -> None:
         super().__init__(codec)
+        self.reads_in_place = self.codec.name == "raw"  # what it writes, it can read in place
         if byte_budget is not None and byte_budget < 0:
             raise ValueError(f"byte budget must be >= 0, got {byte_budget}")
         self.root = Path(root)
@@ -274,32 +273,43 @@ class DiskBackend(BytesBackend):
     def _batched_contains(self, keys: Sequence[str]) -> list[bool]:
         return [self._contains(k) for k in keys]
 
-    def _get_bytes(self, key: str) -> ReadValue | None:
+    @contextmanager
+    def _opened(self, key: str) -> Iterator[int | None]:
+        """Yields a descriptor of `key`'s file opened for reading, or None if there is none
+        (then forgotten); once the body returned, marks the file recently used."""
         path = self._path(key)
         try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                buf = self._read_buffers.take(size)
-                check = serde.ValueCheck(key)
-                n = 0
-                while n < size and (got := f.readinto(buf[n : n + READ_PIECE])):
-                    check.feed(buf[n : n + got])  # while the piece is still in cache
-                    n += got
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             with self._lock:  # forget it only if still absent: a writer may have just renamed it in
                 if not path.exists():
                     self._index.remove(key)
-            return None
+            yield None
+            return
         except OSError as exc:
             raise BackendError(f"disk tier cannot read {key}: {exc}") from exc
+        try:
+            yield fd
+        except OSError as exc:
+            raise BackendError(f"disk tier cannot read {key}: {exc}") from exc
+        finally:
+            os.close(fd)
         try:
             os.utime(path)  # the LRU order survives restarts through mtime
         except OSError:
             pass  # read-only, another user's file, or replaced since: the value read is whole
         with self._lock:
             self._index.touch(key)
-        return serde.CheckedValue(buf if n == size else buf[:n], check)
 
+    def _get_bytes(self, key: str) -> ReadValue | None:
+        with self._opened(key) as fd:
+            return None if fd is None else read_value(fd, key, self._read_buffers)
+
+    def _read_in_place(self, key: str, dest: Destination) -> bool | None:
+        with self._opened(key) as fd:
+            if fd is None:
+                return False
+            return True if read_in_place(fd, key, dest) else None
     def encode(self, key: str, kv: torch.Tensor) -> serde.SplitValue:
         """Returns header + payload unjoined: the file gets them in two writes, no copy."""
         return serde.encode_split(key, kv, self.codec)
