@@ -4,8 +4,10 @@ fresh blocks, off the engine's thread (docs/architecture.md, "Connector").
 Two kinds of load, both stopping at the first chunk that is missing or malformed (existence
 at lookup is not possession); `LoadJob.filled` ends the positions every layer got:
 - whole chunks (asynchronous loads, the request parked meanwhile): FETCH_GROUP chunks per
-  fetch, the next group fetched on a prefetch thread while this one is scattered; the end is
-  reported by `finished()` with the blocks not filled.
+  fetch, the next FETCH_AHEAD groups fetched on prefetch threads while this one is
+  scattered; the end is reported by `finished()` with the blocks not filled. When the
+  fastest tier reads in place (the disk tier, raw values, blocks in host memory), a fetch
+  reads its chunks straight into the blocks: there is nothing left to scatter.
 - layer by layer (`use_layerwise`, the request runs in the step that admitted it): layer i of
   every chunk (one stored value each, connector/keyspace.py) is fetched and scattered in
   layer order, the next layer fetched while this one is scattered; the forward's layer i
@@ -42,8 +44,12 @@ from kvstore.writer import BACKGROUND_NICE, BackgroundWriter, lower_thread_prior
 
 # Background loads queued at most; one past it is refused and computed instead.
 LOAD_QUEUE_SIZE = 4096
-# Chunks per fetch of a whole-chunk load: the next group is fetched while this one is scattered.
+# Chunks per fetch of a whole-chunk load.
 FETCH_GROUP = 2
+# Groups fetched while one is scattered, one per fetch thread: fetching is CPU work too
+# (receiving, checksums and MACs, lz4, reads in place), and two threads fetched lz4 chunks
+# 2.1-2.5x and Redis 1.6x as fast as one (benchmarks/bench_load.py).
+FETCH_AHEAD = 2
 logger = logging.getLogger("kvtier.connector")
 Fetched = list[tuple[torch.Tensor | None, int]]
 
@@ -82,10 +88,9 @@ class Loader:
         self.num_layers = layout.num_layers
         # A full queue refuses a job; that load is reported failed (recomputed).
         self.writer = BackgroundWriter(LOAD_QUEUE_SIZE, "drop_new", "kvtier-connector-load", nice=BACKGROUND_NICE)
-        # Two threads: chunks read in place (the fastest tier reads them straight into the
-        # blocks) are read two at a time, a read per core.
-        self._prefetch = ThreadPoolExecutor(2, thread_name_prefix="kvtier-connector-fetch",
+        self._prefetch = ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="kvtier-connector-fetch",
                                             initializer=lower_thread_priority, initargs=(BACKGROUND_NICE,))
+        # The fastest tier reads chunks straight into the blocks: nothing left to scatter.
         self._in_place = storage.reads_in_place and layout.writes_in_place
         device = layout.device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -212,19 +217,18 @@ class Loader:
 
     def _fetch_groups(self, job: LoadJob) -> Generator[tuple[Span, tuple[torch.Tensor | Destination | None, int]]]:
         """Yields each span of `job` with its fetched (value, tier), in order, FETCH_GROUP per
-        fetch, the next group fetched while the caller scatters this one (two groups, read
-        in place on two threads, when the fastest tier reads in place); stops fetching once
-        the job is cancelled or a group comes back short. Closed, it returns once no fetch
-        is running: nothing writes the job's blocks after it."""
+        fetch, the next FETCH_AHEAD groups fetched while the caller scatters this one; stops
+        fetching once the job is cancelled or a group comes back short. Closed, it returns
+        once no fetch is running: nothing writes the job's blocks after it."""
         groups = [job.spans[i:i + FETCH_GROUP] for i in range(0, len(job.spans), FETCH_GROUP)]
-        ahead = 2 if self._in_place else 1  # fetches running while the caller scatters
-        pending = collections.deque(self._prefetch.submit(self._fetch_group, job, group) for group in groups[:ahead])
+        pending = collections.deque(self._prefetch.submit(self._fetch_group, job, group)
+                                    for group in groups[:FETCH_AHEAD])
         try:
             for g, group in enumerate(groups):
                 values = pending.popleft().result()
                 stop = job.cancelled or any(v is None for v, _ in values)
-                if not stop and g + ahead < len(groups):
-                    pending.append(self._prefetch.submit(self._fetch_group, job, groups[g + ahead]))
+                if not stop and g + FETCH_AHEAD < len(groups):
+                    pending.append(self._prefetch.submit(self._fetch_group, job, groups[g + FETCH_AHEAD]))
                 yield from zip(group, values)
                 if stop:
                     return
