@@ -198,7 +198,8 @@ class Loader:
         filled = job.start
         keep: list[torch.Tensor] = []  # pinned sources stay alive until the stream is synchronised
         layout = self.layout
-        with contextlib.closing(self._fetch_groups(job)) as fetched:
+        slots = layout.slots(job.block_ids, job.start, job.end)  # once: built per chunk, 9% of a 4k load
+        with contextlib.closing(self._fetch_groups(job, slots)) as fetched:
             for i, (sp, (kv, tier)) in enumerate(fetched):
                 if job.cancelled or kv is None:
                     break  # evicted or corrupt: computed from here on
@@ -207,7 +208,7 @@ class Loader:
                     if not chunk_ok(kv, self._shape(self.num_layers, sp.num_tokens)):
                         break  # foreign
                     src = to_device_source(kv[:, :, lo - sp.start:hi - sp.start], layout.device, keep)
-                    layout.scatter_chunk(layout.slots(job.block_ids, lo, hi), src)
+                    layout.scatter_chunk(slots[lo - job.start:hi - job.start], src)
                     if tier > 0:
                         promote.append((sp.key, kv, tier))
                 nbytes[0] += kv.nbytes
@@ -215,20 +216,21 @@ class Loader:
                 job.tiers[i] = tier
         return filled
 
-    def _fetch_groups(self, job: LoadJob) -> Generator[tuple[Span, tuple[torch.Tensor | Destination | None, int]]]:
+    def _fetch_groups(self, job: LoadJob, slots: torch.Tensor
+                      ) -> Generator[tuple[Span, tuple[torch.Tensor | Destination | None, int]]]:
         """Yields each span of `job` with its fetched (value, tier), in order, FETCH_GROUP per
         fetch, the next FETCH_AHEAD groups fetched while the caller scatters this one; stops
         fetching once the job is cancelled or a group comes back short. Closed, it returns
         once no fetch is running: nothing writes the job's blocks after it."""
         groups = [job.spans[i:i + FETCH_GROUP] for i in range(0, len(job.spans), FETCH_GROUP)]
-        pending = collections.deque(self._prefetch.submit(self._fetch_group, job, group)
+        pending = collections.deque(self._prefetch.submit(self._fetch_group, job, group, slots)
                                     for group in groups[:FETCH_AHEAD])
         try:
             for g, group in enumerate(groups):
                 values = pending.popleft().result()
                 stop = job.cancelled or any(v is None for v, _ in values)
                 if not stop and g + FETCH_AHEAD < len(groups):
-                    pending.append(self._prefetch.submit(self._fetch_group, job, groups[g + FETCH_AHEAD]))
+                    pending.append(self._prefetch.submit(self._fetch_group, job, groups[g + FETCH_AHEAD], slots))
                 yield from zip(group, values)
                 if stop:
                     return
@@ -236,15 +238,17 @@ class Loader:
             for f in pending:
                 f.exception()  # waits; a fetch that failed is only a miss
 
-    def _fetch_group(self, job: LoadJob, group: list[Span]) -> Sequence[tuple[torch.Tensor | Destination | None, int]]:
-        """Returns the fetched (value, tier) of each span of `group` (see `StorageManager.fetch`)."""
+    def _fetch_group(self, job: LoadJob, group: list[Span], slots: torch.Tensor
+                     ) -> Sequence[tuple[torch.Tensor | Destination | None, int]]:
+        """Returns the fetched (value, tier) of each span of `group` (see `StorageManager.fetch`);
+        `slots` are the job's, positions [start, end)."""
         keys = [sp.key for sp in group]
         if not self._in_place:
             return self.storage.fetch(keys, read_only=True)  # only scattered
         into = []
         for sp in group:
             lo, hi = max(sp.start, job.start), min(sp.end, job.end)
-            views = self.layout.chunk_views(self.layout.slots(job.block_ids, lo, hi), lo - sp.start, sp.end - hi)
+            views = self.layout.chunk_views(slots[lo - job.start:hi - job.start], lo - sp.start, sp.end - hi)
             into.append(Destination(self._shape(self.num_layers, sp.num_tokens), self.layout.dtype, views))
         return self.storage.fetch(keys, read_only=True, into=into)
 
@@ -255,7 +259,8 @@ class Loader:
         filled = job.end
         layout = self.layout
         # Host-side slots: scatter_layer checks them without a device sync, then moves them.
-        slots = [layout.slots(job.block_ids, max(sp.start, job.start), min(sp.end, job.end)) for sp in job.spans]
+        job_slots = layout.slots(job.block_ids, job.start, job.end)
+        slots = [job_slots[max(sp.start, job.start) - job.start:min(sp.end, job.end) - job.start] for sp in job.spans]
         keep: list[torch.Tensor] = []
 
         def fetch(layer: int, upto: int) -> Future[tuple[list[int], Fetched]]:
