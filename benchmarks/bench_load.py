@@ -55,7 +55,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench_store import timed  # noqa: E402 (this script's directory is on sys.path)
+from bench_store import timed, timed_together  # noqa: E402 (this script's directory is on sys.path)
 
 from connector.config import make_config  # noqa: E402
 from connector.keyspace import Keyspace, Span  # noqa: E402
@@ -155,10 +155,11 @@ def tier_bench(url: str, codec: str, integrity: bool, mc: ModelConfig, max_token
 
 
 # ---- floors ------------------------------------------------------------------------------
-def memcpy_seconds(nbytes: int, reps: int) -> float:
+def memcpy(nbytes: int) -> Callable[[], object]:
+    """Returns a copy of `nbytes` between two buffers of their own: the cpu tier's floor."""
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
-    return timed(lambda: dst.copy_(src), reps)
+    return lambda: dst.copy_(src)
 
 
 def mac_seconds(values: list[tuple[str, bytes]], reps: int) -> float:
@@ -287,19 +288,16 @@ def measure_length(name: str, url: str, b: Bench, n: int, reps: int, disk_root: 
         paths = [key_path(disk_root, sp.key) for sp in spans]
         row["stored_bytes"] = sum(p.stat().st_size for p in paths)
         buf = file_buffer(paths)
-        row["load_s"] = timed(load, reps)
-        row["floor_s"] = timed(lambda: read_files(paths, buf), reps)
-        row["floor_reused_s"] = timed(lambda: read_files(paths, buf, reuse=True), reps)
-        row["load_cold_s"] = timed(load, reps, lambda: drop_page_cache(paths))
-        row["floor_cold_s"] = timed(lambda: read_files(paths, buf), reps, lambda: drop_page_cache(paths))
+        row["load_s"], row["floor_s"], row["floor_reused_s"] = timed_together(
+            [load, lambda: read_files(paths, buf), lambda: read_files(paths, buf, reuse=True)], reps)
+        row["load_cold_s"], row["floor_cold_s"] = timed_together(
+            [load, lambda: read_files(paths, buf)], reps, lambda: drop_page_cache(paths))
+    elif name == "cpu":
+        row["load_s"], row["floor_s"] = timed_together([load, memcpy(kv_bytes)], reps)
     else:
-        row["load_s"] = timed(load, reps)
-        if name == "cpu":
-            row["floor_s"] = memcpy_seconds(kv_bytes, reps)
-        else:
-            fetch = transport_fetch(url, [sp.key for sp in spans])
-            row["stored_bytes"] = fetch()
-            row["floor_s"] = timed(fetch, reps)
+        fetch = transport_fetch(url, [sp.key for sp in spans])
+        row["stored_bytes"] = fetch()
+        row["load_s"], row["floor_s"] = timed_together([load, fetch], reps)
     b.check(n)
     return row
 
@@ -374,7 +372,7 @@ def measure_ttft(model_dir: Path, tokens: int, reps: int) -> dict:
     finally:
         llm.shutdown()
     med = {k: statistics.median(v) for k, v in out.items()}
-    floor = med["engine_hit"] + memcpy_seconds(kv_bytes, 5)
+    floor = med["engine_hit"] + timed(memcpy(kv_bytes), 5)
     return {"tokens": tokens, "kv_bytes": kv_bytes, **{f"{k}_s": v for k, v in med.items()},
             "floor_s": floor, "ratio": med["cpu_load"] / floor, "target": "<= 2.0"}
 
@@ -400,7 +398,8 @@ def render_md(res: dict) -> str:
     lines = ["# Load speed against this machine's floor (benchmarks/bench_load.py)", "",
              f"{res['machine']}; torch threads {res['threads']}; model geometry {res['geometry']}; "
              f"chunk {CHUNK} tokens; blocks: kvtier's engine layout, or vLLM's CPU one (K transposed per block); "
-             f"minimum of {res['reps']} loads (4096 / tokens times as many below 4096 tokens) after a warm-up. "
+             f"minimum of {res['reps']} loads (4096 / tokens times as many below 4096 tokens) after a warm-up, "
+             "each load timed in turn with its floor. "
              "Load GB/s counts the K/V "
              "bytes scattered into blocks; the floor counts the bytes it moves (K/V for memcpy, stored values "
              "for files and transports). Share = floor time / load time (target >= 50%). With a MAC or "
@@ -445,7 +444,7 @@ def main() -> int:
     ap.add_argument("--tiers", default="cpu,disk,redis,kvtier")
     ap.add_argument("--tokens", default="1024,4096,16384")
     ap.add_argument("--codecs", default="raw,lz4")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--ttft", action="store_true", help="also the warm TTFT of a 2k prompt against its floor")
     ap.add_argument("--profile", action="store_true", help="print where a 4k load's time goes per tier")
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the bundled SmolLM2)")
