@@ -40,10 +40,10 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from kvstore import serde
-from kvstore.backend import BackendError, BytesBackend, StoredValue
+from kvstore.backend import BackendError, BytesBackend, ReadValue, StoredValue
 from kvstore.backends.redis_wire import NOT_A_CHUNK, SplitValuePacker, read_bulk_replies
 from kvstore.budget import ByteBudget
-from kvstore.codecs import Buffer, Codec
+from kvstore.codecs import Codec
 from kvstore.config import TierSpec
 from kvstore.deadlines import OPTIONS, CallKind, RemoteDeadlines
 from kvstore.eviction import make_policy
@@ -174,7 +174,7 @@ class RedisBackend(BytesBackend):
             sock = conn._get_socket()
             if sock is None:
                 raise OSError("no socket after sending")
-            return read_bulk_replies(sock, len(keys))
+            return read_bulk_replies(sock, keys)
         except BaseException:
             conn.disconnect()  # its stream position is unknown: never reuse it
             raise
@@ -210,10 +210,10 @@ class RedisBackend(BytesBackend):
                 self._delete(key)
         return held
 
-    def _get_bytes(self, key: str) -> Buffer | None:
+    def _get_bytes(self, key: str) -> ReadValue | None:
         return self._batched_get_bytes([key])[0]
 
-    def _batched_get_bytes(self, keys: Sequence[str]) -> list[Buffer | None]:
+    def _batched_get_bytes(self, keys: Sequence[str]) -> list[ReadValue | None]:
         if not keys:
             return []
         values = self._call("get", lambda: self._get_many(keys))

@@ -1,9 +1,11 @@
 """The redis tier's wire helpers: a RESP packer that sends a chunk's header and payload
-without joining them, and a reader of pipelined GET replies straight into fresh buffers
-(kvstore/backends/redis_store.py uses both on its single-node fast paths)."""
+without joining them, and a reader of pipelined GET replies straight into fresh buffers,
+checked as they arrive (kvstore/backends/redis_store.py uses both on its single-node fast
+paths)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -56,15 +58,21 @@ class ReplyError(RedisError):
     """Redis answered a GET with something that is neither a bulk string, a null nor an error."""
 
 
-def read_bulk_replies(sock: Any, count: int) -> list[Buffer | None]:
-    """Returns `count` RESP bulk-string replies (None for a null, `NOT_A_CHUNK` for a key's
-    error reply such as WRONGTYPE) read from `sock`, each received straight into its own
-    numpy-allocated (huge-page) buffer: hiredis grows one buffer and copies every value out
-    of it, and fresh small-page buffers fault on every 4 KiB. Raises ReplyError / OSError;
-    the caller then drops the connection, since the stream position is lost."""
+# Bytes received per call into a value: each piece is hashed while still in the CPU's cache.
+RECV_PIECE = 512 << 10
+
+
+def read_bulk_replies(sock: Any, keys: Sequence[str]) -> list[serde.CheckedValue | Buffer | None]:
+    """Returns the RESP bulk-string replies to GETs of `keys` (None for a null, `NOT_A_CHUNK`
+    for a key's error reply such as WRONGTYPE) read from `sock`, each received straight into
+    its own numpy-allocated (huge-page) buffer and checked as it arrives (`serde.ValueCheck`
+    for its key, fed piece by piece, so decoding does not read it again): hiredis grows one
+    buffer and copies every value out of it, and fresh small-page buffers fault on every
+    4 KiB. Raises ReplyError / OSError; the caller then drops the connection, since the
+    stream position is lost."""
     pending = bytearray()  # received, not yet consumed: reply headers and value tails
-    out: list[Buffer | None] = []
-    for _ in range(count):
+    out: list[serde.CheckedValue | Buffer | None] = []
+    for key in keys:
         while (eol := pending.find(b"\r\n")) < 0:
             chunk = sock.recv(1 << 16)
             if not chunk:
@@ -85,14 +93,22 @@ def read_bulk_replies(sock: Any, count: int) -> list[Buffer | None]:
         have = min(len(pending), n + 2)
         value[:have] = pending[:have]
         del pending[:have]
-        while have < n + 2:
-            got = sock.recv_into(value[have:], n + 2 - have)
+        check = serde.ValueCheck(key)
+        fed = 0  # fed to the check: from the first piece holding the header, up to `have`
+        while True:
+            upto = min(have, n)
+            if upto > fed and (fed or upto >= min(n, serde.MAX_HEADER_LEN)):
+                check.feed(value[fed:upto])
+                fed = upto
+            if have == n + 2:
+                break
+            got = sock.recv_into(value[have:], min(n + 2 - have, RECV_PIECE))
             if not got:
                 raise OSError("connection closed mid-value")
             have += got
         if value[n:] != b"\r\n":
             raise ReplyError("bulk reply not terminated by CRLF")
-        out.append(value[:n])
+        out.append(serde.CheckedValue(value[:n], check))
     if pending:
         raise ReplyError("unexpected bytes after the GET replies")
     return out

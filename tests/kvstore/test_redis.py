@@ -12,6 +12,7 @@ import torch
 
 from kvstore.backend import BackendError
 from kvstore.backends.redis_store import RedisBackend
+from kvstore.backends.redis_wire import RECV_PIECE
 from kvstore.config import TierSpec
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
@@ -35,6 +36,21 @@ def test_corrupt_and_truncated_values_are_misses(redis_server, codec: str) -> No
     assert s.corrupt == 3 and s.hits == 1
     assert client.exists(ckey(0), ckey(1), ckey(2)) == 0  # bad values removed
     assert tier.get(ckey(3)) is not None
+
+
+def test_values_received_in_many_pieces_are_checked_as_they_arrive(redis_server) -> None:
+    tier = RedisBackend(redis_server.url)
+    big = [chunk(i, tokens=2048) for i in range(3)]  # 1.5 MB each, pipelined one after another
+    assert big[0].nbytes > 2 * RECV_PIECE
+    tier.batched_put([(ckey(i), kv) for i, kv in enumerate(big)])
+    client = redis_server.client()
+    value = client.get(ckey(1))
+    client.setrange(ckey(1), len(value) - 1, bytes([value[-1] ^ 0x80]))  # its last byte
+    client.set(ckey(3), b"KVT")  # shorter than any header
+    got = tier.batched_get([ckey(i) for i in range(4)])
+    assert torch.equal(got[0], big[0]) and torch.equal(got[2], big[2])
+    assert got[1] is None and got[3] is None
+    assert tier.stats().corrupt == 2
 
 
 def test_ttl_and_prefix_hits_in_one_round_trip(redis_server) -> None:
