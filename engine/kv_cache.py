@@ -302,7 +302,6 @@ class EngineLayout(PagedKVLayout):
         src = layer_kv.to(device=self.device, dtype=self.dtype, non_blocking=True)
         self._flat(kv_cache).index_copy_(1, slots, src)
 
-
     def chunk_views(self, slots: torch.Tensor, before: int = 0, after: int = 0) -> list[memoryview]:
         """One view per run of consecutive slots, per layer and K/V (see the base class)."""
         if not self.writes_in_place:

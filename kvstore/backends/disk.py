@@ -310,6 +310,7 @@ class DiskBackend(BytesBackend):
             if fd is None:
                 return False
             return True if read_in_place(fd, key, dest) else None
+
     def encode(self, key: str, kv: torch.Tensor) -> serde.SplitValue:
         """Returns header + payload unjoined: the file gets them in two writes, no copy."""
         return serde.encode_split(key, kv, self.codec)
