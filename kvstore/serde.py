@@ -246,6 +246,13 @@ class ValueCheck:
             self._mac.update(mv)
         self._fed += mv.nbytes
 
+    def arrived(self, value: memoryview, upto: int) -> None:
+        """Feeds the bytes of `value[:upto]` not fed yet: a receiver calls it each time more of
+        the value's buffer `value` (its whole length) has arrived. Nothing is fed before the
+        header has arrived (MAX_HEADER_LEN bytes, or all of a shorter value)."""
+        if upto > self._fed and (self._fed or upto >= min(len(value), MAX_HEADER_LEN)):
+            self.feed(value[self._fed:upto])
+
     def _start(self, first: memoryview) -> memoryview:
         """Checks the header in `first`, hashes it; returns the rest of `first` (payload)."""
         header = read_header(first)

@@ -30,11 +30,12 @@ from urllib.parse import urlsplit
 import torch
 
 from kvstore import serde
-from kvstore.backend import BackendError, BackendStats, BytesBackend, StoredValue
-from kvstore.codecs import Buffer, Codec
+from kvstore.backend import BackendError, BackendStats, BytesBackend, ReadValue, StoredValue
+from kvstore.codecs import Codec
 from kvstore.deadlines import OPTIONS, CallKind, RemoteDeadlines
 from kvstore.server.client import (
     CacheServerClient,
+    Observer,
     Payload,
     ServerReplyError,
     ServerUnavailable,
@@ -134,11 +135,18 @@ class CacheServerBackend(BytesBackend):
         return serde.encode_split(key, kv, self.codec)
 
     # -- BytesBackend hooks --------------------------------------------------------------
-    def _get_bytes(self, key: str) -> Buffer | None:
-        return self._io(self.loads.get, key.encode())
+    def _get_bytes(self, key: str) -> ReadValue | None:
+        return self._batched_get_bytes([key])[0]
 
-    def _batched_get_bytes(self, keys: Sequence[str]) -> Sequence[Buffer | None]:
-        return self._io(self.loads.get_many, [k.encode() for k in keys])
+    def _batched_get_bytes(self, keys: Sequence[str]) -> Sequence[ReadValue | None]:
+        """Returns the values, each checked as it arrived (`serde.ValueCheck.arrived`)."""
+        checks: list[serde.ValueCheck] = []
+
+        def observers() -> list[Observer | None]:
+            checks[:] = [serde.ValueCheck(k) for k in keys]  # afresh for each attempt
+            return [c.arrived for c in checks]
+        values = self._io(self.loads.get_many, [k.encode() for k in keys], observers)
+        return [None if v is None else serde.CheckedValue(v, c) for v, c in zip(values, checks, strict=True)]
 
     def _put_bytes(self, key: str, value: StoredValue) -> bool:
         return self._batched_put_bytes([(key, value)])[0]

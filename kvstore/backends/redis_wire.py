@@ -94,12 +94,8 @@ def read_bulk_replies(sock: Any, keys: Sequence[str]) -> list[serde.CheckedValue
         value[:have] = pending[:have]
         del pending[:have]
         check = serde.ValueCheck(key)
-        fed = 0  # fed to the check: from the first piece holding the header, up to `have`
         while True:
-            upto = min(have, n)
-            if upto > fed and (fed or upto >= min(n, serde.MAX_HEADER_LEN)):
-                check.feed(value[fed:upto])
-                fed = upto
+            check.arrived(value[:n], min(have, n))
             if have == n + 2:
                 break
             got = sock.recv_into(value[have:], min(n + 2 - have, RECV_PIECE))

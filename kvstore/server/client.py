@@ -14,7 +14,7 @@ import socket
 import ssl
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from io import BufferedReader
 from itertools import count
@@ -27,6 +27,7 @@ from kvstore.server.protocol import Op, Status
 # socket buffers both ways (which would deadlock a client that writes before it reads).
 _WINDOW = 32
 _INLINE = 64 << 10  # payloads up to this size are coalesced with their header in one send
+OBSERVED_PIECE = 512 << 10  # an observed payload is read this much at a time (its observer's work stays in cache)
 # A reply claiming more than this is treated as a garbled stream rather than allocated.
 _MAX_REPLY = 4 << 30
 
@@ -70,6 +71,10 @@ class Request:
     def payload_len(self) -> int:
         parts = self.payload if isinstance(self.payload, tuple) else (self.payload,)
         return sum(memoryview(p).nbytes for p in parts)
+
+
+Observer = Callable[[memoryview, int], None]
+"""Told, as a reply's payload arrives, its whole buffer and how many bytes of it have arrived."""
 
 
 @dataclass
@@ -135,9 +140,10 @@ class _Connection:
             raise ServerTimeout(f"the cache server accepted nothing for {self.timeout} s") from exc
         return ids
 
-    def recv(self, request_id: int) -> Reply:
-        """Reads one reply into a buffer of its exact size; raises ServerUnavailable if
-        the stream ends or the reply does not answer `request_id`."""
+    def recv(self, request_id: int, observe: Observer | None = None) -> Reply:
+        """Reads one reply into a buffer of its exact size (`observe` told as its payload
+        arrives); raises ServerUnavailable if the stream ends or the reply does not answer
+        `request_id`."""
         self._read_into(memoryview(self._header))
         try:
             h = P.decode_header(self._header, max_payload=_MAX_REPLY)
@@ -145,19 +151,23 @@ class _Connection:
             raise ServerUnavailable(f"garbled reply from the cache server: {exc}") from exc
         payload = P.empty_buffer(h.payload_len)
         if h.payload_len:
-            self._read_into(payload)
+            self._read_into(payload, observe)
         if h.request_id != request_id and h.code not in _CLOSING:
             raise ServerUnavailable(f"reply for request {h.request_id} while waiting for {request_id}")
         return Reply(h.code, payload)
 
-    def _read_into(self, view: memoryview) -> None:
-        while view:
-            n = self.rfile.readinto(view)
+    def _read_into(self, view: memoryview, observe: Observer | None = None) -> None:
+        piece = OBSERVED_PIECE if observe is not None else len(view)
+        have = 0
+        while have < len(view):
+            n = self.rfile.readinto(view[have:have + piece])
             if n is None:  # SO_RCVTIMEO expired (the reader reports it as "would block")
                 raise ServerTimeout(f"no reply from the cache server within {self.timeout} s")
             if not n:
                 raise ServerUnavailable("the cache server closed the connection")
-            view = view[n:]
+            have += n
+            if observe is not None:
+                observe(view, have)
 
     def close(self) -> None:
         try:
@@ -253,13 +263,15 @@ class CacheServerClient:
 
     # ---- calls ----
 
-    def call(self, requests: Sequence[Request]) -> list[Reply]:
-        """Returns one reply per request, in order, pipelined over one connection."""
+    def call(self, requests: Sequence[Request],
+             observers: Callable[[], Sequence[Observer | None]] | None = None) -> list[Reply]:
+        """Returns one reply per request, in order, pipelined over one connection.
+        `observers` gives one observer per request (or None), afresh for each attempt."""
         if not requests:
             return []
         conn, reused = self._acquire()
         try:
-            replies = self._exchange(conn, requests)
+            replies = self._exchange(conn, requests, observers)
         except OSError as exc:  # ServerUnavailable and socket timeouts included
             self._drop_idle()
             if not reused or isinstance(exc, (ServerTimeout, socket.timeout)):
@@ -268,28 +280,30 @@ class CacheServerClient:
             self.reconnects += 1
             conn = self._connect()
             try:
-                replies = self._exchange(conn, requests)
+                replies = self._exchange(conn, requests, observers)
             except OSError as exc2:
                 raise _unavailable(exc2) from exc2
         self._release(conn)
         return replies
 
     @staticmethod
-    def _exchange(conn: _Connection, requests: Sequence[Request]) -> list[Reply]:
+    def _exchange(conn: _Connection, requests: Sequence[Request],
+                  observers: Callable[[], Sequence[Observer | None]] | None) -> list[Reply]:
         """Returns the replies; closes `conn` on any failure (its stream is then unusable)."""
         try:
-            return CacheServerClient._exchange_open(conn, requests)
+            return CacheServerClient._exchange_open(conn, requests, observers() if observers else None)
         except BaseException:
             conn.close()
             raise
 
     @staticmethod
-    def _exchange_open(conn: _Connection, requests: Sequence[Request]) -> list[Reply]:
+    def _exchange_open(conn: _Connection, requests: Sequence[Request],
+                       observers: Sequence[Observer | None] | None) -> list[Reply]:
         replies: list[Reply] = []
         for window in _windows(requests):
             ids = conn.send(window)
             for rid in ids:
-                reply = conn.recv(rid)
+                reply = conn.recv(rid, observers[len(replies)] if observers else None)
                 if reply.status in _CLOSING:
                     # The server closes the connection after these; surface them as refusals.
                     raise ServerReplyError(reply.status, bytes(reply.payload).decode(errors="replace"))
@@ -320,10 +334,11 @@ class CacheServerClient:
         """Returns the value, or None on a miss."""
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[bytes]) -> list[memoryview | None]:
-        """Returns one value or None per key, in order, pipelined."""
+    def get_many(self, keys: Sequence[bytes],
+                 observers: Callable[[], Sequence[Observer | None]] | None = None) -> list[memoryview | None]:
+        """Returns one value or None per key, in order, pipelined (`observers` as in `call`)."""
         out: list[memoryview | None] = []
-        for reply in self.call([Request(Op.GET, k) for k in keys]):
+        for reply in self.call([Request(Op.GET, k) for k in keys], observers):
             out.append(None if reply.status == Status.NOT_FOUND else _expect_ok(reply).payload)
         return out
 

@@ -14,6 +14,7 @@ from kvstore.backends.cache_server import CacheServerBackend
 from kvstore.backends.memory import CPUBackend
 from kvstore.config import KVStoreConfig, TierSpec
 from kvstore.registry import create_backend
+from kvstore.server.client import OBSERVED_PIECE
 from kvstore.storage_manager import StorageManager
 from tests.fixtures.cache_server import CacheServerProcess
 from tests.fixtures.tiers import longest_calls_while_frozen
@@ -123,6 +124,21 @@ def test_corrupt_or_foreign_values_are_misses(tier: CacheServerBackend) -> None:
     tier.client.put(a.encode(), raw[: len(raw) // 2])  # truncated
     assert tier.get(a) is None
     assert tier.stats().corrupt == 3
+
+
+def test_values_received_in_many_pieces_are_checked_as_they_arrive(tier: CacheServerBackend) -> None:
+    keys = _keys(4)
+    big = [_chunk(i) for i in range(3)]  # 5.9 MB each, pipelined one after another
+    assert big[0].nbytes > 2 * OBSERVED_PIECE
+    tier.batched_put(list(zip(keys, big)))
+    raw = bytearray(tier.client.get(keys[1].encode()))
+    raw[-1] ^= 0x80  # its last byte
+    tier.client.put(keys[1].encode(), raw)
+    tier.client.put(keys[3].encode(), b"KVT")  # shorter than any header
+    got = tier.batched_get(keys)
+    assert torch.equal(got[0], big[0]) and torch.equal(got[2], big[2])
+    assert got[1] is None and got[3] is None
+    assert tier.stats().corrupt == 2
 
 
 def test_too_large_for_the_server_is_rejected_not_an_error(cache_server_factory: type[CacheServerProcess]) -> None:
