@@ -64,7 +64,7 @@ from connector.metadata import LoadSpec  # noqa: E402
 from connector.metrics import ConnectorMetrics  # noqa: E402
 from connector.store_queue import StoreQueue  # noqa: E402
 from connector.vllm_layouts import vllm_layout_for  # noqa: E402
-from engine.kv_cache import EngineLayout, PagedKVLayout  # noqa: E402
+from engine.kv_cache import EngineLayout, PagedKVLayout, zeroed_pool  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from kvstore import serde  # noqa: E402
 from kvstore.backends.disk_names import key_path  # noqa: E402
@@ -80,9 +80,9 @@ SECRET = "bench-load-integrity-secret-0123456789"
 def make_layout(name: str, mc: ModelConfig, num_blocks: int) -> PagedKVLayout:
     """Paged caches as kvtier's engine allocates them (engine/model_runner.py), or as vLLM's
     CPU backend does (`(num_blocks, H, block_size, 2 * D)` per layer, connector/vllm_layouts.py)."""
-    if name == "engine":
+    if name == "engine":  # the engine's own allocation (huge pages where the host gives them)
         shape: tuple[int, ...] = (mc.num_layers, 2, num_blocks, BLOCK, mc.num_kv_heads, mc.head_size)
-        return EngineLayout(list(torch.zeros(shape).unbind(0)))
+        return EngineLayout(list(zeroed_pool(shape, torch.float32, torch.device("cpu")).unbind(0)))
     shape = (num_blocks, mc.num_kv_heads, BLOCK, 2 * mc.head_size)
     return vllm_layout_for([torch.zeros(shape) for _ in range(mc.num_layers)], "cpu")
 
