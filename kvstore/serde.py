@@ -211,6 +211,12 @@ def looks_like_value(prefix: Buffer) -> bool:
     return True
 
 
+CHECK_PIECE = 512 << 10
+"""Bytes a tier reads or receives at a time into a value it checks as it arrives (`ValueCheck`):
+each piece is hashed while still in the CPU's cache (half of one core's L2 here), not read back
+from memory by a second pass."""
+
+
 class ValueCheck:
     """The checksum and (with an integrity key) the MAC of a value stored under `key`, computed
     from its bytes as they arrive: a tier that reads a value in pieces feeds each piece while it

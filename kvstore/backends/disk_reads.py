@@ -16,8 +16,6 @@ from kvstore import serde
 from kvstore.backend import Destination
 from kvstore.read_buffers import ReadBufferPool
 
-# A value is read and checked in pieces this big (half of one core's L2 here).
-READ_PIECE = 512 << 10
 _MAX_VIEWS = 1024  # IOV_MAX on Linux: the most buffers one preadv takes
 
 
@@ -28,7 +26,7 @@ def read_value(fd: int, key: str, pool: ReadBufferPool) -> serde.CheckedValue:
     buf = pool.take(size)
     check = serde.ValueCheck(key)
     n = 0
-    while n < size and (got := os.preadv(fd, [buf[n:n + READ_PIECE]], n)):
+    while n < size and (got := os.preadv(fd, [buf[n:n + serde.CHECK_PIECE]], n)):
         check.feed(buf[n:n + got])
         n += got
     return serde.CheckedValue(buf if n == size else buf[:n], check)
@@ -60,10 +58,10 @@ def read_in_place(fd: int, key: str, dest: Destination) -> bool:
 
 
 def _pieces(views: Sequence[memoryview]) -> Iterator[list[memoryview]]:
-    """Yields `views` (byte views) in order, in groups of at most READ_PIECE bytes and
+    """Yields `views` (byte views) in order, in groups of at most serde.CHECK_PIECE bytes and
     _MAX_VIEWS views; a longer view is split across groups."""
     group: list[memoryview] = []
-    room = READ_PIECE
+    room = serde.CHECK_PIECE
     for view in views:
         while view.nbytes:
             part, view = view[:room], view[room:]
@@ -71,7 +69,7 @@ def _pieces(views: Sequence[memoryview]) -> Iterator[list[memoryview]]:
             room -= part.nbytes
             if not room or len(group) == _MAX_VIEWS:
                 yield group
-                group, room = [], READ_PIECE
+                group, room = [], serde.CHECK_PIECE
     if group:
         yield group
 

@@ -58,10 +58,6 @@ class ReplyError(RedisError):
     """Redis answered a GET with something that is neither a bulk string, a null nor an error."""
 
 
-# Bytes received per call into a value: each piece is hashed while still in the CPU's cache.
-RECV_PIECE = 512 << 10
-
-
 def read_bulk_replies(sock: Any, keys: Sequence[str]) -> list[serde.CheckedValue | Buffer | None]:
     """Returns the RESP bulk-string replies to GETs of `keys` (None for a null, `NOT_A_CHUNK`
     for a key's error reply such as WRONGTYPE) read from `sock`, each received straight into
@@ -98,7 +94,7 @@ def read_bulk_replies(sock: Any, keys: Sequence[str]) -> list[serde.CheckedValue
             check.arrived(value[:n], min(have, n))
             if have == n + 2:
                 break
-            got = sock.recv_into(value[have:], min(n + 2 - have, RECV_PIECE))
+            got = sock.recv_into(value[have:], min(n + 2 - have, serde.CHECK_PIECE))
             if not got:
                 raise OSError("connection closed mid-value")
             have += got

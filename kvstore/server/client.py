@@ -19,8 +19,7 @@ from kvstore.server import protocol as P
 from kvstore.server.client_connection import (
     CLOSING,
     INLINE,
-    OBSERVED_PIECE,
-    Connection,
+    ClientConnection,
     Observer,
     Payload,
     Reply,
@@ -31,7 +30,7 @@ from kvstore.server.client_connection import (
 )
 from kvstore.server.protocol import Op, Status
 
-__all__ = ["OBSERVED_PIECE", "CacheServerClient", "Observer", "Payload", "Reply", "Request", "ServerReplyError",
+__all__ = ["CacheServerClient", "Observer", "Payload", "Reply", "Request", "ServerReplyError",
            "ServerTimeout", "ServerUnavailable"]
 
 # Requests in flight per connection. Small enough that unread replies can never fill the
@@ -75,15 +74,15 @@ class CacheServerClient:
         self.connect_timeout, self.timeout = connect_timeout, timeout
         self.pool_size = pool_size
         self.tls = tls
-        self._idle: list[Connection] = []
+        self._idle: list[ClientConnection] = []
         self._lock = threading.Lock()
         self._closed = False
         self.reconnects = 0
 
     # ---- pool ----
 
-    def _connect(self) -> Connection:
-        conn = Connection(self.host, self.port, self.connect_timeout, self.timeout, self.tls)
+    def _connect(self) -> ClientConnection:
+        conn = ClientConnection(self.host, self.port, self.connect_timeout, self.timeout, self.tls)
         if self._token is not None:
             try:
                 [rid] = conn.send([Request(Op.AUTH, payload=self._token)])
@@ -96,7 +95,7 @@ class CacheServerClient:
                 raise ServerReplyError(reply.status, bytes(reply.payload).decode(errors="replace"))
         return conn
 
-    def _acquire(self) -> tuple[Connection, bool]:
+    def _acquire(self) -> tuple[ClientConnection, bool]:
         with self._lock:
             if self._closed:
                 raise ServerUnavailable("client is closed")
@@ -104,7 +103,7 @@ class CacheServerClient:
                 return self._idle.pop(), True
         return self._connect(), False
 
-    def _release(self, conn: Connection) -> None:
+    def _release(self, conn: ClientConnection) -> None:
         with self._lock:
             if not self._closed and len(self._idle) < self.pool_size:
                 self._idle.append(conn)
@@ -149,7 +148,7 @@ class CacheServerClient:
         return replies
 
     @staticmethod
-    def _exchange(conn: Connection, requests: Sequence[Request],
+    def _exchange(conn: ClientConnection, requests: Sequence[Request],
                   observers: Callable[[], Sequence[Observer | None]] | None) -> list[Reply]:
         """Returns the replies; closes `conn` on any failure (its stream is then unusable)."""
         try:
@@ -159,7 +158,7 @@ class CacheServerClient:
             raise
 
     @staticmethod
-    def _exchange_open(conn: Connection, requests: Sequence[Request],
+    def _exchange_open(conn: ClientConnection, requests: Sequence[Request],
                        observers: Sequence[Observer | None] | None) -> list[Reply]:
         replies: list[Reply] = []
         for window in _windows(requests):

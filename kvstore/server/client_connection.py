@@ -13,11 +13,11 @@ from io import BufferedReader
 from itertools import count
 from typing import cast
 
+from kvstore import serde
 from kvstore.server import protocol as P
 from kvstore.server.protocol import Op, Status
 
 INLINE = 64 << 10  # payloads up to this size are coalesced with their header in one send
-OBSERVED_PIECE = 512 << 10  # an observed payload is read this much at a time (its observer's work stays in cache)
 # A reply claiming more than this is treated as a garbled stream rather than allocated.
 _MAX_REPLY = 4 << 30
 
@@ -73,7 +73,7 @@ class Reply:
     payload: memoryview  # writable, owned by the caller
 
 
-class Connection:
+class ClientConnection:
     """One socket with a buffered reader; replies are checked against request ids."""
 
     def __init__(self, host: str, port: int, connect_timeout: float, timeout: float,
@@ -147,7 +147,7 @@ class Connection:
         return Reply(h.code, payload)
 
     def _read_into(self, view: memoryview, observe: Observer | None = None) -> None:
-        piece = OBSERVED_PIECE if observe is not None else len(view)
+        piece = serde.CHECK_PIECE if observe is not None else len(view)
         have = 0
         while have < len(view):
             n = self.rfile.readinto(view[have:have + piece])

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from connector.keyspace import Keyspace
+from kvstore import serde
 from kvstore.backend import BackendError
 from kvstore.backends.cache_server import CacheServerBackend
 from kvstore.backends.memory import CPUBackend
 from kvstore.config import KVStoreConfig, TierSpec
 from kvstore.registry import create_backend
-from kvstore.server.client import OBSERVED_PIECE
 from kvstore.storage_manager import StorageManager
 from tests.fixtures.cache_server import CacheServerProcess
 from tests.fixtures.tiers import longest_calls_while_frozen
@@ -129,7 +129,7 @@ def test_corrupt_or_foreign_values_are_misses(tier: CacheServerBackend) -> None:
 def test_values_received_in_many_pieces_are_checked_as_they_arrive(tier: CacheServerBackend) -> None:
     keys = _keys(4)
     big = [_chunk(i) for i in range(3)]  # 5.9 MB each, pipelined one after another
-    assert big[0].nbytes > 2 * OBSERVED_PIECE
+    assert big[0].nbytes > 2 * serde.CHECK_PIECE
     tier.batched_put(list(zip(keys, big)))
     raw = bytearray(tier.client.get(keys[1].encode()))
     raw[-1] ^= 0x80  # its last byte

@@ -59,7 +59,7 @@ def test_read_into_puts_every_byte_where_the_destination_says(tmp_path: Path, pi
     serde.set_integrity_key("a-test-integrity-secret-0123" if integrity else None)
     try:
         disk = DiskBackend(tmp_path)
-        kv = chunk(1, tokens=256 if piece > 4096 else 64)  # 256 tokens: 786 KB, one view over READ_PIECE
+        kv = chunk(1, tokens=256 if piece > 4096 else 64)  # 256 tokens: 786 KB, one view over serde.CHECK_PIECE
         disk.put(ckey(1), kv)
         into = Scattered(kv, piece)
         assert disk.reads_in_place

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvstore import serde
 from kvstore.backend import BackendError
 from kvstore.backends.redis_store import RedisBackend
-from kvstore.backends.redis_wire import RECV_PIECE
 from kvstore.config import TierSpec
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
@@ -41,7 +41,7 @@ def test_corrupt_and_truncated_values_are_misses(redis_server, codec: str) -> No
 def test_values_received_in_many_pieces_are_checked_as_they_arrive(redis_server) -> None:
     tier = RedisBackend(redis_server.url)
     big = [chunk(i, tokens=2048) for i in range(3)]  # 1.5 MB each, pipelined one after another
-    assert big[0].nbytes > 2 * RECV_PIECE
+    assert big[0].nbytes > 2 * serde.CHECK_PIECE
     tier.batched_put([(ckey(i), kv) for i, kv in enumerate(big)])
     client = redis_server.client()
     value = client.get(ckey(1))
