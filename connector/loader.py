@@ -68,6 +68,10 @@ class LoadJob(LoadSpec):
     ended: bool = False
     tiers: list[int] = field(default_factory=list)  # per span: the tier it (its layer 0) came from
 
+    def bounds(self, sp: Span) -> tuple[int, int]:
+        """Returns the positions [lo, hi) of span `sp` that this job loads."""
+        return max(sp.start, self.start), min(sp.end, self.end)
+
 
 def chunk_ok(kv: torch.Tensor | None, shape: tuple[int, ...]) -> bool:
     """Whether a fetched value is a floating-point tensor of exactly `shape`."""
@@ -203,7 +207,7 @@ class Loader:
             for i, (sp, (kv, tier)) in enumerate(fetched):
                 if job.cancelled or kv is None:
                     break  # evicted or corrupt: computed from here on
-                lo, hi = max(sp.start, job.start), min(sp.end, job.end)
+                lo, hi = job.bounds(sp)
                 if isinstance(kv, torch.Tensor):
                     if not chunk_ok(kv, self._shape(self.num_layers, sp.num_tokens)):
                         break  # foreign
@@ -247,7 +251,7 @@ class Loader:
             return self.storage.fetch(keys, read_only=True)  # only scattered
         into = []
         for sp in group:
-            lo, hi = max(sp.start, job.start), min(sp.end, job.end)
+            lo, hi = job.bounds(sp)
             views = self.layout.chunk_views(slots[lo - job.start:hi - job.start], lo - sp.start, sp.end - hi)
             into.append(Destination(self._shape(self.num_layers, sp.num_tokens), self.layout.dtype, views))
         return self.storage.fetch(keys, read_only=True, into=into)
@@ -260,7 +264,7 @@ class Loader:
         layout = self.layout
         # Host-side slots: scatter_layer checks them without a device sync, then moves them.
         job_slots = layout.slots(job.block_ids, job.start, job.end)
-        slots = [job_slots[max(sp.start, job.start) - job.start:min(sp.end, job.end) - job.start] for sp in job.spans]
+        slots = [job_slots[lo - job.start:hi - job.start] for lo, hi in map(job.bounds, job.spans)]
         keep: list[torch.Tensor] = []
 
         def fetch(layer: int, upto: int) -> Future[tuple[list[int], Fetched]]:
