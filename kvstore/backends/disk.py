@@ -1,4 +1,5 @@
-"""The `disk` tier: one file per chunk under a directory (`disk:///path`).
+"""The `disk` tier: one file per chunk under a directory (`disk:///path`), the value placed
+so its payload is cache-line aligned (disk_files.py).
 
 Writes go to a temporary file, optionally fsync'd, then atomically renamed into place, so a
 reader never sees a partial value and a crash leaves only a stray temp file (removed later).
@@ -30,6 +31,7 @@ import torch
 
 from kvstore import serde
 from kvstore.backend import BackendError, BytesBackend, Destination, ReadValue, StoredValue
+from kvstore.backends.disk_files import file_prefix
 from kvstore.backends.disk_names import SUFFIX, key_path, keys_with_prefix
 from kvstore.backends.disk_reads import read_in_place, read_value
 from kvstore.backends.disk_state import STATE_BYTES, STATE_FILE, DirState, SharedDir
@@ -318,7 +320,13 @@ class DiskBackend(BytesBackend):
     def _put_bytes(self, key: str, value: StoredValue) -> bool:
         self._writable()
         path = self._path(key)
-        nbytes = len(value)
+        body: list[Buffer]
+        if isinstance(value, serde.SplitValue):
+            header_len, body = len(value.header), [value.header, value.payload]
+        else:
+            header_len, body = serde.read_header(value).header_len, [value]
+        parts: list[Buffer] = [file_prefix(header_len), *body]
+        nbytes = len(parts[0]) + len(value)
         tag = key_tenant(key)  # a salted write's reservation names its tenant (its quota counts it)
         tmp = self.root / f"{_TMP_PREFIX}{os.getpid()}-{nbytes}-{uuid.uuid4().hex}{'.' + tag if tag else ''}"
         try:
@@ -333,7 +341,6 @@ class DiskBackend(BytesBackend):
                 state.used += nbytes
         except OSError as exc:
             raise BackendError(f"disk tier cannot write {key}: {exc}") from exc
-        parts: list[Buffer] = [value.header, value.payload] if isinstance(value, serde.SplitValue) else [value]
         try:
             with open(fd, "wb", buffering=0) as f:
                 for part in parts:

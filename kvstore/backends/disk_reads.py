@@ -1,5 +1,5 @@
-"""Reading one chunk file of the disk tier, checked as it arrives: into a pooled buffer, or
-straight into the caller's memory (`Destination`).
+"""Reading one chunk file of the disk tier (its layout: disk_files.py), checked as it
+arrives: into a pooled buffer, or straight into the caller's memory (`Destination`).
 
 Each piece is hashed (`serde.ValueCheck`) right after it is read, while it is still in the
 CPU's cache, instead of being read back from memory by a second pass. Reading in place skips
@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 
 from kvstore import serde
 from kvstore.backend import Destination
+from kvstore.backends.disk_files import HEAD_LEN, value_start
 from kvstore.read_buffers import ReadBufferPool
 
 _MAX_VIEWS = 1024  # IOV_MAX on Linux: the most buffers one preadv takes
@@ -21,15 +22,18 @@ _MAX_VIEWS = 1024  # IOV_MAX on Linux: the most buffers one preadv takes
 
 def read_value(fd: int, key: str, pool: ReadBufferPool) -> serde.CheckedValue:
     """Returns the value in file `fd`, stored under `key`, in a buffer taken from `pool`,
-    with its check fed as it was read (a short file gives a short value; decoding refuses it)."""
+    with its check fed as it was read (a short file gives a short value; decoding refuses it).
+    The whole file is read to the buffer's start, so the payload lands line-aligned."""
     size = os.fstat(fd).st_size
     buf = pool.take(size)
     check = serde.ValueCheck(key)
-    n = 0
+    n = start = 0
     while n < size and (got := os.preadv(fd, [buf[n:n + serde.CHECK_PIECE]], n)):
-        check.feed(buf[n:n + got])
+        if not n:
+            start = value_start(buf[:got])  # the first piece holds HEAD_LEN bytes, or the whole file
+        check.feed(buf[max(n, start):n + got])
         n += got
-    return serde.CheckedValue(buf if n == size else buf[:n], check)
+    return serde.CheckedValue(buf[start:n], check)
 
 
 def read_in_place(fd: int, key: str, dest: Destination) -> bool:
@@ -38,22 +42,23 @@ def read_in_place(fd: int, key: str, dest: Destination) -> bool:
     raw `dest.dtype` of `dest.shape` (it cannot be read in place). Raises SerdeError for a
     corrupt, truncated or foreign value; `dest` may then hold anything."""
     size = os.fstat(fd).st_size
-    head = os.pread(fd, min(size, serde.MAX_HEADER_LEN), 0)
-    header = serde.read_header(head)
+    head = os.pread(fd, min(size, HEAD_LEN), 0)
+    start = value_start(head)
+    header = serde.read_header(head[start:])
     if header.codec != "raw" or header.dtype != dest.dtype or header.shape != tuple(dest.shape):
         return False
     if header.payload_len != dest.nbytes:
         raise serde.SerdeError(f"payload of {header.payload_len} bytes, {tuple(dest.shape)} takes {dest.nbytes}")
     check = serde.ValueCheck(key)
-    check.feed(head[:header.header_len])
-    offset = header.header_len
+    check.feed(head[start:start + header.header_len])
+    offset = start + header.header_len
     for piece in _pieces(dest.views):
         offset = _preadv_all(fd, piece, offset)
         for view in piece:
             check.feed(view)
     if offset != size:
-        raise serde.SerdeError(f"file of {size} bytes, its value takes {offset}")
-    check.verify(offset)
+        raise serde.SerdeError(f"file of {size} bytes, its value ends at {offset}")
+    check.verify(offset - start)
     return True
 
 

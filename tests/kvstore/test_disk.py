@@ -13,7 +13,7 @@ import torch
 from kvstore import serde
 from kvstore.backend import BackendError
 from kvstore.backends.disk import STATE_BYTES, DiskBackend
-from tests.fixtures.tiers import chunk, ckey
+from tests.fixtures.tiers import chunk, ckey, disk_file_bytes
 
 
 def _files(root: Path) -> list[Path]:
@@ -22,7 +22,7 @@ def _files(root: Path) -> list[Path]:
 
 def test_survives_restart_with_lru_order(tmp_path: Path) -> None:
     root = tmp_path / "d"
-    one = len(DiskBackend(tmp_path / "probe").encode(ckey(0), chunk(0)))
+    one = disk_file_bytes(tmp_path / "probe", chunk(0))
     budget = 3 * one + STATE_BYTES  # the directory's state file counts too
     disk = DiskBackend(root, byte_budget=budget, codec="raw")
     for i in range(3):

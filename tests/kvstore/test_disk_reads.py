@@ -5,7 +5,6 @@ dtype is left to `get`."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import numpy as np
@@ -15,42 +14,11 @@ import torch
 from kvstore import serde
 from kvstore.backend import Destination
 from kvstore.backends.disk import DiskBackend
+from kvstore.backends.disk_files import value_start
 from kvstore.backends.memory import CPUBackend
 from kvstore.storage_manager import StorageManager
+from tests.fixtures.scattered import Scattered
 from tests.fixtures.tiers import chunk, ckey
-
-SENTINEL = 0xA5
-
-
-class Scattered:
-    """A destination whose views are pieces of one arena, in shuffled places, with
-    untouched sentinel bytes between them: a read that writes outside its views, or puts a
-    piece in the wrong place, shows."""
-
-    def __init__(self, kv: torch.Tensor, piece: int, seed: int = 0) -> None:
-        self.nbytes = kv.numel() * kv.element_size()
-        sizes = [min(piece, self.nbytes - at) for at in range(0, self.nbytes, piece)]
-        slots = list(range(len(sizes)))
-        random.Random(seed).shuffle(slots)
-        self.stride = piece + 8  # 8 sentinel bytes after every piece
-        self.arena = np.full(self.stride * len(sizes), SENTINEL, dtype=np.uint8)
-        self.places = [(slot * self.stride, size) for slot, size in zip(slots, sizes)]
-        views = [self.arena[at:at + size].data for at, size in self.places]
-        self.dest = Destination(tuple(kv.shape), kv.dtype, views)
-
-    def chunk(self, like: torch.Tensor) -> torch.Tensor:
-        """Returns what the views hold, put back in order, as a tensor like `like`."""
-        data = np.concatenate([self.arena[at:at + size] for at, size in self.places])
-        return torch.from_numpy(data.copy()).view(like.dtype).view(like.shape)
-
-    def outside_untouched(self) -> bool:
-        mask = np.ones(len(self.arena), dtype=bool)
-        for at, size in self.places:
-            mask[at:at + size] = False
-        return bool((self.arena[mask] == SENTINEL).all())
-
-    def untouched(self) -> bool:
-        return bool((self.arena == SENTINEL).all())
 
 
 @pytest.mark.parametrize("piece", [64, 4096, 1 << 20])  # 64: more views than one preadv takes
@@ -80,7 +48,7 @@ def test_corrupt_truncated_padded_and_foreign_values_are_misses(tmp_path: Path) 
     payload[-100] ^= 0x01  # one bit of the payload
     paths[0].write_bytes(payload)
     header = bytearray(paths[1].read_bytes())
-    header[30] ^= 0x01  # one bit of the header (num_tokens): the checksum covers it too
+    header[value_start(header) + 30] ^= 0x01  # one bit of the value's header (num_tokens): the checksum covers it too
     paths[1].write_bytes(header)
     paths[2].write_bytes(paths[2].read_bytes()[:-7])
     paths[3].write_bytes(paths[3].read_bytes() + b"extra")

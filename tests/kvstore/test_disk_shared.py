@@ -17,7 +17,7 @@ import torch
 
 from kvstore.backends.disk import STATE_BYTES, STATE_FILE, DiskBackend
 from kvstore.storage_manager import StorageManager
-from tests.fixtures.tiers import chunk, ckey
+from tests.fixtures.tiers import chunk, ckey, disk_file_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -90,7 +90,7 @@ def _dir_bytes_locked(root: Path) -> int:
 
 def test_processes_sharing_a_directory_stay_within_one_budget(tmp_path: Path) -> None:
     root = tmp_path / "shared"
-    one = len(DiskBackend(tmp_path / "probe").encode(ckey(0), chunk(0, tokens=64)))
+    one = disk_file_bytes(tmp_path / "probe", chunk(0, tokens=64))
     budget = 10 * one + STATE_BYTES  # the state file counts too
     DiskBackend(root, byte_budget=budget).close()
     writers = [subprocess.Popen([sys.executable, "-c", _WRITER.format(repo=str(REPO), root=str(root), budget=budget,
@@ -118,7 +118,7 @@ def test_processes_sharing_a_directory_stay_within_one_budget(tmp_path: Path) ->
 
 
 def test_a_replaced_state_file_is_rebuilt_from_a_recount(tmp_path: Path) -> None:
-    one = len(DiskBackend(tmp_path / "probe").encode(ckey(0), chunk(0)))
+    one = disk_file_bytes(tmp_path / "probe", chunk(0))
     tier = DiskBackend(tmp_path / "d", byte_budget=3 * one + STATE_BYTES)
     tier.batched_put([(ckey(i), chunk(i)) for i in range(3)])
     with open(tmp_path / "d" / STATE_FILE, "r+b") as f:
