@@ -31,12 +31,12 @@ import torch
 
 from kvstore import serde
 from kvstore.backend import BackendError, BytesBackend, Destination, ReadValue, StoredValue
-from kvstore.backends.disk_files import file_prefix
+from kvstore.backends.disk_files import file_parts
 from kvstore.backends.disk_names import SUFFIX, key_path, keys_with_prefix
 from kvstore.backends.disk_reads import read_in_place, read_value
 from kvstore.backends.disk_state import STATE_BYTES, STATE_FILE, DirState, SharedDir
 from kvstore.budget import ByteBudget
-from kvstore.codecs import Buffer, Codec
+from kvstore.codecs import Codec
 from kvstore.config import TierSpec
 from kvstore.eviction import make_policy
 from kvstore.read_buffers import ReadBufferPool
@@ -320,13 +320,8 @@ class DiskBackend(BytesBackend):
     def _put_bytes(self, key: str, value: StoredValue) -> bool:
         self._writable()
         path = self._path(key)
-        body: list[Buffer]
-        if isinstance(value, serde.SplitValue):
-            header_len, body = len(value.header), [value.header, value.payload]
-        else:
-            header_len, body = serde.read_header(value).header_len, [value]
-        parts: list[Buffer] = [file_prefix(header_len), *body]
-        nbytes = len(parts[0]) + len(value)
+        parts = file_parts(value)
+        nbytes = sum(memoryview(part).nbytes for part in parts)
         tag = key_tenant(key)  # a salted write's reservation names its tenant (its quota counts it)
         tmp = self.root / f"{_TMP_PREFIX}{os.getpid()}-{nbytes}-{uuid.uuid4().hex}{'.' + tag if tag else ''}"
         try:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import struct
 
 from kvstore import serde
+from kvstore.backend import StoredValue
+from kvstore.codecs import Buffer
 
 FILE_MAGIC = b"KVTF"
 _FILE_HEADER = struct.Struct("<4sI")  # magic, offset of the value in the file
@@ -24,11 +26,20 @@ HEAD_LEN = _FILE_HEADER.size + PAYLOAD_ALIGN + serde.MAX_HEADER_LEN
 """Bytes from a file's start that always hold both headers (or the whole of a shorter file)."""
 
 
-def file_prefix(header_len: int) -> bytes:
+def _file_prefix(header_len: int) -> bytes:
     """Returns what a file holds before a value whose header is `header_len` bytes long: the
     file header and zeros, so that the value's payload starts at a multiple of PAYLOAD_ALIGN."""
-    start = _FILE_HEADER.size + -(_FILE_HEADER.size + header_len) % PAYLOAD_ALIGN
+    start = _FILE_HEADER.size + (-(_FILE_HEADER.size + header_len)) % PAYLOAD_ALIGN
     return _FILE_HEADER.pack(FILE_MAGIC, start) + bytes(start - _FILE_HEADER.size)
+
+
+def file_parts(value: StoredValue) -> list[Buffer]:
+    """Returns what a file holding `value` is made of, in order: the file prefix, then the
+    value (header and payload unjoined when `value` is a SplitValue). Raises SerdeError for
+    a buffer that is not a stored value."""
+    if isinstance(value, serde.SplitValue):
+        return [_file_prefix(len(value.header)), value.header, value.payload]
+    return [_file_prefix(serde.read_header(value).header_len), value]
 
 
 def value_start(head: bytes | memoryview) -> int:
