@@ -2,8 +2,9 @@
 
 URLs: `redis://[user:pass@]host:port/db`, `rediss://...` (TLS; `ssl_*` options are passed to
 redis-py), `redis+cluster://host:port` / `rediss+cluster://...` (Redis Cluster: keys hash
-across slots; pipelines are split per node by redis-py). Batched get/put and `prefix_hits`
-are one pipelined round trip (per node); redis-py uses hiredis.
+across slots). Batched get/put and `prefix_hits` are one pipelined round trip (per node);
+batched GET replies are read off each node's socket by kvtier's reader (redis_wire.py),
+checked as they arrive; the rest goes through redis-py (hiredis).
 
 Options: `ttl_s` (expire chunks), the deadlines every remote tier has (kvstore/deadlines.py:
 `lookup_timeout_s` 0.5 s for existence checks, `load_timeout_s` 1 s for GETs, `write_timeout_s`
@@ -25,6 +26,7 @@ redis-py's `Encoder`: both redis-py internals present in 7.x and 8.x, hence the
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -41,12 +43,13 @@ from redis.retry import Retry
 
 from kvstore import serde
 from kvstore.backend import BackendError, BytesBackend, ReadValue, StoredValue
-from kvstore.backends.redis_wire import NOT_A_CHUNK, SplitValuePacker, read_bulk_replies
+from kvstore.backends.redis_wire import SplitValuePacker, get_on_nodes, get_pipelined
 from kvstore.budget import ByteBudget
 from kvstore.codecs import Codec
 from kvstore.config import TierSpec
 from kvstore.deadlines import OPTIONS, CallKind, RemoteDeadlines
 from kvstore.eviction import make_policy
+from kvstore.tenant_quota import never_pinned
 
 CHUNK_KEY_PATTERN = "kvtier:*"
 """Every chunk key (connector/keyspace.py) matches this; `wipe_all_chunks()` removes them."""
@@ -86,6 +89,16 @@ def _client_kwargs(options: dict[str, Any], deadlines: RemoteDeadlines, kind: Ca
     return kw
 
 
+NOT_A_CHUNK = b""
+"""Stands for a key whose GET was an error reply (WRONGTYPE): it fails `serde.decode` like any
+garbage, so the key is a miss, counted corrupt and removed."""
+
+
+def _chunk_or_not(reply: Any) -> Any:
+    """Returns a GET reply as a value, with an error reply in its place made NOT_A_CHUNK."""
+    return NOT_A_CHUNK if isinstance(reply, redis.ResponseError) else reply
+
+
 class RedisBackend(BytesBackend):
     """Chunks in Redis (single node or cluster)."""
 
@@ -114,6 +127,11 @@ class RedisBackend(BytesBackend):
         self._lock = threading.Lock()
         self._stripes = [threading.Lock() for _ in range(64)]
         self._budget = ByteBudget(byte_budget, make_policy(eviction), tenant_quota)
+        # Keys admitted and not yet written: never eviction victims, since a victim's DEL could
+        # run before that SET and leave the value stored but no longer counted.
+        self._writing: collections.Counter[str] = collections.Counter()
+        self._pinned: Callable[[str], bool] = never_pinned
+        self._budget.is_pinned = self._unevictable
         self._evictions = 0
 
     def _connect(self, url: str, kw: dict[str, Any]) -> redis.Redis | redis.cluster.RedisCluster:
@@ -130,7 +148,10 @@ class RedisBackend(BytesBackend):
                    tenant_quota=spec.tenant_quota, **opts)
 
     def set_pin_check(self, is_pinned: Callable[[str], bool]) -> None:
-        self._budget.is_pinned = is_pinned
+        self._pinned = is_pinned
+
+    def _unevictable(self, key: str) -> bool:
+        return key in self._writing or self._pinned(key)
 
     def encode(self, key: str, kv: torch.Tensor) -> StoredValue:
         """Returns the value unjoined for a single node (sent in two parts by SplitValuePacker);
@@ -162,24 +183,18 @@ class RedisBackend(BytesBackend):
         return self._batched_contains([key])[0]
 
     def _get_many(self, keys: Sequence[str]) -> list[Any]:
-        """Returns the values of `keys` (None per missing key) in one pipelined round trip,
-        read by `read_bulk_replies` on a pooled connection (redis-py's reader for a cluster)."""
-        if self.cluster:
-            return [NOT_A_CHUNK if isinstance(r, redis.ResponseError) else r for r in self._per_key("get", keys)]
-        assert isinstance(self.reader, redis.Redis)  # a single node (clusters returned above)
-        pool = self.reader.connection_pool
-        conn = pool.get_connection()
-        try:
-            conn.send_packed_command(conn.pack_commands([("GET", k) for k in keys]))
-            sock = conn._get_socket()
-            if sock is None:
-                raise OSError("no socket after sending")
-            return read_bulk_replies(sock, keys)
-        except BaseException:
-            conn.disconnect()  # its stream position is unknown: never reuse it
-            raise
-        finally:
-            pool.release(conn)
+        """Returns the values of `keys` (None per missing key, NOT_A_CHUNK per key holding
+        anything else) in one pipelined round trip per node, each reply read by
+        `read_bulk_replies` as it arrives. A cluster's keys whose slot moved, or whose node
+        failed, since this client learnt the slot map are fetched again through redis-py, which
+        follows the redirection and refreshes the map; a timeout raises at once."""
+        if not isinstance(self.reader, redis.cluster.RedisCluster):
+            return [_chunk_or_not(r) for r in get_pipelined(self.reader, keys)]
+        replies, again = get_on_nodes(self.reader, keys)
+        if again:
+            for i, reply in zip(again, self._per_key("get", [keys[i] for i in again])):
+                replies[i] = reply
+        return [_chunk_or_not(r) for r in replies]
 
     def _per_key(self, command: str, keys: Sequence[str], *args: Any, client: Any = None) -> list[Any]:
         """Returns the replies to `command key *args` sent once per key, in one pipelined round
@@ -245,6 +260,7 @@ class RedisBackend(BytesBackend):
                         victims.append(victim)
                 self._budget.add(key, len(value))
                 admitted[key] = value
+            self._writing.update(admitted.keys())
         return list(admitted.items()), victims
 
     def _put_bytes(self, key: str, value: StoredValue) -> bool:
@@ -281,7 +297,14 @@ class RedisBackend(BytesBackend):
 
             # on failure the writes stay accounted: their outcome is unknown, and over-counting
             # only evicts early, while under-counting could exceed the budget
-            self._call("set", run)
+            try:
+                self._call("set", run)
+            finally:
+                with self._lock:
+                    for key in kept:
+                        self._writing[key] -= 1
+                        if not self._writing[key]:
+                            del self._writing[key]
             self._evicted(victims)
             return [k in kept for k, _ in items]
 

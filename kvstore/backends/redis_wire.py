@@ -1,7 +1,7 @@
 """The redis tier's wire helpers: a RESP packer that sends a chunk's header and payload
 without joining them, and a reader of pipelined GET replies straight into fresh buffers,
-checked as they arrive (kvstore/backends/redis_store.py uses both on its single-node fast
-paths)."""
+checked as they arrive (kvstore/backends/redis_store.py: the packer on a single node, the
+reader on every node of a cluster too)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import redis
+import redis.cluster
 from redis._parsers.encoders import Encoder
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from kvstore import serde
 from kvstore.codecs import Buffer
 
-NOT_A_CHUNK = b""
-"""Stands for a key whose GET was an error reply (WRONGTYPE): it fails `serde.decode` like any
-garbage, so the key is a miss, counted corrupt and removed."""
+# Error replies that say the key lives elsewhere (or will shortly): fetched again, not refused.
+_REDIRECTS = frozenset({"MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN"})
 
 
 class SplitValuePacker:
@@ -58,16 +59,16 @@ class ReplyError(RedisError):
     """Redis answered a GET with something that is neither a bulk string, a null nor an error."""
 
 
-def read_bulk_replies(sock: Any, keys: Sequence[str]) -> list[serde.CheckedValue | Buffer | None]:
-    """Returns the RESP bulk-string replies to GETs of `keys` (None for a null, `NOT_A_CHUNK`
-    for a key's error reply such as WRONGTYPE) read from `sock`, each received straight into
+def read_bulk_replies(sock: Any, keys: Sequence[str]) -> list[serde.CheckedValue | Buffer | ResponseError | None]:
+    """Returns the RESP bulk-string replies to GETs of `keys` (None for a null, a ResponseError
+    for a key's error reply such as WRONGTYPE or MOVED) read from `sock`, each received straight into
     its own numpy-allocated (huge-page) buffer and checked as it arrives (`serde.ValueCheck`
     for its key, fed piece by piece, so decoding does not read it again): hiredis grows one
     buffer and copies every value out of it, and fresh small-page buffers fault on every
     4 KiB. Raises ReplyError / OSError; the caller then drops the connection, since the
     stream position is lost."""
     pending = bytearray()  # received, not yet consumed: reply headers and value tails
-    out: list[serde.CheckedValue | Buffer | None] = []
+    out: list[serde.CheckedValue | Buffer | ResponseError | None] = []
     for key in keys:
         while (eol := pending.find(b"\r\n")) < 0:
             chunk = sock.recv(1 << 16)
@@ -79,8 +80,8 @@ def read_bulk_replies(sock: Any, keys: Sequence[str]) -> list[serde.CheckedValue
         if line == b"_" or line == b"$-1":  # RESP3 / RESP2 null: a missing key
             out.append(None)
             continue
-        if line[:1] == b"-":  # an error reply (WRONGTYPE): this key only; the stream is intact
-            out.append(NOT_A_CHUNK)
+        if line[:1] == b"-":  # an error reply (WRONGTYPE, MOVED): this key only; the stream is intact
+            out.append(ResponseError(line[1:].decode(errors="replace")))
             continue
         if line[:1] != b"$" or not line[1:].isdigit():
             raise ReplyError(f"unexpected reply to GET: {line[:80]!r}")
@@ -104,3 +105,52 @@ def read_bulk_replies(sock: Any, keys: Sequence[str]) -> list[serde.CheckedValue
     if pending:
         raise ReplyError("unexpected bytes after the GET replies")
     return out
+
+
+def get_pipelined(client: redis.Redis, keys: Sequence[str]) -> list[serde.CheckedValue | Buffer | ResponseError | None]:
+    """Returns the replies to GETs of `keys` sent pipelined on one of `client`'s pooled
+    connections, read by `read_bulk_replies` (a connection that failed mid-way is dropped)."""
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    try:
+        conn.send_packed_command(conn.pack_commands([("GET", k) for k in keys]))
+        sock = conn._get_socket()
+        if sock is None:
+            raise OSError("no socket after sending")
+        return read_bulk_replies(sock, keys)
+    except BaseException:
+        conn.disconnect()  # its stream position is unknown: never reuse it
+        raise
+    finally:
+        pool.release(conn)
+
+
+def get_on_nodes(cluster: redis.cluster.RedisCluster, keys: Sequence[str]) -> tuple[list[Any], list[int]]:
+    """Returns the replies to GETs of `keys`, pipelined per node of `cluster` as its slot map
+    says (`get_pipelined`), and the indices of the keys to fetch again through redis-py: those
+    whose node answered a redirection or failed, or whose slot the map does not cover. A
+    timeout raises: the load's deadline has passed."""
+    replies: list[Any] = [None] * len(keys)
+    again: list[int] = []
+    by_node: dict[str, tuple[redis.Redis, list[int]]] = {}
+    for i, key in enumerate(keys):
+        try:
+            node = cluster.get_node_from_key(key)
+        except RedisClusterException:
+            again.append(i)
+            continue
+        by_node.setdefault(node.name, (cluster.get_redis_connection(node), []))[1].append(i)
+    for client, wanted in by_node.values():
+        try:
+            got = get_pipelined(client, [keys[i] for i in wanted])
+        except (TimeoutError, redis.TimeoutError):
+            raise
+        except (RedisError, OSError):
+            again.extend(wanted)
+            continue
+        for i, reply in zip(wanted, got):
+            if isinstance(reply, ResponseError) and str(reply).split(" ", 1)[0] in _REDIRECTS:
+                again.append(i)
+            else:
+                replies[i] = reply
+    return replies, again

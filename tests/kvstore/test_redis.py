@@ -140,6 +140,42 @@ def test_redis_killed_mid_workload_manager_recovers(redis_server, caplog: pytest
     mgr.close()
 
 
+def test_a_write_in_flight_is_never_evicted(redis_server) -> None:
+    """A put that needs room cannot evict a key whose own put was admitted and has not yet
+    been written: the eviction's DEL could run first, and the late SET would leave a value
+    stored but no longer counted (the budget exceeded, found once under 4 racing threads)."""
+
+    class HeldWrite(RedisBackend):
+        def __init__(self, *args, **kw) -> None:
+            super().__init__(*args, **kw)
+            self.held, self.release = threading.Event(), threading.Event()
+
+        def _pipeline(self):
+            if threading.current_thread().name == "held-put":
+                self.held.set()
+                self.release.wait(10)  # admitted and counted, not yet written
+            return super()._pipeline()
+
+    one = len(serde.encode(ckey(0), chunk(0)))
+    tier = HeldWrite(redis_server.url, byte_budget=one + one // 2)  # room for one chunk
+    late = threading.Thread(target=lambda: tier.put(ckey(0), chunk(0)), name="held-put")
+    try:
+        late.start()
+        assert tier.held.wait(10)
+        assert tier.put(ckey(1), chunk(1)) is False  # the only victim is in flight: refused
+        tier.release.set()
+        late.join(10)
+        client = redis_server.client()
+        stored = sum(client.strlen(k) for k in client.scan_iter("*"))
+        assert stored == tier.stats().bytes_used == one
+        assert tier.put(ckey(1), chunk(1)) is True  # written now: an ordinary victim again
+        assert stored == sum(client.strlen(k) for k in client.scan_iter("*")) == tier.stats().bytes_used
+    finally:
+        tier.release.set()
+        late.join(10)
+        tier.close()
+
+
 @pytest.mark.parametrize("codec", ["raw", "lz4"])
 def test_cluster_round_trip(redis_cluster, codec: str) -> None:
     tier = create_backend(TierSpec(redis_cluster.url, codec=codec))
