@@ -139,7 +139,9 @@ def get_on_nodes(cluster: redis.cluster.RedisCluster, keys: Sequence[str]) -> tu
         except RedisClusterException:
             again.append(i)
             continue
-        by_node.setdefault(node.name, (cluster.get_redis_connection(node), []))[1].append(i)
+        if node.name not in by_node:
+            by_node[node.name] = (cluster.get_redis_connection(node), [])
+        by_node[node.name][1].append(i)
     for client, wanted in by_node.values():
         try:
             got = get_pipelined(client, [keys[i] for i in wanted])
