@@ -91,6 +91,9 @@ def run(args: argparse.Namespace) -> int:
                 prompt = llm.apply_chat_template([{"role": "user", "content": prompt}])
             (out,) = llm.generate(prompt, params)
             completion = out.outputs[0]
+            if args.json and connector is not None:
+                # a chunk's store is counted once its put ran: report this prompt's once written
+                connector.flush()
             if args.json:
                 print(
                     json.dumps(
