@@ -1,8 +1,8 @@
 """The engine's CPU fast paths against the PyTorch ops they replace, in one run (ratios).
 
 - linear layers: every linear of the default model's 30 layers (fp32 weights, 425 MB, so
-  they stream from memory as in a real step) at 1, 16, 64 and 2048 rows: `F.linear` (MKL)
-  against oneDNN with prepacked weights (engine/linear_backend.py);
+  they stream from memory as in a real step) at 1, 4, 16, 64, 512 and 2048 rows: `F.linear`
+  (MKL), oneDNN with prepacked weights, and kvtier's panel kernel (engine/linear_backend.py);
 - decode attention, one layer: the gather + SDPA path against the compiled kernel that reads
   the blocks in place (engine/cpu_ops.py), at batch 1, 16, 64 and contexts 1k and 4k, each
   sequence on its own blocks;
@@ -42,7 +42,7 @@ from bench_engine import median_time  # noqa: E402 (this script's directory is o
 from engine import cpu_ops  # noqa: E402
 from engine.attention_metadata import AttentionMetadata  # noqa: E402
 from engine.kv_cache import slot_mapping  # noqa: E402
-from engine.linear_backend import PackedLinear  # noqa: E402
+from engine.linear_backend import PackedLinear, PanelLinear  # noqa: E402
 from engine.paged_attention import build_plan, paged_attention  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -56,16 +56,22 @@ def median_s(fn: Callable[[], Any], reps: int) -> float:
     return median_time(fn, reps)
 
 
-def bench_linear(rows: list[int], layers: int, reps: int) -> list[dict[str, Any]]:
+def bench_linear(ops: ModuleType, rows: list[int], layers: int, reps: int) -> list[dict[str, Any]]:
     weights = [[torch.randn(o, i) * 0.02 for o, i in LAYER_SHAPES] for _ in range(layers)]
     packed = [[PackedLinear(w, None) for w in layer] for layer in weights]
+    panels = [[PanelLinear(w, None, ops) for w in layer] for layer in weights]
+    weight_bytes = sum(w.numel() * 4 for layer in weights for w in layer)
     out = []
     for m in rows:
         xs = {i: torch.randn(m, i) for _, i in LAYER_SHAPES}
         plain = median_s(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for layer in weights for w in layer], reps)
         onednn = median_s(lambda xs=xs: [p(xs[p.in_features]) for layer in packed for p in layer], reps)
-        out.append({"rows": m, "torch_s": plain, "onednn_s": onednn, "speedup": plain / onednn})
-        print(f"linear {m} rows: F.linear {plain * 1e3:.1f} ms, oneDNN {onednn * 1e3:.1f} ms", file=sys.stderr)
+        panel = median_s(lambda xs=xs: [p(xs[p.in_features]) for layer in panels for p in layer], reps)
+        out.append({"rows": m, "torch_s": plain, "onednn_s": onednn, "panel_s": panel, "speedup": plain / onednn,
+                    "panel_speedup": onednn / panel, "panel_GBps": weight_bytes / panel / 1e9,
+                    "panel_GFLOPs": 2 * m * weight_bytes / 4 / panel / 1e9})
+        print(f"linear {m} rows: F.linear {plain * 1e3:.1f} ms, oneDNN {onednn * 1e3:.1f} ms, "
+              f"panels {panel * 1e3:.1f} ms", file=sys.stderr)
     return out
 
 
@@ -191,11 +197,12 @@ def main() -> int:
         prefills = [(1, 0, 300), (2, 200, 40)]
         shared = [(8, 1024)]
     else:
-        rows, layers, cells, reps = [1, 16, 64, 2048], 30, [(b, c) for c in (1024, 4096) for b in (1, 16, 64)], 7
+        rows, layers, reps = [1, 4, 16, 64, 512, 2048], 30, 7
+        cells = [(b, c) for c in (1024, 4096) for b in (1, 16, 64)]
         prefills = [(1, 0, 1024), (1, 0, 4096), (1, 2048, 16), (16, 1024, 64), (4, 1024, 256)]
         shared = [(b, p) for p in (1024, 4096) for b in (8, 16, 64)]
     res = {"quick": args.quick, "platform": platform.platform(), "torch": torch.__version__,
-           "threads": torch.get_num_threads(), "linear": bench_linear(rows, layers, reps),
+           "threads": torch.get_num_threads(), "linear": bench_linear(load_ops(), rows, layers, reps),
            "decode_attention": bench_decode(cells, reps), "prefill_attention": bench_prefill(prefills, reps),
            "shared_prefix_decode": bench_shared_decode(shared, reps), "vllm_cpu_pages": bench_vllm_pages(reps)}
     suffix = "_quick" if args.quick else ""
@@ -203,10 +210,12 @@ def main() -> int:
     (RESULTS / f"kernels{suffix}.json").write_text(json.dumps(res, indent=2) + "\n")
     lines = [f"CPU fast paths vs the PyTorch ops they replace (torch {res['torch']}, {res['threads']} threads; "
              f"medians of {reps})", "",
-             f"| linear layers ({layers} layers of SmolLM2-135M, fp32) | F.linear (MKL) | oneDNN prepacked | speedup |",
-             "|---|---:|---:|---:|"]
+             f"| linear layers ({layers} layers of SmolLM2-135M, fp32) | F.linear (MKL) | oneDNN prepacked | "
+             "speedup | panel kernel | panels / oneDNN | panels read / compute |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['rows']} rows | {r['torch_s'] * 1e3:.1f} ms | {r['onednn_s'] * 1e3:.1f} ms | "
-              f"**{r['speedup']:.2f}x** |" for r in res["linear"]]
+              f"**{r['speedup']:.2f}x** | {r['panel_s'] * 1e3:.1f} ms | **{r['panel_speedup']:.2f}x** | "
+              f"{r['panel_GBps']:.1f} GB/s, {r['panel_GFLOPs']:.0f} GFLOP/s |" for r in res["linear"]]
     lines += ["", "| decode attention, one layer (9 q / 3 kv heads of 64) | gather + SDPA | in-place kernel | "
               "speedup | kernel's K/V read rate |", "|---|---:|---:|---:|---:|"]
     lines += [f"| batch {r['batch']}, context {r['context']} | {r['gather_s'] * 1e3:.2f} ms | "

@@ -8,6 +8,8 @@
   cached context) the same way, tiled: 1.4x PyTorch's flash SDPA on a 4k prompt;
 - the fused float32 ops of a decoder layer (`rms_norm`, `add_rms_norm` adding the residual in
   place, `silu_and_mul`) each replace several PyTorch ops and Python calls per layer per step;
+- `panel_linear`, float32 linear layers over weights packed in panels (engine/linear_backend.py
+  `PanelLinear`): 1.7x oneDNN's GEMV on a batch-1 decode step;
 - `copy_kv_pages` moves a chunk's K/V into or out of vLLM's CPU attention pages (K transposed
   per page), for kvtier's connector inside vLLM (connector/vllm_layouts.py `VllmCpuLayout`).
 
@@ -40,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "fused_ops.cpp",
-                                      "kv_pages.cpp")]
+                                      "panel_linear.cpp", "kv_pages.cpp")]
 
 # Built on the machine that runs it, so for its CPU; 512-bit vectors where it has them (gcc
 # prefers 256 on some that do): 2-4x faster decode attention on this project's machine.

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from engine import cpu_ops
 from engine.config import KERNELS
-from engine.linear_backend import onednn_supported
+from engine.linear_backend import linear_packer
 from engine.model_config import ModelConfig
 from engine.models import get_model_class
 from engine.models.base import CausalLM
@@ -101,8 +101,9 @@ def load_model(model: str | Path | None, device: torch.device, dtype: torch.dtyp
                kernels: str = "auto") -> tuple[CausalLM, ModelConfig]:
     """Returns (model in eval mode on `device` in `dtype`, its ModelConfig). Every parameter
     comes from the checkpoint (ValueError if any is missing or misshapen). With `kernels`
-    "auto", its linears run on oneDNN and its decode attention, RoPE, norms and MLP activation
-    on the compiled CPU kernels where each can (engine/linear_backend.py, engine/cpu_ops.py);
+    "auto", its linears run packed (kvtier's panel kernel, else oneDNN) and its decode
+    attention, RoPE, norms and MLP activation on the compiled CPU kernels where each can
+    (engine/linear_backend.py, engine/cpu_ops.py);
     "torch": PyTorch ops only."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
@@ -117,9 +118,10 @@ def load_model(model: str | Path | None, device: torch.device, dtype: torch.dtyp
     net.load_weights(iter_safetensors(path, progress=None))
     net = net.eval().requires_grad_(False)
     if kernels == "auto":
-        if onednn_supported(device, dtype):
-            net.pack_linears()
         ops = cpu_ops.load() if device.type == "cpu" else None
+        packer = linear_packer(device, dtype, ops)
+        if packer is not None:
+            net.pack_linears(packer)
         if ops is not None:
             net.enable_cpu_ops(ops)
     return net, config

@@ -389,6 +389,9 @@ torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual, cons
                            double eps);
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up);
 void rotary_(torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos_sin, int64_t num_heads);
+// panel_linear.cpp
+torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, const c10::optional<torch::Tensor>& bias,
+                           int64_t out_features);
 // kv_pages.cpp
 void copy_kv_pages(const std::vector<torch::Tensor>& caches, torch::Tensor& chunk, const torch::Tensor& slots,
                    bool to_pages);
@@ -410,6 +413,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns rms_norm(residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows");
   m.def("rotary_", &rotary_, "rotates the first num_heads heads of each row in place (neox layout)");
+  m.def("panel_linear", &panel_linear, "x @ W.T + bias over W packed in panels of 16 output columns",
+        py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("out_features"));
   m.def("copy_kv_pages", &copy_kv_pages, "moves slots' K/V between a chunk and vLLM CPU attention pages",
         py::arg("caches"), py::arg("chunk"), py::arg("slots"), py::arg("to_pages"));
 }

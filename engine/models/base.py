@@ -22,7 +22,7 @@ from engine.layers.decoder import DecoderLayer
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import Experts
 from engine.layers.norm import RMSNorm
-from engine.linear_backend import PackedLinear, pack_linears
+from engine.linear_backend import LinearPacker, pack_linears
 from engine.model_config import ModelConfig
 from engine.models.weights import Target, load_into
 from engine.paged_attention import build_plan
@@ -83,7 +83,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = self.model_class(config, self.make_mlp, self.layer_class)
-        # nn.Linear, or PackedLinear after pack_linears; None while tied to the embedding.
+        # nn.Linear, or a packed linear after pack_linears; None while tied to the embedding.
         self.lm_head: nn.Module | None = (None if config.tie_word_embeddings
                                           else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         # Per layer: the sliding window it attends over (None: full attention).
@@ -138,13 +138,13 @@ class CausalLM(nn.Module):
             if isinstance(module, (RMSNorm, GatedMLP, Attention, Experts)):
                 module.cpu_ops = ops
 
-    def pack_linears(self) -> None:
-        """Moves every linear layer to oneDNN with prepacked weights (engine/linear_backend.py),
-        the logits projection included: a tied one gets a packed copy of the embedding, which
-        the token lookup still reads. Call once, after load_weights."""
-        pack_linears(self)
+    def pack_linears(self, packer: LinearPacker) -> None:
+        """Replaces every linear layer by `packer(weight, bias)` (engine/linear_backend.py), the
+        logits projection included: a tied one gets a packed copy of the embedding, which the
+        token lookup still reads. Call once, after load_weights."""
+        pack_linears(self, packer)
         if self.lm_head is None:
-            self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
+            self.lm_head = packer(self.model.embed_tokens.weight, None)
 
     def checkpoint_target(self, name: str) -> Target | None:
         """Returns where checkpoint tensor `name` goes (None: skip it): our fused parameters

@@ -1,31 +1,20 @@
 """The engine's CPU fast paths against its PyTorch reference path: the compiled paged decode
-attention (engine/cpu_ops.py) against the gather + SDPA path, oneDNN's prepacked linears
-against `F.linear`, and whole generations with `kernels="auto"` against `kernels="torch"`."""
+attention (engine/cpu_ops.py) against the gather + SDPA path, and whole generations with
+`kernels="auto"` against `kernels="torch"`."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from engine import LLM, SamplingParams
 from engine.attention_metadata import AttentionMetadata
 from engine.kv_cache import slot_mapping
 from engine.layers import mlp as mlp_module
-from engine.linear_backend import (
-    EXACT_ROWS,
-    GEMM_CACHE_CAPACITY,
-    PackedLinear,
-    onednn_supported,
-    pack_linears,
-    padded_rows,
-)
+from engine.linear_backend import PanelLinear
 from engine.model_loader import load_model
 from engine.paged_attention import build_plan, paged_attention
 
@@ -224,76 +213,6 @@ def test_fused_ops_equal_pytorch(ops, rows: int) -> None:
         ops.rms_norm(x.double(), norm.weight, 1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_linear_equals_f_linear(dtype: torch.dtype) -> None:
-    if not onednn_supported(CPU, dtype):
-        pytest.skip(f"oneDNN cannot run {dtype} on this CPU: the engine keeps nn.Linear")
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(64, 96), nn.Sequential(nn.Linear(96, 32, bias=False))).to(dtype)
-    x = torch.randn(7, 64, dtype=dtype)
-    ref = net(x)
-    weight = net[0].weight.detach().clone()
-    assert pack_linears(net) == 2
-    assert isinstance(net[0], PackedLinear) and isinstance(net[1][0], PackedLinear)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(net(x), ref, atol=tol, rtol=0)
-    torch.testing.assert_close(net[0](x), F.linear(x, weight.to(dtype), net[0].bias), atol=tol, rtol=0)
-
-
-def test_row_counts_are_bounded_with_little_padding() -> None:
-    """Every step size up to 8k tokens maps to one of a few hundred oneDNN shapes, each at least
-    the real row count and under 1/16 more."""
-    sizes = [padded_rows(rows) for rows in range(1, 8193)]
-    assert sizes[:EXACT_ROWS] == list(range(1, EXACT_ROWS + 1))
-    assert all(rows <= size < rows * 17 / 16 for rows, size in enumerate(sizes, start=1))
-    assert sizes == sorted(sizes) and all(padded_rows(size) == size for size in sizes)
-    assert len(set(sizes)) == EXACT_ROWS + 7 * 16
-
-
-@pytest.mark.skipif(not onednn_supported(CPU, torch.float32),
-                    reason="this torch build has no oneDNN: the engine keeps nn.Linear")
-def test_packed_linear_pads_rows_and_keeps_the_input_shape() -> None:
-    torch.manual_seed(0)
-    linear = nn.Linear(48, 80)
-    packed = PackedLinear(linear.weight, linear.bias)
-    for shape in [(EXACT_ROWS + 1, 48), (3, 131, 48), (EXACT_ROWS, 48)]:
-        x = torch.randn(shape)
-        out = packed(x)
-        assert out.shape == (*shape[:-1], 80) and out.is_contiguous()
-        torch.testing.assert_close(out, linear(x), atol=1e-5, rtol=0)
-
-
-_CACHE_PROBE = """
-import os, torch
-from engine.linear_backend import padded_rows, pack_linears
-from kvstore.server.heap import resident_bytes, trim_heap
-shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-net = torch.nn.Sequential(*[torch.nn.Linear(i, o, bias=False) for o, i in shapes])
-pack_linears(net)
-def rss_mib():
-    trim_heap()
-    return resident_bytes() / 2**20
-start = rss_mib()
-for rows in sorted({padded_rows(r) for r in range(1, 2049)}):
-    for linear in net:
-        linear(torch.zeros(rows, linear.in_features))
-print(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], os.environ["LRU_CACHE_CAPACITY"], rss_mib() - start)
-"""
-
-
-@pytest.mark.skipif(not onednn_supported(CPU, torch.float32),
-                    reason="this torch build has no oneDNN: the engine keeps nn.Linear")
-def test_gemm_caches_are_bounded_in_a_fresh_process() -> None:
-    """oneDNN and ideep keep memory per cached GEMM shape (~340 MiB for these 576 shapes when
-    their default 1024 entries all fit): `pack_linears` caps both caches, which only works
-    before the process's first oneDNN op, so the probe is a new process."""
-    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
-    out = subprocess.run([sys.executable, "-c", _CACHE_PROBE], env={**env, "PYTHONPATH": str(REPO)},
-                         capture_output=True, text=True, timeout=120, check=True).stdout.split()
-    assert out[:2] == [str(GEMM_CACHE_CAPACITY)] * 2
-    assert float(out[2]) < 150, f"{out[2]} MiB held after 576 GEMM shapes: the caches are not capped"
-
-
 def test_unknown_kernels_is_refused_before_loading(default_model_path) -> None:
     with pytest.raises(ValueError, match="kernels must be one of"):
         load_model(default_model_path, CPU, torch.float32, kernels="fast")
@@ -313,7 +232,7 @@ def test_generations_identical_with_and_without_fast_paths(ops) -> None:
         with LLM(kernels=kernels, kv_cache_memory_bytes=256 << 20) as llm:
             model = llm.engine.runner.model
             assert (model.cpu_ops is not None) == (kernels == "auto")
-            assert isinstance(model.lm_head, PackedLinear) == (kernels == "auto")
+            assert isinstance(model.lm_head, PanelLinear) == (kernels == "auto")
             results = llm.generate(prompts, params)
             outs[kernels] = [o.outputs[0].token_ids for o in results]
     assert len(results[2].prompt_token_ids) > 512  # its decode spans two kernel partitions
