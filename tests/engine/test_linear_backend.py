@@ -47,6 +47,18 @@ def test_panel_linear_equals_f_linear(ops: ModuleType, out_features: int, in_fea
         torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
 
 
+def test_panel_linear_rows_do_not_depend_on_their_batch(ops: ModuleType) -> None:
+    """Each row sums its products in one order whatever the rows beside it: a sequence's
+    logits are the same bits alone, in a decode batch, or inside a long prefill."""
+    torch.manual_seed(2)
+    linear = nn.Linear(576, 200)
+    panel = PanelLinear(linear.weight, linear.bias, ops)
+    x = torch.randn(300, 576)
+    whole = panel(x)
+    for rows in (slice(0, 1), slice(5, 6), slice(7, 14), slice(96, 200), slice(299, 300)):
+        assert torch.equal(panel(x[rows]), whole[rows])
+
+
 def test_panel_linear_keeps_the_input_shape_and_reads_strided_input(ops: ModuleType) -> None:
     torch.manual_seed(1)
     linear = nn.Linear(48, 80)
