@@ -31,15 +31,16 @@ CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("out_features,in_features", [(96, 64), (40, 24), (17, 8), (1, 5), (960, 576)])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (40, 24), (17, 8), (1, 5), (960, 576), (1000, 4096)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_panel_linear_equals_f_linear(ops: ModuleType, out_features: int, in_features: int, bias: bool) -> None:
-    """Every row count a step has (one decode row, a micro-kernel's 6 and its remainders, more
-    than one row block of 96), output widths that fill no whole panel, with and without bias."""
+    """Every row count a step has (one decode row, a micro-kernel's 6 and its remainders, all
+    rows per thread up to 256, then row blocks), output widths that fill no whole panel, a
+    weight in two slices of 8 MB (1000 x 4096), with and without bias."""
     torch.manual_seed(out_features + in_features)
     linear = nn.Linear(in_features, out_features, bias=bias)
     panel = PanelLinear(linear.weight, linear.bias, ops)
-    for rows in (1, 2, 5, 6, 7, 64, 97, 200):
+    for rows in (1, 2, 5, 6, 7, 64, 97, 256, 257, 300):
         x = torch.randn(rows, in_features)
         ref = F.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
         out = panel(x)
