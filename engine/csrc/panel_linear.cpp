@@ -37,9 +37,10 @@ constexpr int kMaxPanels = kVec == 16 ? 4 : 1;
 // the full width, in panel order, cost a TLB miss per row: 0.85x at 4k rows).
 constexpr int64_t kRowBlock = 16 * kMaxRows;
 constexpr int64_t kSliceBytes = 8 << 20;
-// Up to this many rows every thread takes all rows over its share of the panels (a decode
-// step streams each weight once; a short prefill's rows still fit in L2).
-constexpr int64_t kAllRows = 256;
+// Up to this many rows every thread takes all rows over its share of the panels: a decode
+// step streams each weight once, and a 1k prefill's rows stream from L2/L3 past panels held
+// in L1 (1.0-1.1x oneDNN at 512-1024 rows, where row blocks were 0.95-1.03x).
+constexpr int64_t kAllRows = 1024;
 
 inline vreg load_v(const float* p) {
   vreg v;

@@ -35,12 +35,12 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("bias", [True, False])
 def test_panel_linear_equals_f_linear(ops: ModuleType, out_features: int, in_features: int, bias: bool) -> None:
     """Every row count a step has (one decode row, a micro-kernel's 6 and its remainders, all
-    rows per thread up to 256, then row blocks), output widths that fill no whole panel, a
+    rows per thread up to 1024, then row blocks), output widths that fill no whole panel, a
     weight in two slices of 8 MB (1000 x 4096), with and without bias."""
     torch.manual_seed(out_features + in_features)
     linear = nn.Linear(in_features, out_features, bias=bias)
     panel = PanelLinear(linear.weight, linear.bias, ops)
-    for rows in (1, 2, 5, 6, 7, 64, 97, 256, 257, 300):
+    for rows in (1, 2, 5, 6, 7, 64, 97, 1024, 1025, 1500):
         x = torch.randn(rows, in_features)
         ref = F.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
         out = panel(x)
@@ -54,9 +54,9 @@ def test_panel_linear_rows_do_not_depend_on_their_batch(ops: ModuleType) -> None
     torch.manual_seed(2)
     linear = nn.Linear(576, 200)
     panel = PanelLinear(linear.weight, linear.bias, ops)
-    x = torch.randn(300, 576)
+    x = torch.randn(1100, 576)
     whole = panel(x)
-    for rows in (slice(0, 1), slice(5, 6), slice(7, 14), slice(96, 200), slice(299, 300)):
+    for rows in (slice(0, 1), slice(5, 6), slice(7, 14), slice(96, 200), slice(1000, 1100), slice(1099, 1100)):
         assert torch.equal(panel(x[rows]), whole[rows])
 
 
