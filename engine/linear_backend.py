@@ -4,9 +4,9 @@ On CPU, `F.linear` goes to MKL's sgemm, which on this project's AMD machine runs
 code path. Two packed forms replace it (`benchmarks/bench_kernels.py`, `bench_linear`):
 - float32: `PanelLinear`, kvtier's kernel (engine/csrc/panel_linear.cpp) over the weight cut
   into panels of 16 output columns. A decode step is a few rows against every weight, so it is
-  bound by reading them: each panel is one contiguous stream, read at ~30 GB/s where oneDNN's
-  GEMV reads its blocked layout at ~18 (1.7x at 1 row, 1.1x at 64); a prefill's GEMM runs at
-  oneDNN's rate (~0.95-1.05x).
+  bound by reading them: each panel is one contiguous stream, read at 26-33 GB/s where
+  oneDNN's GEMV reads its blocked layout at ~17 (1.7x at 1 row, 1.2x at 64); a prefill's GEMM
+  runs at oneDNN's rate (0.98-1.01x at 512-2048 rows).
 - bfloat16/float16, or float32 where the kernels cannot be built: `PackedLinear`, oneDNN
   (shipped inside torch) with the weight reordered once into its blocked layout, 2-3x
   `F.linear` at every row count. vLLM's CPU backend makes this choice.
