@@ -123,8 +123,7 @@ class PanelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Returns `x @ W.T + b` for float32 `x` of shape (..., in_features), contiguous."""
         flat = x.reshape(-1, self.in_features)
-        out = self.ops.panel_linear(flat if flat.is_contiguous() else flat.contiguous(), self.panels, self.bias,
-                                    self.out_features)
+        out = self.ops.panel_linear(flat.contiguous(), self.panels, self.bias, self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

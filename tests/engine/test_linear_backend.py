@@ -107,7 +107,7 @@ def test_the_engine_packs_float32_in_panels_and_other_dtypes_on_onednn(ops: Modu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linear_equals_f_linear(dtype: torch.dtype) -> None:
     if not onednn_supported(CPU, dtype):
-        pytest.skip(f"oneDNN cannot run {dtype} on this CPU: the engine keeps nn.Linear")
+        pytest.skip(f"oneDNN cannot run {dtype} on this CPU: the engine keeps nn.Linear for it")
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 96), nn.Sequential(nn.Linear(96, 32, bias=False))).to(dtype)
     x = torch.randn(7, 64, dtype=dtype)
@@ -131,7 +131,7 @@ def test_row_counts_are_bounded_with_little_padding() -> None:
 
 
 @pytest.mark.skipif(not onednn_supported(CPU, torch.float32),
-                    reason="this torch build has no oneDNN: the engine keeps nn.Linear")
+                    reason="this torch build has no oneDNN: PackedLinear cannot run (fp32 uses panels or nn.Linear)")
 def test_packed_linear_pads_rows_and_keeps_the_input_shape() -> None:
     torch.manual_seed(0)
     linear = nn.Linear(48, 80)
@@ -162,7 +162,7 @@ print(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], os.environ["LRU_CACHE_CAPAC
 
 
 @pytest.mark.skipif(not onednn_supported(CPU, torch.float32),
-                    reason="this torch build has no oneDNN: the engine keeps nn.Linear")
+                    reason="this torch build has no oneDNN: PackedLinear cannot run (fp32 uses panels or nn.Linear)")
 def test_gemm_caches_are_bounded_in_a_fresh_process() -> None:
     """oneDNN and ideep keep memory per cached GEMM shape (~340 MiB for these 576 shapes when
     their default 1024 entries all fit): `pack_linears` caps both caches, which only works
