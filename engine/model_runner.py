@@ -13,6 +13,7 @@ import torch
 
 from engine.attention_metadata import AttentionMetadata
 from engine.config import EngineConfig
+from engine.host_memory import keep_freed_memory
 from engine.kv_cache import kv_bytes_per_block, slot_mapping, zeroed_pool
 from engine.kv_connector import KVConnectorOutput, KVConnectorWorker
 from engine.logprobs import PromptLogprobsChunk, StepLogprobs, prompt_top_logprobs
@@ -32,6 +33,8 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":  # a step's activations are host memory: keep it between steps
+            keep_freed_memory()
         self.model, self.model_config = load_model(config.model, self.device, self.dtype,
                                                      config.kernels)
         self.block_size = config.block_size
