@@ -38,3 +38,17 @@ class AttentionMetadata:
     # before reading layer i and `save_kv_layer(layer_idx, kv_cache, attn_metadata)` after
     # writing it. None means no connector: no calls at all.
     kv_connector: LayerKVHooks | None = None
+
+    def last_rows(self, seqs: list[int]) -> tuple[list[int], AttentionMetadata]:
+        """Returns (the flat rows of sequences `seqs`' last new tokens, the metadata of a batch of
+        just those rows: each one query at its position over its sequence's keys, all already
+        in the cache, and no connector)."""
+        rows = [self.query_start_loc[i + 1] - 1 for i in seqs]
+        index = torch.tensor(seqs, dtype=torch.long, device=self.block_tables.device)
+        return rows, AttentionMetadata(
+            slot_mapping=self.slot_mapping[torch.tensor(rows, dtype=torch.long, device=self.slot_mapping.device)],
+            block_tables=self.block_tables.index_select(0, index),
+            query_start_loc=list(range(len(seqs) + 1)),
+            seq_lens=[self.seq_lens[i] for i in seqs],
+            block_size=self.block_size,
+        )

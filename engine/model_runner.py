@@ -127,7 +127,10 @@ class ModelRunner:
         try:
             if conn is not None:
                 conn.start_load_kv(meta)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            # Only sampling rows' final hidden states are read, unless a request wants prompt logprobs.
+            last_of = None if any(r.seq.sampling_params.prompt_logprobs is not None for r in out.requests) \
+                else self._sampling_rows(out)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, last_of)
             kv_output = None
             if conn is not None:
                 conn.wait_for_save()
@@ -135,7 +138,7 @@ class ModelRunner:
         finally:
             if conn is not None:
                 conn.clear_connector_metadata()
-        return self._sample(out, hidden, meta), kv_output
+        return self._sample(out, hidden, meta, pruned=last_of is not None), kv_output
 
     @staticmethod
     def _connector_step(conn: KVConnectorWorker, out: SchedulerOutput, kv_wait_s: float) -> KVConnectorOutput:
@@ -151,16 +154,26 @@ class ModelRunner:
         finally:
             conn.clear_connector_metadata()
 
-    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata) -> ModelRunnerOutput:
+    @staticmethod
+    def _sampling_rows(out: SchedulerOutput) -> list[int]:
+        """Returns the indices of the step's requests that sample a token from their last row."""
+        return [i for i, r in enumerate(out.requests) if r.samples]
+
+    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata,
+                pruned: bool = False) -> ModelRunnerOutput:
         """Returns per scheduled request the token sampled from its last row, or None, and the
-        logprobs the step's requests asked for."""
-        rows = [i for i, r in enumerate(out.requests) if r.samples]
+        logprobs the step's requests asked for. `hidden`: every row's final hidden state, or
+        (`pruned`) only the sampling requests' last rows, in order."""
+        rows = self._sampling_rows(out)
         result = ModelRunnerOutput([None] * len(out.requests))
-        result.logprobs.prompt = self._prompt_logprobs(out, hidden, meta)
+        if not pruned:
+            result.logprobs.prompt = self._prompt_logprobs(out, hidden, meta)
         if not rows:
             return result
-        last = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in rows], device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, last))
+        if not pruned:
+            hidden = hidden.index_select(0, torch.tensor([meta.query_start_loc[i + 1] - 1 for i in rows],
+                                                         device=hidden.device))
+        logits = self.model.compute_logits(hidden)
         seqs = [out.requests[i].seq for i in rows]
         params = [s.sampling_params for s in seqs]
         gens = [self._generator(s) if not s.sampling_params.greedy else None for s in seqs]

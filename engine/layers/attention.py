@@ -73,8 +73,11 @@ class Attention(nn.Module):
         return paged_attention(q, k, v, kv_cache, plan, self.scale, self.logit_softcap)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, plan: AttentionPlan) -> torch.Tensor:
-        t = x.shape[0]
+                meta: AttentionMetadata, plan: AttentionPlan,
+                rows: tuple[torch.Tensor, AttentionPlan] | None = None) -> torch.Tensor:
+        """Returns the branch output `[T, hidden]` for normed hidden states `x` `[T, hidden]`,
+        after writing all T rows' K/V to `kv_cache`. `rows`: (row indices `[R]`, their plan as
+        `AttentionMetadata.last_rows` builds it): attend and project only those rows, `[R, hidden]`."""
         q, k, v = self.project_qkv(x, positions)
         connector = meta.kv_connector
         if connector is not None:  # loaded context must be in place before we read the cache
@@ -82,5 +85,10 @@ class Attention(nn.Module):
         write_kv(kv_cache, k, v, meta.slot_mapping)
         if connector is not None:  # saving overlaps with this layer's attention
             connector.save_kv_layer(self.layer_idx, kv_cache, meta)
+        if rows is not None:
+            index, plan = rows
+            if index.numel() == 0:
+                return x.new_empty((0, x.shape[1]))
+            q, k, v = q.index_select(0, index), k.index_select(0, index), v.index_select(0, index)
         o = self.attend(q, k, v, kv_cache, plan)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.o_proj(o.reshape(q.shape[0], self.q_size))

@@ -85,9 +85,16 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
-                plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+                plan: AttentionPlan,
+                rows: tuple[torch.Tensor, AttentionPlan] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP branch output, the residual stream before it is added).
-        The first layer takes `residual` None and its input as the stream. CacheBlend
-        (connector/blend/executor.py) runs the same two halves around its own attention."""
+        The first layer takes `residual` None and its input as the stream. `rows`: as
+        `Attention.forward`'s; every row's K/V is written, and both outputs hold only those rows.
+        CacheBlend (connector/blend/executor.py) runs the same two halves around its own attention."""
         h, residual = self.attention_input(x, residual)
-        return self.after_attention(self.self_attn(h, positions, kv_cache, meta, plan), residual)
+        attn_out = self.self_attn(h, positions, kv_cache, meta, plan, rows)
+        if rows is not None:
+            residual = residual.index_select(0, rows[0])
+            if residual.shape[0] == 0:
+                return attn_out, residual
+        return self.after_attention(attn_out, residual)

@@ -98,9 +98,13 @@ class CausalLM(nn.Module):
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
+                last_of: list[int] | None = None) -> torch.Tensor:
         """Runs one flat batch of `T` new tokens; writes their K/V into `kv_caches` (one tensor
-        per layer, K after RoPE) and returns the final-normed hidden states `[T, hidden]`."""
+        per layer, K after RoPE) and returns the final-normed hidden states `[T, hidden]`.
+        `last_of`: only the last rows of these sequences (indices into the metadata's), in that
+        order, are returned; the last layer then attends and runs its MLP for those rows alone
+        (a 4k prompt's 1 of 4096), every row's K/V still written."""
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"expected {self.config.num_layers} kv caches, got {len(kv_caches)}")
         # One plan per distinct window that bites this step: a window no shorter than every
@@ -115,10 +119,19 @@ class CausalLM(nn.Module):
                              f"{input_ids.shape[0]}, positions {positions.shape[0]}")
         x = self.model.embed(input_ids)
         residual: torch.Tensor | None = None
-        for layer, kv_cache, w in zip(self.model.layers, kv_caches, windows):
-            x, residual = layer(x, residual, positions, kv_cache, attn_metadata, plans[w])
+        layers = self.model.decoder_layers()
+        for i, (layer, kv_cache, w) in enumerate(zip(layers, kv_caches, windows)):
+            rows = None
+            if last_of is not None and i == len(layers) - 1:
+                index, last_meta = attn_metadata.last_rows(last_of)
+                rows = (torch.tensor(index, dtype=torch.long, device=input_ids.device),
+                        build_plan(last_meta, input_ids.device, dtype, w, self.cpu_ops))
+            x, residual = layer(x, residual, positions, kv_cache, attn_metadata, plans[w], rows)
         if residual is None:  # no layers
-            return cast(torch.Tensor, self.model.norm(x))
+            x = cast(torch.Tensor, self.model.norm(x))
+            return x if last_of is None else x[[attn_metadata.query_start_loc[i + 1] - 1 for i in last_of]]
+        if x.shape[0] == 0:
+            return x
         return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
