@@ -2,9 +2,10 @@
 
 Both engines get the same token-id prompts, one after the other, each in its own process with
 the same interpreter (vLLM at its best here: `enforce_eager`, both cores bound, Intel OpenMP
-preloaded when its environment ships it, prefix caching on; kvtier as installed, its default
-`kernels="auto"`), fp32, greedy, the same `max_num_seqs` (64) and `max_num_batched_tokens`
-(4096):
+preloaded when its environment ships it, TCMalloc preloaded as its CPU docs advise when the
+machine has it (Debian: `apt-get install libtcmalloc-minimal4`; ~1.1-1.3x its prefill), prefix
+caching on; kvtier as installed, its default `kernels="auto"`), fp32, greedy, the same
+`max_num_seqs` (64) and `max_num_batched_tokens` (4096):
 
 - decode tokens/s at batch 1, 16, 64 and contexts of 64, 1k, 4k tokens: `B * N / (t(N+1) -
   t(1))`, where t(m) is the wall time of generating m tokens for the B prompts (their prefill is
@@ -32,6 +33,7 @@ it never runs one arm alone.
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import importlib.util
 import json
 import os
@@ -174,13 +176,26 @@ def step_bounds(cfg: dict[str, Any], batch: int, ctx: int, machine: dict[str, fl
             "gemm_tok_s": batch * machine["gemm_flops"] / step_flops}
 
 
+def vllm_preloads() -> list[str]:
+    """Returns the libraries vLLM's CPU docs preload that this machine has: TCMalloc (from the
+    system) and Intel OpenMP (from vLLM's environment)."""
+    found = [ctypes.util.find_library("tcmalloc_minimal") or "", str(Path(sys.prefix) / "lib" / "libiomp5.so")]
+    paths = []
+    for name in found:
+        if name and not os.path.isabs(name):  # find_library gives a soname: the loader's path for it
+            name = next((str(d / name) for d in (Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib64"),
+                                                  Path("/usr/lib")) if (d / name).exists()), "")
+        if name and Path(name).exists():
+            paths.append(name)
+    return paths
+
+
 def run_arm(name: str, spec: dict[str, Any], log_dir: Path) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec["kv_gib"]))
-    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
-    if spec["engine"] == "vllm" and iomp.exists():  # vLLM's CPU docs' setup; kvtier runs as installed
-        env.setdefault("LD_PRELOAD", str(iomp))
+    if spec["engine"] == "vllm":  # vLLM's CPU docs' setup; kvtier runs as installed
+        env.setdefault("LD_PRELOAD", ":".join(vllm_preloads()))
     log = log_dir / f"{name}.log"
     result = log.with_suffix(".json")
     t0 = time.perf_counter()
@@ -237,10 +252,14 @@ def main() -> int:
         for bs in (32, 64):
             arms[f"vllm_block{bs}"] = {**base, "engine": "vllm", "block_size": bs, "decode": [], "prefill": [],
                                        "ttft": ttft, "greedy": False}
+    if not any("tcmalloc" in p for p in vllm_preloads()):
+        print("TCMalloc not found: vLLM runs on glibc's malloc, ~10-25% slower prefill than with the allocator "
+              "its CPU docs advise (apt-get install libtcmalloc-minimal4)", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-vs-vllm-"))
     res: dict[str, Any] = {"quick": args.quick, "platform": platform.platform(), "reps": reps,
                            "new_tokens": NEW_TOKENS, "machine": machine,
-                           "env": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD")}}
+                           "env": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD")},
+                           "vllm_preloads": vllm_preloads()}
     for name, spec in arms.items():
         print(f"arm {name} ...", file=sys.stderr, flush=True)
         res[name] = run_arm(name, spec, tmp)
@@ -261,7 +280,8 @@ def render(res: dict[str, Any]) -> str:
     m = res["machine"]
     lines = [f"Machine, measured in this run: memory read {m['bandwidth_Bps'] / 1e9:.1f} GB/s, "
              f"fp32 GEMM {m['gemm_flops'] / 1e9:.0f} GFLOP/s. Decode: {res['new_tokens']} new tokens per "
-             f"sequence, medians of {res['reps']}.", "",
+             f"sequence, medians of {res['reps']}. vLLM preloads: "
+             f"{', '.join(Path(p).name for p in res.get('vllm_preloads', [])) or 'none'}.", "",
              "| figure | kvtier | vLLM CPU | kvtier / vLLM | bound (bytes; FLOPs) | kvtier, vLLM % of bound |",
              "|---|---:|---:|---:|---:|---:|"]
     for cell, kt in k["decode"].items():
