@@ -25,7 +25,7 @@ from engine.layers.norm import RMSNorm
 from engine.linear_backend import LinearPacker, pack_linears
 from engine.model_config import ModelConfig
 from engine.models.weights import Target, load_into
-from engine.paged_attention import build_plan
+from engine.paged_attention import AttentionPlan, build_plan
 from engine.rotary import RotaryEmbedding
 
 
@@ -120,17 +120,18 @@ class CausalLM(nn.Module):
         x = self.model.embed(input_ids)
         residual: torch.Tensor | None = None
         layers = self.model.decoder_layers()
+        last: tuple[torch.Tensor, AttentionPlan] | None = None
+        if last_of is not None:
+            index, last_meta = attn_metadata.last_rows(last_of)
+            last = (torch.tensor(index, dtype=torch.long, device=input_ids.device),
+                    build_plan(last_meta, input_ids.device, dtype, windows[-1] if windows else None, self.cpu_ops))
         for i, (layer, kv_cache, w) in enumerate(zip(layers, kv_caches, windows)):
-            rows = None
-            if last_of is not None and i == len(layers) - 1:
-                index, last_meta = attn_metadata.last_rows(last_of)
-                rows = (torch.tensor(index, dtype=torch.long, device=input_ids.device),
-                        build_plan(last_meta, input_ids.device, dtype, w, self.cpu_ops))
+            rows = last if i == len(layers) - 1 else None
             x, residual = layer(x, residual, positions, kv_cache, attn_metadata, plans[w], rows)
         if residual is None:  # no layers
             x = cast(torch.Tensor, self.model.norm(x))
-            return x if last_of is None else x[[attn_metadata.query_start_loc[i + 1] - 1 for i in last_of]]
-        if x.shape[0] == 0:
+            return x if last is None else x.index_select(0, last[0])
+        if x.shape[0] == 0:  # no row asked for
             return x
         return self.model.norm.add_forward(x, residual)[0]
 

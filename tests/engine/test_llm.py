@@ -133,3 +133,28 @@ def test_tiny_architectures_match_transformers(tmp_path: Path, model_type: str, 
             ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
         assert o.outputs[0].token_ids == ref[0, len(p):].tolist()
+
+
+def test_last_layer_runs_only_the_sampling_rows(llm: LLM, prompts: list, oracle: list[list[int]]) -> None:
+    """A prefill's last layer attends and runs its MLP for the sampling row alone (the model's
+    first layer for every row), unless a request wants prompt logprobs; tokens stay the
+    oracle's either way."""
+    layers = llm.engine.runner.model.model.layers
+    seen: dict[str, list[int]] = {"first": [], "last": []}
+    hooks = [layers[0].mlp.register_forward_pre_hook(lambda m, a: seen["first"].append(a[0].shape[0])),
+             layers[-1].mlp.register_forward_pre_hook(lambda m, a: seen["last"].append(a[0].shape[0]))]
+    try:
+        n = len(llm.engine.make_sequence(prompts[5], SamplingParams()).prompt_token_ids)
+        assert llm.reset_prefix_cache()  # every prompt token computed
+        out = llm.generate([prompts[5]], SamplingParams(temperature=0.0, max_tokens=2))
+        assert seen == {"first": [n, 1], "last": [1, 1]}
+        assert out[0].outputs[0].token_ids == oracle[5][:2]
+        for key in seen:
+            seen[key].clear()
+        with_logprobs = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0)
+        assert llm.reset_prefix_cache()
+        out = llm.generate([prompts[5]], with_logprobs)
+        assert seen["last"][0] == n and out[0].outputs[0].token_ids == oracle[5][:2]
+    finally:
+        for h in hooks:
+            h.remove()

@@ -105,6 +105,25 @@ def test_mixed_batch_fresh_cached_and_decode(default_model, default_model_path: 
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("last_of", [[0, 1, 3], [2], []])
+def test_last_rows_only_equal_the_full_step(default_model, default_model_path: Path, last_of: list[int]) -> None:
+    """`last_of` (the runner's sampling rows): those sequences' last-row logits are the full
+    step's, and every row's K/V is written as the full step writes it, in every layer."""
+    model, _ = default_model
+    a, b, c, e = (_prompt_ids(default_model_path, n, seed=n) for n in (50, 70, 33, 20))
+    full, pruned = PagedDriver(model, seed=5), PagedDriver(model, seed=5)  # the same block ids
+    for d in (full, pruned):
+        d.step([(1, b[:40]), (2, c), (3, e)])
+    batch = [(2, [7]), (0, a), (3, [9]), (1, b[40:])]
+    want = full.step(batch)
+    got = pruned.step(batch, last_of=last_of)
+    assert len(got) == len(last_of)
+    for i, row in zip(last_of, got):
+        torch.testing.assert_close(row[0], want[i][-1], atol=1e-4, rtol=0)
+    for kv_full, kv_pruned in zip(full.kv_caches, pruned.kv_caches):
+        torch.testing.assert_close(kv_pruned, kv_full, atol=0, rtol=0, equal_nan=True)
+
+
 def test_greedy_chat_matches_generate(default_model, hf_default_model,
                                       default_model_path: Path) -> None:
     from engine.model_loader import load_tokenizer
