@@ -1,14 +1,18 @@
-"""How the engine's process reuses host memory on CPU: a step's freed activations are kept for
-the next step instead of going back to the kernel.
+"""How a kvtier process reuses host memory: glibc's malloc keeps freed blocks for the next
+allocation instead of handing them back to the kernel.
 
-A prefill step allocates and frees tens of MB of activations per layer. glibc's malloc serves
-blocks over its mmap threshold (128 KiB at first) with fresh mappings, and hands a heap top
-freed past its trim threshold back to the kernel, so every step faults its activations in
-again: a 4k-token prefill of SmolLM2 took ~400k page faults and ~0.9 s of kernel time, 8.5 s in
-all against 7.5 s without them. `keep_freed_memory` raises both thresholds, as tcmalloc (the
-allocator vLLM's CPU docs preload) or PyTorch's caching allocator on CUDA keep theirs. Blocks
-over glibc's largest mmap threshold (32 MiB), such as the KV pool, stay mappings: returned at
-free, and zero pages until written (engine/kv_cache.py `zeroed_pool`).
+A prefill step allocates and frees tens of MB of activations per layer. glibc serves blocks
+over its mmap threshold (128 KiB at first) with fresh mappings, and hands a heap top freed past
+its trim threshold back to the kernel, so every step faulted its activations in again: a
+4k-token prefill of SmolLM2 took ~400k page faults and ~0.9 s of kernel time, 8.5 s in all
+against 7.5 s without them. The cache server's values are multi-MB buffers that come and go
+with every PUT and eviction, each faulted in again at about the cost of receiving its bytes.
+`keep_freed_memory` raises both thresholds, as tcmalloc (the allocator vLLM's CPU docs preload)
+or PyTorch's caching allocator on CUDA keep theirs. glibc then trims only when asked: `kvtier
+serve`'s engine loop when it goes idle, the cache server when resident memory would pass its
+bound (kvstore/server/heap.py `trim_heap`). Blocks over glibc's largest mmap threshold
+(32 MiB), such as the KV pool, stay mappings: returned at free, and zero pages until written
+(engine/kv_cache.py `zeroed_pool`).
 """
 
 from __future__ import annotations
@@ -27,9 +31,8 @@ _M_MMAP_THRESHOLD = -3
 
 # glibc's ceiling for the mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX).
 MMAP_THRESHOLD_BYTES = 32 << 20
-# Free memory at the heap's top kept past a step: more than a step's activations on the models
-# this engine runs on CPU (SmolLM2 at 4096 tokens peaks at ~150 MB).
-TRIM_THRESHOLD_BYTES = 1 << 30
+# Never on its own: the largest value mallopt takes (an int).
+TRIM_THRESHOLD_BYTES = 2**31 - 1
 
 # The environment's own malloc settings, which win.
 _USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
@@ -54,5 +57,5 @@ def keep_freed_memory() -> bool:
     ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
         libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
     if not ok:
-        logger.warning("glibc refused kvtier's malloc thresholds; steps will fault their activations in")
+        logger.warning("glibc refused kvtier's malloc thresholds: freed memory goes back to the kernel")
     return ok

@@ -9,6 +9,7 @@ import os
 import sys
 import tempfile
 
+from engine.host_memory import keep_freed_memory
 from kvstore import sizes
 from kvstore.server.protocol import DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_FRAME_TIMEOUT_S
 
@@ -22,24 +23,6 @@ def parse_size(text: str, name: str) -> int:
     if not n:
         raise ValueError(f"{name}: size {text!r} must be positive")
     return n
-
-
-def keep_freed_memory() -> bool:
-    """Asks glibc to keep freed memory for reuse instead of returning it to the OS; returns
-    whether it could. Values are multi-MB buffers that come and go with every PUT and
-    eviction: returned memory is faulted in again page by page on the next PUT, which costs
-    about as much CPU as receiving the bytes. Freed holes that the next buffers do not fit
-    are handed back by the server's heap guard (kvstore/server/heap.py), so RSS stays within
-    --max-bytes plus the overhead documented in docs/protocol.md."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        ok = libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum: larger values still mmap
-        return bool(ok and libc.mallopt(m_trim_threshold, 2**31 - 1))  # an int: the C signature
-    except (OSError, AttributeError):  # not glibc
-        return False
 
 
 def raise_fd_limit(max_connections: int) -> None:

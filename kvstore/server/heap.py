@@ -1,7 +1,7 @@
 """Keeps the cache server's resident memory within what its budget explains.
 
-`kvtier cache-server` asks glibc to keep freed memory for reuse (cmd_cache_server.
-keep_freed_memory): buffers of evicted values then serve the next PUTs without new page
+`kvtier cache-server` asks glibc to keep freed memory for reuse (engine/host_memory.py
+`keep_freed_memory`): buffers of evicted values then serve the next PUTs without new page
 faults. With values of varied sizes the freed holes may not fit the next buffer, the heap
 grows, and resident memory drifts above the budget. `ResidentGuard.check` runs before each
 large allocation and, only when resident memory plus that allocation would pass the bound
