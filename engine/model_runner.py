@@ -138,7 +138,7 @@ class ModelRunner:
         finally:
             if conn is not None:
                 conn.clear_connector_metadata()
-        return self._sample(out, hidden, meta, pruned=last_of is not None), kv_output
+        return self._sample(out, hidden, meta, last_of), kv_output
 
     @staticmethod
     def _connector_step(conn: KVConnectorWorker, out: SchedulerOutput, kv_wait_s: float) -> KVConnectorOutput:
@@ -160,19 +160,19 @@ class ModelRunner:
         return [i for i, r in enumerate(out.requests) if r.samples]
 
     def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata,
-                pruned: bool = False) -> ModelRunnerOutput:
+                last_of: list[int] | None) -> ModelRunnerOutput:
         """Returns per scheduled request the token sampled from its last row, or None, and the
         logprobs the step's requests asked for. `hidden`: every row's final hidden state, or
-        (`pruned`) only the sampling requests' last rows, in order."""
-        rows = self._sampling_rows(out)
+        only the last rows of requests `last_of` (the sampling ones, `_sampling_rows`), in order."""
         result = ModelRunnerOutput([None] * len(out.requests))
-        if not pruned:
+        rows = last_of
+        if rows is None:
             result.logprobs.prompt = self._prompt_logprobs(out, hidden, meta)
+            rows = self._sampling_rows(out)
+            last = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in rows], dtype=torch.long, device=hidden.device)
+            hidden = hidden.index_select(0, last)
         if not rows:
             return result
-        if not pruned:
-            hidden = hidden.index_select(0, torch.tensor([meta.query_start_loc[i + 1] - 1 for i in rows],
-                                                         device=hidden.device))
         logits = self.model.compute_logits(hidden)
         seqs = [out.requests[i].seq for i in rows]
         params = [s.sampling_params for s in seqs]
