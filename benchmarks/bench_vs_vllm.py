@@ -12,7 +12,11 @@ caching on; kvtier as installed, its default `kernels="auto"`), fp32, greedy, th
   the same prefix-cache hit in both runs, so the difference is N decode steps). Contexts of 1k
   and 4k share all but their last 64 tokens (one document, B questions): both prefix caches
   compute it once, and every sequence's attention still reads its whole context;
-- prefill tokens/s of a fresh 1k and 4k prompt (max_tokens 1);
+- prefill tokens/s of a fresh 1k and 4k prompt (max_tokens 1), in `PREFILL_ROUNDS` rounds of
+  their own: a short process of each engine (medians of `--reps` prompts), one right after the
+  other, the first engine alternating, so both see the host as it is then (a shared VM's speed
+  drifts by 10-20% over the minutes one engine's decode grid takes). The row gives each
+  engine's median over the rounds, the median of the rounds' ratios, and all of them;
 - TTFT of a 2048-token prompt seen before (engine prefix cache), kvtier at block 16, vLLM at
   block 32, 64 and 128 (its CPU default; it refuses blocks that are not multiples of 32);
 - greedy tokens of 7 prompts x 32 from both, compared;
@@ -49,6 +53,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 NEW_TOKENS = 32  # decode steps timed per cell
+PREFILL_ROUNDS = 3  # rounds of (kvtier, vLLM) prefill processes
 SUFFIX = 64  # distinct tail of each prompt in a long-context decode cell
 
 
@@ -210,6 +215,18 @@ def run_arm(name: str, spec: dict[str, Any], log_dir: Path) -> dict[str, Any]:
     return out
 
 
+def prefill_round(i: int, arms: dict[str, Any], sizes: list[int], log_dir: Path) -> dict[str, Any]:
+    """Returns one round's prefill tokens/s per engine and size: a prefill-only process of each
+    engine, kvtier first in even rounds and vLLM first in odd ones."""
+    order = ["kvtier", "vllm"] if i % 2 == 0 else ["vllm", "kvtier"]
+    out = {}
+    for name in order:
+        print(f"prefill round {i + 1}: {name} ...", file=sys.stderr, flush=True)
+        spec = {**arms[name], "decode": [], "prefill": sizes, "ttft": 0, "greedy": False}
+        out[name] = run_arm(f"{name}_prefill{i + 1}", spec, log_dir)["prefill"]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -243,9 +260,9 @@ def main() -> int:
         prefill, ttft = [], 0
     base = {"model": model, "reps": reps, "kv_gib": 4}
     arms = {
-        "kvtier": {**base, "engine": "kvtier", "block_size": 16, "decode": decode, "prefill": prefill,
+        "kvtier": {**base, "engine": "kvtier", "block_size": 16, "decode": decode, "prefill": [],
                    "ttft": ttft, "greedy": True},
-        "vllm": {**base, "engine": "vllm", "block_size": 128, "decode": decode, "prefill": prefill,
+        "vllm": {**base, "engine": "vllm", "block_size": 128, "decode": decode, "prefill": [],
                  "ttft": ttft, "greedy": True},
     }
     if ttft:
@@ -263,6 +280,8 @@ def main() -> int:
     for name, spec in arms.items():
         print(f"arm {name} ...", file=sys.stderr, flush=True)
         res[name] = run_arm(name, spec, tmp)
+    rounds = 0 if not prefill else 1 if args.quick else PREFILL_ROUNDS
+    res["prefill_rounds"] = [prefill_round(i, arms, prefill, tmp) for i in range(rounds)]
     after = measure_machine()  # the machine's best of both, in case one was disturbed
     res["machine"] = machine = {k: max(v, after[k]) for k, v in machine.items()}
     res["bounds"] = {f"{b}x{c}": step_bounds(cfg, b, c, machine) for b, c in decode}
@@ -292,9 +311,14 @@ def render(res: dict[str, Any]) -> str:
         lines.append(f"| decode tok/s, batch {b}, context {c} | {kt:.1f} | {vt:.1f} | **{kt / vt:.2f}x** | "
                      f"{bd['bytes_tok_s']:.0f}; {bd['gemm_tok_s']:.0f} | "
                      f"{100 * kt / best:.0f}%, {100 * vt / best:.0f}% |")
-    for n, kt in k["prefill"].items():
-        vt = v["prefill"][n]
-        lines.append(f"| prefill tok/s, {n} tokens | {kt:.0f} | {vt:.0f} | **{kt / vt:.2f}x** | | |")
+    rounds = res.get("prefill_rounds", [])
+    for n in rounds[0]["kvtier"] if rounds else []:
+        kts, vts = [r["kvtier"][n] for r in rounds], [r["vllm"][n] for r in rounds]
+        ratios = [kt / vt for kt, vt in zip(kts, vts)]
+        runs = f"{len(rounds)} round{'s' * (len(rounds) > 1)}"
+        lines.append(f"| prefill tok/s, {n} tokens, {runs} | {statistics.median(kts):.0f} | "
+                     f"{statistics.median(vts):.0f} | **{statistics.median(ratios):.2f}x** (rounds: "
+                     f"{', '.join(f'{r:.2f}' for r in ratios)}) | | |")
     for n, kt in k.get("ttft", {}).items():
         vllm_ttft = {bs: res[a]["ttft"][n] for bs, a in ((32, "vllm_block32"), (64, "vllm_block64"), (128, "vllm"))
                      if a in res}
