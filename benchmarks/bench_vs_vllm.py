@@ -11,12 +11,13 @@ caching on; kvtier as installed, its default `kernels="auto"`), fp32, greedy, th
   t(1))`, where t(m) is the wall time of generating m tokens for the B prompts (their prefill is
   the same prefix-cache hit in both runs, so the difference is N decode steps). Contexts of 1k
   and 4k share all but their last 64 tokens (one document, B questions): both prefix caches
-  compute it once, and every sequence's attention still reads its whole context;
-- prefill tokens/s of a fresh 1k and 4k prompt (max_tokens 1), in `PREFILL_ROUNDS` rounds of
-  their own: a short process of each engine (medians of `--reps` prompts), one right after the
-  other, the first engine alternating, so both see the host as it is then (a shared VM's speed
-  drifts by 10-20% over the minutes one engine's decode grid takes). The row gives each
-  engine's median over the rounds, the median of the rounds' ratios, and all of them;
+  compute it once, and every sequence's attention still reads its whole context. Each
+  context is a round: a process of each engine runs its three cells, one right after the
+  other, the first engine alternating between rounds, so both see the host as it is then (a
+  shared VM's speed drifts by 10-20% over the minutes a whole grid takes);
+- prefill tokens/s of a fresh 1k and 4k prompt (max_tokens 1), in `PREFILL_ROUNDS` rounds like
+  those (medians of `--reps` prompts per process). The row gives each engine's median over the
+  rounds, the median of the rounds' ratios, and all of them;
 - TTFT of a 2048-token prompt seen before (engine prefix cache), kvtier at block 16, vLLM at
   block 32, 64 and 128 (its CPU default; it refuses blocks that are not multiples of 32);
 - greedy tokens of 7 prompts x 32 from both, compared;
@@ -215,15 +216,16 @@ def run_arm(name: str, spec: dict[str, Any], log_dir: Path) -> dict[str, Any]:
     return out
 
 
-def prefill_round(i: int, arms: dict[str, Any], sizes: list[int], log_dir: Path) -> dict[str, Any]:
-    """Returns one round's prefill tokens/s per engine and size: a prefill-only process of each
-    engine, kvtier first in even rounds and vLLM first in odd ones."""
+def paired_round(i: int, label: str, arms: dict[str, Any], rows: dict[str, Any], log_dir: Path) -> dict[str, Any]:
+    """Returns one round's results per engine: a process of each engine measuring only `rows`
+    (the spec's "decode" and/or "prefill"), one right after the other, kvtier first in even
+    rounds and vLLM first in odd ones."""
     order = ["kvtier", "vllm"] if i % 2 == 0 else ["vllm", "kvtier"]
     out = {}
     for name in order:
-        print(f"prefill round {i + 1}: {name} ...", file=sys.stderr, flush=True)
-        spec = {**arms[name], "decode": [], "prefill": sizes, "ttft": 0, "greedy": False}
-        out[name] = run_arm(f"{name}_prefill{i + 1}", spec, log_dir)["prefill"]
+        print(f"{label} round {i + 1}: {name} ...", file=sys.stderr, flush=True)
+        spec = {**arms[name], "decode": [], "prefill": [], "ttft": 0, "greedy": False, **rows}
+        out[name] = run_arm(f"{name}_{label}{i + 1}", spec, log_dir)
     return out
 
 
@@ -260,9 +262,9 @@ def main() -> int:
         prefill, ttft = [], 0
     base = {"model": model, "reps": reps, "kv_gib": 4}
     arms = {
-        "kvtier": {**base, "engine": "kvtier", "block_size": 16, "decode": decode, "prefill": [],
+        "kvtier": {**base, "engine": "kvtier", "block_size": 16, "decode": [], "prefill": [],
                    "ttft": ttft, "greedy": True},
-        "vllm": {**base, "engine": "vllm", "block_size": 128, "decode": decode, "prefill": [],
+        "vllm": {**base, "engine": "vllm", "block_size": 128, "decode": [], "prefill": [],
                  "ttft": ttft, "greedy": True},
     }
     if ttft:
@@ -280,8 +282,14 @@ def main() -> int:
     for name, spec in arms.items():
         print(f"arm {name} ...", file=sys.stderr, flush=True)
         res[name] = run_arm(name, spec, tmp)
+    for i, ctx in enumerate(sorted({c for _, c in decode})):  # a context's cells: one round
+        cells = [(b, c) for b, c in decode if c == ctx]
+        for name, arm in paired_round(i, f"decode{ctx}", arms, {"decode": cells}, tmp).items():
+            res[name]["decode"].update(arm["decode"])
     rounds = 0 if not prefill else 1 if args.quick else PREFILL_ROUNDS
-    res["prefill_rounds"] = [prefill_round(i, arms, prefill, tmp) for i in range(rounds)]
+    res["prefill_rounds"] = [{name: arm["prefill"] for name, arm in
+                              paired_round(i, "prefill", arms, {"prefill": prefill}, tmp).items()}
+                             for i in range(rounds)]
     after = measure_machine()  # the machine's best of both, in case one was disturbed
     res["machine"] = machine = {k: max(v, after[k]) for k, v in machine.items()}
     res["bounds"] = {f"{b}x{c}": step_bounds(cfg, b, c, machine) for b, c in decode}
