@@ -39,11 +39,15 @@ class AttentionMetadata:
     # writing it. None means no connector: no calls at all.
     kv_connector: LayerKVHooks | None = None
 
+    def last_token_rows(self, seqs: list[int]) -> list[int]:
+        """Returns the flat rows of sequences `seqs`' last new tokens, in that order."""
+        return [self.query_start_loc[i + 1] - 1 for i in seqs]
+
     def last_rows(self, seqs: list[int]) -> tuple[list[int], AttentionMetadata]:
-        """Returns (the flat rows of sequences `seqs`' last new tokens, the metadata of a batch of
-        just those rows: each one query at its position over its sequence's keys, all already
-        in the cache, and no connector)."""
-        rows = [self.query_start_loc[i + 1] - 1 for i in seqs]
+        """Returns (`last_token_rows(seqs)`, the metadata of a batch of just those rows: each one
+        query at its position over its sequence's keys, all already in the cache, and no
+        connector)."""
+        rows = self.last_token_rows(seqs)
         index = torch.tensor(seqs, dtype=torch.long, device=self.block_tables.device)
         return rows, AttentionMetadata(
             slot_mapping=self.slot_mapping[torch.tensor(rows, dtype=torch.long, device=self.slot_mapping.device)],

@@ -169,7 +169,7 @@ class ModelRunner:
         if rows is None:
             result.logprobs.prompt = self._prompt_logprobs(out, hidden, meta)
             rows = self._sampling_rows(out)
-            last = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in rows], dtype=torch.long, device=hidden.device)
+            last = torch.tensor(meta.last_token_rows(rows), dtype=torch.long, device=hidden.device)
             hidden = hidden.index_select(0, last)
         if not rows:
             return result
