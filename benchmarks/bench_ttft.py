@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from connector.config import make_config  # noqa: E402
 from connector.keyspace import chunk_key, layer_key  # noqa: E402
-from connector.kvtier_connector import KVTierConnector, build_connector  # noqa: E402
+from connector.kvtier_connector import EngineConnector, build_connector  # noqa: E402
 from connector.loader import FETCH_GROUP  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
@@ -67,14 +67,14 @@ def ttft(llm: LLM, ids: list[int], params: SamplingParams = ONE):
     return out.metrics.ttft, out
 
 
-def clear_tiers(conn: KVTierConnector, upto: int) -> None:
+def clear_tiers(conn: EngineConnector, upto: int) -> None:
     """Empties tiers [0, upto) once queued stores have landed."""
     conn.flush()
     for tier in conn.storage.tiers[:upto]:
         tier.clear()
 
 
-def bench_long_doc(llm: LLM, conn: KVTierConnector, names: list[str], doc_len: int,
+def bench_long_doc(llm: LLM, conn: EngineConnector, names: list[str], doc_len: int,
                    n_docs: int, n_questions: int, q_len: int) -> dict:
     vocab = llm.model_config.vocab_size
     colds: list[float] = []

@@ -14,7 +14,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from connector.kvtier_connector import KVTierConnector
+    from connector.kvtier_connector import EngineConnector
 
 
 def add_connector_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +40,7 @@ def add_connector_arguments(parser: argparse.ArgumentParser) -> None:
                    help="layer at which the recomputed tokens are selected (default 1)")
 
 
-def connector_from_args(args: argparse.Namespace) -> KVTierConnector | None:
+def connector_from_args(args: argparse.Namespace) -> EngineConnector | None:
     """Returns the connector the flags describe (or the environment names), or None when
     neither gives a tier or config. Raises ValueError naming the bad flag or config key."""
     blend = getattr(args, "blend", False)
@@ -55,7 +55,7 @@ def connector_from_args(args: argparse.Namespace) -> KVTierConnector | None:
             raise ValueError("--chunk-size/--kv-codec need a --kv-tier or --config (or KVTIER_TIERS/KVTIER_CONFIG)")
         return None
     from connector.config import ConnectorConfig, make_config
-    from connector.kvtier_connector import KVTierConnector
+    from connector.kvtier_connector import EngineConnector
     from kvstore.codecs import CODEC_NAMES
     from kvstore.config import TierSpec
 
@@ -74,4 +74,4 @@ def connector_from_args(args: argparse.Namespace) -> KVTierConnector | None:
             base.blend = dataclasses.replace(base.blend, enabled=True, **blend_knobs).validate()
         except ValueError as exc:
             raise ValueError(f"--blend: {exc}") from None
-    return KVTierConnector(make_config(base, chunk_size=args.chunk_size, codec=args.kv_codec))
+    return EngineConnector(make_config(base, chunk_size=args.chunk_size, codec=args.kv_codec))

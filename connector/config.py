@@ -68,7 +68,7 @@ def translate(data: Mapping[str, Any], source: str = "config") -> Mapping[str, A
 
 @dataclass
 class ConnectorConfig:
-    """Everything a `KVTierConnector` needs: the storage manager's own config in `kvstore`,
+    """Everything an `EngineConnector` needs: the storage manager's own config in `kvstore`,
     and the rest (one row each in `CONNECTOR_SETTINGS`, which says what each key means).
 
     `save_unfull_chunk` is safe here: loads never write blocks the engine's prefix cache owns

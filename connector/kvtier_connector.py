@@ -1,4 +1,4 @@
-"""`KVTierConnector`: kvtier's connector for its own engine, the two halves over one set of
+"""`EngineConnector`: kvtier's connector for its own engine, the two halves over one set of
 tiers (docs/architecture.md, "Connector").
 
 The scheduler side (`KVTierPlanner`, connector/planner.py) plans loads and saves from
@@ -32,7 +32,7 @@ from kvstore.storage_manager import StorageManager
 from kvstore.tenant_keys import tenant_prefix
 
 
-class KVTierConnector(KVConnector):
+class EngineConnector(KVConnector):
     """A planner and a worker over one `StorageManager` (opened here unless one is passed, to
     share tiers between engines).
 
@@ -133,20 +133,20 @@ class KVTierConnector(KVConnector):
             self.scheduler.blend.config = blend
 
 
-def _shutdown_at_exit(ref: weakref.ref[KVTierConnector]) -> None:
+def _shutdown_at_exit(ref: weakref.ref[EngineConnector]) -> None:
     conn = ref()
     if conn is not None:
         conn.shutdown()
 
 
 def build_connector(config_or_urls: Any = None, *, storage: StorageManager | None = None,
-                    **overrides: Any) -> KVTierConnector:
+                    **overrides: Any) -> EngineConnector:
     """Returns a connector for `LLM(kv_connector=...)` from a ConnectorConfig, KVStoreConfig,
     mapping, YAML path, tier URL or list of tier URLs (fastest first); `overrides` are
     `make_config` keywords (chunk_size, codec, save_decode_tokens, save_unfull_chunk,
     use_layerwise). CacheBlend is on when the config's `blend.enabled` is."""
-    if isinstance(config_or_urls, KVTierConnector):
+    if isinstance(config_or_urls, EngineConnector):
         if overrides or storage is not None:
             raise ValueError("a ready connector takes no overrides")
         return config_or_urls
-    return KVTierConnector(make_config(config_or_urls, **overrides), storage=storage)
+    return EngineConnector(make_config(config_or_urls, **overrides), storage=storage)

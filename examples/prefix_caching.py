@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from connector.kvtier_connector import KVTierConnector, build_connector  # noqa: E402
+from connector.kvtier_connector import EngineConnector, build_connector  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def ask(llm: LLM, doc: str, question: str, params: SamplingParams):
     return llm.generate(prompt, params)[0]
 
 
-def clear_tiers(conn: KVTierConnector, upto: int) -> None:
+def clear_tiers(conn: EngineConnector, upto: int) -> None:
     """Empties tiers [0, upto) after queued stores land, so the next hit comes from a slower tier."""
     conn.flush()
     for tier in conn.storage.tiers[:upto]:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from connector.kvtier_connector import KVTierConnector
+from connector.kvtier_connector import EngineConnector
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -222,7 +222,7 @@ class EngineLoop:
         connector = engine.kv_connector
         # The tiers also serve the connector's load and store threads: an existence query is
         # safe from any thread, and off the engine thread it never waits behind a step.
-        if isinstance(connector, KVTierConnector):
+        if isinstance(connector, EngineConnector):
             tiers = await asyncio.to_thread(connector.lookup, token_ids, cache_salt)
         return PrefixLookup(len(token_ids), in_engine, tiers, running, waiting)
 
@@ -234,7 +234,7 @@ class EngineLoop:
         tiers: dict[str, int] = {}
         errors: dict[str, str] = {}
         connector = self._engine.kv_connector
-        if isinstance(connector, KVTierConnector):
+        if isinstance(connector, EngineConnector):
             tiers, errors = await asyncio.to_thread(connector.forget_tenant, cache_salt)
         return {"engine_blocks": blocks, "tiers": tiers, "errors": errors}
 

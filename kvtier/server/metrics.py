@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from connector.kvtier_connector import KVTierConnector
+from connector.kvtier_connector import EngineConnector
 from engine.cache_salt import tenant_tag
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -66,14 +66,14 @@ class ServerMetrics:
         self._tokens_seen: dict[str, dict[int, tuple[int, float]]] = {}
         self._finished_samples: dict[str, set[int]] = {}
         self._connector = connector
-        if isinstance(connector, KVTierConnector):
+        if isinstance(connector, EngineConnector):
             r.register(ConnectorCollector(connector))
 
     def label_tenants(self, names: Mapping[str, str]) -> None:
         """Labels the per-tenant figures of each salt in `names` (cache salt -> tenant name) with
         its name; other salts are "other" (the salt itself is never a label: it is a secret)."""
         connector = self._connector
-        if isinstance(connector, KVTierConnector):
+        if isinstance(connector, EngineConnector):
             connector.metrics.tenant_names = {tenant_tag(salt): name for salt, name in names.items()}
 
     def watch_engine(self, engine: LLMEngine) -> None:
@@ -130,7 +130,7 @@ class ServerMetrics:
 class ConnectorCollector(Collector):
     """Per-tier connector figures (label `tier`), read from the connector at scrape time."""
 
-    def __init__(self, connector: KVTierConnector) -> None:
+    def __init__(self, connector: EngineConnector) -> None:
         self.connector = connector
 
     def collect(self) -> Iterator[Any]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from connector.config import make_config
-from connector.kvtier_connector import KVTierConnector, build_connector
+from connector.kvtier_connector import EngineConnector, build_connector
 from connector.metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
 from connector.presence import Presence
@@ -33,13 +33,13 @@ DOCS = [f"Document: {p}\n" for p in PARAGRAPHS[:3]]
 QUERY = "Question: what did the lighthouse keeper count? Answer:"
 
 
-def blend_connector(tiers: list[str], **blend: object) -> KVTierConnector:
+def blend_connector(tiers: list[str], **blend: object) -> EngineConnector:
     return build_connector({"tiers": tiers, "chunk_size": CHUNK, "blend": {"enabled": True, **blend}})
 
 
 @contextmanager
 def blend_engine(model: Path, ratio: float, segment_kv: str = "in_context",
-                 **kw: object) -> Iterator[tuple[LLM, KVTierConnector]]:
+                 **kw: object) -> Iterator[tuple[LLM, EngineConnector]]:
     conn = blend_connector(["cpu"], ratio=ratio, segment_kv=segment_kv)
     kw.setdefault("num_gpu_blocks", 48)
     with engine(model, conn, **kw) as llm:
@@ -50,7 +50,7 @@ def tokens(out) -> list[int]:
     return list(out.outputs[0].token_ids)
 
 
-def assert_idle(llm: LLM, conn: KVTierConnector) -> None:
+def assert_idle(llm: LLM, conn: EngineConnector) -> None:
     assert conn.flush(timeout=60)
     stats = llm.get_stats()
     assert stats["num_free_blocks"] == stats["num_gpu_blocks"]

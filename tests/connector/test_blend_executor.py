@@ -171,7 +171,7 @@ def test_blend_from_connector_config_and_cli_flags():
 
     from connector.cli import add_connector_arguments, connector_from_args
     from connector.config import ConnectorConfig
-    from connector.kvtier_connector import KVTierConnector, build_connector
+    from connector.kvtier_connector import EngineConnector, build_connector
 
     cfg = ConnectorConfig.from_dict({"tiers": ["cpu"], "blend": {"enabled": True, "ratio": 0.3}})
     conn = build_connector(cfg)
@@ -182,7 +182,7 @@ def test_blend_from_connector_config_and_cli_flags():
         conn.shutdown()
     plain = build_connector("cpu")
     try:
-        assert type(plain) is KVTierConnector and plain.scheduler.blend is None
+        assert type(plain) is EngineConnector and plain.scheduler.blend is None
         assert plain.scheduler.segment_separator is None
     finally:
         plain.shutdown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from connector.config import ConnectorConfig, make_config
-from connector.kvtier_connector import KVTierConnector, build_connector
+from connector.kvtier_connector import EngineConnector, build_connector
 from kvstore.config import KVStoreConfig, TierSpec
 
 
@@ -57,7 +57,7 @@ def test_bad_config_names_the_key(kwargs, message):
 def test_build_connector_passes_instances_through_and_needs_an_engine():
     conn = build_connector(["cpu"], chunk_size=16)
     try:
-        assert isinstance(conn, KVTierConnector) and conn.config.chunk_size == 16
+        assert isinstance(conn, EngineConnector) and conn.config.chunk_size == 16
         assert build_connector(conn) is conn
         with pytest.raises(ValueError, match="no overrides"):
             build_connector(conn, chunk_size=32)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from connector.config import make_config
-from connector.kvtier_connector import KVTierConnector, build_connector
+from connector.kvtier_connector import EngineConnector, build_connector
 from engine import LLM, SamplingParams
 from kvstore.storage_manager import StorageManager
 from tests.fixtures.connector import CHUNK, assert_idle, engine, run, tier_url
@@ -51,7 +51,7 @@ def test_llm_builds_its_connector_from_a_config(default_model_path, prompt_ids, 
     cfg = {"chunk_size": CHUNK, "tiers": ["cpu", f"disk://{tmp_path / 'kv'}"]}
     with engine(default_model_path, cfg, enable_prefix_caching=False) as llm:
         conn = llm.engine.kv_connector
-        assert isinstance(conn, KVTierConnector) and conn.config.chunk_size == CHUNK
+        assert isinstance(conn, EngineConnector) and conn.config.chunk_size == CHUNK
         assert run(llm, prompt_ids).outputs[0].token_ids == reference
         warm = run(llm, prompt_ids)
         assert warm.outputs[0].token_ids == reference and warm.num_cached_tokens == len(prompt_ids) - 1
