@@ -123,7 +123,7 @@ class Bench:
         """Loads positions [0, n) into the second half's blocks through the real loader."""
         self.n_loads += 1
         dst = list(range(self.blocks_per_half, 2 * self.blocks_per_half))
-        job = self.loader.submit(LoadSpec(f"load-{self.n_loads}", 0, n, spans, dst))
+        job = self.loader.submit(LoadSpec(f"load-{self.n_loads}", 0, n, spans, [dst]))
         self.loader.wait_ended(job)
         if job.filled != n:
             raise RuntimeError(f"load {self.n_loads} ended at {job.filled} of {n} tokens")

@@ -168,7 +168,7 @@ class Loader:
         if job.cancelled or job.filled >= job.end:
             return set()
         bs = self.layout.block_size
-        return set(job.block_ids[job.filled // bs: -(-job.end // bs)])
+        return {b for table in job.block_ids for b in table[job.filled // bs: -(-job.end // bs)]}
 
     # ---- loader thread -------------------------------------------------------------------
     def _run(self, job: LoadJob) -> None:
@@ -202,7 +202,7 @@ class Loader:
         filled = job.start
         keep: list[torch.Tensor] = []  # pinned sources stay alive until the stream is synchronised
         layout = self.layout
-        slots = layout.slots(job.block_ids, job.start, job.end)  # once: built per chunk, 9% of a 4k load
+        slots = layout.group_slots(job.block_ids, job.start, job.end)  # once: built per chunk, 9% of a 4k load
         with contextlib.closing(self._fetch_groups(job, slots)) as fetched:
             for i, (sp, (kv, tier)) in enumerate(fetched):
                 if job.cancelled or kv is None:
@@ -212,7 +212,7 @@ class Loader:
                     if not chunk_ok(kv, self._shape(self.num_layers, sp.num_tokens)):
                         break  # foreign
                     src = to_device_source(kv[:, :, lo - sp.start:hi - sp.start], layout.device, keep)
-                    layout.scatter_chunk(slots[lo - job.start:hi - job.start], src)
+                    layout.scatter_chunk(slots[..., lo - job.start:hi - job.start], src)
                     if tier > 0:
                         promote.append((sp.key, kv, tier))
                 nbytes[0] += kv.nbytes
@@ -252,7 +252,7 @@ class Loader:
         into = []
         for sp in group:
             lo, hi = job.bounds(sp)
-            views = self.layout.chunk_views(slots[lo - job.start:hi - job.start], lo - sp.start, sp.end - hi)
+            views = self.layout.chunk_views(slots[..., lo - job.start:hi - job.start], lo - sp.start, sp.end - hi)
             into.append(Destination(self._shape(self.num_layers, sp.num_tokens), self.layout.dtype, views))
         return self.storage.fetch(keys, read_only=True, into=into)
 
@@ -263,8 +263,8 @@ class Loader:
         filled = job.end
         layout = self.layout
         # Host-side slots: scatter_layer checks them without a device sync, then moves them.
-        job_slots = layout.slots(job.block_ids, job.start, job.end)
-        slots = [job_slots[lo - job.start:hi - job.start] for lo, hi in map(job.bounds, job.spans)]
+        job_slots = layout.group_slots(job.block_ids, job.start, job.end)
+        slots = [job_slots[..., lo - job.start:hi - job.start] for lo, hi in map(job.bounds, job.spans)]
         keep: list[torch.Tensor] = []
 
         def fetch(layer: int, upto: int) -> Future[tuple[list[int], Fetched]]:
@@ -286,7 +286,7 @@ class Loader:
                     break
                 lo, hi = max(sp.start, job.start), min(sp.end, filled)
                 src = to_device_source(kv[0, :, lo - sp.start:hi - sp.start], layout.device, keep)
-                layout.scatter_layer(layer, slots[i][:hi - lo], src)
+                layout.scatter_layer(layer, slots[i][..., :hi - lo], src)
                 nbytes[0] += kv.numel() * kv.element_size()
                 if layer == 0:
                     job.tiers[i] = tier

@@ -10,7 +10,8 @@ Frames, no pickle: a question is a u32 header (its op in the top byte, the key c
 rest), then per key a u32 length and its UTF-8 bytes. `OP_HELD` is answered with one byte (0 or
 1) per key; `OP_TIER_PREFIX` (how many leading keys each tier holds by itself, for `vllm
 serve`'s /kv/lookup, connector/vllm_lookup_route.py) with a u32 tier count, then per tier,
-fastest first, a u32 name length, the name's UTF-8 bytes and a u32 count. A malformed or
+fastest first, a u32 name length, the name's UTF-8 bytes and a u32 count; `OP_CLEAR_LOCAL`
+(no keys: vLLM's `reset_cache`) with one byte 1 once the process-local tiers are empty. A malformed or
 oversized frame closes that connection. An answer that does not come (the worker is gone or
 stuck) is a miss.
 """
@@ -38,7 +39,7 @@ _U32 = struct.Struct("<I")
 MAX_KEYS = 1 << 16
 MAX_KEY_BYTES = 4096
 MAX_TIERS = 64
-OP_HELD, OP_TIER_PREFIX = 0, 1
+OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL = 0, 1, 2
 _OP_SHIFT = 24  # the op's place in a question's header; MAX_KEYS fits below it
 
 
@@ -78,7 +79,7 @@ def read_question(sock: socket.socket) -> tuple[int, list[str]]:
     frame or an unknown op, ConnectionError when the peer closed."""
     (header,) = _U32.unpack(_read_exact(sock, 4))
     op, count = header >> _OP_SHIFT, header & ((1 << _OP_SHIFT) - 1)
-    if op not in (OP_HELD, OP_TIER_PREFIX):
+    if op not in (OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL):
         raise ValueError(f"lookup channel: unknown op {op}")
     if count > MAX_KEYS:
         raise ValueError(f"lookup channel: {count} keys in one question, at most {MAX_KEYS}")
@@ -155,6 +156,9 @@ class LookupServer:
                 op, keys = read_question(sock)
                 if op == OP_TIER_PREFIX:
                     sock.sendall(encode_tier_hits(self.presence.storage.tier_prefix_hits(keys)))
+                elif op == OP_CLEAR_LOCAL:
+                    self.presence.storage.clear(local_only=True)
+                    sock.sendall(b"\x01")
                 else:
                     sock.sendall(bytes(self.presence.held(keys)) if keys else b"")
         except ConnectionError:
@@ -219,6 +223,11 @@ class RemotePresence(ChunkPresence):
         holds by itself (pending stores not counted); {} when the channel fails."""
         answer = self._ask(encode_question(keys, OP_TIER_PREFIX), lambda sock: read_tier_hits(sock, len(keys)))
         return {} if answer is None else answer
+
+    def clear_local(self) -> bool:
+        """Has the worker clear its process-local tiers (vLLM's `reset_cache`); returns True once
+        it did, False when the channel fails."""
+        return self._ask(encode_question((), OP_CLEAR_LOCAL), lambda sock: _read_exact(sock, 1)) == b"\x01"
 
     def _ask(self, question: bytes, read: Callable[[socket.socket], _T]) -> _T | None:
         """Returns the worker's answer to `question` as `read` decodes it; None (logged, the

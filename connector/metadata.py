@@ -18,7 +18,7 @@ class LoadSpec:
     start: int
     end: int
     spans: list[Span]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     layerwise: bool = False  # this step's forward waits for it layer by layer; else background
 
 
@@ -28,7 +28,7 @@ class SaveSpec:
     finished and its blocks are freed once this save no longer reads them."""
 
     request_id: str
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     spans: list[Span]
     release: bool = False
 

@@ -23,6 +23,7 @@ fresh blocks of a prompt with the identical prefix, so storing it is safe.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,14 +35,15 @@ from connector.keyspace import Keyspace, Span
 from connector.metadata import KVTierMeta, LoadSpec, SaveSpec
 from connector.metrics import ConnectorMetrics, RequestKVMetrics
 from connector.presence import ChunkPresence
+from connector.request_view import BlockIds, RequestView, StepRequest
 from connector.save_plan import SavePlan, SavePolicy
 from engine.cache_salt import tenant_tag
 from engine.kv_connector import KVConnectorOutput, KVConnectorScheduler
+from engine.sequence import Sequence as EngineSequence
 
 if TYPE_CHECKING:
     from engine.model_config import ModelConfig
     from engine.scheduler_output import SchedulerOutput
-    from engine.sequence import Sequence
 
 
 @dataclass
@@ -107,13 +109,13 @@ class KVTierPlanner(KVConnectorScheduler):
         return self._save_plan
 
     # ---- lookup ------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, seq: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
         """Returns (how many tokens after `num_computed_tokens` are held, whether they load in
         the background: True, or layerwise in the request's first step: False); (0, False)
         on a miss. Never reaches the last token."""
         if seq.cache_salt is not None and self.metrics.live(seq.request_id).tenant is None:
             self.metrics.set_tenant(seq.request_id, tenant_tag(seq.cache_salt))  # its figures' label
-        if self.blend is not None and self.blend.applies(seq):
+        if self.blend is not None and isinstance(seq, EngineSequence) and self.blend.applies(seq):
             return self.blend.get_num_new_matched_tokens(seq, num_computed_tokens)
         rid = seq.request_id
         n = seq.num_tokens
@@ -128,7 +130,8 @@ class KVTierPlanner(KVConnectorScheduler):
         m.num_prompt_tokens = seq.num_prompt_tokens
         m.engine_hit_tokens = num_computed_tokens
         ks = self.keyspace.for_salt(seq.cache_salt)  # a salt's chunks are its own
-        spans = ks.spans(seq.all_token_ids)
+        tokens = seq.all_token_ids
+        spans = ks.spans(tokens)
         first = num_computed_tokens // ks.chunk_size
         candidates = [sp for sp in spans[first:] if sp.start < limit]
         if not candidates:
@@ -137,7 +140,7 @@ class KVTierPlanner(KVConnectorScheduler):
         num_hit = held.index(False) if False in held else len(held)
         wanted = candidates[:num_hit]
         if num_hit < len(candidates):
-            tail = self._stored_partial(ks, seq.all_token_ids, spans, first + num_hit, num_computed_tokens)
+            tail = self._stored_partial(ks, tokens, spans, first + num_hit, num_computed_tokens)
             if tail is not None:
                 wanted.append(tail)
         end = min(wanted[-1].end, limit) if wanted else num_computed_tokens
@@ -146,7 +149,21 @@ class KVTierPlanner(KVConnectorScheduler):
         self._hits[rid] = _Hit(n, num_computed_tokens, end, wanted)
         return end - num_computed_tokens, not self.layerwise
 
-    def _stored_partial(self, ks: Keyspace, tokens: list[int], spans: list[Span], j: int,
+    def load_sources(self, request_id: str) -> dict[str, int]:
+        """Returns the tokens of the load planned for `request_id` per tier name, each chunk
+        counted for the fastest tier whose leading run of the load's chunks holds it (one
+        existence query; the load itself may find otherwise); {} when none is planned."""
+        load = self._loading.get(request_id) or self._step_loads.get(request_id)
+        if load is None:
+            return {}
+        runs = self.presence.tier_prefix_chunks(self.keyspace, load.spans)
+        out: dict[str, int] = {}
+        for i, sp in enumerate(load.spans):
+            tier = next((name for name, n in runs.items() if n > i), "")
+            out[tier] = out.get(tier, 0) + min(sp.end, load.end) - max(sp.start, load.start)
+        return out
+
+    def _stored_partial(self, ks: Keyspace, tokens: Sequence[int], spans: list[Span], j: int,
                         after: int) -> Span | None:
         """Returns the longest stored partial chunk that starts where span `j` starts and ends
         past position `after`, or None: one batched existence query over its possible lengths
@@ -163,13 +180,18 @@ class KVTierPlanner(KVConnectorScheduler):
         return probe[held[-1]]
 
     # ---- plans -------------------------------------------------------------------------
-    def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_external_tokens: int) -> None:
-        """Plans the request's load into `block_ids` (background, or layerwise in the coming
-        step); the loaded chunks are not offered for saving again."""
-        if self.blend is not None and self.blend.admits(seq.request_id):
+    def update_state_after_alloc(self, seq: RequestView, block_ids: list[int], num_external_tokens: int) -> None:
+        """Plans the request's load into `block_ids`, kvtier's engine's one block table."""
+        if self.blend is not None and self.blend.admits(seq.request_id) and isinstance(seq, EngineSequence):
             self.blend.update_state_after_alloc(seq, block_ids, num_external_tokens)
             return
-        rid = seq.request_id
+        self.plan_load(seq.request_id, [block_ids], num_external_tokens)
+
+    def plan_load(self, request_id: str, block_ids: BlockIds, num_external_tokens: int) -> None:
+        """Plans the load of the lookup's first `num_external_tokens` tokens into `block_ids` (per
+        KV cache group), in the background or layerwise in the coming step; the loaded chunks
+        are not offered for saving again. RuntimeError for tokens the lookup did not offer."""
+        rid = request_id
         hit = self._hits.pop(rid, None)
         if num_external_tokens <= 0:
             return
@@ -177,8 +199,8 @@ class KVTierPlanner(KVConnectorScheduler):
             raise RuntimeError(f"request {rid}: asked to load {num_external_tokens} tokens "
                                "the connector did not offer")
         end = hit.start + num_external_tokens
-        load = LoadSpec(rid, hit.start, end, [sp for sp in hit.spans if sp.start < end], list(block_ids),
-                        layerwise=self.layerwise)
+        load = LoadSpec(rid, hit.start, end, [sp for sp in hit.spans if sp.start < end],
+                        [list(t) for t in block_ids], layerwise=self.layerwise)
         self._loads.append(load)
         (self._step_loads if load.layerwise else self._loading)[rid] = load
         self._saves().skip_to(rid, end)
@@ -188,32 +210,40 @@ class KVTierPlanner(KVConnectorScheduler):
         self._no_save.add(request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMeta:
-        """Returns the loads planned since the last call, the chunks this step makes storable
-        (blended requests are never stored as prefix chunks), finished requests' tails, and
-        this step's blends."""
-        meta = KVTierMeta(loads=self._loads, saves=self._tail_saves)
-        self._loads, self._tail_saves = [], []
+        """Returns `plan_step` of kvtier's engine's step, with this step's blends."""
         blends = self.blend.build_blends(scheduler_output) if self.blend is not None else []
+        meta = self.plan_step([StepRequest(r.seq, [r.block_ids], r.num_computed_tokens, r.num_new_tokens)
+                               for r in scheduler_output.requests])
         meta.blends = blends
-        plan = self._saves()
-        for r in scheduler_output.requests:
-            if r.request_id in self._no_save or (self.blend is not None and self.blend.is_blended(r.request_id)):
-                continue
-            spans = plan.spans_to_save(r.seq, r.num_computed_tokens + r.num_new_tokens)
-            if spans:
-                meta.saves.append(SaveSpec(r.request_id, list(r.block_ids), spans))
         return meta
 
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Forgets ended background loads; a failed load's request offers its chunks from the
-        first bad position again (they are recomputed)."""
+    def plan_step(self, steps: Sequence[StepRequest]) -> KVTierMeta:
+        """Returns the loads planned since the last call, the chunks this step makes storable
+        (blended requests are never stored as prefix chunks) and finished requests' tails."""
+        meta = KVTierMeta(loads=self._loads, saves=self._tail_saves)
+        self._loads, self._tail_saves = [], []
+        plan = self._saves()
+        for r in steps:
+            rid = r.request.request_id
+            if rid in self._no_save or (self.blend is not None and self.blend.is_blended(rid)):
+                continue
+            spans = plan.spans_to_save(r.request, r.num_computed_tokens + r.num_new_tokens)
+            if spans:
+                meta.saves.append(SaveSpec(rid, [list(t) for t in r.block_ids], spans))
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput, failed: Collection[str] = ()) -> None:
+        """Forgets ended background loads; a failed load's request offers its chunks again from
+        its first bad position (`failed`: requests whose load failed somewhere, from the load's
+        start), as they are recomputed."""
         step_loads, self._step_loads = self._step_loads, {}
         ended = [self._loading.pop(rid) for rid in output.finished_recving if rid in self._loading]
         bad = output.invalid_block_ids
-        if not bad:
-            return
         for load in [*ended, *step_loads.values()]:
-            first = next((i for i, b in enumerate(load.block_ids) if b in bad), None)
+            if load.request_id in failed:
+                self._saves().rewind(load.request_id, load.start)
+                continue
+            first = min((i for t in load.block_ids for i, b in enumerate(t) if b in bad), default=None)
             if first is not None:
                 self._saves().rewind(load.request_id, max(load.start, first * self.block_size))
 
@@ -221,7 +251,11 @@ class KVTierPlanner(KVConnectorScheduler):
         """Returns whether the request's background load has not been reported ended."""
         return request_id in self._loading
 
-    def request_finished(self, seq: Sequence, block_ids: list[int]) -> bool:
+    def request_finished(self, seq: RequestView, block_ids: list[int]) -> bool:
+        """`finish` for kvtier's engine's one block table."""
+        return self.finish(seq, [block_ids])
+
+    def finish(self, seq: RequestView, block_ids: BlockIds) -> bool:
         """Plans the generated tail's save if configured; returns True (free the blocks only
         when the worker reports the request) if a load still writes them or a save will read
         them."""
@@ -237,9 +271,9 @@ class KVTierPlanner(KVConnectorScheduler):
             if rid in self._no_save:
                 self._saves().forget(rid)
                 return False
-            tail = self._saves().finish(seq, len(block_ids), self.block_size)
+            tail = self._saves().finish(seq, min(len(t) for t in block_ids), self.block_size)
             if tail:
-                self._tail_saves.append(SaveSpec(rid, list(block_ids), tail, release=True))
+                self._tail_saves.append(SaveSpec(rid, [list(t) for t in block_ids], tail, release=True))
                 return True
             return False
         finally:

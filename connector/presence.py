@@ -25,6 +25,16 @@ class ChunkPresence(ABC):
     def held(self, keys: Sequence[str]) -> list[bool]:
         """Returns per stored key whether it is held (stored, or carried by a pending store)."""
 
+    @abstractmethod
+    def tier_prefix_hits(self, keys: Sequence[str]) -> dict[str, int]:
+        """Returns, per tier name (fastest first), how many of `keys` from the start that tier
+        holds by itself (pending stores not counted: they are in no tier yet)."""
+
+    def tier_prefix_chunks(self, keyspace: Keyspace, spans: Sequence[Span]) -> dict[str, int]:
+        """Returns, per tier name (fastest first), how many leading spans that tier holds whole."""
+        hits = self.tier_prefix_hits(keyspace.stored_keys(spans))
+        return {name: n // keyspace.values_per_chunk for name, n in hits.items()}
+
     def chunks_held(self, keyspace: Keyspace, spans: Sequence[Span], last_layer_only: bool = False) -> list[bool]:
         """Returns per span whether its chunk is held: every stored value of it, or with
         `last_layer_only` just its last (a cheap probe over many candidates)."""
@@ -51,8 +61,5 @@ class Presence(ChunkPresence):
             held = [h or next(found) for h in held]
         return held
 
-    def tier_prefix_chunks(self, keyspace: Keyspace, spans: Sequence[Span]) -> dict[str, int]:
-        """Returns, per tier name (fastest first), how many leading spans that tier holds
-        whole (pending stores not counted: they are in no tier yet)."""
-        hits = self.storage.tier_prefix_hits(keyspace.stored_keys(spans))
-        return {name: n // keyspace.values_per_chunk for name, n in hits.items()}
+    def tier_prefix_hits(self, keys: Sequence[str]) -> dict[str, int]:
+        return self.storage.tier_prefix_hits(keys)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from connector.keyspace import Keyspace, Span
 
 if TYPE_CHECKING:
-    from engine.sequence import Sequence
+    from connector.request_view import RequestView
 
 
 @dataclass
@@ -42,7 +42,7 @@ class SavePlan:
         cs = self.keyspace.chunk_size
         self._saved_upto[request_id] = max(self._saved_upto.get(request_id, 0), position // cs * cs)
 
-    def spans_to_save(self, seq: Sequence, computed: int) -> list[Span]:
+    def spans_to_save(self, seq: RequestView, computed: int) -> list[Span]:
         """Returns the spans that became storable with `computed` tokens in the cache, not
         offered before; marks them offered."""
         if not self.policy.enabled:
@@ -59,7 +59,7 @@ class SavePlan:
         if new_end <= done:
             return []
         self._saved_upto[rid] = new_end
-        spans = self.keyspace.for_salt(seq.cache_salt).spans(seq.token_ids_slice(0, new_end), bool(unfull))
+        spans = self.keyspace.for_salt(seq.cache_salt).spans(seq.all_token_ids[:new_end], bool(unfull))
         return [sp for sp in spans if sp.end > done]
 
     def rewind(self, request_id: str, position: int) -> None:
@@ -68,7 +68,7 @@ class SavePlan:
             cs = self.keyspace.chunk_size
             self._saved_upto[request_id] = min(self._saved_upto[request_id], position // cs * cs)
 
-    def finish(self, seq: Sequence, num_blocks: int, block_size: int) -> list[Span]:
+    def finish(self, seq: RequestView, num_blocks: int, block_size: int) -> list[Span]:
         """Forgets the request; returns its generated tail's spans to store, if configured
         (only positions its `num_blocks` blocks still hold)."""
         rid = seq.request_id
@@ -79,7 +79,7 @@ class SavePlan:
         computed = min(seq.num_computed_tokens, num_blocks * block_size)
         if computed <= done:
             return []
-        spans = self.keyspace.for_salt(seq.cache_salt).spans(seq.token_ids_slice(0, computed), True)
+        spans = self.keyspace.for_salt(seq.cache_salt).spans(seq.all_token_ids[:computed], True)
         return [sp for sp in spans if sp.end > done]
 
     def forget(self, request_id: str) -> None:

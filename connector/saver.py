@@ -39,19 +39,26 @@ class Saver:
             if spans:
                 self._store(save.request_id, save.block_ids, spans)
 
-    def _store(self, request_id: str, block_ids: list[int], spans: list[Span]) -> None:
-        """Gathers `spans` from `block_ids` now (once: the storage manager hands that buffer to
-        every tier) and queues their put; a refused store is counted."""
+    def _store(self, request_id: str, block_ids: list[list[int]], spans: list[Span]) -> None:
+        """Gathers `spans` from `block_ids` (per KV cache group) now (once: the storage manager
+        hands that buffer to every tier) and queues their put; a refused store is counted. A
+        span some group holds no block for (a sliding window moved past it) is not stored."""
         layout = self.layout
         items: list[tuple[str, torch.Tensor]] = []
+        stored: list[Span] = []
         for sp in spans:
-            slots = layout.slots(block_ids, sp.start, sp.end)
+            slots = layout.group_slots(block_ids, sp.start, sp.end)
+            if bool((slots < 0).any()):
+                continue
+            stored.append(sp)
             if self.keyspace.layerwise:
                 items += [(layer_key(sp.key, i), kv) for i, kv in enumerate(layout.gather_layers(slots))]
             else:
                 items.append((sp.key, layout.gather_chunk(slots)))
+        if not items:
+            return
         nbytes = sum(kv.numel() * kv.element_size() for _, kv in items)
-        ntokens = sum(sp.num_tokens for sp in spans)
+        ntokens = sum(sp.num_tokens for sp in stored)
         done = functools.partial(self.metrics.add, request_id, stored_tokens=ntokens, bytes_stored=nbytes)
         dropped = functools.partial(self.metrics.add, request_id, dropped_store_bytes=nbytes)
         if not self.stores.submit(items, done, dropped):

@@ -31,14 +31,18 @@ from collections.abc import Sequence
 import torch
 
 from engine import cpu_ops
-from engine.kv_cache import EngineLayout, PagedKVLayout, check_slots
+from engine.kv_cache import EngineLayout, PagedKVLayout, check_slots, request_slots
+
+NULL_BLOCK = 0
+"""vLLM's placeholder block id (its block pool's first block): a KV cache group's table holds
+it where the group keeps no K/V (a sliding window's positions before the window)."""
 
 
 class _SplitKVLayout(PagedKVLayout):
     """Per layer `(num_blocks, H, block_size, 2*D)`; a subclass says, by `_halves`, where K
     and V sit."""
 
-    def __init__(self, kv_caches: Sequence[torch.Tensor]) -> None:
+    def __init__(self, kv_caches: Sequence[torch.Tensor], layer_groups: Sequence[int] | None = None) -> None:
         if len(kv_caches) == 0:
             raise ValueError("kv_caches is empty")
         ref = kv_caches[0]
@@ -48,6 +52,27 @@ class _SplitKVLayout(PagedKVLayout):
         nb, h, bs, d2 = ref.shape
         super().__init__(kv_caches, bs, nb, h, d2 // 2)
         self._kv_views = [self._halves(kv) for kv in self.kv_caches]
+        # With KV cache groups (vLLM's hybrid KV cache manager) slots are (groups, n), -1 at null
+        # blocks, even for one group (a model whose every layer slides); without, 1-D.
+        self.grouped = layer_groups is not None
+        self.layer_groups = list(layer_groups) if layer_groups is not None else [0] * len(kv_caches)
+        if len(self.layer_groups) != len(kv_caches):
+            raise ValueError(f"layer_groups names {len(self.layer_groups)} layers, the caches are {len(kv_caches)}")
+        self.num_groups = max(self.layer_groups) + 1
+
+    def group_slots(self, block_ids: Sequence[Sequence[int]], start: int, end: int) -> torch.Tensor:
+        """Returns `(num_groups, n)` slots with -1 where a group's block is vLLM's null block
+        (NULL_BLOCK: a sliding window's skipped positions); 1-D slots without KV cache groups."""
+        if not self.grouped:
+            return super().group_slots(block_ids, start, end)
+        if len(block_ids) != self.num_groups:
+            raise ValueError(f"{self.num_groups} KV cache groups, got block tables for {len(block_ids)}")
+        out = []
+        for table in block_ids:
+            slots = request_slots(table, self.block_size, start, end)
+            null = torch.as_tensor(table, dtype=torch.long)[torch.arange(start, end) // self.block_size] == NULL_BLOCK
+            out.append(slots.masked_fill_(null, -1))
+        return torch.stack(out)
 
     @abstractmethod
     def _halves(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +90,29 @@ class _SplitKVLayout(PagedKVLayout):
               to_cache: bool) -> None:
         """Copies the K/V of `slots` (checked) in `layers` into the caches from `chunk` (`to_cache`),
         else from the caches into `chunk`: `[len(layers), 2, n, H, D]`, or one `[2, n, H, D]`
-        tensor per layer."""
+        tensor per layer. `(num_groups, n)` slots: each layer at its group's; a group's -1
+        positions are not written, and cannot be read (ValueError)."""
+        if slots.dim() == 1 or not self.grouped:
+            self._move_group(layers, slots, chunk, to_cache)  # which checks the slots are 1-D
+            return
+        if slots.dim() != 2 or slots.shape[0] != self.num_groups:
+            raise ValueError(f"slots must be ({self.num_groups}, n), one row per KV cache group, "
+                             f"got {tuple(slots.shape)}")
+        for g, group in enumerate(slots):
+            idx = [i for i, layer in enumerate(layers) if self.layer_groups[layer] == g]
+            held = group >= 0
+            if not idx or bool(held.all()):
+                if idx:
+                    self._move_group([layers[i] for i in idx], group, [chunk[i] for i in idx], to_cache)
+                continue
+            if not to_cache:
+                raise ValueError(f"KV cache group {g} holds no block for some of these positions")
+            pos = held.nonzero().squeeze(1)
+            self._move_group([layers[i] for i in idx], group[pos], [chunk[i][:, pos] for i in idx], True)
+
+    def _move_group(self, layers: Sequence[int], slots: torch.Tensor,
+                    chunk: torch.Tensor | Sequence[torch.Tensor], to_cache: bool) -> None:
+        """`_move` for 1-D `slots`: every layer's K/V at the same slots."""
         blocks, offsets = self._positions(slots)
         for i, layer in enumerate(layers):
             k, v = self._kv_views[layer]
@@ -77,18 +124,18 @@ class _SplitKVLayout(PagedKVLayout):
                 chunk[i][1] = v[blocks, offsets]
 
     def gather_chunk(self, slots: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(self.chunk_shape(self.num_layers, slots.numel()), dtype=self.dtype, device=self.device)
+        out = torch.empty(self.chunk_shape(self.num_layers, slots.shape[-1]), dtype=self.dtype, device=self.device)
         self._move(range(self.num_layers), slots, out, to_cache=False)
         return out
 
     def gather_layers(self, slots: torch.Tensor) -> list[torch.Tensor]:
-        outs = [torch.empty(self.chunk_shape(1, slots.numel()), dtype=self.dtype, device=self.device)
+        outs = [torch.empty(self.chunk_shape(1, slots.shape[-1]), dtype=self.dtype, device=self.device)
                 for _ in range(self.num_layers)]
         self._move(range(self.num_layers), slots, [out[0] for out in outs], to_cache=False)
         return outs
 
     def scatter_chunk(self, slots: torch.Tensor, chunk: torch.Tensor) -> None:
-        expected = self.chunk_shape(self.num_layers, slots.numel())
+        expected = self.chunk_shape(self.num_layers, slots.shape[-1])
         if tuple(chunk.shape) != expected:
             raise ValueError(f"chunk shape {tuple(chunk.shape)} does not match expected {expected}")
         chunk = chunk.to(device=self.device, dtype=self.dtype, non_blocking=True).contiguous()
@@ -97,7 +144,7 @@ class _SplitKVLayout(PagedKVLayout):
     def scatter_layer(self, layer: int, slots: torch.Tensor, layer_kv: torch.Tensor) -> None:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} outside [0, {self.num_layers})")
-        expected = (2, slots.numel(), self.num_kv_heads, self.head_size)
+        expected = (2, slots.shape[-1], self.num_kv_heads, self.head_size)
         if tuple(layer_kv.shape) != expected:
             raise ValueError(f"layer shape {tuple(layer_kv.shape)} does not match {expected}")
         layer_kv = layer_kv.to(device=self.device, dtype=self.dtype, non_blocking=True).contiguous()
@@ -113,15 +160,16 @@ class VllmCpuLayout(_SplitKVLayout):
     through the K^T views; `benchmarks/bench_load.py`'s vllm-cpu rows) where it builds, or
     `kernels=False`; elsewhere through the views."""
 
-    def __init__(self, kv_caches: Sequence[torch.Tensor], kernels: bool = True) -> None:
-        super().__init__(kv_caches)
+    def __init__(self, kv_caches: Sequence[torch.Tensor], layer_groups: Sequence[int] | None = None,
+                 kernels: bool = True) -> None:
+        super().__init__(kv_caches, layer_groups)
         same_strides = all(kv.stride() == self.kv_caches[0].stride() for kv in self.kv_caches)
         self._ops = cpu_ops.load() if kernels and same_strides and self.device.type == "cpu" else None
 
-    def _move(self, layers: Sequence[int], slots: torch.Tensor, chunk: torch.Tensor | Sequence[torch.Tensor],
-              to_cache: bool) -> None:
+    def _move_group(self, layers: Sequence[int], slots: torch.Tensor,
+                    chunk: torch.Tensor | Sequence[torch.Tensor], to_cache: bool) -> None:
         if self._ops is None:
-            super()._move(layers, slots, chunk, to_cache)
+            super()._move_group(layers, slots, chunk, to_cache)
             return
         check_slots(slots, self.num_slots)
         slots = slots.contiguous()
@@ -156,14 +204,18 @@ class VllmFlashLayout(_SplitKVLayout):
 LAYOUTS = ("cpu", "flash", "engine")
 
 
-def vllm_layout_for(kv_caches: Sequence[torch.Tensor], backend: str) -> PagedKVLayout:
+def vllm_layout_for(kv_caches: Sequence[torch.Tensor], backend: str,
+                    layer_groups: Sequence[int] | None = None) -> PagedKVLayout:
     """Returns the layout of vLLM caches from attention backend `backend` ("cpu", "flash", or
-    "engine" for `(2, num_blocks, block_size, H, D)`); ValueError names an unknown backend or
-    a shape that does not fit it."""
+    "engine" for `(2, num_blocks, block_size, H, D)`), each layer in KV cache group
+    `layer_groups[layer]` (default: one group); ValueError names an unknown backend, a shape
+    that does not fit it, or several groups where the backend has one."""
     if backend == "cpu":
-        return VllmCpuLayout(kv_caches)
+        return VllmCpuLayout(kv_caches, layer_groups)
     if backend == "flash":
-        return VllmFlashLayout(kv_caches)
+        return VllmFlashLayout(kv_caches, layer_groups)
+    if layer_groups is not None and max(layer_groups) > 0:
+        raise ValueError(f"the {backend!r} layout has one KV cache group")
     if backend == "engine":
         return EngineLayout(kv_caches)
     raise ValueError(f"unknown vLLM KV layout {backend!r}; known: {', '.join(LAYOUTS)}")

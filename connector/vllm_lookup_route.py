@@ -104,7 +104,7 @@ class _Tiers:
     """The worker's tiers as this server's connector keys them, asked over the lookup channel."""
 
     def __init__(self, vllm_config: Any) -> None:
-        from connector.vllm import connector_keyspace  # imports vllm: only inside vLLM's server
+        from connector.vllm_setup import connector_keyspace  # imports vllm: only inside vLLM's server
 
         self.keyspace = connector_keyspace(vllm_config)
         path = lookup_socket_path(vllm_config.kv_transfer_config.engine_id)

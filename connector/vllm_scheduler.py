@@ -1,151 +1,163 @@
-"""vLLM's scheduler role, in kvtier's terms: `KVTierPlanner` driven by vLLM's requests and
-scheduler output (connector/vllm.py dispatches here; docs/vllm.md).
-
-vLLM hands the scheduler role its own `Request` objects and `SchedulerOutput`; the planner
-speaks kvtier's `Sequence` and `SchedulerOutput`. This module keeps one mirror `Sequence` per
-live request (tokens appended as vLLM samples them, block table from the step's
-`kv_connector_block_state`) and translates each hook, so the planning itself is the one
-kvtier's own engine uses. It never imports vllm: vLLM's objects are read by attribute.
+"""kvtier's scheduler role inside vLLM: `VllmSchedulerConnector` owns the planner and hands it
+vLLM's own requests (connector/request_view.py) and block tables (docs/vllm.md).
 
 The worker's tiers live in the worker process, so the planner's existence questions go
-there (connector/lookup_channel.py).
+there (connector/lookup_channel.py), and so does `reset_cache`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections.abc import Iterable
 from typing import Any
 
-import torch
-
-from connector.config import ConnectorConfig
-from connector.kv_events import ChunkEvent, ChunkEventBuilder, TierKey
-from connector.metadata import KVTierMeta
+from connector.kv_events import ChunkEventBuilder
+from connector.lookup_channel import RemotePresence, lookup_socket_path
 from connector.metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
-from connector.presence import ChunkPresence
+from connector.request_view import StepRequest
+from connector.vllm_api import (
+    LOGGER,
+    BlockRemoved,
+    BlockStored,
+    CacheHitSource,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    SupportsHMA,
+    attention_backend,
+    vllm_event,
+)
+from connector.vllm_metadata import KVTierVllmMeta, KVTierWorkerMeta
+from connector.vllm_setup import hit_sources, vllm_setup
 from engine.kv_connector import KVConnectorOutput
-from engine.model_config import ModelConfig
-from engine.sampling_params import SamplingParams
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.sequence import Sequence
+
+log = logging.getLogger(LOGGER)
 
 SKIP_SAVE_PARAMS = ("kvtier.skip_save", "lmcache.skip_save")
 """A request's `kv_transfer_params` key that, set to true, keeps its K/V out of the tiers
 (LMCache's name is honoured too); it still loads what others stored."""
 
 
-@dataclass
-class _Mirror:
-    """A live vLLM request and the kvtier Sequence that mirrors it."""
-
-    request: Any  # vllm.v1.request.Request
-    seq: Sequence
-
-
-class VllmSchedulerSide:
-    """`KVTierPlanner` behind vLLM's scheduler-role hooks.
+class VllmSchedulerConnector(KVConnectorBase_V1, SupportsHMA):
+    """The scheduler role: lookups, load and save plans, KV events.
 
     Guarantees: a lookup never claims the last prompt token and answers `load_async=False`
-    whenever it claims nothing; a request's mirror is dropped when vLLM finishes it.
+    whenever it claims nothing; a request is forgotten when vLLM finishes it.
     """
 
-    def __init__(self, config: ConnectorConfig, presence: ChunkPresence, model_config: ModelConfig,
-                 kv_dtype: torch.dtype, block_size: int, loads: bool = True, saves: bool = True,
-                 events: bool = False) -> None:
-        if config.blend.enabled:
-            raise ValueError("CacheBlend (blend.enabled) is not supported inside vLLM yet; "
-                             "use kvtier's engine for blended prompts")
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        setup = vllm_setup(vllm_config, kv_cache_config, attention_backend())
+        kvt = vllm_config.kv_transfer_config
+        self.num_groups = setup.num_groups
         self.metrics = ConnectorMetrics()
-        # kv_consumer loads only, kv_producer saves only, kv_both does both
-        self.planner = KVTierPlanner(config, presence, self.metrics, loads=loads, saves=saves)
-        self.planner.register_model(model_config, kv_dtype, block_size)
-        self._live: dict[str, _Mirror] = {}
-        # events: the planned chunks' tokens, and finished requests' mirrors until their tail is planned
-        self.events = ChunkEventBuilder(self.planner.keyspace) if events else None
-        self._finished: dict[str, Sequence] = {}
+        self.presence = RemotePresence(lookup_socket_path(kvt.engine_id))
+        self.planner = KVTierPlanner(setup.config, self.presence, self.metrics, loads=setup.loads, saves=setup.saves)
+        self.planner.register_model(setup.model, setup.kv_dtype, setup.block_size)
+        self._requests: dict[str, Any] = {}  # vLLM's live requests a lookup saw
+        self.events = ChunkEventBuilder(self.planner.keyspace) if setup.events else None
+        self._finished: dict[str, Any] = {}  # finished requests whose tail the next meta plans (events)
+        self._events: list[BlockStored | BlockRemoved] = []
+        self._stores_pending = False  # the worker's last report
+        policy = kvt.kv_load_failure_policy
+        if setup.loads and policy != "recompute":
+            log.warning("KVTierConnector: kv_load_failure_policy=%r: a request whose stored K/V turns out lost or "
+                        "corrupt when loaded ends with an error; set \"kv_load_failure_policy\": \"recompute\" in "
+                        "--kv-transfer-config to recompute it instead", policy)
 
-    def _mirror(self, request: Any) -> Sequence:
-        """Returns the request's mirror, its output tokens and computed count brought up to date."""
-        m = self._live.get(request.request_id)
-        if m is None:
-            # vLLM's own cache_salt (validated by its front end): the request's chunks are keyed apart
-            seq = Sequence(request.request_id, list(request.prompt_token_ids or ()), SamplingParams(),
-                           cache_salt=getattr(request, "cache_salt", None) or None)
-            m = self._live[request.request_id] = _Mirror(request, seq)
-            params = getattr(request, "kv_transfer_params", None) or {}
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache, not a hand-off: a request preempted while its save is pending recomputes
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        rid = request.request_id
+        if rid not in self._requests:
+            self._requests[rid] = request
+            params = request.kv_transfer_params or {}
             if any(params.get(k) is True for k in SKIP_SAVE_PARAMS):
-                self.planner.skip_saves(request.request_id)
-        out = request.output_token_ids
-        have = len(m.seq.output_token_ids)
-        if len(out) < have:  # vLLM rewound the output (a preempted request's stale tokens)
-            del m.seq.output_token_ids[len(out):]
-            have = len(out)
-        m.seq.output_token_ids.extend(out[have:])
-        m.seq.num_computed_tokens = request.num_computed_tokens
-        return m.seq
-
-    # ---- hooks -------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Returns (tokens after vLLM's own hit held by the tiers, load them asynchronously)."""
-        seq = self._mirror(request)
-        n, load_async = self.planner.get_num_new_matched_tokens(seq, num_computed_tokens)
+                self.planner.skip_saves(rid)
+        if request.skip_reading_prefix_cache:  # its prompt logprobs need every position computed
+            return 0, False
+        n, load_async = self.planner.get_num_new_matched_tokens(request, num_computed_tokens)
         return n, bool(n) and load_async
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        """Plans the load of `num_external_tokens` into the request's blocks."""
-        seq = self._mirror(request)
-        seq.block_table = list(block_ids)
-        self.planner.update_state_after_alloc(seq, seq.block_table, num_external_tokens)
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.planner.plan_load(request.request_id, blocks.get_block_ids(), num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVTierMeta:
-        """Returns this step's plans for the worker: the loads planned since the last step
-        and the chunks this step makes storable."""
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        sources = hit_sources(self.planner.load_sources(request.request_id), num_external_tokens)
+        return {CacheHitSource[name]: n for name, n in sources.items()}
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         block_state = scheduler_output.kv_connector_block_state
-        steps: list[ScheduledRequest] = []
         counts = scheduler_output.num_scheduled_tokens
-        new = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
-        for rid, computed in [*new, *zip(cached.req_ids, cached.num_computed_tokens)]:
-            m = self._live.get(rid)
-            if m is None:  # admitted without a lookup (vLLM asks for every new request)
-                continue
-            seq = self._mirror(m.request)
-            if block_state is not None:
-                seq.block_table = list(block_state.get_block_ids(rid)[0])
-            steps.append(ScheduledRequest(seq, computed, counts.get(rid, 0)))
-        meta = self.planner.build_connector_meta(SchedulerOutput(
-            requests=steps, finished_req_ids=set(scheduler_output.finished_req_ids)))
+        steps = []
+        for rid, computed in [*((r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs),
+                              *zip(cached.req_ids, cached.num_computed_tokens)]:
+            request = self._requests.get(rid)
+            if request is not None:  # else admitted without a lookup (vLLM asks for every new request)
+                steps.append(StepRequest(request, block_state.get_block_ids(rid), computed, counts.get(rid, 0)))
+        meta = self.planner.plan_step(steps)
         if self.events is not None:
             for save in meta.saves:
-                m = self._live.get(save.request_id)
-                saved = m.seq if m is not None else self._finished.get(save.request_id)
+                saved = self._requests.get(save.request_id) or self._finished.get(save.request_id)
                 if saved is not None:
-                    self.events.planned(save, saved.all_token_ids, saved.cache_salt)
+                    self.events.planned(save, list(saved.all_token_ids), saved.cache_salt)
             self._finished.clear()
-        return meta
+        return KVTierVllmMeta(meta, idle=scheduler_output.total_num_scheduled_tokens == 0)
 
-    def chunk_events(self, stored: list[TierKey], removed: list[TierKey]) -> list[ChunkEvent]:
-        """Returns the KV events of the worker's tier changes (none unless events are on)."""
-        return self.events.events(stored, removed) if self.events is not None else []
+    def update_connector_output(self, connector_output: Any) -> None:
+        out = connector_output
+        self.planner.update_connector_output(
+            KVConnectorOutput(set(out.finished_sending or ()), set(out.finished_recving or ()),
+                              set(out.invalid_block_ids or ())), failed=set(out.failed_recving or ()))
+        report = out.kv_connector_worker_meta
+        if isinstance(report, KVTierWorkerMeta):
+            self._stores_pending = report.stores_pending
+            if self.events is not None:
+                self._events += [vllm_event(e) for e in self.events.events(report.stored, report.removed)]
 
-    def update_connector_output(self, finished_sending: set[str] | None, finished_recving: set[str] | None,
-                                invalid_block_ids: set[int] | None) -> None:
-        """Hands the worker's report to the planner."""
-        self.planner.update_connector_output(KVConnectorOutput(
-            set(finished_sending or ()), set(finished_recving or ()), set(invalid_block_ids or ())))
+    def has_pending_push_work(self) -> bool:
+        return self._stores_pending  # vLLM keeps stepping while the worker's stores are queued
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
-        """Returns True when the request's blocks must stay until the worker reports it in
-        `finished_sending` (its tail is still to be gathered). A request whose load is still
-        running returns False: vLLM itself keeps those blocks until `finished_recving`."""
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """Returns (keep the blocks until the worker names the request in `finished_sending`:
+        its tail is still to be gathered, None). A request whose load still runs returns False:
+        vLLM keeps those blocks itself until `finished_recving`."""
         rid = request.request_id
-        seq = self._mirror(request)
         loading = self.planner.is_loading(rid)
         try:
-            keep = self.planner.request_finished(seq, list(block_ids))
+            keep = self.planner.finish(request, block_ids)
         finally:
-            self._live.pop(rid, None)
+            self._requests.pop(rid, None)
         if keep and self.events is not None:  # its tail is planned in the next meta
-            self._finished[rid] = seq
-        return keep and not loading
+            self._finished[rid] = request
+        return keep and not loading, None
+
+    def take_events(self) -> Iterable[Any]:
+        events, self._events = self._events, []
+        return events
+
+    def reset_cache(self) -> bool:
+        """Clears the worker's process-local tiers (cpu, device); shared tiers (disk, Redis, the
+        cache server) serve other instances and are left as they are. False if the worker
+        does not answer."""
+        return self.presence.clear_local()
+
+    # ---- the worker role's hooks: vLLM never calls them on this object -----------------------
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        raise RuntimeError("start_load_kv is a worker-role hook")
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        raise RuntimeError("wait_for_layer_load is a worker-role hook")
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        raise RuntimeError("save_kv_layer is a worker-role hook")
+
+    def wait_for_save(self) -> None:
+        raise RuntimeError("wait_for_save is a worker-role hook")

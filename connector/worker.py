@@ -73,6 +73,7 @@ class KVTierWorker(KVConnectorWorker):
         self._step_jobs: list[LoadJob] = []  # this step's layerwise loads
         self._step_errors: set[int] = set()
         self._reported_errors: set[int] = set()
+        self._failed: set[str] = set()  # background loads reported ended with unfilled blocks
         self._released: set[str] = set()  # finished requests whose tail was gathered
         self._cached: dict[str, int] = {}  # blends' revised cached-token counts
         self._closed = False
@@ -200,8 +201,14 @@ class KVTierWorker(KVConnectorWorker):
                 self.loader.cancel(rid)
             done = self.loader.finished()
         self._reported_errors = set().union(*done.values()) if done else set()
+        self._failed = {rid for rid, bad in done.items() if bad}
         sending, self._released = self._released, set()
         return sending or None, set(done) or None
+
+    def failed_loads(self) -> set[str]:
+        """Returns the requests among those the last `get_finished()` reported whose load
+        left blocks unfilled."""
+        return self._failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Returns the blocks the loads last reported by `get_finished()`, and this step's

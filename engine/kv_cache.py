@@ -168,6 +168,15 @@ class PagedKVLayout(ABC):
         sequence with block table `block_ids`; ValueError if the table does not cover them."""
         return request_slots(block_ids, self.block_size, start, end, device)
 
+    def group_slots(self, block_ids: Sequence[Sequence[int]], start: int, end: int) -> torch.Tensor:
+        """Returns the host slots of positions [start, end) of a sequence given its block table
+        per KV cache group: 1-D here, where every layer is in one group; ValueError for another
+        number of groups or a table that does not cover the range. Layouts of several groups
+        return `(num_groups, n)` slots (connector/vllm_layouts.py)."""
+        if len(block_ids) != 1:
+            raise ValueError(f"{type(self).__name__} has one KV cache group, got block tables for {len(block_ids)}")
+        return request_slots(block_ids[0], self.block_size, start, end)
+
     def slot_mapping(self, block_tables: torch.Tensor, seq_index: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
         """Returns the batched flat slot of each token (see the module's `slot_mapping`)."""

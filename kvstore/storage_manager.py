@@ -61,6 +61,10 @@ class TierListener(Protocol):
     def removed(self, tier: str, keys: list[str]) -> None: ...
 
 
+LOCAL_TIERS = frozenset({"cpu", "device"})
+"""Tiers that live in one process's memory: nothing outside it reads their chunks."""
+
+
 class StorageManager:
     """Tiers fast to slow; thread-safe. `put` takes ownership of the tensor (do not mutate it later)."""
 
@@ -347,11 +351,14 @@ class StorageManager:
                 errors[name] = f"{type(exc).__name__}: {exc}"
         return removed, errors
 
-    def clear(self) -> None:
-        """Removes every chunk each healthy tier owns (see each tier's `clear`)."""
+    def clear(self, local_only: bool = False) -> None:
+        """Removes every chunk each healthy tier owns (see each tier's `clear`); with
+        `local_only`, only the tiers in this process's memory (LOCAL_TIERS), whose chunks no
+        other process reads."""
         self.flush()
         for i, tier in enumerate(self.tiers):
-            self._call(i, tier.clear, "write")
+            if not local_only or tier.name in LOCAL_TIERS:
+                self._call(i, tier.clear, "write")
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until background writes are done; returns False on timeout."""

@@ -33,8 +33,8 @@ def test_stored_chunks_carry_tokens_and_their_parent_chain() -> None:
     ks = _ks()
     spans = ks.spans(TOKENS)
     b = ChunkEventBuilder(ks)
-    b.planned(SaveSpec("r", [0, 1, 2], spans[:1]), TOKENS[:16])
-    b.planned(SaveSpec("r", [0, 1, 2], spans[1:]), TOKENS)  # a later step: parent from the tokens
+    b.planned(SaveSpec("r", [[0, 1, 2]], spans[:1]), TOKENS[:16])
+    b.planned(SaveSpec("r", [[0, 1, 2]], spans[1:]), TOKENS)  # a later step: parent from the tokens
     events = b.events([("cpu", sp.key) for sp in spans] + [("redis", spans[0].key)], [])
     assert events == [
         ChunkEvent("stored", "cpu", spans[0].chain, None, tuple(TOKENS[:16])),
@@ -49,7 +49,7 @@ def test_only_announced_chunks_are_withdrawn_once_per_tier() -> None:
     ks = _ks()
     spans = ks.spans(TOKENS)
     b = ChunkEventBuilder(ks)
-    b.planned(SaveSpec("r", [0, 1, 2], spans), TOKENS)
+    b.planned(SaveSpec("r", [[0, 1, 2]], spans), TOKENS)
     b.events([("cpu", spans[0].key)], [])
     out = b.events([], [("cpu", spans[0].key), ("cpu", spans[0].key), ("disk", spans[0].key),
                         ("cpu", spans[1].key), ("cpu", "kvtier:never:planned")])
@@ -62,7 +62,7 @@ def test_layerwise_values_make_one_chunk_event() -> None:
     ks = _ks(layerwise=True)
     spans = ks.spans(TOKENS[:16])
     b = ChunkEventBuilder(ks)
-    b.planned(SaveSpec("r", [0], spans), TOKENS[:16])
+    b.planned(SaveSpec("r", [[0]], spans), TOKENS[:16])
     keys = ks.stored_keys(spans)
     assert len(keys) == 3
     stored = b.events([("cpu", k) for k in keys], [])
@@ -75,5 +75,5 @@ def test_the_builder_forgets_the_oldest_chunks_past_its_capacity() -> None:
     ks = _ks()
     spans = ks.spans(TOKENS)
     b = ChunkEventBuilder(ks, capacity=2)
-    b.planned(SaveSpec("r", [0, 1, 2], spans), TOKENS)
+    b.planned(SaveSpec("r", [[0, 1, 2]], spans), TOKENS)
     assert [e.chain for e in b.events([("cpu", sp.key) for sp in spans], [])] == [spans[1].chain, spans[2].chain]

@@ -44,7 +44,7 @@ class Rig:
 
     def load(self, start: int, end: int, block_ids: list[int]) -> int:
         spans = [sp for sp in self.spans if sp.end > start and sp.start < end]
-        job = self.loader.submit(LoadSpec(f"r{start}-{end}", start, end, spans, block_ids))
+        job = self.loader.submit(LoadSpec(f"r{start}-{end}", start, end, spans, [block_ids]))
         self.loader.wait_ended(job)
         return job.filled
 

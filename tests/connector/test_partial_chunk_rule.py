@@ -45,7 +45,7 @@ def test_load_straddling_the_engine_hit_is_sliced(tmp_path: Path, default_model_
         # ...while the slice past the hit really was loaded, into the request's fresh block.
         assert len(jobs) == 1 and (jobs[0].start, jobs[0].end) == (112, 117)
         layout = layout_for(llm.engine.runner.kv_caches)
-        slots = layout.slots(jobs[0].block_ids, 112, 117)
+        slots = layout.group_slots(jobs[0].block_ids, 112, 117)
         assert not set((slots // 16).tolist()) & set(cached_ids.tolist())
         got = layout.gather_chunk(slots)
         assert torch.equal(got, poisoned[:, :, 112 - 96:117 - 96])

@@ -72,7 +72,7 @@ def test_a_full_hit_is_one_existence_query_and_plans_touch_no_tier(default_model
     meta = planner.build_connector_meta(SchedulerOutput())  # the request waits for its load
     assert tier.calls == ["contains"]  # planning asked nothing more, read nothing
     (load,) = meta.loads
-    assert (load.request_id, load.start, load.end, load.block_ids, load.spans) == ("r", 0, 99, blocks, spans)
+    assert (load.request_id, load.start, load.end, load.block_ids, load.spans) == ("r", 0, 99, [blocks], spans)
     assert pickle.loads(pickle.dumps(meta)) == meta
 
 

@@ -199,3 +199,45 @@ def test_cpu_kernel_tiles_match_the_views(dtype: torch.dtype) -> None:
         slow.scatter_chunk(slots, chunk)
         assert all(torch.equal(a, b) for a, b in zip(fast.kv_caches, slow.kv_caches))
         assert torch.equal(fast.gather_chunk(slots), chunk)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "flash"])
+def test_kv_cache_groups_move_each_layer_at_its_groups_blocks_and_skip_null_blocks(kind: str) -> None:
+    """A hybrid model's layers (vLLM's hybrid KV cache manager): layers 0 and 2 in group 0
+    (sliding window: null block 0 before the window), layer 1 in group 1 (full attention)."""
+    caches = vllm_caches("LBHNC")
+    layout = vllm_layout_for(caches, kind, layer_groups=[0, 1, 0])
+    tables = [[0, 3, 4], [5, 1, 2]]  # positions 0-7 of group 0 are outside its window
+    slots = layout.group_slots(tables, 2, 20)
+    assert slots.shape == (2, 18) and (slots[0, :6] == -1).all() and (slots[0, 6:] >= 0).all()
+    chunk = torch.randn(L, 2, 18, H, D)
+    before = [kv.clone() for kv in caches]
+    layout.scatter_chunk(slots, chunk)
+    for layer, table in [(0, tables[0]), (1, tables[1]), (2, tables[0])]:
+        for i, p in enumerate(range(2, 20)):
+            block = table[p // BS]
+            for h in range(H):
+                k, v = read(kind, caches[layer], block * BS + p % BS, h)
+                if block == 0:  # the null block is never written
+                    assert torch.equal(k, read(kind, before[layer], p % BS, h)[0])
+                else:
+                    assert torch.equal(k, chunk[layer, 0, i, h]) and torch.equal(v, chunk[layer, 1, i, h])
+    held = layout.group_slots(tables, 8, 20)  # every group holds these: they gather back
+    assert torch.equal(layout.gather_chunk(held), chunk[:, :, 6:])
+    with pytest.raises(ValueError, match="holds no block"):
+        layout.gather_chunk(slots)
+    with pytest.raises(ValueError, match="one row per KV cache group"):
+        layout.scatter_chunk(slots[:1], chunk)
+
+
+def test_one_kv_cache_group_of_sliding_window_layers_skips_its_null_blocks() -> None:
+    """A model whose every layer slides: one group, whose table still holds null blocks."""
+    caches = vllm_caches("LBHNC")
+    layout = vllm_layout_for(caches, "cpu", layer_groups=[0, 0, 0])
+    slots = layout.group_slots([[0, 3, 4]], 2, 20)
+    assert slots.shape == (1, 18) and (slots[0, :6] == -1).all()
+    null_page = [kv[0].clone() for kv in caches]
+    chunk = torch.randn(L, 2, 18, H, D)
+    layout.scatter_chunk(slots, chunk)
+    assert all(torch.equal(kv[0], page) for kv, page in zip(caches, null_page))
+    assert torch.equal(layout.gather_chunk(layout.group_slots([[0, 3, 4]], 8, 20)), chunk[:, :, 6:])

@@ -1,0 +1,66 @@
+"""The vLLM edge: every name kvtier's connector takes from vLLM, imported here once, after
+the version check, with the differences between supported releases resolved here and
+nowhere else (docs/vllm.md, "Releases").
+
+Modules of the adapter import vLLM through this one (`from connector.vllm_api import ...`),
+so an unsupported vLLM fails with one clear message before any of its names is touched.
+"""
+
+from __future__ import annotations
+
+import vllm
+
+from connector.kv_events import ChunkEvent
+from connector.vllm_version import check_vllm_version
+
+check_vllm_version(vllm.__version__)
+
+# Imported after the version check, so an unsupported vLLM fails with one clear message.
+from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.platforms import current_platform  # noqa: E402
+
+try:  # 0.32: vLLM counts cached tokens per source; earlier releases neither have nor ask for it
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - 0.30, 0.31
+    CacheHitSource = None
+
+LOGGER = "vllm.kvtier"
+"""The adapter's logger: under vLLM's own, so its lines appear in vLLM's log, in vLLM's format."""
+
+__all__ = ["LOGGER", "BlockRemoved", "BlockStored", "CacheHitSource", "KVConnectorBase_V1", "KVConnectorMetadata",
+           "KVConnectorPromMetrics", "KVConnectorRole", "KVConnectorStats", "KVConnectorTransferResults",
+           "KVConnectorWorkerMetadata", "SupportsHMA", "attention_backend", "cpu_attention_isa", "vllm_event"]
+
+
+def attention_backend() -> str:
+    """Returns the layout family of this platform's attention backend ("cpu" or "flash")."""
+    return "cpu" if current_platform.is_cpu() else "flash"
+
+
+def cpu_attention_isa(dtype: object, block_size: int, head_size: int) -> str:
+    """Returns the kernels vLLM's CPU attention picks for these caches ("vec", "vec16", "amx", ...)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(_get_attn_isa(dtype, block_size, head_size))
+
+
+def vllm_event(e: ChunkEvent) -> BlockStored | BlockRemoved:
+    """Returns vLLM's KV event for one of kvtier's chunk events: one block per chunk, the
+    chunk's chained hash as its hash, the tier as medium."""
+    if e.kind == "removed":
+        return BlockRemoved(block_hashes=[e.chain], medium=e.medium, ownership="kvtier")
+    return BlockStored(block_hashes=[e.chain], parent_block_hash=e.parent, token_ids=list(e.token_ids),
+                       block_size=len(e.token_ids), lora_id=None, medium=e.medium, lora_name=None,
+                       ownership="kvtier")

@@ -1,0 +1,113 @@
+"""What vLLM's configuration means to kvtier's connector: its settings, the model as chunks
+are keyed for it, its KV cache groups, and the hit-source label of each tier
+(docs/vllm.md). Never imports vllm: vLLM's objects are read by attribute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+
+from connector.config import ConnectorConfig
+from connector.keyspace import Keyspace
+from engine.model_config import ModelConfig
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+# vLLM's CacheHitSource member for each tier scheme: host memory, disk; a shared or remote store is
+# what vLLM's enum calls unspecified (its P2P means another vLLM instance's blocks).
+HIT_SOURCES = {"cpu": "HOST", "device": "DEVICE", "disk": "DISK"}
+UNSPECIFIED = "EXTERNAL_UNSPECIFIED"
+
+
+@dataclasses.dataclass
+class VllmSetup:
+    """kvtier's view of one vLLM configuration."""
+
+    config: ConnectorConfig
+    model: ModelConfig  # its fingerprint tagged with the engine and backend
+    kv_dtype: torch.dtype
+    block_size: int
+    layer_groups: dict[str, int]  # attention layer name -> KV cache group
+    loads: bool
+    saves: bool
+    events: bool
+
+    @property
+    def num_groups(self) -> int:
+        return max(self.layer_groups.values(), default=0) + 1
+
+    def keyspace(self) -> Keyspace:
+        """Returns the keyspace the connector keys chunks in."""
+        return Keyspace(self.model.fingerprint, self.kv_dtype, self.config.chunk_size, self.model.num_layers,
+                        layerwise=self.config.use_layerwise)
+
+
+def vllm_setup(vllm_config: Any, kv_cache_config: Any, backend: str) -> VllmSetup:
+    """Returns kvtier's view of `vllm_config` (connector settings: its extra config over
+    $KVTIER_CONFIG / KVTIER_*); ValueError names a setup this connector does not support."""
+    kvt = vllm_config.kv_transfer_config
+    config = ConnectorConfig.load(overrides=kvt.kv_connector_extra_config or {})
+    par = vllm_config.parallel_config
+    if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
+        raise ValueError("KVTierConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 only")
+    if vllm_config.cache_config.cache_dtype not in ("auto", None):
+        raise ValueError(f"KVTierConnector: kv_cache_dtype {vllm_config.cache_config.cache_dtype!r} "
+                         "is not supported; use 'auto'")
+    if config.blend.enabled:
+        raise ValueError("CacheBlend (blend.enabled) is not supported inside vLLM yet; "
+                         "use kvtier's engine for blended prompts")
+    groups = kv_cache_groups(kv_cache_config)
+    for g in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        spec = type(g.kv_cache_spec)
+        if not any(c.__name__ == "AttentionSpec" for c in spec.__mro__):
+            raise ValueError(f"KVTierConnector: a KV cache group of {spec.__name__} layers (recurrent state, "
+                             "not per-token K/V) is not supported; serve this model without --kv-transfer-config")
+    if len(set(groups.values())) > 1 and config.use_layerwise:
+        raise ValueError("KVTierConnector: use_layerwise needs one KV cache group (vLLM maps a layerwise "
+                         "load's failed blocks back to requests for one group only)")
+    model = ModelConfig.from_pretrained(vllm_config.model_config.model)
+    model = dataclasses.replace(model, fingerprint=f"{model.fingerprint}+vllm-{backend}")
+    ev = vllm_config.kv_events_config
+    return VllmSetup(config, model, vllm_config.model_config.dtype, vllm_config.cache_config.block_size, groups,
+                     loads=kvt.is_kv_consumer, saves=kvt.is_kv_producer,
+                     events=ev is not None and bool(ev.enable_kv_cache_events))
+
+
+def kv_cache_groups(kv_cache_config: Any) -> dict[str, int]:
+    """Returns the KV cache group of each attention layer vLLM names ({} without a config)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return {name: g for g, group in enumerate(groups) for name in group.layer_names}
+
+
+def connector_keyspace(vllm_config: Any) -> Keyspace:
+    """Returns the keyspace KVTierConnector keys chunks in for `vllm_config`, so another
+    process of the same server (its API server: connector/vllm_lookup_route.py) can ask the
+    worker's tiers about a prompt; ValueError as `vllm_setup`."""
+    from connector.vllm_api import attention_backend
+
+    return vllm_setup(vllm_config, None, attention_backend()).keyspace()
+
+
+def layer_index(name: str) -> int:
+    """Returns the layer number in a vLLM attention layer name; ValueError if it has none or several."""
+    found = _LAYER_INDEX.findall(f".{name}.")
+    if len(found) != 1:
+        raise ValueError(f"cannot tell the layer number of KV cache {name!r}")
+    return int(found[0])
+
+
+def hit_sources(by_tier: dict[str, int], num_external_tokens: int) -> dict[str, int]:
+    """Returns `num_external_tokens` split by vLLM's CacheHitSource member name, from the
+    tokens per tier name ("0:cpu?budget=4GiB", "1:disk:///var/kv", ...) a load plan found; what no tier accounts for is
+    unspecified, so the counts add up as vLLM requires. Only non-zero counts."""
+    out: dict[str, int] = {}
+    for tier, n in by_tier.items():
+        scheme = re.split(r"[:?]", tier.split(":", 1)[-1], maxsplit=1)[0]  # "0:disk:///var/kv" -> "disk"
+        name = HIT_SOURCES.get(scheme, UNSPECIFIED)
+        out[name] = out.get(name, 0) + n
+    out[UNSPECIFIED] = out.get(UNSPECIFIED, 0) + num_external_tokens - sum(out.values())
+    return {name: n for name, n in out.items() if n > 0}

@@ -1,0 +1,25 @@
+"""What vLLM's configuration means to the connector (connector/vllm_setup.py), the parts that
+need no vLLM: hit sources for vLLM's per-tier counts, layer numbers from vLLM's layer names."""
+
+from __future__ import annotations
+
+import pytest
+
+from connector.vllm_setup import hit_sources, layer_index
+
+
+def test_hit_sources_name_vllms_members_and_add_up() -> None:
+    assert hit_sources({"0:cpu?budget=4GiB": 512, "1:disk:///var/kv": 256, "2:redis://h:6379/0": 256}, 1024) == {
+        "HOST": 512, "DISK": 256, "EXTERNAL_UNSPECIFIED": 256}
+    assert hit_sources({"0:kvtier://127.0.0.1:7000": 300}, 300) == {"EXTERNAL_UNSPECIFIED": 300}
+    # what no tier accounts for (evicted since the lookup, a pending store) is unspecified
+    assert hit_sources({"0:cpu": 256, "": 100}, 400) == {"HOST": 256, "EXTERNAL_UNSPECIFIED": 144}
+    assert hit_sources({}, 0) == {}
+
+
+def test_layer_index_reads_vllms_layer_names() -> None:
+    assert layer_index("model.layers.3.self_attn.attn") == 3
+    assert layer_index("language_model.model.layers.17.self_attn.attn") == 17
+    for name in ("model.norm", "model.layers.1.mlp.experts.2.attn"):
+        with pytest.raises(ValueError, match="layer number"):
+            layer_index(name)
