@@ -19,7 +19,8 @@ from tests.fixtures.fault_proxy import FaultProxy
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.vllm import VllmLLM
 
-CHUNKS = 2048 // 256
+TOKENS = 1024  # four chunks: what a fault does to a load needs several chunks, not a long prompt
+CHUNKS = TOKENS // 256
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,11 @@ def llm(proxy: FaultProxy, default_model_path: Path, tmp_path_factory: pytest.Te
     llm = VllmLLM(default_model_path, {"tiers": [proxy.url], "chunk_size": 256}, log)
     yield llm
     llm.close()
+
+
+@pytest.fixture(scope="module")
+def prompt(prompt_2k: list[int]) -> list[int]:
+    return prompt_2k[:TOKENS]
 
 
 def restore(redis: RedisServer) -> None:
@@ -87,7 +93,7 @@ def delta(after: dict, before: dict, name: str) -> float:
 
 
 def test_a_corrupted_value_is_recomputed_and_counted(llm: VllmLLM, redis_server_session: RedisServer,
-                                                     prompt_2k: list[int]) -> None:
+                                                     prompt: list[int]) -> None:
     client = redis_server_session.client()
 
     def corrupt(keys: list[bytes]) -> None:
@@ -97,7 +103,7 @@ def test_a_corrupted_value_is_recomputed_and_counted(llm: VllmLLM, redis_server_
             mid = len(value) // 2
             client.setrange(key, mid, bytes([value[mid] ^ 0xFF]))
 
-    cold, warm, before = run_with_fault(llm, redis_server_session, variant(prompt_2k, 0), corrupt, scrubbed=True)
+    cold, warm, before = run_with_fault(llm, redis_server_session, variant(prompt, 0), corrupt, scrubbed=True)
     assert warm["outputs"][0]["tokens"] == cold["outputs"][0]["tokens"]
     assert delta(warm["metrics"], before, "kvtier:load_error_tokens_total") > 0
     assert delta(warm["metrics"], before, "kvtier:connector_hit_tokens_total") == 0
@@ -105,24 +111,24 @@ def test_a_corrupted_value_is_recomputed_and_counted(llm: VllmLLM, redis_server_
 
 
 def test_a_deleted_chunk_shortens_the_hit(llm: VllmLLM, redis_server_session: RedisServer,
-                                          prompt_2k: list[int]) -> None:
+                                          prompt: list[int]) -> None:
     client = redis_server_session.client()
-    cold, warm, before = run_with_fault(llm, redis_server_session, variant(prompt_2k, 1),
+    cold, warm, before = run_with_fault(llm, redis_server_session, variant(prompt, 1),
                                         lambda keys: client.delete(keys[0]))
     assert warm["outputs"][0]["tokens"] == cold["outputs"][0]["tokens"]
     loaded = delta(warm["metrics"], before, "kvtier:connector_hit_tokens_total")
-    assert loaded == warm["outputs"][0]["cached"] < 2047
+    assert loaded == warm["outputs"][0]["cached"] < len(prompt) - 1
     assert delta(warm["metrics"], before, "kvtier:load_error_tokens_total") == 0
 
 
 def test_redis_killed_is_a_miss_and_serving_goes_on(llm: VllmLLM, redis_server_session: RedisServer,
-                                                    prompt_2k: list[int]) -> None:
+                                                    prompt: list[int]) -> None:
     try:
-        cold, warm, before = run_with_fault(llm, redis_server_session, variant(prompt_2k, 2),
+        cold, warm, before = run_with_fault(llm, redis_server_session, variant(prompt, 2),
                                             lambda keys: redis_server_session.kill())
         assert warm["outputs"][0]["tokens"] == cold["outputs"][0]["tokens"]
         assert warm["outputs"][0]["cached"] == 0
-        again = llm.generate([variant(prompt_2k, 3)], max_tokens=4)
+        again = llm.generate([variant(prompt, 3)], max_tokens=4)
         assert len(again["outputs"][0]["tokens"]) == 4
         assert again["metrics"]["vllm:kv_cache_usage_perc"] == 0
     finally:
@@ -131,17 +137,17 @@ def test_redis_killed_is_a_miss_and_serving_goes_on(llm: VllmLLM, redis_server_s
 
 def test_redis_killed_between_lookup_and_load_is_recomputed(llm: VllmLLM, proxy: FaultProxy,
                                                             redis_server_session: RedisServer,
-                                                            prompt_2k: list[int]) -> None:
+                                                            prompt: list[int]) -> None:
     redis = redis_server_session
     restore(redis)
-    prompt = variant(prompt_2k, 4)
+    ids = variant(prompt, 4)
     try:
         before = set(redis.client().keys("*"))
-        cold = llm.generate([prompt])
+        cold = llm.generate([ids])
         stored_keys(redis, before)
-        scrub(llm, prompt)
+        scrub(llm, ids)
         proxy.arm(["GET", "MGET"], redis.kill)  # the load's reads; the lookup's GETRANGEs pass
-        warm = llm.generate([prompt])
+        warm = llm.generate([ids])
         assert proxy.fired.wait(10) and proxy.hook_error is None, "the load never read Redis"
         assert "GETRANGE" in proxy.seen_before_fire()  # the lookup asked the live Redis first
         assert not redis.alive()
@@ -150,18 +156,18 @@ def test_redis_killed_between_lookup_and_load_is_recomputed(llm: VllmLLM, proxy:
         promised = delta(warm["metrics"], cold["metrics"], "vllm:external_prefix_cache_hits")
         loaded = delta(warm["metrics"], cold["metrics"], "kvtier:connector_hit_tokens_total")
         errors = delta(warm["metrics"], cold["metrics"], "kvtier:load_error_tokens_total")
-        assert promised == len(prompt) - 1  # every chunk held at lookup; never the last token
+        assert promised == len(ids) - 1  # every chunk held at lookup; never the last token
         assert loaded == 0 < errors == promised  # Redis died before serving one value
         assert warm["metrics"]["vllm:kv_cache_usage_perc"] == 0
 
-        during = llm.generate([variant(prompt_2k, 5)[:320]], max_tokens=4)  # Redis still down
+        during = llm.generate([variant(prompt, 5)[:320]], max_tokens=4)  # Redis still down
         assert len(during["outputs"][0]["tokens"]) == 4
         assert during["metrics"]["vllm:kv_cache_usage_perc"] == 0
 
         restore(redis)  # empty again: store, then load
-        again_cold = llm.generate([prompt])
+        again_cold = llm.generate([ids])
         stored_keys(redis, set())
-        again = llm.generate([prompt])
+        again = llm.generate([ids])
         assert again["outputs"][0]["tokens"] == cold["outputs"][0]["tokens"]
         loaded = delta(again["metrics"], again_cold["metrics"], "kvtier:connector_hit_tokens_total")
         assert loaded == again["outputs"][0]["cached"] == promised

@@ -26,7 +26,7 @@ from kvtier.router.prompt_view import view_request
 from kvtier.vllm_cli import LOOKUP_MIDDLEWARE
 from tests.fixtures.serve import RouterProcess
 from tests.fixtures.text import long_text
-from tests.fixtures.vllm import VllmServer
+from tests.fixtures.vllm import VllmServer, start_together
 
 CONFIG = {"tiers": ["cpu?budget=1GiB"], "chunk_size": 256}
 HIT = "kvtier:connector_hit_tokens_total"
@@ -35,16 +35,9 @@ HIT = "kvtier:connector_hit_tokens_total"
 @pytest.fixture(scope="module")
 def backends(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServer]]:
     logs = tmp_path_factory.mktemp("vllm-router")
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        starts = [pool.submit(VllmServer, default_model_path, CONFIG, logs / "cli.log", cli=True),
-                  pool.submit(VllmServer, default_model_path, CONFIG, logs / "middleware.log", "kv_both",
-                              "--middleware", LOOKUP_MIDDLEWARE)]
-        concurrent.futures.wait(starts)
-    servers = [f.result() for f in starts if f.exception() is None]
-    if len(servers) < len(starts):
-        for s in servers:
-            s.close()
-        raise next(e for f in starts if (e := f.exception()) is not None)
+    servers = start_together(lambda: VllmServer(default_model_path, CONFIG, logs / "cli.log", cli=True),
+                             lambda: VllmServer(default_model_path, CONFIG, logs / "middleware.log", "kv_both",
+                                                "--middleware", LOOKUP_MIDDLEWARE))
     yield servers
     for s in servers:
         s.close()
@@ -182,7 +175,7 @@ def test_load_is_vllms_own(backends: list[VllmServer], tokenizer: Any) -> None:
     server = backends[1]
     ids = _ids(tokenizer, "Load.", 64)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(_complete, server.url, ids, 128)
+        running = pool.submit(_complete, server.url, ids, 64)  # decodes for seconds: long enough to be seen
         seen = 0
         while not running.done() and not seen:
             seen = _lookup(server, {"prompt_token_ids": ids}).json()["num_requests_running"]

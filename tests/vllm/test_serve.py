@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.fixtures.connector import tier_url
-from tests.fixtures.vllm import VllmServer
+from tests.fixtures.vllm import VllmServer, start_together
 
 
 def _client(server: VllmServer) -> openai.OpenAI:
@@ -51,18 +51,19 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 def test_a_fresh_server_loads_what_another_stored(tier: str, roles: tuple[str, str], tmp_path: Path,
                                                   default_model_path: Path, prompt_2k: list[int]) -> None:
     config = {"tiers": [tier], "chunk_size": 256}
-    first = VllmServer(default_model_path, config, tmp_path / "first.log", roles[0])
+    # Both start side by side; the second is asked nothing until the first stored and exited.
+    first, second = start_together(lambda: VllmServer(default_model_path, config, tmp_path / "first.log", roles[0]),
+                                   lambda: VllmServer(default_model_path, config, tmp_path / "second.log", roles[1]))
     try:
-        if roles[0] == "kv_producer":
-            # The request ends at its prefill, before its stores land; the pending stores keep
-            # the engine stepping, so their counters reach /metrics with no further request.
-            _complete(first, prompt_2k, stream=False, max_tokens=1)
-            _wait_for_metric(first, "kvtier:stored_tokens_total", len(prompt_2k))
-        cold = _complete(first, prompt_2k, stream=False)
-    finally:
-        assert first.close() == 0  # SIGINT: queued stores are flushed before it exits
-    second = VllmServer(default_model_path, config, tmp_path / "second.log", roles[1])
-    try:
+        try:
+            if roles[0] == "kv_producer":
+                # The request ends at its prefill, before its stores land; the pending stores keep
+                # the engine stepping, so their counters reach /metrics with no further request.
+                _complete(first, prompt_2k, stream=False, max_tokens=1)
+                _wait_for_metric(first, "kvtier:stored_tokens_total", len(prompt_2k))
+            cold = _complete(first, prompt_2k, stream=False)
+        finally:
+            assert first.close() == 0  # SIGINT: queued stores are flushed before it exits
         before = second.metrics()
         assert _complete(second, prompt_2k, stream=True) == cold
         assert _complete(second, prompt_2k, stream=False) == cold

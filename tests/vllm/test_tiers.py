@@ -3,25 +3,79 @@ with the tokens of the cold run."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.fixtures.connector import tier_url
-from tests.fixtures.vllm import VllmLLM
+from tests.fixtures.cache_server import CacheServerProcess
+from tests.fixtures.redis_server import RedisServer
+from tests.fixtures.vllm import VllmLLM, start_together
 
 # (tier, use_layerwise): background loads from every tier; layer-by-layer loads in the
 # request's first step (vLLM's synchronous path, its forward waiting per layer) from one.
 CASES = [("cpu", False), ("disk", False), ("redis", False), ("kvtier", False), ("disk", True)]
+Case = tuple[str, bool]
+
+
+class TierLLMs:
+    """One vLLM per case, each with its own tier and nothing else. A case's vLLM starts
+    together with the next selected case's (`start_together`); each test takes its own."""
+
+    def __init__(self, model: Path, selected: list[Case], tmp: pytest.TempPathFactory, redis: RedisServer) -> None:
+        self.model, self.selected, self.tmp, self.redis = model, selected, tmp, redis
+        self.llms: dict[Case, VllmLLM] = {}
+        self.cache_servers: list[CacheServerProcess] = []
+
+    def _url(self, tier: str) -> str:
+        if tier == "disk":
+            return f"disk://{self.tmp.mktemp('disk') / 'kv'}"
+        if tier == "redis":  # emptied again by its test, as the `redis_server` fixture does
+            if not self.redis.alive():
+                self.redis.restart()
+            return self.redis.url
+        if tier == "kvtier":  # a fresh one per case, as the `cache_server` fixture gives
+            self.cache_servers.append(CacheServerProcess("--max-bytes", "256MiB"))
+            return self.cache_servers[-1].url
+        return tier
+
+    def _starter(self, case: Case) -> Callable[[], VllmLLM]:
+        tier, layerwise = case
+        config = {"tiers": [self._url(tier)], "chunk_size": 256, "use_layerwise": layerwise}
+        log = self.tmp.mktemp(f"vllm-{tier}-{'layerwise' if layerwise else 'background'}") / "vllm.log"
+        return lambda: VllmLLM(self.model, config, log)
+
+    def take(self, case: Case) -> VllmLLM:
+        """Returns the case's vLLM (the caller closes it), starting it with the next one if needed."""
+        if case not in self.llms:
+            later = self.selected[self.selected.index(case) + 1:] if case in self.selected else []
+            pair = [case, *[c for c in later if c not in self.llms][:1]]
+            self.llms.update(zip(pair, start_together(*[self._starter(c) for c in pair])))
+        return self.llms.pop(case)
+
+    def close(self) -> None:
+        for llm in self.llms.values():
+            llm.close()
+        for server in self.cache_servers:
+            server.kill()
+
+
+@pytest.fixture(scope="module")
+def tier_llms(request: pytest.FixtureRequest, default_model_path: Path, tmp_path_factory: pytest.TempPathFactory,
+              redis_server_session: RedisServer) -> Iterator[TierLLMs]:
+    selected = [tuple(item.callspec.params[k] for k in ("tier", "layerwise")) for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")]
+    llms = TierLLMs(default_model_path, [c for c in CASES if c in selected], tmp_path_factory, redis_server_session)
+    yield llms
+    llms.close()
 
 
 @pytest.mark.parametrize(("tier", "layerwise"), CASES)
-def test_the_second_run_loads_the_prompt_from_the_tier(tier: str, layerwise: bool, tmp_path: Path,
-                                                       request: pytest.FixtureRequest, default_model_path: Path,
-                                                       prompt_2k: list[int]) -> None:
-    url = tier_url(tier, tmp_path, request)
-    config = {"tiers": [url], "chunk_size": 256, "use_layerwise": layerwise}
-    llm = VllmLLM(default_model_path, config, tmp_path / "vllm.log")
+def test_the_second_run_loads_the_prompt_from_the_tier(tier: str, layerwise: bool, tier_llms: TierLLMs,
+                                                       request: pytest.FixtureRequest, prompt_2k: list[int]) -> None:
+    llm = tier_llms.take((tier, layerwise))
+    if tier == "redis":
+        request.getfixturevalue("redis_server")  # the session's Redis, emptied: nothing of other tests
     try:
         if tier == "cpu":  # a request that asks not to be stored leaves nothing to load
             skipped = llm.generate([prompt_2k], kv_transfer_params={"kvtier.skip_save": True})
