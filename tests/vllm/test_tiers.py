@@ -3,7 +3,9 @@ with the tokens of the cold run."""
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,11 +22,13 @@ Case = tuple[str, bool]
 
 class TierLLMs:
     """One vLLM per case, each with its own tier and nothing else. A case's vLLM starts
-    together with the next selected case's (`start_together`); each test takes its own."""
+    together with the next selected case's (`start_together`) and serves only its own test;
+    the used ones are closed together, before the next start (or at the end)."""
 
     def __init__(self, model: Path, selected: list[Case], tmp: pytest.TempPathFactory, redis: RedisServer) -> None:
         self.model, self.selected, self.tmp, self.redis = model, selected, tmp, redis
-        self.llms: dict[Case, VllmLLM] = {}
+        self.ready: dict[Case, VllmLLM] = {}  # started, its test not run yet
+        self.used: list[VllmLLM] = []
         self.cache_servers: list[CacheServerProcess] = []
 
     def _url(self, tier: str) -> str:
@@ -45,17 +49,28 @@ class TierLLMs:
         log = self.tmp.mktemp(f"vllm-{tier}-{'layerwise' if layerwise else 'background'}") / "vllm.log"
         return lambda: VllmLLM(self.model, config, log)
 
-    def take(self, case: Case) -> VllmLLM:
-        """Returns the case's vLLM (the caller closes it), starting it with the next one if needed."""
-        if case not in self.llms:
+    def _close(self, llms: list[VllmLLM]) -> None:
+        """Closes `llms` side by side (each waits seconds for vLLM's shutdown)."""
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(llms))) as pool:
+            list(pool.map(VllmLLM.close, llms))
+
+    @contextmanager
+    def use(self, case: Case) -> Iterator[VllmLLM]:
+        """Yields the case's vLLM (started with the next case's if not started yet) for one test."""
+        if case not in self.ready:
+            self._close(self.used)
+            self.used = []
             later = self.selected[self.selected.index(case) + 1:] if case in self.selected else []
-            pair = [case, *[c for c in later if c not in self.llms][:1]]
-            self.llms.update(zip(pair, start_together(*[self._starter(c) for c in pair])))
-        return self.llms.pop(case)
+            pair = [case, *later[:1]]
+            self.ready.update(zip(pair, start_together(*[self._starter(c) for c in pair])))
+        llm = self.ready.pop(case)
+        try:
+            yield llm
+        finally:
+            self.used.append(llm)
 
     def close(self) -> None:
-        for llm in self.llms.values():
-            llm.close()
+        self._close([*self.used, *self.ready.values()])
         for server in self.cache_servers:
             server.kill()
 
@@ -73,17 +88,14 @@ def tier_llms(request: pytest.FixtureRequest, default_model_path: Path, tmp_path
 @pytest.mark.parametrize(("tier", "layerwise"), CASES)
 def test_the_second_run_loads_the_prompt_from_the_tier(tier: str, layerwise: bool, tier_llms: TierLLMs,
                                                        request: pytest.FixtureRequest, prompt_2k: list[int]) -> None:
-    llm = tier_llms.take((tier, layerwise))
     if tier == "redis":
         request.getfixturevalue("redis_server")  # the session's Redis, emptied: nothing of other tests
-    try:
+    with tier_llms.use((tier, layerwise)) as llm:
         if tier == "cpu":  # a request that asks not to be stored leaves nothing to load
             skipped = llm.generate([prompt_2k], kv_transfer_params={"kvtier.skip_save": True})
             assert skipped["metrics"].get("kvtier:stored_tokens_total", 0) == 0
         cold = llm.generate([prompt_2k])
         warm = llm.generate([prompt_2k])
-    finally:
-        llm.close()
     assert cold["outputs"][0]["cached"] == 0
     assert warm["outputs"][0]["tokens"] == cold["outputs"][0]["tokens"]
     assert warm["outputs"][0]["cached"] >= 0.9 * len(prompt_2k), llm.tail()
