@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import vllm
+from packaging.version import Version
 
 from tests.fixtures.cache_server import CacheServerProcess
 from tests.fixtures.redis_server import RedisServer
@@ -96,9 +98,18 @@ def test_the_second_run_loads_the_prompt_from_the_tier(tier: str, layerwise: boo
             assert skipped["metrics"].get("kvtier:stored_tokens_total", 0) == 0
         cold = llm.generate([prompt_2k])
         warm = llm.generate([prompt_2k])
+        if tier == "cpu":  # vLLM's reset_prefix_cache(reset_connector=True) empties the cpu tier
+            assert llm.command(op="reset_prefix_cache", connector=True)["ok"]
+            assert llm.generate([prompt_2k], max_tokens=1)["outputs"][0]["cached"] == 0
     assert cold["outputs"][0]["cached"] == 0
     assert warm["outputs"][0]["tokens"] == cold["outputs"][0]["tokens"]
     assert warm["outputs"][0]["cached"] >= 0.9 * len(prompt_2k), llm.tail()
     loaded = warm["metrics"].get("kvtier:connector_hit_tokens_total", 0) - cold["metrics"].get(
         "kvtier:connector_hit_tokens_total", 0)
     assert loaded == warm["outputs"][0]["cached"]
+    if Version(vllm.__version__).release < (0, 32):
+        return  # vLLM counts hits per source from 0.32 on
+    # vLLM's own per-source hit counter names the tier: host memory, disk, else unspecified
+    source = {"cpu": "host", "disk": "disk"}.get(tier, "external_unspecified")
+    by_source = f"vllm:prompt_tokens_cached_by_source.{source}"
+    assert warm["metrics"][by_source] - cold["metrics"].get(by_source, 0) == loaded
