@@ -151,15 +151,18 @@ class KVTierPlanner(KVConnectorScheduler):
 
     def load_sources(self, request_id: str) -> dict[str, int]:
         """Returns the tokens of the load planned for `request_id` per tier name, each chunk
-        counted for the fastest tier whose leading run of the load's chunks holds it (one
-        existence query; the load itself may find otherwise); {} when none is planned."""
+        counted for the fastest tier whose leading run of the load's chunks holds it, a chunk
+        beyond every run for the fastest tier (a store still queued lands there first, and the
+        load waits for it); one existence query, the load itself may find otherwise. {} when
+        none is planned."""
         load = self._loading.get(request_id) or self._step_loads.get(request_id)
         if load is None:
             return {}
         runs = self.presence.tier_prefix_chunks(self.keyspace, load.spans)
+        fastest = next(iter(runs), "")
         out: dict[str, int] = {}
         for i, sp in enumerate(load.spans):
-            tier = next((name for name, n in runs.items() if n > i), "")
+            tier = next((name for name, n in runs.items() if n > i), fastest)
             out[tier] = out.get(tier, 0) + min(sp.end, load.end) - max(sp.start, load.start)
         return out
 

@@ -21,13 +21,15 @@ PROMPT = 1500
 WINDOW = 256  # a sliding window the prompt exceeds: its groups load only the window's blocks
 
 
+TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=4096, vocab_size=1000)
+
+
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("gemma3"), model_type="gemma3_text",
-                                tokenizer_dir=default_model_path, hidden_size=128, intermediate_size=256,
-                                num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                sliding_window=WINDOW, max_position_embeddings=4096, vocab_size=1000,
-                                layer_types=[*["sliding_attention"] * 5, "full_attention"])
+                                tokenizer_dir=default_model_path, **TINY, num_hidden_layers=6, head_dim=32,
+                                sliding_window=WINDOW, layer_types=[*["sliding_attention"] * 5, "full_attention"])
 
 
 def test_a_hybrid_model_loads_from_the_cpu_tier_with_the_hybrid_manager_on(gemma3: Path, tmp_path: Path) -> None:
