@@ -49,7 +49,6 @@ class VllmSchedulerConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         setup = vllm_setup(vllm_config, kv_cache_config, attention_backend())
         kvt = vllm_config.kv_transfer_config
-        self.num_groups = setup.num_groups
         self.metrics = ConnectorMetrics()
         self.presence = RemotePresence(lookup_socket_path(kvt.engine_id))
         self.planner = KVTierPlanner(setup.config, self.presence, self.metrics, loads=setup.loads, saves=setup.saves)
