@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "vec_math.h"
 #include <limits>
@@ -35,16 +36,27 @@ namespace {
 // A row's prior log-sum-exp when nothing was attended before starts[b].
 constexpr float kNoPrior = -std::numeric_limits<float>::infinity();
 
-using kvtier::ivec16;
+using kvtier::ivecf;
 using kvtier::kLanes;
-using kvtier::vec16;
+using kvtier::vecf;
 
-// Lanes 0-7: the sums of a's adjacent lane pairs; lanes 8-15: b's.
-inline vec16 pair_sums(vec16 a, vec16 b) {
-  const ivec16 even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  const ivec16 odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+// Lanes [0, kLanes / 2): the sums of a's adjacent lane pairs; the upper half: b's.
+template <size_t... I>
+constexpr ivecf lane_indices(int32_t first, std::index_sequence<I...>) {
+  return ivecf{static_cast<int32_t>(first + 2 * I)...};
+}
+
+inline vecf pair_sums(vecf a, vecf b) {
+  constexpr ivecf even = lane_indices(0, std::make_index_sequence<kLanes>{});
+  constexpr ivecf odd = lane_indices(1, std::make_index_sequence<kLanes>{});
   return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
 }
+
+// Query heads scored together against 8 keys (dots8): their 8 sums each must fit in the
+// registers (24 of AVX-512's 32; AVX2 has 16).
+constexpr int64_t kDotHeads = kLanes == 16 ? 3 : 1;
+// Accumulator registers of add_weighted_values (half of AVX-512's; AVX2 keeps half for V rows).
+constexpr int64_t kValueRegs = kLanes == 16 ? 16 : 8;
 
 // acc[g] += sum over the n keys t of p_g[t] * V[t], for NG query heads sharing one kv head
 // (D floats each), where V[t] = v + offsets[t] and p_g = scores + g * stride. The NG x D sums
@@ -53,44 +65,45 @@ template <int64_t D, int64_t NG>
 inline void add_weighted_values(const float* v, const int64_t* offsets, int64_t n, const float* scores,
                                 int64_t stride, float* acc) {
   constexpr int64_t C = D / kLanes;
-  vec16 a[NG][C];
+  vecf a[NG][C];
   for (int64_t g = 0; g < NG; ++g)
-    for (int64_t c = 0; c < C; ++c) a[g][c] = kvtier::load16(acc + g * D + c * kLanes);
+    for (int64_t c = 0; c < C; ++c) a[g][c] = kvtier::loadv(acc + g * D + c * kLanes);
   for (int64_t t = 0; t < n; ++t) {
     const float* row = v + offsets[t];
-    vec16 vc[C];
-    for (int64_t c = 0; c < C; ++c) vc[c] = kvtier::load16(row + c * kLanes);
+    vecf vc[C];
+    for (int64_t c = 0; c < C; ++c) vc[c] = kvtier::loadv(row + c * kLanes);
     for (int64_t g = 0; g < NG; ++g) {
-      const vec16 p = vec16{} + scores[g * stride + t];
+      const vecf p = vecf{} + scores[g * stride + t];
       for (int64_t c = 0; c < C; ++c) a[g][c] += p * vc[c];
     }
   }
   for (int64_t g = 0; g < NG; ++g)
-    for (int64_t c = 0; c < C; ++c) kvtier::store16(acc + g * D + c * kLanes, a[g][c]);
+    for (int64_t c = 0; c < C; ++c) kvtier::storev(acc + g * D + c * kLanes, a[g][c]);
 }
 
 // Scores of NG query heads sharing one kv head against 8 keys: lane j (j < 8) of the result
 // for head g is q_g . keys[j][offset : offset + D]. Each key chunk is loaded once for the NG
-// heads; each dot's 16 lane-wise partial sums are then summed across lanes (pair_sums).
+// heads; each dot's kLanes lane-wise partial sums are then summed across lanes (pair_sums).
 template <int64_t D, int64_t NG>
 inline void dots8(const float* q, const float* const* keys, int64_t offset, float* scores, int64_t stride) {
-  vec16 acc[NG][8];
+  vecf acc[NG][8];
   for (int64_t g = 0; g < NG; ++g)
-    for (int64_t j = 0; j < 8; ++j) acc[g][j] = vec16{};
+    for (int64_t j = 0; j < 8; ++j) acc[g][j] = vecf{};
   for (int64_t c = 0; c < D; c += kLanes) {
-    vec16 qc[NG];
-    for (int64_t g = 0; g < NG; ++g) qc[g] = kvtier::load16(q + g * D + c);
+    vecf qc[NG];
+    for (int64_t g = 0; g < NG; ++g) qc[g] = kvtier::loadv(q + g * D + c);
     for (int64_t j = 0; j < 8; ++j) {
-      const vec16 kc = kvtier::load16(keys[j] + offset + c);
+      const vecf kc = kvtier::loadv(keys[j] + offset + c);
       for (int64_t g = 0; g < NG; ++g) acc[g][j] += qc[g] * kc;
     }
   }
   for (int64_t g = 0; g < NG; ++g) {
-    vec16* a = acc[g];
-    for (int64_t width = 8; width > 1; width /= 2) {
+    vecf* a = acc[g];
+    for (int64_t width = 8; width > 1; width /= 2) {  // a[0]: kLanes / 8 lanes per key, in key order
       for (int64_t j = 0; j < width / 2; ++j) a[j] = pair_sums(a[2 * j], a[2 * j + 1]);
     }
-    const vec16 sums = pair_sums(a[0], a[0]);  // lanes 0-7: the 8 dots
+    vecf sums = a[0];
+    for (int64_t lanes = kLanes; lanes > 8; lanes /= 2) sums = pair_sums(sums, sums);  // lanes 0-7: the 8 dots
     std::memcpy(scores + g * stride, &sums, 8 * sizeof(float));
   }
 }
@@ -177,14 +190,13 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
       }
       int64_t t = 0;
       if constexpr (std::is_same_v<scalar_t, float> && HEAD > 0 && HEAD % kLanes == 0) {
-        // 8 keys at a time, the query heads of one kv head together (at most 3: their sums
-        // fill 24 of the vector registers).
+        // 8 keys at a time, the query heads of one kv head together (up to kDotHeads).
         const float* keys[8];
         for (; t + 8 <= n; t += 8) {
           prefetch_rows(kv, offsets, fetch, t + 64, std::min(n, t + 72), token_stride);
           for (int64_t j = 0; j < 8; ++j) keys[j] = kv + offsets[t + j];
           for (int64_t hq = 0; hq < H;) {
-            const int64_t step = std::min<int64_t>(3, G - hq % G);
+            const int64_t step = std::min<int64_t>(kDotHeads, G - hq % G);
             const float* qh = qs + hq * D;
             float* s = scores + hq * partition + t;
             const int64_t off = (hq / G) * D;
@@ -231,11 +243,11 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
         l[hq] = total;
       }
       if constexpr (std::is_same_v<scalar_t, float> && HEAD > 0 && HEAD % kLanes == 0) {
-        // Query heads of one kv head in groups whose sums fit in 16 vector registers, over
+        // Query heads of one kv head in groups whose sums fit in kValueRegs registers, over
         // tiles of 16 keys, so the tile's V rows stay in L1 while each group reads its head's
         // part of them (one group passing over all n keys, then the next, was 10% slower when
         // the rows came from memory).
-        constexpr int64_t kGroup = std::min<int64_t>(4, std::max<int64_t>(1, 4 * 64 / HEAD));
+        constexpr int64_t kGroup = std::min<int64_t>(4, std::max<int64_t>(1, kValueRegs / (HEAD / kLanes)));
         constexpr int64_t kTile = 16;
         std::fill(acc, acc + H * D, 0.f);
         for (int64_t t = 0; t < n; t += kTile) {

@@ -34,34 +34,37 @@
 namespace {
 
 using kvtier::kLanes;
-using kvtier::load16;
-using kvtier::store16;
-using kvtier::vec16;
+using kvtier::loadv;
+using kvtier::storev;
+using kvtier::vecf;
 
 constexpr int64_t kTq = 32;  // query positions per work item
 constexpr int64_t kTk = 32;  // keys per tile
 // Scores of 8 keys x 3 row vectors (24 sums in registers) per step: measured 1.6x faster than
-// 4 x 4 (one layer, 4k keys), whose queries the key rows re-read from L2 twice as often.
-constexpr int64_t kKeyStep = 8;
+// 4 x 4 (one layer, 4k keys), whose queries the key rows re-read from L2 twice as often. AVX2's
+// 16 registers hold 4 x 3.
+constexpr int64_t kKeyStep = kLanes == 16 ? 8 : 4;
 constexpr int64_t kRowVecs = 3;
+// The V product's vectors of columns per row (4 rows at a time): 16 sums, or AVX2's 8.
+constexpr int64_t kValueVecs = kLanes == 16 ? 4 : 2;
 
 // st[j][16 v + i] = sum over d < D of keys[j][d] * qt[d][16 v + i], for NJ keys and NV vectors
 // of 16 rows; qt and st have row stride `rpad`.
 template <int64_t NJ, int64_t NV>
 inline void tile_scores(const float* const* keys, const float* qt, int64_t D, int64_t rpad, float* st) {
-  vec16 acc[NJ][NV];
+  vecf acc[NJ][NV];
   for (int64_t j = 0; j < NJ; ++j)
-    for (int64_t v = 0; v < NV; ++v) acc[j][v] = vec16{};
+    for (int64_t v = 0; v < NV; ++v) acc[j][v] = vecf{};
   for (int64_t d = 0; d < D; ++d) {
-    vec16 qv[NV];
-    for (int64_t v = 0; v < NV; ++v) qv[v] = load16(qt + d * rpad + v * kLanes);
+    vecf qv[NV];
+    for (int64_t v = 0; v < NV; ++v) qv[v] = loadv(qt + d * rpad + v * kLanes);
     for (int64_t j = 0; j < NJ; ++j) {
-      const vec16 k = vec16{} + keys[j][d];
+      const vecf k = vecf{} + keys[j][d];
       for (int64_t v = 0; v < NV; ++v) acc[j][v] += k * qv[v];
     }
   }
   for (int64_t j = 0; j < NJ; ++j)
-    for (int64_t v = 0; v < NV; ++v) store16(st + j * rpad + v * kLanes, acc[j][v]);
+    for (int64_t v = 0; v < NV; ++v) storev(st + j * rpad + v * kLanes, acc[j][v]);
 }
 
 // For NR rows r and C vectors of columns from `col`: o[r][:] = o[r][:] * alpha[r]
@@ -69,31 +72,31 @@ inline void tile_scores(const float* const* keys, const float* qt, int64_t D, in
 template <int64_t C, int64_t NR>
 inline void add_values(const float* const* vals, int64_t n, int64_t col, const float* pt, int64_t rpad,
                        const float* alpha, float* o, int64_t D) {
-  vec16 acc[NR][C];
+  vecf acc[NR][C];
   for (int64_t r = 0; r < NR; ++r) {
-    const vec16 a = vec16{} + alpha[r];
-    for (int64_t c = 0; c < C; ++c) acc[r][c] = load16(o + r * D + col + c * kLanes) * a;
+    const vecf a = vecf{} + alpha[r];
+    for (int64_t c = 0; c < C; ++c) acc[r][c] = loadv(o + r * D + col + c * kLanes) * a;
   }
   for (int64_t j = 0; j < n; ++j) {
-    vec16 vv[C];
-    for (int64_t c = 0; c < C; ++c) vv[c] = load16(vals[j] + col + c * kLanes);
+    vecf vv[C];
+    for (int64_t c = 0; c < C; ++c) vv[c] = loadv(vals[j] + col + c * kLanes);
     for (int64_t r = 0; r < NR; ++r) {
-      const vec16 p = vec16{} + pt[j * rpad + r];
+      const vecf p = vecf{} + pt[j * rpad + r];
       for (int64_t c = 0; c < C; ++c) acc[r][c] += p * vv[c];
     }
   }
   for (int64_t r = 0; r < NR; ++r)
-    for (int64_t c = 0; c < C; ++c) store16(o + r * D + col + c * kLanes, acc[r][c]);
+    for (int64_t c = 0; c < C; ++c) storev(o + r * D + col + c * kLanes, acc[r][c]);
 }
 
-// The V product for `rows` rows: 4 rows x 4 vectors of columns at a time (16 sums in
-// registers), then what is left of the columns (fewer vectors, then single lanes).
+// The V product for `rows` rows: 4 rows x kValueVecs vectors of columns at a time, then what
+// is left of the columns (fewer vectors, then single lanes).
 inline void tile_values(const float* const* vals, int64_t n, const float* pt, int64_t rpad, const float* alpha,
                         float* o, int64_t rows, int64_t D) {
   constexpr int64_t NR = 4;
   int64_t col = 0;
   for (; col + kLanes <= D;) {
-    const int64_t c = std::min<int64_t>(4, (D - col) / kLanes);
+    const int64_t c = std::min<int64_t>(kValueVecs, (D - col) / kLanes);
     int64_t r = 0;
     for (; r + NR <= rows; r += NR) {
       switch (c) {
@@ -114,7 +117,7 @@ inline void tile_values(const float* const* vals, int64_t n, const float* pt, in
     col += c * kLanes;
   }
   if (col == D) return;
-  for (int64_t r = 0; r < rows; ++r) {  // head sizes off a multiple of 16: the last lanes
+  for (int64_t r = 0; r < rows; ++r) {  // head sizes off a multiple of kLanes: the last lanes
     float* orow = o + r * D;
     for (int64_t d = col; d < D; ++d) orow[d] *= alpha[r];
     for (int64_t j = 0; j < n; ++j) {
@@ -171,7 +174,7 @@ void prefill(const float* q, const float* kv, const int64_t* tables, const int64
     float* __restrict pos = alpha + rpad;            // the row's position (last keys it sees)
     const float* keys[kTk];
     const float* vals[kTk];
-    const vec16 ninf = vec16{} - std::numeric_limits<float>::infinity();
+    const vecf ninf = vecf{} - std::numeric_limits<float>::infinity();
     for (int64_t it; (it = next.fetch_add(1)) < num_items;) {
       const Item item = items[it];
       // Not causal: keys [k_begin, k_end), every row at the last one's position. Ranges start
@@ -222,26 +225,26 @@ void prefill(const float* q, const float* kv, const int64_t* tables, const int64
         // the tile's first position) get probability 0.
         const bool masked = k0 + kTk - 1 > first_pos;
         for (int64_t v = 0; v < rvecs; ++v) {
-          const vec16 prev = load16(m + v * kLanes), posv = load16(pos + v * kLanes);
-          vec16 top = prev;
+          const vecf prev = loadv(m + v * kLanes), posv = loadv(pos + v * kLanes);
+          vecf top = prev;
           for (int64_t j = 0; j < kTk; ++j) {
-            vec16 x = load16(st + j * rpad + v * kLanes);
+            vecf x = loadv(st + j * rpad + v * kLanes);
             if (softcap > 0.f) x = softcap * kvtier::tanh_approx(x * (1.f / softcap));
-            if (masked) x = vec16{} + static_cast<float>(k0 + j) <= posv ? x : ninf;
-            store16(st + j * rpad + v * kLanes, x);
+            if (masked) x = vecf{} + static_cast<float>(k0 + j) <= posv ? x : ninf;
+            storev(st + j * rpad + v * kLanes, x);
             top = x > top ? x : top;
           }
-          const vec16 a = kvtier::exp_nonpositive(prev - top);
-          vec16 sum = vec16{};
+          const vecf a = kvtier::exp_nonpositive(prev - top);
+          vecf sum = vecf{};
           for (int64_t j = 0; j < kTk; ++j) {
-            const vec16 x = load16(st + j * rpad + v * kLanes);
-            const vec16 p = x == ninf ? vec16{} : kvtier::exp_nonpositive(x - top);
-            store16(st + j * rpad + v * kLanes, p);
+            const vecf x = loadv(st + j * rpad + v * kLanes);
+            const vecf p = x == ninf ? vecf{} : kvtier::exp_nonpositive(x - top);
+            storev(st + j * rpad + v * kLanes, p);
             sum += p;
           }
-          store16(alpha + v * kLanes, a);
-          store16(m + v * kLanes, top);
-          store16(l + v * kLanes, load16(l + v * kLanes) * a + sum);
+          storev(alpha + v * kLanes, a);
+          storev(m + v * kLanes, top);
+          storev(l + v * kLanes, loadv(l + v * kLanes) * a + sum);
         }
         tile_values(vals, nk, st, rpad, alpha, o, rows, D);
       }

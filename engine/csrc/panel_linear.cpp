@@ -15,17 +15,13 @@
 
 namespace {
 
-using kvtier::kLanes;  // a panel's columns
+constexpr int64_t kPanel = 16;  // a panel's columns
 
-// The micro-kernel's vector is the machine's widest register (GCC's vector extension): a
-// vec16 on AVX2 would be two registers the compiler spills. A panel's row is 16 / kVec of them.
-#ifdef __AVX512F__
-constexpr int kVec = 16;
-#else
-constexpr int kVec = 8;
-#endif
-typedef float vreg __attribute__((vector_size(kVec * sizeof(float))));
-constexpr int kPerPanel = kLanes / kVec;
+// The micro-kernel's vector is the machine's widest register (vec_math.h): a panel's row is
+// 16 / kVec of them.
+using vreg = kvtier::vecf;
+constexpr int kVec = static_cast<int>(kvtier::kLanes);
+constexpr int kPerPanel = kPanel / kVec;
 
 // Rows of x x panels per micro-kernel call: as many accumulators as the registers hold beside a
 // panel's row and a broadcast of x (24 of AVX-512's 32 registers, 12 of AVX2's 16).
@@ -42,13 +38,8 @@ constexpr int64_t kSliceBytes = 8 << 20;
 // in L1 (1.0-1.1x oneDNN at 512-1024 rows, where row blocks were 0.95-1.03x).
 constexpr int64_t kAllRows = 1024;
 
-inline vreg load_v(const float* p) {
-  vreg v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store_v(float* p, vreg v) { std::memcpy(p, &v, sizeof v); }
+using kvtier::loadv;
+using kvtier::storev;
 
 // y[0..R) x [0..NP*16) = x[0..R) @ panels (+ bias); last_cols: the valid columns of the last
 // panel (16 elsewhere).
@@ -58,29 +49,29 @@ void micro(const float* __restrict x, int64_t K, const float* __restrict w, cons
   constexpr int V = NP * kPerPanel;
   vreg acc[R][V];
   for (int v = 0; v < V; ++v) {
-    const vreg b = bias != nullptr ? load_v(bias + kVec * v) : vreg{};
+    const vreg b = bias != nullptr ? loadv(bias + kVec * v) : vreg{};
     for (int r = 0; r < R; ++r) acc[r][v] = b;
   }
-  const int64_t panel_stride = K * kLanes;
+  const int64_t panel_stride = K * kPanel;
   for (int64_t k = 0; k < K; ++k) {
     vreg wk[V];
     for (int v = 0; v < V; ++v) {
-      wk[v] = load_v(w + (v / kPerPanel) * panel_stride + k * kLanes + (v % kPerPanel) * kVec);
+      wk[v] = loadv(w + (v / kPerPanel) * panel_stride + k * kPanel + (v % kPerPanel) * kVec);
     }
     for (int r = 0; r < R; ++r) {
       const float a = x[r * K + k];
       for (int v = 0; v < V; ++v) acc[r][v] += wk[v] * a;
     }
   }
-  const int64_t cols = (NP - 1) * kLanes + last_cols;
+  const int64_t cols = (NP - 1) * kPanel + last_cols;
   for (int r = 0; r < R; ++r) {
     float* yr = y + r * ldy;
     for (int v = 0; v < V; ++v) {
       if ((v + 1) * kVec <= cols) {
-        store_v(yr + kVec * v, acc[r][v]);
+        storev(yr + kVec * v, acc[r][v]);
       } else if (v * kVec < cols) {
         float tmp[kVec];
-        store_v(tmp, acc[r][v]);
+        storev(tmp, acc[r][v]);
         std::memcpy(yr + kVec * v, tmp, sizeof(float) * (cols - v * kVec));
       }
     }
@@ -109,11 +100,11 @@ void run_block(const float* x, const float* w, const float* bias, float* y, int6
                int64_t r1, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; p += kMaxPanels) {
     const int64_t np = std::min<int64_t>(kMaxPanels, p1 - p);
-    const int64_t last_cols = std::min<int64_t>(kLanes, N - (p + np - 1) * kLanes);
+    const int64_t last_cols = std::min<int64_t>(kPanel, N - (p + np - 1) * kPanel);
     const float* xr = x + r0 * K;
-    const float* wp = w + p * K * kLanes;
-    const float* bp = bias != nullptr ? bias + p * kLanes : nullptr;
-    float* yp = y + r0 * N + p * kLanes;
+    const float* wp = w + p * K * kPanel;
+    const float* bp = bias != nullptr ? bias + p * kPanel : nullptr;
+    float* yp = y + r0 * N + p * kPanel;
     switch (np) {
       case 4: rows_over_panels<4>(xr, r1 - r0, K, wp, bp, yp, N, last_cols); break;
       case 3: rows_over_panels<3>(xr, r1 - r0, K, wp, bp, yp, N, last_cols); break;
@@ -132,14 +123,14 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [rows, in_features] tensor");
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kFloat && panels.is_contiguous() &&
-              panels.size(2) == kLanes, "panels must be contiguous float32 [ceil(N/16), K, 16]");
+              panels.size(2) == kPanel, "panels must be contiguous float32 [ceil(N/16), K, 16]");
   const int64_t M = x.size(0), K = x.size(1), N = out_features, P = panels.size(0);
   TORCH_CHECK(panels.size(1) == K, "x has ", K, " features, the weight ", panels.size(1));
-  TORCH_CHECK(N > (P - 1) * kLanes && N <= P * kLanes, out_features, " outputs do not fill ", P, " panels of 16");
+  TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, out_features, " outputs do not fill ", P, " panels of 16");
   const float* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->scalar_type() == torch::kFloat && bias->is_contiguous() &&
-                bias->size(0) == P * kLanes, "bias must be contiguous float32 [16 * panels]");
+                bias->size(0) == P * kPanel, "bias must be contiguous float32 [16 * panels]");
     bp = bias->data_ptr<float>();
   }
   auto y = torch::empty({M, N}, x.options());
@@ -155,7 +146,7 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
     const int64_t block = ((M + row_blocks - 1) / row_blocks + kMaxRows - 1) / kMaxRows * kMaxRows;
     // Items of (a row block, kMaxPanels panels): slice, then row block, then panels.
     const int64_t groups = (P + kMaxPanels - 1) / kMaxPanels;
-    const int64_t group_bytes = K * kLanes * kMaxPanels * static_cast<int64_t>(sizeof(float));
+    const int64_t group_bytes = K * kPanel * kMaxPanels * static_cast<int64_t>(sizeof(float));
     const int64_t per_slice = std::clamp<int64_t>(kSliceBytes / group_bytes, 1, groups);
     const int64_t slices = (groups + per_slice - 1) / per_slice;
     at::parallel_for(0, slices * row_blocks * per_slice, 1, [&](int64_t i0, int64_t i1) {

@@ -1,5 +1,5 @@
 // Vectorisable math shared by the engine's CPU kernels: each function takes a float or a
-// vector of 16 floats (`vec16`, GCC's vector extension: one AVX-512 register, two AVX2 ones).
+// vector of kLanes floats (`vecf`, GCC's vector extension: one register of the machine).
 #pragma once
 
 #include <cstdint>
@@ -7,17 +7,24 @@
 
 namespace kvtier {
 
+// The machine's widest float register: 16 lanes with AVX-512, else 8 (AVX2). GCC lowers a
+// generic vector wider than the target's registers element by element, which ran the
+// attention kernels slower than PyTorch's own ops on an AVX2-only host (benchmarks/results/kernels*.md).
+#ifdef __AVX512F__
 constexpr int64_t kLanes = 16;
-typedef float vec16 __attribute__((vector_size(64)));
-typedef int32_t ivec16 __attribute__((vector_size(64)));
+#else
+constexpr int64_t kLanes = 8;
+#endif
+typedef float vecf __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t ivecf __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
-inline vec16 load16(const float* p) {
-  vec16 v;
+inline vecf loadv(const float* p) {
+  vecf v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof v); }
+inline void storev(float* p, vecf v) { std::memcpy(p, &v, sizeof v); }
 
 // p * 2^n for integral n in float32's normal exponent range, by adding n to p's exponent bits.
 inline float times_pow2(float p, float n) {
@@ -28,10 +35,10 @@ inline float times_pow2(float p, float n) {
   return p;
 }
 
-inline vec16 times_pow2(vec16 p, vec16 n) {
-  ivec16 bits;
+inline vecf times_pow2(vecf p, vecf n) {
+  ivecf bits;
   std::memcpy(&bits, &p, sizeof bits);
-  bits += __builtin_convertvector(n, ivec16) << 23;
+  bits += __builtin_convertvector(n, ivecf) << 23;
   std::memcpy(&p, &bits, sizeof p);
   return p;
 }

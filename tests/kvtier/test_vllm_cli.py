@@ -108,8 +108,8 @@ def test_without_vllm_one_line_names_the_install_command(tmp_path: Path) -> None
 def test_an_unsupported_vllm_is_refused_before_its_cli_runs(tmp_path: Path) -> None:
     """A `vllm` module of another version (and no `vllm.entrypoints`): refused by the range check."""
     (tmp_path / "vllm").mkdir()
-    (tmp_path / "vllm" / "__init__.py").write_text('__version__ = "0.31.2"\n')
+    (tmp_path / "vllm" / "__init__.py").write_text('__version__ = "0.29.2"\n')
     out = run(["-m", "kvtier.vllm_cli", "serve", "--help"], tmp_path)
     assert out.returncode == 1 and out.stdout == ""
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and ">=0.32.0,<0.33" in lines[0] and "'0.31.2'" in lines[0], out.stderr
+    assert len(lines) == 1 and ">=0.30.0,<0.33" in lines[0] and "'0.29.2'" in lines[0], out.stderr
