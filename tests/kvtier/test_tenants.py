@@ -30,7 +30,7 @@ KEYS = {"alice": "sk-alice-1", "bob": "sk-bob-2"}
 SALTS = {"alice": "tenant-alice", "bob": "tenant-bob"}
 ENGINE_ARGS = ["--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "512", "--max-num-seqs", "4",
                "--chunk-size", "256"]
-DOC = long_text(51) + "\n\nSummarise the sections above in one sentence:"
+DOC = long_text(26) + "\n\nSummarise the sections above in one sentence:"
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_two_tenants_one_document_across_processes(servers, stores) -> None:
     text, cached = complete(a, alice, DOC)
     assert cached == 0
     n = lookup(a, ADMIN, DOC).json()["num_tokens"]
-    assert 2000 <= n <= 2100
+    assert 1000 <= n <= 1100  # four full chunks of 256 and a tail
     # Alice's chunks reach both shared tiers (written behind the request: wait for them).
     deadline = time.monotonic() + 60
     while min(lookup(b, alice, DOC).json()["tiers"].values()) < n - 1 and time.monotonic() < deadline:
@@ -139,11 +139,11 @@ def test_metrics_label_hits_loads_and_stores_by_tenant(servers) -> None:
     assert on_b[("kvtier:kv_tenant_loaded_bytes", "alice")] > 0
     assert on_b[("kvtier:kv_tenant_hit_tokens", "other")] == 0 and on_b[("kvtier:kv_tenant_stored_bytes", "other")] > 0
     deadline = time.monotonic() + 60  # stores count once they ran, behind the request
-    while (on_a := tenant_figures(a)[0])[("kvtier:kv_tenant_stored_tokens", "none")] < 7 * 256:
+    while (on_a := tenant_figures(a)[0])[("kvtier:kv_tenant_stored_tokens", "none")] < 4 * 256:
         assert time.monotonic() < deadline, on_a
         time.sleep(0.2)
     on_a, text_a = tenant_figures(a)
-    assert on_a[("kvtier:kv_tenant_stored_tokens", "alice")] >= 7 * 256  # the document's full chunks
+    assert on_a[("kvtier:kv_tenant_stored_tokens", "alice")] >= 4 * 256  # the document's full chunks
     assert on_a[("kvtier:kv_tenant_hit_tokens", "none")] == 0
     assert not any(salt in text for salt in SALTS.values() for text in (text_a, text_b))  # salts are secrets
 
