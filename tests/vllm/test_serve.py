@@ -1,6 +1,7 @@
 """`vllm serve` with kvtier's connector across processes: one server stores, a fresh server
 loads through a shared tier (Redis: as kv_producer then kv_consumer; the cache server: both
-kv_both), tested with the official `openai` client, streamed and not; /metrics moves."""
+kv_both), tested with the official `openai` client, streamed and not; /metrics moves, and vLLM
+counts the loaded tokens as from an unspecified external source (a shared tier)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import openai
 import pytest
+import vllm
+from packaging.version import Version
 
 from tests.fixtures.connector import tier_url
 from tests.fixtures.vllm import VllmServer, start_together
@@ -72,3 +75,6 @@ def test_a_fresh_server_loads_what_another_stored(tier: str, roles: tuple[str, s
         second.close()
     loaded = after.get("kvtier:connector_hit_tokens_total", 0) - before.get("kvtier:connector_hit_tokens_total", 0)
     assert loaded >= 2 * 0.9 * len(prompt_2k)
+    if Version(vllm.__version__).release >= (0, 32):  # vLLM counts hits per source from 0.32 on
+        by_source = "vllm:prompt_tokens_cached_by_source.external_unspecified"
+        assert after.get(by_source, 0) - before.get(by_source, 0) == loaded

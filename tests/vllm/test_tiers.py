@@ -1,5 +1,6 @@
-"""A repeated 2k-token prompt is loaded from each tier by a real vLLM (prefix caching off),
-with the tokens of the cold run."""
+"""A repeated 2k-token prompt is loaded from each tier of one process by a real vLLM (prefix
+caching off), with the tokens of the cold run; and vLLM's own prefix cache together with the
+connector: the engine's hit and the connector's are never double-counted."""
 
 from __future__ import annotations
 
@@ -7,19 +8,24 @@ import concurrent.futures
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import vllm
 from packaging.version import Version
 
-from tests.fixtures.cache_server import CacheServerProcess
-from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.vllm import VllmLLM, start_together
 
-# (tier, use_layerwise): background loads from every tier; layer-by-layer loads in the
-# request's first step (vLLM's synchronous path, its forward waiting per layer) from one.
-CASES = [("cpu", False), ("disk", False), ("redis", False), ("kvtier", False), ("disk", True)]
-Case = tuple[str, bool]
+# The vLLM each case starts: (its tier, use_layerwise, more VllmLLM keywords). Background loads
+# from each tier of this process; layer-by-layer loads in the request's first step (vLLM's
+# synchronous path, its forward waiting per layer) from one. The shared tiers (Redis, the
+# cache server) are loaded from by a fresh process in test_serve.py.
+CASES: dict[str, tuple[str, bool, dict[str, Any]]] = {
+    "cpu": ("cpu", False, {}),
+    "disk": ("disk", False, {}),
+    "disk-layerwise": ("disk", True, {}),
+    "cpu-prefix-caching": ("cpu", False, {"prefix_caching": True}),
+}
 
 
 class TierLLMs:
@@ -27,29 +33,17 @@ class TierLLMs:
     together with the next selected case's (`start_together`) and serves only its own test;
     the used ones are closed together, before the next start (or at the end)."""
 
-    def __init__(self, model: Path, selected: list[Case], tmp: pytest.TempPathFactory, redis: RedisServer) -> None:
-        self.model, self.selected, self.tmp, self.redis = model, selected, tmp, redis
-        self.ready: dict[Case, VllmLLM] = {}  # started, its test not run yet
+    def __init__(self, model: Path, selected: list[str], tmp: pytest.TempPathFactory) -> None:
+        self.model, self.selected, self.tmp = model, selected, tmp
+        self.ready: dict[str, VllmLLM] = {}  # started, its test not run yet
         self.used: list[VllmLLM] = []
-        self.cache_servers: list[CacheServerProcess] = []
 
-    def _url(self, tier: str) -> str:
-        if tier == "disk":
-            return f"disk://{self.tmp.mktemp('disk') / 'kv'}"
-        if tier == "redis":  # emptied again by its test, as the `redis_server` fixture does
-            if not self.redis.alive():
-                self.redis.restart()
-            return self.redis.url
-        if tier == "kvtier":  # a fresh one per case, as the `cache_server` fixture gives
-            self.cache_servers.append(CacheServerProcess("--max-bytes", "256MiB"))
-            return self.cache_servers[-1].url
-        return tier
-
-    def _starter(self, case: Case) -> Callable[[], VllmLLM]:
-        tier, layerwise = case
-        config = {"tiers": [self._url(tier)], "chunk_size": 256, "use_layerwise": layerwise}
-        log = self.tmp.mktemp(f"vllm-{tier}-{'layerwise' if layerwise else 'background'}") / "vllm.log"
-        return lambda: VllmLLM(self.model, config, log)
+    def _starter(self, case: str) -> Callable[[], VllmLLM]:
+        tier, layerwise, spec = CASES[case]
+        log = self.tmp.mktemp(f"vllm-{case}") / "vllm.log"
+        url = f"disk://{log.parent / 'kv'}" if tier == "disk" else tier
+        config = {"tiers": [url], "chunk_size": 256, "use_layerwise": layerwise}
+        return lambda: VllmLLM(self.model, config, log, **spec)
 
     def _close(self, llms: list[VllmLLM]) -> None:
         """Closes `llms` side by side (each waits seconds for vLLM's shutdown)."""
@@ -57,7 +51,7 @@ class TierLLMs:
             list(pool.map(VllmLLM.close, llms))
 
     @contextmanager
-    def use(self, case: Case) -> Iterator[VllmLLM]:
+    def use(self, case: str) -> Iterator[VllmLLM]:
         """Yields the case's vLLM (started with the next case's if not started yet) for one test."""
         if case not in self.ready:
             self._close(self.used)
@@ -73,26 +67,22 @@ class TierLLMs:
 
     def close(self) -> None:
         self._close([*self.used, *self.ready.values()])
-        for server in self.cache_servers:
-            server.kill()
 
 
 @pytest.fixture(scope="module")
-def tier_llms(request: pytest.FixtureRequest, default_model_path: Path, tmp_path_factory: pytest.TempPathFactory,
-              redis_server_session: RedisServer) -> Iterator[TierLLMs]:
-    selected = [tuple(item.callspec.params[k] for k in ("tier", "layerwise")) for item in request.session.items
+def tier_llms(request: pytest.FixtureRequest, default_model_path: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[TierLLMs]:
+    selected = [item.callspec.params["case"] for item in request.session.items
                 if item.module is request.module and hasattr(item, "callspec")]
-    llms = TierLLMs(default_model_path, [c for c in CASES if c in selected], tmp_path_factory, redis_server_session)
+    llms = TierLLMs(default_model_path, selected, tmp_path_factory)
     yield llms
     llms.close()
 
 
-@pytest.mark.parametrize(("tier", "layerwise"), CASES)
-def test_the_second_run_loads_the_prompt_from_the_tier(tier: str, layerwise: bool, tier_llms: TierLLMs,
-                                                       request: pytest.FixtureRequest, prompt_2k: list[int]) -> None:
-    if tier == "redis":
-        request.getfixturevalue("redis_server")  # the session's Redis, emptied: nothing of other tests
-    with tier_llms.use((tier, layerwise)) as llm:
+@pytest.mark.parametrize("case", ["cpu", "disk", "disk-layerwise"])
+def test_the_second_run_loads_the_prompt_from_the_tier(case: str, tier_llms: TierLLMs, prompt_2k: list[int]) -> None:
+    tier = CASES[case][0]
+    with tier_llms.use(case) as llm:
         if tier == "cpu":  # a request that asks not to be stored leaves nothing to load
             skipped = llm.generate([prompt_2k], kv_transfer_params={"kvtier.skip_save": True})
             assert skipped["metrics"].get("kvtier:stored_tokens_total", 0) == 0
@@ -109,7 +99,26 @@ def test_the_second_run_loads_the_prompt_from_the_tier(tier: str, layerwise: boo
     assert loaded == warm["outputs"][0]["cached"]
     if Version(vllm.__version__).release < (0, 32):
         return  # vLLM counts hits per source from 0.32 on
-    # vLLM's own per-source hit counter names the tier: host memory, disk, else unspecified
-    source = {"cpu": "host", "disk": "disk"}.get(tier, "external_unspecified")
+    # vLLM's own per-source hit counter names the tier: host memory or disk
+    source = {"cpu": "host", "disk": "disk"}[tier]
     by_source = f"vllm:prompt_tokens_cached_by_source.{source}"
     assert warm["metrics"][by_source] - cold["metrics"].get(by_source, 0) == loaded
+
+
+@pytest.mark.parametrize("case", ["cpu-prefix-caching"])
+def test_engine_hit_plus_connector_hit(case: str, tier_llms: TierLLMs, prompt_2k: list[int]) -> None:
+    """`num_cached_tokens` is vLLM's own hit plus the connector's."""
+    with tier_llms.use(case) as llm:
+        cold = llm.generate([prompt_2k])
+        assert llm.command(op="reset_prefix_cache")["ok"]
+        half = llm.generate([prompt_2k[:1024]])  # the connector loads it; vLLM caches its blocks
+        warm = llm.generate([prompt_2k])  # vLLM's hit for the first half, the connector's after it
+    assert half["outputs"][0]["cached"] == 1023
+    m0, m1 = half["metrics"], warm["metrics"]
+    engine_hit = m1["vllm:prefix_cache_hits"] - m0["vllm:prefix_cache_hits"]
+    external = m1["vllm:external_prefix_cache_hits"] - m0["vllm:external_prefix_cache_hits"]
+    loaded = m1["kvtier:connector_hit_tokens_total"] - m0["kvtier:connector_hit_tokens_total"]
+    assert engine_hit >= 768 and external > 0
+    assert loaded == external  # the connector loaded only what vLLM's cache did not hold
+    assert warm["outputs"][0]["cached"] == engine_hit + external == 2047
+    assert warm["outputs"][0]["tokens"] == cold["outputs"][0]["tokens"]
