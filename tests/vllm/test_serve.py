@@ -1,12 +1,14 @@
-"""`vllm serve` with kvtier's connector across processes: one server stores, a fresh server
-loads through a shared tier (Redis: as kv_producer then kv_consumer; the cache server: both
-kv_both), tested with the official `openai` client, streamed and not; /metrics moves, and vLLM
-counts the loaded tokens as from an unspecified external source (a shared tier)."""
+"""`vllm serve` with kvtier's connector across processes: a `kv_producer` stores a prompt in
+Redis and the cache server and exits; fresh servers load it through each (Redis as a
+`kv_consumer`, the cache server as `kv_both`), tested with the official `openai` client,
+streamed and not; /metrics moves, and vLLM counts the loaded tokens as from an unspecified
+external source (a shared tier). The three start side by side."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import openai
@@ -14,7 +16,8 @@ import pytest
 import vllm
 from packaging.version import Version
 
-from tests.fixtures.connector import tier_url
+from tests.fixtures.cache_server import CacheServerProcess
+from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.vllm import VllmServer, start_together
 
 
@@ -44,35 +47,54 @@ def _wait_for_metric(server: VllmServer, name: str, at_least: float, timeout: fl
         time.sleep(0.2)
 
 
-@pytest.fixture
-def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    yield tier_url(request.param, tmp_path, request)
+@dataclass
+class Stored:
+    """The loaders (started with the producer, asked nothing yet) and the cold run's tokens."""
+
+    loaders: dict[str, VllmServer]
+    cold: list[int]
 
 
-@pytest.mark.parametrize(("tier", "roles"), [("redis", ("kv_producer", "kv_consumer")),
-                                              ("kvtier", ("kv_both", "kv_both"))], indirect=["tier"])
-def test_a_fresh_server_loads_what_another_stored(tier: str, roles: tuple[str, str], tmp_path: Path,
-                                                  default_model_path: Path, prompt_2k: list[int]) -> None:
-    config = {"tiers": [tier], "chunk_size": 256}
-    # Both start side by side; the second is asked nothing until the first stored and exited.
-    first, second = start_together(lambda: VllmServer(default_model_path, config, tmp_path / "first.log", roles[0]),
-                                   lambda: VllmServer(default_model_path, config, tmp_path / "second.log", roles[1]))
+@pytest.fixture(scope="module")
+def stored(default_model_path: Path, redis_server_session: RedisServer, tmp_path_factory: pytest.TempPathFactory,
+           prompt_2k: list[int]) -> Iterator[Stored]:
+    """A `kv_producer` stores the prompt in Redis and the cache server, then exits; a
+    `kv_consumer` over Redis and a `kv_both` over the cache server, started with it, have
+    not run anything."""
+    logs = tmp_path_factory.mktemp("vllm-serve")
+    redis_server_session.client().flushall()
+    cache = CacheServerProcess("--max-bytes", "256MiB")
+    config = {"chunk_size": 256}
+    producer, *loaders = start_together(
+        lambda: VllmServer(default_model_path, config | {"tiers": [redis_server_session.url, cache.url]},
+                           logs / "producer.log", "kv_producer"),
+        lambda: VllmServer(default_model_path, config | {"tiers": [redis_server_session.url]},
+                           logs / "consumer.log", "kv_consumer"),
+        lambda: VllmServer(default_model_path, config | {"tiers": [cache.url]}, logs / "both.log", "kv_both"))
     try:
         try:
-            if roles[0] == "kv_producer":
-                # The request ends at its prefill, before its stores land; the pending stores keep
-                # the engine stepping, so their counters reach /metrics with no further request.
-                _complete(first, prompt_2k, stream=False, max_tokens=1)
-                _wait_for_metric(first, "kvtier:stored_tokens_total", len(prompt_2k))
-            cold = _complete(first, prompt_2k, stream=False)
+            # The request ends at its prefill, before its stores land; the pending stores keep
+            # the engine stepping, so their counters reach /metrics with no further request.
+            _complete(producer, prompt_2k, stream=False, max_tokens=1)
+            _wait_for_metric(producer, "kvtier:stored_tokens_total", len(prompt_2k))
+            cold = _complete(producer, prompt_2k, stream=False)
         finally:
-            assert first.close() == 0  # SIGINT: queued stores are flushed before it exits
-        before = second.metrics()
-        assert _complete(second, prompt_2k, stream=True) == cold
-        assert _complete(second, prompt_2k, stream=False) == cold
-        after = second.metrics()
+            assert producer.close() == 0  # SIGINT: queued stores are flushed before it exits
+        yield Stored(dict(zip(("redis", "kvtier"), loaders, strict=True)), cold)
     finally:
-        second.close()
+        for server in loaders:
+            server.close()
+        cache.kill()
+
+
+@pytest.mark.parametrize("tier", ["redis", "kvtier"])
+def test_a_fresh_server_loads_what_another_stored(tier: str, stored: Stored, prompt_2k: list[int]) -> None:
+    """Redis: as kv_consumer; the cache server: as kv_both."""
+    server = stored.loaders[tier]
+    before = server.metrics()
+    assert _complete(server, prompt_2k, stream=True) == stored.cold
+    assert _complete(server, prompt_2k, stream=False) == stored.cold
+    after = server.metrics()
     loaded = after.get("kvtier:connector_hit_tokens_total", 0) - before.get("kvtier:connector_hit_tokens_total", 0)
     assert loaded >= 2 * 0.9 * len(prompt_2k)
     if Version(vllm.__version__).release >= (0, 32):  # vLLM counts hits per source from 0.32 on
