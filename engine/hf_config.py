@@ -32,6 +32,7 @@ INERT_KEYS = frozenset({
     "suppress_tokens", "begin_suppress_tokens", "chunk_size_feed_forward", "pruned_heads",
     "tf_legacy_loss", "is_decoder", "is_encoder_decoder", "add_cross_attention",
     "cross_attention_hidden_size", "tie_encoder_decoder",
+    "transformers.js_config",  # settings of another runtime (transformers.js: its quantised files)
 })
 
 

@@ -15,10 +15,15 @@ from engine.hf_config import LONGROPE_TYPES, HFConfig, parse_layer_types, parse_
 
 
 def llama(hf: HFConfig, cfg: dict[str, Any]) -> None:
-    """Llama: optional q/k/v/o bias, MLP bias; transformers' Llama ignores `sliding_window`."""
+    """Llama: optional q/k/v/o bias, MLP bias; transformers' Llama ignores `sliding_window`,
+    and the keys nanotron's exports carry (SmolLM2): `is_llama_config`, a marker, and
+    `rope_interleaved`, which transformers never reads: it rotates halves, so only False means
+    what it computes."""
     cfg["attention_bias"] = cfg["attention_out_bias"] = hf.flag("attention_bias")
     cfg["mlp_bias"] = hf.flag("mlp_bias")
     hf.get("sliding_window")
+    hf.get("is_llama_config")
+    hf.inert_unless("rope_interleaved", False)
 
 
 def mistral(hf: HFConfig, cfg: dict[str, Any]) -> None:
@@ -99,7 +104,9 @@ def phi3_rope(hf: HFConfig) -> tuple[float, dict[str, Any] | None]:
     context from the top-level key (Phi3Config's default 4096)."""
     theta, scaling = parse_rope(hf, rope_types=LONGROPE_TYPES, aliases={"su": "longrope", "yarn": "longrope"},
                                 original_max_default=4096)
-    if scaling is not None:
+    if scaling is None:  # the original context only sizes longrope: inert without it (Phi-3 mini 4k)
+        hf.get("original_max_position_embeddings")
+    else:
         half = _head_size(hf) // 2
         for k in ("short_factor", "long_factor"):
             if not isinstance(scaling[k], list) or len(scaling[k]) != half:

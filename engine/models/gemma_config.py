@@ -54,6 +54,9 @@ def _common(hf: HFConfig, cfg: dict[str, Any], pattern: int, final_cap: float | 
     window = hf.get("sliding_window", 4096)
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         raise ValueError(f"config.json: 'sliding_window' must be a positive integer, got {window!r}")
+    # An older name some Gemma 2 configs still carry beside `sliding_window` (transformers reads
+    # only the latter): inert as the same number, refused as another.
+    hf.inert_unless("sliding_window_size", window)
     num_layers = cfg["num_layers"]
     default = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     types = parse_layer_types(hf, num_layers, default)

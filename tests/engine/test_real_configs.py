@@ -1,0 +1,133 @@
+"""Published `config.json` files of popular checkpoints (tests/fixtures/real_configs; SOURCES.md
+says where each copy came from), shrunk to tiny sizes with every other key exactly as published,
+random weights: kvtier reads what each key means, drops the inert ones and refuses the rest, and
+runs the checkpoint as transformers does (logits; greedy tokens cold, from the prefix cache and
+from the cpu tier). The per-key decisions live in the registry (engine/hf_config.py,
+engine/models); the conditional ones are pinned down here too."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from connector.kvtier_connector import build_connector
+from engine import LLM
+from engine.model_config import ModelConfig
+from engine.model_loader import load_model
+from tests.fixtures.families import GREEDY, greedy_run, prompt_ids
+from tests.fixtures.model import make_checkpoint
+from tests.fixtures.paged import PagedDriver, hf_greedy, hf_logits
+
+pytestmark = pytest.mark.slow
+
+CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "real_configs"
+# Architectures of the corpus the engine does not run yet (issue #49), and what it says.
+NOT_YET = {"Gemma3ForConditionalGeneration": "unsupported architecture",
+           "GraniteMoeForCausalLM": "unsupported architecture"}
+HEADS = 4
+VOCAB = 1000
+
+
+def corpus() -> dict[str, dict[str, Any]]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(CORPUS.glob("*.json"))}
+
+
+def shrink(raw: dict[str, Any]) -> dict[str, Any]:
+    """Returns `raw` with its sizes made tiny (heads, layers, widths, experts, vocabulary) and
+    every other key as published. The head size stays (rope factor lists are per rotary
+    pair), the query-to-kv head ratio too (at least one kv head)."""
+    out = dict(raw)
+    heads, kv = raw["num_attention_heads"], raw.get("num_key_value_heads") or raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    out.update(num_attention_heads=HEADS, num_key_value_heads=max(1, HEADS * kv // heads),
+               hidden_size=HEADS * head_dim, intermediate_size=128, initializer_range=0.1)
+    if "num_key_value_heads" not in raw:
+        del out["num_key_value_heads"]
+    # Enough layers for one of each kind: Gemma 3's global layer comes after its pattern's sliding ones.
+    out["num_hidden_layers"] = raw.get("sliding_window_pattern", 2)
+    if isinstance(raw.get("layer_types"), list):
+        out["layer_types"] = raw["layer_types"][:out["num_hidden_layers"]]
+    # A vocabulary the padding id (the embedding's padding row in transformers) still fits in.
+    pad = raw.get("pad_token_id")
+    out["vocab_size"] = max(VOCAB, pad + 1) if isinstance(pad, int) else VOCAB
+    for key, tiny in (("num_experts", 4), ("num_local_experts", 4), ("moe_intermediate_size", 64)):
+        if key in raw:
+            out[key] = tiny
+    if "num_experts_per_tok" in raw:
+        out["num_experts_per_tok"] = min(2, raw["num_experts_per_tok"])
+    return out
+
+
+RUNNABLE = sorted(name for name, raw in corpus().items() if raw["architectures"][0] not in NOT_YET)
+
+
+def test_the_corpus_covers_the_families() -> None:
+    archs = {raw["architectures"][0] for raw in corpus().values()}
+    assert len(corpus()) >= 15
+    assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MistralForCausalLM",
+            "MixtralForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"} <= archs
+    sources = (CORPUS / "SOURCES.md").read_text()
+    assert all(name.split("--", 1)[1] in sources for name in corpus())  # each says where it came from
+
+
+@pytest.mark.parametrize("name", sorted(corpus()))
+def test_each_published_config_is_read_or_refused_by_name(name: str) -> None:
+    raw = corpus()[name]
+    arch = raw["architectures"][0]
+    if arch in NOT_YET:
+        with pytest.raises(ValueError, match=NOT_YET[arch]):
+            ModelConfig.from_hf_dict(raw)
+    else:
+        ModelConfig.from_hf_dict(raw)  # every key read, or known to be inert
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_a_shrunk_published_config_runs_as_transformers_does(name: str, tmp_path: Path,
+                                                             default_model_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / name, shrink(corpus()[name]), tokenizer_dir=default_model_path)
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    ours, _ = load_model(ckpt, torch.device("cpu"), torch.float32)
+    prompts = [prompt_ids(n) for n in (7, 40)]
+    for p in prompts:
+        torch.testing.assert_close(PagedDriver(ours).step([(0, p)])[0], hf_logits(hf, p), atol=1e-4, rtol=0)
+    refs = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
+    conn = build_connector(["cpu"], chunk_size=16)
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=16, num_gpu_blocks=64, kv_connector=conn)
+    try:
+        assert greedy_run(llm, conn, prompts) == (refs, [(0, 0)] * len(prompts))  # cold
+        assert conn.flush(timeout=60)
+        blocks = [(len(p) - 1) // 16 * 16 for p in prompts]  # the prefix cache's whole blocks, the tier the rest
+        assert greedy_run(llm, conn, prompts) == (refs, [(b, len(p) - 1 - b) for b, p in zip(blocks, prompts)])
+        assert llm.reset_prefix_cache()
+        assert greedy_run(llm, conn, prompts) == (refs, [(0, len(p) - 1) for p in prompts])  # the cpu tier alone
+    finally:
+        llm.shutdown()
+
+
+def _refused(raw: dict[str, Any], key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        ModelConfig.from_hf_dict(raw)
+
+
+def test_conditionally_inert_keys_are_accepted_only_under_their_condition() -> None:
+    c = corpus()
+    # Phi-3 mini 4k: the original context sizes longrope only; with longrope it is read (and used).
+    phi = c["microsoft--Phi-3-mini-4k-instruct"]
+    assert phi["rope_scaling"] is None and phi["original_max_position_embeddings"] == 4096
+    long = c["microsoft--Phi-3-mini-128k-instruct"]
+    assert ModelConfig.from_hf_dict(long).rope_scaling["original_max_position_embeddings"] == 4096
+    assert ModelConfig.from_hf_dict({**long, "original_max_position_embeddings": 2048}).rope_scaling[
+        "original_max_position_embeddings"] == 2048
+    # Gemma 2 9b: an older name of the window, the same number; another number is refused.
+    gemma = c["google--gemma-2-9b-it"]
+    assert gemma["sliding_window_size"] == gemma["sliding_window"] == 4096
+    _refused({**gemma, "sliding_window_size": 2048}, "sliding_window_size")
+    # SmolLM2: rope_interleaved=False is what transformers computes; True is not.
+    smol = c["HuggingFaceTB--SmolLM2-135M-Instruct"]
+    assert smol["rope_interleaved"] is False
+    _refused({**smol, "rope_interleaved": True}, "rope_interleaved")
