@@ -2,23 +2,30 @@
 Redis and the cache server and exits; fresh servers load it through each (Redis as a
 `kv_consumer`, the cache server as `kv_both`), tested with the official `openai` client,
 streamed and not; /metrics moves, and vLLM counts the loaded tokens as from an unspecified
-external source (a shared tier). The three start side by side."""
+external source (a shared tier). A fourth server publishes the KV events of its tier. The
+four start side by side."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import openai
 import pytest
 import vllm
+import zmq
 from packaging.version import Version
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from tests.fixtures.cache_server import CacheServerProcess
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.vllm import VllmServer, start_together
+
+CHUNK = 256
 
 
 def _client(server: VllmServer) -> openai.OpenAI:
@@ -48,29 +55,37 @@ def _wait_for_metric(server: VllmServer, name: str, at_least: float, timeout: fl
 
 
 @dataclass
-class Stored:
-    """The loaders (started with the producer, asked nothing yet) and the cold run's tokens."""
+class Servers:
+    """The module's servers, started side by side: the loaders (asked nothing before their
+    test), the events server and its endpoint, and the producer's cold tokens."""
 
     loaders: dict[str, VllmServer]
+    events: VllmServer
+    endpoint: str
     cold: list[int]
 
 
 @pytest.fixture(scope="module")
-def stored(default_model_path: Path, redis_server_session: RedisServer, tmp_path_factory: pytest.TempPathFactory,
-           prompt_2k: list[int]) -> Iterator[Stored]:
+def servers(default_model_path: Path, redis_server_session: RedisServer, tmp_path_factory: pytest.TempPathFactory,
+            prompt_2k: list[int]) -> Iterator[Servers]:
     """A `kv_producer` stores the prompt in Redis and the cache server, then exits; a
-    `kv_consumer` over Redis and a `kv_both` over the cache server, started with it, have
-    not run anything."""
+    `kv_consumer` over Redis and a `kv_both` over the cache server have not run anything; a
+    fourth server publishes KV events from a `cpu` tier of 3 chunks."""
     logs = tmp_path_factory.mktemp("vllm-serve")
     redis_server_session.client().flushall()
     cache = CacheServerProcess("--max-bytes", "256MiB")
-    config = {"chunk_size": 256}
-    producer, *loaders = start_together(
+    endpoint = f"ipc://{logs}/events.sock"  # vLLM's publisher binds it: local, no network
+    events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+    config = {"chunk_size": CHUNK}
+    producer, *others = start_together(
         lambda: VllmServer(default_model_path, config | {"tiers": [redis_server_session.url, cache.url]},
                            logs / "producer.log", "kv_producer"),
         lambda: VllmServer(default_model_path, config | {"tiers": [redis_server_session.url]},
                            logs / "consumer.log", "kv_consumer"),
-        lambda: VllmServer(default_model_path, config | {"tiers": [cache.url]}, logs / "both.log", "kv_both"))
+        lambda: VllmServer(default_model_path, config | {"tiers": [cache.url]}, logs / "both.log", "kv_both"),
+        # room for 3 of the prompt's 8 chunks (46080 bytes per token in fp32): the rest are evicted
+        lambda: VllmServer(default_model_path, config | {"tiers": ["cpu?budget=36MiB"]}, logs / "events.log",
+                           "kv_both", "--kv-events-config", json.dumps(events_config)))
     try:
         try:
             # The request ends at its prefill, before its stores land; the pending stores keep
@@ -80,23 +95,65 @@ def stored(default_model_path: Path, redis_server_session: RedisServer, tmp_path
             cold = _complete(producer, prompt_2k, stream=False)
         finally:
             assert producer.close() == 0  # SIGINT: queued stores are flushed before it exits
-        yield Stored(dict(zip(("redis", "kvtier"), loaders, strict=True)), cold)
+        yield Servers(dict(zip(("redis", "kvtier"), others[:2], strict=True)), others[2], endpoint, cold)
     finally:
-        for server in loaders:
+        for server in others:
             server.close()
         cache.kill()
 
 
 @pytest.mark.parametrize("tier", ["redis", "kvtier"])
-def test_a_fresh_server_loads_what_another_stored(tier: str, stored: Stored, prompt_2k: list[int]) -> None:
+def test_a_fresh_server_loads_what_another_stored(tier: str, servers: Servers, prompt_2k: list[int]) -> None:
     """Redis: as kv_consumer; the cache server: as kv_both."""
-    server = stored.loaders[tier]
+    server = servers.loaders[tier]
     before = server.metrics()
-    assert _complete(server, prompt_2k, stream=True) == stored.cold
-    assert _complete(server, prompt_2k, stream=False) == stored.cold
+    assert _complete(server, prompt_2k, stream=True) == servers.cold
+    assert _complete(server, prompt_2k, stream=False) == servers.cold
     after = server.metrics()
     loaded = after.get("kvtier:connector_hit_tokens_total", 0) - before.get("kvtier:connector_hit_tokens_total", 0)
     assert loaded >= 2 * 0.9 * len(prompt_2k)
     if Version(vllm.__version__).release >= (0, 32):  # vLLM counts hits per source from 0.32 on
         by_source = "vllm:prompt_tokens_cached_by_source.external_unspecified"
         assert after.get(by_source, 0) - before.get(by_source, 0) == loaded
+
+
+def _drain(sub: zmq.Socket, until: float, want: int) -> list[BlockStored | BlockRemoved]:
+    """Returns the events received until `want` of them arrived or `until` (monotonic) passed."""
+    decode = msgspec.msgpack.Decoder(KVEventBatch)
+    events: list[BlockStored | BlockRemoved] = []
+    while len(events) < want and time.monotonic() < until:
+        if sub.poll(200):
+            _topic, _seq, payload = sub.recv_multipart()
+            events += [e for e in decode.decode(payload).events if isinstance(e, (BlockStored, BlockRemoved))]
+    return events
+
+
+def test_stored_and_evicted_chunks_are_published(servers: Servers, prompt_2k: list[int]) -> None:
+    """KV events from kvtier's tiers (`--kv-events-config`): each chunk the connector stores is
+    published as vLLM's `BlockStored` with its tokens, its chained hash and the previous
+    chunk's as parent, the tier as medium; each chunk the tier evicts as `BlockRemoved`.
+    Received over vLLM's own ZMQ publisher, decoded with vLLM's event types."""
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(servers.endpoint)
+    try:
+        client = openai.OpenAI(base_url=servers.events.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        client.completions.create(model="default", prompt=prompt_2k, max_tokens=1, temperature=0.0)
+        events = _drain(sub, time.monotonic() + 60, want=8 + 5)
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    removed = [e for e in events if isinstance(e, BlockRemoved)]
+    assert len(stored) >= 8, events
+    prompt_chunks = [prompt_2k[i:i + CHUNK] for i in range(0, len(prompt_2k), CHUNK)]
+    assert [e.token_ids for e in stored[:8]] == prompt_chunks
+    assert all(e.medium == "cpu" and e.block_size == CHUNK and len(e.block_hashes) == 1 for e in stored[:8])
+    assert stored[0].parent_block_hash is None
+    assert [e.parent_block_hash for e in stored[1:8]] == [e.block_hashes[0] for e in stored[:7]]
+    assert len({e.block_hashes[0] for e in stored[:8]}) == 8
+    # the budget holds 3 chunks: at least 5 of the 8 were evicted, each one announced before
+    assert len(removed) >= 5
+    announced = {e.block_hashes[0] for e in stored}
+    assert all(e.medium == "cpu" and e.block_hashes[0] in announced for e in removed)

@@ -1,5 +1,6 @@
 """A repeated 2k-token prompt is loaded from each tier of one process by a real vLLM (prefix
-caching off), with the tokens of the cold run; and vLLM's own prefix cache together with the
+caching off), with the tokens of the cold run, its K/V in float16, bfloat16 and float32 (vLLM's
+CPU "vec" kernels' page layout, in each dtype); and vLLM's own prefix cache together with the
 connector: the engine's hit and the connector's are never double-counted."""
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from packaging.version import Version
 
 from tests.fixtures.vllm import VllmLLM, start_together
 
-# The vLLM each case starts: (its tier, use_layerwise, more VllmLLM keywords). Background loads
-# from each tier of this process; layer-by-layer loads in the request's first step (vLLM's
-# synchronous path, its forward waiting per layer) from one. The shared tiers (Redis, the
-# cache server) are loaded from by a fresh process in test_serve.py.
+# The vLLM each case starts: (its tier, use_layerwise, more VllmLLM keywords; the model's dtype,
+# float32 unless given, is its K/V's). Background loads from each tier of this process;
+# layer-by-layer loads in the request's first step (vLLM's synchronous path, its forward
+# waiting per layer) from one. The shared tiers (Redis, the cache server) are loaded from by a
+# fresh process in test_serve.py.
 CASES: dict[str, tuple[str, bool, dict[str, Any]]] = {
     "cpu": ("cpu", False, {}),
-    "disk": ("disk", False, {}),
-    "disk-layerwise": ("disk", True, {}),
+    "disk": ("disk", False, {"dtype": "bfloat16"}),
+    "disk-layerwise": ("disk", True, {"dtype": "float16"}),
     "cpu-prefix-caching": ("cpu", False, {"prefix_caching": True}),
 }
 
