@@ -201,14 +201,16 @@ def main() -> int:
         cells = [(b, c) for c in (1024, 4096) for b in (1, 16, 64)]
         prefills = [(1, 0, 1024), (1, 0, 4096), (1, 2048, 16), (16, 1024, 64), (4, 1024, 256)]
         shared = [(b, p) for p in (1024, 4096) for b in (8, 16, 64)]
-    res = {"quick": args.quick, "platform": platform.platform(), "torch": torch.__version__,
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    isa = "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else platform.machine()
+    res = {"quick": args.quick, "platform": platform.platform(), "isa": isa, "torch": torch.__version__,
            "threads": torch.get_num_threads(), "linear": bench_linear(load_ops(), rows, layers, reps),
            "decode_attention": bench_decode(cells, reps), "prefill_attention": bench_prefill(prefills, reps),
            "shared_prefix_decode": bench_shared_decode(shared, reps), "vllm_cpu_pages": bench_vllm_pages(reps)}
     suffix = "_quick" if args.quick else ""
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"kernels{suffix}.json").write_text(json.dumps(res, indent=2) + "\n")
-    lines = [f"CPU fast paths vs the PyTorch ops they replace (torch {res['torch']}, {res['threads']} threads; "
+    lines = [f"CPU fast paths vs the PyTorch ops they replace ({isa}, torch {res['torch']}, {res['threads']} threads; "
              f"medians of {reps})", "",
              f"| linear layers ({layers} layers of SmolLM2-135M, fp32) | F.linear (MKL) | oneDNN prepacked | "
              "speedup | panel kernel | panels / oneDNN | panels read / compute |",

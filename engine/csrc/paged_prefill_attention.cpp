@@ -16,7 +16,7 @@
 // Layout: the tile's queries are kept transposed, qt[d][row], and its scores too,
 // st[key][row]. Scores are then key rows times qt (each key element broadcast against 16 rows
 // at a time), and the softmax runs down columns with no horizontal sums. On 2 cores, 9 query /
-// 3 kv heads of 64, one 4k prompt: ~185 GFLOP/s against PyTorch's flash SDPA's ~130
+// 3 kv heads of 64, one 4k prompt: ~185 GFLOP/s against PyTorch's flash SDPA's ~130 on AVX-512, ~90 (0.8x) on AVX2
 // (benchmarks/bench_kernels.py).
 
 #include <torch/extension.h>
