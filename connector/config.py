@@ -29,7 +29,7 @@ from kvstore.config import KVSTORE_SETTINGS, KVStoreConfig, TierSpec, parse_size
 from kvstore.env import Setting, env_bool, env_int, env_str, merge, parse_env
 
 _CONNECTOR_KEYS = ("chunk_size", "save_decode_tokens", "save_unfull_chunk", "max_pending_store_bytes",
-                   "store_queue_size", "use_layerwise", "blend")
+                   "store_queue_size", "use_layerwise", "reset_clears_shared_tiers", "blend")
 
 CONNECTOR_SETTINGS: tuple[Setting, ...] = (
     Setting("chunk_size", "KVTIER_CHUNK_SIZE", env_int, "256", "tokens per stored chunk (the unit of reuse)"),
@@ -45,6 +45,9 @@ CONNECTOR_SETTINGS: tuple[Setting, ...] = (
     Setting("use_layerwise", "KVTIER_USE_LAYERWISE", env_bool, "false",
             "layer-pipelined loads: a hit is scheduled at once and layer i waits only for layer i "
             "(not with CacheBlend)"),
+    Setting("reset_clears_shared_tiers", "KVTIER_RESET_CLEARS_SHARED_TIERS", env_bool, "false",
+            "vLLM's reset_prefix_cache(reset_connector=True) also clears the shared tiers (disk, Redis, "
+            "the cache server: other instances' chunks too); by default only this process's cpu and device"),
 )
 ALL_SETTINGS: tuple[Setting, ...] = KVSTORE_SETTINGS + CONNECTOR_SETTINGS + BLEND_SETTINGS
 """Every config key, one row each (kvstore's, the connector's, CacheBlend's)."""
@@ -86,6 +89,8 @@ class ConnectorConfig:
     # Layer-pipelined loads: chunks stored one value per layer; a hit is scheduled at once and
     # its forward's layer i waits only for layer i (connector/keyspace.py).
     use_layerwise: bool = False
+    # vLLM's connector reset: the shared tiers too (they hold what other instances stored).
+    reset_clears_shared_tiers: bool = False
     # CacheBlend (`blend: {enabled: true, ratio: 0.15, check_layer: 1, ...}`, see BlendConfig).
     blend: BlendConfig = field(default_factory=BlendConfig)
 
@@ -104,8 +109,9 @@ class ConnectorConfig:
             raise ValueError(f"save_decode_tokens: expected bool, got {self.save_decode_tokens!r}")
         if not isinstance(self.save_unfull_chunk, bool):
             raise ValueError(f"save_unfull_chunk: expected bool, got {self.save_unfull_chunk!r}")
-        if not isinstance(self.use_layerwise, bool):
-            raise ValueError(f"use_layerwise: expected bool, got {self.use_layerwise!r}")
+        for name in ("use_layerwise", "reset_clears_shared_tiers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected bool, got {getattr(self, name)!r}")
         pending = parse_size(self.max_pending_store_bytes, "max_pending_store_bytes")
         if not pending:
             raise ValueError("max_pending_store_bytes: must be > 0")

@@ -11,7 +11,8 @@ rest), then per key a u32 length and its UTF-8 bytes. `OP_HELD` is answered with
 1) per key; `OP_TIER_PREFIX` (how many leading keys each tier holds by itself, for `vllm
 serve`'s /kv/lookup, connector/vllm_lookup_route.py) with a u32 tier count, then per tier,
 fastest first, a u32 name length, the name's UTF-8 bytes and a u32 count; `OP_CLEAR_LOCAL`
-(no keys: vLLM's `reset_cache`) with one byte 1 once the process-local tiers are empty. A malformed or
+(no keys: vLLM's `reset_cache`) with one byte 1 once the process-local tiers (with the
+server's `clear_shared`, every tier) are empty. A malformed or
 oversized frame closes that connection. An answer that does not come (the worker is gone or
 stuck) is a miss.
 """
@@ -127,9 +128,10 @@ class LookupServer:
     ends open connections; a bad question ends only its own connection.
     """
 
-    def __init__(self, presence: Presence, path: Path) -> None:
+    def __init__(self, presence: Presence, path: Path, clear_shared: bool = False) -> None:
         self.presence = presence
         self.path = path
+        self.clear_shared = clear_shared  # OP_CLEAR_LOCAL clears the shared tiers too
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
         path.unlink(missing_ok=True)  # left by a process that died
@@ -157,7 +159,7 @@ class LookupServer:
                 if op == OP_TIER_PREFIX:
                     sock.sendall(encode_tier_hits(self.presence.storage.tier_prefix_hits(keys)))
                 elif op == OP_CLEAR_LOCAL:
-                    self.presence.storage.clear(local_only=True)
+                    self.presence.storage.clear(local_only=not self.clear_shared)
                     sock.sendall(b"\x01")
                 else:
                     sock.sendall(bytes(self.presence.held(keys)) if keys else b"")

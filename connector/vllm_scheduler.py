@@ -144,8 +144,8 @@ class VllmSchedulerConnector(KVConnectorBase_V1, SupportsHMA):
 
     def reset_cache(self) -> bool:
         """Clears the worker's process-local tiers (cpu, device); shared tiers (disk, Redis, the
-        cache server) serve other instances and are left as they are. False if the worker
-        does not answer."""
+        cache server) serve other instances and are left as they are, unless the configuration
+        says `reset_clears_shared_tiers`. False if the worker does not answer."""
         return self.presence.clear_local()
 
     # ---- the worker role's hooks: vLLM never calls them on this object -----------------------

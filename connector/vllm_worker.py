@@ -64,7 +64,8 @@ class VllmWorkerConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.register_model(self.setup.model)
         self._layers: dict[str, int] = {}
         self._reported = RequestKVMetrics("*")
-        self._server = LookupServer(self.worker.presence, lookup_socket_path(vllm_config.kv_transfer_config.engine_id))
+        self._server = LookupServer(self.worker.presence, lookup_socket_path(vllm_config.kv_transfer_config.engine_id),
+                                    clear_shared=self.setup.config.reset_clears_shared_tiers)
         self._idle = False
         self._reported_pending = False
         self._closed = False

@@ -115,3 +115,26 @@ def test_socket_is_owner_only_and_ids_are_checked(storage: StorageManager, path:
     assert lookup_socket_path("0b2c-uuid_1.x").name == "kvtier-lookup-0b2c-uuid_1.x.sock"
     with pytest.raises(ValueError, match="instance id"):
         lookup_socket_path("../etc")
+
+
+@pytest.mark.parametrize("clear_shared", [False, True])
+def test_a_reset_clears_the_local_tiers_and_the_shared_ones_only_when_asked(path: Path, tmp_path: Path,
+                                                                            clear_shared: bool) -> None:
+    """vLLM's reset_cache: the cpu tier is emptied; the disk tier (shared with other processes)
+    too with `reset_clears_shared_tiers` (the server's `clear_shared`)."""
+    config = KVStoreConfig(tiers=[TierSpec(url="cpu"), TierSpec(url=f"disk://{tmp_path / 'kv'}")])
+    with StorageManager.from_config(config) as two:
+        keys = KS.stored_keys(KS.spans(list(range(8))))
+        two.batched_put([(k, torch.zeros(2, 2, 4, 1, 8)) for k in keys])
+        assert two.flush(10)
+        before = two.tier_prefix_hits(keys)
+        assert list(before.values()) == [len(keys), len(keys)]
+        server = LookupServer(Presence(two), path, clear_shared=clear_shared)
+        remote = RemotePresence(path, timeout=5.0, connect_timeout=0.2)
+        try:
+            assert remote.clear_local()
+            cpu, disk = two.tier_prefix_hits(keys).values()
+            assert (cpu, disk) == (0, 0 if clear_shared else len(keys))
+        finally:
+            remote.close()
+            server.close()
