@@ -26,7 +26,7 @@ from kvtier.router.prompt_view import view_request
 from kvtier.vllm_cli import LOOKUP_MIDDLEWARE
 from tests.fixtures.serve import RouterProcess
 from tests.fixtures.text import long_text
-from tests.fixtures.vllm import VllmServer, start_together
+from tests.fixtures.vllm import VllmServer, close_together, start_together
 
 CONFIG = {"tiers": ["cpu?budget=1GiB"], "chunk_size": 256}
 HIT = "kvtier:connector_hit_tokens_total"
@@ -39,8 +39,7 @@ def backends(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
                              lambda: VllmServer(default_model_path, CONFIG, logs / "middleware.log", "kv_both",
                                                 "--middleware", LOOKUP_MIDDLEWARE))
     yield servers
-    for s in servers:
-        s.close()
+    close_together(*servers)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from tests.fixtures.cache_server import CacheServerProcess
 from tests.fixtures.redis_server import RedisServer
-from tests.fixtures.vllm import VllmServer, start_together
+from tests.fixtures.vllm import VllmServer, close_together, start_together
 
 CHUNK = 256
 
@@ -97,8 +97,7 @@ def servers(default_model_path: Path, redis_server_session: RedisServer, tmp_pat
             assert producer.close() == 0  # SIGINT: queued stores are flushed before it exits
         yield Servers(dict(zip(("redis", "kvtier"), others[:2], strict=True)), others[2], endpoint, cold)
     finally:
-        for server in others:
-            server.close()
+        close_together(*others)
         cache.kill()
 
 

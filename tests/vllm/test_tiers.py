@@ -1,11 +1,11 @@
-"""A repeated 2k-token prompt is loaded from each tier of one process by a real vLLM (prefix
-caching off), with the tokens of the cold run, its K/V in float16, bfloat16 and float32 (vLLM's
-CPU "vec" kernels' page layout, in each dtype); and vLLM's own prefix cache together with the
-connector: the engine's hit and the connector's are never double-counted."""
+"""A repeated 2k-token prompt (1k in the 16-bit cases) is loaded from each tier of one process
+by a real vLLM (prefix caching off), with the tokens of the cold run, its K/V in float16,
+bfloat16 and float32 (vLLM's CPU "vec" kernels' page layout, in each dtype); and vLLM's own
+prefix cache together with the connector: the engine's hit and the connector's are never
+double-counted."""
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,12 +15,13 @@ import pytest
 import vllm
 from packaging.version import Version
 
-from tests.fixtures.vllm import VllmLLM, start_together
+from tests.fixtures.vllm import VllmLLM, close_together, start_together
 
 # The vLLM each case starts: (its tier, more connector config, more VllmLLM keywords; the
-# model's dtype, float32 unless given, is its K/V's). Background loads from each tier of this
-# process; layer-by-layer loads in the request's first step (vLLM's synchronous path, its
-# forward waiting per layer) from one. The shared tiers (Redis, the cache server) are loaded
+# model's dtype, float32 unless given, is its K/V's; a 16-bit case runs a 1k-token prompt,
+# four chunks, as 16-bit math is slow on CPUs without native support). Background loads from
+# each tier of this process; layer-by-layer loads in the request's first step (vLLM's
+# synchronous path, its forward waiting per layer) from one. The shared tiers (Redis, the cache server) are loaded
 # from by a fresh process in test_serve.py.
 CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "cpu": ("cpu", {}, {}),
@@ -47,16 +48,11 @@ class TierLLMs:
         config = {"tiers": [url], "chunk_size": 256, **extra}
         return lambda: VllmLLM(self.model, config, log, **spec)
 
-    def _close(self, llms: list[VllmLLM]) -> None:
-        """Closes `llms` side by side (each waits seconds for vLLM's shutdown)."""
-        with concurrent.futures.ThreadPoolExecutor(max(1, len(llms))) as pool:
-            list(pool.map(VllmLLM.close, llms))
-
     @contextmanager
     def use(self, case: str) -> Iterator[VllmLLM]:
         """Yields the case's vLLM (started with the next case's if not started yet) for one test."""
         if case not in self.ready:
-            self._close(self.used)
+            close_together(*self.used)
             self.used = []
             later = self.selected[self.selected.index(case) + 1:] if case in self.selected else []
             pair = [case, *later[:1]]
@@ -68,7 +64,7 @@ class TierLLMs:
             self.used.append(llm)
 
     def close(self) -> None:
-        self._close([*self.used, *self.ready.values()])
+        close_together(*self.used, *self.ready.values())
 
 
 @pytest.fixture(scope="module")
@@ -83,21 +79,22 @@ def tier_llms(request: pytest.FixtureRequest, default_model_path: Path,
 
 @pytest.mark.parametrize("case", ["cpu", "disk", "disk-layerwise"])
 def test_the_second_run_loads_the_prompt_from_the_tier(case: str, tier_llms: TierLLMs, prompt_2k: list[int]) -> None:
-    tier = CASES[case][0]
+    tier, extra, spec = CASES[case]
+    prompt = prompt_2k[:1024] if "dtype" in spec else prompt_2k
     with tier_llms.use(case) as llm:
         if tier == "cpu":  # a request that asks not to be stored leaves nothing to load
-            skipped = llm.generate([prompt_2k], kv_transfer_params={"kvtier.skip_save": True})
+            skipped = llm.generate([prompt], kv_transfer_params={"kvtier.skip_save": True})
             assert skipped["metrics"].get("kvtier:stored_tokens_total", 0) == 0
-        cold = llm.generate([prompt_2k])
-        warm = llm.generate([prompt_2k])
+        cold = llm.generate([prompt])
+        warm = llm.generate([prompt])
         # vLLM's reset_prefix_cache(reset_connector=True) empties the cpu tier, and a shared tier
         # when the configuration says so (the first chunk and a token: no hit)
-        if tier == "cpu" or CASES[case][1].get("reset_clears_shared_tiers"):
+        if tier == "cpu" or extra.get("reset_clears_shared_tiers"):
             assert llm.command(op="reset_prefix_cache", connector=True)["ok"]
-            assert llm.generate([prompt_2k[:257]], max_tokens=1)["outputs"][0]["cached"] == 0
+            assert llm.generate([prompt[:257]], max_tokens=1)["outputs"][0]["cached"] == 0
     assert cold["outputs"][0]["cached"] == 0
     assert warm["outputs"][0]["tokens"] == cold["outputs"][0]["tokens"]
-    assert warm["outputs"][0]["cached"] >= 0.9 * len(prompt_2k), llm.tail()
+    assert warm["outputs"][0]["cached"] >= 0.9 * len(prompt), llm.tail()
     loaded = warm["metrics"].get("kvtier:connector_hit_tokens_total", 0) - cold["metrics"].get(
         "kvtier:connector_hit_tokens_total", 0)
     assert loaded == warm["outputs"][0]["cached"]
