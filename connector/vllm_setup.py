@@ -70,11 +70,25 @@ def vllm_setup(vllm_config: Any, kv_cache_config: Any, backend: str) -> VllmSetu
         raise ValueError("KVTierConnector: use_layerwise needs one KV cache group (vLLM maps a layerwise "
                          "load's failed blocks back to requests for one group only)")
     model = ModelConfig.from_pretrained(vllm_config.model_config.model)
+    refuse_image_input(model, getattr(vllm_config.model_config, "multimodal_config", None))
     model = dataclasses.replace(model, fingerprint=f"{model.fingerprint}+vllm-{backend}")
     ev = vllm_config.kv_events_config
     return VllmSetup(config, model, vllm_config.model_config.dtype, vllm_config.cache_config.block_size, groups,
                      loads=kvt.is_kv_consumer, saves=kvt.is_kv_producer,
                      events=ev is not None and bool(ev.enable_kv_cache_events))
+
+
+def refuse_image_input(model: ModelConfig, multimodal_config: Any) -> None:
+    """Raises ValueError when vLLM would take images for `model`, a multimodal checkpoint the
+    connector keys as its text part: keys hash token ids, and an image's placeholder tokens
+    are the same whatever the image, so one image's K/V would be loaded for another. vLLM's
+    `--language-model-only` (or an image limit of 0) makes it text-only."""
+    if model.image_token_id is None or multimodal_config is None:
+        return
+    if multimodal_config.get_limit_per_prompt("image") != 0:
+        raise ValueError(f"KVTierConnector: {model.checkpoint_architecture} takes images here, and stored K/V is "
+                         "keyed by token ids alone (an image's placeholder tokens do not say which image); "
+                         "serve it text-only: --language-model-only or --limit-mm-per-prompt '{\"image\": 0}'")
 
 
 def kv_cache_groups(kv_cache_config: Any) -> dict[str, int]:

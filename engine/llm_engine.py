@@ -72,6 +72,9 @@ class LLMEngine:
         cache_salt = None
         if isinstance(prompt, Mapping):  # vLLM's TextPrompt / TokensPrompt, with its cache_salt
             cache_salt = validate_cache_salt(prompt.get("cache_salt"))
+            if prompt.get("multi_modal_data") is not None:  # vLLM's images, audio, video
+                raise ValueError("multi_modal_data: image and other non-text input is not supported "
+                                 "(the engine runs text-only prompts)")
             if "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), (str, list)):
                 prompt = prompt["prompt"]
         sep = self.kv_connector.scheduler.segment_separator if self.kv_connector is not None else None
@@ -112,6 +115,10 @@ class LLMEngine:
         else:
             raise ValueError("a prompt must be a str, a list of str segments, or a dict with 'prompt_token_ids' "
                              "or 'prompt'")
+        image = self.model_config.image_token_id  # a multimodal checkpoint's, run as its text part
+        if image is not None and image in token_ids:
+            raise ValueError(f"prompt holds token {image}, {self.model_config.checkpoint_architecture}'s image "
+                             "placeholder: image input is not supported (text-only prompts)")
         rid = request_id if request_id is not None else self.next_request_id()
         seq = Sequence(rid, token_ids, params, prompt=text, segment_lens=segment_lens, cache_salt=cache_salt)
         self.scheduler.check_request(seq)

@@ -24,6 +24,7 @@ from typing import Any
 
 from engine.hf_config import HFConfig
 from engine.models import family_for
+from engine.models.multimodal import text_part
 
 _SAMPLE_BYTES = 4096
 _NUM_SAMPLES = 33
@@ -97,6 +98,12 @@ class ModelConfig:
     local_rope_theta: float | None = None
     local_rope_scaling: dict[str, Any] | None = None
     moe: MoEConfig | None = None
+    # A multimodal checkpoint run as its text part (engine/models/multimodal.py): the
+    # checkpoint's own architecture, whose tensor naming loading follows, and the image
+    # placeholder token a prompt may not hold. Neither changes the text computation, so the
+    # fingerprint (which names the text model above) leaves them out.
+    checkpoint_architecture: str | None = None
+    image_token_id: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -129,8 +136,9 @@ class ModelConfig:
         if not cfg_file.is_file():
             raise ValueError(f"{path}: not a Hugging Face checkpoint dir (no config.json)")
         hf = json.loads(cfg_file.read_text())
-        family_for(hf)  # before touching weights: the clearest error comes first
-        eos = _collect_eos_ids(path, hf)
+        text = text_part(hf).config  # a multimodal checkpoint's ids are its text part's
+        family_for(text)  # before touching weights: the clearest error comes first
+        eos = _collect_eos_ids(path, text)
         return cls.from_hf_dict(hf, weights_identity=weights_identity(path), eos_token_ids=eos,
                                 path=path)
 
@@ -139,11 +147,14 @@ class ModelConfig:
                      eos_token_ids: list[int] | None = None,
                      path: Path | None = None) -> ModelConfig:
         """Builds a config from a parsed HF `config.json` dict: the keys every family shares
-        here, the family's own keys by its registry hook (engine/models). Raises ValueError
-        naming a bad value, an unsupported architecture, or any key that may change the
-        computation and that no parser read."""
-        family = family_for(raw)
-        hf = HFConfig(raw, family.architecture)
+        here, the family's own keys by its registry hook (engine/models); a multimodal
+        checkpoint's as its text part's. Raises ValueError naming a bad value, an unsupported
+        architecture, or any key that may change the computation and that no parser read."""
+        part = text_part(raw)
+        family = family_for(part.config)
+        raw = {**(family.defaults or {}), **part.config}
+        where = f"{part.wrapper.architecture}'s text_config" if part.wrapper else family.architecture
+        hf = HFConfig(raw, where)
         num_heads = hf.positive_int("num_attention_heads")
         num_kv_heads = hf.positive_int("num_key_value_heads", num_heads)
         hidden = hf.positive_int("hidden_size")
@@ -178,6 +189,9 @@ class ModelConfig:
             checkpoint_dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
             hidden_act=hf.get("hidden_act", "silu"),
         )
+        if part.wrapper is not None:
+            cfg["checkpoint_architecture"] = part.wrapper.architecture
+            cfg["image_token_id"] = part.image_token_id
         family.parse(hf, cfg)
         if isinstance(cfg.get("moe"), dict):
             cfg["moe"] = _moe_config(cfg["moe"], cfg["num_layers"])
@@ -261,7 +275,8 @@ def weights_identity(path: Path) -> str:
 # The features added after the first fingerprints: named in the id only when they differ from
 # their default (the Llama computation), so existing models keep their ids and stored chunks.
 _FEATURE_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)
-                     if f.name != "path" and f.default is not MISSING}
+                     if f.name not in ("path", "checkpoint_architecture", "image_token_id")
+                     and f.default is not MISSING}
 
 
 def _fingerprint(cfg: dict[str, Any], weights_id: str) -> str:

@@ -4,7 +4,7 @@ device/dtype resolution the rest of the engine shares."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ from engine.linear_backend import linear_packer
 from engine.model_config import ModelConfig
 from engine.models import get_model_class
 from engine.models.base import CausalLM
+from engine.models.multimodal import checkpoint_names
 from engine.progress import progress_bar
 
 _DTYPES = {
@@ -83,18 +84,28 @@ def _safetensors_files(path: Path) -> list[str]:
     return files
 
 
-def iter_safetensors(path: Path, progress: bool | None = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: Path, progress: bool | None = False,
+                     rename: Callable[[str], str | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, tensor) for every tensor of the checkpoint, on CPU, one at a time; with
-    `progress` (None: engine/progress.py's rule) a bar counts the checkpoint's bytes."""
+    `progress` (None: engine/progress.py's rule) a bar counts the checkpoint's bytes. With
+    `rename`, each tensor is yielded under `rename(name)`, and one it maps to None is never
+    read (a multimodal checkpoint's vision tower)."""
     files = _safetensors_files(path)
     total = sum((path / f).stat().st_size for f in files)
     with progress_bar(total, f"loading {path.name}", "B", enabled=progress) as bar:
         for fname in files:
+            read = 0
             with safe_open(path / fname, framework="pt", device="cpu") as f:
                 for name in f.keys():
+                    target = name if rename is None else rename(name)
+                    if target is None:
+                        continue
                     tensor = f.get_tensor(name)
-                    bar.update(tensor.numel() * tensor.element_size())
-                    yield name, tensor
+                    size = tensor.numel() * tensor.element_size()
+                    read += size
+                    bar.update(size)
+                    yield target, tensor
+            bar.update((path / fname).stat().st_size - read)  # its header and what was skipped
 
 
 def load_model(model: str | Path | None, device: torch.device, dtype: torch.dtype,
@@ -115,7 +126,7 @@ def load_model(model: str | Path | None, device: torch.device, dtype: torch.dtyp
     # to_empty() would do this with empty_like, which on meta tensors runs torch._refs and
     # imports sympy (~0.4 s of every engine start); every parameter is contiguous.
     net = net.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    net.load_weights(iter_safetensors(path, progress=None))
+    net.load_weights(iter_safetensors(path, progress=None, rename=checkpoint_names(config.checkpoint_architecture)))
     net = net.eval().requires_grad_(False)
     if kernels == "auto":
         ops = cpu_ops.load() if device.type == "cpu" else None

@@ -3,7 +3,8 @@
 Each `ModelFamily` names the transformers architecture it runs, the module under engine/models
 that implements it (`impl`), the hook that reads the family's own `config.json` keys
 (engine/models/family_configs.py) and its rope parser (the rope types it accepts). ModelConfig parsing and
-model loading both read this one table, so what parses is what runs.
+model loading both read this one table, so what parses is what runs. A multimodal checkpoint
+whose text part is one of these families runs as that family (engine/models/multimodal.py).
 
 Model classes are named here and imported when a model is built (`get_model_class`): the
 model modules import ModelConfig, which parses through this table, and reading a config (the
@@ -21,6 +22,7 @@ from typing import Any
 from engine.hf_config import HFConfig, parse_rope
 from engine.models import family_configs as fc
 from engine.models import gemma_config
+from engine.models.multimodal import WRAPPERS
 
 ConfigHook = Callable[[HFConfig, dict[str, Any]], None]
 RopeParser = Callable[[HFConfig], tuple[float, dict[str, Any] | None]]
@@ -36,6 +38,9 @@ class ModelFamily:
     parse: ConfigHook
     # Reads (rope_theta, normalised scaling) and so decides the rope types the family accepts.
     parse_rope: RopeParser = parse_rope
+    # transformers' defaults of shared keys where they differ from the shared parser's: a key
+    # absent from config.json takes these (Gemma 3's sparse text_config relies on them).
+    defaults: dict[str, Any] | None = None
 
 
 MODEL_REGISTRY: dict[str, ModelFamily] = {f.model_type: f for f in (
@@ -43,7 +48,8 @@ MODEL_REGISTRY: dict[str, ModelFamily] = {f.model_type: f for f in (
     ModelFamily("mistral", "MistralForCausalLM", "llama.LlamaForCausalLM", fc.mistral),
     ModelFamily("qwen2", "Qwen2ForCausalLM", "llama.LlamaForCausalLM", fc.qwen2),
     ModelFamily("gemma2", "Gemma2ForCausalLM", "gemma.GemmaForCausalLM", gemma_config.gemma2),
-    ModelFamily("gemma3_text", "Gemma3ForCausalLM", "gemma.GemmaForCausalLM", gemma_config.gemma3_text),
+    ModelFamily("gemma3_text", "Gemma3ForCausalLM", "gemma.GemmaForCausalLM", gemma_config.gemma3_text,
+                defaults=gemma_config.GEMMA3_TEXT_DEFAULTS),
     ModelFamily("qwen3", "Qwen3ForCausalLM", "qwen3.Qwen3ForCausalLM", fc.qwen3),
     ModelFamily("qwen3_moe", "Qwen3MoeForCausalLM", "moe.Qwen3MoeForCausalLM", fc.qwen3_moe),
     ModelFamily("mixtral", "MixtralForCausalLM", "moe.MixtralForCausalLM", fc.mixtral),
@@ -53,8 +59,10 @@ MODEL_REGISTRY: dict[str, ModelFamily] = {f.model_type: f for f in (
 
 
 def supported() -> str:
-    """Returns the supported families as 'Architecture (model_type)', comma-separated."""
-    return ", ".join(f"{f.architecture} ({t})" for t, f in MODEL_REGISTRY.items())
+    """Returns the supported families as 'Architecture (model_type)', comma-separated, then the
+    multimodal ones run as their text part (engine/models/multimodal.py)."""
+    return ", ".join([f"{f.architecture} ({t})" for t, f in MODEL_REGISTRY.items()]
+                     + [f"{w.architecture} ({t}, text only)" for t, w in WRAPPERS.items()])
 
 
 def family_for(hf: dict[str, Any]) -> ModelFamily:

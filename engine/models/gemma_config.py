@@ -18,6 +18,15 @@ from typing import Any
 
 from engine.hf_config import HFConfig, parse_layer_types, parse_rope
 
+# transformers' Gemma3TextConfig defaults of the keys the shared parser reads
+# (engine/model_config.py), whose own defaults (or none) differ: published Gemma 3 text_config
+# dicts are sparse (gemma-3-4b-it's names three sizes) and transformers fills the rest from these.
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+}
+
 
 def _optional(hf: HFConfig, key: str, default: Any) -> Any:
     """Returns the key's value: `default` when absent, None when explicitly null."""

@@ -61,6 +61,10 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = Field(default=None, ge=1)
 
 
+# Content part types that carry an image (OpenAI's chat and responses APIs, transformers' templates).
+_IMAGE_PARTS = ("image_url", "input_image", "image")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -73,8 +77,12 @@ class ChatMessage(BaseModel):
             return self.content or ""
         parts = []
         for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"messages: only text content parts are supported, got {part.get('type')!r}")
+            kind = part.get("type")
+            if kind in _IMAGE_PARTS:
+                raise ValueError(f"messages: image input is not supported (a {kind!r} content part): "
+                                 "this server runs text-only prompts")
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"messages: only text content parts are supported, got {kind!r}")
             parts.append(part["text"])
         return "".join(parts)
 

@@ -1,11 +1,19 @@
 """What vLLM's configuration means to the connector (connector/vllm_setup.py), the parts that
-need no vLLM: hit sources for vLLM's per-tier counts, layer numbers from vLLM's layer names."""
+need no vLLM: hit sources for vLLM's per-tier counts, layer numbers from vLLM's layer names,
+a multimodal checkpoint refused while vLLM takes images for it."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 
-from connector.vllm_setup import hit_sources, layer_index
+from connector.vllm_setup import hit_sources, layer_index, refuse_image_input
+from engine.model_config import ModelConfig
+
+CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "real_configs"
 
 
 def test_hit_sources_name_vllms_members_and_add_up() -> None:
@@ -23,3 +31,13 @@ def test_layer_index_reads_vllms_layer_names() -> None:
     for name in ("model.norm", "model.layers.1.mlp.experts.2.attn"):
         with pytest.raises(ValueError, match="layer number"):
             layer_index(name)
+
+
+def test_vllm_taking_images_is_refused_for_a_multimodal_checkpoint() -> None:
+    wrapped, text_only = (ModelConfig.from_hf_dict(json.loads((CORPUS / f"google--gemma-3-{n}-it.json").read_text()))
+                          for n in ("4b", "1b"))
+    images, no_images = (SimpleNamespace(get_limit_per_prompt=lambda modality, n=n: n) for n in (999, 0))
+    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration takes images.*--language-model-only"):
+        refuse_image_input(wrapped, images)
+    refuse_image_input(wrapped, no_images)  # vLLM's --language-model-only, or an image limit of 0
+    refuse_image_input(text_only, images)  # a text checkpoint: no image placeholder to confuse

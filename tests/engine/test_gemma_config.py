@@ -36,6 +36,13 @@ GEMMA3_HUB: dict[str, Any] = {
     "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": True,
     "vocab_size": 262144,
 }
+# A sparse text config as gemma-3-4b-it's text_config is (tests/fixtures/real_configs): the
+# absent sizes are Gemma3TextConfig's defaults.
+GEMMA3_SPARSE: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 2560,
+    "intermediate_size": 10240, "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    "sliding_window": 1024,
+}
 
 
 def _via_transformers(hub: dict[str, Any]) -> dict[str, Any]:
@@ -51,7 +58,7 @@ def _parse(hf: dict[str, Any], **changes: Any) -> ModelConfig:
     return ModelConfig.from_hf_dict({**hf, **changes})
 
 
-@pytest.mark.parametrize("hub", [GEMMA2_HUB, GEMMA3_HUB], ids=["gemma2", "gemma3"])
+@pytest.mark.parametrize("hub", [GEMMA2_HUB, GEMMA3_HUB, GEMMA3_SPARSE], ids=["gemma2", "gemma3", "gemma3-sparse"])
 def test_hub_config_parses_as_transformers_5_saves_it(hub: dict[str, Any]) -> None:
     legacy, saved = _parse(hub), ModelConfig.from_hf_dict(_via_transformers(hub))
     assert legacy.fingerprint == saved.fingerprint
@@ -113,9 +120,10 @@ def test_every_computation_changing_key_is_in_the_fingerprint(hub: dict[str, Any
     (GEMMA2_HUB, {"hidden_activation": "relu"}, "relu"),
     (GEMMA3_HUB, {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
     (GEMMA3_HUB, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "rope_parameters"),
-    # The image-text checkpoint: only its text model, saved as Gemma3ForCausalLM, runs.
+    # The image-text checkpoint runs as its text part (tests/engine/test_multimodal.py), save
+    # a final-logit cap: its head does not apply one, Gemma3ForCausalLM's does.
     ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
-      "text_config": {**GEMMA3_HUB}}, {}, "Gemma3ForConditionalGeneration.*Gemma3ForCausalLM"),
+      "text_config": {**GEMMA3_HUB, "final_logit_softcapping": 30.0}}, {}, "final_logit_softcapping"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_unimplemented_keys_are_refused_by_name(hub: dict[str, Any], changes: dict[str, Any], named: str) -> None:
     with pytest.raises(ValueError, match=named):

@@ -151,6 +151,11 @@ def test_bad_requests_get_openai_errors(server: ServeProcess, client: openai.Ope
     assert e.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.NotFoundError, match="gpt-4"):
         client.completions.create(model="gpt-4", prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="image input is not supported") as e:  # never dropped silently
+        client.chat.completions.create(model=NAME, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is in this picture?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}])
+    assert e.value.body["param"] == "messages"
     # unknown fields are ignored, as OpenAI does
     r = httpx.post(
         server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "no_such_field": 1}, timeout=60
