@@ -2,12 +2,11 @@
 Redis and the cache server and exits; fresh servers load it through each (Redis as a
 `kv_consumer`, the cache server as `kv_both`), tested with the official `openai` client,
 streamed and not; /metrics moves, and vLLM counts the loaded tokens as from an unspecified
-external source (a shared tier). A fourth server publishes the KV events of its tier. The
-four start side by side."""
+external source (a shared tier). A fourth vLLM (an `LLM`, one process) publishes the KV events
+of its tier. The four start side by side."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from tests.fixtures.cache_server import CacheServerProcess
 from tests.fixtures.redis_server import RedisServer
-from tests.fixtures.vllm import VllmServer, close_together, start_together
+from tests.fixtures.vllm import VllmLLM, VllmServer, close_together, start_together
 
 CHUNK = 256
 
@@ -60,7 +59,7 @@ class Servers:
     test), the events server and its endpoint, and the producer's cold tokens."""
 
     loaders: dict[str, VllmServer]
-    events: VllmServer
+    events: VllmLLM
     endpoint: str
     cold: list[int]
 
@@ -70,22 +69,24 @@ def servers(default_model_path: Path, redis_server_session: RedisServer, tmp_pat
             prompt_2k: list[int]) -> Iterator[Servers]:
     """A `kv_producer` stores the prompt in Redis and the cache server, then exits; a
     `kv_consumer` over Redis and a `kv_both` over the cache server have not run anything; a
-    fourth server publishes KV events from a `cpu` tier of 3 chunks."""
+    fourth vLLM publishes KV events from a `cpu` tier of 3 chunks."""
     logs = tmp_path_factory.mktemp("vllm-serve")
     redis_server_session.client().flushall()
     cache = CacheServerProcess("--max-bytes", "256MiB")
     endpoint = f"ipc://{logs}/events.sock"  # vLLM's publisher binds it: local, no network
     events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
     config = {"chunk_size": CHUNK}
-    producer, *others = start_together(
+    producer, consumer, both, events = start_together(
         lambda: VllmServer(default_model_path, config | {"tiers": [redis_server_session.url, cache.url]},
                            logs / "producer.log", "kv_producer"),
         lambda: VllmServer(default_model_path, config | {"tiers": [redis_server_session.url]},
                            logs / "consumer.log", "kv_consumer"),
         lambda: VllmServer(default_model_path, config | {"tiers": [cache.url]}, logs / "both.log", "kv_both"),
         # room for 3 of the prompt's 8 chunks (46080 bytes per token in fp32): the rest are evicted
-        lambda: VllmServer(default_model_path, config | {"tiers": ["cpu?budget=36MiB"]}, logs / "events.log",
-                           "kv_both", "--kv-events-config", json.dumps(events_config)))
+        lambda: VllmLLM(default_model_path, config | {"tiers": ["cpu?budget=36MiB"]}, logs / "events.log",
+                        kv_events=events_config))
+    assert isinstance(producer, VllmServer) and isinstance(consumer, VllmServer) and isinstance(both, VllmServer)
+    assert isinstance(events, VllmLLM)
     try:
         try:
             # The request ends at its prefill, before its stores land; the pending stores keep
@@ -95,9 +96,9 @@ def servers(default_model_path: Path, redis_server_session: RedisServer, tmp_pat
             cold = _complete(producer, prompt_2k, stream=False)
         finally:
             assert producer.close() == 0  # SIGINT: queued stores are flushed before it exits
-        yield Servers(dict(zip(("redis", "kvtier"), others[:2], strict=True)), others[2], endpoint, cold)
+        yield Servers({"redis": consumer, "kvtier": both}, events, endpoint, cold)
     finally:
-        close_together(*others)
+        close_together(consumer, both, events)
         cache.kill()
 
 
@@ -128,18 +129,24 @@ def _drain(sub: zmq.Socket, until: float, want: int) -> list[BlockStored | Block
 
 
 def test_stored_and_evicted_chunks_are_published(servers: Servers, prompt_2k: list[int]) -> None:
-    """KV events from kvtier's tiers (`--kv-events-config`): each chunk the connector stores is
-    published as vLLM's `BlockStored` with its tokens, its chained hash and the previous
-    chunk's as parent, the tier as medium; each chunk the tier evicts as `BlockRemoved`.
+    """KV events from kvtier's tiers (vLLM's `kv_events_config`, `--kv-events-config` on
+    `vllm serve`): each chunk the connector stores is published as vLLM's `BlockStored` with
+    its tokens, its chained hash and the previous chunk's as parent, the tier as medium; each
+    chunk the tier evicts as `BlockRemoved`.
     Received over vLLM's own ZMQ publisher, decoded with vLLM's event types."""
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(servers.endpoint)
     try:
-        client = openai.OpenAI(base_url=servers.events.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-        client.completions.create(model="default", prompt=prompt_2k, max_tokens=1, temperature=0.0)
-        events = _drain(sub, time.monotonic() + 60, want=8 + 5)
+        servers.events.generate([prompt_2k], max_tokens=1)
+        events: list[BlockStored | BlockRemoved] = []
+        deadline = time.monotonic() + 60
+        while len(events) < 8 + 5 and time.monotonic() < deadline:
+            # An `LLM` steps only while a request runs, and vLLM publishes a step's events at its
+            # end: a 3-token request (no chunk to store) publishes what was stored since.
+            servers.events.generate([[5, 6, 7]], max_tokens=1)
+            events += _drain(sub, time.monotonic() + 1, want=8 + 5 - len(events))
     finally:
         sub.close(linger=0)
         ctx.term()
