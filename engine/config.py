@@ -31,7 +31,7 @@ class EngineConfig:
     """
 
     model: str | None = field(default=None, metadata=_opt(
-        "local Hugging Face checkpoint dir (default: the bundled SmolLM2-135M-Instruct)", "PATH"))
+        "local Hugging Face checkpoint dir or GGUF file (default: the bundled SmolLM2-135M-Instruct)", "PATH"))
     device: str = field(default="auto", metadata=_opt(
         "auto (CUDA when available), cpu, cuda or cuda:N", "DEVICE"))
     dtype: str = field(default="auto", metadata=_opt(

@@ -36,7 +36,7 @@ from types import ModuleType
 
 import torch
 
-from engine.default_model import kvtier_home
+from engine.model_cache import kvtier_home
 
 logger = logging.getLogger(__name__)
 

@@ -10,6 +10,10 @@ each `*.safetensors` file, SHA-256 over its name, size, JSON header (tensor name
 shapes, offsets) and 4 KiB samples at 33 evenly spaced offsets of its data region (the whole
 file when it is at most 8 MiB). Reading ~130 KiB per shard costs milliseconds, needs no
 sidecar file (checkpoint dirs may be read-only), and any fine-tune changes the sampled bytes.
+A dir converted from a GGUF file (engine/gguf_checkpoint.py) records the SHA-256 of the file's
+bytes in `GGUF_SOURCE`, and the identity names it too: two quantisations of one model (which
+may differ in a few tensors the samples miss) never share an identity, nor a GGUF its
+safetensors original.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from engine.models.multimodal import text_part
 _SAMPLE_BYTES = 4096
 _NUM_SAMPLES = 33
 _HASH_WHOLE_FILE_BELOW = 8 << 20
+# In a dir converted from GGUF: {"sha256": <the GGUF file's>, ...}.
+GGUF_SOURCE = "gguf_source.json"
 
 
 @dataclass(frozen=True)
@@ -250,11 +256,15 @@ def _collect_eos_ids(path: Path, hf: dict[str, Any]) -> list[int]:
 
 
 def weights_identity(path: Path) -> str:
-    """SHA-256 hex over the checkpoint's safetensors files (see module docstring)."""
+    """SHA-256 hex over the checkpoint's safetensors files, and the GGUF file it was converted
+    from if any (see module docstring)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors weights found")
     h = hashlib.sha256()
+    source = path / GGUF_SOURCE
+    if source.is_file():
+        h.update(b"gguf\0" + str(json.loads(source.read_text())["sha256"]).encode() + b"\0")
     for f in files:
         size = f.stat().st_size
         h.update(f.name.encode() + b"\0" + str(size).encode() + b"\0")

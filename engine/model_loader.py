@@ -62,14 +62,18 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None
 
 
 def resolve_model_path(model: str | Path | None) -> Path:
-    """Returns the checkpoint dir: None means the default model (converted on first use)."""
+    """Returns the checkpoint dir: None means the default model, a `.gguf` file its conversion
+    (engine/gguf_checkpoint.py; both converted on first use)."""
     if model is None:
         from engine.default_model import ensure_default_model  # only when actually needed
         return ensure_default_model()
     path = Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from engine.gguf_checkpoint import gguf_checkpoint
+        return gguf_checkpoint(path)
     if not (path / "config.json").is_file():
-        raise ValueError(f"model {str(model)!r} is not a local Hugging Face checkpoint dir "
-                         "(expected config.json; nothing is fetched from a hub)")
+        raise ValueError(f"model {str(model)!r} is not a local Hugging Face checkpoint dir or GGUF file "
+                         "(expected config.json or a .gguf file; nothing is fetched from a hub)")
     return path
 
 
