@@ -89,7 +89,9 @@ class ModelConfig:
     # Family features. Each default is the Llama computation; `_fingerprint` names a feature
     # only when it differs from its default, so the models that predate it keep their ids.
     hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh"
-    attention_scale: float | None = None  # None: head_size ** -0.5
+    # Scores are scale * q.k; None: head_size ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5,
+    # Granite: attention_multiplier).
+    attention_scale: float | None = None
     # q/k RMSNorm before RoPE: "head" (per head over head_size, Qwen3), "full" (over the whole
     # projection, OLMo 2), None.
     qk_norm: str | None = None
@@ -97,9 +99,14 @@ class ModelConfig:
     # (OLMo 2: after each sub-layer), "sandwich" (Gemma 2/3: before and after each).
     norm_layout: str = "pre"
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight) (Gemma)
-    embedding_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden))
+    # Embeddings multiplied by this (Gemma: sqrt(hidden); Granite: embedding_multiplier).
+    embedding_scale: float | None = None
+    # Each branch output (attention, MLP) multiplied by this before it joins the residual
+    # stream (Granite's residual_multiplier).
+    residual_scale: float | None = None
     attn_logit_softcap: float | None = None  # cap * tanh(score / cap) on attention scores
     final_logit_softcap: float | None = None  # the same on the final logits
+    final_logit_divisor: float | None = None  # the final logits divided by this (Granite's logits_scaling)
     # RoPE of the sliding layers when it differs from the full layers' (Gemma 3's local base).
     local_rope_theta: float | None = None
     local_rope_scaling: dict[str, Any] | None = None

@@ -8,7 +8,8 @@ family puts them (`ModelConfig.norm_layout`):
 - "sandwich" (Gemma 2/3): both (`input_layernorm`, `post_attention_layernorm`,
   `pre_feedforward_layernorm`, `post_feedforward_layernorm`).
 
-Modules carry the checkpoint's names. A layer returns (branch output, residual stream before
+With `ModelConfig.residual_scale` (Granite) each branch output is multiplied by it before it
+joins the residual stream. Modules carry the checkpoint's names. A layer returns (branch output, residual stream before
 it is added): the next layer's first norm adds them, so each residual add rides in a fused norm
 where the layout has one there (vLLM's layout).
 """
@@ -45,6 +46,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_idx, rotary)
         self.mlp = mlp
         self.norm_roles = NORM_LAYOUTS[cfg.norm_layout]
+        # A plain attribute read at every forward, as Attention's switches (a test turns it off).
+        self.residual_scale = cfg.residual_scale
         for name in self.norm_roles.values():
             self.add_module(name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset))
 
@@ -74,14 +77,20 @@ class DecoderLayer(nn.Module):
     def after_attention(self, attn_out: torch.Tensor,
                         residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (the MLP branch output, the residual stream before it is added) for the
-        attention branch's output `attn_out` (after `o_proj`)."""
+        attention branch's output `attn_out` (after `o_proj`); both branch outputs scaled by
+        `residual_scale` when set."""
         if (out := self.norm("attn_out")) is not None:
             attn_out = out(attn_out)
-        h, residual = self._enter(self.norm("mlp_in"), attn_out, residual)
+        h, residual = self._enter(self.norm("mlp_in"), self._scaled(attn_out), residual)
         h = self.mlp(h)
         if (out := self.norm("mlp_out")) is not None:
             h = out(h)
-        return h, residual
+        return self._scaled(h), residual
+
+    def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        # A Python float, so half precision multiplies by its float32 value (not rounded to the
+        # dtype first), as transformers' Granite does.
+        return branch if self.residual_scale is None else branch * self.residual_scale
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,

@@ -55,6 +55,7 @@ MODEL_REGISTRY: dict[str, ModelFamily] = {f.model_type: f for f in (
     ModelFamily("mixtral", "MixtralForCausalLM", "moe.MixtralForCausalLM", fc.mixtral),
     ModelFamily("phi3", "Phi3ForCausalLM", "phi3.Phi3ForCausalLM", fc.phi3, fc.phi3_rope),
     ModelFamily("olmo2", "Olmo2ForCausalLM", "olmo2.Olmo2ForCausalLM", fc.olmo2),
+    ModelFamily("granite", "GraniteForCausalLM", "granite.GraniteForCausalLM", fc.granite),
 )}
 
 

@@ -2,8 +2,9 @@
 a final norm and the logits.
 
 A family subclasses `CausalLM`; what differs is read from ModelConfig's features (norm layout,
-q/k norm, attention scale, windows, per-layer RoPE, soft-caps, ...) or set through its hooks:
-`make_mlp` (a different MLP, e.g. sparse experts) and `checkpoint_target` (checkpoint naming).
+q/k norm, attention scale, windows, per-layer RoPE, soft-caps, multipliers, ...) or set through
+its hooks: `make_mlp` (a different MLP, e.g. sparse experts) and `checkpoint_target`
+(checkpoint naming).
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ class DecoderModel(nn.Module):
             layers.append(layer_class(cfg, i, ropes[key], make_mlp(cfg, i)))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
-        # Embeddings are multiplied by this in the model's dtype (Gemma: sqrt(hidden)).
+        # Embeddings are multiplied by this rounded to the model's dtype, as transformers' Gemma
+        # does with sqrt(hidden). transformers' Granite multiplies by the float instead: the
+        # same product whenever the multiplier is exact in the dtype (12 in its published configs).
         self.embedding_scale = cfg.embedding_scale
 
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -90,6 +93,8 @@ class CausalLM(nn.Module):
         self.layer_windows = [config.layer_sliding_window(i) for i in range(config.num_layers)]
         # cap * tanh(logits / cap) on the final logits (Gemma 2), None: off.
         self.final_logit_softcap = config.final_logit_softcap
+        # The final logits divided by this (Granite's logits_scaling), None: off.
+        self.final_logit_divisor = config.final_logit_divisor
         # engine/cpu_ops.py's compiled kernels, once enable_cpu_ops gave them (CPU only).
         self.cpu_ops: ModuleType | None = None
 
@@ -141,6 +146,8 @@ class CausalLM(nn.Module):
             logits = F.linear(hidden_states, self.model.embed_tokens.weight).float()
         else:
             logits = cast(torch.Tensor, self.lm_head(hidden_states)).float()
+        if self.final_logit_divisor is not None:
+            logits = logits / self.final_logit_divisor
         cap = self.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

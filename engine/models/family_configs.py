@@ -128,6 +128,31 @@ def olmo2(hf: HFConfig, cfg: dict[str, Any]) -> None:
     hf.inert_unless("mlp_bias", False)
 
 
+def granite(hf: HFConfig, cfg: dict[str, Any]) -> None:
+    """Granite: Llama's layers with four multipliers (GraniteConfig's defaults are 1.0):
+    `embedding_multiplier` on the embeddings, `residual_multiplier` on each branch output
+    before the residual add, `attention_multiplier` as the whole score scale (in place of
+    head_dim ** -0.5, so a config without it scales scores by 1), `logits_scaling` dividing the
+    final logits. `attention_bias` puts a bias on q/k/v and o_proj alike; `mlp_bias` on the MLP.
+    A multiplier of 1 leaves its field unset (no work, no fingerprint entry)."""
+    cfg["attention_bias"] = cfg["attention_out_bias"] = hf.flag("attention_bias")
+    cfg["mlp_bias"] = hf.flag("mlp_bias")
+    cfg["attention_scale"] = _multiplier(hf, "attention_multiplier")
+    embedding, residual, logits = (_multiplier(hf, k) for k in
+                                   ("embedding_multiplier", "residual_multiplier", "logits_scaling"))
+    cfg["embedding_scale"] = None if embedding == 1.0 else embedding
+    cfg["residual_scale"] = None if residual == 1.0 else residual
+    cfg["final_logit_divisor"] = None if logits == 1.0 else logits
+
+
+def _multiplier(hf: HFConfig, key: str) -> float:
+    """Returns a positive number key (1.0 when absent or null, GraniteConfig's default) as a float."""
+    v = hf.get(key, 1.0)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+        raise ValueError(f"config.json: {key!r} must be a positive number, got {v!r}")
+    return float(v)
+
+
 def sliding_windows(hf: HFConfig, cfg: dict[str, Any]) -> None:
     """Qwen-style windows: only with `use_sliding_window`, in the layers `layer_types` marks
     "sliding_attention" (default: index >= `max_window_layers`), as transformers applies them."""

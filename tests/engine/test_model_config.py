@@ -228,9 +228,31 @@ def test_inert_and_no_op_keys_are_accepted() -> None:
     assert same.fingerprint == base.fingerprint
 
 
-def test_granite_and_unknown_rope_parameters_are_refused() -> None:
-    with pytest.raises(ValueError, match="GraniteForCausalLM"):
-        ModelConfig.from_hf_dict({**_SIZES, "model_type": "granite", "architectures": ["GraniteForCausalLM"]})
+_GRANITE_MULTIPLIERS = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                        "attention_multiplier": 0.0078125, "logits_scaling": 8.0}
+
+
+def test_granite_is_read_as_granite_and_refused_relabelled_llama() -> None:
+    granite = ModelConfig.from_hf_dict({**_SIZES, "model_type": "granite", "architectures": ["GraniteForCausalLM"],
+                                        **_GRANITE_MULTIPLIERS, "attention_bias": True})
+    assert (granite.embedding_scale, granite.residual_scale, granite.attention_scale,
+            granite.final_logit_divisor) == (12.0, 0.22, 0.0078125, 8.0)
+    assert granite.attention_bias and granite.attention_out_bias and not granite.mlp_bias
+    # GraniteConfig's defaults: multipliers of 1, so scores scaled by 1, not head_dim ** -0.5.
+    plain = ModelConfig.from_hf_dict({**_SIZES, "model_type": "granite"})
+    assert (plain.embedding_scale, plain.residual_scale, plain.attention_scale,
+            plain.final_logit_divisor) == (None, None, 1.0, None)
+    # The same checkpoint relabelled llama: its multipliers are refused by name, not ignored.
+    with pytest.raises(ValueError, match="embedding_multiplier"):
+        ModelConfig.from_hf_dict({**_SIZES, "model_type": "llama", **_GRANITE_MULTIPLIERS})
+    with pytest.raises(ValueError, match="GraniteForCausalLM.*llama"):
+        ModelConfig.from_hf_dict({**_SIZES, "model_type": "llama", "architectures": ["GraniteForCausalLM"]})
+    for bad in (0, -1.0, "8", True, float("nan")):
+        with pytest.raises(ValueError, match="logits_scaling"):
+            ModelConfig.from_hf_dict({**_SIZES, "model_type": "granite", "logits_scaling": bad})
+
+
+def test_unknown_rope_parameters_and_mislabelled_architectures_are_refused() -> None:
     with pytest.raises(ValueError, match="LlamaForCausalLM.*qwen3|qwen3.*LlamaForCausalLM"):
         ModelConfig.from_hf_dict({**_SIZES, "model_type": "qwen3", "architectures": ["LlamaForCausalLM"]})
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
@@ -264,6 +286,7 @@ _QWEN3_MOE = {**_SIZES, "model_type": "qwen3_moe", "num_experts": 4, "num_expert
                                                             "original_max_position_embeddings": 256}}),
     ({**_SIZES, "model_type": "qwen3"}, {"attention_bias": True}),
     ({**_SIZES, "model_type": "olmo2"}, {"rms_norm_eps": 1e-5}),
+    *(({**_SIZES, "model_type": "granite"}, {k: v}) for k, v in _GRANITE_MULTIPLIERS.items()),
 ])
 def test_fingerprint_covers_each_computation_key(base, change) -> None:
     assert ModelConfig.from_hf_dict({**base, **change}).fingerprint != ModelConfig.from_hf_dict(base).fingerprint
@@ -272,8 +295,8 @@ def test_fingerprint_covers_each_computation_key(base, change) -> None:
 def test_families_differ_by_fingerprint_at_equal_sizes() -> None:
     """Same sizes, different computation (q/k norm, norm layout, MoE): different ids."""
     prints = {ModelConfig.from_hf_dict({**_SIZES, "model_type": t}).fingerprint
-              for t in ("llama", "qwen3", "olmo2", "phi3", "mixtral")}
-    assert len(prints) == 5
+              for t in ("llama", "qwen3", "olmo2", "phi3", "mixtral", "granite")}
+    assert len(prints) == 6
 
 
 def test_family_features_are_read_from_config() -> None:

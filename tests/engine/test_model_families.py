@@ -1,5 +1,5 @@
-"""Dense families against transformers: Qwen3 (with YaRN), Phi-3 (longrope), OLMo 2 and
-Llama with YaRN; the proof itself is tests/fixtures/families.py's."""
+"""Dense families against transformers: Qwen3 (with YaRN), Phi-3 (longrope), OLMo 2, Llama
+with YaRN and Granite (its multipliers); the proof itself is tests/fixtures/families.py's."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tests.fixtures.families import (  # noqa: F401 - the shared tests and fixtu
 from tests.fixtures.model import FAMILY_TINY
 from tests.fixtures.paged import PagedDriver, load_tiny_pair
 
-family = make_family_fixture(["qwen3", "phi3", "olmo2", "llama_yarn"])
+family = make_family_fixture(["qwen3", "phi3", "olmo2", "llama_yarn", "granite"])
 
 
 def _hf_decode_logits(hf: Any, prompt: list[int], tokens: list[int]) -> torch.Tensor:
