@@ -83,7 +83,7 @@ def test_the_corpus_covers_the_families() -> None:
     assert len(corpus()) >= 15
     assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MistralForCausalLM",
             "MixtralForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-            "Phi3ForCausalLM"} <= archs
+            "Phi3ForCausalLM", "GraniteForCausalLM"} <= archs
     sources = (CORPUS / "SOURCES.md").read_text()
     assert all(name.split("--", 1)[1] in sources for name in corpus())  # each says where it came from
 
