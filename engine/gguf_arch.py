@@ -6,17 +6,20 @@ llama.cpp names one architecture per family (`general.architecture`) and keeps i
 `<arch>.*` keys. Its converter changes two things besides names: for `llama` (Llama, Mistral,
 SmolLM) it permutes the q/k rows of each head so that its rope kernel can rotate adjacent pairs
 (`permuted_qk`: the rows go back to HF's rotate-halves order here), and for Gemma it stores
-each RMSNorm weight w as 1 + w (`norm_offset`: subtracted here). Where the file is silent,
-llama.cpp's own assumption for the architecture is taken (Gemma's attention scale and sliding
-pattern), since that is how the file's authors ran it.
+each RMSNorm weight w as 1 + w (`norm_offset`: subtracted here). Llama 3's rope scaling is
+no metadata key but a tensor of per-pair frequency divisors (`rope_freqs.weight`), read back
+into the `llama3` rope parameters it was computed from. Where the file is silent, llama.cpp's
+own assumption for the architecture is taken (Gemma's attention scale and sliding pattern),
+since that is how the file's authors ran it.
 
 As with `config.json` (engine/hf_config.py), nothing is ignored silently: an `<arch>.*` key
 no rule here reads, unless known to leave the forward pass unchanged, is refused by name, and
-so is a tensor with no HF name (Llama 3.1's `rope_freqs`, say). Torch-free.
+so is a tensor with no HF name. Torch-free.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -173,10 +176,11 @@ def arch_for(name: Any) -> GGUFArch:
     return arch
 
 
-def hf_config(arch: GGUFArch, fields: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    """Returns the `config.json` dict the metadata `fields` and the tensors (GGUF name -> shape,
-    numpy order) describe; ValueError naming any key that is malformed, unimplemented or not
-    understood."""
+def hf_config(arch: GGUFArch, fields: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
+              rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
+    """Returns the `config.json` dict the metadata `fields`, the tensors (GGUF name -> shape,
+    numpy order) and the `rope_freqs.weight` values if any describe; ValueError naming any key
+    that is malformed, unimplemented or not understood."""
     md = GGUFMetadata(fields, arch.name)
     names = set(tensor_shapes)
     if "token_embd.weight" not in tensor_shapes:
@@ -205,6 +209,10 @@ def hf_config(arch: GGUFArch, fields: dict[str, Any], tensor_shapes: dict[str, t
         "rope_parameters": {"rope_type": "default", "rope_theta": theta, **_rope_scaling(md)},
         **_token_ids(fields),
     }
+    if rope_freqs is not None:
+        if not arch.permuted_qk:  # only llama.cpp's `llama` architecture writes it so
+            raise ValueError(f"GGUF tensor 'rope_freqs.weight' has no place in {arch.architecture}")
+        cfg["rope_parameters"] = _llama3_rope(cfg["rope_parameters"], rope_freqs, head_dim)
     if md.get("expert_count", 0):
         raise md.refuse("expert_count", md.get("expert_count"))
     if md.get("attention.causal", True) is not True:
@@ -225,6 +233,30 @@ def _rope_scaling(md: GGUFMetadata) -> dict[str, Any]:
     if kind in (None, "linear") and (legacy or factor):
         return {"rope_type": "linear", "factor": legacy or factor}
     raise md.refuse("rope.scaling.type", kind)
+
+
+# Llama 3.1-3.3's rope scaling but for its factor: what `rope_freqs.weight` is read back as.
+_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _llama3_rope(rope: dict[str, Any], divisors: np.ndarray, head_dim: int) -> dict[str, Any]:
+    """Returns the `llama3` rope parameters whose frequencies are the base ones divided by
+    `divisors` (llama.cpp's `rope_freqs.weight`, one per rotated pair): Llama 3's band limits
+    and original context, the factor the largest divisor. ValueError unless they reproduce
+    every divisor (another rope scaling stored this way)."""
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError("GGUF file has both rope scaling metadata and a 'rope_freqs.weight' tensor")
+    params = {**rope, "rope_type": "llama3", "factor": float(divisors.max()), **_LLAMA3}
+    inv_freq = params["rope_theta"] ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    orig, low, high = (params[k] for k in ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"))
+    smooth = np.clip((orig / wavelen - low) / (high - low), 0.0, 1.0)
+    expected = 1 / ((1 - smooth) / params["factor"] + smooth)
+    if divisors.shape != expected.shape or not np.allclose(divisors, expected, rtol=1e-5, atol=0):
+        raise ValueError("GGUF tensor 'rope_freqs.weight' holds rope frequency divisors that are not "
+                         f"Llama 3's scaling (factor {params['factor']:g}, low/high frequency factors 1/4, "
+                         "original context 8192); refusing the file rather than running it wrong")
+    return params
 
 
 def _token_ids(fields: dict[str, Any]) -> dict[str, Any]:
@@ -251,10 +283,14 @@ _PRE_NORMS = {"ffn_norm": "post_attention_layernorm"}
 _SANDWICH_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                    "post_ffw_norm": "post_feedforward_layernorm"}
 _NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
+ROPE_FREQS = "rope_freqs.weight"
 
 
-def hf_name(arch: GGUFArch, gguf_name: str) -> str:
-    """Returns the Hugging Face name of a GGUF tensor; ValueError naming one it has none for."""
+def hf_name(arch: GGUFArch, gguf_name: str) -> str | None:
+    """Returns the Hugging Face name of a GGUF tensor, None for one read into config.json
+    (`rope_freqs.weight`); ValueError naming one it has no place for."""
+    if gguf_name == ROPE_FREQS and arch.permuted_qk:
+        return None
     m = _NAME.fullmatch(gguf_name)
     layer, leaf, kind = m.groups() if m else (None, "", "")
     if m and layer is None and leaf in _TOP:

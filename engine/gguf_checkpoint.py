@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.gguf_arch import GGUFArch, arch_for, changes_values, hf_config, hf_name, hf_values
+from engine.gguf_arch import ROPE_FREQS, GGUFArch, arch_for, changes_values, hf_config, hf_name, hf_values
 from engine.model_cache import build_once, kvtier_home
 from engine.model_config import GGUF_SOURCE
 
@@ -61,6 +61,7 @@ def convert_gguf(src: Path, out: Path, progress: bool | None = None, source_sha2
     docstring); with `source_sha256` the dir records it as the weights' source. Raises
     ValueError naming an unsupported architecture, metadata key, tensor or tensor type."""
     from gguf import GGUFReader
+    from gguf.quants import dequantize
 
     from engine.progress import progress_bar
 
@@ -72,13 +73,13 @@ def convert_gguf(src: Path, out: Path, progress: bool | None = None, source_sha2
     arch = arch_for(fields.get("general.architecture"))
     _check_types(src, reader.tensors)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
-    cfg = hf_config(arch, fields, shapes)
-    for t in reader.tensors:  # every name before any work
-        hf_name(arch, t.name)
+    freqs = next((dequantize(t.data, t.tensor_type) for t in reader.tensors if t.name == ROPE_FREQS), None)
+    cfg = hf_config(arch, fields, shapes, freqs)
+    weights = [t for t in reader.tensors if hf_name(arch, t.name) is not None]  # every name before any work
     out.mkdir(parents=True)
-    total = sum(int(t.n_bytes) for t in reader.tensors)
+    total = sum(int(t.n_bytes) for t in weights)
     with progress_bar(total, f"kvtier: converting {src.name}", "B", enabled=progress) as bar:
-        cfg["dtype"] = _write_weights(reader.tensors, arch, cfg, out, bar)
+        cfg["dtype"] = _write_weights(weights, arch, cfg, out, bar)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     _save_tokenizer(arch, reader.fields, fields, out)
     if source_sha256 is not None:
@@ -155,6 +156,7 @@ def _write_weights(tensors: list[Any], arch: GGUFArch, cfg: dict[str, Any], out:
         for t in shard:
             values = hf_values(arch, t.name, dequantize(t.data, t.tensor_type), cfg)
             name = hf_name(arch, t.name)
+            assert name is not None  # the caller passes weights only
             state[name] = torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).to(dtype(t))
             weight_map[name] = fname
             if t.name == "token_embd.weight":

@@ -32,6 +32,10 @@ from tests.fixtures.paged import PagedDriver
 _GEMMA = dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=16)
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": dict(model_type="llama"),
+    # Llama 3.1's rope scaling, which llama.cpp stores as a tensor of frequency divisors.
+    "llama3": dict(model_type="llama", rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 8192}),
     "qwen2": dict(model_type="qwen2"),
     "qwen3": dict(model_type="qwen3", head_dim=32, attention_bias=True),
     "gemma2": dict(model_type="gemma2", **_GEMMA, attn_logit_softcapping=10.0, final_logit_softcapping=8.0),
@@ -50,7 +54,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Pat
 
     @functools.cache
     def build(family: str) -> Path:
-        return make_tiny_checkpoint(root, tokenizer_dir=tiny_tokenizer_dir, **{**FAMILY_TINY, **FAMILIES[family]})
+        overrides = {**FAMILY_TINY, **FAMILIES[family]}
+        return make_tiny_checkpoint(root / family, tokenizer_dir=tiny_tokenizer_dir, **overrides)
     return build
 
 
@@ -145,7 +150,8 @@ def test_conversions_are_cached_by_content(tmp_path: Path, checkpoint: Callable[
     ({"expert_count": (4, GGUFValueType.UINT32)}, {}, "llama.expert_count=4"),
     ({"rope.scaling.type": ("yarn", GGUFValueType.STRING)}, {}, "llama.rope.scaling.type='yarn'"),
     ({"attention.layer_norm_epsilon": (1e-5, GGUFValueType.FLOAT32)}, {}, "llama.attention.layer_norm_epsilon"),
-    ({}, {"rope_freqs.weight": np.ones(16, np.float32)}, "'rope_freqs.weight' has no place in LlamaForCausalLM"),
+    ({}, {"rope_freqs.weight": np.linspace(1, 3, 16, dtype=np.float32)}, "'rope_freqs.weight' holds rope frequency"),
+    ({}, {"blk.0.attn_rot_embd.weight": np.ones(16, np.float32)}, "'blk.0.attn_rot_embd.weight' has no place"),
     ({}, {"blk.0.attn_q_scale.weight": np.ones(4, np.int8)}, "'blk.0.attn_q_scale.weight' is stored as I8"),
 ])
 def test_what_kvtier_cannot_read_is_refused_by_name(extra: dict[str, Any], extra_tensors: dict[str, np.ndarray],
