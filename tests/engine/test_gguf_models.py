@@ -124,6 +124,37 @@ def test_quantised_gguf_runs_under_its_own_fingerprint(qtype: GGMLQuantizationTy
     assert len(fingerprints) == 3  # never sharing chunks with the F32 file or the safetensors
 
 
+@pytest.mark.parametrize("qtype, dtype", [(GGMLQuantizationType.F16, torch.float16),
+                                          (GGMLQuantizationType.BF16, torch.bfloat16)])
+def test_half_gguf_keeps_its_type(qtype: GGMLQuantizationType, dtype: torch.dtype, tmp_path: Path,
+                                  checkpoint: Callable[[str], Path]) -> None:
+    from safetensors.torch import load_file
+
+    ckpt = checkpoint("llama")
+    converted = gguf_checkpoint(write_gguf(ckpt, tmp_path / "h.gguf", qtype), home=tmp_path / "home", progress=False)
+    original, stored = load_file(str(ckpt / "model.safetensors")), load_file(str(converted / "model.safetensors"))
+    for name, w in original.items():  # the norms F32 in the file, as llama.cpp keeps them
+        expected = w if w.dim() == 1 else w.to(dtype)
+        assert stored[name].dtype == expected.dtype and torch.equal(stored[name], expected), name
+    assert ModelConfig.from_pretrained(converted).checkpoint_dtype == str(dtype).removeprefix("torch.")
+
+
+def test_large_conversions_are_sharded(tmp_path: Path, checkpoint: Callable[[str], Path],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.gguf_checkpoint
+
+    monkeypatch.setattr(engine.gguf_checkpoint, "SHARD_BYTES", 300_000)  # the embedding alone is 512 KB
+    ckpt = checkpoint("qwen2")
+    converted = gguf_checkpoint(write_gguf(ckpt, tmp_path / "m.gguf"), home=tmp_path / "home", progress=False)
+    shards = sorted(p.name for p in converted.glob("*.safetensors"))
+    index = json.loads((converted / "model.safetensors.index.json").read_text())
+    assert len(shards) > 2 and sorted(set(index["weight_map"].values())) == shards
+    assert all(p.stat().st_size <= 600_000 for p in converted.glob("*.safetensors"))
+    logits, tokens, _ = _run(ckpt)
+    s_logits, s_tokens, _ = _run(converted)
+    assert torch.equal(s_logits, logits) and s_tokens == tokens
+
+
 def test_conversions_are_cached_by_content(tmp_path: Path, checkpoint: Callable[[str], Path]) -> None:
     ckpt = checkpoint("llama")
     gguf = write_gguf(ckpt, tmp_path / "a.gguf")
