@@ -19,12 +19,14 @@ There are no such kernels for other devices: callers keep PyTorch's ops there an
 The build (torch's C++ extension JIT, g++ with OpenMP, ~30 s) happens once per source, torch
 installation, flags and CPU, under `$KVTIER_HOME/torch_extensions/`: `make install` runs it
 (`python -m engine.cpu_ops`), else the first model load does; processes that start together
-wait on one build (torch's lock file). Without a compiler, `load()` returns None and says why
+wait on one build (a file lock the OS releases when its holder dies, so a build killed mid-way
+never leaves the next load waiting). Without a compiler, `load()` returns None and says why
 once.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -97,10 +99,15 @@ def load() -> ModuleType | None:
         from torch.utils.cpp_extension import load as build
 
         build_dir.mkdir(parents=True, exist_ok=True)
-        sources_dir = _copy_sources(sources, build_dir / "src")
-        return build(name="kvtier_cpu_ops", sources=[str(sources_dir / p.name) for p in _SOURCES],
-                     build_directory=str(build_dir),
-                     extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        with open(build_dir / "build.flock", "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            # torch's own baton file outlives a build killed mid-way, and torch waits for it to
+            # go forever; holding the lock above, any such file is a dead build's.
+            (build_dir / "lock").unlink(missing_ok=True)
+            sources_dir = _copy_sources(sources, build_dir / "src")
+            return build(name="kvtier_cpu_ops", sources=[str(sources_dir / p.name) for p in _SOURCES],
+                         build_directory=str(build_dir),
+                         extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the PyTorch path
         logger.warning("kvtier's CPU kernels could not be built (%s: %s); decode attention uses the "
                        "PyTorch gather path", type(e).__name__, str(e).splitlines()[0] if str(e) else "")

@@ -4,6 +4,8 @@ attention (engine/cpu_ops.py) against the gather + SDPA path, and whole generati
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -237,3 +239,17 @@ def test_generations_identical_with_and_without_fast_paths(ops) -> None:
             outs[kernels] = [o.outputs[0].token_ids for o in results]
     assert len(results[2].prompt_token_ids) > 512  # its decode spans two kernel partitions
     assert outs["auto"] == outs["torch"]
+
+
+def test_a_build_killed_mid_way_leaves_no_load_waiting(ops) -> None:
+    """torch's baton file, as a build killed mid-way leaves it in the build dir, is cleared by
+    the next load, which returns the kernels (torch alone waits for it forever)."""
+    baton = Path(ops.__file__).parent / "lock"
+    baton.touch()
+    try:
+        done = subprocess.run([sys.executable, "-c", "from engine import cpu_ops; assert cpu_ops.load()"],
+                              cwd=REPO, timeout=120)
+    finally:
+        stale = baton.exists()
+        baton.unlink(missing_ok=True)
+    assert done.returncode == 0 and not stale
