@@ -23,8 +23,8 @@ class BlendConfig:
     through every layer inside the prompt that first uses it (so a cold prompt is a full
     prefill) and stores that; `standalone` computes it as a sequence of its own, as LMCache
     precomputes chunks. In-context K/V carry what a segment draws from a preceding context and
-    blend far closer to a full prefill (see the README); the two are stored under different
-    keys."""
+    blend far closer to a full prefill (docs/results.md, "CacheBlend quality and speed"); the
+    two are stored under different keys."""
 
     enabled: bool = False
     ratio: float = 0.15

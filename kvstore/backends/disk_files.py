@@ -4,10 +4,9 @@ placed so that the value's payload starts at a multiple of PAYLOAD_ALIGN bytes.
 Why: the kernel copies the page cache into memory at full speed only when source and
 destination sit at the same offset within a cache line. The engine's blocks start on a line
 and a 5-D chunk's payload starts 80 bytes into its value, so chunks read from files holding
-just the value took ~40% longer to land in the blocks (four 12 MB chunks read in place on one
-thread: 6.7-6.8 ms, aligned 4.7-4.9 ms; README, "Loads against this machine's floor"). The
-value itself is unchanged: the same bytes every tier stores, checked the same way; the file
-header only says where it starts.
+just the value landed in the blocks markedly slower (measured in docs/results.md, "Loads
+against this machine's floor"). The value itself is unchanged: the same bytes every tier
+stores, checked the same way; the file header only says where it starts.
 
 Files without the header (the value at offset 0, as written before it) are still read.
 """

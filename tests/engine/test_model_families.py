@@ -41,7 +41,8 @@ def test_phi3_long_factors_past_the_original_context(tmp_path: Path, default_mod
     from position 64 on, transformers' rotary switches to the long factors, as the engine does.
     (transformers' generate goes further for Phi-3: it drops the cache at the crossing and
     recomputes the whole sequence with the long factors. The engine keeps the KV of a prefix a
-    function of that prefix, which its prefix cache and the connector rely on; README.)"""
+    function of that prefix, which its prefix cache and the connector rely on; docs/models.md,
+    "Phi-3's long factors".)"""
     overrides = {**FAMILY_TINY, **FAMILIES["phi3"], "max_position_embeddings": 1024,
                  "original_max_position_embeddings": 64}
     ours, hf, cfg, ckpt = load_tiny_pair(tmp_path, default_model_path, **overrides)
