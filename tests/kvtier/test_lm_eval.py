@@ -16,7 +16,7 @@ import pytest
 
 from tests.fixtures.lm_eval_tasks.configurations import run_configurations
 from tests.fixtures.redis_server import RedisServer
-from tests.kvtier.test_serve import ENGINE_ARGS, NAME
+from tests.fixtures.serve import ENGINE_ARGS, NAME
 
 pytestmark = pytest.mark.slow
 # Each task's first 10 documents (of 20: tests/fixtures/lm_eval_tasks/data): two generate_until

@@ -13,15 +13,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, SamplingParams
-from tests.fixtures.serve import ServeProcess
+from tests.fixtures.serve import ENGINE_ARGS, NAME, ServeProcess, metrics
 from tests.fixtures.text import long_text
 
 pytestmark = pytest.mark.slow
-ENGINE_ARGS = ["--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "512", "--max-num-seqs", "8"]
-NAME = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
@@ -41,17 +38,6 @@ def llm(default_model_path: Path) -> Iterator[LLM]:
     llm = LLM(str(default_model_path), device="cpu", dtype="float32", num_gpu_blocks=512)
     yield llm
     llm.shutdown()
-
-
-def metrics(url: str) -> dict[str, float]:
-    """Returns every sample of /metrics by name (labels dropped; one model, one tier each)."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = sample.name + ("" if "tier" not in sample.labels else f"[{sample.labels['tier']}]")
-            out[key] = out.get(key, 0.0) + sample.value
-    return out
 
 
 def greedy(max_tokens: int, **kw: object) -> SamplingParams:

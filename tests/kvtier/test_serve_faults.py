@@ -17,10 +17,9 @@ import httpx
 import pytest
 
 from tests.fixtures.cache_server import CacheServerProcess
-from tests.fixtures.serve import ServeProcess
+from tests.fixtures.serve import ENGINE_ARGS, ServeProcess, metrics
 from tests.fixtures.text import long_text
 from tests.fixtures.tiers import hold_dir_lock
-from tests.kvtier.test_serve import ENGINE_ARGS, metrics
 
 pytestmark = pytest.mark.slow
 LOOKUP_S = 0.5
