@@ -46,8 +46,9 @@ class EngineConfig:
     max_model_len: int | None = field(default=None, metadata=_opt(
         "longest prompt + output in tokens (default: the model's limit)", "N"))
     kernels: str = field(default="auto", metadata=_opt(
-        "auto: on CPU, linear layers on oneDNN with prepacked weights and decode attention read in "
-        "place from the KV blocks by a compiled kernel (built once); torch: PyTorch's own ops only, "
+        "auto: on CPU, linear layers on packed weights (kvtier's panel kernel in float32, oneDNN "
+        "otherwise) and attention read in place from the KV blocks by compiled kernels (built "
+        "once); torch: PyTorch's own ops only, "
         "the reference path (the only one on CUDA)", choices=KERNELS))
     max_num_seqs: int = field(default=64, metadata=_opt("most requests in one batch", "N"))
     max_num_batched_tokens: int = field(default=2048, metadata=_opt(

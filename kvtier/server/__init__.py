@@ -2,6 +2,7 @@
 
 - `protocol.py`: the OpenAI request and response models (pydantic) and the error shape.
 - `http_edge.py`: API key, request-body bound and OpenAI-shaped errors (the router's too).
+- `tenants.py`: which `cache_salt` a request runs under (`--tenants`: bound to its API key).
 - `engine_loop.py`: the one thread that owns the engine, and the handlers' only way to it
   (submit, stream, abort, lookup, stats, reset the prefix cache, wait for stores).
 - `metrics.py`: Prometheus metrics (`kvtier:` names, as vLLM uses `vllm:`).
