@@ -9,9 +9,9 @@ family puts them (`ModelConfig.norm_layout`):
   `pre_feedforward_layernorm`, `post_feedforward_layernorm`).
 
 With `ModelConfig.residual_scale` (Granite) each branch output is multiplied by it before it
-joins the residual stream. Modules carry the checkpoint's names. A layer returns (branch output, residual stream before
-it is added): the next layer's first norm adds them, so each residual add rides in a fused norm
-where the layout has one there (vLLM's layout).
+joins the residual stream. Modules carry the checkpoint's names. A layer returns (branch
+output, residual stream before it is added): the next layer's first norm adds them, so each
+residual add rides in a fused norm where the layout has one there (vLLM's layout).
 """
 
 from __future__ import annotations
