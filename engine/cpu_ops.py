@@ -26,7 +26,6 @@ once.
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import logging
@@ -38,7 +37,7 @@ from types import ModuleType
 
 import torch
 
-from engine.model_cache import kvtier_home
+from engine.model_cache import file_lock, kvtier_home
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +98,7 @@ def load() -> ModuleType | None:
         from torch.utils.cpp_extension import load as build
 
         build_dir.mkdir(parents=True, exist_ok=True)
-        with open(build_dir / "build.flock", "a") as held:
-            fcntl.flock(held, fcntl.LOCK_EX)
+        with file_lock(build_dir / "build.flock"):
             # torch's own baton file outlives a build killed mid-way, and torch waits for it to
             # go forever; holding the lock above, any such file is a dead build's.
             (build_dir / "lock").unlink(missing_ok=True)

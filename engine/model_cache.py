@@ -1,5 +1,5 @@
 """Where kvtier keeps the checkpoints it converts (the default model, GGUF files), and
-building one exactly once.
+building one exactly once (under `file_lock`, which the CPU kernels' build holds too).
 
 Concurrent first runs are safe: one builds under a file lock into a temp dir on the same
 filesystem and renames it into place atomically; the others wait and reuse it. A dir is
@@ -30,7 +30,7 @@ def build_once(final: Path, build: Callable[[Path], None]) -> Path:
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(final.parent / f".{final.name}.lock"):
+    with file_lock(final.parent / f".{final.name}.lock"):
         if final.is_dir():  # another process finished while we waited
             return final
         staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
@@ -43,7 +43,9 @@ def build_once(final: Path, build: Callable[[Path], None]) -> Path:
 
 
 @contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
+    """Holds an exclusive lock on the file at `path` (created if absent) for the block; the OS
+    releases it if this process dies, so a killed holder never leaves the next one waiting."""
     with open(path, "a+") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
