@@ -16,6 +16,10 @@ token comes through the connector) and the same prompts:
                                                                          (target <= 1.05)
   (kvtier cpu's cold TTFT over the "none" arm's is shown too: separate processes differ by up
   to 15% here between two runs of the same arm)
+- kvtier cpu tp1 / tp2: one random model of SmolLM2's size with 8 query and 2 KV heads, at
+  tensor_parallel_size 1 and 2 (one core per rank): warm over cold TTFT at 2k tokens (TP=2
+  target <= 0.15), and load rate per token TP=2 over TP=1 (rank 0's load seconds and loaded
+  tokens, vLLM's connector stats)                                       (target >= 0.8)
 - stall: p99 of the running decodes' step times while a stored 4k prompt loads (from its
   arrival until its load ended: the step that then computes it with them is reported apart,
   as `joined`), over the same decodes with no load                       (target <= 1.2)
@@ -45,6 +49,13 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 
 
+TP_MODEL = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1536, "num_attention_heads": 8,
+            "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 30, "vocab_size": 49152,
+            "max_position_embeddings": 8192}
+"""The TP arms' model: SmolLM2-135M's layers, head size and vocabulary, with 8 query and 2 KV
+heads (SmolLM2's 3 KV heads do not split over two ranks)."""
+
+
 def token_ids(n: int, salt: int) -> list[int]:
     """Deterministic, varied token ids (no tokenizer round trip)."""
     return [(i * 7919 + salt * 104729 + 13) % 40000 + 100 for i in range(n)]
@@ -57,7 +68,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
     kvt = KVTransferConfig(**spec["kv"]) if spec["kv"] else None
     llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=4608,
-              enable_prefix_caching=False, kv_transfer_config=kvt, seed=0)
+              enable_prefix_caching=False, kv_transfer_config=kvt, seed=0, disable_log_stats=False,
+              tensor_parallel_size=spec.get("tp", 1))
     one = SamplingParams(temperature=0.0, max_tokens=1)
     unstored = SamplingParams(temperature=0.0, max_tokens=1,
                               extra_args={"kv_transfer_params": {"kvtier.skip_save": True}})
@@ -89,6 +101,23 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                                     "cold_unstored_s": statistics.median(skipped)}
     if spec.get("stall"):
         out["stall"] = stall(llm, spec["stall"], spec["reps"])
+    if spec.get("load_rate"):
+        out["load"] = kvtier_counters(("load_seconds", "connector_hit_tokens"))
+    return out
+
+
+def kvtier_counters(names: tuple[str, ...]) -> dict[str, float]:
+    """Returns kvtier's counters `kvtier:<name>_total` as this process's vLLM stat logger
+    recorded them (rank 0's figures with tensor parallel, docs/vllm.md)."""
+    from prometheus_client import REGISTRY
+
+    time.sleep(1.0)  # the stat logger's last interval
+    out = dict.fromkeys(names, 0.0)
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            for name in names:
+                if sample.name == f"kvtier:{name}_total":
+                    out[name] += sample.value
     return out
 
 
@@ -174,13 +203,15 @@ def main() -> int:
 
     sys.path.insert(0, str(REPO))
     from engine.default_model import ensure_default_model
+    from tests.fixtures.model import make_checkpoint
     from tests.fixtures.redis_server import start_redis
 
     model = str(ensure_default_model())
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
+    tp_model = str(make_checkpoint(tmp / "tp-model", TP_MODEL, seed=0, tokenizer_dir=Path(model), keep_config=False))
     sizes = [256, 512] if args.quick else [1024, 2048, 4096]
     reps = 1 if args.quick else args.reps
     redis = start_redis()
-    tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
     base = {"model": model, "sizes": sizes, "reps": reps}
     arms = {
         "none": {**base, "kv": None},
@@ -188,6 +219,11 @@ def main() -> int:
                        "store_overhead": True},
         "kvtier disk": {**base, "kv": kvtier(f"disk://{tmp}/kvtier")},
         "kvtier redis": {**base, "kv": kvtier(redis.url)},
+        # tensor parallel: a random model SmolLM2's size whose KV heads split over two ranks
+        "kvtier cpu tp1": {**base, "model": tp_model, "sizes": sizes[-2:-1], "kv": kvtier("cpu?budget=3GiB"),
+                           "load_rate": True},
+        "kvtier cpu tp2": {**base, "model": tp_model, "sizes": sizes[-2:-1], "kv": kvtier("cpu?budget=3GiB"),
+                           "load_rate": True, "tp": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}},
         "ExampleConnector": {**base, "kv": {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                                             "kv_connector_extra_config": {"shared_storage_path": f"{tmp}/example"}}},
         "SimpleCPUOffloadConnector": {**base, "sizes": sizes[-1:], "kv": {"kv_connector": "SimpleCPUOffloadConnector",
@@ -258,6 +294,17 @@ def render(res: dict[str, Any]) -> str:
                      + " | ".join([""] * (len(sizes) - 1)) + f" | {st['p99_load_s'] / st['p99_alone_s']:.2f} "
                      f"({st['p99_load_s'] * 1e3:.0f} / {st['p99_alone_s'] * 1e3:.0f} ms; the step computing the loaded "
                      f"prompt with them: {st.get('max_joined_s', 0) * 1e3:.0f} ms) | <= 1.2 |")
+    tp1, tp2 = res.get("kvtier cpu tp1", {}), res.get("kvtier cpu tp2", {})
+    for arm, r in (("tp1", tp1), ("tp2", tp2)):
+        for n, t in r.get("ttft", {}).items():
+            lines.append(f"| warm/cold TTFT, kvtier cpu, TP={arm[-1]} (8-head random model), {n} tok | "
+                         + " | ".join([""] * (len(sizes) - 1)) + f" | {t['warm_s'] / t['cold_s']:.3f} | "
+                         + ("<= 0.15 |" if arm == "tp2" else "- |"))
+    if tp1.get("load", {}).get("load_seconds") and tp2.get("load", {}).get("load_seconds"):
+        rate = [r["load"]["connector_hit_tokens"] / r["load"]["load_seconds"] for r in (tp1, tp2)]
+        lines.append("| load rate per token, TP=2 / TP=1 (rank 0's loads: tokens / seconds) | "
+                     + " | ".join([""] * (len(sizes) - 1)) + f" | {rate[1] / rate[0]:.2f} ({rate[1]:.0f} / "
+                     f"{rate[0]:.0f} tokens/s) | >= 0.8 |")
     for arm in ("SimpleCPUOffloadConnector", "LMCacheConnectorV1"):
         r = res.get(arm, {})
         if "error" in r:

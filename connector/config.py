@@ -20,13 +20,19 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from connector import lmcache_compat
 from connector.blend.config import BLEND_SETTINGS, BlendConfig
+from connector.keyspace import Keyspace
 from engine.kv_connector import CONFIG_FILE_ENV
 from kvstore.config import KVSTORE_SETTINGS, KVStoreConfig, TierSpec, parse_size, read_yaml, unknown_key
 from kvstore.env import Setting, env_bool, env_int, env_str, merge, parse_env
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.model_config import ModelConfig
 
 _CONNECTOR_KEYS = ("chunk_size", "save_decode_tokens", "save_unfull_chunk", "max_pending_store_bytes",
                    "store_queue_size", "use_layerwise", "reset_clears_shared_tiers", "blend")
@@ -122,6 +128,13 @@ class ConnectorConfig:
         if self.use_layerwise and self.blend.enabled:
             raise ValueError("use_layerwise: CacheBlend (blend.enabled) loads whole chunks; turn one of them off")
         return self
+
+    def keyspace(self, model: ModelConfig, kv_dtype: torch.dtype | str, split_heads: bool = False) -> Keyspace:
+        """Returns the keyspace this connector keys `model`'s chunks of `kv_dtype` in: whole
+        chunks, per layer with `use_layerwise`, or per KV head (`split_heads`, covering all)."""
+        heads = (0, model.num_kv_heads) if split_heads else None
+        return Keyspace(model.fingerprint, kv_dtype, self.chunk_size, model.num_layers,
+                        layerwise=self.use_layerwise, heads=heads)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ConnectorConfig:

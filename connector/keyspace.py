@@ -17,6 +17,12 @@ In layerwise mode (`use_layerwise`) each layer of a chunk is its own stored valu
 does the same): each byte a load uses is covered by its own checksum, every codec works per
 layer, and every tier serves a layer without a range read. A chunk counts as held only when
 all its layers are.
+
+Split by KV head (`heads`, vLLM's connector at any tensor-parallel size) each KV head of a chunk
+is its own stored value `(layers, 2, tokens, 1, head_size)` under `<chunk key>@H<head>`, and a
+keyspace covers the heads [lo, hi) its worker holds: a tensor-parallel rank stores and loads
+exactly its own heads, and chunks stored at one TP size load at any other (docs/vllm.md,
+"Tensor parallel"). A chunk counts as held only when all its covered heads are.
 """
 
 from __future__ import annotations
@@ -79,12 +85,18 @@ def layer_key(key: str, layer: int) -> str:
     return f"{key}@L{layer}"
 
 
+def head_key(key: str, head: int) -> str:
+    """Returns the stored key of KV head `head` of the chunk stored as `key`."""
+    return f"{key}@H{head}"
+
+
 class Keyspace:
     """Turns tokens into chunk spans with their keys, for one model, KV dtype and chunk size.
     Pure: no I/O, no state beyond its configuration."""
 
     def __init__(self, model: str, kv_dtype: torch.dtype | str, chunk_size: int, num_layers: int,
-                 layerwise: bool = False, cache_salt: str | None = None) -> None:
+                 layerwise: bool = False, cache_salt: str | None = None,
+                 heads: tuple[int, int] | None = None) -> None:
         for name, value in (("model", model), ("kv_dtype", dtype_name(kv_dtype))):
             if not isinstance(value, str) or ":" in value or any(c.isspace() for c in value):
                 raise ValueError(f"keyspace {name} must be a str without ':' or spaces, got {value!r}")
@@ -92,11 +104,16 @@ class Keyspace:
             raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
         if num_layers <= 0:
             raise ValueError(f"num_layers must be > 0, got {num_layers}")
+        if heads is not None and not 0 <= heads[0] < heads[1]:
+            raise ValueError(f"heads must be a range [lo, hi) with 0 <= lo < hi, got {heads}")
+        if heads is not None and layerwise:
+            raise ValueError("a keyspace is split by layer (use_layerwise) or by KV head, not both")
         self.model = model
         self.kv_dtype = dtype_name(kv_dtype)
         self.chunk_size = chunk_size
         self.num_layers = num_layers
         self.layerwise = layerwise
+        self.heads: tuple[int, int] | None = (heads[0], heads[1]) if heads is not None else None
         self.cache_salt = cache_salt  # hashed, never put in a key: any string is safe here
         self.tenant = tenant_tag(cache_salt) if cache_salt is not None else None
         self.root = salted_root(ROOT_HASH, cache_salt)
@@ -109,14 +126,21 @@ class Keyspace:
         if cache_salt == self.cache_salt:
             return self
         if cache_salt is None:
-            return Keyspace(self.model, self.kv_dtype, self.chunk_size, self.num_layers, self.layerwise)
+            return self._like(None, self.heads)
         ks = self._salted.get(cache_salt)
         if ks is None:
             if len(self._salted) >= 4096:  # a bound, not a policy: rebuilt on demand
                 self._salted.clear()
-            ks = self._salted[cache_salt] = Keyspace(self.model, self.kv_dtype, self.chunk_size,
-                                                     self.num_layers, self.layerwise, cache_salt)
+            ks = self._salted[cache_salt] = self._like(cache_salt, self.heads)
         return ks
+
+    def for_heads(self, lo: int, hi: int) -> Keyspace:
+        """Returns this keyspace covering KV heads [lo, hi) (a tensor-parallel rank's), split
+        by head; otherwise configured as this one."""
+        return self._like(self.cache_salt, (lo, hi))
+
+    def _like(self, cache_salt: str | None, heads: tuple[int, int] | None) -> Keyspace:
+        return Keyspace(self.model, self.kv_dtype, self.chunk_size, self.num_layers, self.layerwise, cache_salt, heads)
 
     def key(self, chain: bytes) -> str:
         """Returns the stored key of the chunk whose chain hash is `chain`."""
@@ -150,21 +174,37 @@ class Keyspace:
 
     @property
     def values_per_chunk(self) -> int:
-        """How many stored values make one chunk (its layers in layerwise mode, else 1)."""
+        """How many stored values make one chunk (its layers in layerwise mode, its covered
+        heads when split by head, else 1)."""
+        if self.heads is not None:
+            return self.heads[1] - self.heads[0]
         return self.num_layers if self.layerwise else 1
 
     def stored_keys(self, spans: Sequence[Span]) -> list[str]:
         """Returns the stored keys of `spans`' chunks, chunk by chunk (`values_per_chunk` each)."""
+        if self.heads is not None:
+            return [head_key(sp.key, h) for sp in spans for h in range(*self.heads)]
         if not self.layerwise:
             return [sp.key for sp in spans]
         return [layer_key(sp.key, i) for sp in spans for i in range(self.num_layers)]
 
-    def last_layer_keys(self, spans: Sequence[Span]) -> list[str]:
-        """Returns one stored key per chunk: its last layer's in layerwise mode (written last,
-        so a cheap probe for the whole chunk), else the chunk's own."""
+    def probe_keys(self, spans: Sequence[Span]) -> list[str]:
+        """Returns one stored key per chunk, a cheap probe for the whole chunk: its last
+        layer's in layerwise mode (written last), its last covered head's when split by head,
+        else the chunk's own."""
+        if self.heads is not None:
+            return [head_key(sp.key, self.heads[1] - 1) for sp in spans]
         if not self.layerwise:
             return [sp.key for sp in spans]
         return [layer_key(sp.key, self.num_layers - 1) for sp in spans]
+
+    def chunk_values(self, key: str, kv: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Returns the stored values, with their keys, of the whole chunk `kv` `(layers, 2,
+        tokens, covered heads, head_size)` stored as `key` (not layerwise: one per head when
+        split by head, else the chunk itself)."""
+        if self.heads is None:
+            return [(key, kv)]
+        return [(head_key(key, h), kv[:, :, :, i:i + 1].contiguous()) for i, h in enumerate(range(*self.heads))]
 
     def chunks_held(self, held: Sequence[bool]) -> list[bool]:
         """Returns per chunk whether all its stored values are held, given `held` per stored

@@ -25,6 +25,7 @@ from connector.blend.blender import Blender
 from connector.config import ConnectorConfig, make_config
 from connector.metrics import ConnectorMetrics, RequestKVMetrics, TierKVMetrics
 from connector.planner import KVTierPlanner
+from connector.presence import held_tokens
 from connector.worker import KVTierWorker
 from engine.cache_salt import tenant_tag
 from engine.kv_connector import KVConnector
@@ -92,9 +93,7 @@ class EngineConnector(KVConnector):
             return {name: 0 for name in self.storage.names}
         ks = self.scheduler.keyspace.for_salt(cache_salt)
         spans = ks.spans(token_ids)
-        limit = len(token_ids) - 1
-        chunks = self.worker.presence.tier_prefix_chunks(ks, spans)
-        return {name: min(spans[n - 1].end, limit) if n else 0 for name, n in chunks.items()}
+        return held_tokens(spans, self.worker.presence.tier_prefix_chunks(ks, spans), len(token_ids))
 
     def forget_tenant(self, cache_salt: str) -> tuple[dict[str, int], dict[str, str]]:
         """Removes every stored value of `cache_salt`'s requests (any model, prefix chunks and

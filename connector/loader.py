@@ -78,6 +78,15 @@ def chunk_ok(kv: torch.Tensor | None, shape: tuple[int, ...]) -> bool:
     return isinstance(kv, torch.Tensor) and kv.is_floating_point() and tuple(kv.shape) == shape
 
 
+def join_heads(pieces: Sequence[tuple[torch.Tensor | Destination | None, int]],
+               shape: tuple[int, ...]) -> tuple[torch.Tensor | None, int]:
+    """Returns one chunk's fetched per-head values joined along the head axis, with the
+    slowest tier any came from; (None, -1) unless every piece is a tensor of `shape`."""
+    if not all(isinstance(kv, torch.Tensor) and chunk_ok(kv, shape) for kv, _ in pieces):
+        return None, -1
+    return torch.cat([kv for kv, _ in pieces], dim=3), max(tier for _, tier in pieces)  # type: ignore[misc]
+
+
 class Loader:
     """Runs loads on one thread, in submission order. Guarantees: every submitted job ends
     exactly once (unpinned, `filled` set); a cancelled job writes no further chunk."""
@@ -95,7 +104,7 @@ class Loader:
         self._prefetch = ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="kvtier-connector-fetch",
                                             initializer=lower_thread_priority, initargs=(BACKGROUND_NICE,))
         # The fastest tier reads chunks straight into the blocks: nothing left to scatter.
-        self._in_place = storage.reads_in_place and layout.writes_in_place
+        self._in_place = storage.reads_in_place and layout.writes_in_place and keyspace.values_per_chunk == 1
         device = layout.device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._cond = threading.Condition()
@@ -105,8 +114,8 @@ class Loader:
     def _pinned_keys(self, job: LoadJob) -> list[str]:
         return self.keyspace.stored_keys(job.spans)
 
-    def _shape(self, layers: int, num_tokens: int) -> tuple[int, ...]:
-        return (layers, 2, num_tokens, self.layout.num_kv_heads, self.layout.head_size)
+    def _shape(self, layers: int, num_tokens: int, heads: int | None = None) -> tuple[int, ...]:
+        return (layers, 2, num_tokens, self.layout.num_kv_heads if heads is None else heads, self.layout.head_size)
 
     def submit(self, spec: LoadSpec) -> LoadJob:
         """Pins the load's stored values and queues it (refused: it ends at once, nothing
@@ -214,7 +223,7 @@ class Loader:
                     src = to_device_source(kv[:, :, lo - sp.start:hi - sp.start], layout.device, keep)
                     layout.scatter_chunk(slots[..., lo - job.start:hi - job.start], src)
                     if tier > 0:
-                        promote.append((sp.key, kv, tier))
+                        promote += [(key, value, tier) for key, value in self.keyspace.chunk_values(sp.key, kv)]
                 nbytes[0] += kv.nbytes
                 filled = hi
                 job.tiers[i] = tier
@@ -246,9 +255,15 @@ class Loader:
                      ) -> Sequence[tuple[torch.Tensor | Destination | None, int]]:
         """Returns the fetched (value, tier) of each span of `group` (see `StorageManager.fetch`);
         `slots` are the job's, positions [start, end)."""
+        if not self._in_place:  # only scattered
+            ks = self.keyspace
+            values = self.storage.fetch(ks.stored_keys(group), read_only=True)
+            n = ks.values_per_chunk
+            if n == 1:
+                return values
+            return [join_heads(values[i:i + n], self._shape(self.num_layers, sp.num_tokens, heads=1))
+                    for i, sp in zip(range(0, len(values), n), group)]
         keys = [sp.key for sp in group]
-        if not self._in_place:
-            return self.storage.fetch(keys, read_only=True)  # only scattered
         into = []
         for sp in group:
             lo, hi = job.bounds(sp)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from connector.presence import ChunkPresence, Presence
+from connector.presence import KeyPresence, Presence
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +44,13 @@ OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL = 0, 1, 2
 _OP_SHIFT = 24  # the op's place in a question's header; MAX_KEYS fits below it
 
 
-def lookup_socket_path(instance_id: str) -> Path:
-    """Returns the socket path of the worker side of connector instance `instance_id` (vLLM's
-    `engine_id`, the same in all its processes); ValueError if the id cannot be a file name."""
+def lookup_socket_path(instance_id: str, rank: int = 0) -> Path:
+    """Returns the socket path of tensor-parallel rank `rank`'s worker side of connector
+    instance `instance_id` (vLLM's `engine_id`, the same in all its processes); ValueError if
+    the id cannot be a file name."""
     if not instance_id or not all(c.isalnum() or c in "-_." for c in instance_id):
         raise ValueError(f"lookup channel: instance id {instance_id!r} must be letters, digits, '-', '_' or '.'")
-    return Path(tempfile.gettempdir()) / f"kvtier-lookup-{instance_id}.sock"
+    return Path(tempfile.gettempdir()) / f"kvtier-lookup-{instance_id}-rank{rank}.sock"
 
 
 def _read_exact(sock: socket.socket, n: int) -> bytes:
@@ -184,7 +185,7 @@ class LookupServer:
         self.path.unlink(missing_ok=True)
 
 
-class RemotePresence(ChunkPresence):
+class RemotePresence(KeyPresence):
     """The planner's presence in a process without the tiers: asks the worker's LookupServer.
 
     Guarantees: never raises for a channel failure; a question that gets no answer within

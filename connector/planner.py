@@ -87,9 +87,11 @@ class KVTierPlanner(KVConnectorScheduler):
         self._no_save: set[str] = set()  # live requests that asked not to be stored
 
     # ---- set-up ------------------------------------------------------------------------
-    def register_model(self, model_config: ModelConfig, kv_dtype: torch.dtype, block_size: int) -> None:
-        self._keyspace = Keyspace(model_config.fingerprint, kv_dtype, self.config.chunk_size,
-                                  model_config.num_layers, layerwise=self.layerwise)
+    def register_model(self, model_config: ModelConfig, kv_dtype: torch.dtype, block_size: int,
+                       keyspace: Keyspace | None = None) -> None:
+        """Takes the model, its K/V dtype and block size, and the keyspace chunks are keyed in
+        (default: the model's, whole chunks)."""
+        self._keyspace = keyspace if keyspace is not None else self.config.keyspace(model_config, kv_dtype)
         self.block_size = block_size
         self._save_plan = SavePlan(SavePolicy(self.config.save_decode_tokens, self.config.save_unfull_chunk,
                                               self.saves), self._keyspace)
@@ -170,15 +172,15 @@ class KVTierPlanner(KVConnectorScheduler):
                         after: int) -> Span | None:
         """Returns the longest stored partial chunk that starts where span `j` starts and ends
         past position `after`, or None: one batched existence query over its possible lengths
-        (layerwise: over their last layers, then one for all layers of the longest)."""
+        (over their probe keys, then, when a chunk is several values, one for all of the longest)."""
         span = spans[j]
         if span.num_tokens < 2 or span.end - 1 <= after:
             return None
         parent = ks.root if j == 0 else spans[j - 1].chain
         skip = max(0, after - span.start)  # lengths that would end at or before `after` load nothing
         probe = ks.partial_spans(tokens[span.start:span.end], span.start, parent)[skip:]
-        held = [i for i, present in enumerate(self.presence.chunks_held(ks, probe, last_layer_only=True)) if present]
-        if not held or (self.layerwise and not self.presence.chunks_held(ks, [probe[held[-1]]])[0]):
+        held = [i for i, present in enumerate(self.presence.chunks_held(ks, probe, probe_only=True)) if present]
+        if not held or (ks.values_per_chunk > 1 and not self.presence.chunks_held(ks, [probe[held[-1]]])[0]):
             return None
         return probe[held[-1]]
 

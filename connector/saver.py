@@ -54,7 +54,7 @@ class Saver:
             if self.keyspace.layerwise:
                 items += [(layer_key(sp.key, i), kv) for i, kv in enumerate(layout.gather_layers(slots))]
             else:
-                items.append((sp.key, layout.gather_chunk(slots)))
+                items += self.keyspace.chunk_values(sp.key, layout.gather_chunk(slots))
         if not items:
             return
         nbytes = sum(kv.numel() * kv.element_size() for _, kv in items)

@@ -30,10 +30,9 @@ from connector.vllm_api import (
 )
 from connector.vllm_metrics import KVTierPromMetrics, KVTierVllmStats
 from connector.vllm_scheduler import VllmSchedulerConnector
-from connector.vllm_setup import connector_keyspace
 from connector.vllm_worker import VllmWorkerConnector
 
-__all__ = ["KVTierConnector", "connector_keyspace"]
+__all__ = ["KVTierConnector"]
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):

@@ -41,7 +41,15 @@ LOGGER = "vllm.kvtier"
 
 __all__ = ["LOGGER", "BlockRemoved", "BlockStored", "CacheHitSource", "KVConnectorBase_V1", "KVConnectorMetadata",
            "KVConnectorPromMetrics", "KVConnectorRole", "KVConnectorStats", "KVConnectorTransferResults",
-           "KVConnectorWorkerMetadata", "SupportsHMA", "attention_backend", "cpu_attention_isa", "vllm_event"]
+           "KVConnectorWorkerMetadata", "SupportsHMA", "attention_backend", "cpu_attention_isa", "tensor_parallel_rank",
+           "vllm_event"]
+
+
+def tensor_parallel_rank() -> int:
+    """Returns this worker's tensor-parallel rank (0 without tensor parallel)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
 
 
 def attention_backend() -> str:

@@ -12,7 +12,8 @@ straight on to vLLM. The body takes one of `prompt` (text), `prompt_token_ids` o
   `chat_template_kwargs` in the body are honoured as there).
 - `tiers`, `max_hit_tokens`: per tier, how many leading tokens it holds as stored chunks, never
   the last token (vLLM always computes it), asked of the worker process's tiers over the lookup
-  channel (connector/lookup_channel.py, OP_TIER_PREFIX). Stores still queued are not counted.
+  channel (connector/lookup_channel.py, OP_TIER_PREFIX; with tensor parallel, the shortest
+  rank's). Stores still queued are not counted.
 - `cache_salt` (optional, vLLM's rules): only that tenant's chunks count, as a request with
   that salt would load them; without it only unsalted chunks count.
 - `engine_prefix_cache_tokens`: always 0: vLLM's own prefix cache lives in its EngineCore
@@ -37,8 +38,7 @@ import secrets
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
-from connector.keyspace import Keyspace
-from connector.lookup_channel import RemotePresence, lookup_socket_path
+from connector.presence import held_tokens
 from engine.cache_salt import validate_cache_salt
 
 log = logging.getLogger(__name__)
@@ -91,31 +91,25 @@ def lookup_form(body: Any) -> tuple[str, Any]:
     return form, value
 
 
-def held_tokens(keyspace: Keyspace, token_ids: Sequence[int], key_hits: dict[str, int]) -> dict[str, int]:
-    """Returns per tier the leading tokens of `token_ids` it holds, given per tier how many of
-    `keyspace.stored_keys(keyspace.spans(token_ids))` it holds from the start; never the last token."""
-    spans = keyspace.spans(token_ids)
-    per = keyspace.values_per_chunk
-    limit = len(token_ids) - 1
-    return {name: min(spans[n // per - 1].end, limit) if n >= per else 0 for name, n in key_hits.items()}
-
-
 class _Tiers:
-    """The worker's tiers as this server's connector keys them, asked over the lookup channel."""
+    """The worker's tiers as this server's connector keys them, asked over the lookup channel
+    (every tensor-parallel rank's)."""
 
     def __init__(self, vllm_config: Any) -> None:
-        from connector.vllm_setup import connector_keyspace  # imports vllm: only inside vLLM's server
+        from connector.vllm_api import attention_backend  # imports vllm: only inside vLLM's server
+        from connector.vllm_setup import vllm_setup
 
-        self.keyspace = connector_keyspace(vllm_config)
-        path = lookup_socket_path(vllm_config.kv_transfer_config.engine_id)
-        self.remote = RemotePresence(path, timeout=CHANNEL_TIMEOUT, connect_timeout=CHANNEL_TIMEOUT)
+        setup = vllm_setup(vllm_config, None, attention_backend())
+        self.keyspace = setup.keyspace()
+        self.presence = setup.worker_presence(vllm_config.kv_transfer_config.engine_id, timeout=CHANNEL_TIMEOUT,
+                                              connect_timeout=CHANNEL_TIMEOUT)
 
     def held(self, token_ids: Sequence[int], cache_salt: str | None = None) -> dict[str, int]:
         """Returns per tier (fastest first) the leading tokens held for requests of
-        `cache_salt`; {} if the worker does not answer."""
+        `cache_salt`; {} if a worker does not answer."""
         ks = self.keyspace.for_salt(cache_salt)
-        keys = ks.stored_keys(ks.spans(token_ids))
-        return held_tokens(ks, token_ids, self.remote.tier_prefix_hits(keys))
+        spans = ks.spans(token_ids)
+        return held_tokens(spans, self.presence.tier_prefix_chunks(ks, spans), len(token_ids))
 
 
 class KvLookupRoute:

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from connector.kv_events import ChunkEventBuilder
-from connector.lookup_channel import RemotePresence, lookup_socket_path
+from connector.lookup_channel import RemotePresence
 from connector.metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
 from connector.request_view import StepRequest
@@ -50,9 +50,9 @@ class VllmSchedulerConnector(KVConnectorBase_V1, SupportsHMA):
         setup = vllm_setup(vllm_config, kv_cache_config, attention_backend())
         kvt = vllm_config.kv_transfer_config
         self.metrics = ConnectorMetrics()
-        self.presence = RemotePresence(lookup_socket_path(kvt.engine_id))
+        self.presence = setup.worker_presence(kvt.engine_id)  # every tensor-parallel rank's tiers
         self.planner = KVTierPlanner(setup.config, self.presence, self.metrics, loads=setup.loads, saves=setup.saves)
-        self.planner.register_model(setup.model, setup.kv_dtype, setup.block_size)
+        self.planner.register_model(setup.model, setup.kv_dtype, setup.block_size, setup.keyspace())
         self._requests: dict[str, Any] = {}  # vLLM's live requests a lookup saw
         self.events = ChunkEventBuilder(self.planner.keyspace) if setup.events else None
         self._finished: dict[str, Any] = {}  # finished requests whose tail the next meta plans (events)
@@ -146,7 +146,7 @@ class VllmSchedulerConnector(KVConnectorBase_V1, SupportsHMA):
         """Clears the worker's process-local tiers (cpu, device); shared tiers (disk, Redis, the
         cache server) serve other instances and are left as they are, unless the configuration
         says `reset_clears_shared_tiers`. False if the worker does not answer."""
-        return self.presence.clear_local()
+        return all([rank.clear_local() for rank in self.presence.ranks if isinstance(rank, RemotePresence)])
 
     # ---- the worker role's hooks: vLLM never calls them on this object -----------------------
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -13,6 +13,8 @@ import torch
 
 from connector.config import ConnectorConfig
 from connector.keyspace import Keyspace
+from connector.lookup_channel import RemotePresence, lookup_socket_path
+from connector.presence import RankedPresence
 from engine.model_config import ModelConfig
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -35,15 +37,44 @@ class VllmSetup:
     loads: bool
     saves: bool
     events: bool
+    tp_size: int = 1
 
     @property
     def num_groups(self) -> int:
         return max(self.layer_groups.values(), default=0) + 1
 
     def keyspace(self) -> Keyspace:
-        """Returns the keyspace the connector keys chunks in."""
-        return Keyspace(self.model.fingerprint, self.kv_dtype, self.config.chunk_size, self.model.num_layers,
-                        layerwise=self.config.use_layerwise)
+        """Returns the keyspace the connector keys chunks in: split by KV head (unless
+        layerwise, which needs tp_size 1), so any tensor-parallel size loads what another
+        stored; it covers all heads (a rank's: `.for_heads(*rank_heads(...))`)."""
+        return self.config.keyspace(self.model, self.kv_dtype, split_heads=not self.config.use_layerwise)
+
+    def rank_heads(self, rank: int) -> tuple[int, int]:
+        """Returns the KV heads [lo, hi) tensor-parallel rank `rank` holds."""
+        return rank_heads(self.model.num_kv_heads, self.tp_size, rank)
+
+    def worker_presence(self, instance_id: str, **timeouts: float) -> RankedPresence:
+        """Returns the presence of the worker side's tiers, every rank's asked over its lookup
+        channel (`timeouts`: RemotePresence's)."""
+        ranks = [RemotePresence(lookup_socket_path(instance_id, r), **timeouts) for r in range(self.tp_size)]
+        return RankedPresence(ranks, [self.rank_heads(r) for r in range(self.tp_size)])
+
+
+def rank_heads(num_kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
+    """Returns the KV heads [lo, hi) that tensor-parallel rank `rank` of `tp_size` holds, as
+    vLLM splits them: consecutive equal ranges, or with more ranks than heads, each head on
+    `tp_size // num_kv_heads` consecutive ranks; ValueError where vLLM splits neither way."""
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank {rank} outside [0, {tp_size})")
+    if tp_size >= num_kv_heads:
+        if tp_size % num_kv_heads:
+            raise ValueError(f"{num_kv_heads} KV heads do not replicate evenly over {tp_size} ranks")
+        head = rank // (tp_size // num_kv_heads)
+        return head, head + 1
+    if num_kv_heads % tp_size:
+        raise ValueError(f"{num_kv_heads} KV heads do not split evenly over {tp_size} ranks")
+    n = num_kv_heads // tp_size
+    return rank * n, (rank + 1) * n
 
 
 def vllm_setup(vllm_config: Any, kv_cache_config: Any, backend: str) -> VllmSetup:
@@ -52,8 +83,11 @@ def vllm_setup(vllm_config: Any, kv_cache_config: Any, backend: str) -> VllmSetu
     kvt = vllm_config.kv_transfer_config
     config = ConnectorConfig.load(overrides=kvt.kv_connector_extra_config or {})
     par = vllm_config.parallel_config
-    if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
-        raise ValueError("KVTierConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 only")
+    if par.pipeline_parallel_size != 1:
+        raise ValueError("KVTierConnector supports pipeline_parallel_size=1 only (docs/vllm.md, \"Parallel\")")
+    if par.tensor_parallel_size > 1 and config.use_layerwise:
+        raise ValueError("KVTierConnector: use_layerwise needs tensor_parallel_size=1 (a layerwise value holds "
+                         "every KV head of its layer; tensor-parallel ranks store their own heads)")
     if vllm_config.cache_config.cache_dtype not in ("auto", None):
         raise ValueError(f"KVTierConnector: kv_cache_dtype {vllm_config.cache_config.cache_dtype!r} "
                          "is not supported; use 'auto'")
@@ -75,7 +109,7 @@ def vllm_setup(vllm_config: Any, kv_cache_config: Any, backend: str) -> VllmSetu
     ev = vllm_config.kv_events_config
     return VllmSetup(config, model, vllm_config.model_config.dtype, vllm_config.cache_config.block_size, groups,
                      loads=kvt.is_kv_consumer, saves=kvt.is_kv_producer,
-                     events=ev is not None and bool(ev.enable_kv_cache_events))
+                     events=ev is not None and bool(ev.enable_kv_cache_events), tp_size=par.tensor_parallel_size)
 
 
 def refuse_image_input(model: ModelConfig, multimodal_config: Any) -> None:
@@ -95,15 +129,6 @@ def kv_cache_groups(kv_cache_config: Any) -> dict[str, int]:
     """Returns the KV cache group of each attention layer vLLM names ({} without a config)."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
     return {name: g for g, group in enumerate(groups) for name in group.layer_names}
-
-
-def connector_keyspace(vllm_config: Any) -> Keyspace:
-    """Returns the keyspace KVTierConnector keys chunks in for `vllm_config`, so another
-    process of the same server (its API server: connector/vllm_lookup_route.py) can ask the
-    worker's tiers about a prompt; ValueError as `vllm_setup`."""
-    from connector.vllm_api import attention_backend
-
-    return vllm_setup(vllm_config, None, attention_backend()).keyspace()
 
 
 def layer_index(name: str) -> int:

@@ -27,6 +27,7 @@ from connector.vllm_api import (
     SupportsHMA,
     attention_backend,
     cpu_attention_isa,
+    tensor_parallel_rank,
 )
 from connector.vllm_layouts import NULL_BLOCK, vllm_layout_for
 from connector.vllm_metadata import KVTierVllmMeta, KVTierWorkerMeta
@@ -62,10 +63,14 @@ class VllmWorkerConnector(KVConnectorBase_V1, SupportsHMA):
         self.metrics = ConnectorMetrics()
         self.worker = KVTierWorker(self.setup.config, self.storage, self.metrics)
         self.worker.register_model(self.setup.model)
+        self.rank = tensor_parallel_rank() if self.setup.tp_size > 1 else 0
+        keyspace = self.setup.keyspace()  # this rank's heads: it stores and loads those alone
+        self.keyspace = keyspace if keyspace.heads is None else keyspace.for_heads(*self.setup.rank_heads(self.rank))
         self._layers: dict[str, int] = {}
         self._reported = RequestKVMetrics("*")
-        self._server = LookupServer(self.worker.presence, lookup_socket_path(vllm_config.kv_transfer_config.engine_id),
-                                    clear_shared=self.setup.config.reset_clears_shared_tiers)
+        path = lookup_socket_path(vllm_config.kv_transfer_config.engine_id, self.rank)
+        clear_shared = self.setup.config.reset_clears_shared_tiers
+        self._server = LookupServer(self.worker.presence, path, clear_shared=clear_shared)
         self._idle = False
         self._reported_pending = False
         self._closed = False
@@ -86,10 +91,10 @@ class VllmWorkerConnector(KVConnectorBase_V1, SupportsHMA):
         groups = self.setup.layer_groups
         layer_groups = [groups.get(n, 0) for n in names] if groups else None
         self._layers = {n: i for i, n in enumerate(names)}
-        self.worker.register_layout(vllm_layout_for(caches, self.backend, layer_groups))
-        log.info("kvtier connector ready: backend %s, %d layers in %d KV cache group(s), %d bytes per token",
-                 self.backend, len(names), self.setup.num_groups, self.worker.layout.bytes_per_token()
-                 if self.worker.layout is not None else 0)
+        self.worker.register_layout(vllm_layout_for(caches, self.backend, layer_groups), self.keyspace)
+        log.info("kvtier connector ready: backend %s, %d layers in %d KV cache group(s), KV heads %s of rank %d, "
+                 "%d bytes per token", self.backend, len(names), self.setup.num_groups, self.keyspace.heads, self.rank,
+                 self.worker.layout.bytes_per_token() if self.worker.layout is not None else 0)
 
     # ---- the step ----------------------------------------------------------------------
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -140,6 +145,10 @@ class VllmWorkerConnector(KVConnectorBase_V1, SupportsHMA):
         return errors if self.setup.num_groups == 1 else set()  # reported per request instead
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Returns this step's figures, rank 0's only: every rank loads and stores the same
+        tokens (its own heads of them), and vLLM adds up what ranks report."""
+        if self.rank:
+            return None
         now = self.metrics.totals_now()
         delta = stats_delta(now, self._reported)
         self._reported = now

@@ -95,24 +95,26 @@ class KVTierWorker(KVConnectorWorker):
             raise RuntimeError("register_model must be called before register_kv_caches")
         return self.model_config
 
-    def register_layout(self, layout: PagedKVLayout) -> None:
+    def register_layout(self, layout: PagedKVLayout, keyspace: Keyspace | None = None) -> None:
         """Takes the engine's paged caches as `layout` (kvtier's engine's, or a vLLM backend's)
-        and builds the loader, saver and blender over them; ValueError if they do not fit the
-        model or a connector already serves an engine."""
+        and builds the loader, saver and blender over them, keyed by `keyspace` (default: the
+        model's, whole chunks); ValueError if they do not fit the model (the keyspace's heads,
+        when split by head) or a connector already serves an engine."""
         mc = self._model_config()
         if self.loader is not None:
             raise ValueError("this connector already serves an engine; build one per LLM "
                              "(share tiers by passing the same StorageManager)")
-        if (layout.num_layers, layout.num_kv_heads, layout.head_size) != (mc.num_layers, mc.num_kv_heads, mc.head_size):
+        heads = mc.num_kv_heads if keyspace is None or keyspace.heads is None else keyspace.values_per_chunk
+        if (layout.num_layers, layout.num_kv_heads, layout.head_size) != (mc.num_layers, heads, mc.head_size):
             raise ValueError(
                 f"kv_caches ({layout.num_layers} layers, {layout.num_kv_heads} kv heads, head size "
                 f"{layout.head_size}) do not match the model ({mc.num_layers} layers, "
-                f"{mc.num_kv_heads} kv heads, head size {mc.head_size})")
+                f"{heads} kv heads, head size {mc.head_size})")
         if self._check_budgets:  # chunk bytes are known only now
             check_tier_budgets(self.config.kvstore.tiers, layout.bytes_per_token() * self.config.chunk_size,
                                layout.dtype.itemsize)
-        keyspace = Keyspace(mc.fingerprint, layout.dtype, self.config.chunk_size, mc.num_layers,
-                            layerwise=self.config.use_layerwise)
+        if keyspace is None:
+            keyspace = self.config.keyspace(mc, layout.dtype)
         self.layout = layout
         self.loader = Loader(self.storage, self.stores, layout, keyspace, self.metrics)
         self.saver = Saver(self.stores, self.presence, layout, keyspace, self.metrics)

@@ -114,7 +114,7 @@ def test_layerwise_values_are_one_per_layer_in_chunk_order() -> None:
     layered = Keyspace("m", "float32", 4, num_layers=3, layerwise=True)
     assert whole.stored_keys(spans) == [sp.key for sp in spans] and whole.values_per_chunk == 1
     assert layered.stored_keys(spans) == [layer_key(sp.key, i) for sp in spans for i in range(3)]
-    assert layered.last_layer_keys(spans) == [layer_key(sp.key, 2) for sp in spans]
+    assert layered.probe_keys(spans) == [layer_key(sp.key, 2) for sp in spans]
     assert layered.chunks_held([True, True, True, True, False, True]) == [True, False]
 
 

@@ -112,7 +112,8 @@ def test_socket_is_owner_only_and_ids_are_checked(storage: StorageManager, path:
         assert path.stat().st_mode & 0o077 == 0
     finally:
         server.close()
-    assert lookup_socket_path("0b2c-uuid_1.x").name == "kvtier-lookup-0b2c-uuid_1.x.sock"
+    assert lookup_socket_path("0b2c-uuid_1.x").name == "kvtier-lookup-0b2c-uuid_1.x-rank0.sock"
+    assert lookup_socket_path("0b2c-uuid_1.x", 1).name == "kvtier-lookup-0b2c-uuid_1.x-rank1.sock"
     with pytest.raises(ValueError, match="instance id"):
         lookup_socket_path("../etc")
 

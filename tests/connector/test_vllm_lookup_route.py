@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
 
 from connector.keyspace import Keyspace
-from connector.vllm_lookup_route import KvLookupRoute, Message, Rejected, Scope, held_tokens, lookup_form
+from connector.presence import KeyPresence, held_tokens
+from connector.vllm_lookup_route import KvLookupRoute, Message, Rejected, Scope, lookup_form
 
 
 @pytest.mark.parametrize(("body", "form"), [
@@ -42,15 +44,33 @@ def test_a_bad_body_is_a_400_naming_the_problem(body: Any, message: str) -> None
     assert info.value.status == 400 and info.value.body()["error"]["message"] == info.value.message
 
 
-@pytest.mark.parametrize("layerwise", [False, True])
-def test_tier_answers_become_leading_tokens_never_the_last(layerwise: bool) -> None:
-    ks = Keyspace("m", torch.float32, 4, num_layers=3, layerwise=layerwise)
+@pytest.mark.parametrize("split", ["whole", "layerwise", "heads"])
+def test_tier_answers_become_leading_tokens_never_the_last(split: str) -> None:
+    ks = Keyspace("m", torch.float32, 4, num_layers=3, layerwise=split == "layerwise",
+                  heads=(0, 2) if split == "heads" else None)
     per = ks.values_per_chunk
     ids = list(range(10))  # chunks [0,4) [4,8) [8,10)
-    hits = {"0:cpu": 2 * per, "1:disk": 3 * per, "2:redis": per - 1 if layerwise else 0}
-    assert held_tokens(ks, ids, hits) == {"0:cpu": 8, "1:disk": 9, "2:redis": 0}
-    assert held_tokens(ks, list(range(8)), {"0:cpu": 2 * per}) == {"0:cpu": 7}
-    assert held_tokens(ks, ids, {}) == {}
+    spans = ks.spans(ids)
+    held = {"0:cpu": 2 * per, "1:disk": 3 * per, "2:redis": per - 1}  # redis: one value short of a chunk
+    presence = _Answers(held)
+    assert held_tokens(spans, presence.tier_prefix_chunks(ks, spans), len(ids)) == {"0:cpu": 8, "1:disk": 9,
+                                                                                  "2:redis": 0}
+    short = ks.spans(list(range(8)))
+    assert held_tokens(short, _Answers({"0:cpu": 2 * per}).tier_prefix_chunks(ks, short), 8) == {"0:cpu": 7}
+    assert held_tokens(spans, {}, len(ids)) == {}
+
+
+class _Answers(KeyPresence):
+    """Tiers that hold, each, their first n stored keys of whatever is asked."""
+
+    def __init__(self, leading: dict[str, int]) -> None:
+        self.leading = leading
+
+    def held(self, keys: Sequence[str]) -> list[bool]:
+        return [i < max(self.leading.values()) for i in range(len(keys))]
+
+    def tier_prefix_hits(self, keys: Sequence[str]) -> dict[str, int]:
+        return {name: min(n, len(keys)) for name, n in self.leading.items()}
 
 
 def _run(app: KvLookupRoute, scope: Scope) -> list[Message]:

@@ -1,0 +1,92 @@
+"""Tensor parallel in a real vLLM with kvtier's connector: each of two worker processes (one core
+each) stores and loads its own KV heads, a repeated prompt loads from the ranks' cpu tiers
+with the cold run's tokens and logprobs, and chunks cross tensor-parallel sizes over a shared
+Redis tier both ways: what a TP=2 vLLM stored, a TP=1 vLLM loads, and the reverse, each
+giving its own cold run's tokens."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fixtures.model import make_tiny_checkpoint
+from tests.fixtures.redis_server import RedisServer
+from tests.fixtures.vllm import VllmLLM, close_together, start_together
+
+PROMPT = 1500
+CHUNK = 256
+HEADS = 2  # KV heads: one per rank at TP=2
+TINY = dict(model_type="llama", hidden_size=128, intermediate_size=256, num_attention_heads=4,
+            num_key_value_heads=HEADS, num_hidden_layers=4, max_position_embeddings=4096, vocab_size=1000,
+            head_dim=32)
+SKIP_SAVE = {"kvtier.skip_save": True}
+
+
+@pytest.fixture(scope="module")
+def tp_llms(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path,
+            redis_server_session: RedisServer) -> Iterator[dict[int, VllmLLM]]:
+    """A TP=2 and a TP=1 vLLM of one tiny model, each with its own cpu tier over one Redis."""
+    tmp = tmp_path_factory.mktemp("tp")
+    model = make_tiny_checkpoint(tmp, tokenizer_dir=default_model_path, **TINY)
+    config = {"tiers": ["cpu", redis_server_session.url], "chunk_size": CHUNK}
+
+    def starter(tp: int) -> Any:
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {}
+        return lambda: VllmLLM(model, config, tmp / f"vllm-tp{tp}.log", env=env,
+                               llm={"tensor_parallel_size": tp})
+    llms = dict(zip((2, 1), start_together(starter(2), starter(1))))
+    yield llms
+    close_together(*llms.values())
+
+
+def stored_values(redis: RedisServer, minimum: int, timeout: float = 60.0) -> int:
+    """Waits (bounded) until Redis holds at least `minimum` keys; returns how many it holds."""
+    deadline = time.monotonic() + timeout
+    while (n := len(redis.client().keys("kvtier:*"))) < minimum and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return n
+
+
+def assert_same(cold: dict[str, Any], warm: dict[str, Any]) -> None:
+    assert warm["tokens"] == cold["tokens"]
+    for c, w in zip(cold["logprobs"], warm["logprobs"], strict=True):
+        assert c.keys() == w.keys()
+        assert max(abs(c[t] - w[t]) for t in c) <= 1e-3
+
+
+def test_tensor_parallel_loads_each_ranks_heads_and_crosses_tp_sizes(
+        tp_llms: dict[int, VllmLLM], redis_server_session: RedisServer) -> None:
+    tp2, tp1 = tp_llms[2], tp_llms[1]
+    rng = random.Random(1)
+    first, second = (rng.choices(range(3, 1000), k=PROMPT) for _ in range(2))
+    chunks = -(-PROMPT // CHUNK)
+    redis_server_session.client().flushall()
+
+    # TP=2 stores (each rank its head), reloads from its ranks' cpu tiers; TP=1 loads it from Redis
+    tp1_cold = tp1.generate([first], logprobs=5, kv_transfer_params=SKIP_SAVE)["outputs"][0]
+    cold = tp2.generate([first], logprobs=5)["outputs"][0]
+    warm = tp2.generate([first], logprobs=5)
+    assert cold["cached"] == 0 and tp1_cold["cached"] == 0
+    assert warm["outputs"][0]["cached"] >= 0.9 * PROMPT, tp2.tail()
+    assert_same(cold, warm["outputs"][0])
+    assert warm["metrics"]["vllm:kv_cache_usage_perc"] == 0
+    assert stored_values(redis_server_session, chunks * HEADS) == chunks * HEADS  # one value per chunk and head
+    crossed = tp1.generate([first], logprobs=5)["outputs"][0]
+    assert crossed["cached"] >= 0.9 * PROMPT, tp1.tail()
+    assert_same(tp1_cold, crossed)
+
+    # and the reverse: TP=1 stores, TP=2 (nothing of it in its cpu tiers) loads from Redis
+    tp2_cold = tp2.generate([second], logprobs=5, kv_transfer_params=SKIP_SAVE)["outputs"][0]
+    tp1.generate([second], logprobs=5)
+    assert stored_values(redis_server_session, 2 * chunks * HEADS) == 2 * chunks * HEADS
+    crossed = tp2.generate([second], logprobs=5)
+    assert crossed["outputs"][0]["cached"] >= 0.9 * PROMPT, tp2.tail()
+    assert_same(tp2_cold, crossed["outputs"][0])
+    assert crossed["metrics"]["vllm:kv_cache_usage_perc"] == 0
+    text = tp2.log.read_text(errors="replace")
+    assert "KV heads (0, 1) of rank 0" in text and "KV heads (1, 2) of rank 1" in text, tp2.tail()
