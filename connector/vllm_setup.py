@@ -100,6 +100,9 @@ def vllm_setup(vllm_config: Any, kv_cache_config: Any, backend: str) -> VllmSetu
         if not any(c.__name__ == "AttentionSpec" for c in spec.__mro__):
             raise ValueError(f"KVTierConnector: a KV cache group of {spec.__name__} layers (recurrent state, "
                              "not per-token K/V) is not supported; serve this model without --kv-transfer-config")
+        if any(c.__name__ == "MLAAttentionSpec" for c in spec.__mro__):
+            raise ValueError("KVTierConnector: multi-head latent attention (MLA: one latent vector per token, not "
+                             "K and V per KV head) is not supported yet; serve this model without --kv-transfer-config")
     if len(set(groups.values())) > 1 and config.use_layerwise:
         raise ValueError("KVTierConnector: use_layerwise needs one KV cache group (vLLM maps a layerwise "
                          "load's failed blocks back to requests for one group only)")

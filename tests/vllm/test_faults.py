@@ -21,6 +21,7 @@ from tests.fixtures.vllm import VllmLLM
 
 TOKENS = 1024  # four chunks: what a fault does to a load needs several chunks, not a long prompt
 CHUNKS = TOKENS // 256
+KV_HEADS = 3  # the default model's (SmolLM2-135M): each chunk is one stored value per KV head
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +58,16 @@ def variant(prompt: list[int], i: int) -> list[int]:
 
 
 def stored_keys(redis: RedisServer, before: set[bytes]) -> list[bytes]:
-    """Waits (bounded) until the cold run's chunks reached Redis; returns their keys."""
+    """Waits (bounded) until the cold run's chunks reached Redis, every value of each (one per
+    KV head, docs/vllm.md "Parallel"); returns their keys."""
+    values = CHUNKS * KV_HEADS
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         new = [k for k in redis.client().keys("*") if k not in before]
-        if len(new) >= CHUNKS:
+        if len(new) >= values:
             return new
         time.sleep(0.1)
-    raise AssertionError(f"only {len(new)} of {CHUNKS} chunks reached Redis")
+    raise AssertionError(f"only {len(new)} of {values} values ({CHUNKS} chunks) reached Redis")
 
 
 def scrub(llm: VllmLLM, prompt: list[int]) -> None:
