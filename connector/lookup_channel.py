@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from connector.presence import KeyPresence, Presence
+from kvstore.deadlines import LOOKUP_CHANNEL_ANSWER_S, LOOKUP_CHANNEL_CONNECT_S
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,8 @@ class RemotePresence(KeyPresence):
     logged, and the next question reconnects.
     """
 
-    def __init__(self, path: Path, timeout: float = 10.0, connect_timeout: float = 30.0) -> None:
+    def __init__(self, path: Path, timeout: float = LOOKUP_CHANNEL_ANSWER_S,
+                 connect_timeout: float = LOOKUP_CHANNEL_CONNECT_S) -> None:
         self.path = path
         self.timeout = timeout
         self.connect_timeout = connect_timeout

@@ -40,6 +40,7 @@ from typing import Any
 
 from connector.presence import held_tokens
 from engine.cache_salt import validate_cache_salt
+from kvstore.deadlines import LOOKUP_ROUTE_CHANNEL_S
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,6 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 LOOKUP_PATH = "/kv/lookup"
 MAX_BODY_BYTES = 16 << 20
-CHANNEL_TIMEOUT = 2.0  # seconds; a router waits less (kvtier router --lookup-timeout)
 MAX_DETAIL = 500  # characters of vLLM's own error message kept in a 400
 FORMS = ("prompt", "prompt_token_ids", "messages")
 TOKENIZE_FIELDS = ("add_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template",
@@ -101,8 +101,8 @@ class _Tiers:
 
         setup = vllm_setup(vllm_config, None, attention_backend())
         self.keyspace = setup.keyspace()
-        self.presence = setup.worker_presence(vllm_config.kv_transfer_config.engine_id, timeout=CHANNEL_TIMEOUT,
-                                              connect_timeout=CHANNEL_TIMEOUT)
+        self.presence = setup.worker_presence(vllm_config.kv_transfer_config.engine_id,
+                                              timeout=LOOKUP_ROUTE_CHANNEL_S, connect_timeout=LOOKUP_ROUTE_CHANNEL_S)
 
     def held(self, token_ids: Sequence[int], cache_salt: str | None = None) -> dict[str, int]:
         """Returns per tier (fastest first) the leading tokens held for requests of

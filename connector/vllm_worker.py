@@ -34,13 +34,10 @@ from connector.vllm_metadata import KVTierVllmMeta, KVTierWorkerMeta
 from connector.vllm_metrics import KVTierVllmStats, stats_delta
 from connector.vllm_setup import layer_index, vllm_setup
 from connector.worker import KVTierWorker
+from kvstore.deadlines import VLLM_IDLE_WAIT_S
 from kvstore.storage_manager import StorageManager
 
 log = logging.getLogger(LOGGER)
-
-IDLE_WAIT = 0.05
-"""Seconds an idle step waits for a load in flight, or queued stores, before reporting (the
-engine steps again at once; a request arriving meanwhile waits at most this long)."""
 
 
 class VllmWorkerConnector(KVConnectorBase_V1, SupportsHMA):
@@ -122,14 +119,14 @@ class VllmWorkerConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Returns (requests whose tail was gathered, requests whose load ended) since the last
-        call. On an idle step it first waits, up to IDLE_WAIT seconds, for a load in flight to
-        end, else for queued stores to land: the engine neither spins hot nor reports a
-        finished load one poll late."""
+        call. On an idle step it first waits, up to VLLM_IDLE_WAIT_S seconds, for a load in flight
+        to end, else for queued stores to land: the engine neither spins hot nor reports a
+        finished load one poll late (it steps again at once after)."""
         if self._idle:
             if self.worker.loads_in_flight():
-                self.worker.wait_for_finished(IDLE_WAIT)
+                self.worker.wait_for_finished(VLLM_IDLE_WAIT_S)
             elif self.worker.stores_pending():
-                self.worker.flush(IDLE_WAIT)
+                self.worker.flush(VLLM_IDLE_WAIT_S)
         return self.worker.get_finished(finished_req_ids)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:

@@ -8,6 +8,10 @@ server fails a lookup after `lookup_s` and a load after `load_s`, however long i
 and the failure is a miss (the request recomputes). The storage manager reads `for_call` to
 count calls that ran past their deadline, and its breaker (kvstore/health.py) backs off a tier
 whose calls fail. Local tiers (cpu, device, disk) have no deadlines.
+
+The fixed waits of the connector and the servers are named here too (the constants below), so
+every bound on a wait has one home. The engine's own (engine/llm_engine.py `KV_WAIT_S`) stays
+in the engine, which never imports kvstore.
 """
 
 from __future__ import annotations
@@ -27,6 +31,20 @@ OPTIONS: dict[str, str] = {
     "connect_timeout_s": "connect_s",
 }
 """Tier option -> `RemoteDeadlines` field: the same names for every remote tier."""
+
+# A vLLM scheduler's question to a worker's lookup channel: seconds to wait for the answer.
+LOOKUP_CHANNEL_ANSWER_S = 10.0
+# A vLLM scheduler's connect to a worker's lookup channel (the worker may still be starting).
+LOOKUP_CHANNEL_CONNECT_S = 30.0
+# The vLLM `/kv/lookup` route's channel questions and connects (a router waits less: --lookup-timeout).
+LOOKUP_ROUTE_CHANNEL_S = 2.0
+# An idle vLLM worker step's wait for a load in flight, or queued stores, before reporting.
+VLLM_IDLE_WAIT_S = 0.05
+# A producer's wait for its queued K/V stores to land before answering (kvtier serve).
+STORE_FLUSH_TIMEOUT_S = 30.0
+# How long kvtier serve and router keep an idle keep-alive connection: past what clients keep theirs
+# (httpx 5 s, aiohttp 15 s), so none sends a request on a connection being closed.
+KEEP_ALIVE_S = 75
 
 
 @dataclass(frozen=True)

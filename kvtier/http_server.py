@@ -12,6 +12,8 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
+from kvstore.deadlines import KEEP_ALIVE_S
+
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """Returns a listening-ready socket bound to (host, port); port 0 picks a free one.
@@ -42,13 +44,6 @@ def socket_url(sock: socket.socket) -> str:
     """Returns the `http://host:port` URL a bound socket answers on."""
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-# Idle keep-alive connections are kept this long: longer than clients keep theirs (httpx, so
-# the openai client, 5 s; aiohttp 15 s; Go 90 s idle but it retries), so a client never sends a
-# request on a connection the server is closing at that moment (uvicorn's 5 s default matched
-# httpx's and failed one request in ~2400 of the soak with "Connection error").
-KEEP_ALIVE_S = 75
 
 
 def serve_app(app: Any, sock: socket.socket, ready_line: str, log_level: str, shutdown_grace: float,

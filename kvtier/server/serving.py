@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sequence import Sequence
+from kvstore.deadlines import STORE_FLUSH_TIMEOUT_S
 from kvtier.server.engine_loop import (
     ClientDisconnected,
     EngineDeadError,
@@ -53,7 +54,6 @@ from kvtier.server.protocol import (
 __all__ = ["ServingContext", "check_model", "create_chat_completion", "create_completion", "render_chat"]
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-STORE_FLUSH_TIMEOUT_S = 30.0
 
 logger = logging.getLogger("kvtier.server")
 
