@@ -5,7 +5,6 @@ request bodies (declared or streamed)."""
 from __future__ import annotations
 
 import logging
-import secrets
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -14,14 +13,16 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from connector.bearer_auth import bearer_key
 from kvtier.server.protocol import APIError
 
 MAX_BODY_BYTES = 64 << 20  # a request body past this is refused
 
 
-def bearer_matches(authorization: str, api_key: str) -> bool:
-    """Returns whether an `Authorization` header value is `Bearer <api_key>` (constant time)."""
-    return secrets.compare_digest(authorization.encode(), f"Bearer {api_key}".encode())
+def unauthorized() -> APIError:
+    """The 401 of a request without a valid API key (kvtier serve, its tenants, kvtier router)."""
+    return APIError(401, "Invalid or missing API key (send Authorization: Bearer <key>).",
+                    "authentication_error", code="invalid_api_key")
 
 
 def install_edge(app: FastAPI, api_key: str | None, logger: logging.Logger,
@@ -58,9 +59,8 @@ def install_edge(app: FastAPI, api_key: str | None, logger: logging.Logger,
         return []
 
     async def require_key(request: Request) -> None:
-        if not bearer_matches(request.headers.get("authorization", ""), api_key):
-            raise APIError(401, "Invalid or missing API key (send Authorization: Bearer <key>).",
-                           "authentication_error", code="invalid_api_key")
+        if bearer_key(request.headers.get("authorization", ""), [api_key]) is None:
+            raise unauthorized()
 
     return [Depends(require_key)]
 

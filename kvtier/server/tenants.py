@@ -17,7 +17,6 @@ secret, is never a label):
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import secrets
@@ -26,9 +25,10 @@ from typing import Any
 
 from fastapi import Depends, Request
 
+from connector.bearer_auth import bearer_key
 from engine.cache_salt import validate_cache_salt
 from kvstore.config import read_yaml
-from kvtier.server.http_edge import bearer_matches
+from kvtier.server.http_edge import unauthorized
 from kvtier.server.protocol import APIError
 
 
@@ -72,12 +72,11 @@ class TenantKeys:
     def match(self, authorization: str) -> tuple[bool, str | None]:
         """Returns (whether the header carries a known key, the salt it forces: None for the
         operator's key). Every key is compared, in constant time each."""
-        found: tuple[bool, str | None] = (bearer_matches(authorization, self.api_key), None)
-        digest = hashlib.sha256(authorization.encode()).digest()
-        for key, salt in self.salts.items():
-            if secrets.compare_digest(digest, hashlib.sha256(f"Bearer {key}".encode()).digest()):
-                found = (True, salt)
-        return found
+        keys = [self.api_key, *self.salts]
+        found = bearer_key(authorization, keys)
+        if found is None:
+            return False, None
+        return True, (None if found == 0 else self.salts[keys[found]])
 
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -100,11 +99,6 @@ def _entry(value: Any, where: str) -> tuple[Any, str | None]:
     return value["cache_salt"], label
 
 
-def _unauthorized() -> APIError:
-    return APIError(401, "Invalid or missing API key (send Authorization: Bearer <key>).",
-                    "authentication_error", code="invalid_api_key")
-
-
 class Tenancy:
     """The route dependencies and salt resolution of one server (tenants or none)."""
 
@@ -117,14 +111,14 @@ class Tenancy:
         assert self.keys is not None
         ok, salt = self.keys.match(request.headers.get("authorization", ""))
         if not ok:
-            raise _unauthorized()
+            raise unauthorized()
         request.state.tenant_salt = salt
 
     async def _admin(self, request: Request) -> None:
         assert self.keys is not None
         ok, salt = self.keys.match(request.headers.get("authorization", ""))
         if not ok:
-            raise _unauthorized()
+            raise unauthorized()
         if salt is not None:
             raise APIError(403, "this call needs the operator's API key (--api-key), not a tenant's",
                            "permission_error", code="forbidden")
