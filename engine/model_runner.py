@@ -13,7 +13,6 @@ import torch
 
 from engine.attention_metadata import AttentionMetadata
 from engine.config import EngineConfig
-from engine.host_memory import keep_freed_memory
 from engine.kv_cache import kv_bytes_per_block, slot_mapping, zeroed_pool
 from engine.kv_connector import KVConnectorOutput, KVConnectorWorker
 from engine.logprobs import PromptLogprobsChunk, StepLogprobs, prompt_top_logprobs
@@ -21,6 +20,7 @@ from engine.model_loader import load_model, resolve_device, resolve_dtype
 from engine.sampler import Sampler
 from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence
+from hostmem import keep_freed_memory
 
 # CPU has no allocator to query; this is the default KV budget there.
 _CPU_KV_BUDGET_BYTES = 1 << 30

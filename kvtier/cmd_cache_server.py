@@ -9,7 +9,7 @@ import os
 import sys
 import tempfile
 
-from engine.host_memory import keep_freed_memory
+from hostmem import keep_freed_memory
 from kvstore import sizes
 from kvstore.server.protocol import DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_FRAME_TIMEOUT_S
 

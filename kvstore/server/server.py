@@ -20,9 +20,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hostmem import ResidentGuard
 from kvstore.server import protocol as P
 from kvstore.server.connection import PER_CONNECTION_BYTES, PER_TLS_CONNECTION_BYTES, Connection
-from kvstore.server.heap import ResidentGuard
 from kvstore.server.store import ByteStore
 
 log = logging.getLogger(__name__)

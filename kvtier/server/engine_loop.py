@@ -27,7 +27,7 @@ from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from kvstore.server.heap import trim_heap
+from hostmem import trim_heap
 
 logger = logging.getLogger("kvtier.server")
 T = TypeVar("T")

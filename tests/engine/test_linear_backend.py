@@ -146,7 +146,7 @@ def test_packed_linear_pads_rows_and_keeps_the_input_shape() -> None:
 _CACHE_PROBE = """
 import os, torch
 from engine.linear_backend import padded_rows, pack_linears
-from kvstore.server.heap import resident_bytes, trim_heap
+from hostmem import resident_bytes, trim_heap
 shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 net = torch.nn.Sequential(*[torch.nn.Linear(i, o, bias=False) for o, i in shapes])
 pack_linears(net)

@@ -1,4 +1,4 @@
-"""The engine's host-memory policy (engine/host_memory.py), in a fresh interpreter each: what
+"""The host-memory policy (hostmem `keep_freed_memory`), in a fresh interpreter each: what
 glibc's malloc does with a step-sized activation with and without it (its own statistics,
 `mallinfo2`). The time it saves a long prefill is in benchmarks/bench_vs_vllm.py's prefill rows."""
 
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 # bytes in mappings while it lives, and its heap's size before and after.
 _STEP = """
 import ctypes, json, sys, torch
-from engine.host_memory import keep_freed_memory
+from hostmem import keep_freed_memory
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
                 "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
