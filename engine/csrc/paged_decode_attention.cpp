@@ -408,25 +408,28 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
 void copy_kv_pages(const std::vector<torch::Tensor>& caches, torch::Tensor& chunk, const torch::Tensor& slots,
                    bool to_pages);
 
+// Every op releases the GIL while it runs (RELEASED): it touches no Python object, and the
+// connector's loads scatter on a background thread while the serving thread runs the model.
+#define RELEASED py::call_guard<py::gil_scoped_release>()
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache, in place",
-        py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("starts"), py::arg("lens"),
-        py::arg("scale"), py::arg("partition"), py::arg("softcap") = 0.0, py::arg("prior_out") = py::none(),
-        py::arg("prior_lse") = py::none());
-  m.def("paged_prefill_attention", &paged_prefill_attention,
+  m.def("paged_decode_attention", &paged_decode_attention, RELEASED,
+        "decode attention over a paged KV cache, in place", py::arg("q"), py::arg("kv_cache"),
+        py::arg("block_tables"), py::arg("starts"), py::arg("lens"), py::arg("scale"), py::arg("partition"),
+        py::arg("softcap") = 0.0, py::arg("prior_out") = py::none(), py::arg("prior_lse") = py::none());
+  m.def("paged_prefill_attention", &paged_prefill_attention, RELEASED,
         "causal prefill attention over a paged KV cache, in place, into out's prefill rows", py::arg("q"),
         py::arg("kv_cache"), py::arg("block_tables"), py::arg("q_starts"), py::arg("q_lens"), py::arg("ctx_lens"),
         py::arg("scale"), py::arg("softcap"), py::arg("out"));
-  m.def("paged_prefix_attention", &paged_prefix_attention,
+  m.def("paged_prefix_attention", &paged_prefix_attention, RELEASED,
         "attention of groups of rows over a prefix of keys they share, with each row's log-sum-exp", py::arg("q"),
         py::arg("kv_cache"), py::arg("block_tables"), py::arg("q_starts"), py::arg("q_lens"), py::arg("prefix_lens"),
         py::arg("scale"), py::arg("softcap"), py::arg("out"), py::arg("lse"));
-  m.def("rms_norm", &rms_norm, "weight * x / sqrt(mean(x^2) + eps) per row");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x in place; returns rms_norm(residual)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows");
-  m.def("rotary_", &rotary_, "rotates the first num_heads heads of each row in place (neox layout)");
-  m.def("panel_linear", &panel_linear, "x @ W.T + bias over W packed in panels of 16 output columns",
+  m.def("rms_norm", &rms_norm, RELEASED, "weight * x / sqrt(mean(x^2) + eps) per row");
+  m.def("add_rms_norm", &add_rms_norm, RELEASED, "residual += x in place; returns rms_norm(residual)");
+  m.def("silu_and_mul", &silu_and_mul, RELEASED, "silu(gate) * up of [gate | up] rows");
+  m.def("rotary_", &rotary_, RELEASED, "rotates the first num_heads heads of each row in place (neox layout)");
+  m.def("panel_linear", &panel_linear, RELEASED, "x @ W.T + bias over W packed in panels of 16 output columns",
         py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("out_features"));
-  m.def("copy_kv_pages", &copy_kv_pages, "moves slots' K/V between a chunk and vLLM CPU attention pages",
+  m.def("copy_kv_pages", &copy_kv_pages, RELEASED, "moves slots' K/V between a chunk and vLLM CPU attention pages",
         py::arg("caches"), py::arg("chunk"), py::arg("slots"), py::arg("to_pages"));
 }
