@@ -10,6 +10,25 @@ from typing import Any
 
 from kvstore.tier_stats import TierStats
 
+PROM_COUNTERS: dict[str, tuple[str, str]] = {
+    "connector_hit_tokens": ("kvtier:kv_connector_hit_tokens", "Prompt tokens loaded by the KV connector instead of "
+                             "computed."),
+    "load_error_tokens": ("kvtier:kv_load_error_tokens", "Tokens a lookup promised that could not be loaded "
+                          "(recomputed)."),
+    "bytes_loaded": ("kvtier:kv_loaded_bytes", "Bytes of K/V loaded from the tiers."),
+    "load_seconds": ("kvtier:kv_load_seconds", "Seconds spent loading: fetching from the tiers and writing into "
+                     "the engine's blocks."),
+    "stored_tokens": ("kvtier:kv_stored_tokens", "Tokens of chunks stored into the tiers."),
+    "bytes_stored": ("kvtier:kv_stored_bytes", "Bytes of chunks stored into the tiers."),
+    "dropped_store_bytes": ("kvtier:kv_dropped_store_bytes", "Chunk bytes not stored: the pending-store budget "
+                            "was full."),
+}
+"""The connector's totals on /metrics, one name set for `kvtier serve` and `vllm serve`:
+`RequestKVMetrics` field -> (counter name, exposed with `_total`; its help)."""
+
+TIER_HIT_TOKENS = ("kvtier:kv_tier_hit_tokens", "Tokens loaded from the tier.")
+"""The per-tier counter (label `tier`) of tokens loaded, on both servers."""
+
 
 @dataclass
 class RequestKVMetrics:

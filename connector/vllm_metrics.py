@@ -6,26 +6,20 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from connector.metrics import RequestKVMetrics
+from connector.metrics import PROM_COUNTERS, TIER_HIT_TOKENS, RequestKVMetrics
 from connector.vllm_api import KVConnectorPromMetrics, KVConnectorStats
 
-PROM_DOCS = {
-    "connector_hit_tokens": "Prompt tokens loaded from kvtier's tiers instead of computed",
-    "load_error_tokens": "Tokens promised by a lookup that could not be loaded (recomputed)",
-    "bytes_loaded": "Bytes of K/V loaded from kvtier's tiers",
-    "load_seconds": "Seconds spent fetching and scattering K/V",
-    "stored_tokens": "Tokens of K/V chunks stored into kvtier's tiers",
-    "bytes_stored": "Bytes of K/V stored into kvtier's tiers",
-    "dropped_store_bytes": "Bytes not stored: the pending-store budget was full",
-}
-"""The totals the worker reports to vLLM each step, as deltas, with their /metrics help."""
+LEGACY_NAMES = {field: f"kvtier:{field}" for field in PROM_COUNTERS}
+"""The names `vllm serve` used before kvtier serve's were adopted (`kvtier:connector_hit_tokens`
+...; `kvtier:loaded_tokens` per tier): still exposed, with the same values, until the next
+release (docs/vllm.md, "Metrics")."""
 
 PER_TIER = "loaded_tokens."
 """A stats key `loaded_tokens.<tier>`: tokens loaded from that tier."""
 
 
 class KVTierVllmStats(KVConnectorStats):
-    """What the worker moved since its last report: counter deltas (PROM_DOCS, PER_TIER)."""
+    """What the worker moved since its last report: counter deltas (PROM_COUNTERS, PER_TIER)."""
 
     def reset(self) -> None:
         self.data = dict[str, Any]()
@@ -44,15 +38,15 @@ class KVTierVllmStats(KVConnectorStats):
     @classmethod
     def of(cls, data: dict[str, Any] | None) -> KVTierVllmStats:
         """Returns the stats of `data`'s known keys (vLLM hands them over as a plain dict)."""
-        return cls(data={k: v for k, v in (data or {}).items() if k in PROM_DOCS or k.startswith(PER_TIER)})
+        return cls(data={k: v for k, v in (data or {}).items() if k in PROM_COUNTERS or k.startswith(PER_TIER)})
 
 
 def stats_delta(now: RequestKVMetrics, before: RequestKVMetrics) -> dict[str, float]:
-    """Returns what moved from `before` to `now`: PROM_DOCS' counters and tokens loaded per
+    """Returns what moved from `before` to `now`: PROM_COUNTERS' fields and tokens loaded per
     tier; only non-zero entries."""
     out: dict[str, float] = {}
     for f in fields(RequestKVMetrics):
-        if f.name in PROM_DOCS:
+        if f.name in PROM_COUNTERS:
             d = getattr(now, f.name) - getattr(before, f.name)
             if d:
                 out[f.name] = d
@@ -64,22 +58,27 @@ def stats_delta(now: RequestKVMetrics, before: RequestKVMetrics) -> dict[str, fl
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
-    """kvtier's figures on `vllm serve`'s /metrics: `kvtier:<counter>_total` per engine, and
-    `kvtier:loaded_tokens_total` per tier."""
+    """kvtier's figures on `vllm serve`'s /metrics, per engine, under the names `kvtier serve`
+    uses (connector/metrics.py's PROM_COUNTERS, TIER_HIT_TOKENS per tier), and for one more
+    release under their old names too (LEGACY_NAMES, `kvtier:loaded_tokens`)."""
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._values = per_engine_labelvalues
-        self._counters = {name: self._counter_cls(name=f"kvtier:{name}", documentation=doc, labelnames=labelnames)
-                          for name, doc in PROM_DOCS.items()}
-        self._by_tier = self._counter_cls(name="kvtier:loaded_tokens", documentation="Tokens loaded, per tier",
-                                          labelnames=[*labelnames, "tier"])
+        self._counters = {field: [self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+                                  for name in (prom, LEGACY_NAMES[field])]
+                          for field, (prom, doc) in PROM_COUNTERS.items()}
+        name, doc = TIER_HIT_TOKENS
+        self._by_tier = [self._counter_cls(name=n, documentation=doc, labelnames=[*labelnames, "tier"])
+                         for n in (name, "kvtier:loaded_tokens")]
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         values = self._values[engine_idx]
         for key, delta in transfer_stats_data.items():
             if key in self._counters:
-                self._counters[key].labels(*values).inc(delta)
+                for counter in self._counters[key]:
+                    counter.labels(*values).inc(delta)
             elif key.startswith(PER_TIER):
-                self._by_tier.labels(*values, key.removeprefix(PER_TIER)).inc(delta)
+                for counter in self._by_tier:
+                    counter.labels(*values, key.removeprefix(PER_TIER)).inc(delta)

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from connector.kvtier_connector import EngineConnector
+from connector.metrics import PROM_COUNTERS, TIER_HIT_TOKENS
 from engine.cache_salt import tenant_tag
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -56,7 +57,8 @@ class ServerMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Tokens looked up in the engine's prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Tokens found in the engine's prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
-        self.external_hits = counter("kv_connector_hit_tokens", "Prompt tokens loaded by the KV connector.")
+        name, doc = PROM_COUNTERS["connector_hit_tokens"]
+        self.external_hits = counter(name.removeprefix("kvtier:"), doc)
         self._finished = Counter("kvtier:request_success", "Finished requests (each sample of an n > 1 "
                                  "request) by finish reason.",
                                  ["model_name", "finished_reason"], registry=r)
@@ -136,9 +138,7 @@ class ConnectorCollector(Collector):
     def collect(self) -> Iterator[Any]:
         tiers = self.connector.tier_metrics()
         families = {
-            "tokens_hit": CounterMetricFamily(
-                "kvtier:kv_tier_hit_tokens", "Tokens loaded from the tier.", labels=["tier"]
-            ),
+            "tokens_hit": CounterMetricFamily(*TIER_HIT_TOKENS, labels=["tier"]),
             "bytes_loaded": CounterMetricFamily(
                 "kvtier:kv_tier_loaded_bytes", "Bytes loaded from the tier.", labels=["tier"]
             ),
@@ -181,11 +181,12 @@ class ConnectorCollector(Collector):
         yield healthy
         yield breaker
         yield from self._tenant_families()
-        dropped = CounterMetricFamily(
-            "kvtier:kv_dropped_store_bytes", "Chunk bytes not stored: the pending-store budget was full."
-        )
-        dropped.add_metric([], float(self.connector.metrics.totals.dropped_store_bytes))
-        yield dropped
+        totals = self.connector.metrics.totals
+        for field, (name, doc) in PROM_COUNTERS.items():
+            if field != "connector_hit_tokens":  # the engine's own count, kvtier:kv_connector_hit_tokens above
+                counter = CounterMetricFamily(name, doc)
+                counter.add_metric([], float(getattr(totals, field)))
+                yield counter
         pending = GaugeMetricFamily("kvtier:kv_pending_stores", "Gathered chunks waiting for the store thread.")
         pending.add_metric([], float(self.connector.pending_stores()))
         yield pending

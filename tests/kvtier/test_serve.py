@@ -14,7 +14,9 @@ import httpx
 import openai
 import pytest
 
+from connector.metrics import PROM_COUNTERS
 from engine import LLM, SamplingParams
+from tests.fixtures.polling import wait_until
 from tests.fixtures.serve import ENGINE_ARGS, NAME, ServeProcess, metrics
 from tests.fixtures.text import long_text
 
@@ -172,12 +174,9 @@ def test_client_hanging_up_mid_stream_frees_everything(server: ServeProcess) -> 
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]  # a few chunks, then hang up
     assert any(line.startswith("data: {") for line in got)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = metrics(server.url)
-        if m["kvtier:num_requests_running"] == 0 and m["kvtier:kv_cache_usage_perc"] == 0:
-            break
-        time.sleep(0.2)
+    wait_until(lambda: (m := metrics(server.url))["kvtier:num_requests_running"] == 0
+               and m["kvtier:kv_cache_usage_perc"] == 0, 30.0, 0.2)
+    m = metrics(server.url)
     assert m["kvtier:num_requests_running"] == 0 and m["kvtier:num_requests_waiting"] == 0
     assert m["kvtier:kv_cache_usage_perc"] == 0  # every block released
     assert m["kvtier:generation_tokens_total"] < 400 + 1000  # it stopped long before its 400 tokens
@@ -255,6 +254,8 @@ def test_sigterm_flushes_stores_for_the_next_server(default_model_path: Path, tm
         assert second["choices"][0]["text"] == first["choices"][0]["text"]
         m = metrics(s2.url)
         assert m["kvtier:kv_connector_hit_tokens_total"] == n - 1
+        assert all(f"{name}_total" in m for name, _ in PROM_COUNTERS.values())  # vllm serve's names too
+        assert m["kvtier:kv_loaded_bytes_total"] > 0 and m["kvtier:kv_load_error_tokens_total"] == 0
         tier_name = next(iter(look["tiers"]))
         assert m[f"kvtier:kv_tier_loaded_bytes_total[{tier_name}]"] > 0
         assert m[f"kvtier:kv_tier_healthy[{tier_name}]"] == 1

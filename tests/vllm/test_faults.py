@@ -108,8 +108,8 @@ def test_a_corrupted_value_is_recomputed_and_counted(llm: VllmLLM, redis_server_
 
     cold, warm, before = run_with_fault(llm, redis_server_session, variant(prompt, 0), corrupt, scrubbed=True)
     assert warm["outputs"][0]["tokens"] == cold["outputs"][0]["tokens"]
-    assert delta(warm["metrics"], before, "kvtier:load_error_tokens_total") > 0
-    assert delta(warm["metrics"], before, "kvtier:connector_hit_tokens_total") == 0
+    assert delta(warm["metrics"], before, "kvtier:kv_load_error_tokens_total") > 0
+    assert delta(warm["metrics"], before, "kvtier:kv_connector_hit_tokens_total") == 0
     assert warm["metrics"]["vllm:kv_cache_usage_perc"] == 0
 
 
@@ -119,9 +119,9 @@ def test_a_deleted_chunk_shortens_the_hit(llm: VllmLLM, redis_server_session: Re
     cold, warm, before = run_with_fault(llm, redis_server_session, variant(prompt, 1),
                                         lambda keys: client.delete(keys[0]))
     assert warm["outputs"][0]["tokens"] == cold["outputs"][0]["tokens"]
-    loaded = delta(warm["metrics"], before, "kvtier:connector_hit_tokens_total")
+    loaded = delta(warm["metrics"], before, "kvtier:kv_connector_hit_tokens_total")
     assert loaded == warm["outputs"][0]["cached"] < len(prompt) - 1
-    assert delta(warm["metrics"], before, "kvtier:load_error_tokens_total") == 0
+    assert delta(warm["metrics"], before, "kvtier:kv_load_error_tokens_total") == 0
 
 
 def test_redis_killed_is_a_miss_and_serving_goes_on(llm: VllmLLM, redis_server_session: RedisServer,
@@ -157,8 +157,8 @@ def test_redis_killed_between_lookup_and_load_is_recomputed(llm: VllmLLM, proxy:
 
         assert warm["outputs"][0]["tokens"] == cold["outputs"][0]["tokens"]
         promised = delta(warm["metrics"], cold["metrics"], "vllm:external_prefix_cache_hits")
-        loaded = delta(warm["metrics"], cold["metrics"], "kvtier:connector_hit_tokens_total")
-        errors = delta(warm["metrics"], cold["metrics"], "kvtier:load_error_tokens_total")
+        loaded = delta(warm["metrics"], cold["metrics"], "kvtier:kv_connector_hit_tokens_total")
+        errors = delta(warm["metrics"], cold["metrics"], "kvtier:kv_load_error_tokens_total")
         assert promised == len(ids) - 1  # every chunk held at lookup; never the last token
         assert loaded == 0 < errors == promised  # Redis died before serving one value
         assert warm["metrics"]["vllm:kv_cache_usage_perc"] == 0
@@ -172,9 +172,9 @@ def test_redis_killed_between_lookup_and_load_is_recomputed(llm: VllmLLM, proxy:
         stored_keys(redis, set())
         again = llm.generate([ids])
         assert again["outputs"][0]["tokens"] == cold["outputs"][0]["tokens"]
-        loaded = delta(again["metrics"], again_cold["metrics"], "kvtier:connector_hit_tokens_total")
+        loaded = delta(again["metrics"], again_cold["metrics"], "kvtier:kv_connector_hit_tokens_total")
         assert loaded == again["outputs"][0]["cached"] == promised
-        assert delta(again["metrics"], again_cold["metrics"], "kvtier:load_error_tokens_total") == 0
+        assert delta(again["metrics"], again_cold["metrics"], "kvtier:kv_load_error_tokens_total") == 0
     finally:
         proxy.disarm()
         restore(redis)

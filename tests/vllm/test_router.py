@@ -29,7 +29,7 @@ from tests.fixtures.text import long_text
 from tests.fixtures.vllm import VllmServer, close_together, start_together
 
 CONFIG = {"tiers": ["cpu?budget=1GiB"], "chunk_size": 256}
-HIT = "kvtier:connector_hit_tokens_total"
+HIT = "kvtier:kv_connector_hit_tokens_total"
 
 
 @pytest.fixture(scope="module")

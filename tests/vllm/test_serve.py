@@ -92,7 +92,7 @@ def servers(default_model_path: Path, redis_server_session: RedisServer, tmp_pat
             # The request ends at its prefill, before its stores land; the pending stores keep
             # the engine stepping, so their counters reach /metrics with no further request.
             _complete(producer, prompt_2k, stream=False, max_tokens=1)
-            _wait_for_metric(producer, "kvtier:stored_tokens_total", len(prompt_2k))
+            _wait_for_metric(producer, "kvtier:kv_stored_tokens_total", len(prompt_2k))
             cold = _complete(producer, prompt_2k, stream=False)
         finally:
             assert producer.close() == 0  # SIGINT: queued stores are flushed before it exits
@@ -110,7 +110,8 @@ def test_a_fresh_server_loads_what_another_stored(tier: str, servers: Servers, p
     assert _complete(server, prompt_2k, stream=True) == servers.cold
     assert _complete(server, prompt_2k, stream=False) == servers.cold
     after = server.metrics()
-    loaded = after.get("kvtier:connector_hit_tokens_total", 0) - before.get("kvtier:connector_hit_tokens_total", 0)
+    hits = "kvtier:kv_connector_hit_tokens_total"
+    loaded = after.get(hits, 0) - before.get(hits, 0)
     assert loaded >= 2 * 0.9 * len(prompt_2k)
     if Version(vllm.__version__).release >= (0, 32):  # vLLM counts hits per source from 0.32 on
         by_source = "vllm:prompt_tokens_cached_by_source.external_unspecified"

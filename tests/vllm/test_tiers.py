@@ -15,6 +15,7 @@ import pytest
 import vllm
 from packaging.version import Version
 
+from connector.metrics import PROM_COUNTERS
 from tests.fixtures.vllm import VllmLLM, close_together, start_together
 
 # The vLLM each case starts: (its tier, more connector config, more VllmLLM keywords; the
@@ -84,7 +85,7 @@ def test_the_second_run_loads_the_prompt_from_the_tier(case: str, tier_llms: Tie
     with tier_llms.use(case) as llm:
         if tier == "cpu":  # a request that asks not to be stored leaves nothing to load
             skipped = llm.generate([prompt], kv_transfer_params={"kvtier.skip_save": True})
-            assert skipped["metrics"].get("kvtier:stored_tokens_total", 0) == 0
+            assert skipped["metrics"].get("kvtier:kv_stored_tokens_total", 0) == 0
         cold = llm.generate([prompt])
         warm = llm.generate([prompt])
         # vLLM's reset_prefix_cache(reset_connector=True) empties the cpu tier, and a shared tier
@@ -95,9 +96,13 @@ def test_the_second_run_loads_the_prompt_from_the_tier(case: str, tier_llms: Tie
     assert cold["outputs"][0]["cached"] == 0
     assert warm["outputs"][0]["tokens"] == cold["outputs"][0]["tokens"]
     assert warm["outputs"][0]["cached"] >= 0.9 * len(prompt), llm.tail()
-    loaded = warm["metrics"].get("kvtier:connector_hit_tokens_total", 0) - cold["metrics"].get(
-        "kvtier:connector_hit_tokens_total", 0)
+    loaded = warm["metrics"].get("kvtier:kv_connector_hit_tokens_total", 0) - cold["metrics"].get(
+        "kvtier:kv_connector_hit_tokens_total", 0)
     assert loaded == warm["outputs"][0]["cached"]
+    # kvtier serve's names, and for one more release vLLM's old ones (connector/vllm_metrics.py)
+    m = warm["metrics"]
+    for field, (name, _) in PROM_COUNTERS.items():
+        assert m.get(f"{name}_total", 0) == m.get(f"kvtier:{field}_total", 0)
     if Version(vllm.__version__).release < (0, 32):
         return  # vLLM counts hits per source from 0.32 on
     # vLLM's own per-source hit counter names the tier: host memory or disk
@@ -118,7 +123,7 @@ def test_engine_hit_plus_connector_hit(case: str, tier_llms: TierLLMs, prompt_2k
     m0, m1 = half["metrics"], warm["metrics"]
     engine_hit = m1["vllm:prefix_cache_hits"] - m0["vllm:prefix_cache_hits"]
     external = m1["vllm:external_prefix_cache_hits"] - m0["vllm:external_prefix_cache_hits"]
-    loaded = m1["kvtier:connector_hit_tokens_total"] - m0["kvtier:connector_hit_tokens_total"]
+    loaded = m1["kvtier:kv_connector_hit_tokens_total"] - m0["kvtier:kv_connector_hit_tokens_total"]
     assert engine_hit >= 768 and external > 0
     assert loaded == external  # the connector loaded only what vLLM's cache did not hold
     assert warm["outputs"][0]["cached"] == engine_hit + external == 2047
