@@ -27,6 +27,7 @@ from kvstore.health import BreakerState, CircuitBreaker
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
 from tests.fixtures.cache_server import CacheServerProcess
+from tests.fixtures.polling import wait_until
 from tests.fixtures.redis_server import RedisServer, start_cluster
 from tests.fixtures.tiers import chunk, ckey, hold_dir_lock
 
@@ -81,10 +82,10 @@ def test_a_breaker_with_a_probe_runs_it_off_the_callers_thread() -> None:
     assert not b.available()  # the probe started; callers never wait for it
     assert b.state is BreakerState.HALF_OPEN
     release.set()
-    _wait_for(lambda: b.state is BreakerState.OPEN)  # the probe failed
+    assert wait_until(lambda: b.state is BreakerState.OPEN, 15.0, 0.02), "the probe never failed"
     time.sleep(0.25)
     assert not b.available()
-    _wait_for(lambda: b.state is BreakerState.CLOSED)  # the second probe succeeded
+    assert wait_until(lambda: b.state is BreakerState.CLOSED, 15.0, 0.02), "the second probe never succeeded"
     assert b.available() and len(threads) == 2 and threading.current_thread().name not in threads
 
 
@@ -96,15 +97,6 @@ def test_deadline_options_are_one_set_for_every_remote_tier() -> None:
     for bad in (0, -1, "soon", float("inf"), True):
         with pytest.raises(ValueError, match="t: lookup_timeout_s must be"):
             RemoteDeadlines.from_options({"lookup_timeout_s": bad}, "t")
-
-
-def _wait_for(cond: Callable[[], bool], timeout: float = 15.0, poke: Callable[[], object] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        if poke is not None:
-            poke()
-        time.sleep(0.02)
 
 
 def _freeze_and_check(mgr: StorageManager, name: str, pid: int, keys: list[str], first: str) -> None:
@@ -129,11 +121,18 @@ def _freeze_and_check(mgr: StorageManager, name: str, pid: int, keys: list[str],
         assert mgr.stats()[name].skipped == skipped + 2
         time.sleep(0.3)  # past the cool-down: a call starts a probe, which fails on its own thread
         calls["lookup"]()
-        _wait_for(lambda: mgr.stats()[name].read_breaker == BreakerState.OPEN)
+        assert wait_until(lambda: mgr.stats()[name].read_breaker == BreakerState.OPEN, 15.0, 0.02), "not reopened"
         assert mgr.stats()[name].breaker_opens == 1  # reopened by the probe, not opened again
     finally:
         os.kill(pid, signal.SIGCONT)
-    _wait_for(lambda: mgr.stats()[name].read_breaker == BreakerState.CLOSED, poke=calls["lookup"])
+
+    def closed() -> bool:  # each look that finds it open makes a lookup: one may start the probe that closes it
+        if mgr.stats()[name].read_breaker == BreakerState.CLOSED:
+            return True
+        calls["lookup"]()
+        return False
+
+    assert wait_until(closed, 15.0, 0.02), "the breaker never closed"
     assert mgr.prefix_hits(keys) == len(keys)
     assert all(torch.equal(kv, chunk(i)) for i, kv in enumerate(mgr.batched_get(keys)))
 
@@ -191,7 +190,8 @@ def test_a_disk_that_never_answers_cannot_hold_close(tmp_path: Path, caplog: pyt
         mgr.batched_put([(ckey(i), chunk(i)) for i in range(3)])
         for i in range(3, 8):
             mgr.put(ckey(i), chunk(i))
-        _wait_for(lambda: mgr.writer_stats()["pending"] == 6)  # one stuck in the disk's lock, five queued
+        # one stuck in the disk's lock, five queued
+        assert wait_until(lambda: mgr.writer_stats()["pending"] == 6, 15.0, 0.02), mgr.writer_stats()
         assert not mgr.flush(0.2)
         assert disk.contains(ckey(100)) and torch.equal(disk.get(ckey(100)), chunk(100))  # reads go on
         assert disk.stats().entries == 1  # stats too (the directory's last figures)

@@ -16,6 +16,7 @@ from kvstore.backends.redis_store import RedisBackend
 from kvstore.config import TierSpec
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
+from tests.fixtures.polling import wait_until
 from tests.fixtures.tiers import chunk, ckey
 
 
@@ -119,9 +120,7 @@ def test_redis_killed_mid_workload_manager_recovers(redis_server, caplog: pytest
     time.sleep(0.5)
     assert not mgr.stats()["redis"].healthy
     redis_server.restart()
-    deadline = time.monotonic() + 10
-    while not mgr.stats()["redis"].healthy and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: mgr.stats()["redis"].healthy, 10.0, 0.05)
     stop.set()
     for t in threads:
         t.join()

@@ -15,6 +15,7 @@ from kvstore.backends.redis_store import RedisBackend
 from kvstore.config import TierSpec
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
+from tests.fixtures.polling import wait_until
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.tiers import chunk, ckey, longest_calls_while_frozen
 
@@ -100,9 +101,7 @@ def test_a_redis_that_is_back_is_used_again_within_about_a_second(own_redis: Red
         assert not mgr.stats()["redis"].write_healthy
         own_redis.restart()
         back = time.monotonic()
-        deadline = back + 10
-        while not mgr.stats()["redis"].write_healthy and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: mgr.stats()["redis"].write_healthy, 10.0, 0.02)
         recovered_after = time.monotonic() - back
     finally:
         stop.set()
@@ -124,9 +123,7 @@ def test_a_frozen_redis_stalls_lookups_briefly_and_is_used_again_after(own_redis
     assert not mgr.stats()["redis"].read_healthy  # no call since it was resumed
     # the old 5 s socket timeout held each of these calls 5 s
     assert max(took.values()) < 2.0, took
-    deadline = time.monotonic() + 5
-    while mgr.prefix_hits(keys) != 4 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: mgr.prefix_hits(keys) == 4, 5.0, 0.05)
     assert mgr.prefix_hits(keys) == 4 and torch.equal(mgr.batched_get(keys)[3], chunk(3))
     mgr.close()
 
@@ -164,8 +161,6 @@ def test_reading_stats_is_not_a_health_probe(own_redis: RedisServer) -> None:
     own_redis.restart()
     time.sleep(0.1)
     assert mgr.get(ckey(0)) is None  # a call starts the probe (a PING on its own thread)
-    deadline = time.monotonic() + 10
-    while not mgr.stats()["redis"].read_healthy and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: mgr.stats()["redis"].read_healthy, 10.0, 0.01)
     assert mgr.stats()["redis"].read_healthy
     mgr.close()

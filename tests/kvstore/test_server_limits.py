@@ -12,6 +12,7 @@ from kvstore.server import protocol as P
 from kvstore.server.client import CacheServerClient, ServerReplyError
 from kvstore.server.protocol import Op, Status
 from tests.fixtures.cache_server import CacheServerProcess, raw_exchange
+from tests.fixtures.polling import wait_until
 
 
 def test_connections_past_the_limit_are_refused(cache_server_factory: type[CacheServerProcess]) -> None:
@@ -26,13 +27,14 @@ def test_connections_past_the_limit_are_refused(cache_server_factory: type[Cache
     finally:
         for s in idle:
             s.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # served again once the idle ones leave
+
+    def served() -> bool:
         try:
-            if c.ping():
-                break
+            return bool(c.ping())
         except ServerReplyError:
-            time.sleep(0.05)
+            return False
+
+    wait_until(served, 10.0, 0.05)  # served again once the idle ones leave
     stats = c.stats()
     assert stats["refused_connections"] >= 1 and stats["connections"] == 1
     c.close()

@@ -19,6 +19,7 @@ from kvstore.server.client import CacheServerClient
 from kvstore.server.protocol import Op, Status
 from kvstore.server.server import HEAP_SLACK_BYTES, PER_CONNECTION_BYTES
 from tests.fixtures.cache_server import CacheServerProcess
+from tests.fixtures.polling import wait_until
 
 MIB = 1 << 20
 # Measurement tolerance on top of the documented overhead (Python objects, page rounding).
@@ -42,15 +43,6 @@ def _peak_rss(server: CacheServerProcess) -> int:
 def _bound(base: int, max_bytes: int, connections: int) -> int:
     """The documented ceiling (docs/protocol.md, "Memory bound")."""
     return base + max_bytes + HEAP_SLACK_BYTES + connections * PER_CONNECTION_BYTES + TOLERANCE
-
-
-def _wait_until(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 @contextmanager
@@ -88,7 +80,7 @@ def test_announced_bodies_wait_for_memory(cache_server_factory: type[CacheServer
     with _raw_sockets(server.port, 16) as attackers:
         for s in attackers:
             s.sendall(P.encode_header(Op.PUT, 7, 1, 60 * MIB) + b"k")
-        assert _wait_until(lambda: good.stats()["waiting_for_memory"] == 15)
+        assert wait_until(lambda: good.stats()["waiting_for_memory"] == 15, 10.0)
         stats = good.stats()
         assert stats["reserved_bytes"] == 60 * MIB + 1 and stats["bytes"] + stats["reserved_bytes"] <= 64 * MIB
         # Well-behaved clients are served meanwhile, large values included (room is evicted).
@@ -139,7 +131,7 @@ def test_readers_that_never_read_share_one_buffer(cache_server_factory: type[Cac
     with _raw_sockets(server.port, 20, rcvbuf=64 << 10) as readers:
         for s in readers:
             s.sendall(P.encode_frame(Op.GET, 1, b"v"))
-        assert _wait_until(lambda: good.stats()["connections"] == 21)
+        assert wait_until(lambda: good.stats()["connections"] == 21, 10.0)
         time.sleep(0.3)  # let every reply start
         assert good.put(b"v", new)  # the old value leaves the store but is still being sent
         stats = good.stats()

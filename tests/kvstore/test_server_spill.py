@@ -23,6 +23,7 @@ from kvstore.server import protocol as P
 from kvstore.server.client import CacheServerClient, ServerUnavailable
 from kvstore.server.server import ServerConfig
 from tests.fixtures.cache_server import CacheServerProcess, live_dir, settled
+from tests.fixtures.polling import wait_until
 
 MIB = 1 << 20
 _TIMEOUT = 5.0  # client timeout: a blocked event loop fails the test instead of hanging it
@@ -95,19 +96,10 @@ def _stall_worker(port: int, directory: Path) -> tuple[_StalledWrite, threading.
         thread = threading.Thread(target=put_k2, daemon=True)
         thread.start()
         stall.wait_entered()  # anything queued from now on (a CLEAR's removal) waits behind it
-        assert _wait_for(lambda: c.stats()["waiting_for_memory"] == 1)
+        assert wait_until(lambda: c.stats()["waiting_for_memory"] == 1, 10.0, 0.02)
     finally:
         c.close()
     return stall, thread
-
-
-def _wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_a_stalled_spill_write_does_not_stall_other_clients(
@@ -125,7 +117,7 @@ def test_a_stalled_spill_write_does_not_stall_other_clients(
     thread.start()
     try:
         stall.wait_entered()
-        assert _wait_for(lambda: c.stats()["waiting_for_memory"] == 1)
+        assert wait_until(lambda: c.stats()["waiting_for_memory"] == 1, 10.0, 0.02)
         # The event loop keeps serving everything that does not need the disk.
         assert c.ping() and c.exists(b"k0") and c.put(b"small", b"s" * 100)
         assert c.get(b"k0") == v0  # its write is stuck: answered from memory, exactly
@@ -169,7 +161,7 @@ def test_clear_answers_at_once_and_removes_files_in_the_background(
     finally:
         stall.release(20 + 1 + _K_SIZE)
         thread.join(30)
-    assert _wait_for(lambda: not old.exists(), timeout=60)  # removed in the background
+    assert wait_until(lambda: not old.exists(), 60.0, 0.02)  # removed in the background
     assert c.get(values[1][0]) is None and c.get(b"new") == b"n" * 10
     assert c.prefix_hits([k for k, _ in values[:10]]) == 0
     c.close()
@@ -191,7 +183,7 @@ def test_a_crash_after_clear_never_brings_cleared_entries_back(
     server.stop(signal.SIGKILL)
     server.start()
     assert fresh.prefix_hits([k for k, _ in values]) == 0 and fresh.get(values[0][0]) is None
-    assert _wait_for(lambda: not old.exists(), timeout=60)  # the restart removes what CLEAR left
+    assert wait_until(lambda: not old.exists(), 60.0, 0.02)  # the restart removes what CLEAR left
     assert not stall.path.exists()
     stall.release(0)
     c.close()

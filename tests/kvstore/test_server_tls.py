@@ -23,6 +23,7 @@ from kvstore.server.client import CacheServerClient, ServerUnavailable
 from kvstore.server.protocol import Op
 from kvstore.server.server import HEAP_SLACK_BYTES, PER_TLS_CONNECTION_BYTES
 from tests.fixtures.cache_server import CacheServerProcess, raw_exchange
+from tests.fixtures.polling import wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 TOKEN = "tls-token"
@@ -100,9 +101,7 @@ def test_stalled_tls_readers_stay_within_the_bound(tls_server: CacheServerProces
             s = ctx.wrap_socket(raw, server_hostname="127.0.0.1")
             readers.append(s)
             s.sendall(P.encode_frame(Op.AUTH, 1, payload=TOKEN.encode()) + P.encode_frame(Op.GET, 2, b"v"))
-        deadline = time.monotonic() + 10
-        while good.stats()["connections"] < 21 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: good.stats()["connections"] >= 21, 10.0, 0.05)
         time.sleep(0.5)  # every reply has started and stalled
         peak = tls_server.memory_bytes("VmHWM")
         bound = base + (64 << 20) + HEAP_SLACK_BYTES + 21 * PER_TLS_CONNECTION_BYTES + (4 << 20)

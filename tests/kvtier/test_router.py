@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.server.client import CacheServerClient
 from tests.fixtures.cache_server import CacheServerProcess
+from tests.fixtures.polling import wait_until
 from tests.fixtures.redis_server import free_port
 from tests.fixtures.serve import RouterProcess, ServeProcess
 from tests.fixtures.text import long_text
@@ -127,11 +127,8 @@ def _healthy(router: RouterProcess, backend: ServeProcess) -> float:
 
 
 def _wait_health(router: RouterProcess, backend: ServeProcess, want: float) -> None:
-    for _ in range(200):  # bounded: 20 s
-        if _healthy(router, backend) == want:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{backend.url} never became healthy={want}")
+    healthy = wait_until(lambda: _healthy(router, backend) == want, 20.0, 0.1)
+    assert healthy, f"{backend.url} never became healthy={want}"
 
 
 def test_a_frozen_backend_is_skipped_and_used_again_once_it_answers(cluster) -> None:
@@ -193,10 +190,7 @@ def test_a_client_hanging_up_aborts_the_request_on_its_backend(cluster, stream: 
         else:
             with pytest.raises(httpx.ReadTimeout):
                 c.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=3.0))
-    for _ in range(300):  # bounded: 30 s
-        if sum(_aborts(s.url) for s in servers) > before:
-            break
-        time.sleep(0.1)
+    wait_until(lambda: sum(_aborts(s.url) for s in servers) > before, 30.0, 0.1)
     assert sum(_aborts(s.url) for s in servers) == before + 1
     running = [_metrics(s.url)[("kvtier:num_requests_running", (("model_name", NAME),))] for s in servers]
     assert running == [0.0, 0.0]
@@ -212,11 +206,8 @@ def test_a_backend_killed_mid_request_is_routed_around(cluster) -> None:
     before = _routed(router.url, victim.url)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(_complete, router.url, held, 160, False, True)
-        for _ in range(600):  # until the victim runs it (bounded: 60 s)
-            running = _metrics(victim.url).get(("kvtier:num_requests_running", (("model_name", NAME),)), 0.0)
-            if running >= 1 or pending.done():
-                break
-            time.sleep(0.1)
+        wait_until(lambda: pending.done() or _metrics(victim.url).get(  # until the victim runs it
+            ("kvtier:num_requests_running", (("model_name", NAME),)), 0.0) >= 1, 60.0, 0.1)
         assert not pending.done(), "the request finished before the victim could be killed"
         victim.stop(signal.SIGKILL)
         assert pending.result(timeout=300)[0] == want  # retried whole on the live instance

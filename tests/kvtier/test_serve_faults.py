@@ -10,13 +10,13 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.fixtures.cache_server import CacheServerProcess
+from tests.fixtures.polling import wait_until
 from tests.fixtures.serve import ENGINE_ARGS, ServeProcess, metrics
 from tests.fixtures.text import long_text
 from tests.fixtures.tiers import hold_dir_lock
@@ -38,13 +38,6 @@ def _lookup(url: str, prompt: str) -> int:
     return int(sum(look["tiers"].values()))
 
 
-def _until(cond: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.1)
-
-
 def test_a_frozen_cache_server_costs_a_lookup_its_deadline_and_requests_recompute(
         default_model_path: Path, cache_server_factory: type[CacheServerProcess]) -> None:
     cache = cache_server_factory("--max-bytes", "256MiB")
@@ -56,7 +49,7 @@ def test_a_frozen_cache_server_costs_a_lookup_its_deadline_and_requests_recomput
         prompt = long_text(4)
         cold = _complete(s.url, prompt)
         n = cold["usage"]["prompt_tokens"]
-        _until(lambda: _lookup(s.url, prompt) == n - 1)  # every chunk landed in the cache server
+        assert wait_until(lambda: _lookup(s.url, prompt) == n - 1, 60.0, 0.1)  # every chunk landed in the cache server
         name = next(k.split("[")[1][:-1] for k in metrics(s.url) if k.startswith("kvtier:kv_tier_timeouts"))
 
         def reset_prefix_cache() -> None:
@@ -80,7 +73,7 @@ def test_a_frozen_cache_server_costs_a_lookup_its_deadline_and_requests_recomput
             assert httpx.get(s.url + "/health", timeout=5).status_code == 200
         finally:
             os.kill(cache.proc.pid, signal.SIGCONT)
-        _until(lambda: _lookup(s.url, prompt) == n - 1)  # a probe closed the breaker
+        assert wait_until(lambda: _lookup(s.url, prompt) == n - 1, 60.0, 0.1)  # a probe closed the breaker
         assert metrics(s.url)[f"kvtier:kv_tier_breaker_state[{name}]"] == 0  # reads and writes closed
         reset_prefix_cache()
         warm = _complete(s.url, prompt)
@@ -99,7 +92,7 @@ def test_sigterm_ends_within_the_flush_bound_while_the_disk_never_answers(defaul
         with hold_dir_lock(root):  # every write to the directory now waits for this process
             for i in range(3):
                 _complete(s.url, f"Request {i}. " + long_text(6))
-            _until(lambda: metrics(s.url)["kvtier:kv_slow_tier_writes_pending"] >= 2)
+            assert wait_until(lambda: metrics(s.url)["kvtier:kv_slow_tier_writes_pending"] >= 2, 60.0, 0.1)
             assert httpx.get(s.url + "/health", timeout=5).status_code == 200
             s.proc.send_signal(signal.SIGTERM)
             try:

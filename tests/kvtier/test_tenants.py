@@ -20,6 +20,7 @@ from scipy.stats import mannwhitneyu
 from engine.cache_salt import tenant_tag
 from kvstore.tenant_keys import key_tenant
 from tests.fixtures.cache_server import CacheServerProcess
+from tests.fixtures.polling import wait_until
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.serve import ServeProcess
 from tests.fixtures.text import long_text
@@ -86,9 +87,7 @@ def test_two_tenants_one_document_across_processes(servers, stores) -> None:
     n = lookup(a, ADMIN, DOC).json()["num_tokens"]
     assert 1000 <= n <= 1100  # four full chunks of 256 and a tail
     # Alice's chunks reach both shared tiers (written behind the request: wait for them).
-    deadline = time.monotonic() + 60
-    while min(lookup(b, alice, DOC).json()["tiers"].values()) < n - 1 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: min(lookup(b, alice, DOC).json()["tiers"].values()) >= n - 1, 60.0, 0.2)
     found = lookup(b, alice, DOC).json()
     assert found["max_hit_tokens"] == n - 1 and set(found["tiers"].values()) == {n - 1}
     # Nobody else learns anything from a lookup: bob, the operator unsalted, another salt.
@@ -138,10 +137,9 @@ def test_metrics_label_hits_loads_and_stores_by_tenant(servers) -> None:
     assert on_b[("kvtier:kv_tenant_hit_tokens", "alice")] == n - 1
     assert on_b[("kvtier:kv_tenant_loaded_bytes", "alice")] > 0
     assert on_b[("kvtier:kv_tenant_hit_tokens", "other")] == 0 and on_b[("kvtier:kv_tenant_stored_bytes", "other")] > 0
-    deadline = time.monotonic() + 60  # stores count once they ran, behind the request
-    while (on_a := tenant_figures(a)[0])[("kvtier:kv_tenant_stored_tokens", "none")] < 4 * 256:
-        assert time.monotonic() < deadline, on_a
-        time.sleep(0.2)
+    # stores count once they ran, behind the request
+    stored = wait_until(lambda: tenant_figures(a)[0][("kvtier:kv_tenant_stored_tokens", "none")] >= 4 * 256, 60.0, 0.2)
+    assert stored, tenant_figures(a)[0]
     on_a, text_a = tenant_figures(a)
     assert on_a[("kvtier:kv_tenant_stored_tokens", "alice")] >= 4 * 256  # the document's full chunks
     assert on_a[("kvtier:kv_tenant_hit_tokens", "none")] == 0
