@@ -35,7 +35,7 @@ import torch
 
 from engine.cache_salt import salted_root, tenant_tag
 from engine.hashing import chain_hash, chain_prefixes, root_hash
-from kvstore.tenant_keys import tenant_prefix
+from kvstore.tenant_keys import KEY_ROOT, tenant_prefix
 
 LAYOUT_VERSION = 1
 """Bumped whenever the chunk tensor layout `(layers, 2, tokens, kv_heads, head_size)` changes."""
@@ -76,7 +76,7 @@ def chunk_key(model: str, kv_dtype: str, chunk_size: int, chain: bytes,
               layout_version: int = LAYOUT_VERSION, tenant: str | None = None) -> str:
     """Returns `kvtier:<model>:<dtype>:v<layout>:c<chunk_size>:<hash hex>` (ASCII, no spaces),
     for a tenant `kvtier:tenant-<tag>:<model>:...`."""
-    head = tenant_prefix(tenant) if tenant is not None else "kvtier:"
+    head = tenant_prefix(tenant) if tenant is not None else KEY_ROOT
     return f"{head}{model}:{kv_dtype}:v{layout_version}:c{chunk_size}:{chain.hex()}"
 
 

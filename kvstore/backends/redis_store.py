@@ -49,9 +49,10 @@ from kvstore.codecs import Codec
 from kvstore.config import TierSpec
 from kvstore.deadlines import OPTIONS, CallKind, RemoteDeadlines
 from kvstore.eviction import make_policy
+from kvstore.tenant_keys import KEY_ROOT
 from kvstore.tenant_quota import never_pinned
 
-CHUNK_KEY_PATTERN = "kvtier:*"
+CHUNK_KEY_PATTERN = KEY_ROOT + "*"
 """Every chunk key (connector/keyspace.py) matches this; `wipe_all_chunks()` removes them."""
 
 def _check_redis_py() -> None:
