@@ -13,9 +13,12 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 KERNELS = ("auto", "torch")
 
 
-def _opt(help: str, metavar: str | None = None, **extra: Any) -> dict[str, Any]:
-    """Returns a field's metadata: its help and flag spelling for `kvtier generate/serve`
-    (kvtier/engine_args.py builds the flags from these rows)."""
+def opt(help: str, metavar: str | None = None, **extra: Any) -> dict[str, Any]:
+    """Returns a setting's dataclass field metadata, so a config declares each key once, in its
+    field: its help, plus what the readers of the field need. `EngineConfig`'s fields carry
+    their flag spelling for `kvtier generate/serve` (kvtier/engine_args.py builds the flags from
+    them); the connector's (connector/config.py) carry their `KVTIER_*` variable (`env`,
+    `parse`; kvstore.env.field_settings reads them)."""
     return {"help": help, "metavar": metavar, **extra}
 
 
@@ -30,33 +33,33 @@ class EngineConfig:
     `max_position_embeddings`.
     """
 
-    model: str | None = field(default=None, metadata=_opt(
+    model: str | None = field(default=None, metadata=opt(
         "local Hugging Face checkpoint dir or GGUF file (default: the bundled SmolLM2-135M-Instruct)", "PATH"))
-    device: str = field(default="auto", metadata=_opt(
+    device: str = field(default="auto", metadata=opt(
         "auto (CUDA when available), cpu, cuda or cuda:N", "DEVICE"))
-    dtype: str = field(default="auto", metadata=_opt(
+    dtype: str = field(default="auto", metadata=opt(
         "weights and KV dtype (default: auto = float32 on CPU, the checkpoint's on CUDA)", choices=DTYPES))
-    block_size: int = field(default=16, metadata=_opt("tokens per KV block", "N"))
-    num_gpu_blocks: int | None = field(default=None, metadata=_opt(
+    block_size: int = field(default=16, metadata=opt("tokens per KV block", "N"))
+    num_gpu_blocks: int | None = field(default=None, metadata=opt(
         "KV pool size in blocks (default: from --gpu-memory-utilization on CUDA, 1 GiB on CPU)", "N"))
-    kv_cache_memory_bytes: int | None = field(default=None, metadata=_opt(
+    kv_cache_memory_bytes: int | None = field(default=None, metadata=opt(
         "KV pool size in bytes, when --num-gpu-blocks is not given", "N"))
-    gpu_memory_utilization: float = field(default=0.5, metadata=_opt(
+    gpu_memory_utilization: float = field(default=0.5, metadata=opt(
         "fraction of free CUDA memory for the KV pool", "X"))
-    max_model_len: int | None = field(default=None, metadata=_opt(
+    max_model_len: int | None = field(default=None, metadata=opt(
         "longest prompt + output in tokens (default: the model's limit)", "N"))
-    kernels: str = field(default="auto", metadata=_opt(
+    kernels: str = field(default="auto", metadata=opt(
         "auto: on CPU, linear layers on packed weights (kvtier's panel kernel in float32, oneDNN "
         "otherwise) and attention read in place from the KV blocks by compiled kernels (built "
         "once); torch: PyTorch's own ops only, "
         "the reference path (the only one on CUDA)", choices=KERNELS))
-    max_num_seqs: int = field(default=64, metadata=_opt("most requests in one batch", "N"))
-    max_num_batched_tokens: int = field(default=2048, metadata=_opt(
+    max_num_seqs: int = field(default=64, metadata=opt("most requests in one batch", "N"))
+    max_num_batched_tokens: int = field(default=2048, metadata=opt(
         "token budget of one step; longer prefills are chunked", "N"))
-    enable_prefix_caching: bool = field(default=True, metadata=_opt(
+    enable_prefix_caching: bool = field(default=True, metadata=opt(
         "turn off the engine's automatic prefix caching (default: prefix caching on)", flag="--no-prefix-caching"))
     # Not a CLI flag: `kvtier generate --seed` is the requests' own sampling seed.
-    seed: int = field(default=0, metadata=_opt("seeds the sampling of requests that bring no seed", "N", flag=None))
+    seed: int = field(default=0, metadata=opt("seeds the sampling of requests that bring no seed", "N", flag=None))
 
     def __post_init__(self) -> None:
         self.validate()
