@@ -25,41 +25,17 @@ from typing import TYPE_CHECKING, Any
 from connector import lmcache_compat
 from connector.blend.config import BLEND_SETTINGS, BlendConfig
 from connector.keyspace import Keyspace
+from engine.config import opt
 from engine.kv_connector import CONFIG_FILE_ENV
 from kvstore.config import KVSTORE_SETTINGS, KVStoreConfig, TierSpec, parse_size, read_yaml, unknown_key
-from kvstore.env import Setting, env_bool, env_int, env_str, merge, parse_env
+from kvstore.env import Setting, env_bool, env_int, env_str, field_settings, merge, parse_env
 
 if TYPE_CHECKING:
     import torch
 
     from engine.model_config import ModelConfig
 
-_CONNECTOR_KEYS = ("chunk_size", "save_decode_tokens", "save_unfull_chunk", "max_pending_store_bytes",
-                   "store_queue_size", "use_layerwise", "reset_clears_shared_tiers", "blend")
-
-CONNECTOR_SETTINGS: tuple[Setting, ...] = (
-    Setting("chunk_size", "KVTIER_CHUNK_SIZE", env_int, "256", "tokens per stored chunk (the unit of reuse)"),
-    Setting("save_decode_tokens", "KVTIER_SAVE_DECODE_TOKENS", env_bool, "false",
-            "also store the K/V of generated tokens, so a follow-up turn reuses them"),
-    Setting("save_unfull_chunk", "KVTIER_SAVE_UNFULL_CHUNK", env_bool, "true",
-            "also store a prompt's partial last chunk (so prompts shorter than a chunk are reused)"),
-    Setting("max_pending_store_bytes", "KVTIER_MAX_PENDING_STORE_BYTES", env_str, "1GiB",
-            "gathered K/V waiting to be stored; beyond it new stores are dropped (counted), never waited for"),
-    Setting("store_queue_size", "KVTIER_STORE_QUEUE_SIZE", env_int, "64",
-            "store jobs (one per request and step) waiting for the connector's store thread; beyond it "
-            "one is dropped (counted) as `queue_full` says"),
-    Setting("use_layerwise", "KVTIER_USE_LAYERWISE", env_bool, "false",
-            "layer-pipelined loads: a hit is scheduled at once and layer i waits only for layer i "
-            "(not with CacheBlend)"),
-    Setting("reset_clears_shared_tiers", "KVTIER_RESET_CLEARS_SHARED_TIERS", env_bool, "false",
-            "vLLM's reset_prefix_cache(reset_connector=True) also clears the shared tiers (disk, Redis, "
-            "the cache server: other instances' chunks too); by default only this process's cpu and device"),
-)
-ALL_SETTINGS: tuple[Setting, ...] = KVSTORE_SETTINGS + CONNECTOR_SETTINGS + BLEND_SETTINGS
-"""Every config key, one row each (kvstore's, the connector's, CacheBlend's)."""
-
 logger = logging.getLogger("kvtier.connector")
-
 
 
 def valid_keys() -> frozenset[str]:
@@ -75,10 +51,33 @@ def translate(data: Mapping[str, Any], source: str = "config") -> Mapping[str, A
     return data
 
 
+def _positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key}: expected int, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{key}: must be > 0, got {value}")
+    return value
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{key}: expected bool, got {value!r}")
+    return value
+
+
+def _positive_size(key: str, value: Any) -> int:
+    size = parse_size(value, key)
+    if not size:
+        raise ValueError(f"{key}: must be > 0")
+    return size
+
+
 @dataclass
 class ConnectorConfig:
     """Everything an `EngineConnector` needs: the storage manager's own config in `kvstore`,
-    and the rest (one row each in `CONNECTOR_SETTINGS`, which says what each key means).
+    and the rest. Each connector setting is declared once, in its field: its default, and in the
+    metadata its meaning, its `KVTIER_*` variable (`env`, parsed by `parse`) and its `check`
+    (`validate` runs them in field order); `CONNECTOR_SETTINGS` is read from these fields.
 
     `save_unfull_chunk` is safe here: loads never write blocks the engine's prefix cache owns
     (connector/planner.py, "the partial-chunk rule"). `store_queue_size` and
@@ -87,16 +86,30 @@ class ConnectorConfig:
     """
 
     kvstore: KVStoreConfig = field(default_factory=KVStoreConfig)
-    chunk_size: int = 256
-    save_decode_tokens: bool = False
-    save_unfull_chunk: bool = True
-    max_pending_store_bytes: int = 1 << 30
-    store_queue_size: int = 64
-    # Layer-pipelined loads: chunks stored one value per layer; a hit is scheduled at once and
-    # its forward's layer i waits only for layer i (connector/keyspace.py).
-    use_layerwise: bool = False
-    # vLLM's connector reset: the shared tiers too (they hold what other instances stored).
-    reset_clears_shared_tiers: bool = False
+    chunk_size: int = field(default=256, metadata=opt(
+        "tokens per stored chunk (the unit of reuse)", env="KVTIER_CHUNK_SIZE", parse=env_int, check=_positive_int))
+    save_decode_tokens: bool = field(default=False, metadata=opt(
+        "also store the K/V of generated tokens, so a follow-up turn reuses them",
+        env="KVTIER_SAVE_DECODE_TOKENS", parse=env_bool, check=_bool))
+    save_unfull_chunk: bool = field(default=True, metadata=opt(
+        "also store a prompt's partial last chunk (so prompts shorter than a chunk are reused)",
+        env="KVTIER_SAVE_UNFULL_CHUNK", parse=env_bool, check=_bool))
+    max_pending_store_bytes: int = field(default=1 << 30, metadata=opt(
+        "gathered K/V waiting to be stored; beyond it new stores are dropped (counted), never waited for",
+        env="KVTIER_MAX_PENDING_STORE_BYTES", parse=env_str, check=_positive_size, shown="1GiB"))
+    store_queue_size: int = field(default=64, metadata=opt(
+        "store jobs (one per request and step) waiting for the connector's store thread; beyond it "
+        "one is dropped (counted) as `queue_full` says",
+        env="KVTIER_STORE_QUEUE_SIZE", parse=env_int, check=_positive_int))
+    # Layer-pipelined loads: chunks stored one value per layer (connector/keyspace.py).
+    use_layerwise: bool = field(default=False, metadata=opt(
+        "layer-pipelined loads: a hit is scheduled at once and layer i waits only for layer i "
+        "(not with CacheBlend)",
+        env="KVTIER_USE_LAYERWISE", parse=env_bool, check=_bool))
+    reset_clears_shared_tiers: bool = field(default=False, metadata=opt(
+        "vLLM's reset_prefix_cache(reset_connector=True) also clears the shared tiers (disk, Redis, "
+        "the cache server: other instances' chunks too); by default only this process's cpu and device",
+        env="KVTIER_RESET_CLEARS_SHARED_TIERS", parse=env_bool, check=_bool))
     # CacheBlend (`blend: {enabled: true, ratio: 0.15, check_layer: 1, ...}`, see BlendConfig).
     blend: BlendConfig = field(default_factory=BlendConfig)
 
@@ -105,23 +118,9 @@ class ConnectorConfig:
         if not isinstance(self.kvstore, KVStoreConfig):
             raise ValueError(f"kvstore: expected a KVStoreConfig, got {type(self.kvstore).__name__}")
         self.kvstore.validate()
-        for name in ("chunk_size", "store_queue_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name}: expected int, got {value!r}")
-            if value <= 0:
-                raise ValueError(f"{name}: must be > 0, got {value}")
-        if not isinstance(self.save_decode_tokens, bool):
-            raise ValueError(f"save_decode_tokens: expected bool, got {self.save_decode_tokens!r}")
-        if not isinstance(self.save_unfull_chunk, bool):
-            raise ValueError(f"save_unfull_chunk: expected bool, got {self.save_unfull_chunk!r}")
-        for name in ("use_layerwise", "reset_clears_shared_tiers"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: expected bool, got {getattr(self, name)!r}")
-        pending = parse_size(self.max_pending_store_bytes, "max_pending_store_bytes")
-        if not pending:
-            raise ValueError("max_pending_store_bytes: must be > 0")
-        self.max_pending_store_bytes = pending
+        for f in dataclasses.fields(self):
+            if "check" in f.metadata:
+                setattr(self, f.name, f.metadata["check"](f.name, getattr(self, f.name)))
         if not isinstance(self.blend, BlendConfig):
             raise ValueError(f"blend: expected a BlendConfig, got {type(self.blend).__name__}")
         self.blend.validate()
@@ -178,6 +177,13 @@ class ConnectorConfig:
                 raise ValueError(f"config: overrides must be a mapping, got {type(overrides).__name__}")
             data = merge(data, translate(overrides, "kv_connector_extra_config"))
         return cls.from_dict(data)
+
+
+_CONNECTOR_KEYS = tuple(f.name for f in dataclasses.fields(ConnectorConfig) if f.name != "kvstore")
+"""The connector's top-level keys (its settings and the `blend:` section); the rest are kvstore's."""
+CONNECTOR_SETTINGS: tuple[Setting, ...] = field_settings(ConnectorConfig)
+ALL_SETTINGS: tuple[Setting, ...] = KVSTORE_SETTINGS + CONNECTOR_SETTINGS + BLEND_SETTINGS
+"""Every config key, one row each (kvstore's, the connector's, CacheBlend's)."""
 
 
 def make_config(

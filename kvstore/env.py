@@ -2,14 +2,15 @@
 the configuration reference (docs/configuration.md), so the two cannot drift.
 
 Each section of the config (kvstore's keys here, the connector's and CacheBlend's in
-`connector`) declares its rows; `parse_env` turns the variables present into a nested mapping
+`connector`) declares its rows, as a table or in its dataclass fields' metadata
+(`field_settings`); `parse_env` turns the variables present into a nested mapping
 (`blend.ratio` -> `{"blend": {"ratio": ...}}`) that is merged over the YAML.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 _TRUE = ("1", "true", "yes", "on")
@@ -62,6 +63,26 @@ class Setting:
     default: str
     meaning: str
     aliases: tuple[str, ...] = ()
+
+
+def field_settings(config: Any) -> tuple[Setting, ...]:
+    """Returns one row per field of the dataclass `config` whose metadata names its variable, in
+    field order. The metadata (engine.config.opt builds it) gives `env`, `parse` and `help` (the
+    meaning), and `shown` when the reference shows the default otherwise than the field's default
+    does (booleans show as true/false)."""
+    rows = []
+    for f in fields(config):
+        meta = f.metadata
+        if "env" not in meta:
+            continue
+        if "shown" in meta:
+            shown = meta["shown"]
+        elif f.default is MISSING:
+            raise ValueError(f"{f.name}: a setting without a plain default needs metadata `shown`")
+        else:
+            shown = str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
+        rows.append(Setting(f.name, meta["env"], meta["parse"], shown, meta["help"]))
+    return tuple(rows)
 
 
 def parse_env(settings: Sequence[Setting], env: Mapping[str, str]) -> dict[str, Any]:
