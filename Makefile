@@ -64,24 +64,24 @@ test-vllm: vllm-install
 	$(VLLM_ENV) $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
 
 bench: install
-	$(PY) benchmarks/bench_engine.py
+	$(PY) -m benchmarks.bench_engine
 
 bench-vllm: vllm-install
-	$(VLLM_ENV) $(VLLM_PY) benchmarks/bench_vllm.py
+	$(VLLM_ENV) $(VLLM_PY) -m benchmarks.bench_vllm
 
 # kvtier's engine and vLLM side by side (decode, prefill, warm TTFT), each in its own process.
 bench-vs-vllm: vllm-install
-	$(VLLM_ENV) $(VLLM_PY) benchmarks/bench_vs_vllm.py
+	$(VLLM_ENV) $(VLLM_PY) -m benchmarks.bench_vs_vllm
 
 # lm-eval-harness (local-completions) against kvtier serve: accuracy and time cold, warm from the engine,
 # the cpu tier and Redis, and lm-eval's own command line once (benchmarks/results/lm_eval.{json,md}).
 eval: install
-	$(PY) benchmarks/eval_lm_eval.py
+	$(PY) -m benchmarks.eval_lm_eval
 
 # kvtier serve and vllm serve + kvtier's connector, one after the other, measured by `vllm bench serve`
 # (random and prefix_repetition datasets): benchmarks/results/serving_vs_vllm.{json,md}.
 bench-serving-vs-vllm: install vllm-install
-	$(PY) benchmarks/bench_serving_vs_vllm.py
+	$(PY) -m benchmarks.bench_serving_vs_vllm
 
 # Hours of load with faults against kvtier serve (cpu, disk, Redis and cache-server tiers): answers vs a server
 # without a connector, leaks at idle points, RSS, TTFT in and out of fault windows, /health
@@ -90,7 +90,7 @@ bench-serving-vs-vllm: install vllm-install
 SOAK_MINUTES ?= 30
 SOAK_ENGINE ?= kvtier
 soak: install
-	$(PY) benchmarks/soak.py --minutes $(SOAK_MINUTES) --engine $(SOAK_ENGINE)
+	$(PY) -m benchmarks.soak --minutes $(SOAK_MINUTES) --engine $(SOAK_ENGINE)
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-vllm-* build *.egg-info

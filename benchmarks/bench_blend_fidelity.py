@@ -18,7 +18,7 @@ whose K/V deviate most from full prefill itself (summed over every layer), which
 can know, instead of by the check layer's deviation, then recompute as usual: whether a better
 selection by deviation would help.
 
-    .venv/bin/python benchmarks/bench_blend_fidelity.py [--num-questions 10] [--quick] [--family qwen3]
+    .venv/bin/python -m benchmarks.bench_blend_fidelity [--num-questions 10] [--quick] [--family qwen3]
 
 Writes benchmarks/results/blend_fidelity.json and .md and prints the table. `--family NAME`
 runs a random-weight checkpoint of that family instead (tests/fixtures/families.py's shapes,
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -40,22 +39,19 @@ from pathlib import Path
 
 import torch
 
+from connector.blend.executor import blend_recompute, compute_segment_kv, layer_inv_freqs, rerotate_kv
+from connector.kvtier_connector import build_connector
+from engine import LLM, SamplingParams
+from engine.attention_metadata import AttentionMetadata
+from engine.default_model import ensure_default_model
+from engine.kv_cache import layout_for
+from engine.model_loader import load_tokenizer
+from examples.blend_kv.eval_blend import token_f1
+from examples.blend_kv.qa_dataset import chat_segments, make_documents, make_questions
+from tests.fixtures.families import FAMILIES
+from tests.fixtures.model import FAMILY_TINY, make_tiny_checkpoint
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "examples" / "blend_kv"))
-
-from eval_blend import token_f1  # noqa: E402
-from qa_dataset import chat_segments, make_documents, make_questions  # noqa: E402
-
-from connector.blend.executor import blend_recompute, compute_segment_kv, layer_inv_freqs, rerotate_kv  # noqa: E402
-from connector.kvtier_connector import build_connector  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.attention_metadata import AttentionMetadata  # noqa: E402
-from engine.default_model import ensure_default_model  # noqa: E402
-from engine.kv_cache import layout_for  # noqa: E402
-from engine.model_loader import load_tokenizer  # noqa: E402
-from tests.fixtures.families import FAMILIES  # noqa: E402
-from tests.fixtures.model import FAMILY_TINY, make_tiny_checkpoint  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 BLOCK = 16

@@ -8,7 +8,7 @@ Figures are ratios within this run (shared machines are noisy):
   prompt length, eos ignored)                                 (target >= 2x at batch 16+)
 - TTFT of a repeated 2k-token prompt with prefix caching: warm / cold   (target <= 1/10)
 
-    .venv/bin/python benchmarks/bench_engine.py [--quick] [--model DIR] [--device auto]
+    .venv/bin/python -m benchmarks.bench_engine [--quick] [--model DIR] [--device auto]
 
 Writes benchmarks/results/engine.json and engine.md and prints the table. `--quick` uses
 small sizes just to check the script works (its figures mean little) and writes
@@ -27,11 +27,10 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from engine import LLM, SamplingParams
+from engine.model_loader import resolve_model_path
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.model_loader import resolve_model_path  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RESULTS = REPO / "benchmarks" / "results"
 

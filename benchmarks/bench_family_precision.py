@@ -7,7 +7,7 @@ Per family, engine and dtype: the largest logit difference from the fp32 referen
 300-token prompt, how often the top-1 token agrees there, and how many of 32 greedy tokens
 equal the fp32 reference's before the first difference.
 
-    .venv/bin/python benchmarks/bench_family_precision.py
+    .venv/bin/python -m benchmarks.bench_family_precision
 
 Writes benchmarks/results/family_precision.json and family_precision.md (CPU; no timing).
 """
@@ -15,21 +15,19 @@ Writes benchmarks/results/family_precision.json and family_precision.md (CPU; no
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from engine.default_model import ensure_default_model
+from engine.model_loader import load_model
+from tests.fixtures.families import FAMILIES, prompt_ids
+from tests.fixtures.model import FAMILY_TINY, make_tiny_checkpoint
+from tests.fixtures.paged import PagedDriver, hf_greedy, hf_logits
 
-from engine.default_model import ensure_default_model  # noqa: E402
-from engine.model_loader import load_model  # noqa: E402
-from tests.fixtures.families import FAMILIES, prompt_ids  # noqa: E402
-from tests.fixtures.model import FAMILY_TINY, make_tiny_checkpoint  # noqa: E402
-from tests.fixtures.paged import PagedDriver, hf_greedy, hf_logits  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RESULTS = REPO / "benchmarks" / "results"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}

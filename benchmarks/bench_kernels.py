@@ -15,7 +15,7 @@
   default model's 30 layers into and out of shuffled blocks: PyTorch's indexing through views
   against the compiled copy (connector/vllm_layouts.py).
 
-    .venv/bin/python benchmarks/bench_kernels.py [--quick]
+    .venv/bin/python -m benchmarks.bench_kernels [--quick]
 
 Writes benchmarks/results/kernels.json and kernels.md (`--quick`: kernels_quick.*).
 """
@@ -34,16 +34,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks.bench_engine import median_time
+from engine import cpu_ops
+from engine.attention_metadata import AttentionMetadata
+from engine.kv_cache import slot_mapping
+from engine.linear_backend import PackedLinear, PanelLinear
+from engine.paged_attention import build_plan, paged_attention
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench_engine import median_time  # noqa: E402 (this script's directory is on sys.path)
-
-from engine import cpu_ops  # noqa: E402
-from engine.attention_metadata import AttentionMetadata  # noqa: E402
-from engine.kv_cache import slot_mapping  # noqa: E402
-from engine.linear_backend import PackedLinear, PanelLinear  # noqa: E402
-from engine.paged_attention import build_plan, paged_attention  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 # SmolLM2-135M: hidden 576, 9 query / 3 kv heads of 64, MLP 1536, 30 layers.

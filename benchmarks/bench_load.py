@@ -23,7 +23,7 @@ warm TTFT of a 2k-token prompt from the cpu tier against a one-token forward (th
 prefix-cache hit of the same prompt) plus the memcpy floor of its K/V (target <= 2x).
 `--profile` prints where one 4k load's time goes per tier (cProfile, by own time).
 
-    .venv/bin/python benchmarks/bench_load.py [--quick] [--tiers cpu,disk,redis,kvtier]
+    .venv/bin/python -m benchmarks.bench_load [--quick] [--tiers cpu,disk,redis,kvtier]
         [--tokens 1024,4096,16384] [--ttft] [--profile]
 
 Writes benchmarks/results/load.{json,md} (not with --quick, whose figures mean little).
@@ -40,7 +40,6 @@ import platform
 import pstats
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -52,24 +51,22 @@ import blake3
 import cramjam
 import torch
 
+from benchmarks.bench_store import timed, timed_together
+from connector.config import make_config
+from connector.keyspace import Keyspace, Span
+from connector.loader import Loader
+from connector.metadata import LoadSpec
+from connector.metrics import ConnectorMetrics
+from connector.store_queue import StoreQueue
+from connector.vllm_layouts import vllm_layout_for
+from engine.kv_cache import EngineLayout, PagedKVLayout, zeroed_pool
+from engine.model_config import ModelConfig
+from kvstore import serde
+from kvstore.backends.disk_names import key_path
+from kvstore.read_buffers import PAGE, page_aligned
+from kvstore.storage_manager import StorageManager
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench_store import timed, timed_together  # noqa: E402 (this script's directory is on sys.path)
-
-from connector.config import make_config  # noqa: E402
-from connector.keyspace import Keyspace, Span  # noqa: E402
-from connector.loader import Loader  # noqa: E402
-from connector.metadata import LoadSpec  # noqa: E402
-from connector.metrics import ConnectorMetrics  # noqa: E402
-from connector.store_queue import StoreQueue  # noqa: E402
-from connector.vllm_layouts import vllm_layout_for  # noqa: E402
-from engine.kv_cache import EngineLayout, PagedKVLayout, zeroed_pool  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
-from kvstore import serde  # noqa: E402
-from kvstore.backends.disk_names import key_path  # noqa: E402
-from kvstore.read_buffers import PAGE, page_aligned  # noqa: E402
-from kvstore.storage_manager import StorageManager  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 CHUNK = 256

@@ -9,7 +9,7 @@ default pool; arm "unaligned": the default pool with every view 16 bytes past a 
 (where a bytearray's data starts, as before views were aligned). Interleaved; the figures are
 time ratios within this run.
 
-    .venv/bin/python benchmarks/bench_read_buffers.py [--reps N]
+    .venv/bin/python -m benchmarks.bench_read_buffers [--reps N]
 
 Writes benchmarks/results/read_buffers.json and read_buffers.md.
 """
@@ -28,12 +28,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from kvstore.config import TierSpec
+from kvstore.read_buffers import ReadBufferPool
+from kvstore.registry import create_backend
 
-from kvstore.config import TierSpec  # noqa: E402
-from kvstore.read_buffers import ReadBufferPool  # noqa: E402
-from kvstore.registry import create_backend  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 CHUNK_SHAPE = (30, 2, 256, 3, 64)  # SmolLM2-135M: 30 layers, 3 KV heads, head size 64
 CHUNKS = 16

@@ -17,7 +17,7 @@ cache server) vs a producer and a consumer (`--prefill/--decode` router, same ca
 Target: p99 inter-token latency lower disaggregated (no prefill step ever runs on the
 instance that decodes).
 
-    .venv/bin/python benchmarks/bench_router.py [--quick] [--users 8] [--rounds 3]
+    .venv/bin/python -m benchmarks.bench_router [--quick] [--users 8] [--rounds 3]
         [--concurrency 4] [--context-tokens 1500] [--pd-requests 12] [--pd-interval 4]
 
 Writes benchmarks/results/router.json and router.md and prints the tables.
@@ -37,13 +37,12 @@ from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks.bench_serving import chat_stream, context_text, pct, qa_arguments, ratio_rows, run_arm
+from engine.default_model import ensure_default_model
+from tests.fixtures.cache_server import CacheServerProcess
+from tests.fixtures.serve import RouterProcess, ServeProcess
 
-from benchmarks.bench_serving import chat_stream, context_text, pct, qa_arguments, ratio_rows, run_arm  # noqa: E402
-from engine.default_model import ensure_default_model  # noqa: E402
-from tests.fixtures.cache_server import CacheServerProcess  # noqa: E402
-from tests.fixtures.serve import RouterProcess, ServeProcess  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RESULTS = REPO / "benchmarks" / "results"
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

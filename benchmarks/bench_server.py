@@ -8,7 +8,7 @@ hooks on pre-encoded values, which isolates transport and server), and p50/p99 l
 PREFIX_HITS. Every figure is also given as a ratio (cache server / Redis, > 1 = the cache
 server is better), the only kind of number comparable across machines.
 
-    .venv/bin/python benchmarks/bench_server.py [--quick]
+    .venv/bin/python -m benchmarks.bench_server [--quick]
 
 Writes benchmarks/results/server.json and server.md (server_quick.* with --quick) and prints
 the table.
@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -29,16 +28,15 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from connector.keyspace import Keyspace
+from kvstore import serde
+from kvstore.backend import BytesBackend
+from kvstore.config import TierSpec
+from kvstore.registry import create_backend
+from tests.fixtures.cache_server import CacheServerProcess
+from tests.fixtures.redis_server import start_redis
 
-from connector.keyspace import Keyspace  # noqa: E402
-from kvstore import serde  # noqa: E402
-from kvstore.backend import BytesBackend  # noqa: E402
-from kvstore.config import TierSpec  # noqa: E402
-from kvstore.registry import create_backend  # noqa: E402
-from tests.fixtures.cache_server import CacheServerProcess  # noqa: E402
-from tests.fixtures.redis_server import start_redis  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RESULTS = REPO / "benchmarks" / "results"
 CHUNK = 256

@@ -14,7 +14,7 @@ any arm; all rounds reported too); (b) p99 ITL <= 1.2x (a)'s; (b) throughput >= 
 Server overhead: TTFT of a 1-token prompt over HTTP minus `LLM.generate` in-process
 (median of N; target < 10 ms).
 
-    .venv/bin/python benchmarks/bench_serving.py [--quick] [--users 8] [--rounds 3]
+    .venv/bin/python -m benchmarks.bench_serving [--quick] [--users 8] [--rounds 3]
         [--concurrency 4] [--context-tokens 2000] [--no-redis]
 
 Writes benchmarks/results/serving.json and serving.md and prints the table.
@@ -34,12 +34,11 @@ from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from engine.default_model import ensure_default_model
+from tests.engine.text import PARAGRAPHS
+from tests.fixtures.serve import ServeProcess
 
-from engine.default_model import ensure_default_model  # noqa: E402
-from tests.engine.text import PARAGRAPHS  # noqa: E402
-from tests.fixtures.serve import ServeProcess  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RESULTS = REPO / "benchmarks" / "results"
 QUESTIONS = ["What is the first section about?", "Summarise the last section in one sentence.",

@@ -15,7 +15,7 @@ ratios within this run:
   and redis tiers with and without `integrity_key`, interleaved in one run, as a time ratio;
   and keyed BLAKE3 / BLAKE2b / HMAC-SHA256 GB/s on the same bytes (why BLAKE3)
 
-    .venv/bin/python benchmarks/bench_store.py [--quick] [--model DIR] [--only-integrity]
+    .venv/bin/python -m benchmarks.bench_store [--quick] [--model DIR] [--only-integrity]
 
 `--only-integrity` measures just the integrity section and merges it into the existing results.
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,14 +35,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from connector.keyspace import Keyspace
+from kvstore import serde
+from kvstore.config import TierSpec
+from kvstore.registry import create_backend
+from tests.fixtures.redis_server import start_redis
 
-from connector.keyspace import Keyspace  # noqa: E402
-from kvstore import serde  # noqa: E402
-from kvstore.config import TierSpec  # noqa: E402
-from kvstore.registry import create_backend  # noqa: E402
-from tests.fixtures.redis_server import start_redis  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RESULTS = REPO / "benchmarks" / "results"
 CHUNK = 256

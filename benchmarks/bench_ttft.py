@@ -19,7 +19,7 @@
 - layer fetch: what addressing one layer costs: a 4k prefix's chunks fetched from Redis as
   whole values (as the loader groups them) vs one value per layer and chunk, layer by layer
 
-    .venv/bin/python benchmarks/bench_ttft.py [--quick] [--model DIR] [--device auto]
+    .venv/bin/python -m benchmarks.bench_ttft [--quick] [--model DIR] [--device auto]
         [--redis-url URL | --no-redis]
         [--only long_doc,layerwise,stall,overhead,multi_round,layer_fetch]
 
@@ -41,17 +41,16 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from connector.config import make_config
+from connector.keyspace import chunk_key, layer_key
+from connector.kvtier_connector import EngineConnector, build_connector
+from connector.loader import FETCH_GROUP
+from engine import LLM, SamplingParams
+from engine.model_config import ModelConfig
+from engine.model_loader import resolve_model_path
+from kvstore.storage_manager import StorageManager
 
-from connector.config import make_config  # noqa: E402
-from connector.keyspace import chunk_key, layer_key  # noqa: E402
-from connector.kvtier_connector import EngineConnector, build_connector  # noqa: E402
-from connector.loader import FETCH_GROUP  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
-from engine.model_loader import resolve_model_path  # noqa: E402
-from kvstore.storage_manager import StorageManager  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RESULTS = REPO / "benchmarks" / "results"
 ONE = SamplingParams(temperature=0.0, max_tokens=1)

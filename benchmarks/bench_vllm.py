@@ -24,7 +24,7 @@ token comes through the connector) and the same prompts:
   arrival until its load ended: the step that then computes it with them is reported apart,
   as `joined`), over the same decodes with no load                       (target <= 1.2)
 
-    make bench-vllm     (= .venv-vllm/bin/python benchmarks/bench_vllm.py [--quick] [--reps N]
+    make bench-vllm     (= .venv-vllm/bin/python -m benchmarks.bench_vllm [--quick] [--reps N]
                          [--only ARM ...] [--lmcache-python PY])
 
 Writes benchmarks/results/vllm.json and vllm.md. TTFT here is the wall time of a greedy
@@ -201,7 +201,6 @@ def main() -> int:
         Path(spec["out"]).write_text(json.dumps(child(spec)))
         return 0
 
-    sys.path.insert(0, str(REPO))
     from engine.default_model import ensure_default_model
     from tests.fixtures.model import make_checkpoint
     from tests.fixtures.redis_server import start_redis

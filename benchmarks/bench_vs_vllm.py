@@ -28,7 +28,7 @@ caching on; kvtier as installed, its default `kernels="auto"`), fp32, greedy, th
   oneDNN); each engine's tokens/s as a percentage of the lower bound's tokens/s. (With a
   shared document the K/V a step reads mostly comes from cache, so the bytes bound is loose.)
 
-    make bench-vs-vllm   (= .venv-vllm/bin/python benchmarks/bench_vs_vllm.py [--quick] [--reps N])
+    make bench-vs-vllm   (= .venv-vllm/bin/python -m benchmarks.bench_vs_vllm [--quick] [--reps N])
 
 Writes benchmarks/results/vs_vllm.json and vs_vllm.md (`--quick`: vs_vllm_quick.*, small sizes
 that only check the script runs). Exits non-zero with a message if vLLM cannot be imported:
@@ -85,7 +85,6 @@ class _Engine:
             self.llm: Any = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=4608,
                                 enable_prefix_caching=True, seed=0, **common)
         else:
-            sys.path.insert(0, str(REPO))
             from engine import LLM, SamplingParams  # type: ignore[assignment]
 
             self.llm = LLM(spec["model"], dtype="float32", max_model_len=4608,
@@ -206,7 +205,8 @@ def run_arm(name: str, spec: dict[str, Any], log_dir: Path) -> dict[str, Any]:
     result = log.with_suffix(".json")
     t0 = time.perf_counter()
     with log.open("w") as f:
-        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps({**spec, "out": str(result)})],
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_vs_vllm", "--child",
+                               json.dumps({**spec, "out": str(result)})],
                               cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=5400)
     if proc.returncode or not result.exists():
         tail = log.read_text(errors="replace").splitlines()[-5:]
@@ -246,7 +246,6 @@ def main() -> int:
               ".venv-vllm/bin/python (`make bench-vs-vllm`). Not running kvtier's arm alone.", file=sys.stderr)
         return 2
 
-    sys.path.insert(0, str(REPO))
     from engine.default_model import ensure_default_model
 
     model = str(ensure_default_model())

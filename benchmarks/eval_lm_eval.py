@@ -11,7 +11,7 @@ with the Redis tier alone, a private redis-server). Then lm-eval's own command l
 Accuracy must not move across configurations; time may (scoring requests compute every
 position whatever the cache holds, as in vLLM; generate_until prompts are reused).
 
-    .venv/bin/python benchmarks/eval_lm_eval.py [--batch-size 8]      (make eval)
+    .venv/bin/python -m benchmarks.eval_lm_eval [--batch-size 8]      (make eval)
 
 Writes benchmarks/results/lm_eval.json and lm_eval.md and prints the table.
 """
@@ -29,14 +29,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from engine.default_model import ensure_default_model
+from tests.fixtures.lm_eval_tasks.configurations import CONFIGS, ConfigRun, run_configurations
+from tests.fixtures.lm_eval_tasks.runner import OFFLINE_ENV, TASKS, cli_command
+from tests.fixtures.redis_server import start_redis
+from tests.fixtures.serve import ServeProcess
 
-from engine.default_model import ensure_default_model  # noqa: E402
-from tests.fixtures.lm_eval_tasks.configurations import CONFIGS, ConfigRun, run_configurations  # noqa: E402
-from tests.fixtures.lm_eval_tasks.runner import OFFLINE_ENV, TASKS, cli_command  # noqa: E402
-from tests.fixtures.redis_server import start_redis  # noqa: E402
-from tests.fixtures.serve import ServeProcess  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RESULTS = REPO / "benchmarks" / "results"
 ENGINE_ARGS = ["--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "512", "--max-num-seqs", "8"]

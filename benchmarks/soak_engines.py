@@ -12,17 +12,13 @@ process, the tiers' breaker state in its storage manager, and vLLM reports block
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Protocol
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from benchmarks.bench_serving_vs_vllm import VLLM_VENV, VllmServe  # noqa: E402
-from tests.fixtures.serve import ServeProcess  # noqa: E402
+from benchmarks.bench_serving_vs_vllm import VLLM_VENV, VllmServe
+from tests.fixtures.serve import ServeProcess
 
 # kvtier serve: a small engine prefix cache (--num-gpu-blocks of 16 tokens) so the tiers are used
 KVTIER_ARGS = ["--device", "cpu", "--dtype", "float32", "--max-num-seqs", "8"]
