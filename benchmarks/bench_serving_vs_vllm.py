@@ -20,7 +20,7 @@ arrival in the engine, mean inter-token latency (one engine step per token while
 decodes), prefix-cache hit tokens. Client TTFT minus server TTFT is the time outside the
 engine: HTTP, JSON, tokenization, streaming.
 
-    make bench-serving-vs-vllm   (= .venv/bin/python benchmarks/bench_serving_vs_vllm.py [--quick])
+    make bench-serving-vs-vllm   (= .venv/bin/python -m benchmarks.bench_serving_vs_vllm [--quick])
 
 Writes benchmarks/results/serving_vs_vllm.json and .md (`--quick`: serving_vs_vllm_quick.*,
 small sizes that only check the script runs).
@@ -44,12 +44,12 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from engine.default_model import ensure_default_model
+from tests.fixtures.process import Child, http_ok
+from tests.fixtures.redis_server import free_port
+from tests.fixtures.serve import ServeProcess
 
-from engine.default_model import ensure_default_model  # noqa: E402
-from tests.fixtures.redis_server import free_port  # noqa: E402
-from tests.fixtures.serve import ServeProcess  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RESULTS = REPO / "benchmarks" / "results"
 VLLM_VENV = REPO / ".venv-vllm"
@@ -100,31 +100,14 @@ class VllmServe:
         iomp = VLLM_VENV / "lib" / "libiomp5.so"
         if iomp.exists():  # vLLM's CPU docs' setup, as bench_vs_vllm gives it
             env.setdefault("LD_PRELOAD", str(iomp))
-        self._log = log.open("w")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}); see {log}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise TimeoutError(f"vllm serve not ready in 600 s; see {log}")
+        self.child = Child(cmd, name="vllm serve", log=log, env=env, own_group=True)
+        self.proc = self.child.proc
+        self.child.wait_ready(lambda: http_ok(self.url + "/health"), 600, 1.0)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        code = self.proc.wait(30)
-        self._log.close()
+        """Stops its process group with SIGINT (SIGKILL past 90 s); returns the exit code."""
+        code = self.child.stop(signal.SIGINT, 90)
+        self.child.close()
         return code
 
 

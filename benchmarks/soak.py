@@ -16,7 +16,7 @@ once. Afterwards every answer is checked against a server with no connector (gre
 differing token the reference ranks within 0.01 nats of its best is reported as a near tie,
 float noise between batch shapes, not as a wrong answer).
 
-    .venv/bin/python benchmarks/soak.py [--minutes 30] [--name soak] [--engine kvtier|vllm]
+    .venv/bin/python -m benchmarks.soak [--minutes 30] [--name soak] [--engine kvtier|vllm]
 
 `--engine vllm`: the same soak against `vllm serve` (vLLM's CPU build in .venv-vllm) with
 kvtier's connector over the same tiers (chunks of 256 tokens) and vLLM's own prefix cache
@@ -44,14 +44,14 @@ from typing import Any
 import httpx
 import openai
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks import soak_parts as P
+from benchmarks.soak_engines import VLLM_CHUNK_SIZE, Server, figures, start_server, unavailable
+from benchmarks.soak_report import write_report
+from engine.default_model import ensure_default_model
+from tests.fixtures.cache_server import CacheServerProcess
+from tests.fixtures.redis_server import free_port, start_redis
 
-from benchmarks import soak_parts as P  # noqa: E402
-from benchmarks.soak_engines import VLLM_CHUNK_SIZE, Server, figures, start_server, unavailable  # noqa: E402
-from benchmarks.soak_report import write_report  # noqa: E402
-from engine.default_model import ensure_default_model  # noqa: E402
-from tests.fixtures.redis_server import free_port, start_redis  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RESULTS = REPO / "benchmarks" / "results"
 CHUNK_SIZE = 128
@@ -99,7 +99,8 @@ class Soak:
         self.cfg, self.work = cfg, work
         self.model = str(ensure_default_model())
         self.redis = start_redis(["--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru"])
-        self.cache = P.CacheServer(free_port(), work / "cache-server.log", "--max-bytes", cfg.cache_server_bytes)
+        # on a port of its own: a restart after a kill comes back where the tier looks for it
+        self.cache = CacheServerProcess("--max-bytes", cfg.cache_server_bytes, port=free_port())
         self.disk = work / "disk"
         tiers = ["cpu?budget=32MiB", f"disk://{self.disk}?budget={cfg.disk_budget}", self.redis.url, self.cache.url]
         cfg.tiers_desc = ["cpu 32MiB", f"disk {cfg.disk_budget >> 20}MiB", "redis (maxmemory 512mb)",

@@ -1,6 +1,6 @@
 """The soak's parts (benchmarks/soak.py): the workload mix, one streamed request through the
-openai client, the cache-server process, the faults, and what is read from a server
-(/metrics, RSS)."""
+openai client, the faults, and what is read from a server (/metrics, RSS); the cache server
+is tests/fixtures/cache_server.py's."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from tests.fixtures.cache_server import CacheServerProcess
+from tests.fixtures.text import PARAGRAPHS
 
-from tests.fixtures.text import PARAGRAPHS  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTIONS = ["What is the first paragraph about?", "Summarise the text in one sentence.",
@@ -159,51 +159,7 @@ def divergence(answer: str, ref: dict[str, Any], tie_nats: float) -> str:
     return "wrong"
 
 
-# ---- the processes ----------------------------------------------------------------------
-class CacheServer:
-    """A `kvtier cache-server` process on a fixed port, its log in a file (a pipe nobody reads
-    would fill and stop it during a long run)."""
-
-    def __init__(self, port: int, log: Path, *args: str) -> None:
-        self.port, self.log, self.args = port, log, list(args)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"kvtier://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        env = dict(os.environ, PYTHONPATH=str(REPO))
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.cmd_cache_server", "--port", str(self.port),
-                                          *self.args], cwd=REPO, env=env, stdout=log, stderr=log)
-        deadline = time.monotonic() + 60
-        while not _listening(self.port):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"cache server did not start: {self.log.read_text()[-2000:]}")
-            time.sleep(0.05)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def signal(self, sig: int) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, sig)
-
-
-def _listening(port: int) -> bool:
-    import socket
-
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-        return True
-    except OSError:
-        return False
-
-
+# ---- what is read from a server --------------------------------------------------------
 def rss_bytes(pid: int) -> int:
     """Returns VmRSS of process `pid` in bytes (0 if it is gone)."""
     try:
@@ -259,8 +215,7 @@ def corrupt_in_place(redis_client: Any, disk_root: Path, rng: random.Random) -> 
 
 
 _FILL = """
-import sys, torch
-sys.path.insert(0, {repo!r})
+import torch
 from kvstore.backends.disk import DiskBackend
 tier = DiskBackend({root!r}, byte_budget={budget})
 kv = torch.randn(30, 2, 128, 3, 64)
@@ -274,19 +229,20 @@ print(tier.stats().bytes_used, flush=True)
 def fill_disk(root: Path, budget: int) -> str:
     """Fills the disk tier's directory to its budget from another process (chunks of the same
     size as the server's); returns the bytes the directory then held."""
-    out = subprocess.run([sys.executable, "-c", _FILL.format(repo=str(REPO), root=str(root), budget=budget)],
+    out = subprocess.run([sys.executable, "-c", _FILL.format(root=str(root), budget=budget)], cwd=REPO,
                          capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         return f"filler failed: {out.stderr[-500:]}"
     return f"directory filled by another process: {int(out.stdout.strip()) / 2**20:.0f} MiB"
 
 
-def freeze(server: CacheServer, seconds: float) -> str:
-    server.signal(signal.SIGSTOP)
+def freeze(server: CacheServerProcess, seconds: float) -> str:
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGSTOP)
     try:
         time.sleep(seconds)
     finally:
-        server.signal(signal.SIGCONT)
+        os.kill(server.proc.pid, signal.SIGCONT)
     return f"cache server SIGSTOPped for {seconds:g} s"
 
 

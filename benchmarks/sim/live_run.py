@@ -6,54 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import select
-import signal
 import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.sim.trace import Request
+from tests.fixtures.cache_server import CacheServerProcess
+from tests.fixtures.serve import RouterProcess, ServeProcess
 
-REPO = Path(__file__).resolve().parents[2]
 VOCAB = (1000, 40000)  # plain token ids of the default model: no special tokens
-
-
-class Proc:
-    """A `python -m kvtier ...` child that prints one ready line ending in its URL."""
-
-    def __init__(self, *args: str, ready: str, env: dict[str, str] | None = None, timeout_s: float = 180) -> None:
-        self._log = tempfile.NamedTemporaryFile("w+", prefix="kvtier-sim-", suffix=".log")
-        environ = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier", *args], cwd=REPO, env=environ,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True)
-        assert self.proc.stdout is not None
-        ok, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        line = self.proc.stdout.readline() if ok else ""
-        if ready not in line:
-            self.stop()
-            self._log.seek(0)
-            raise RuntimeError(f"kvtier {args[0]} did not start: {line!r}\n{self._log.read()[-2000:]}")
-        self.url = line.strip().rsplit(" ", 1)[1]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
 
 
 @dataclass(frozen=True)
@@ -134,32 +100,34 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+Started = TypeVar("Started", CacheServerProcess, ServeProcess, RouterProcess)
+
+
 class LiveFleet:
     """A cache server, two serve processes and a router, started fresh (empty caches)."""
 
     def __init__(self, fleet: Fleet, policy: str, model: str) -> None:
-        self.procs: list[Proc] = []
+        self.procs: list[CacheServerProcess | ServeProcess | RouterProcess] = []
         try:
-            cache = self._start("cache-server", "--port", "0", "--max-bytes", str(fleet.cache_bytes),
-                                ready="listening on")
-            tier = "kvtier://" + cache.url.split("://")[-1]
+            cache = self._started(CacheServerProcess("--max-bytes", str(fleet.cache_bytes)))
             env = {"OMP_NUM_THREADS": str(fleet.threads), "MKL_NUM_THREADS": str(fleet.threads)}
-            self.backends = [self._start("serve", "--port", "0", "--log-level", "warning", "--model", model,
-                                         "--device", "cpu", "--num-gpu-blocks", str(fleet.pool_blocks),
-                                         "--max-num-seqs", str(fleet.max_num_seqs), "--kv-tier", tier,
-                                         ready="listening on", env=env).url for _ in range(2)]
+            self.backends = [self._started(ServeProcess("--model", model, "--device", "cpu", "--num-gpu-blocks",
+                                                        str(fleet.pool_blocks), "--max-num-seqs",
+                                                        str(fleet.max_num_seqs), "--kv-tier", cache.url,
+                                                        env=env)).url for _ in range(2)]
             args = [x for b in self.backends for x in ("--backend", b)]
-            self.router = self._start("router", *args, "--policy", policy, "--port", "0", "--log-level", "warning",
-                                      ready="listening on").url
+            self.router = self._started(RouterProcess(*args, "--policy", policy)).url
         except BaseException:
             self.stop()
             raise
 
-    def _start(self, *args: str, ready: str, env: dict[str, str] | None = None) -> Proc:
-        p = Proc(*args, ready=ready, env=env)
-        self.procs.append(p)
-        return p
+    def _started(self, proc: Started) -> Started:
+        self.procs.append(proc)
+        return proc
 
     def stop(self) -> None:
         for p in reversed(self.procs):
-            p.stop()
+            try:
+                p.stop()
+            except subprocess.TimeoutExpired:
+                pass  # killed past its bound: nothing is left running
