@@ -102,6 +102,7 @@ def throughput(tier: BytesBackend, server_pid: int, chunks: list[torch.Tensor], 
         values = [(k, tier.encode(k, c)) for k, c in zip(wire_keys, chunks)]
         timed("put_wire", partial(tier._batched_put_bytes, values))
         raw = timed("get_wire", partial(tier._batched_get_bytes, wire_keys))
+        raw = [v.value if isinstance(v, serde.CheckedValue) else v for v in raw]  # checked as they arrived
         if [bytes(v) for v in raw] != [bytes(serde.encode(k, c, tier.codec)) for k, c in zip(wire_keys, chunks)]:
             raise RuntimeError(f"{tier.name}: a value did not round-trip")
         for key in keys + wire_keys:
