@@ -22,8 +22,8 @@ float noise between batch shapes, not as a wrong answer).
 kvtier's connector over the same tiers (chunks of 256 tokens) and vLLM's own prefix cache
 off, so every reuse comes from the tiers; the reference is `vllm serve` without a connector
 (benchmarks/soak_engines.py says which figures vLLM's /metrics has no counterpart for).
-tests/kvtier/test_soak_short.py runs this same `Soak` with fewer clients, closed-loop load and
-one of each fault.
+tests/kvtier/test_soak_short.py runs this same `Soak` with fewer clients, closed-loop load, one
+of each fault and a fixed number of requests (`SoakConfig.requests`) instead of a length.
 
 Writes benchmarks/results/<name>.json, <name>.md and <name>.png (the figures over time).
 """
@@ -82,6 +82,11 @@ class SoakConfig:
     max_tokens: int = P.MAX_TOKENS  # greedy tokens per answer
     # (fraction of the soak, fault or "idle"); None: FULL_PLAN from 10 minutes on, else SHORT_PLAN
     plan: list[tuple[float, str]] | None = None
+    # None: the load runs `minutes`. A count: it runs until that many requests were answered, the
+    # plan ran and `clients` more were answered after its end; a plan's fractions are then of this
+    # count (each fault starts once so many requests were answered and the one before it ended),
+    # and `minutes` only bounds the run (one that reaches it records a `deadline_passed` event).
+    requests: int | None = None
     seed: int = 0
     tiers_desc: list[str] = field(default_factory=list)
 
@@ -120,6 +125,8 @@ class Soak:
         self.paused = asyncio.Event()
         self.paused.set()  # set: clients may send
         self.in_flight = 0
+        self.answered = 0  # recorded requests that ended (answered or failed)
+        self.load_done = asyncio.Event()  # set: the count-based load is over
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -129,13 +136,25 @@ class Soak:
         print(f"[{self.now():7.1f}s] {kind}: {detail}", flush=True)
 
     # ---- load --------------------------------------------------------------------------
+    def running(self, until: float) -> bool:
+        """True until `until` (seconds on this run's clock) or the end of a count-based load."""
+        return self.now() < until and not self.load_done.is_set()
+
+    async def pause(self, seconds: float) -> None:
+        """Sleeps `seconds`, or less if a count-based load ends meanwhile."""
+        try:
+            await asyncio.wait_for(self.load_done.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
     async def client_loop(self, c: P.Client, api: openai.AsyncOpenAI, rate: float | None, until: float,
                           record: bool) -> int:
-        """Sends requests until `until` (seconds on this run's clock): back to back (rate None)
-        or at Poisson arrivals of `rate` per second; returns how many finished."""
+        """Sends requests until `until` (seconds on this run's clock) or the end of a count-based
+        load: back to back (rate None) or at Poisson arrivals of `rate` per second; returns how
+        many finished."""
         done = 0
         next_at = self.now()
-        while self.now() < until:
+        while self.running(until):
             if rate is not None:
                 next_at += c.rng.expovariate(rate)
                 await asyncio.sleep(max(0.0, next_at - self.now()))
@@ -163,6 +182,8 @@ class Soak:
                                           "error": f"{type(exc).__name__}: {exc}"[:300]})
             finally:
                 self.in_flight -= 1
+                if record:
+                    self.answered += 1
         return done
 
     async def measure_capacity(self, seconds: float) -> float:
@@ -192,14 +213,14 @@ class Soak:
         self.samples.append(row)
 
     async def sample_loop(self, until: float) -> None:
-        while self.now() < until:
+        while self.running(until):
             await self.sample()
-            await asyncio.sleep(SAMPLE_S)
+            await self.pause(SAMPLE_S)
 
     async def health_loop(self, until: float) -> None:
         assert self.server is not None
         async with httpx.AsyncClient(base_url=self.server.url, timeout=10) as client:
-            while self.now() < until:
+            while self.running(until):
                 t = self.now()
                 t1 = time.perf_counter()
                 try:
@@ -210,7 +231,7 @@ class Soak:
                 self.health.append((round(t, 2), latency, status))
                 if status != 200 or latency > 1.0:
                     self.event("health_slow_or_failed", f"status {status} after {latency:.2f}s")
-                await asyncio.sleep(1.0)
+                await self.pause(1.0)
 
     # ---- faults and idle points --------------------------------------------------------
     async def fault(self, kind: str) -> None:
@@ -266,6 +287,27 @@ class Soak:
             await asyncio.sleep(max(0.0, start + at * length - self.now()))
             await (self.idle_point() if kind == "idle" else self.fault(kind))
 
+    async def schedule_by_count(self, plan: list[tuple[float, str]], requests: int, until: float) -> None:
+        """Runs `plan` with its fractions of `requests` answered requests, then ends the load
+        once `requests` were answered and `clients` more since the plan's end; by `until`, the
+        run's bound, whatever is left is left (recorded as a `deadline_passed` event)."""
+
+        async def answered(n: float) -> bool:
+            while self.answered < n and self.now() < until:
+                await asyncio.sleep(0.05)
+            return self.answered >= n
+
+        for at, kind in plan:
+            if not await answered(at * requests):
+                break
+            await (self.idle_point() if kind == "idle" else self.fault(kind))
+        else:
+            if await answered(max(requests, self.answered + self.cfg.clients)):
+                self.load_done.set()
+                return
+        self.event("deadline_passed", f"{self.answered} of {requests} requests answered, the plan not done "
+                                      f"or not followed by {self.cfg.clients} more, at the bound")
+
     # ---- the run -----------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
         self.t0 = time.monotonic()
@@ -281,10 +323,13 @@ class Soak:
         start = self.now()
         until = start + length
         clients = [P.Client(i, random.Random(cfg.seed + i), cfg.documents) for i in range(cfg.clients)]
+        schedule = (self.schedule(cfg.fault_plan(), start, length) if cfg.requests is None
+                    else self.schedule_by_count(cfg.fault_plan(), cfg.requests, until))
         async with self.api() as api:
-            await asyncio.gather(self.sample_loop(until), self.health_loop(until),
-                                 self.schedule(cfg.fault_plan(), start, length),
+            await asyncio.gather(self.sample_loop(until), self.health_loop(until), schedule,
                                  *(self.client_loop(c, api, rate, until, True) for c in clients))
+        if cfg.requests is not None:
+            length = self.now() - start  # a count-based load's own length
         await self.idle_point()  # the end is an idle point too
         await self.sample()  # the run's totals
         return {"capacity_rps": capacity, "offered_rps": 0.8 * capacity, "soak_start_s": start, "soak_s": length,
