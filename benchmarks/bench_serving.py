@@ -35,8 +35,8 @@ from typing import Any
 import httpx
 
 from engine.default_model import ensure_default_model
-from tests.engine.text import PARAGRAPHS
 from tests.fixtures.serve import ServeProcess
+from tests.fixtures.text import PARAGRAPHS
 
 REPO = Path(__file__).resolve().parents[1]
 
