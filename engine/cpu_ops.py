@@ -5,18 +5,18 @@
   per layer per step: at long contexts that copy is most of a decode step
   (`benchmarks/bench_kernels.py`);
 - `paged_prefill_attention` answers every float32 prefill (a fresh prompt or new tokens over
-  cached context) the same way, tiled: 1.4x PyTorch's flash SDPA on a 4k prompt;
+  cached context) the same way, tiled: faster than PyTorch's flash SDPA on a 4k prompt;
 - the fused float32 ops of a decoder layer (`rms_norm`, `add_rms_norm` adding the residual in
   place, `silu_and_mul`) each replace several PyTorch ops and Python calls per layer per step;
 - `panel_linear`, float32 linear layers over weights packed in panels (engine/linear_backend.py
-  `PanelLinear`): 1.7x oneDNN's GEMV on a batch-1 decode step;
+  `PanelLinear`): faster than oneDNN's GEMV on a batch-1 decode step;
 - `copy_kv_pages` moves a chunk's K/V into or out of vLLM's CPU attention pages (K transposed
   per page), for kvtier's connector inside vLLM (connector/vllm_layouts.py `VllmCpuLayout`).
 
 Every model family uses the layer kernels through `CausalLM.enable_cpu_ops` (engine/models/base.py).
 There are no such kernels for other devices: callers keep PyTorch's ops there and wherever the kernels cannot be built.
 
-The build (torch's C++ extension JIT, g++ with OpenMP, ~30 s) happens once per source, torch
+The build (torch's C++ extension JIT, g++ with OpenMP: slow) happens once per source, torch
 installation, flags and CPU, under `$KVTIER_HOME/torch_extensions/`: `make install` runs it
 (`python -m engine.cpu_ops`), else the first model load does; processes that start together
 wait on one build (a file lock the OS releases when its holder dies, so a build killed mid-way
@@ -46,7 +46,7 @@ _SOURCES = [_CSRC / name for name in ("paged_decode_attention.cpp", "paged_prefi
                                       "panel_linear.cpp", "kv_pages.cpp")]
 
 # Built on the machine that runs it, so for its CPU; 512-bit vectors where it has them (gcc
-# prefers 256 on some that do): 2-4x faster decode attention on this project's machine.
+# prefers 256 on some that do): markedly faster decode attention (docs/results.md).
 _CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
 
 # Keys per work item of the decode kernel: a long sequence is split so every thread works.

@@ -48,13 +48,13 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     """Returns a zero-filled contiguous tensor of `shape` (the KV pool), page aligned on the
     CPU. There it is an anonymous mapping whose pages stay the kernel's zero pages until
     written, so a pool larger than a run uses costs neither the fill (torch.zeros writes every
-    page: ~0.3 s per GiB at every engine start) nor resident memory. The price is a page fault
-    on a block's first write (a warm 2k-token load into never-used blocks took 193 ms against
-    64 ms into written ones), which is why the block pool hands out written blocks first where
+    page, at every engine start) nor resident memory. The price is a page fault on a block's
+    first write (a warm load into never-used blocks takes several times as long as into
+    written ones), which is why the block pool hands out written blocks first where
     it can (engine/block_pool.py `free_blocks`, `reset_prefix_cache`). Its pages are small ones
-    (MADV_NOHUGEPAGE): a first write into a huge page zeroes 2 MiB, and a 4k-token prefill into
-    fresh blocks spent ~0.4 s in the kernel on them, against ~0.1 s over 4 KiB pages (decode
-    measured no slower)."""
+    (MADV_NOHUGEPAGE): a first write into a huge page zeroes 2 MiB, so a prefill into fresh
+    blocks spends far more kernel time on huge pages than on 4 KiB ones, and decode is no
+    slower (docs/results.md, "Measurements behind the code's choices")."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
@@ -286,7 +286,7 @@ class EngineLayout(PagedKVLayout):
         chunk = chunk.to(device=self.device, dtype=self.dtype, non_blocking=True)
         if self._stacked is not None:
             # Every layer in one op: from a background thread each op pays an OpenMP team's
-            # start, so per-layer ops cost twice the copy (benchmarks/bench_load.py).
+            # start, so per-layer ops spend much of their time starting teams (benchmarks/bench_load.py).
             if first is not None:
                 self._stacked[:, :, first:first + slots.numel()].copy_(chunk)
             else:

@@ -4,22 +4,21 @@ On CPU, `F.linear` goes to MKL's sgemm, which on this project's AMD machine runs
 code path. Two packed forms replace it (`benchmarks/bench_kernels.py`, `bench_linear`):
 - float32: `PanelLinear`, kvtier's kernel (engine/csrc/panel_linear.cpp) over the weight cut
   into panels of 16 output columns. A decode step is a few rows against every weight, so it is
-  bound by reading them: each panel is one contiguous stream, read at 26-33 GB/s where
-  oneDNN's GEMV reads its blocked layout at ~17 (1.7x at 1 row, 1.2x at 64); a prefill's GEMM
-  runs at oneDNN's rate (0.98-1.01x at 512-2048 rows).
+  bound by reading them: each panel is one contiguous stream, which reads faster than oneDNN's
+  GEMV over its blocked layout; a prefill's GEMM runs at oneDNN's rate.
 - bfloat16/float16, or float32 where the kernels cannot be built: `PackedLinear`, oneDNN
-  (shipped inside torch) with the weight reordered once into its blocked layout, 2-3x
+  (shipped inside torch) with the weight reordered once into its blocked layout, faster than
   `F.linear` at every row count. vLLM's CPU backend makes this choice.
 Results agree with `F.linear` to float rounding (a different summation order), not bit for bit.
 
 oneDNN compiles and caches one primitive per distinct input row count, and torch's ideep layer
 caches one computation per row count beside it, each with memory that grows with the rows and
-each up to 1024 entries. A server sees every prompt length, so its RSS grew by hundreds of MB
-over hours (benchmarks/soak.py). Two bounds: row counts above `EXACT_ROWS` are padded up to
+each up to 1024 entries. A server sees every prompt length, so its RSS grew steadily over
+hours (benchmarks/soak.py). Two bounds: row counts above `EXACT_ROWS` are padded up to
 one of 16 sizes per power of two (`padded_rows`, under 1/16 more rows), and `pack_linears`
-caps both caches at `GEMM_CACHE_CAPACITY` entries. Compiling a GEMM costs ~0.4 ms, against
-tens of ms for a step's 30 layers, so misses are cheap; 144 bucket sizes x 4 shapes cached
-held ~340 MiB, the capped caches ~60 MiB.
+caps both caches at `GEMM_CACHE_CAPACITY` entries. A GEMM compiles in a small fraction of a
+step's 30 layers, so misses are cheap, and the capped caches hold a fraction of what every
+bucket size cached held (docs/reliability.md, "The soak").
 
 The engine's `kernels="auto"` packs the linears with `linear_packer`: panels for float32 on
 CPU with the kernels built, else oneDNN where `onednn_supported` (CPU: fp32 always, bf16 and

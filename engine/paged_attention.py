@@ -137,16 +137,15 @@ def build_plan(meta: AttentionMetadata, device: torch.device,
         raise ValueError(f"block_tables has {meta.block_tables.shape[1]} blocks per sequence, "
                          f"too few for seq_len {max(seq_lens)} at block_size {bs}")
     kernel = cpu_ops is not None and device.type == "cpu"
-    # Float32 prefills the window does not bite go through the tiled prefill kernel: a fresh
-    # 4k prompt 1.4x faster than the flash SDPA; 16-2048 new tokens over 1-4k cached keys
-    # 1.4-1.9x faster than the decode kernel's rows, which keep fewer than 8 (3: 1.2x faster).
+    # Float32 prefills the window does not bite go through the tiled prefill kernel, faster
+    # than the flash SDPA on a fresh prompt and than the decode kernel's rows from 8 new tokens
+    # over cached context; the decode kernel's rows keep fewer (docs/results.md).
     tiled_kernel = kernel and dtype == torch.float32
     tiled: list[tuple[int, int, int, int]] = []  # (sequence, first row, new tokens, context)
     # Rows attended one query at a time over their sequence's blocks: every decode, and with
     # the compiled kernel every prefill over cached context the tiled kernel does not take
-    # (bf16, windowed, or fewer than 8 new tokens) but the padded one. Against the masked
-    # SDPA (one layer, 1-64 sequences of 16-64 new tokens over 1-4k cached keys they share):
-    # 1.1-1.6x faster; equal when each sequence has its own context.
+    # (bf16, windowed, or fewer than 8 new tokens) but the padded one: faster than the masked
+    # SDPA over shared cached keys, equal when each sequence has its own context.
     row_seqs: list[int] = []  # each row's sequence
     rows: list[int] = []  # its flat row
     lens: list[int] = []  # the keys it sees: its position + 1
@@ -219,14 +218,13 @@ def build_plan(meta: AttentionMetadata, device: torch.device,
 
 
 # New tokens over cached context from which the tiled prefill kernel beats the decode kernel's
-# rows (one layer, 2k cached keys: 3 new tokens 0.8x, 8 1.05x, 16 1.4x).
+# rows (docs/results.md, "Measurements behind the code's choices").
 _TILED_MIN_QUERY = 8
 
 
 # Padding wastes ~context_len**2 / 2 of attention work; the masked path materialises the
-# [q_len, seq_len] scores. Measured on CPU (torch 2.13, 9 heads x 64): padding wins from about
-# 1k new tokens with context <= half of them (q 3200 / ctx 256: 1.8x; q 2048 / ctx 1024:
-# 1.2x), the mask wins below that (q 512 / ctx 256: 0.83x) and when context >= new tokens.
+# [q_len, seq_len] scores. On CPU padding wins from about 1k new tokens with context <= half
+# of them, the mask below that and when context >= new tokens (docs/results.md).
 _PAD_MIN_QUERY = 1024
 
 
@@ -286,7 +284,7 @@ def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         return sdpa_gqa(q[None], k[None], v[None], scale, mask, causal)[0]
     groups = q.shape[-3] // k.shape[-3]
     if groups > 1:
-        # Measured on torch 2.13 CPU: expanding kv heads beats enable_gqa=True by ~1.5x.
+        # On CPU expanding kv heads beats enable_gqa=True (docs/results.md).
         k = k.repeat_interleave(groups, dim=-3)
         v = v.repeat_interleave(groups, dim=-3)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)

@@ -109,11 +109,11 @@ _SHUFFLED = ReadBufferPool(max_free_bytes=64 << 20)
 class LZ4Codec(Codec):
     """Byte-shuffle, then lz4. Exact. Shuffling groups the i-th byte of every element together
     (sign/exponent bytes compress well; mantissa bytes do not), which is what makes lz4 worth
-    anything on float KV: unshuffled fp16 KV compresses about 1.0x.
+    anything on float KV: unshuffled fp16 KV barely compresses.
 
     Payload: the shuffled bytes' length (u32, little-endian), then one LZ4 block (python-lz4's
     `store_size=True` layout). cramjam decompresses into a reused buffer: into fresh memory
-    from the allocator, every 4 KiB page faulted, a 12 MB chunk took 6 ms instead of 1.5."""
+    from the allocator, every 4 KiB page faults, which costs several times the decompression."""
 
     name, codec_id = "lz4", 1
     # LZ4's longest match is 255 bytes per input byte: no valid block expands further.
@@ -140,8 +140,8 @@ class LZ4Codec(Codec):
             raise CodecError(f"lz4 payload does not decompress: {exc}") from None
         if got != nbytes:
             raise CodecError(f"lz4 payload decompressed to {got} bytes, not {nbytes}")
-        # One strided copy per byte plane into a huge-page buffer: numpy's transpose copy of
-        # the whole (itemsize, n) matrix moved 1.0 GB/s here, the planes 3.5 GB/s.
+        # One strided copy per byte plane into a huge-page buffer: several times faster than
+        # numpy's transpose copy of the whole (itemsize, n) matrix.
         planes = np.frombuffer(shuffled, dtype=np.uint8).reshape(itemsize, -1)
         out = np.empty((planes.shape[1], itemsize), dtype=np.uint8)
         for i in range(itemsize):

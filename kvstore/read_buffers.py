@@ -1,16 +1,15 @@
 """Reusable receive buffers for values read into memory (the disk tier's reads).
 
-A value read into freshly allocated memory pays a page fault per 4 KiB page, which on this
-machine can cost several times the read itself (12 MB from the page cache: ~5 ms into memory
-the allocator just mapped, ~0.6 ms into memory already touched). Whether the allocator hands
+A value read into freshly allocated memory pays a page fault per 4 KiB page, which can cost
+several times the read itself into memory already touched. Whether the allocator hands
 back touched memory depends on the pattern of allocations; `ReadBufferPool.take` makes it so.
 Measured in the connector loader's pattern: benchmarks/bench_read_buffers.py. A buffer returns
 to the pool when nothing refers to it any more: the decoded tensor views it (raw codec), so
 that is when the last tensor over it is gone; no caller has to give it back.
 
 Every view starts on a page boundary: reads from the page cache into memory 16 bytes past one
-(where the allocator puts a bytearray's data) ran at half the speed here, 4.5 vs 9.1 GB/s in
-the loader's pattern (benchmarks/bench_read_buffers.py).
+(where the allocator puts a bytearray's data) are markedly slower in the loader's pattern
+(benchmarks/bench_read_buffers.py).
 """
 
 from __future__ import annotations

@@ -13,9 +13,10 @@ Decoding only reinterprets bytes as numbers; nothing is unpickled.
 Integrity (opt-in, `set_integrity_key`): a checksum catches corruption, not forgery (anyone can
 re-encode other K/V with a valid checksum). With a shared secret set, every value carries a
 keyed BLAKE3 MAC (flag bit 0) over the full key, the header and the payload, and `decode`
-refuses a value whose MAC is missing or wrong. BLAKE3 was measured against keyed BLAKE2b and
-HMAC-SHA256 on 94 MB of K/V on one core: 4.5 vs 0.9 vs 1.8 GB/s. The secret is per process
-(one deployment, one key): readers without it do not check MACs.
+refuses a value whose MAC is missing or wrong. BLAKE3 because on one core it hashes K/V faster
+than keyed BLAKE2b or HMAC-SHA256 (benchmarks/bench_store.py measures all three; the figures
+are in docs/reliability.md). The secret is per process (one deployment, one key): readers
+without it do not check MACs.
 """
 
 from __future__ import annotations

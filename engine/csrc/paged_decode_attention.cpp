@@ -109,9 +109,9 @@ inline void dots8(const float* q, const float* const* keys, int64_t offset, floa
 }
 
 // Requests into L2 the rows (row_floats each) of the keys in [from, to) whose `fetch` flag is
-// set. Measured on 2 cores, 16-64 sequences of 1-4k keys: 10-30% faster when each sequence's
-// K/V comes from memory; on rows another sequence just read (a shared prefix, in cache) the
-// requests only cost (~15%), so those are not flagged.
+// set: faster when each sequence's K/V comes from memory; on rows another sequence just read
+// (a shared prefix, in cache) the requests only cost, so those are not flagged
+// (docs/results.md).
 inline void prefetch_rows(const float* base, const int64_t* offsets, const uint8_t* fetch, int64_t from,
                           int64_t to, int64_t row_floats) {
   for (int64_t j = from; j < to; ++j) {
@@ -144,7 +144,7 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
   const int64_t block_stride = block_size * token_stride;
   const int64_t v_offset = num_blocks * block_stride;
   // Splitting sequences spreads few of them over the threads; with enough of them it only adds
-  // merging (64 sequences of 4k keys: 6.4 ms split at 512 keys, 5.1 ms whole).
+  // merging, so whole sequences are faster then (docs/results.md).
   int64_t longest = 1;
   for (int64_t b = 0; b < num_seqs; ++b) longest = std::max(longest, lens[b] - starts[b]);
   if (num_seqs >= 4 * at::get_num_threads()) partition = longest;
@@ -245,8 +245,8 @@ void decode(const float* q, const scalar_t* kv, const int64_t* tables, const int
       if constexpr (std::is_same_v<scalar_t, float> && HEAD > 0 && HEAD % kLanes == 0) {
         // Query heads of one kv head in groups whose sums fit in kValueRegs registers, over
         // tiles of 16 keys, so the tile's V rows stay in L1 while each group reads its head's
-        // part of them (one group passing over all n keys, then the next, was 10% slower when
-        // the rows came from memory).
+        // part of them (one group passing over all n keys, then the next, was slower when the
+        // rows came from memory).
         constexpr int64_t kGroup = std::min<int64_t>(4, std::max<int64_t>(1, kValueRegs / (HEAD / kLanes)));
         constexpr int64_t kTile = 16;
         std::fill(acc, acc + H * D, 0.f);

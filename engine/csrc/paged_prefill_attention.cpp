@@ -15,9 +15,8 @@
 //
 // Layout: the tile's queries are kept transposed, qt[d][row], and its scores too,
 // st[key][row]. Scores are then key rows times qt (each key element broadcast against 16 rows
-// at a time), and the softmax runs down columns with no horizontal sums. On 2 cores, 9 query /
-// 3 kv heads of 64, one 4k prompt: ~185 GFLOP/s against PyTorch's flash SDPA's ~130 on AVX-512, ~90 (0.8x) on AVX2
-// (benchmarks/bench_kernels.py).
+// at a time), and the softmax runs down columns with no horizontal sums: faster than PyTorch's
+// flash SDPA with AVX-512, slower on an AVX2-only host (benchmarks/bench_kernels.py).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -40,8 +39,8 @@ using kvtier::vecf;
 
 constexpr int64_t kTq = 32;  // query positions per work item
 constexpr int64_t kTk = 32;  // keys per tile
-// Scores of 8 keys x 3 row vectors (24 sums in registers) per step: measured 1.6x faster than
-// 4 x 4 (one layer, 4k keys), whose queries the key rows re-read from L2 twice as often. AVX2's
+// Scores of 8 keys x 3 row vectors (24 sums in registers) per step: faster than 4 x 4, whose
+// queries the key rows re-read from L2 twice as often (docs/results.md). AVX2's
 // 16 registers hold 4 x 3.
 constexpr int64_t kKeyStep = kLanes == 16 ? 8 : 4;
 constexpr int64_t kRowVecs = 3;

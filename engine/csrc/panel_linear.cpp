@@ -1,7 +1,7 @@
 // y = x @ W.T + b in float32 over W packed once into panels of 16 output columns
 // ([ceil(N/16), K, 16]: panel p holds W[16p .. 16p+15, k] at [p, k, :]; engine/linear_backend.py
 // packs them). Each panel is one contiguous stream, so a decode step (a few rows) reads the
-// weights at 26-33 GB/s where oneDNN's GEMV reads its blocked layout at ~17; the same
+// weights faster than oneDNN's GEMV reads its blocked layout; the same
 // micro-kernel, 6 rows x 64 columns of accumulators, runs prefill GEMMs at oneDNN's rate
 // (benchmarks/bench_kernels.py, `bench_linear`).
 
@@ -30,12 +30,12 @@ constexpr int kMaxPanels = kVec == 16 ? 4 : 1;
 // A long input (a prefill) is cut in blocks of rows, each kept in L2 while panels stream past
 // it from L3, in slices of the weight of up to kSliceBytes: all of a slice's row blocks, then
 // the next slice. A thread's items then write whole rows of y near each other (rows apart by
-// the full width, in panel order, cost a TLB miss per row: 0.85x at 4k rows).
+// the full width, in panel order, cost a TLB miss per row, which was slower at 4k rows).
 constexpr int64_t kRowBlock = 16 * kMaxRows;
 constexpr int64_t kSliceBytes = 8 << 20;
 // Up to this many rows every thread takes all rows over its share of the panels: a decode
 // step streams each weight once, and a 1k prefill's rows stream from L2/L3 past panels held
-// in L1 (1.0-1.1x oneDNN at 512-1024 rows, where row blocks were 0.95-1.03x).
+// in L1 (at oneDNN's rate or above there, where row blocks were at best level with it).
 constexpr int64_t kAllRows = 1024;
 
 using kvtier::loadv;
