@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from connector import lmcache_compat
 from connector.blend.config import BLEND_SETTINGS, BlendConfig
-from connector.keyspace import Keyspace
+from connector.keyspace import KeyedModel, Keyspace
 from engine.config import opt
 from engine.kv_connector import CONFIG_FILE_ENV
 from kvstore.config import KVSTORE_SETTINGS, KVStoreConfig, TierSpec, parse_size, read_yaml, unknown_key
@@ -32,8 +32,6 @@ from kvstore.env import Setting, env_bool, env_int, env_str, field_settings, mer
 
 if TYPE_CHECKING:
     import torch
-
-    from engine.model_config import ModelConfig
 
 logger = logging.getLogger("kvtier.connector")
 
@@ -128,7 +126,7 @@ class ConnectorConfig:
             raise ValueError("use_layerwise: CacheBlend (blend.enabled) loads whole chunks; turn one of them off")
         return self
 
-    def keyspace(self, model: ModelConfig, kv_dtype: torch.dtype | str, split_heads: bool = False) -> Keyspace:
+    def keyspace(self, model: KeyedModel, kv_dtype: torch.dtype | str, split_heads: bool = False) -> Keyspace:
         """Returns the keyspace this connector keys `model`'s chunks of `kv_dtype` in: whole
         chunks, per layer with `use_layerwise`, or per KV head (`split_heads`, covering all)."""
         heads = (0, model.num_kv_heads) if split_heads else None

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -50,6 +50,20 @@ SEGMENT_ROOTS = {
 """CacheBlend: the root a segment's chain starts from, per way of computing it
 (`BlendConfig.segment_kv`). A segment is keyed by its own tokens only, whatever precedes it in
 a prompt, and can never share a key with a prefix chain."""
+
+
+class KeyedModel(Protocol):
+    """What a keyspace and a chunk's shape need of a model: engine/model_config.py's
+    `ModelConfig`, or connector/vllm_setup.py's `VllmModel` (any architecture vLLM runs)."""
+
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_size(self) -> int: ...
 
 
 @dataclass(frozen=True)

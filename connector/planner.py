@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from connector.blend.config import engine_model
 from connector.blend.planner import BlendPlanner
 from connector.config import ConnectorConfig
-from connector.keyspace import Keyspace, Span
+from connector.keyspace import KeyedModel, Keyspace, Span
 from connector.metadata import KVTierMeta, LoadSpec, SaveSpec
 from connector.metrics import ConnectorMetrics, RequestKVMetrics
 from connector.presence import ChunkPresence
@@ -42,7 +43,6 @@ from engine.kv_connector import KVConnectorOutput, KVConnectorScheduler
 from engine.sequence import Sequence as EngineSequence
 
 if TYPE_CHECKING:
-    from engine.model_config import ModelConfig
     from engine.scheduler_output import SchedulerOutput
 
 
@@ -87,7 +87,7 @@ class KVTierPlanner(KVConnectorScheduler):
         self._no_save: set[str] = set()  # live requests that asked not to be stored
 
     # ---- set-up ------------------------------------------------------------------------
-    def register_model(self, model_config: ModelConfig, kv_dtype: torch.dtype, block_size: int,
+    def register_model(self, model_config: KeyedModel, kv_dtype: torch.dtype, block_size: int,
                        keyspace: Keyspace | None = None) -> None:
         """Takes the model, its K/V dtype and block size, and the keyspace chunks are keyed in
         (default: the model's, whole chunks)."""
@@ -96,7 +96,7 @@ class KVTierPlanner(KVConnectorScheduler):
         self._save_plan = SavePlan(SavePolicy(self.config.save_decode_tokens, self.config.save_unfull_chunk,
                                               self.saves), self._keyspace)
         if self.blend is not None:
-            self.blend.register_model(model_config, self._keyspace, block_size)
+            self.blend.register_model(engine_model(model_config), self._keyspace, block_size)
 
     @property
     def keyspace(self) -> Keyspace:

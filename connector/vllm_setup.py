@@ -6,7 +6,10 @@ are keyed for it, its KV cache groups, and the hit-source label of each tier
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +18,7 @@ from connector.config import ConnectorConfig
 from connector.keyspace import Keyspace
 from connector.lookup_channel import RemotePresence, lookup_socket_path
 from connector.presence import RankedPresence
-from engine.model_config import ModelConfig
+from engine.model_config import ModelConfig, weights_identity
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -25,12 +28,41 @@ HIT_SOURCES = {"cpu": "HOST", "device": "DEVICE", "disk": "DISK"}
 UNSPECIFIED = "EXTERNAL_UNSPECIFIED"
 
 
+@dataclasses.dataclass(frozen=True)
+class VllmModel:
+    """A model as vLLM runs it, as the connector keys it: its identity (its config.json and
+    weights, tagged with the engine and backend: numerics differ between engines), its
+    attention layers and the shape of its K/V per layer."""
+
+    fingerprint: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+
+
+def vllm_model(model_config: Any, backend: str) -> VllmModel:
+    """Returns the connector's view of vLLM's `model_config` (a local checkpoint dir): any
+    architecture vLLM runs, whether or not kvtier's engine runs it; ValueError for multi-head
+    latent attention (docs/vllm.md, "Limits")."""
+    if model_config.use_mla:
+        raise ValueError("KVTierConnector: multi-head latent attention (MLA) is not supported: vLLM's CPU build "
+                         "runs MLA without prefix caching (its prefill cannot attend to K/V it did not compute "
+                         "in that step, so loaded K/V gives wrong tokens), and the GPU path is unverified here; "
+                         "serve this model without --kv-transfer-config")
+    path = Path(model_config.model)
+    raw = json.loads((path / "config.json").read_text())
+    blob = json.dumps(raw, sort_keys=True, separators=(",", ":")) + "\0" + weights_identity(path)
+    fingerprint = f"{hashlib.sha256(blob.encode()).hexdigest()[:32]}+vllm-{backend}"
+    return VllmModel(fingerprint, int(model_config.get_total_num_hidden_layers()),
+                     int(model_config.get_total_num_kv_heads()), int(model_config.get_head_size()))
+
+
 @dataclasses.dataclass
 class VllmSetup:
     """kvtier's view of one vLLM configuration."""
 
     config: ConnectorConfig
-    model: ModelConfig  # its fingerprint tagged with the engine and backend
+    model: VllmModel
     kv_dtype: torch.dtype
     block_size: int
     layer_groups: dict[str, int]  # attention layer name -> KV cache group
@@ -100,32 +132,36 @@ def vllm_setup(vllm_config: Any, kv_cache_config: Any, backend: str) -> VllmSetu
         if not any(c.__name__ == "AttentionSpec" for c in spec.__mro__):
             raise ValueError(f"KVTierConnector: a KV cache group of {spec.__name__} layers (recurrent state, "
                              "not per-token K/V) is not supported; serve this model without --kv-transfer-config")
-        if any(c.__name__ == "MLAAttentionSpec" for c in spec.__mro__):
-            raise ValueError("KVTierConnector: multi-head latent attention (MLA: one latent vector per token, not "
-                             "K and V per KV head) is not supported yet; serve this model without --kv-transfer-config")
     if len(set(groups.values())) > 1 and config.use_layerwise:
         raise ValueError("KVTierConnector: use_layerwise needs one KV cache group (vLLM maps a layerwise "
                          "load's failed blocks back to requests for one group only)")
-    model = ModelConfig.from_pretrained(vllm_config.model_config.model)
-    refuse_image_input(model, getattr(vllm_config.model_config, "multimodal_config", None))
-    model = dataclasses.replace(model, fingerprint=f"{model.fingerprint}+vllm-{backend}")
+    model = vllm_model(vllm_config.model_config, backend)
+    refuse_image_input(vllm_config.model_config.model, getattr(vllm_config.model_config, "multimodal_config", None))
     ev = vllm_config.kv_events_config
     return VllmSetup(config, model, vllm_config.model_config.dtype, vllm_config.cache_config.block_size, groups,
                      loads=kvt.is_kv_consumer, saves=kvt.is_kv_producer,
                      events=ev is not None and bool(ev.enable_kv_cache_events), tp_size=par.tensor_parallel_size)
 
 
-def refuse_image_input(model: ModelConfig, multimodal_config: Any) -> None:
-    """Raises ValueError when vLLM would take images for `model`, a multimodal checkpoint the
-    connector keys as its text part: keys hash token ids, and an image's placeholder tokens
-    are the same whatever the image, so one image's K/V would be loaded for another. vLLM's
-    `--language-model-only` (or an image limit of 0) makes it text-only."""
-    if model.image_token_id is None or multimodal_config is None:
+def refuse_image_input(checkpoint: str | Path, multimodal_config: Any) -> None:
+    """Raises ValueError when vLLM would take images for `checkpoint`, a multimodal model the
+    connector keys by token ids: an image's placeholder tokens are the same whatever the
+    image, so one image's K/V would be loaded for another. vLLM's `--language-model-only` (or
+    an image limit of 0) makes it text-only. A checkpoint kvtier's engine reads as text only
+    (no image token) is never refused."""
+    if multimodal_config is None or multimodal_config.get_limit_per_prompt("image") == 0:
         return
-    if multimodal_config.get_limit_per_prompt("image") != 0:
-        raise ValueError(f"KVTierConnector: {model.checkpoint_architecture} takes images here, and stored K/V is "
-                         "keyed by token ids alone (an image's placeholder tokens do not say which image); "
-                         "serve it text-only: --language-model-only or --limit-mm-per-prompt '{\"image\": 0}'")
+    raw = json.loads((Path(checkpoint) / "config.json").read_text())
+    try:
+        known = ModelConfig.from_hf_dict(raw)
+    except ValueError:
+        known = None  # an architecture only vLLM runs: it may take images
+    if known is not None and known.image_token_id is None:
+        return
+    arch = known.checkpoint_architecture if known is not None else (raw.get("architectures") or ["this model"])[0]
+    raise ValueError(f"KVTierConnector: {arch} takes images here, and stored K/V is keyed by token ids alone (an "
+                     "image's placeholder tokens do not say which image); serve it text-only: --language-model-only "
+                     "or --limit-mm-per-prompt '{\"image\": 0}'")
 
 
 def kv_cache_groups(kv_cache_config: Any) -> dict[str, int]:

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from connector.blend.blender import Blender
+from connector.blend.config import engine_model
 from connector.config import ConnectorConfig
-from connector.keyspace import Keyspace
+from connector.keyspace import KeyedModel, Keyspace
 from connector.loader import Loader, LoadJob
 from connector.metadata import KVTierMeta, SaveSpec
 from connector.metrics import ConnectorMetrics
@@ -39,7 +40,6 @@ from kvstore.storage_manager import StorageManager
 
 if TYPE_CHECKING:
     from engine.attention_metadata import AttentionMetadata
-    from engine.model_config import ModelConfig
 
 
 logger = logging.getLogger("kvtier.connector")
@@ -63,7 +63,7 @@ class KVTierWorker(KVConnectorWorker):
         self.stores = StoreQueue(storage, config.store_queue_size, config.max_pending_store_bytes,
                                  config.kvstore.queue_full)
         self.presence = Presence(storage, self.stores.is_pending)
-        self.model_config: ModelConfig | None = None
+        self.model_config: KeyedModel | None = None
         self._model: torch.nn.Module | None = None
         self.layout: PagedKVLayout | None = None
         self.loader: Loader | None = None
@@ -80,7 +80,7 @@ class KVTierWorker(KVConnectorWorker):
         self._flush_deadline: float | None = None  # set by shutdown
 
     # ---- set-up ------------------------------------------------------------------------
-    def register_model(self, model_config: ModelConfig) -> None:
+    def register_model(self, model_config: KeyedModel) -> None:
         self.model_config = model_config
 
     def register_model_module(self, model: torch.nn.Module) -> None:
@@ -90,7 +90,7 @@ class KVTierWorker(KVConnectorWorker):
         self._model_config()
         self.register_layout(layout_for(kv_caches))
 
-    def _model_config(self) -> ModelConfig:
+    def _model_config(self) -> KeyedModel:
         if self.model_config is None:
             raise RuntimeError("register_model must be called before register_kv_caches")
         return self.model_config
@@ -120,7 +120,7 @@ class KVTierWorker(KVConnectorWorker):
         self.saver = Saver(self.stores, self.presence, layout, keyspace, self.metrics)
         if self.config.blend.enabled:
             self.blender = Blender(self.config.blend, self.storage, self.stores, layout, keyspace, self.metrics)
-            self.blender.register_model(mc, self._model)
+            self.blender.register_model(engine_model(mc), self._model)
 
     def _loader(self) -> Loader:
         if self.loader is None:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from connector.keyspace import SEGMENT_ROOTS
+from connector.keyspace import SEGMENT_ROOTS, KeyedModel
 from kvstore.config import did_you_mean
 from kvstore.env import Setting, env_bool, env_float, env_int, env_raw, env_str
+
+if TYPE_CHECKING:
+    from engine.model_config import ModelConfig
 
 DEFAULT_SEPARATOR = " # # "  # LMCache's blend_special_str
 
@@ -108,3 +111,13 @@ BLEND_SETTINGS: tuple[Setting, ...] = (
             "how an uncached segment's K/V is made: in_context or standalone"),
 )
 """CacheBlend's keys (the `blend:` section), one row each."""
+
+
+def engine_model(model: KeyedModel) -> ModelConfig:
+    """Returns `model` as kvtier's engine's `ModelConfig`, what CacheBlend recomputes with;
+    ValueError for a model only vLLM runs."""
+    from engine.model_config import ModelConfig
+
+    if not isinstance(model, ModelConfig):
+        raise ValueError("CacheBlend (blend.enabled) runs in kvtier's engine only")
+    return model

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 
 from connector.vllm_setup import hit_sources, layer_index, refuse_image_input
-from engine.model_config import ModelConfig
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "real_configs"
 
@@ -33,11 +32,20 @@ def test_layer_index_reads_vllms_layer_names() -> None:
             layer_index(name)
 
 
-def test_vllm_taking_images_is_refused_for_a_multimodal_checkpoint() -> None:
-    wrapped, text_only = (ModelConfig.from_hf_dict(json.loads((CORPUS / f"google--gemma-3-{n}-it.json").read_text()))
+def test_vllm_taking_images_is_refused_for_a_multimodal_checkpoint(tmp_path: Path) -> None:
+    def checkpoint(name: str, config: dict) -> Path:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        return tmp_path / name
+
+    wrapped, text_only = (checkpoint(n, json.loads((CORPUS / f"google--gemma-3-{n}-it.json").read_text()))
                           for n in ("4b", "1b"))
+    foreign = checkpoint("foreign", {"architectures": ["SomeVisionModel"], "model_type": "some_vision"})
     images, no_images = (SimpleNamespace(get_limit_per_prompt=lambda modality, n=n: n) for n in (999, 0))
     with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration takes images.*--language-model-only"):
         refuse_image_input(wrapped, images)
     refuse_image_input(wrapped, no_images)  # vLLM's --language-model-only, or an image limit of 0
     refuse_image_input(text_only, images)  # a text checkpoint: no image placeholder to confuse
+    refuse_image_input(wrapped, None)  # vLLM serves it as a text model
+    with pytest.raises(ValueError, match="SomeVisionModel takes images"):  # an architecture only vLLM knows
+        refuse_image_input(foreign, images)

@@ -20,17 +20,18 @@ from tests.fixtures.vllm import VllmLLM, close_together, start_together
 
 PROMPT = 1500
 CHUNK = 256
-HEADS = 2  # KV heads: one per rank at TP=2
-TINY = dict(model_type="llama", hidden_size=128, intermediate_size=256, num_attention_heads=4,
-            num_key_value_heads=HEADS, num_hidden_layers=4, max_position_embeddings=4096, vocab_size=1000,
-            head_dim=32)
+HEADS = 4  # KV heads (no grouped queries): two per rank at TP=2
+# StableLM: an architecture vLLM runs and kvtier's engine does not (the connector keys any model
+# vLLM serves from vLLM's own view of it: connector/vllm_setup.py, `vllm_model`).
+TINY = dict(model_type="stablelm", hidden_size=128, intermediate_size=256, num_attention_heads=HEADS,
+            num_key_value_heads=HEADS, num_hidden_layers=4, max_position_embeddings=4096, vocab_size=1000)
 SKIP_SAVE = {"kvtier.skip_save": True}
 
 
 @pytest.fixture(scope="module")
 def tp_llms(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path,
             redis_server_session: RedisServer) -> Iterator[dict[int, VllmLLM]]:
-    """A TP=2 and a TP=1 vLLM of one tiny model, each with its own cpu tier over one Redis."""
+    """A TP=2 and a TP=1 vLLM of one tiny StableLM, each with its own cpu tier over one Redis."""
     tmp = tmp_path_factory.mktemp("tp")
     model = make_tiny_checkpoint(tmp, tokenizer_dir=default_model_path, **TINY)
     config = {"tiers": ["cpu", redis_server_session.url], "chunk_size": CHUNK}
@@ -89,4 +90,4 @@ def test_tensor_parallel_loads_each_ranks_heads_and_crosses_tp_sizes(
     assert_same(tp2_cold, crossed["outputs"][0])
     assert crossed["metrics"]["vllm:kv_cache_usage_perc"] == 0
     text = tp2.log.read_text(errors="replace")
-    assert "KV heads (0, 1) of rank 0" in text and "KV heads (1, 2) of rank 1" in text, tp2.tail()
+    assert "KV heads (0, 2) of rank 0" in text and "KV heads (2, 4) of rank 1" in text, tp2.tail()
