@@ -100,7 +100,7 @@ class Loader:
         self.metrics = metrics
         self.num_layers = layout.num_layers
         # A full queue refuses a job; that load is reported failed (recomputed).
-        self.writer = BackgroundWriter(LOAD_QUEUE_SIZE, "drop_new", "kvtier-connector-load", nice=BACKGROUND_NICE)
+        self.jobs = BackgroundWriter(LOAD_QUEUE_SIZE, "drop_new", "kvtier-connector-load", nice=BACKGROUND_NICE)
         self._prefetch = ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="kvtier-connector-fetch",
                                             initializer=lower_thread_priority, initargs=(BACKGROUND_NICE,))
         # The fastest tier reads chunks straight into the blocks: nothing left to scatter.
@@ -129,7 +129,7 @@ class Loader:
             job.ready.record()
         with self._cond:
             self._loading[job.request_id] = job
-        if not self.writer.submit(functools.partial(self._run, job)):
+        if not self.jobs.submit(functools.partial(self._run, job)):
             self._end(job, job.start)
         return job
 
@@ -344,5 +344,5 @@ class Loader:
 
     def close(self) -> None:
         """Lets queued loads end (and unpin), then stops the threads."""
-        self.writer.close(timeout=None)
+        self.jobs.close(timeout=None)
         self._prefetch.shutdown()

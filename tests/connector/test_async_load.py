@@ -47,7 +47,7 @@ def hold_loader(conn) -> threading.Event:
     """Queues a job ahead of every later load on the connector's (FIFO, one-thread) loader;
     loads wait until the returned event is set: the gap between lookup and fetch."""
     release = threading.Event()
-    conn.worker.loader.writer.submit(lambda: release.wait(60))
+    conn.worker.loader.jobs.submit(lambda: release.wait(60))
     return release
 
 
