@@ -214,11 +214,12 @@ class Keyspace:
 
     def chunk_values(self, key: str, kv: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """Returns the stored values, with their keys, of the whole chunk `kv` `(layers, 2,
-        tokens, covered heads, head_size)` stored as `key` (not layerwise: one per head when
-        split by head, else the chunk itself)."""
+        tokens, covered heads, head_size)` stored as `key` (not layerwise): one view of `kv`
+        per head when split by head (not contiguous: the store queue copies them out on its
+        own thread), else the chunk itself."""
         if self.heads is None:
             return [(key, kv)]
-        return [(head_key(key, h), kv[:, :, :, i:i + 1].contiguous()) for i, h in enumerate(range(*self.heads))]
+        return [(head_key(key, h), kv[:, :, :, i:i + 1]) for i, h in enumerate(range(*self.heads))]
 
     def chunks_held(self, held: Sequence[bool]) -> list[bool]:
         """Returns per chunk whether all its stored values are held, given `held` per stored

@@ -11,7 +11,6 @@ the load path.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable, Sequence
 
@@ -40,12 +39,15 @@ class StoreQueue:
 
     def submit(self, items: Sequence[Item], on_done: Callable[[], None] | None = None,
                on_drop: Callable[[], None] | None = None) -> bool:
-        """Queues `items` (chunks the caller no longer touches); returns False, having queued
+        """Queues `items` (chunks, or views of them, the caller no longer touches); returns False, having queued
         nothing, if the byte bound or (drop_new) the job bound refuses them. `on_done` runs
         after a successful put; `on_drop` if, queued, they are dropped later (drop_oldest)."""
         items = list(items)
-        return self._enqueue(items, functools.partial(self.storage.batched_put, items, owned=True),
-                             on_done, on_drop)
+
+        def put() -> None:  # views of a gathered chunk (one per KV head) are copied out here, off the step
+            self.storage.batched_put([(k, kv.contiguous()) for k, kv in items], owned=True)
+
+        return self._enqueue(items, put, on_done, on_drop)
 
     def promote(self, found: Sequence[tuple[str, torch.Tensor, int]]) -> bool:
         """Queues writing each `(key, chunk, tier)` a load fetched from a slower tier into the
@@ -54,7 +56,7 @@ class StoreQueue:
         found = list(found)
 
         def run() -> None:
-            self.storage.promote(found)
+            self.storage.promote([(k, kv.contiguous(), tier) for k, kv, tier in found])
             with self._cond:
                 self.promotions += len(found)
 
