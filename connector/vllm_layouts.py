@@ -204,13 +204,22 @@ class VllmFlashLayout(_SplitKVLayout):
 LAYOUTS = ("cpu", "flash", "engine")
 
 
+CPU_ISAS = ("vec", "vec16")
+"""vLLM's CPU attention kernels whose pages `VllmCpuLayout` reads (their "amx" and "neon" pages
+are laid out otherwise: docs/vllm.md, "Limits")."""
+
+
 def vllm_layout_for(kv_caches: Sequence[torch.Tensor], backend: str,
-                    layer_groups: Sequence[int] | None = None) -> PagedKVLayout:
+                    layer_groups: Sequence[int] | None = None, isa: str | None = None) -> PagedKVLayout:
     """Returns the layout of vLLM caches from attention backend `backend` ("cpu", "flash", or
     "engine" for `(2, num_blocks, block_size, H, D)`), each layer in KV cache group
-    `layer_groups[layer]` (default: one group); ValueError names an unknown backend, a shape
-    that does not fit it, or several groups where the backend has one."""
+    `layer_groups[layer]` (default: one group), the CPU backend's pages written by vLLM's `isa`
+    kernels (default: "vec"); ValueError names an unknown backend, kernels whose pages it does
+    not read, a shape that does not fit it, or several groups where the backend has one."""
     if backend == "cpu":
+        if isa is not None and isa not in CPU_ISAS:
+            raise ValueError(f"KVTierConnector: vLLM's CPU attention uses the {isa!r} kernels here, whose KV "
+                             "layout kvtier does not support; use float32 (or a CPU without AMX)")
         return VllmCpuLayout(kv_caches, layer_groups)
     if backend == "flash":
         return VllmFlashLayout(kv_caches, layer_groups)

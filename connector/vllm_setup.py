@@ -81,6 +81,12 @@ class VllmSetup:
         stored; it covers all heads (a rank's: `.for_heads(*rank_heads(...))`)."""
         return self.config.keyspace(self.model, self.kv_dtype, split_heads=not self.config.use_layerwise)
 
+    def rank_keyspace(self, rank: int) -> Keyspace:
+        """Returns the keyspace tensor-parallel rank `rank` keys its chunks in: its own heads
+        (it stores and loads those alone), or every value whole when layerwise."""
+        keyspace = self.keyspace()
+        return keyspace if keyspace.heads is None else keyspace.for_heads(*self.rank_heads(rank))
+
     def rank_heads(self, rank: int) -> tuple[int, int]:
         """Returns the KV heads [lo, hi) tensor-parallel rank `rank` holds."""
         return rank_heads(self.model.num_kv_heads, self.tp_size, rank)

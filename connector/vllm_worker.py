@@ -61,8 +61,7 @@ class VllmWorkerConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker = KVTierWorker(self.setup.config, self.storage, self.metrics)
         self.worker.register_model(self.setup.model)
         self.rank = tensor_parallel_rank() if self.setup.tp_size > 1 else 0
-        keyspace = self.setup.keyspace()  # this rank's heads: it stores and loads those alone
-        self.keyspace = keyspace if keyspace.heads is None else keyspace.for_heads(*self.setup.rank_heads(self.rank))
+        self.keyspace = self.setup.rank_keyspace(self.rank)
         self._layers: dict[str, int] = {}
         self._reported = RequestKVMetrics("*")
         path = lookup_socket_path(vllm_config.kv_transfer_config.engine_id, self.rank)
@@ -79,16 +78,13 @@ class VllmWorkerConnector(KVConnectorBase_V1, SupportsHMA):
         if indices != list(range(len(names))):
             raise ValueError(f"KV caches must be layers 0..{len(names) - 1}, got {indices}")
         caches = [kv_caches[n] for n in names]
-        if self.backend == "cpu" and caches:
-            _, _, block_size, two_d = caches[0].shape
-            isa = cpu_attention_isa(caches[0].dtype, block_size, two_d // 2)
-            if isa not in ("vec", "vec16"):
-                raise ValueError(f"KVTierConnector: vLLM's CPU attention uses the {isa!r} kernels here, whose KV "
-                                 "layout kvtier does not support; use float32 (or a CPU without AMX)")
+        isa = None
+        if self.backend == "cpu" and caches:  # the kernels that write these pages
+            isa = cpu_attention_isa(caches[0].dtype, caches[0].shape[2], caches[0].shape[3] // 2)
         groups = self.setup.layer_groups
         layer_groups = [groups.get(n, 0) for n in names] if groups else None
         self._layers = {n: i for i, n in enumerate(names)}
-        self.worker.register_layout(vllm_layout_for(caches, self.backend, layer_groups), self.keyspace)
+        self.worker.register_layout(vllm_layout_for(caches, self.backend, layer_groups, isa), self.keyspace)
         log.info("kvtier connector ready: backend %s, %d layers in %d KV cache group(s), KV heads %s of rank %d, "
                  "%d bytes per token", self.backend, len(names), self.setup.num_groups, self.keyspace.heads, self.rank,
                  self.worker.layout.bytes_per_token() if self.worker.layout is not None else 0)
