@@ -12,6 +12,8 @@ at lookup is not possession); `LoadJob.filled` ends the positions every layer go
   every chunk (one stored value each, connector/keyspace.py) is fetched and scattered in
   layer order, the next layer fetched while this one is scattered; the forward's layer i
   waits only for it (`wait_layer`). The step reports what did not arrive.
+Split by KV head (vLLM's connector, connector/keyspace.py), a chunk's values are fetched in one
+batch and joined along the head axis before the scatter.
 Hits from slower tiers are queued for promotion through the store queue once the load ended;
 the load never waits for that write. On CUDA the scatter runs on a side stream from pinned
 host memory (connector/staging.py).

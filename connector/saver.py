@@ -2,7 +2,8 @@
 from the paged cache into the buffers every tier's write uses, and queued on the store thread
 (connector/store_queue.py), so serving never waits on a tier (docs/architecture.md,
 "Connector"). In layerwise mode each layer is gathered into its own value, stored under its
-layer key (connector/keyspace.py).
+layer key; split by KV head, each head of the gathered chunk is its own value (a view, copied
+out on the store thread) under its head key (connector/keyspace.py).
 """
 
 from __future__ import annotations
