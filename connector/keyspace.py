@@ -35,6 +35,7 @@ import torch
 
 from engine.cache_salt import salted_root, tenant_tag
 from engine.hashing import chain_hash, chain_prefixes, root_hash
+from engine.kv_cache import KVShape
 from kvstore.tenant_keys import KEY_ROOT, tenant_prefix
 
 LAYOUT_VERSION = 1
@@ -52,18 +53,13 @@ SEGMENT_ROOTS = {
 a prompt, and can never share a key with a prefix chain."""
 
 
-class KeyedModel(Protocol):
-    """What a keyspace and a chunk's shape need of a model: engine/model_config.py's
-    `ModelConfig`, or connector/vllm_setup.py's `VllmModel` (any architecture vLLM runs)."""
+class KeyedModel(KVShape, Protocol):
+    """What a keyspace and a chunk's shape need of a model, its K/V sizes and its identity:
+    engine/model_config.py's `ModelConfig`, or connector/vllm_setup.py's `VllmModel` (any
+    architecture vLLM runs)."""
 
     @property
     def fingerprint(self) -> str: ...
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def num_kv_heads(self) -> int: ...
-    @property
-    def head_size(self) -> int: ...
 
 
 @dataclass(frozen=True)
