@@ -78,7 +78,7 @@ class VllmSetup:
     def keyspace(self) -> Keyspace:
         """Returns the keyspace the connector keys chunks in: split by KV head (unless
         layerwise, which needs tp_size 1), so any tensor-parallel size loads what another
-        stored; it covers all heads (a rank's: `.for_heads(*rank_heads(...))`)."""
+        stored; it covers all heads (a rank's own: `rank_keyspace`)."""
         return self.config.keyspace(self.model, self.kv_dtype, split_heads=not self.config.use_layerwise)
 
     def rank_keyspace(self, rank: int) -> Keyspace:
