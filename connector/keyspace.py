@@ -22,7 +22,7 @@ Split by KV head (`heads`, vLLM's connector at any tensor-parallel size) each KV
 is its own stored value `(layers, 2, tokens, 1, head_size)` under `<chunk key>@H<head>`, and a
 keyspace covers the heads [lo, hi) its worker holds: a tensor-parallel rank stores and loads
 exactly its own heads, and chunks stored at one TP size load at any other (docs/vllm.md,
-"Tensor parallel"). A chunk counts as held only when all its covered heads are.
+"Parallel"). A chunk counts as held only when all its covered heads are.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ giving its own cold run's tokens."""
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.fixtures.model import make_tiny_checkpoint
+from tests.fixtures.polling import wait_until
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.vllm import VllmLLM, close_together, start_together
 
@@ -47,10 +47,8 @@ def tp_llms(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path,
 
 def stored_values(redis: RedisServer, minimum: int, timeout: float = 60.0) -> int:
     """Waits (bounded) until Redis holds at least `minimum` keys; returns how many it holds."""
-    deadline = time.monotonic() + timeout
-    while (n := len(redis.client().keys("kvtier:*"))) < minimum and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return n
+    wait_until(lambda: len(redis.client().keys("kvtier:*")) >= minimum, timeout, 0.2)
+    return len(redis.client().keys("kvtier:*"))
 
 
 def assert_same(cold: dict[str, Any], warm: dict[str, Any]) -> None:
