@@ -41,7 +41,7 @@ vllm-install: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q -e '.[test]' '$(VLLM_PKG)==$(VLLM_VERSION)'
+	$(VLLM_PY) -m pip install -q -e '.[test-vllm]' '$(VLLM_PKG)==$(VLLM_VERSION)'
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(VLLM_PY) -m engine.cpu_ops; fi
 	touch $(VLLM_STAMP)

