@@ -19,7 +19,7 @@ from tests.fixtures.fault_proxy import FaultProxy
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.vllm import VllmLLM
 
-TOKENS = 1024  # four chunks: what a fault does to a load needs several chunks, not a long prompt
+TOKENS = 768  # three chunks: what a fault does to a load needs several chunks, not a long prompt
 CHUNKS = TOKENS // 256
 KV_HEADS = 3  # the default model's (SmolLM2-135M): each chunk is one stored value per KV head
 

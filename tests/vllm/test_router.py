@@ -2,8 +2,8 @@
 each with its own `cpu` tier, so a hit is local to one backend. The backends' `/kv/lookup`
 (connector/vllm_lookup_route.py) answers what the connector then loads; the router sends each
 prompt to the backend holding it, also where prefix-hash alone would pick the other one. One
-backend runs as `kvtier-vllm serve` (which adds the route by itself), the other as vLLM's own
-server with `--middleware`."""
+backend runs as `kvtier-vllm serve` (which adds the route by itself, its worker in the engine
+core's process), the other as vLLM's own server with `--middleware`, in vLLM's default layout."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ HIT = "kvtier:kv_connector_hit_tokens_total"
 @pytest.fixture(scope="module")
 def backends(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServer]]:
     logs = tmp_path_factory.mktemp("vllm-router")
-    servers = start_together(lambda: VllmServer(default_model_path, CONFIG, logs / "cli.log", cli=True),
+    servers = start_together(lambda: VllmServer(default_model_path, CONFIG, logs / "cli.log", cli=True,
+                                                worker_in_engine=True),
                              lambda: VllmServer(default_model_path, CONFIG, logs / "middleware.log", "kv_both",
                                                 "--middleware", LOOKUP_MIDDLEWARE))
     yield servers

@@ -3,7 +3,9 @@ Redis and the cache server and exits; fresh servers load it through each (Redis 
 `kv_consumer`, the cache server as `kv_both`), tested with the official `openai` client,
 streamed and not; /metrics moves, and vLLM counts the loaded tokens as from an unspecified
 external source (a shared tier). A fourth vLLM (an `LLM`, one process) publishes the KV events
-of its tier. The four start side by side."""
+of its tier. The four start side by side; each server runs vLLM's worker in its engine core's
+process (one process import less to start: tests/fixtures/vllm.py), vLLM's default layout
+being test_router.py's `--middleware` backend and test_parallel.py's TP=2 workers."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.vllm import VllmLLM, VllmServer, close_together, start_together
 
 CHUNK = 256
+SHARED = 1024  # the prompt's tokens the producer stores for the fresh servers: four chunks
 
 
 def _client(server: VllmServer) -> openai.OpenAI:
@@ -78,10 +81,11 @@ def servers(default_model_path: Path, redis_server_session: RedisServer, tmp_pat
     config = {"chunk_size": CHUNK}
     producer, consumer, both, events = start_together(
         lambda: VllmServer(default_model_path, config | {"tiers": [redis_server_session.url, cache.url]},
-                           logs / "producer.log", "kv_producer"),
+                           logs / "producer.log", "kv_producer", worker_in_engine=True),
         lambda: VllmServer(default_model_path, config | {"tiers": [redis_server_session.url]},
-                           logs / "consumer.log", "kv_consumer"),
-        lambda: VllmServer(default_model_path, config | {"tiers": [cache.url]}, logs / "both.log", "kv_both"),
+                           logs / "consumer.log", "kv_consumer", worker_in_engine=True),
+        lambda: VllmServer(default_model_path, config | {"tiers": [cache.url]}, logs / "both.log", "kv_both",
+                           worker_in_engine=True),
         # room for 3 of the prompt's 8 chunks (46080 bytes per token in fp32): the rest are evicted
         lambda: VllmLLM(default_model_path, config | {"tiers": ["cpu?budget=36MiB"]}, logs / "events.log",
                         kv_events=events_config))
@@ -91,9 +95,9 @@ def servers(default_model_path: Path, redis_server_session: RedisServer, tmp_pat
         try:
             # The request ends at its prefill, before its stores land; the pending stores keep
             # the engine stepping, so their counters reach /metrics with no further request.
-            _complete(producer, prompt_2k, stream=False, max_tokens=1)
-            _wait_for_metric(producer, "kvtier:kv_stored_tokens_total", len(prompt_2k))
-            cold = _complete(producer, prompt_2k, stream=False)
+            _complete(producer, prompt_2k[:SHARED], stream=False, max_tokens=1)
+            _wait_for_metric(producer, "kvtier:kv_stored_tokens_total", SHARED)
+            cold = _complete(producer, prompt_2k[:SHARED], stream=False)
         finally:
             assert producer.close() == 0  # SIGINT: queued stores are flushed before it exits
         yield Servers({"redis": consumer, "kvtier": both}, events, endpoint, cold)
@@ -107,12 +111,12 @@ def test_a_fresh_server_loads_what_another_stored(tier: str, servers: Servers, p
     """Redis: as kv_consumer; the cache server: as kv_both."""
     server = servers.loaders[tier]
     before = server.metrics()
-    assert _complete(server, prompt_2k, stream=True) == servers.cold
-    assert _complete(server, prompt_2k, stream=False) == servers.cold
+    assert _complete(server, prompt_2k[:SHARED], stream=True) == servers.cold
+    assert _complete(server, prompt_2k[:SHARED], stream=False) == servers.cold
     after = server.metrics()
     hits = "kvtier:kv_connector_hit_tokens_total"
     loaded = after.get(hits, 0) - before.get(hits, 0)
-    assert loaded >= 2 * 0.9 * len(prompt_2k)
+    assert loaded >= 2 * 0.9 * SHARED
     if Version(vllm.__version__).release >= (0, 32):  # vLLM counts hits per source from 0.32 on
         by_source = "vllm:prompt_tokens_cached_by_source.external_unspecified"
         assert after.get(by_source, 0) - before.get(by_source, 0) == loaded

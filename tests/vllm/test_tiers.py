@@ -1,4 +1,4 @@
-"""A repeated 2k-token prompt (1k in the 16-bit cases) is loaded from each tier of one process
+"""A repeated 2k-token prompt (512 tokens in the 16-bit cases) is loaded from each tier of one process
 by a real vLLM (prefix caching off), with the tokens of the cold run, its K/V in float16,
 bfloat16 and float32 (vLLM's CPU "vec" kernels' page layout, in each dtype); and vLLM's own
 prefix cache together with the connector: the engine's hit and the connector's are never
@@ -19,8 +19,8 @@ from connector.metrics import PROM_COUNTERS
 from tests.fixtures.vllm import VllmLLM, close_together, start_together
 
 # The vLLM each case starts: (its tier, more connector config, more VllmLLM keywords; the
-# model's dtype, float32 unless given, is its K/V's; a 16-bit case runs a 1k-token prompt,
-# four chunks, as 16-bit math is slow on CPUs without native support). Background loads from
+# model's dtype, float32 unless given, is its K/V's; a 16-bit case runs a 512-token prompt,
+# two chunks, as 16-bit math is slow on CPUs without native support). Background loads from
 # each tier of this process; layer-by-layer loads in the request's first step (vLLM's
 # synchronous path, its forward waiting per layer) from one. The shared tiers (Redis, the cache server) are loaded
 # from by a fresh process in test_serve.py.
@@ -81,10 +81,11 @@ def tier_llms(request: pytest.FixtureRequest, default_model_path: Path,
 @pytest.mark.parametrize("case", ["cpu", "disk", "disk-layerwise"])
 def test_the_second_run_loads_the_prompt_from_the_tier(case: str, tier_llms: TierLLMs, prompt_2k: list[int]) -> None:
     tier, extra, spec = CASES[case]
-    prompt = prompt_2k[:1024] if "dtype" in spec else prompt_2k
+    prompt = prompt_2k[:512] if "dtype" in spec else prompt_2k
     with tier_llms.use(case) as llm:
-        if tier == "cpu":  # a request that asks not to be stored leaves nothing to load
-            skipped = llm.generate([prompt], kv_transfer_params={"kvtier.skip_save": True})
+        if tier == "cpu":  # a request that asks not to be stored leaves nothing to load (the cold
+            # run's first two chunks below included)
+            skipped = llm.generate([prompt[:512]], max_tokens=1, kv_transfer_params={"kvtier.skip_save": True})
             assert skipped["metrics"].get("kvtier:kv_stored_tokens_total", 0) == 0
         cold = llm.generate([prompt])
         warm = llm.generate([prompt])
