@@ -24,6 +24,7 @@ from tests.fixtures.text import long_text
 pytestmark = pytest.mark.slow
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "384", "--max-num-seqs", "8"]
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # two engines on two cores
+KILLED_TOKENS = 96  # the killed request's length: decode steps enough to be killed while it runs
 NAME = "SmolLM2-135M-Instruct"
 
 
@@ -202,10 +203,10 @@ def test_a_backend_killed_mid_request_is_routed_around(cluster) -> None:
     alive, victim = servers
     held = _prompt("victim")
     # Only the victim holds it in its own prefix cache, so kv-aware sends it there.
-    want = _complete(victim.url, held, max_tokens=160, ignore_eos=True)[0]
+    want = _complete(victim.url, held, max_tokens=KILLED_TOKENS, ignore_eos=True)[0]
     before = _routed(router.url, victim.url)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(_complete, router.url, held, 160, False, True)
+        pending = pool.submit(_complete, router.url, held, KILLED_TOKENS, False, True)
         wait_until(lambda: pending.done() or _metrics(victim.url).get(  # until the victim runs it
             ("kvtier:num_requests_running", (("model_name", NAME),)), 0.0) >= 1, 60.0, 0.1)
         assert not pending.done(), "the request finished before the victim could be killed"
