@@ -18,7 +18,7 @@ from collections import deque
 from typing import Protocol
 
 from kvstore.server import protocol as P
-from kvstore.server.handlers import HandlerServer, dispatch, early_refusal
+from kvstore.server.handlers import HandlerServer, ParkedGet, dispatch, early_refusal
 from kvstore.server.protocol import Op, Status
 from kvstore.server.store import ByteStore
 
@@ -92,11 +92,8 @@ class Connection(asyncio.BufferedProtocol):
         # When the frame being received began (None: between frames); its deadline.
         self.frame_start: float | None = None
         self.waiting = False  # the next frame waits for memory (reading paused)
-        # Set while a GET waits for its value to be read from disk (reading paused): a token
-        # that the read's completion must match (a GET answered at its deadline has none).
-        self.loading: object | None = None
-        self.loading_since = 0.0
-        self.loading_rid = 0
+        # Set while a GET waits for its value to be read from disk (reading paused).
+        self.parked: ParkedGet | None = None
         # Reply pieces not yet handed to the transport: (bytes, the stored value they are
         # part of, pinned in the store, or None for a copied piece).
         self.out: deque[tuple[P.Buffer, P.Buffer | None]] = deque()
@@ -227,17 +224,15 @@ class Connection(asyncio.BufferedProtocol):
             self.fail(Status.BUSY, request_id, "server memory is held by other bodies in flight and "
                        f"replies being sent; waited {cfg.frame_timeout:g} s, retry later")
             return
-        if self.loading is not None and now - self.loading_since > cfg.frame_timeout:
+        if self.parked is not None and self.parked.answer_if_overdue(now, cfg.frame_timeout):
             # The disk is too slow: a miss now beats a client left waiting (its read goes on).
             self.server.disk_read_timeouts += 1
             log.warning("a disk spill read took over %g s: answered as a miss", cfg.frame_timeout)
-            self.loading = None
-            self.reply(Status.NOT_FOUND, self.loading_rid)
             self._parse_scratch()
             return
         if now - self.last_active >= cfg.idle_timeout:
             reason = "idle"
-        elif (self.frame_start is not None and not self.waiting and self.loading is None and not self._backlogged()
+        elif (self.frame_start is not None and not self.waiting and self.parked is None and not self._backlogged()
               and now - self.frame_start > cfg.frame_timeout):
             reason = f"a frame not received whole within {cfg.frame_timeout:g} s"
         elif (self.out or self.write_blocked) and now - self.send_progress > cfg.frame_timeout:
@@ -260,7 +255,7 @@ class Connection(asyncio.BufferedProtocol):
         return len(self.out) >= _OUT_MAX_ITEMS or self.out_copied >= _SCRATCH
 
     def _update_reading(self) -> None:
-        want_paused = self.waiting or self.loading is not None or self._backlogged()
+        want_paused = self.waiting or self.parked is not None or self._backlogged()
         if want_paused != self.reading_paused and self.transport is not None and not self.closing:
             self.reading_paused = want_paused
             if want_paused:
@@ -271,7 +266,7 @@ class Connection(asyncio.BufferedProtocol):
     def _parse_scratch(self) -> None:
         buf, view, pos, end = self.scratch, self.scratch_view, 0, self.scratch_len
         framed = False
-        while (not self.closing and not self.waiting and self.loading is None and not self._backlogged()
+        while (not self.closing and not self.waiting and self.parked is None and not self._backlogged()
                and end - pos >= P.HEADER_SIZE):
             limit = self.server.config.max_payload if self.authed else _SCRATCH  # AUTH may precede
             try:

@@ -3,7 +3,7 @@
 Every handler runs on the event loop and does bounded work. A GET whose value is on the
 disk spill starts a read on the spill's worker thread (after memory is made for it) and
 parks its connection (no later request of that connection runs, so replies stay in order)
-until the value is read.
+until the value is read or its deadline passes: `ParkedGet` is that state's one owner.
 
 Handlers sit below the connection in the import order (server -> connection -> handlers):
 what they need of a connection and of the server is declared here, as `HandlerConnection`
@@ -13,7 +13,6 @@ and `HandlerServer`, and `connection.Connection` and `server.CacheServer` provid
 from __future__ import annotations
 
 import asyncio
-from functools import partial
 from typing import Protocol
 
 from kvstore.server import protocol as P
@@ -42,10 +41,7 @@ class HandlerConnection(Protocol):
 
     authed: bool
     closing: bool
-    # A GET parked on a disk read: the read's token, when it began, its request id.
-    loading: object | None
-    loading_since: float
-    loading_rid: int
+    parked: ParkedGet | None  # the GET holding this connection's later requests back
 
     @property
     def server(self) -> HandlerServer: ...
@@ -84,7 +80,7 @@ def dispatch(conn: HandlerConnection, h: P.Header, key: bytes, payload: memoryvi
         if value is not None:
             send_value(conn, rid, key, value)
         else:
-            get_from_disk(conn, rid, key)
+            ParkedGet.start(conn, rid, key)
     elif code == Op.EXISTS:
         conn.reply(Status.OK if store.contains(key) else Status.NOT_FOUND, rid)
     elif code == Op.PREFIX_HITS:
@@ -153,25 +149,45 @@ def send_value(conn: HandlerConnection, request_id: int, key: bytes, value: P.Bu
         conn.reply(Status.OK, request_id, value, pinned=True)
 
 
-def get_from_disk(conn: HandlerConnection, request_id: int, key: bytes) -> None:
-    """Answers a GET whose value is not in memory: parks `conn` while the value is read
-    from the disk spill (no later request runs before it is answered, within
-    --frame-timeout: Connection.check_deadlines), or answers NOT_FOUND now."""
-    token = object()
-    if conn.store.load(key, partial(_loaded, conn, token, request_id, key)):
-        conn.loading, conn.loading_since, conn.loading_rid = token, conn.loop.time(), request_id
-    else:
-        conn.reply(Status.NOT_FOUND, request_id)
+class ParkedGet:
+    """A GET whose value is being read from the disk spill, parking its connection (no later
+    request of it runs, so replies stay in order). It ends exactly once: answered with the
+    value (or NOT_FOUND) when the read completes, or NOT_FOUND at its deadline
+    (`answer_if_overdue`, --frame-timeout: Connection.check_deadlines), the read's late
+    completion then ignored. The connection's `parked` is set while it lasts."""
 
+    def __init__(self, conn: HandlerConnection, request_id: int, key: bytes) -> None:
+        self.conn, self.request_id, self.key = conn, request_id, key
+        self.since = conn.loop.time()
 
-def _loaded(conn: HandlerConnection, token: object, request_id: int, key: bytes, value: P.Buffer | None) -> None:
-    if conn.loading is not token:
-        return  # answered at its deadline
-    conn.loading = None
-    if conn.closing:
-        return
-    if value is None:
-        conn.reply(Status.NOT_FOUND, request_id)
-    else:
-        send_value(conn, request_id, key, value)
-    conn.resume()
+    @classmethod
+    def start(cls, conn: HandlerConnection, request_id: int, key: bytes) -> None:
+        """Answers a GET whose value is not in memory: parks `conn` while the value is read,
+        or answers NOT_FOUND now if the spill does not hold it."""
+        parked = cls(conn, request_id, key)
+        if conn.store.load(key, parked._loaded):
+            conn.parked = parked
+        else:
+            conn.reply(Status.NOT_FOUND, request_id)
+
+    def answer_if_overdue(self, now: float, timeout: float) -> bool:
+        """Answers NOT_FOUND and unparks the connection if the read ran past `timeout`
+        seconds (the read goes on, its result dropped); returns whether it did."""
+        if now - self.since <= timeout:
+            return False
+        self.conn.parked = None
+        self.conn.reply(Status.NOT_FOUND, self.request_id)
+        return True
+
+    def _loaded(self, value: P.Buffer | None) -> None:
+        conn = self.conn
+        if conn.parked is not self:
+            return  # answered at its deadline
+        conn.parked = None
+        if conn.closing:
+            return
+        if value is None:
+            conn.reply(Status.NOT_FOUND, self.request_id)
+        else:
+            send_value(conn, self.request_id, self.key, value)
+        conn.resume()
