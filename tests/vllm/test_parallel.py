@@ -2,7 +2,7 @@
 each) stores and loads its own KV heads, a repeated prompt loads from the ranks' cpu tiers
 with the cold run's tokens and logprobs, and chunks cross tensor-parallel sizes over a shared
 Redis tier both ways: what a TP=2 vLLM stored, a TP=1 vLLM loads, and the reverse, each
-giving its own cold run's tokens."""
+giving its own cold run's tokens. A rank whose load fails reports it, and vLLM recomputes."""
 
 from __future__ import annotations
 
@@ -89,3 +89,35 @@ def test_tensor_parallel_loads_each_ranks_heads_and_crosses_tp_sizes(
     assert crossed["metrics"]["vllm:kv_cache_usage_perc"] == 0
     text = tp2.log.read_text(errors="replace")
     assert "KV heads (0, 2) of rank 0" in text and "KV heads (2, 4) of rank 1" in text, tp2.tail()
+
+
+def test_a_rank_whose_load_fails_reports_it_and_vllm_recomputes(
+        tp_llms: dict[int, VllmLLM], redis_server_session: RedisServer) -> None:
+    """TP=1 stores a prompt; every value of rank 1's KV heads (2 and 3 at TP=2) is then
+    corrupted in Redis. At TP=2, rank 0 loads its heads and rank 1's load fails: rank 1
+    reports its blocks, and vLLM (policy "recompute") recomputes them. The blocks are
+    scrubbed first (`scrub` in test_faults.py), so a failure left unreported would show as
+    other logprobs."""
+    tp2, tp1 = tp_llms[2], tp_llms[1]
+    client = redis_server_session.client()
+    prompt = random.Random(2).choices(range(3, 1000), k=PROMPT)
+    chunks = -(-PROMPT // CHUNK)
+    cold_run = tp2.generate([prompt], logprobs=5, kv_transfer_params=SKIP_SAVE)
+    cold = cold_run["outputs"][0]
+    before = set(client.keys("kvtier:*"))
+    tp1.generate([prompt])
+    wait_until(lambda: len(set(client.keys("kvtier:*")) - before) >= chunks * HEADS, 60.0, 0.2)
+    rank1 = [k for k in set(client.keys("kvtier:*")) - before if k.endswith((b"@H2", b"@H3"))]
+    assert len(rank1) == 2 * chunks
+    for key in rank1:
+        value = client.get(key)
+        assert value is not None
+        mid = len(value) // 2
+        client.setrange(key, mid, bytes([value[mid] ^ 0xFF]))
+    tp2.generate([prompt[::-1]], max_tokens=1, kv_transfer_params=SKIP_SAVE)  # other K/V in the blocks
+    warm = tp2.generate([prompt], logprobs=5)
+    hits = "vllm:external_prefix_cache_hits"
+    promised = warm["metrics"][hits] - cold_run["metrics"][hits]
+    assert promised >= 0.9 * PROMPT  # every chunk was found, and its load began on both ranks
+    assert_same(cold, warm["outputs"][0])
+    assert warm["metrics"]["vllm:kv_cache_usage_perc"] == 0
