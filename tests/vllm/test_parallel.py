@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm.distributed.kv_events import BlockStored
 
 from tests.fixtures.model import make_tiny_checkpoint
 from tests.fixtures.polling import wait_until
 from tests.fixtures.redis_server import RedisServer
-from tests.fixtures.vllm import VllmLLM, close_together, start_together
+from tests.fixtures.vllm import VllmLLM, close_together, collect_kv_events, start_together
 
 PROMPT = 1500
 CHUNK = 256
@@ -31,18 +32,26 @@ SKIP_SAVE = {"kvtier.skip_save": True}
 @pytest.fixture(scope="module")
 def tp_llms(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path,
             redis_server_session: RedisServer) -> Iterator[dict[int, VllmLLM]]:
-    """A TP=2 and a TP=1 vLLM of one tiny StableLM, each with its own cpu tier over one Redis."""
+    """A TP=2 and a TP=1 vLLM of one tiny StableLM, each with its own cpu tier over one Redis;
+    the TP=2 one publishes KV events at `tmp/events.sock` (`events_endpoint`)."""
     tmp = tmp_path_factory.mktemp("tp")
     model = make_tiny_checkpoint(tmp, tokenizer_dir=default_model_path, **TINY)
     config = {"tiers": ["cpu", redis_server_session.url], "chunk_size": CHUNK}
 
     def starter(tp: int) -> Any:
         env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {}
+        events = {"kv_events": {"enable_kv_cache_events": True, "publisher": "zmq",
+                                "endpoint": events_endpoint(tmp_path_factory)}} if tp == 2 else {}
         return lambda: VllmLLM(model, config, tmp / f"vllm-tp{tp}.log", env=env,
-                               llm={"tensor_parallel_size": tp})
+                               llm={"tensor_parallel_size": tp}, **events)
     llms = dict(zip((2, 1), start_together(starter(2), starter(1))))
     yield llms
     close_together(*llms.values())
+
+
+def events_endpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The TP=2 vLLM's KV event publisher (it binds it: local, no network)."""
+    return f"ipc://{tmp_path_factory.getbasetemp()}/tp-events.sock"
 
 
 def stored_values(redis: RedisServer, minimum: int, timeout: float = 60.0) -> int:
@@ -121,3 +130,22 @@ def test_a_rank_whose_load_fails_reports_it_and_vllm_recomputes(
     assert promised >= 0.9 * PROMPT  # every chunk was found, and its load began on both ranks
     assert_same(cold, warm["outputs"][0])
     assert warm["metrics"]["vllm:kv_cache_usage_perc"] == 0
+
+
+def test_kv_events_are_published_once_per_chunk_and_tier_with_two_ranks(
+        tp_llms: dict[int, VllmLLM], tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each rank stores its own heads of every chunk; the events are the chunks': one
+    `BlockStored` per chunk and tier, not one per rank or per head."""
+    tp2 = tp_llms[2]
+    prompt = random.Random(3).choices(range(3, 1000), k=PROMPT)
+    chunks = [prompt[i:i + CHUNK] for i in range(0, PROMPT - PROMPT % CHUNK, CHUNK)]  # the whole ones
+    # asks for twice the expected number, so duplicates would arrive; waits 6 s for them
+    events = collect_kv_events(tp2, events_endpoint(tmp_path_factory), lambda: tp2.generate([prompt]),
+                               want=4 * len(chunks), timeout=6.0)
+    mine = [e for e in events if isinstance(e, BlockStored) and e.token_ids in chunks]
+    media = {e.medium for e in mine}
+    assert len(media) == 2, events  # the cpu tier and Redis
+    for medium in media:
+        announced = [e for e in mine if e.medium == medium]
+        assert [e.token_ids for e in announced] == chunks, (medium, announced)
+        assert len({e.block_hashes[0] for e in announced}) == len(chunks)

@@ -14,17 +14,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
 import openai
 import pytest
 import vllm
-import zmq
 from packaging.version import Version
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from tests.fixtures.cache_server import CacheServerProcess
 from tests.fixtures.redis_server import RedisServer
-from tests.fixtures.vllm import VllmLLM, VllmServer, close_together, start_together
+from tests.fixtures.vllm import VllmLLM, VllmServer, close_together, collect_kv_events, start_together
 
 CHUNK = 256
 SHARED = 1024  # the prompt's tokens the producer stores for the fresh servers: four chunks
@@ -122,39 +120,14 @@ def test_a_fresh_server_loads_what_another_stored(tier: str, servers: Servers, p
         assert after.get(by_source, 0) - before.get(by_source, 0) == loaded
 
 
-def _drain(sub: zmq.Socket, until: float, want: int) -> list[BlockStored | BlockRemoved]:
-    """Returns the events received until `want` of them arrived or `until` (monotonic) passed."""
-    decode = msgspec.msgpack.Decoder(KVEventBatch)
-    events: list[BlockStored | BlockRemoved] = []
-    while len(events) < want and time.monotonic() < until:
-        if sub.poll(200):
-            _topic, _seq, payload = sub.recv_multipart()
-            events += [e for e in decode.decode(payload).events if isinstance(e, (BlockStored, BlockRemoved))]
-    return events
-
-
 def test_stored_and_evicted_chunks_are_published(servers: Servers, prompt_2k: list[int]) -> None:
     """KV events from kvtier's tiers (vLLM's `kv_events_config`, `--kv-events-config` on
     `vllm serve`): each chunk the connector stores is published as vLLM's `BlockStored` with
     its tokens, its chained hash and the previous chunk's as parent, the tier as medium; each
     chunk the tier evicts as `BlockRemoved`.
     Received over vLLM's own ZMQ publisher, decoded with vLLM's event types."""
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(servers.endpoint)
-    try:
-        servers.events.generate([prompt_2k], max_tokens=1)
-        events: list[BlockStored | BlockRemoved] = []
-        deadline = time.monotonic() + 60
-        while len(events) < 8 + 5 and time.monotonic() < deadline:
-            # An `LLM` steps only while a request runs, and vLLM publishes a step's events at its
-            # end: a 3-token request (no chunk to store) publishes what was stored since.
-            servers.events.generate([[5, 6, 7]], max_tokens=1)
-            events += _drain(sub, time.monotonic() + 1, want=8 + 5 - len(events))
-    finally:
-        sub.close(linger=0)
-        ctx.term()
+    events = collect_kv_events(servers.events, servers.endpoint,
+                               lambda: servers.events.generate([prompt_2k], max_tokens=1), want=8 + 5)
     stored = [e for e in events if isinstance(e, BlockStored)]
     removed = [e for e in events if isinstance(e, BlockRemoved)]
     assert len(stored) >= 8, events
