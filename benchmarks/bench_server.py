@@ -99,7 +99,7 @@ def throughput(tier: BytesBackend, server_pid: int, chunks: list[torch.Tensor], 
         if any(g is None or not torch.equal(g, c) for g, c in zip(got, chunks)):
             raise RuntimeError(f"{tier.name}: a chunk did not round-trip")
         wire_keys = _keys(len(chunks), 2 * r + 1)
-        values = [(k, tier.encode(k, c)) for k, c in zip(wire_keys, chunks)]
+        values = [(k, tier._encode(k, c)) for k, c in zip(wire_keys, chunks)]
         timed("put_wire", partial(tier._batched_put_bytes, values))
         raw = timed("get_wire", partial(tier._batched_get_bytes, wire_keys))
         raw = [v.value if isinstance(v, serde.CheckedValue) else v for v in raw]  # checked as they arrived

@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from kvstore.config import TierSpec
     from kvstore.deadlines import RemoteDeadlines
 
-# What a BytesBackend's `encode` returns and its `_put_bytes` stores: one buffer, or header and
-# payload unjoined for tiers that write the two parts separately.
+# What a BytesBackend's `_encode` returns and its `_batched_put_bytes` stores: one buffer, or
+# header and payload unjoined for tiers that write the two parts separately.
 StoredValue = Buffer | serde.SplitValue
 ReadValue = Buffer | serde.CheckedValue
 """What a tier's read hook returns: the value, or the value with its check fed as it was read."""
@@ -34,7 +34,7 @@ ReadValue = Buffer | serde.CheckedValue
 
 @dataclass(frozen=True)
 class Destination:
-    """Memory a chunk is read straight into (`read_into`): its shape and dtype, and byte views
+    """Memory a chunk is read straight into (`batched_read_into`): its shape and dtype, and byte views
     (format "B", contiguous) whose bytes, end to end, take the chunk's bytes in C order."""
 
     shape: tuple[int, ...]
@@ -72,7 +72,40 @@ class BackendStats:
 
 
 class StorageBackend(ABC):
-    """A tier. Every method may raise BackendError on an I/O failure; none returns wrong data."""
+    """A tier: the storage contract. The storage manager calls a tier through nothing else.
+
+    Keys are non-empty str; values are chunk tensors `(num_layers, 2, num_tokens,
+    num_kv_heads, head_size)`. Batched forms are the primitives: one round trip where the tier
+    can batch, results in the order of the keys. Any method may raise BackendError on an I/O
+    failure; none returns wrong data (a corrupt, truncated or foreign value is a miss).
+
+    Primitives (every tier implements them):
+    - `batched_contains(keys) -> list[bool]`: per key, whether it is stored now (a later read
+      may still miss: it can be evicted in between).
+    - `batched_get(keys, read_only=False) -> list[Tensor | None]`: per key its chunk, or None
+      on a miss. The caller owns each tensor; with `read_only` it may be the tier's own stored
+      tensor (memory tiers skip the copy), which the caller must never modify.
+    - `batched_put(items, owned=False) -> list[bool]`: stores each `(key, chunk)`, replacing an
+      earlier value and evicting (never a pinned key) to stay within the byte budget; per item
+      whether it was accepted (False: it cannot fit, counted in `stats().rejected`). `owned`:
+      the tensors are handed over, so a memory tier may keep them without a copy.
+    - `delete(key) -> bool`: removes `key`; whether it was present.
+    - `delete_prefix(prefix) -> int`: removes every stored key starting with `prefix`
+      (non-empty; a tenant's keys, kvstore/tenant_keys.py), whoever wrote it; how many.
+    - `clear() -> None`: removes every chunk this tier owns (see each tier).
+    - `stats() -> BackendStats`: this tier's counters and usage, as far as it knows them.
+
+    Optional (defaults here):
+    - `reads_in_place` and `batched_read_into(keys, dests)`: reads chunks straight into the
+      caller's memory; the default reads as `batched_get(read_only=True)` does.
+    - `prefix_hits(keys) -> int`: how many of `keys`, from the start, are stored; derived
+      from `batched_contains` unless the tier answers it in one cheaper request.
+    - `check()`, `close()`; `set_pin_check` and `set_eviction_listener` (the manager's wiring);
+      `from_spec` (construction by `kvstore.registry`).
+
+    Conveniences defined here once, never per tier: `contains`, `get`, `put` (the batched
+    form with one key).
+    """
 
     name: str = "backend"
     # Where this tier keeps chunks: puts of chunks elsewhere are staged there once for all
@@ -81,6 +114,8 @@ class StorageBackend(ABC):
     # Remote tiers (redis, the cache server): how long each kind of call may wait on the server
     # (kvstore/deadlines.py); the storage manager counts calls past them. None: a local tier.
     deadlines: RemoteDeadlines | None = None
+    # Whether `batched_read_into` fills memory straight from this tier's stored values.
+    reads_in_place: bool = False
 
     @classmethod
     def from_spec(cls, spec: TierSpec) -> StorageBackend:
@@ -112,100 +147,82 @@ class StorageBackend(ABC):
         """Returns when the tier answers now; raises BackendError when it cannot be reached.
         Local tiers always answer; network tiers make one round trip."""
 
+    # -- primitives ------------------------------------------------------------------------
     @abstractmethod
-    def contains(self, key: str) -> bool:
-        """Returns whether `key` is stored (a later get may still miss if it is evicted)."""
-
     def batched_contains(self, keys: Sequence[str]) -> list[bool]:
         """Returns, per key, whether it is stored (one query where the tier can batch)."""
-        return [self.contains(k) for k in keys]
-
-    def prefix_hits(self, keys: Sequence[str]) -> int:
-        """Returns how many of `keys`, counted from the start, are stored."""
-        n = 0
-        for key in keys:
-            if not self.contains(key):
-                break
-            n += 1
-        return n
 
     @abstractmethod
-    def get(self, key: str) -> torch.Tensor | None:
-        """Returns the chunk stored under `key`, or None on a miss or a corrupt value."""
-
-    def batched_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
-        """Returns one result per key, in order (None for each miss)."""
-        return [self.get(k) for k in keys]
-
-    def batched_read(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
-        """Returns what `batched_get` does, for reading only: a result may be the tier's own
-        stored tensor (memory tiers skip the copy), so the caller must never modify it."""
-        return self.batched_get(keys)
-
-    # Whether `read_into` can fill memory straight from this tier's stored values.
-    reads_in_place: bool = False
-
-    def read_into(self, key: str, dest: Destination) -> bool | None:
-        """Reads the chunk stored under `key` straight into `dest`. Returns True once `dest`
-        holds it, checked as `get` checks it; False on a miss (absent, corrupt or foreign,
-        counted as `get` counts it; `dest` may then hold anything); None, with `dest`
-        untouched, when it cannot be read in place (this tier never does, or the value is not
-        raw `dest.dtype` of `dest.shape`): `get` reads it."""
-        return None
-
-    def batched_read_into(self, keys: Sequence[str], dests: Sequence[Destination]
-                          ) -> list[torch.Tensor | Destination | None]:
-        """Returns per key its destination once the chunk was read into it (`read_into`),
-        else the chunk as `batched_read` returns it (a value not readable in place), or None."""
-        out: list[torch.Tensor | Destination | None] = []
-        for key, dest in zip(keys, dests, strict=True):
-            done = self.read_into(key, dest)
-            out.append(dest if done else None if done is False else self.batched_read([key])[0])
-        return out
+    def batched_get(self, keys: Sequence[str], *, read_only: bool = False) -> list[torch.Tensor | None]:
+        """Returns one chunk or None (a miss, or a corrupt value) per key, in order; with
+        `read_only` a result may be the tier's own tensor, never to be modified."""
 
     @abstractmethod
-    def put(self, key: str, kv: torch.Tensor) -> bool:
-        """Stores `kv` under `key`, evicting as needed to stay within the byte budget; returns
-        whether the tier accepted it (False: it cannot fit, counted in `stats().rejected`)."""
-
-    def batched_put(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[bool]:
-        """Stores every item (same guarantees as `put`); returns per item whether it was accepted."""
-        return [self.put(key, kv) for key, kv in items]
-
-    def batched_adopt(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[bool]:
-        """Stores every item like `batched_put`, but the tensors are handed over: memory tiers
-        may keep them as they are instead of copying, so nobody may modify them afterwards.
-        Returns per item whether it was accepted."""
-        return self.batched_put(items)
+    def batched_put(self, items: Sequence[tuple[str, torch.Tensor]], *, owned: bool = False) -> list[bool]:
+        """Stores every item within the byte budget; returns per item whether it was accepted.
+        `owned`: the tensors are handed over and may be kept without a copy."""
 
     @abstractmethod
     def delete(self, key: str) -> bool:
         """Removes `key`; returns whether it was present."""
 
     @abstractmethod
+    def delete_prefix(self, prefix: str) -> int:
+        """Removes every stored key starting with `prefix` (non-empty), whoever wrote it;
+        returns how many."""
+
+    @abstractmethod
     def clear(self) -> None:
         """Removes every chunk this backend owns."""
 
-    def delete_prefix(self, prefix: str) -> int:
-        """Removes every stored key starting with `prefix` (non-empty), whoever wrote it (a
-        tenant's keys: kvstore/tenant_keys.py); returns how many."""
-        raise NotImplementedError(f"{type(self).__name__} cannot remove keys by prefix")
-
     @abstractmethod
-    def stats(self) -> BackendStats: ...
+    def stats(self) -> BackendStats:
+        """Returns a snapshot of this tier's counters and usage."""
 
     def close(self) -> None:
         """Releases connections and files; the backend is unusable afterwards."""
+
+    # -- optional, with defaults -------------------------------------------------------------
+    def batched_read_into(self, keys: Sequence[str], dests: Sequence[Destination]
+                          ) -> list[torch.Tensor | Destination | None]:
+        """Returns per key its destination once the chunk was read straight into it and
+        checked; else the chunk as `batched_get(read_only=True)` returns it (a value this tier
+        cannot read in place), or None on a miss (a destination may then hold anything)."""
+        if len(keys) != len(dests):
+            raise ValueError(f"one destination per key: {len(keys)} keys, {len(dests)} destinations")
+        return [*self.batched_get(keys, read_only=True)]
+
+    def prefix_hits(self, keys: Sequence[str]) -> int:
+        """Returns how many of `keys`, counted from the start, are stored."""
+        n = 0
+        for present in self.batched_contains(keys) if keys else []:
+            if not present:
+                break
+            n += 1
+        return n
+
+    # -- conveniences: the batched forms with one key --------------------------------------
+    def contains(self, key: str) -> bool:
+        """Returns whether `key` is stored (`batched_contains` of one key)."""
+        return self.batched_contains([key])[0]
+
+    def get(self, key: str) -> torch.Tensor | None:
+        """Returns the caller's own copy of the chunk stored under `key`, or None (`batched_get`)."""
+        return self.batched_get([key])[0]
+
+    def put(self, key: str, kv: torch.Tensor) -> bool:
+        """Stores a copy of `kv` under `key`; returns whether it was accepted (`batched_put`)."""
+        return self.batched_put([(key, kv)])[0]
 
 
 class BytesBackend(StorageBackend):
     """Base for tiers that store bytes (disk, redis, the cache server).
 
     Each chunk is framed by `kvstore.serde` with this tier's codec into one self-describing
-    value. Subclasses implement only the byte-level hooks (`_get_bytes`, `_put_bytes`,
-    `_contains`, `_delete`, `_clear`, `_usage`; batched variants default to loops). A value
-    that fails to decode (corrupt, truncated, foreign) is counted in `stats().corrupt`,
-    deleted best-effort, and returned as a miss.
+    value. Subclasses implement the contract's existence and removal methods themselves, and
+    three byte-level hooks for the rest: `_batched_get_bytes`, `_batched_put_bytes` and
+    `_usage` (and may override `_encode`). A value that fails to decode (corrupt, truncated,
+    foreign) is counted in `stats().corrupt`, deleted best-effort, and returned as a miss.
     """
 
     def __init__(self, codec: Codec | str = "raw") -> None:
@@ -215,51 +232,26 @@ class BytesBackend(StorageBackend):
 
     # -- byte-level hooks ---------------------------------------------------------------
     @abstractmethod
-    def _get_bytes(self, key: str) -> ReadValue | None:
-        """Returns the stored value of `key`, or None if absent."""
+    def _batched_get_bytes(self, keys: Sequence[str]) -> Sequence[ReadValue | None]:
+        """Returns the stored value of each key, or None for each absent one."""
 
     @abstractmethod
-    def _put_bytes(self, key: str, value: StoredValue) -> bool:
-        """Stores `value` (what this tier's `encode` returned) under `key`, replacing any earlier
-        value; returns whether it was accepted (False: refused for lack of room, counted)."""
-
-    @abstractmethod
-    def _contains(self, key: str) -> bool: ...
-
-    @abstractmethod
-    def _delete(self, key: str) -> bool: ...
-
-    @abstractmethod
-    def _clear(self) -> None: ...
+    def _batched_put_bytes(self, items: Sequence[tuple[str, StoredValue]]) -> list[bool]:
+        """Stores each value (what this tier's `_encode` returned), replacing any earlier one;
+        returns per item whether it was accepted (False: refused for lack of room, counted)."""
 
     @abstractmethod
     def _usage(self) -> tuple[int, int, int | None, int]:
         """Returns (entries, bytes_used, byte_budget, evictions) as far as this tier knows."""
 
-    def _batched_get_bytes(self, keys: Sequence[str]) -> Sequence[ReadValue | None]:
-        return [self._get_bytes(k) for k in keys]
-
-    def _batched_put_bytes(self, items: Sequence[tuple[str, StoredValue]]) -> list[bool]:
-        # `is not False`: an override that answers nothing (None) stored the value
-        return [self._put_bytes(key, value) is not False for key, value in items]
-
-    def _batched_contains(self, keys: Sequence[str]) -> list[bool]:
-        return [self._contains(k) for k in keys]
-
-    # -- the StorageBackend interface on top ---------------------------------------------
-    def encode(self, key: str, kv: torch.Tensor) -> StoredValue:
+    def _encode(self, key: str, kv: torch.Tensor) -> StoredValue:
         """Returns the stored value for `kv` under `key` with this tier's codec (one buffer).
         Tiers that write header and payload separately may return `serde.SplitValue` instead
-        (it has `len()`), and then get it in their `_put_bytes`."""
+        (it has `len()`), and then get it in their `_batched_put_bytes`."""
         return serde.encode(key, kv, self.codec)
 
-    def _read_in_place(self, key: str, dest: Destination) -> bool | None:
-        """Reads `key`'s value straight into `dest` (tiers that can: `reads_in_place`).
-        Returns True when read and checked, False if absent, None (`dest` untouched) when the
-        value is not raw `dest.dtype` of `dest.shape`; raises SerdeError for a corrupt one."""
-        return None
-
-    def decode(self, key: str, value: ReadValue | None) -> torch.Tensor | None:
+    # -- the contract on top ---------------------------------------------------------------
+    def _decode(self, key: str, value: ReadValue | None) -> torch.Tensor | None:
         """Returns the chunk in `value`, or None (counted as a miss or as corrupt)."""
         if value is None:
             self._count(hit=False)
@@ -271,16 +263,6 @@ class BytesBackend(StorageBackend):
             return None
         self._count(hit=True)
         return kv
-
-    def read_into(self, key: str, dest: Destination) -> bool | None:
-        try:
-            done = self._read_in_place(key, dest)
-        except serde.SerdeError:
-            self._refuse(key)
-            return False
-        if done is not None:
-            self._count(hit=done)
-        return done
 
     def _count(self, hit: bool) -> None:
         with self._stats_lock:
@@ -295,55 +277,22 @@ class BytesBackend(StorageBackend):
             self._corrupt += 1
             self._misses += 1
         try:
-            self._delete(key)
+            self.delete(key)
         except BackendError:
             pass
 
-    def contains(self, key: str) -> bool:
-        return self._contains(key)
+    def batched_get(self, keys: Sequence[str], *, read_only: bool = False) -> list[torch.Tensor | None]:
+        """Returns each chunk freshly decoded (`read_only` changes nothing: it is the caller's own)."""
+        return [self._decode(k, v) for k, v in zip(keys, self._batched_get_bytes(keys))] if keys else []
 
-    def batched_contains(self, keys: Sequence[str]) -> list[bool]:
-        return self._batched_contains(keys) if keys else []
-
-    def prefix_hits(self, keys: Sequence[str]) -> int:
-        n = 0
-        for present in self._batched_contains(keys):
-            if not present:
-                break
-            n += 1
-        return n
-
-    def get(self, key: str) -> torch.Tensor | None:
-        return self.decode(key, self._get_bytes(key))
-
-    def batched_get(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
-        return [self.decode(k, v) for k, v in zip(keys, self._batched_get_bytes(keys))]
-
-    def put(self, key: str, kv: torch.Tensor) -> bool:
-        return self.batched_put([(key, kv)])[0]
-
-    def batched_put(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[bool]:
-        accepted = self._batched_put_bytes([(k, self.encode(k, kv)) for k, kv in items])
-        if accepted is None:  # an override that answers nothing stored everything
-            accepted = [True] * len(items)
+    def batched_put(self, items: Sequence[tuple[str, torch.Tensor]], *, owned: bool = False) -> list[bool]:
+        """Stores each item encoded with this tier's codec (`owned` changes nothing: the value is new)."""
+        if not items:
+            return []
+        accepted = self._batched_put_bytes([(k, self._encode(k, kv)) for k, kv in items])
         with self._stats_lock:
             self._puts += sum(accepted)
         return accepted
-
-    def delete(self, key: str) -> bool:
-        return self._delete(key)
-
-    def clear(self) -> None:
-        self._clear()
-
-    def delete_prefix(self, prefix: str) -> int:
-        if not prefix:
-            raise ValueError("delete_prefix needs a non-empty prefix")
-        return sum(self._delete(k) for k in self._keys_with_prefix(prefix))
-
-    def _keys_with_prefix(self, prefix: str) -> list[str]:
-        """Returns every stored key starting with `prefix` (tiers that can list them)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot list keys by prefix")
 
     def stats(self) -> BackendStats:
         entries, used, budget, evictions = self._usage()

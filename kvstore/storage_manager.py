@@ -1,11 +1,13 @@
-"""The storage manager: tiers ordered fast to slow behind one get/put interface
+"""The storage manager: tiers ordered fast to slow behind one fetch/put interface
 (docs/architecture.md, "Tiers and the storage manager").
 
-- `put` writes the fastest tier synchronously and the slower tiers through a background
+- `batched_put` writes the fastest tier synchronously and the slower tiers through a background
   writer with a bounded queue (full queue: a write is dropped and counted, never waited for).
-- `fetch` reads from the fastest tier holding a chunk and says which tier that was;
-  `promote` writes such hits into the faster tiers (the connector does it through its store
-  queue, off the load path). `get`/`batched_get` are reads that never promote.
+- `fetch` reads from the fastest tier holding a chunk and says which tier that was (it never
+  promotes); `promote` writes such hits into the faster tiers (the connector does it through
+  its store queue, off the load path).
+- Existence: `batched_contains` (some tier holds each key) and `tier_prefix_hits` (what each
+  tier holds from the start), one batched query per tier, no data read.
 - Each tier evicts by its own policy within its byte budget; keys pinned here (chunks being
   loaded) are never evicted. Pin counts cannot go negative.
 - A tier that raises is backed off by a circuit breaker (kvstore/health.py) and probed again
@@ -66,7 +68,7 @@ LOCAL_TIERS = frozenset({"cpu", "device"})
 
 
 class StorageManager:
-    """Tiers fast to slow; thread-safe. `put` takes ownership of the tensor (do not mutate it later)."""
+    """Tiers fast to slow; thread-safe. `batched_put` takes ownership of the tensor (do not mutate it later)."""
 
     def __init__(self, tiers: Sequence[StorageBackend], names: Sequence[str] | None = None,
                  queue_size: int = 64, queue_full: str = "drop_oldest",
@@ -113,7 +115,7 @@ class StorageManager:
                       queue_size=config.queue_size, queue_full=config.queue_full,
                       backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s,
                       breaker_failures=config.breaker_failures, flush_timeout_s=config.flush_timeout_s)
-        manager.check_tiers()
+        manager._check_tiers()
         return manager
 
     def set_listener(self, listener: TierListener) -> None:
@@ -124,7 +126,7 @@ class StorageManager:
         for tier in self.tiers:
             tier.set_eviction_listener(partial(listener.removed, tier.name))
 
-    def check_tiers(self) -> list[str]:
+    def _check_tiers(self) -> list[str]:
         """Asks every tier once whether it answers; returns the names of those that do not.
         Each unreachable tier gets one warning naming it and starts out backing off (its reads
         and writes are misses until a retry reaches it), so requests do not warn again."""
@@ -148,11 +150,9 @@ class StorageManager:
     def _store(self, i: int, items: Sequence[tuple[str, torch.Tensor]], owned: bool = False) -> None:
         t0 = time.perf_counter()
         tier = self.tiers[i]
-        result = self._call(i, partial(tier.batched_adopt if owned else tier.batched_put, items), "write")
-        if result is not SKIPPED:
-            # only what the tier accepted (a chunk larger than its budget is refused, not stored);
-            # a backend that answers None predates per-item answers and accepted everything
-            accepted = [True] * len(items) if result is None else result
+        accepted = self._call(i, partial(tier.batched_put, items, owned=owned), "write")
+        if accepted is not SKIPPED:
+            # only what the tier accepted (a chunk larger than its budget is refused, not stored)
             with self._stats_lock:
                 self._stats[i].bytes_stored += sum(kv.nbytes for (_, kv), ok in zip(items, accepted) if ok)
                 self._stats[i].store_seconds += time.perf_counter() - t0
@@ -173,12 +173,9 @@ class StorageManager:
                     self._stats[i].dropped_writes += 1
 
     # -- public interface ----------------------------------------------------------------
-    def put(self, key: str, kv: torch.Tensor) -> None:
-        """Stores a chunk in every tier: the fastest now, the rest in the background."""
-        self.batched_put([(key, kv)])
-
     def batched_put(self, items: Sequence[tuple[str, torch.Tensor]], *, owned: bool = False) -> None:
-        """Stores every item like `put`. Raises ValueError for a malformed chunk (storing nothing).
+        """Stores every chunk in every tier: the fastest now, the rest in the background.
+        Raises ValueError for a malformed chunk (storing nothing).
         `owned`: the tensors are handed over (never modified again), so a memory tier may keep
         them without a copy. A chunk on another device than a tier's (a GPU gather, host tiers)
         is copied there once, and that one copy feeds every tier on that device."""
@@ -196,27 +193,6 @@ class StorageManager:
         slow = range(1, len(self.tiers))
         for device in {self.tiers[i].device for i in slow}:
             self._store_slow([i for i in slow if self.tiers[i].device == device], staged[device])
-
-    def contains(self, key: str) -> bool:
-        """Returns whether any healthy tier holds `key`."""
-        return self.prefix_hits([key]) == 1
-
-    def prefix_hits(self, keys: Sequence[str]) -> int:
-        """Returns how many of `keys`, from the start, are held by some tier (one batched
-        query per tier and pass; tiers backing off count as not holding anything)."""
-        keys = list(keys)
-        n = 0
-        progress = True
-        while progress and n < len(keys):
-            progress = False
-            for i, tier in enumerate(self.tiers):
-                got = self._call(i, partial(tier.prefix_hits, keys[n:]), "lookup")
-                if got is not SKIPPED and got:
-                    n += got
-                    progress = True
-                if n == len(keys):
-                    break
-        return n
 
     def tier_prefix_hits(self, keys: Sequence[str]) -> dict[str, int]:
         """Returns, per tier name (fastest first), how many of `keys` from the start that tier
@@ -244,16 +220,6 @@ class StorageManager:
                     held[j] = bool(present)
         return held
 
-    def get(self, key: str) -> torch.Tensor | None:
-        """Returns the chunk from the fastest tier holding it, or None. The tensor lives where
-        that tier keeps chunks (GPU for `device`, else CPU); callers move it where they need
-        it. It is the caller's own (a copy, or a fresh decode). Promotes nothing."""
-        return self.batched_get([key])[0]
-
-    def batched_get(self, keys: Sequence[str], *, read_only: bool = False) -> list[torch.Tensor | None]:
-        """Returns one chunk or None per key, as `fetch` does, without the tier indexes."""
-        return [kv for kv, _ in self.fetch(keys, read_only=read_only)]
-
     @property
     def reads_in_place(self) -> bool:
         """Whether `fetch(into=...)` can read chunks straight into memory: the fastest tier
@@ -270,10 +236,12 @@ class StorageManager:
     def fetch(self, keys: Sequence[str], *, read_only: bool = False, into: Sequence[Destination] | None = None
               ) -> list[tuple[torch.Tensor | Destination | None, int]] | list[tuple[torch.Tensor | None, int]]:
         """Returns per key (the chunk from the fastest tier holding it, that tier's index) or
-        (None, -1); promotes nothing (see `promote`). Keys are pinned while they load.
-        `read_only`: the caller never modifies the results, so memory tiers return their
-        tensors without copying them. `into` (one per key): the fastest tier reads chunks it
-        can straight into them (`reads_in_place`); each comes back as its destination."""
+        (None, -1); promotes nothing (see `promote`). Keys are pinned while they load. A chunk
+        lives where its tier keeps chunks (GPU for `device`, else CPU) and is the caller's own
+        (a copy, or a fresh decode), unless `read_only`: the caller never modifies the results,
+        so memory tiers return their tensors without copying them. `into` (one per key): the
+        fastest tier reads chunks it can straight into them (`reads_in_place`); each comes back
+        as its destination."""
         keys = list(keys)
         out: list[tuple[torch.Tensor | Destination | None, int]] = [(None, -1)] * len(keys)
         self.pins.pin(keys)
@@ -288,7 +256,7 @@ class StorageManager:
                 if i == 0 and into is not None and tier.reads_in_place:
                     got = self._call(i, partial(tier.batched_read_into, want, [into[j] for j in missing]), "load")
                 else:
-                    got = self._call(i, partial(tier.batched_read if read_only else tier.batched_get, want), "load")
+                    got = self._call(i, partial(tier.batched_get, want, read_only=read_only), "load")
                 if got is SKIPPED:
                     continue
                 elapsed = time.perf_counter() - t0

@@ -84,8 +84,7 @@ class TierGuard:
         backend = BackendStats()
         if self.reads.healthy:
             try:
-                got = self.tier.stats()
-                backend = got if isinstance(got, BackendStats) else backend
+                backend = self.tier.stats()
             except Exception:
                 pass
         with self.lock:

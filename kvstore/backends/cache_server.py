@@ -3,7 +3,7 @@
 
 The server holds opaque values (framed by `kvstore.serde` in BytesBackend) and enforces its
 own byte budget (`--max-bytes`, plus `--max-disk-bytes` with `--disk`); this tier reports
-the server's figures. Batches are pipelined, `prefix_hits` is one PREFIX_HITS round trip.
+the server's figures. Batches are pipelined, `prefix_hits` is one PREFIX_HITS request.
 Connection failures raise BackendError; the next call reconnects (a server restart costs
 one failed call at most, usually none: a stale pooled connection is retried once).
 
@@ -130,14 +130,11 @@ class CacheServerBackend(BytesBackend):
         """Returns once the server answers a PING within the lookup deadline (the breaker's probe)."""
         self._io(self.lookup_client.ping)
 
-    def encode(self, key: str, kv: torch.Tensor) -> serde.SplitValue:
+    def _encode(self, key: str, kv: torch.Tensor) -> serde.SplitValue:
         """Returns the value unjoined: the client sends header and tensor bytes back to back."""
         return serde.encode_split(key, kv, self.codec)
 
     # -- BytesBackend hooks --------------------------------------------------------------
-    def _get_bytes(self, key: str) -> ReadValue | None:
-        return self._batched_get_bytes([key])[0]
-
     def _batched_get_bytes(self, keys: Sequence[str]) -> Sequence[ReadValue | None]:
         """Returns the values, each checked as it arrived (`serde.ValueCheck.arrived`)."""
         checks: list[serde.ValueCheck] = []
@@ -148,9 +145,6 @@ class CacheServerBackend(BytesBackend):
         values = self._io(self.loads.get_many, [k.encode() for k in keys], observers)
         return [None if v is None else serde.CheckedValue(v, c) for v, c in zip(values, checks, strict=True)]
 
-    def _put_bytes(self, key: str, value: StoredValue) -> bool:
-        return self._batched_put_bytes([(key, value)])[0]
-
     def _batched_put_bytes(self, items: Sequence[tuple[str, StoredValue]]) -> list[bool]:
         stored = self._io(self.client.put_many, [(k.encode(), _payload(v)) for k, v in items])
         refused = len(stored) - sum(stored)
@@ -159,21 +153,26 @@ class CacheServerBackend(BytesBackend):
                 self._rejected += refused
         return stored
 
-    def _contains(self, key: str) -> bool:
-        return self._io(self.lookup_client.exists, key.encode())
+    def _usage(self) -> tuple[int, int, int | None, int]:
+        s = self._io(self.lookup_client.stats)  # a /metrics scrape waits at most a lookup's deadline
+        return (s["entries"] + s["disk_entries"], s["bytes"] + s["disk_bytes"],
+                s["max_bytes"] + s["max_disk_bytes"], s["evictions"])
 
-    def _batched_contains(self, keys: Sequence[str]) -> list[bool]:
-        return self._io(self.lookup_client.exists_many, [k.encode() for k in keys])
+    # -- the rest of the contract ---------------------------------------------------------
+    def batched_contains(self, keys: Sequence[str]) -> list[bool]:
+        """Returns, per key, whether the server holds it (pipelined EXISTS, one round trip)."""
+        return self._io(self.lookup_client.exists_many, [k.encode() for k in keys]) if keys else []
 
     def prefix_hits(self, keys: Sequence[str]) -> int:
         """Returns how many of `keys`, from the start, the server holds: one round trip,
         within the lookup deadline."""
         return self._io(self.lookup_client.prefix_hits, [k.encode() for k in keys])
 
-    def _delete(self, key: str) -> bool:
+    def delete(self, key: str) -> bool:
         return self._io(self.client.delete, key.encode())
 
-    def _clear(self) -> None:
+    def clear(self) -> None:
+        """Removes every chunk on the server, whoever wrote it."""
         self._io(self.client.clear)
 
     def delete_prefix(self, prefix: str) -> int:
@@ -182,11 +181,6 @@ class CacheServerBackend(BytesBackend):
         if not prefix:
             raise ValueError("delete_prefix needs a non-empty prefix")
         return int(self._io(self.client.delete_prefix, prefix.encode()))
-
-    def _usage(self) -> tuple[int, int, int | None, int]:
-        s = self._io(self.lookup_client.stats)  # a /metrics scrape waits at most a lookup's deadline
-        return (s["entries"] + s["disk_entries"], s["bytes"] + s["disk_bytes"],
-                s["max_bytes"] + s["max_disk_bytes"], s["evictions"])
 
     def stats(self) -> BackendStats:
         """Returns the server's usage with this client's counters; while the server is

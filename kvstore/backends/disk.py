@@ -251,8 +251,8 @@ class DiskBackend(BytesBackend):
             raise BackendError(f"disk tier {self.root} is read-only, writes refused "
                                f"(cannot open {STATE_FILE}: {self._dir.why_read_only})")
 
-    # -- BytesBackend hooks --------------------------------------------------------------
-    def _contains(self, key: str) -> bool:
+    # -- BytesBackend hooks and the contract ----------------------------------------------
+    def _exists(self, key: str) -> bool:
         with self._lock:
             if key in self._index:
                 return True
@@ -272,8 +272,8 @@ class DiskBackend(BytesBackend):
                 self._index.add(key, size)  # counted in the directory's state by its writer
         return True
 
-    def _batched_contains(self, keys: Sequence[str]) -> list[bool]:
-        return [self._contains(k) for k in keys]
+    def batched_contains(self, keys: Sequence[str]) -> list[bool]:
+        return [self._exists(k) for k in keys]
 
     @contextmanager
     def _opened(self, key: str) -> Iterator[int | None]:
@@ -303,21 +303,46 @@ class DiskBackend(BytesBackend):
         with self._lock:
             self._index.touch(key)
 
-    def _get_bytes(self, key: str) -> ReadValue | None:
+    def _batched_get_bytes(self, keys: Sequence[str]) -> list[ReadValue | None]:
+        return [self._read(k) for k in keys]
+
+    def _read(self, key: str) -> ReadValue | None:
         with self._opened(key) as fd:
             return None if fd is None else read_value(fd, key, self._read_buffers)
 
-    def _read_in_place(self, key: str, dest: Destination) -> bool | None:
-        with self._opened(key) as fd:
-            if fd is None:
-                return False
-            return True if read_in_place(fd, key, dest) else None
+    def batched_read_into(self, keys: Sequence[str], dests: Sequence[Destination]
+                          ) -> list[torch.Tensor | Destination | None]:
+        """Reads each raw value of `dest.dtype` and `dest.shape` straight into its destination
+        (`disk_reads.read_in_place`: no buffer between the page cache and `dest`); any other
+        value comes back decoded, as `batched_get` returns it. Hits, misses and corrupt values
+        are counted as `batched_get` counts them."""
+        if len(keys) != len(dests):
+            raise ValueError(f"one destination per key: {len(keys)} keys, {len(dests)} destinations")
+        out: list[torch.Tensor | Destination | None] = []
+        for key, dest in zip(keys, dests, strict=True):
+            try:
+                with self._opened(key) as fd:
+                    done = fd is not None and read_in_place(fd, key, dest)
+                    other = fd is not None and not done
+            except serde.SerdeError:
+                self._refuse(key)
+                out.append(None)
+                continue
+            if other:  # not raw dest.dtype of dest.shape: read and decoded as batched_get does
+                out.append(self.batched_get([key])[0])
+            else:
+                self._count(hit=done)
+                out.append(dest if done else None)
+        return out
 
-    def encode(self, key: str, kv: torch.Tensor) -> serde.SplitValue:
+    def _encode(self, key: str, kv: torch.Tensor) -> serde.SplitValue:
         """Returns header + payload unjoined: the file gets them in two writes, no copy."""
         return serde.encode_split(key, kv, self.codec)
 
-    def _put_bytes(self, key: str, value: StoredValue) -> bool:
+    def _batched_put_bytes(self, items: Sequence[tuple[str, StoredValue]]) -> list[bool]:
+        return [self._write(key, value) for key, value in items]
+
+    def _write(self, key: str, value: StoredValue) -> bool:
         self._writable()
         path = self._path(key)
         parts = file_parts(value)
@@ -362,17 +387,22 @@ class DiskBackend(BytesBackend):
                 state.used -= nbytes
             raise BackendError(f"disk tier cannot write {key}: {exc}") from exc
 
-    def _delete(self, key: str) -> bool:
+    def delete(self, key: str) -> bool:
         self._writable()
         with self._locked() as state:
             freed = self._unlink(key)
             state.used -= freed
             return freed > 0
 
-    def _keys_with_prefix(self, prefix: str) -> list[str]:
-        return keys_with_prefix(self.root, prefix)  # every process's files
+    def delete_prefix(self, prefix: str) -> int:
+        """Removes every file (any process's) whose key starts with `prefix`; returns how many."""
+        if not prefix:
+            raise ValueError("delete_prefix needs a non-empty prefix")
+        return sum(self.delete(k) for k in keys_with_prefix(self.root, prefix))
 
-    def _clear(self) -> None:
+    def clear(self) -> None:
+        """Removes the files in this process's index (those found when it opened the directory,
+        and those it has written or found since)."""
         self._writable()
         with self._locked() as state:
             for key in list(self._index.sizes):

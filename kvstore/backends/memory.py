@@ -69,18 +69,9 @@ class MemoryBackend(StorageBackend):
         # a copy: the caller's tensor may be a view into the engine's kv cache that changes later
         return self._copy(kv)
 
-    def contains(self, key: str) -> bool:
+    def batched_contains(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
-            return key in self._store
-
-    def prefix_hits(self, keys: Sequence[str]) -> int:
-        with self._lock:
-            n = 0
-            for key in keys:
-                if key not in self._store:
-                    break
-                n += 1
-            return n
+            return [key in self._store for key in keys]
 
     def _lookup(self, key: str) -> torch.Tensor | Buffer | None:
         """Returns the stored value of `key` (counting the hit or miss and touching it)."""
@@ -93,36 +84,26 @@ class MemoryBackend(StorageBackend):
             self._stats.hits += 1
             return value
 
-    def get(self, key: str) -> torch.Tensor | None:
-        """Returns a copy of the chunk (on this tier's device for raw), or None on a miss."""
-        value = self._lookup(key)
-        if value is None:
-            return None
-        # stored values are never mutated in place (a put replaces them), so copy outside the lock
-        if isinstance(value, torch.Tensor):
-            return self._copy(value)
-        return serde.decode(key, value).to(self.device)
-
-    def batched_read(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
-        """Returns the stored tensors themselves (raw codec; others decode), or None per miss."""
+    def batched_get(self, keys: Sequence[str], *, read_only: bool = False) -> list[torch.Tensor | None]:
+        """Returns per key a copy of the chunk (on this tier's device for raw; with `read_only`
+        the stored tensor itself), a fresh decode for other codecs, or None on a miss."""
         out: list[torch.Tensor | None] = []
         for key in keys:
             value = self._lookup(key)
-            if value is None or isinstance(value, torch.Tensor):
+            # stored values are never mutated in place (a put replaces them), so copy outside the lock
+            if value is None or (read_only and isinstance(value, torch.Tensor)):
                 out.append(value)
+            elif isinstance(value, torch.Tensor):
+                out.append(self._copy(value))
             else:
                 out.append(serde.decode(key, value).to(self.device))
         return out
 
-    def put(self, key: str, kv: torch.Tensor) -> bool:
-        """Stores a copy of `kv`, evicting by policy; returns False when the chunk cannot fit
-        (refused, counted)."""
-        return self._put(key, self._to_stored(key, kv))
-
-    def batched_adopt(self, items: Sequence[tuple[str, torch.Tensor]]) -> list[bool]:
-        """Stores each tensor itself when it is a whole contiguous tensor on this tier's device
-        (raw codec, unpinned), else a copy; same budget rules as `put`."""
-        return [self._put(key, self._to_stored(key, kv, owned=True)) for key, kv in items]
+    def batched_put(self, items: Sequence[tuple[str, torch.Tensor]], *, owned: bool = False) -> list[bool]:
+        """Stores a copy of each chunk (with `owned`, the tensor itself when it is a whole
+        contiguous tensor on this tier's device: raw codec, pinned if this tier pins), evicting
+        by policy; False per chunk that cannot fit (refused, counted)."""
+        return [self._put(key, self._to_stored(key, kv, owned)) for key, kv in items]
 
     def _put(self, key: str, stored: torch.Tensor | Buffer) -> bool:
         nbytes = _stored_nbytes(stored)

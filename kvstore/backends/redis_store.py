@@ -154,7 +154,7 @@ class RedisBackend(BytesBackend):
     def _unevictable(self, key: str) -> bool:
         return key in self._writing or self._pinned(key)
 
-    def encode(self, key: str, kv: torch.Tensor) -> StoredValue:
+    def _encode(self, key: str, kv: torch.Tensor) -> StoredValue:
         """Returns the value unjoined for a single node (sent in two parts by SplitValuePacker);
         joined for a cluster, whose per-node clients use redis-py's own packer."""
         if self.cluster:
@@ -179,10 +179,7 @@ class RedisBackend(BytesBackend):
         except (RedisError, OSError) as exc:
             raise BackendError(f"redis tier {what} failed ({self.url}): {exc}") from exc
 
-    # -- BytesBackend hooks --------------------------------------------------------------
-    def _contains(self, key: str) -> bool:
-        return self._batched_contains([key])[0]
-
+    # -- BytesBackend hooks and the contract ----------------------------------------------
     def _get_many(self, keys: Sequence[str]) -> list[Any]:
         """Returns the values of `keys` (None per missing key, NOT_A_CHUNK per key holding
         anything else) in one pipelined round trip per node, each reply read by
@@ -210,7 +207,7 @@ class RedisBackend(BytesBackend):
                 raise reply
         return replies
 
-    def _batched_contains(self, keys: Sequence[str]) -> list[bool]:
+    def batched_contains(self, keys: Sequence[str]) -> list[bool]:
         """Returns, per key, whether it holds something that starts like a chunk (one GETRANGE
         of the header per key, one round trip); a key holding anything else is removed."""
         if not keys:
@@ -223,11 +220,8 @@ class RedisBackend(BytesBackend):
             with self._stats_lock:
                 self._corrupt += len(bad)
             for key in bad:
-                self._delete(key)
+                self.delete(key)
         return held
-
-    def _get_bytes(self, key: str) -> ReadValue | None:
-        return self._batched_get_bytes([key])[0]
 
     def _batched_get_bytes(self, keys: Sequence[str]) -> list[ReadValue | None]:
         if not keys:
@@ -263,9 +257,6 @@ class RedisBackend(BytesBackend):
                 admitted[key] = value
             self._writing.update(admitted.keys())
         return list(admitted.items()), victims
-
-    def _put_bytes(self, key: str, value: StoredValue) -> bool:
-        return self._batched_put_bytes([(key, value)])[0]
 
     @contextmanager
     def _key_locks(self, keys: Iterable[str]) -> Iterator[None]:
@@ -309,14 +300,14 @@ class RedisBackend(BytesBackend):
             self._evicted(victims)
             return [k in kept for k, _ in items]
 
-    def _delete(self, key: str) -> bool:
+    def delete(self, key: str) -> bool:
         with self._key_locks([key]):
             with self._lock:
                 self._budget.remove(key)
             # on the serving pool: a bad value found by a read is removed within that read's bounds
             return bool(self._call("delete", lambda: self.reader.unlink(key)))
 
-    def _clear(self) -> None:
+    def clear(self) -> None:
         """Removes the chunks this client wrote (other clients' chunks stay: see wipe_all_chunks)."""
         with self._lock:
             keys = list(self._budget.sizes)

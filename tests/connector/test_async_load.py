@@ -34,13 +34,9 @@ class _SlowReadTier(CPUBackend):
             self.reading.set()
             assert self.gate.wait(60), "test gate never opened"
 
-    def batched_read(self, keys):
+    def batched_get(self, keys, *, read_only=False):
         self._wait()
-        return super().batched_read(keys)
-
-    def batched_get(self, keys):
-        self._wait()
-        return super().batched_get(keys)
+        return super().batched_get(keys, read_only=read_only)
 
 
 def hold_loader(conn) -> threading.Event:

@@ -288,14 +288,14 @@ def test_segments_hit_in_any_order_and_missing_ones_are_computed(default_model_p
         assert conn.flush(timeout=60)
         conn.storage.delete(evicted)
         [(good, _)] = conn.storage.fetch([corrupt])
-        conn.storage.put(corrupt, good[:, :, :3].clone())
+        conn.storage.batched_put([(corrupt, good[:, :, :3].clone())])
         assert conn.stored_segment(segments["docs"][0]) is None and conn.stored_segment(segments["docs"][1]) is None
         again = llm.generate([prompt(segments, (0, 1, 2))], GREEDY)[0]
         st = conn.blend_stats()
         assert st["segment_misses"] == 6
         assert tokens(again) == tokens(first)  # recomputed in the first prompt's order: the same K/V
         assert conn.flush(timeout=60)  # segment stores go through the background queue
-        assert conn.storage.contains(evicted)
+        assert conn.storage.batched_contains([evicted])[0]
         torch.testing.assert_close(conn.storage.fetch([corrupt])[0][0], good, atol=1e-4, rtol=1e-4)
         assert_idle(llm, conn)
 
@@ -331,7 +331,7 @@ def test_blended_kv_never_enters_the_prefix_cache_or_prefix_tiers(default_model_
         ids = p["prompt_token_ids"]
         prefix_keys = [sp.key for sp in conn.scheduler.keyspace.spans(ids)]
         assert conn.flush(timeout=60)
-        assert conn.storage.prefix_hits(prefix_keys) == 0  # no prefix chunk of the blended request
+        assert not any(conn.storage.batched_contains(prefix_keys[:1]))  # no prefix chunk of the blended request
         exact = len(segments["system"]) // 16 * 16  # the standalone system prompt is exact
         assert llm.get_stats()["num_cached_blocks"] == exact // 16
 

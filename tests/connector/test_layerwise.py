@@ -68,7 +68,7 @@ def test_layerwise_cache_is_bit_identical_to_whole_chunk_loads(tier, default_mod
     with layerwise_engine(default_model_path, prompt_ids, [tier_url(tier, tmp_path, request)]) as (conn, llm):
         n = len(prompt_ids)
         spans = conn.scheduler.keyspace.spans(prompt_ids)
-        assert conn.storage.contains(layer_key(spans[0].key, llm.model_config.num_layers - 1))
+        assert conn.storage.batched_contains([layer_key(spans[0].key, llm.model_config.num_layers - 1)])[0]
         assert list(conn.lookup(prompt_ids).values()) == [n - 1]  # /kv/lookup counts layered chunks
         kv, cached = warm_cache(llm, prompt_ids)
         assert cached == n - 1
@@ -114,10 +114,10 @@ class _GatedTier(CPUBackend):
         self.gate = threading.Event()
         self.gate.set()
 
-    def batched_read(self, keys):
+    def batched_get(self, keys, *, read_only=False):
         if any(k.endswith(self.gated) for k in keys):
             assert self.gate.wait(60), "test gate never opened"
-        return super().batched_read(keys)
+        return super().batched_get(keys, read_only=read_only)
 
 
 def test_layer_zero_computes_while_the_last_layer_is_still_being_read(default_model_path, prompt_ids, reference):

@@ -33,7 +33,7 @@ def path(tmp_path: Path) -> Path:
 
 def test_remote_answers_equal_local_ones_pending_stores_included(storage: StorageManager, path: Path) -> None:
     spans = KS.spans(list(range(16)))
-    storage.put(spans[0].key, torch.zeros(2, 2, 4, 1, 8))
+    storage.batched_put([(spans[0].key, torch.zeros(2, 2, 4, 1, 8))])
     pending = {spans[2].key}
     local = Presence(storage, pending.__contains__)
     server = LookupServer(local, path)
@@ -62,7 +62,7 @@ def test_a_malformed_question_ends_only_its_connection(storage: StorageManager, 
         unknown.sendall(struct.pack("<I", 7 << 24))  # an op no server knows
         assert unknown.recv(1) == b""
         unknown.close()
-        storage.put("k", torch.zeros(1, 2, 1, 1, 4))
+        storage.batched_put([("k", torch.zeros(1, 2, 1, 1, 4))])
         assert remote.held(["k", "x"]) == [True, False]
     finally:
         remote.close()
@@ -94,7 +94,7 @@ def test_per_tier_prefixes_equal_the_local_storage_answer(path: Path) -> None:
 
 def test_no_server_is_a_miss_and_a_restarted_server_is_found_again(storage: StorageManager, path: Path) -> None:
     remote = RemotePresence(path, timeout=2.0, connect_timeout=0.2)
-    storage.put("k", torch.zeros(1, 2, 1, 1, 4))
+    storage.batched_put([("k", torch.zeros(1, 2, 1, 1, 4))])
     assert remote.held(["k"]) == [False] and remote.failures == 1
     server = LookupServer(Presence(storage), path)
     try:

@@ -35,13 +35,9 @@ class _CountingTier(CPUBackend):
         self.calls.append("contains")
         return super().batched_contains(keys)
 
-    def batched_read(self, keys):
+    def batched_get(self, keys, *, read_only=False):
         self.calls.append("read")
-        return super().batched_read(keys)
-
-    def batched_get(self, keys):
-        self.calls.append("read")
-        return super().batched_get(keys)
+        return super().batched_get(keys, read_only=read_only)
 
 
 def _planner(default_model_path: Path) -> tuple[KVTierPlanner, _CountingTier, ModelConfig]:

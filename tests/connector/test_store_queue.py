@@ -28,13 +28,9 @@ class _GatedTier(CPUBackend):
         if self.fail:
             raise BackendError("disk full")
 
-    def batched_put(self, items) -> None:
+    def batched_put(self, items, *, owned=False) -> list[bool]:  # the queue hands its chunks over
         self._wait()
-        super().batched_put(items)
-
-    def batched_adopt(self, items) -> None:  # the queue hands its chunks over
-        self._wait()
-        super().batched_adopt(items)
+        return super().batched_put(items, owned=owned)
 
 
 def chunk(tokens: int = 4) -> torch.Tensor:
@@ -52,7 +48,7 @@ def test_bounded_by_bytes_and_read_your_writes():
     assert q.submit([("b", chunk())], lambda: done.append("b"))
     assert not q.submit([("c", chunk())])  # over the byte bound: refused, nothing queued
     assert q.pending() == 2 and q.is_pending("a") and not q.is_pending("c")
-    assert storage.prefix_hits(["a"]) == 0
+    assert storage.batched_contains(["a"]) == [False]
 
     waiter = threading.Thread(target=q.wait_for, args=(["b"],))
     waiter.start()
@@ -61,12 +57,12 @@ def test_bounded_by_bytes_and_read_your_writes():
     tier.gate.set()
     waiter.join(30)
     assert not waiter.is_alive()
-    assert storage.prefix_hits(["a", "b", "c"]) == 2  # ...and then finds it
-    assert torch.equal(storage.get("a"), one)
+    assert storage.batched_contains(["a", "b", "c"]) == [True, True, False]  # ...and then finds it
+    assert torch.equal(storage.fetch(["a"])[0][0], one)
     assert q.flush(30) and q.pending() == 0 and done == ["a", "b"]
     assert q.submit([("c", chunk())])  # bytes released: room again
     q.close()
-    assert storage.prefix_hits(["c"]) == 1
+    assert storage.batched_contains(["c"]) == [True]
     storage.close()
 
 

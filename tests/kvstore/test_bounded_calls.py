@@ -103,21 +103,21 @@ def _freeze_and_check(mgr: StorageManager, name: str, pid: int, keys: list[str],
     """Freezes `pid`, makes `first` call (a lookup or a load) and checks it failed within its
     deadline, opening the breaker; later calls are skipped; after SIGCONT the breaker closes
     and every chunk is read back whole."""
-    calls: dict[str, Callable[[], object]] = {"lookup": lambda: mgr.prefix_hits(keys),
-                                              "load": lambda: mgr.batched_get(keys)}
+    calls: dict[str, Callable[[], object]] = {"lookup": lambda: mgr.batched_contains(keys),
+                                              "load": lambda: [kv for kv, _ in mgr.fetch(keys)]}
     deadline = LOOKUP_S if first == "lookup" else LOAD_S
     os.kill(pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
         got = calls[first]()
         took = time.monotonic() - t0
-        assert got in (0, [None] * len(keys))  # a miss: the caller recomputes
+        assert got in ([False] * len(keys), [None] * len(keys))  # a miss: the caller recomputes
         assert took < deadline + SLACK_S, f"the {first} took {took:.2f}s"
         s = mgr.stats()[name]
         assert s.read_breaker == BreakerState.OPEN and s.breaker_opens == 1 and s.timeouts == 1 and s.errors == 1
         skipped = s.skipped
         for call in calls.values():  # skipped while open: neither waits for the frozen server
-            assert call() in (0, [None] * len(keys))
+            assert call() in ([False] * len(keys), [None] * len(keys))
         assert mgr.stats()[name].skipped == skipped + 2
         time.sleep(0.3)  # past the cool-down: a call starts a probe, which fails on its own thread
         calls["lookup"]()
@@ -133,8 +133,8 @@ def _freeze_and_check(mgr: StorageManager, name: str, pid: int, keys: list[str],
         return False
 
     assert wait_until(closed, 15.0, 0.02), "the breaker never closed"
-    assert mgr.prefix_hits(keys) == len(keys)
-    assert all(torch.equal(kv, chunk(i)) for i, kv in enumerate(mgr.batched_get(keys)))
+    assert all(mgr.batched_contains(keys))
+    assert all(torch.equal(kv, chunk(i)) for i, (kv, _) in enumerate(mgr.fetch(keys)))
 
 
 @pytest.mark.parametrize("first", ["lookup", "load"])
@@ -189,7 +189,7 @@ def test_a_disk_that_never_answers_cannot_hold_close(tmp_path: Path, caplog: pyt
     with hold_dir_lock(root):
         mgr.batched_put([(ckey(i), chunk(i)) for i in range(3)])
         for i in range(3, 8):
-            mgr.put(ckey(i), chunk(i))
+            mgr.batched_put([(ckey(i), chunk(i))])
         # one stuck in the disk's lock, five queued
         assert wait_until(lambda: mgr.writer_stats()["pending"] == 6, 15.0, 0.02), mgr.writer_stats()
         assert not mgr.flush(0.2)

@@ -88,15 +88,17 @@ def test_a_frozen_server_stalls_lookups_briefly_and_is_used_again_after(
     mgr = StorageManager([CPUBackend(), tier], names=["cpu", "server"])
     keys = _keys(3)
     tier.batched_put([(k, _chunk(i, (2, 2, 16, 3, 64))) for i, k in enumerate(keys)])
-    calls = {"prefix_hits": lambda: mgr.prefix_hits(keys), "batched_contains": lambda: mgr.batched_contains(keys),
-             "contains": lambda: mgr.contains(keys[0])}
+    calls = {"tier_prefix_hits": lambda: mgr.tier_prefix_hits(keys),
+             "batched_contains": lambda: mgr.batched_contains(keys),
+             "contains": lambda: mgr.batched_contains([keys[0]])}
     assert server.proc is not None
     # the first calls time out; later ones are skipped, or probe once the backoff elapsed
     took = longest_calls_while_frozen(server.proc.pid, calls, rounds=3, pause_s=0.3)
     assert not mgr.stats()["server"].read_healthy  # no call since it was resumed
     assert max(took.values()) < 3.0, took  # each used to wait out timeout_s (10 s)
-    wait_until(lambda: mgr.prefix_hits(keys) == 3, 10.0, 0.05)
-    assert mgr.prefix_hits(keys) == 3 and torch.equal(mgr.batched_get(keys)[2], _chunk(2, (2, 2, 16, 3, 64)))
+    wait_until(lambda: mgr.tier_prefix_hits(keys)["server"] == 3, 10.0, 0.05)
+    assert mgr.tier_prefix_hits(keys)["server"] == 3
+    assert torch.equal(mgr.fetch(keys)[2][0], _chunk(2, (2, 2, 16, 3, 64)))
     mgr.close()
 
 
@@ -201,7 +203,7 @@ def test_two_storage_managers_share_through_the_server(cache_server: CacheServer
         assert writer.flush(timeout=30)
         assert writer.stats()["1:" + cache_server.url].errors == 0, writer.stats()
     with StorageManager.from_config(config) as reader:
-        assert reader.prefix_hits(keys) == 3, (reader.stats(), writer.stats(), writer.writer_stats())
-        got = reader.batched_get(keys)
+        assert reader.batched_contains(keys) == [True] * 3, (reader.stats(), writer.stats(), writer.writer_stats())
+        got = [kv for kv, _ in reader.fetch(keys)]
         assert all(torch.equal(g, c) for g, c in zip(got, chunks))
         assert reader.stats()["1:" + cache_server.url].hits == 3

@@ -50,7 +50,7 @@ def test_files_written_before_the_file_header_still_load(tmp_path: Path) -> None
     disk = DiskBackend(tmp_path)
     assert torch.equal(disk.get(ckey(0)), chunk(0))
     into = Scattered(chunk(1), 4096)
-    assert disk.read_into(ckey(1), into.dest) is True
+    assert disk.batched_read_into([ckey(1)], [into.dest])[0] is into.dest
     assert torch.equal(into.chunk(chunk(1)), chunk(1)) and into.outside_untouched()
     s = disk.stats()
     assert (s.hits, s.corrupt) == (2, 0)
@@ -67,7 +67,7 @@ def test_a_file_header_that_lies_is_a_miss(tmp_path: Path, start: int) -> None:
         path.write_bytes(data)
     assert disk.get(ckey(0)) is None
     into = Scattered(chunk(1), 4096)
-    assert disk.read_into(ckey(1), into.dest) is False
+    assert disk.batched_read_into([ckey(1)], [into.dest]) == [None]
     s = disk.stats()
     assert (s.hits, s.corrupt) == (0, 2)
     assert not disk._path(ckey(0)).exists() and not disk._path(ckey(1)).exists()

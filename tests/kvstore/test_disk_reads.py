@@ -1,7 +1,7 @@
-"""Reading disk-tier values straight into the caller's memory (`read_into`): the bytes land
-where the destination says, checked as `get` checks them; anything corrupt, truncated,
+"""Reading disk-tier values straight into the caller's memory (`batched_read_into`): the bytes
+land where the destination says, checked as `get` checks them; anything corrupt, truncated,
 padded or foreign is a miss, and a value that is not raw K/V of the destination's shape and
-dtype is left to `get`."""
+dtype is read as `get` reads it."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_read_into_puts_every_byte_where_the_destination_says(tmp_path: Path, pi
         disk.put(ckey(1), kv)
         into = Scattered(kv, piece)
         assert disk.reads_in_place
-        assert disk.read_into(ckey(1), into.dest) is True
+        assert disk.batched_read_into([ckey(1)], [into.dest])[0] is into.dest
         assert torch.equal(into.chunk(kv), kv) and into.outside_untouched()
         s = disk.stats()
         assert (s.hits, s.misses, s.corrupt) == (1, 0, 0)
@@ -55,12 +55,12 @@ def test_corrupt_truncated_padded_and_foreign_values_are_misses(tmp_path: Path) 
     paths[4].write_bytes(bytes(serde.encode(ckey(9), chunk(9))))  # another key's valid value
     for i in range(5):
         into = Scattered(chunk(i), 4096)
-        assert disk.read_into(ckey(i), into.dest) is False, i
+        assert disk.batched_read_into([ckey(i)], [into.dest]) == [None], i
         assert into.outside_untouched()
     s = disk.stats()
     assert (s.hits, s.misses, s.corrupt) == (0, 5, 5)
     assert not any(p.exists() for p in paths)  # refused values are dropped, not read again
-    assert disk.read_into(ckey(0), Scattered(chunk(0), 4096).dest) is False  # now absent: a plain miss
+    assert disk.batched_read_into([ckey(0)], [Scattered(chunk(0), 4096).dest]) == [None]  # now absent: a plain miss
     assert disk.stats().corrupt == 5
 
 
@@ -69,21 +69,23 @@ def test_without_the_integrity_key_a_value_is_refused_in_place(tmp_path: Path) -
     disk.put(ckey(0), chunk(0))  # written with no MAC
     serde.set_integrity_key("a-test-integrity-secret-0123")
     try:
-        assert disk.read_into(ckey(0), Scattered(chunk(0), 4096).dest) is False
+        assert disk.batched_read_into([ckey(0)], [Scattered(chunk(0), 4096).dest]) == [None]
         assert disk.stats().corrupt == 1
     finally:
         serde.set_integrity_key(None)
 
 
-def test_values_that_are_not_raw_kv_of_that_shape_are_left_to_get(tmp_path: Path) -> None:
+def test_values_that_are_not_raw_kv_of_that_shape_are_read_as_get_reads_them(tmp_path: Path) -> None:
     disk = DiskBackend(tmp_path)
     DiskBackend(tmp_path, codec="lz4").put(ckey(0), chunk(0))  # another writer's codec
     disk.put(ckey(1), chunk(1, dtype=torch.float32))
     disk.put(ckey(2), chunk(2, tokens=8))
     disk.put(ckey(3), chunk(3))
+    stored = [chunk(0), chunk(1, dtype=torch.float32), chunk(2, tokens=8)]
     for i in range(3):
         into = Scattered(chunk(i), 4096)  # float16, 16 tokens
-        assert disk.read_into(ckey(i), into.dest) is None
+        [got] = disk.batched_read_into([ckey(i)], [into.dest])
+        assert isinstance(got, torch.Tensor) and torch.equal(got, stored[i])
         assert into.untouched()
     assert disk.stats().corrupt == 0
 

@@ -48,13 +48,13 @@ def test_a_read_only_directory_serves_reads_and_refuses_writes_clearly(tmp_path:
         assert tier.read_only
         mgr = StorageManager([tier], names=["disk"])
         keys = [ckey(i) for i in range(20)]
-        assert mgr.prefix_hits(keys) == 20
-        got = mgr.batched_get(keys)  # reads used to fail touching mtime (EROFS)
+        assert all(mgr.batched_contains(keys))
+        got = [kv for kv, _ in mgr.fetch(keys)]  # reads used to fail touching mtime (EROFS)
         assert all(torch.equal(kv, chunk(i)) for i, kv in enumerate(got))
-        mgr.put(ckey(99), chunk(99))  # refused, never raised to the caller
+        mgr.batched_put([(ckey(99), chunk(99))])  # refused, never raised to the caller
         s = mgr.stats()["disk"]
         assert s.read_healthy and not s.write_healthy and "read-only" in s.last_error
-        assert s.hits == 20 and torch.equal(mgr.get(ckey(3)), chunk(3))  # reads go on
+        assert s.hits == 20 and torch.equal(mgr.fetch([ckey(3)])[0][0], chunk(3))  # reads go on
         mgr.close()
 
 

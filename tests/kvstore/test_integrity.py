@@ -75,8 +75,8 @@ def test_forged_values_in_a_shared_tier_are_misses(kind: str, tmp_path: Path, re
     keys = [ckey(i) for i in range(4)]
     mgr.batched_put([(k, chunk(i)) for i, k in enumerate(keys)])
     tier = mgr.tiers[0]
-    tier._put_bytes(keys[1], _forged(keys[1], torch.zeros_like(chunk(1))))  # the forger's write
-    got = mgr.batched_get(keys)
+    tier._batched_put_bytes([(keys[1], _forged(keys[1], torch.zeros_like(chunk(1))))])  # the forger's write
+    got = [kv for kv, _ in mgr.fetch(keys)]
     assert got[1] is None  # a miss (recompute), never the forged zeros
     assert all(torch.equal(got[i], chunk(i)) for i in (0, 2, 3))
     assert tier.stats().corrupt == 1

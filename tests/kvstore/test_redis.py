@@ -105,10 +105,10 @@ def test_redis_killed_mid_workload_manager_recovers(redis_server, caplog: pytest
         try:
             while not stop.is_set():
                 i = (i + 7) % 50
-                mgr.put(ckey(i), chunk(i))
-                kv = mgr.get(ckey((i * 3) % 50))
+                mgr.batched_put([(ckey(i), chunk(i))])
+                kv = mgr.fetch([ckey((i * 3) % 50)])[0][0]
                 assert kv is None or torch.equal(kv, chunk((i * 3) % 50))
-                mgr.prefix_hits([ckey(j) for j in range(5)])
+                mgr.batched_contains([ckey(j) for j in range(5)])
         except BaseException as exc:  # anything escaping the manager fails the test
             errors.append(exc)
 
@@ -128,7 +128,7 @@ def test_redis_killed_mid_workload_manager_recovers(redis_server, caplog: pytest
     mgr.flush()
     s = mgr.stats()["redis"]
     assert s.healthy and s.errors > 0 and s.skipped > 0
-    mgr.put(ckey(77), chunk(77))
+    mgr.batched_put([(ckey(77), chunk(77))])
     mgr.flush()
     assert torch.equal(tiers[1].get(ckey(77)), chunk(77))  # writes reach redis again
     messages = [r.getMessage() for r in caplog.records]

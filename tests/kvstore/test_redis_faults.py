@@ -42,19 +42,19 @@ def test_a_key_that_is_not_a_chunk_is_one_miss_and_is_removed(where: str, reques
     for i, how in ((5, "list"), (9, "hash"), (13, "garbage")):
         _poison(client, i, how)
 
-    assert mgr.prefix_hits(keys) == 5  # stops at the bad key: EXISTS would have counted it
+    assert mgr.tier_prefix_hits(keys) == {"redis": 5}  # stops at the bad key: EXISTS would have counted it
     assert mgr.batched_contains(keys) == [i not in (5, 9, 13) for i in range(20)]
     _poison(client, 5, "list")
     _poison(client, 9, "hash")
-    got = mgr.batched_get(keys)
+    got = [kv for kv, _ in mgr.fetch(keys)]
     for i, kv in enumerate(got):
         assert (kv is None) if i in (5, 9, 13) else torch.equal(kv, chunk(i))
     s = mgr.stats()["redis"]
     assert s.healthy and s.errors == 0 and s.hits == 17
     assert sum(client.exists(ckey(i)) for i in (5, 9, 13)) == 0  # removed, not counted again
-    assert mgr.prefix_hits(keys) == 5
-    mgr.put(ckey(5), chunk(5))  # the key is usable again
-    assert torch.equal(mgr.get(ckey(5)), chunk(5))
+    assert mgr.tier_prefix_hits(keys) == {"redis": 5}
+    mgr.batched_put([(ckey(5), chunk(5))])  # the key is usable again
+    assert torch.equal(mgr.fetch([ckey(5)])[0][0], chunk(5))
     tier.clear()
     mgr.close()
 
@@ -65,16 +65,16 @@ def test_a_full_redis_refusing_writes_keeps_serving_reads(own_redis: RedisServer
     mgr = StorageManager([RedisBackend(own_redis.url)], names=["redis"])
     stored = []
     for i in range(200):  # fill until the server refuses (OOM under noeviction)
-        mgr.put(ckey(i), chunk(i, tokens=64))
+        mgr.batched_put([(ckey(i), chunk(i, tokens=64))])
         if not mgr.stats()["redis"].write_healthy:
             break
         stored.append(i)
     s = mgr.stats()["redis"]
     assert not s.write_healthy and "maxmemory" in s.last_error and stored
     for _ in range(3):  # reads go on, every one of them, while writes back off
-        got = mgr.batched_get([ckey(i) for i in stored])
+        got = [kv for kv, _ in mgr.fetch([ckey(i) for i in stored])]
         assert all(torch.equal(kv, chunk(i, tokens=64)) for i, kv in zip(stored, got))
-        assert mgr.prefix_hits([ckey(i) for i in stored]) == len(stored)
+        assert all(mgr.batched_contains([ckey(i) for i in stored]))
     s = mgr.stats()["redis"]
     assert s.read_healthy and s.hits == 3 * len(stored)
     mgr.close()
@@ -88,7 +88,7 @@ def test_a_redis_that_is_back_is_used_again_within_about_a_second(own_redis: Red
     def writes() -> None:
         i = 0
         while not stop.is_set():
-            mgr.put(ckey(i % 500), chunk(i % 500))
+            mgr.batched_put([(ckey(i % 500), chunk(i % 500))])
             i += 1
             time.sleep(0.02)
 
@@ -116,15 +116,16 @@ def test_a_frozen_redis_stalls_lookups_briefly_and_is_used_again_after(own_redis
     mgr = StorageManager([CPUBackend(), tier], names=["cpu", "redis"])
     keys = [ckey(i) for i in range(4)]
     tier.batched_put([(k, chunk(i)) for i, k in enumerate(keys)])
-    calls = {"prefix_hits": lambda: mgr.prefix_hits(keys), "batched_contains": lambda: mgr.batched_contains(keys),
-             "batched_get": lambda: mgr.batched_get(keys), "contains": lambda: mgr.contains(keys[0])}
+    calls = {"tier_prefix_hits": lambda: mgr.tier_prefix_hits(keys),
+             "batched_contains": lambda: mgr.batched_contains(keys), "fetch": lambda: mgr.fetch(keys),
+             "contains": lambda: mgr.batched_contains([keys[0]])}
     # the first calls time out; later ones are skipped by the backoff
     took = longest_calls_while_frozen(own_redis.proc.pid, calls)
     assert not mgr.stats()["redis"].read_healthy  # no call since it was resumed
     # the old 5 s socket timeout held each of these calls 5 s
     assert max(took.values()) < 2.0, took
-    wait_until(lambda: mgr.prefix_hits(keys) == 4, 5.0, 0.05)
-    assert mgr.prefix_hits(keys) == 4 and torch.equal(mgr.batched_get(keys)[3], chunk(3))
+    wait_until(lambda: mgr.tier_prefix_hits(keys)["redis"] == 4, 5.0, 0.05)
+    assert mgr.tier_prefix_hits(keys)["redis"] == 4 and torch.equal(mgr.fetch(keys)[3][0], chunk(3))
     mgr.close()
 
 
@@ -154,13 +155,13 @@ def test_clear_removes_only_this_clients_chunks(redis_server) -> None:
 def test_reading_stats_is_not_a_health_probe(own_redis: RedisServer) -> None:
     mgr = StorageManager([RedisBackend(own_redis.url)], names=["redis"], backoff_initial_s=0.05, backoff_max_s=0.05)
     own_redis.kill()
-    assert mgr.get(ckey(0)) is None and not mgr.stats()["redis"].read_healthy
+    assert mgr.fetch([ckey(0)])[0][0] is None and not mgr.stats()["redis"].read_healthy
     for _ in range(5):  # backoff elapsed each time: stats() used to be the probe, and always succeeded
         time.sleep(0.1)
         assert not mgr.stats()["redis"].read_healthy
     own_redis.restart()
     time.sleep(0.1)
-    assert mgr.get(ckey(0)) is None  # a call starts the probe (a PING on its own thread)
+    assert mgr.fetch([ckey(0)])[0][0] is None  # a call starts the probe (a PING on its own thread)
     wait_until(lambda: mgr.stats()["redis"].read_healthy, 10.0, 0.01)
     assert mgr.stats()["redis"].read_healthy
     mgr.close()

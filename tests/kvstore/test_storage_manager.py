@@ -50,7 +50,7 @@ def test_write_through_and_promotion(tmp_path: Path) -> None:
         assert mgr.flush(timeout=10)
         assert disk.prefix_hits([ckey(0), ckey(1), ckey(2)]) == 3
         cpu.clear()
-        assert mgr.prefix_hits([ckey(0), ckey(1), ckey(2), ckey(3)]) == 3
+        assert mgr.batched_contains([ckey(0), ckey(1), ckey(2), ckey(3)]) == [True, True, True, False]
         keys = [ckey(1), ckey(5), ckey(2)]
         found = mgr.fetch(keys)
         got = [kv for kv, _ in found]
@@ -86,18 +86,18 @@ def test_read_only_gets_and_owned_puts_skip_copies_but_keep_the_tier_intact(tmp_
         # bytes the budget does not see.
         big = torch.cat([chunk(3), chunk(4)], dim=2)
         mgr.batched_put([(ckey(3), big[:, :, : chunk(3).shape[2]])], owned=True)
-        assert cpu.batched_read([ckey(3)])[0].data_ptr() != big.data_ptr()
+        assert cpu.batched_get([ckey(3)], read_only=True)[0].data_ptr() != big.data_ptr()
         assert cpu.stats().bytes_used == 3 * _chunk_bytes()
         # Promotion of a read-only hit keeps the decoded tensor in the faster tier as it is.
         assert mgr.flush(timeout=10)
         cpu.clear()
         [(got, tier)] = mgr.fetch([ckey(1)], read_only=True)
         mgr.promote([(ckey(1), got, tier)])
-        assert torch.equal(got, chunk(1)) and cpu.batched_read([ckey(1)])[0].data_ptr() == got.data_ptr()
+        assert torch.equal(got, chunk(1)) and cpu.batched_get([ckey(1)], read_only=True)[0].data_ptr() == got.data_ptr()
         cpu.clear()
         [(got, tier)] = mgr.fetch([ckey(1)])  # the caller's own: promoted, the tier keeps a copy
         mgr.promote([(ckey(1), got, tier)], owned=False)
-        assert cpu.batched_read([ckey(1)])[0].data_ptr() != got.data_ptr()
+        assert cpu.batched_get([ckey(1)], read_only=True)[0].data_ptr() != got.data_ptr()
         assert mgr.pins.total() == 0
 
 
@@ -106,33 +106,33 @@ def test_slow_tier_writes_run_at_lower_priority(tmp_path: Path) -> None:
     seen: list[int] = []
 
     class _Recording(DiskBackend):
-        def batched_put(self, items) -> None:
+        def batched_put(self, items, *, owned: bool = False) -> list[bool]:
             seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-            super().batched_put(items)
+            return super().batched_put(items, owned=owned)
 
     with StorageManager([CPUBackend(), _Recording(tmp_path)]) as mgr:
-        mgr.put(ckey(0), chunk(0))
+        mgr.batched_put([(ckey(0), chunk(0))])
         assert mgr.flush(timeout=10)
     assert seen == [min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)]
 
 
-def test_prefix_hits_combines_tiers(tmp_path: Path) -> None:
+def test_existence_combines_tiers(tmp_path: Path) -> None:
     cpu, disk = CPUBackend(), DiskBackend(tmp_path)
     with StorageManager([cpu, disk]) as mgr:
         disk.batched_put([(ckey(i), chunk(i)) for i in range(3)])
         cpu.put(ckey(3), chunk(3))  # chunk 3 only in the fast tier, 0-2 only in the slow one
-        assert mgr.prefix_hits([ckey(i) for i in range(5)]) == 4
-        assert mgr.contains(ckey(3)) and not mgr.contains(ckey(4))
+        assert mgr.batched_contains([ckey(i) for i in range(5)]) == [True] * 4 + [False]
+        assert mgr.tier_prefix_hits([ckey(i) for i in range(5)]) == {"0:cpu": 0, "1:disk": 3}
         assert mgr.batched_contains([ckey(4), ckey(1), ckey(3), ckey(9)]) == [False, True, True, False]
 
 
 def test_pins_protect_and_never_go_negative(tmp_path: Path) -> None:
     cpu = CPUBackend(byte_budget=2 * _chunk_bytes())
     with StorageManager([cpu]) as mgr:
-        mgr.put(ckey(0), chunk(0))
+        mgr.batched_put([(ckey(0), chunk(0))])
         mgr.pin([ckey(0)])
-        mgr.put(ckey(1), chunk(1))
-        mgr.put(ckey(2), chunk(2))  # evicts 1, not the pinned 0
+        mgr.batched_put([(ckey(1), chunk(1))])
+        mgr.batched_put([(ckey(2), chunk(2))])  # evicts 1, not the pinned 0
         assert _read(mgr, ckey(0)) is not None and _read(mgr, ckey(1)) is None
         mgr.unpin([ckey(0)])
         with pytest.raises(ValueError, match="not pinned"):
@@ -148,12 +148,12 @@ def test_pins_protect_and_never_go_negative(tmp_path: Path) -> None:
 def test_bad_input_is_a_value_error_and_stores_nothing(tmp_path: Path) -> None:
     with StorageManager([CPUBackend()]) as mgr:
         with pytest.raises(ValueError, match="torch.Tensor"):
-            mgr.put(ckey(0), [1, 2, 3])  # type: ignore[arg-type]
+            mgr.batched_put([(ckey(0), [1, 2, 3])])  # type: ignore[list-item]
         with pytest.raises(ValueError, match="layers, 2, tokens"):
             mgr.batched_put([(ckey(1), chunk(1)), (ckey(2), torch.zeros(3, 4))])
         with pytest.raises(ValueError, match="key"):
-            mgr.put("", chunk(0))
-        assert mgr.prefix_hits([ckey(1)]) == 0
+            mgr.batched_put([("", chunk(0))])
+        assert mgr.batched_contains([ckey(1)]) == [False]
     with pytest.raises(ValueError, match="tiers"):
         StorageManager([])
 
@@ -166,10 +166,10 @@ class GatedDisk(DiskBackend):
         self.gate = gate
         self.entered = threading.Event()
 
-    def _put_bytes(self, key: str, value) -> None:
+    def _batched_put_bytes(self, items) -> list[bool]:
         self.entered.set()
         self.gate.wait(10)
-        super()._put_bytes(key, value)
+        return super()._batched_put_bytes(items)
 
 
 @pytest.mark.parametrize("drop", ["drop_oldest", "drop_new"])
@@ -177,10 +177,10 @@ def test_full_queue_drops_and_never_blocks(tmp_path: Path, drop: str) -> None:
     gate = threading.Event()
     disk = GatedDisk(tmp_path, gate)
     with StorageManager([CPUBackend(), disk], names=["cpu", "disk"], queue_size=2, queue_full=drop) as mgr:
-        mgr.put(ckey(0), chunk(0))
+        mgr.batched_put([(ckey(0), chunk(0))])
         assert disk.entered.wait(10)  # the worker is now stuck inside the first write
         for i in range(1, 6):  # two queue, three are dropped
-            mgr.put(ckey(i), chunk(i))
+            mgr.batched_put([(ckey(i), chunk(i))])
         assert _read(mgr, ckey(5)) is not None  # serving goes on while the slow tier is stuck
         gate.set()
         assert mgr.flush(timeout=10)
@@ -199,7 +199,7 @@ def test_failing_tier_is_skipped_with_backoff_and_recovers(tmp_path: Path, caplo
     shutil.rmtree(root)
     root.write_bytes(b"")  # the disk tier now fails every write
     for i in range(20):
-        mgr.put(ckey(i), chunk(i))  # never raises
+        mgr.batched_put([(ckey(i), chunk(i))])  # never raises
     assert mgr.flush(timeout=10)
     s = mgr.stats()
     assert not s["disk"].healthy and s["disk"].errors >= 1 and s["disk"].skipped >= 1
@@ -208,7 +208,7 @@ def test_failing_tier_is_skipped_with_backoff_and_recovers(tmp_path: Path, caplo
     root.unlink()
     root.mkdir()
     time.sleep(0.15)
-    mgr.put(ckey(50), chunk(50))  # the write probe: writes recover
+    mgr.batched_put([(ckey(50), chunk(50))])  # the write probe: writes recover
     assert mgr.stats()["disk"].write_healthy and disk.contains(ckey(50))
     assert torch.equal(_read(mgr, ckey(50)), chunk(50))  # the read probe: reads recover
     assert mgr.stats()["disk"].healthy
@@ -236,7 +236,7 @@ def test_budgets_never_exceeded_under_random_workload(tmp_path: Path) -> None:
                     assert kv is None or torch.equal(kv, chunk(int(k[-8:], 16)))
             elif r < 0.9:
                 mgr.pin(keys)
-                mgr.prefix_hits(keys)
+                mgr.batched_contains(keys)
                 mgr.unpin(keys)
             else:
                 mgr.delete(keys[0])
@@ -269,7 +269,7 @@ def test_concurrent_threads_never_see_a_torn_value(kind: str, tmp_path: Path, re
             key = rng.choice(keys)
             if rng.random() < 0.5:
                 # every element of a write carries its writer and sequence: a mix would show
-                store.put(key, torch.full((2, 2, 64, 3, 64), float(tid * 1000 + n)))
+                store.batched_put([(key, torch.full((2, 2, 64, 3, 64), float(tid * 1000 + n)))])
             else:
                 kv = read(key)
                 if kv is not None and not bool((kv == kv.flatten()[0]).all()):

@@ -41,7 +41,7 @@ def test_slow_tier_counts_only_accepted_chunks(tmp_path: Path) -> None:
     kv = _chunk(64)
     cfg = KVStoreConfig(tiers=[TierSpec("cpu"), TierSpec(f"disk://{tmp_path}/kv", budget=100)])
     with StorageManager.from_config(cfg) as sm:
-        sm.put("k", kv)
+        sm.batched_put([("k", kv)])
         assert sm.flush(5.0)
         stats = sm.stats()
         assert stats["0:cpu"].bytes_stored == _nbytes(kv)
@@ -56,7 +56,7 @@ def test_unreachable_tier_is_one_warning_and_a_miss(caplog: pytest.LogCaptureFix
                         backoff_initial_s=0.01, backoff_max_s=0.02)
     with StorageManager.from_config(cfg) as sm:
         for i in range(5):  # requests after start-up: no further warnings
-            sm.put(f"k{i}", _chunk(2))
+            sm.batched_put([(f"k{i}", _chunk(2))])
             assert sm.fetch([f"k{i}", "absent"])[1] == (None, -1)
             sm.flush(5.0)
         assert sm.stats()[f"1:{url}"].bytes_stored == 0

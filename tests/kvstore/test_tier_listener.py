@@ -44,10 +44,10 @@ def test_stores_evictions_and_deletes_are_heard(kind: str, tmp_path: Path, redis
     heard = Heard()
     with StorageManager([tier], names=[spec.url]) as sm:
         sm.set_listener(Listener(heard))
-        sm.put(ckey(0), chunk(0))
-        sm.put(ckey(1), chunk(1))
+        sm.batched_put([(ckey(0), chunk(0))])
+        sm.batched_put([(ckey(1), chunk(1))])
         assert heard.stored == [(tier.name, ckey(0)), (tier.name, ckey(1))] and heard.removed == []
-        sm.put(ckey(2), chunk(2))  # evicts the least recently used: chunk 0
+        sm.batched_put([(ckey(2), chunk(2))])  # evicts the least recently used: chunk 0
         assert heard.stored[-1] == (tier.name, ckey(2))
         assert heard.removed == [(tier.name, ckey(0))]
         assert sm.batched_contains([ckey(0), ckey(1), ckey(2)]) == [False, True, True]
@@ -62,7 +62,7 @@ def test_a_refused_chunk_is_not_heard_as_stored(tmp_path: Path) -> None:
     heard = Heard()
     with StorageManager([tier]) as sm:
         sm.set_listener(Listener(heard))
-        sm.put(ckey(0), chunk(0))
+        sm.batched_put([(ckey(0), chunk(0))])
         assert heard.stored == [] and heard.removed == []
 
 
@@ -71,6 +71,6 @@ def test_a_slow_tier_is_heard_after_its_background_write(tmp_path: Path) -> None
     heard = Heard()
     with StorageManager(tiers) as sm:
         sm.set_listener(Listener(heard))
-        sm.put(ckey(0), chunk(0))
+        sm.batched_put([(ckey(0), chunk(0))])
         assert sm.flush(30)
         assert sorted(heard.stored) == [("cpu", ckey(0)), ("disk", ckey(0))]
