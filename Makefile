@@ -50,14 +50,13 @@ demo: install
 	$(PY) examples/prefix_caching.py
 
 # Lint and type-check first (config in pyproject.toml); any failure, pytest's exit code 5 included, fails the target.
-# Three workers on two cores, one test file each at a time (module-scoped servers and engines start once),
-# long files first: tests/conftest.py orders them and gives each worker one torch thread. The third
-# worker computes while another waits out a fault, a deadline or a child's start (measured in one
-# session: 486 s against 591 s with two). The slowest 15 are listed, for the 8-minute bound.
+# Two workers, one test file each at a time (module-scoped servers and engines start once), long files
+# first: tests/conftest.py orders them and gives each worker one torch thread. The slowest 15 are listed,
+# for the 8-minute bound.
 test: install
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=15 --ignore=tests/vllm
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 --ignore=tests/vllm
 	$(MAKE) test-vllm
 
 # Real vLLM processes with kvtier's connector (tests/vllm), one at a time: each binds both cores.

