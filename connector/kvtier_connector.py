@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from connector.blend.blender import Blender
+from connector.blend.planner import BlendPlanner
 from connector.config import ConnectorConfig, make_config
 from connector.metrics import ConnectorMetrics, RequestKVMetrics, TierKVMetrics
 from connector.planner import KVTierPlanner
@@ -103,9 +104,10 @@ class EngineConnector(KVConnector):
         return self.storage.delete_prefix(tenant_prefix(tenant_tag(cache_salt)))
 
     def _blender(self) -> Blender:
-        if self.worker.blender is None:
+        """Returns the worker's extension as CacheBlend's; ValueError when it is not that."""
+        if not isinstance(self.worker.extension, Blender):
             raise ValueError("CacheBlend is not configured (blend.enabled) or has no engine yet")
-        return self.worker.blender
+        return self.worker.extension
 
     def blend_stats(self) -> dict[str, Any]:
         """Returns CacheBlend's totals since start-up; ValueError when it is not configured."""
@@ -128,8 +130,8 @@ class EngineConnector(KVConnector):
             layout.num_layers if layout is not None else None)
         self.config.blend = blend
         self._blender().config = blend
-        if self.scheduler.blend is not None:
-            self.scheduler.blend.config = blend
+        if isinstance(self.scheduler.extension, BlendPlanner):
+            self.scheduler.extension.config = blend
 
 
 def _shutdown_at_exit(ref: weakref.ref[EngineConnector]) -> None:

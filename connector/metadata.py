@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from connector.blend.segments import Segment
 from connector.keyspace import Span
 
 
@@ -34,25 +34,10 @@ class SaveSpec:
 
 
 @dataclass
-class BlendSpec:
-    """Blend positions [start, end) of a segmented request (start: the engine's prefix-cache
-    hit) from its context `segments`; positions [0, exact_end) come out exact (the engine's
-    hit, the first segment, and segments computed in this prompt)."""
-
-    request_id: str
-    start: int
-    end: int
-    segments: list[Segment]
-    exact_end: int
-    token_ids: list[int]
-    block_ids: list[int]
-    cache_salt: str | None = None  # the request's: its segments are keyed in its keyspace
-
-
-@dataclass
 class KVTierMeta:
     """One step's instructions for the worker side."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
-    blends: list[BlendSpec] = field(default_factory=list)
+    # the extension's work items for this step (connector/extension.py; CacheBlend's BlendSpecs)
+    extension_work: list[Any] = field(default_factory=list)

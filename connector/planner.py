@@ -11,7 +11,9 @@
   the request's first step; chunks a step made storable become `SaveSpec`s (connector/
   save_plan.py). A finished request's generated tail is saved after it finished: its blocks
   are kept until the worker side has gathered it (`request_finished` returns True).
-- Segmented prompts go to the CacheBlend planner when it is configured (connector/blend).
+- An extension (connector/extension.py; CacheBlend's, connector/blend, when `blend.enabled`)
+  is called at each hook: it may take a request at lookup and plan its K/V itself, adds its
+  work to each step's metadata, and may keep a request out of prefix stores.
 
 The partial-chunk rule (LMCache issue #2206, where a load rounded down to a chunk boundary
 and overwrote blocks vLLM's prefix cache owned): loads cover only positions at or after the
@@ -29,8 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from connector.blend.config import engine_model
-from connector.blend.planner import BlendPlanner
+from connector.blend.planner import planner_extension
 from connector.config import ConnectorConfig
 from connector.keyspace import KeyedModel, Keyspace, Span
 from connector.metadata import KVTierMeta, LoadSpec, SaveSpec
@@ -40,7 +41,6 @@ from connector.request_view import BlockIds, RequestView, StepRequest
 from connector.save_plan import SavePlan, SavePolicy
 from engine.cache_salt import tenant_tag
 from engine.kv_connector import KVConnectorOutput, KVConnectorScheduler
-from engine.sequence import Sequence as EngineSequence
 
 if TYPE_CHECKING:
     from engine.scheduler_output import SchedulerOutput
@@ -72,10 +72,8 @@ class KVTierPlanner(KVConnectorScheduler):
         self.presence = presence
         self.metrics = metrics
         self.layerwise = config.use_layerwise
-        self.blend: BlendPlanner | None = None
-        if config.blend.enabled:
-            self.blend = BlendPlanner(config.blend, presence, metrics)
-            self.segment_separator = config.blend.separator
+        self.extension = planner_extension(config.blend, presence, metrics)
+        self.segment_separator = self.extension.segment_separator
         self._keyspace: Keyspace | None = None
         self._save_plan: SavePlan | None = None
         self.block_size = 0
@@ -95,8 +93,7 @@ class KVTierPlanner(KVConnectorScheduler):
         self.block_size = block_size
         self._save_plan = SavePlan(SavePolicy(self.config.save_decode_tokens, self.config.save_unfull_chunk,
                                               self.saves), self._keyspace)
-        if self.blend is not None:
-            self.blend.register_model(engine_model(model_config), self._keyspace, block_size)
+        self.extension.register_model(model_config, self._keyspace, block_size)
 
     @property
     def keyspace(self) -> Keyspace:
@@ -117,8 +114,9 @@ class KVTierPlanner(KVConnectorScheduler):
         on a miss. Never reaches the last token."""
         if seq.cache_salt is not None and self.metrics.live(seq.request_id).tenant is None:
             self.metrics.set_tenant(seq.request_id, tenant_tag(seq.cache_salt))  # its figures' label
-        if self.blend is not None and isinstance(seq, EngineSequence) and self.blend.applies(seq):
-            return self.blend.get_num_new_matched_tokens(seq, num_computed_tokens)
+        taken = self.extension.match(seq, num_computed_tokens)
+        if taken is not None:
+            return taken
         rid = seq.request_id
         n = seq.num_tokens
         hit = self._hits.get(rid)
@@ -186,9 +184,9 @@ class KVTierPlanner(KVConnectorScheduler):
 
     # ---- plans -------------------------------------------------------------------------
     def update_state_after_alloc(self, seq: RequestView, block_ids: list[int], num_external_tokens: int) -> None:
-        """Plans the request's load into `block_ids`, kvtier's engine's one block table."""
-        if self.blend is not None and self.blend.admits(seq.request_id) and isinstance(seq, EngineSequence):
-            self.blend.update_state_after_alloc(seq, block_ids, num_external_tokens)
+        """Plans the request's load into `block_ids`, kvtier's engine's one block table (unless
+        the extension took the request)."""
+        if self.extension.admit(seq, block_ids, num_external_tokens):
             return
         self.plan_load(seq.request_id, [block_ids], num_external_tokens)
 
@@ -215,22 +213,22 @@ class KVTierPlanner(KVConnectorScheduler):
         self._no_save.add(request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMeta:
-        """Returns `plan_step` of kvtier's engine's step, with this step's blends."""
-        blends = self.blend.build_blends(scheduler_output) if self.blend is not None else []
+        """Returns `plan_step` of kvtier's engine's step, with the extension's work for it."""
+        work = self.extension.step_work(scheduler_output)
         meta = self.plan_step([StepRequest(r.seq, [r.block_ids], r.num_computed_tokens, r.num_new_tokens)
                                for r in scheduler_output.requests])
-        meta.blends = blends
+        meta.extension_work = work
         return meta
 
     def plan_step(self, steps: Sequence[StepRequest]) -> KVTierMeta:
         """Returns the loads planned since the last call, the chunks this step makes storable
-        (blended requests are never stored as prefix chunks) and finished requests' tails."""
+        (not of requests the extension excludes, e.g. blended ones) and finished requests' tails."""
         meta = KVTierMeta(loads=self._loads, saves=self._tail_saves)
         self._loads, self._tail_saves = [], []
         plan = self._saves()
         for r in steps:
             rid = r.request.request_id
-            if rid in self._no_save or (self.blend is not None and self.blend.is_blended(rid)):
+            if rid in self._no_save or self.extension.excludes_saves(rid):
                 continue
             spans = plan.spans_to_save(r.request, r.num_computed_tokens + r.num_new_tokens)
             if spans:
@@ -267,9 +265,9 @@ class KVTierPlanner(KVConnectorScheduler):
         rid = seq.request_id
         self._hits.pop(rid, None)
         try:
-            if self.blend is not None and self.blend.finish(rid):
+            if self.extension.finish(rid):
                 self._saves().forget(rid)
-                return False  # nothing of it is stored: its K/V is approximate
+                return False  # nothing of it is stored (a blend: its K/V is approximate)
             if rid in self._loading:  # stopped by the worker at its next chunk, then reported
                 self._saves().forget(rid)
                 return True

@@ -12,7 +12,8 @@ It does what the step's `KVTierMeta` says and nothing else:
   (connector/store_queue.py), so serving never waits on a tier. A finished request's tail is
   gathered the same way before the forward, and the request reported in `finished_sending`,
   so its blocks are freed.
-- blends (connector/blend/blender.py), when CacheBlend is configured.
+- the extension's work (connector/extension.py; CacheBlend's blends, connector/blend/
+  blender.py, when `blend.enabled`), after the loads were handed on, before the forward.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from connector.blend.blender import Blender
-from connector.blend.config import engine_model
+from connector.blend.blender import worker_extension
 from connector.config import ConnectorConfig
+from connector.extension import NoWorkerExtension, WorkerExtension
 from connector.keyspace import KeyedModel, Keyspace
 from connector.loader import Loader, LoadJob
 from connector.metadata import KVTierMeta, SaveSpec
@@ -68,14 +69,14 @@ class KVTierWorker(KVConnectorWorker):
         self.layout: PagedKVLayout | None = None
         self.loader: Loader | None = None
         self.saver: Saver | None = None
-        self.blender: Blender | None = None
+        self.extension: WorkerExtension = NoWorkerExtension()  # the configured one, from register_layout
         self._meta: KVTierMeta | None = None
         self._step_jobs: list[LoadJob] = []  # this step's layerwise loads
         self._step_errors: set[int] = set()
         self._reported_errors: set[int] = set()
         self._failed: set[str] = set()  # background loads reported ended with unfilled blocks
         self._released: set[str] = set()  # finished requests whose tail was gathered
-        self._cached: dict[str, int] = {}  # blends' revised cached-token counts
+        self._cached: dict[str, int] = {}  # the extension's revised cached-token counts
         self._closed = False
         self._flush_deadline: float | None = None  # set by shutdown
 
@@ -97,7 +98,7 @@ class KVTierWorker(KVConnectorWorker):
 
     def register_layout(self, layout: PagedKVLayout, keyspace: Keyspace | None = None) -> None:
         """Takes the engine's paged caches as `layout` (kvtier's engine's, or a vLLM backend's)
-        and builds the loader, saver and blender over them, keyed by `keyspace` (default: the
+        and builds the loader, saver and extension over them, keyed by `keyspace` (default: the
         model's, whole chunks); ValueError if they do not fit the model (the keyspace's heads,
         when split by head) or a connector already serves an engine."""
         mc = self._model_config()
@@ -118,9 +119,8 @@ class KVTierWorker(KVConnectorWorker):
         self.layout = layout
         self.loader = Loader(self.storage, self.stores, layout, keyspace, self.metrics)
         self.saver = Saver(self.stores, self.presence, layout, keyspace, self.metrics)
-        if self.config.blend.enabled:
-            self.blender = Blender(self.config.blend, self.storage, self.stores, layout, keyspace, self.metrics)
-            self.blender.register_model(engine_model(mc), self._model)
+        self.extension = worker_extension(self.config.blend, self.storage, self.stores, layout, keyspace,
+                                          self.metrics, mc, self._model)
 
     def _loader(self) -> Loader:
         if self.loader is None:
@@ -136,7 +136,8 @@ class KVTierWorker(KVConnectorWorker):
     def start_load_kv(self, attn_metadata: AttentionMetadata | None) -> None:
         """Gathers finished requests' tails (their K/V is complete whatever this step does,
         and they are reported released even if its forward fails), hands the step's loads to
-        the loader thread (layerwise ones run ahead of this forward), then runs its blends."""
+        the loader thread (layerwise ones run ahead of this forward), then runs the
+        extension's work."""
         meta = self._meta
         if meta is None:
             return
@@ -148,11 +149,7 @@ class KVTierWorker(KVConnectorWorker):
             job = self._loader().submit(load)
             if load.layerwise:
                 self._step_jobs.append(job)
-        if meta.blends:
-            if self.blender is None:
-                raise RuntimeError("a blend was planned but CacheBlend is not configured on the worker")
-            for spec in meta.blends:
-                self._cached[spec.request_id] = self.blender.run(spec)
+        self._cached.update(self.extension.run(meta.extension_work))
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
         """Blocks until layer `layer_idx` of this step's layerwise loads is in place (or given up)."""

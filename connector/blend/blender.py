@@ -1,5 +1,6 @@
 """CacheBlend's worker side: runs the blends a step's metadata names (docs/architecture.md,
-"CacheBlend"; the scheduler side is connector/blend/planner.py).
+"CacheBlend"; the scheduler side is connector/blend/planner.py), the worker's extension
+(connector/extension.py) when `blend.enabled`.
 
 For each blend: every context segment's stored K/V (positions 0..n-1, keyed from the segment
 root of `BlendConfig.segment_kv`, connector/keyspace.py) is fetched, its keys re-rotated to
@@ -26,11 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from connector.blend.config import BlendConfig
+from connector.blend.config import BlendConfig, engine_model
 from connector.blend.executor import blend_recompute, check_blendable, compute_segment_kv, layer_inv_freqs, rerotate_kv
-from connector.keyspace import Keyspace, Span
+from connector.blend.segments import BlendSpec
+from connector.extension import NoWorkerExtension, WorkerExtension
+from connector.keyspace import KeyedModel, Keyspace, Span
 from connector.loader import chunk_ok
-from connector.metadata import BlendSpec
 from connector.metrics import ConnectorMetrics
 from connector.store_queue import StoreQueue
 from engine.kv_cache import PagedKVLayout
@@ -39,6 +41,19 @@ from kvstore.storage_manager import StorageManager
 
 if TYPE_CHECKING:
     from engine.model_config import ModelConfig
+
+
+def worker_extension(config: BlendConfig, storage: StorageManager, stores: StoreQueue, layout: PagedKVLayout,
+                     keyspace: Keyspace, metrics: ConnectorMetrics, model_config: KeyedModel,
+                     model: torch.nn.Module | None) -> WorkerExtension:
+    """Returns the worker side's extension `config` asks for over the engine's paged caches:
+    a `Blender` of `model` when `blend.enabled` (ValueError/TypeError if it cannot run it),
+    else none."""
+    if not config.enabled:
+        return NoWorkerExtension()
+    blender = Blender(config, storage, stores, layout, keyspace, metrics)
+    blender.register_model(engine_model(model_config), model)
+    return blender
 
 
 @dataclass
@@ -56,7 +71,7 @@ class BlendStats:
         return dataclasses.asdict(self)
 
 
-class Blender:
+class Blender(WorkerExtension):
     """Runs blends on the engine's thread, inside the step that admitted them.
 
     Guarantees: a blend writes only blocks the request owns past the engine's prefix-cache
@@ -79,7 +94,11 @@ class Blender:
         self.config.validate(model_config.num_layers)
         self.model = check_blendable(model)  # the executor runs its layers one by one
 
-    def run(self, spec: BlendSpec) -> int:
+    def run(self, work: list[BlendSpec]) -> dict[str, int]:
+        """Runs the step's blends; returns each blended request's cached tokens (`blend`)."""
+        return {spec.request_id: self.blend(spec) for spec in work}
+
+    def blend(self, spec: BlendSpec) -> int:
         """Fills positions [spec.start, spec.end): segments a tier holds are loaded (fetched,
         re-rotated, scattered), the others computed; then the selective recompute. Returns
         the request's cached tokens: the engine's hit and the loaded segments."""

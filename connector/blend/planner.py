@@ -1,7 +1,8 @@
 """CacheBlend's scheduler side: plans blends of segmented prompts (docs/architecture.md,
-"CacheBlend"); `KVTierPlanner` hands it the requests whose prompt carries segments.
+"CacheBlend"), the prefix path's extension (connector/extension.py) when `blend.enabled`.
 
-- Lookup: the context, every segment but the query (and never the last token), is reported
+- Lookup: it takes the requests of kvtier's engine whose prompt has a context segment and a
+  query. The context, every segment but the query (and never the last token), is reported
   loadable from where the engine's own prefix cache stops, in the request's first step (not
   async). A segment missing from every tier is computed by the worker, so the answer never
   over-promises.
@@ -16,21 +17,27 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from connector.blend.config import BlendConfig
+from connector.blend.config import BlendConfig, engine_model
 from connector.blend.executor import check_rope_moves
-from connector.blend.segments import context_segments
-from connector.keyspace import Keyspace
-from connector.metadata import BlendSpec
+from connector.blend.segments import BlendSpec, context_segments
+from connector.extension import NoPlannerExtension, PlannerExtension
+from connector.keyspace import KeyedModel, Keyspace
 from connector.metrics import ConnectorMetrics
 from connector.presence import ChunkPresence
+from engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from engine.model_config import ModelConfig
+    from connector.request_view import RequestView
     from engine.scheduler_output import SchedulerOutput
-    from engine.sequence import Sequence
 
 
-class BlendPlanner:
+def planner_extension(config: BlendConfig, presence: ChunkPresence, metrics: ConnectorMetrics) -> PlannerExtension:
+    """Returns the scheduler side's extension `config` asks for: a `BlendPlanner` when
+    `blend.enabled`, else none."""
+    return BlendPlanner(config, presence, metrics) if config.enabled else NoPlannerExtension()
+
+
+class BlendPlanner(PlannerExtension):
     """Per request: looked up, admitted (blended in the coming step), live and blended."""
 
     def __init__(self, config: BlendConfig, presence: ChunkPresence, metrics: ConnectorMetrics) -> None:
@@ -42,11 +49,13 @@ class BlendPlanner:
         self._planned: dict[str, BlendSpec] = {}  # looked up, not yet admitted
         self._admitted: dict[str, BlendSpec] = {}  # admitted, blended in the coming step
         self._blended: set[str] = set()  # live requests holding blended K/V
+        self.segment_separator = config.separator
 
-    def register_model(self, model_config: ModelConfig, keyspace: Keyspace, block_size: int) -> None:
-        """Checks that CacheBlend can serve the model; raises ValueError if not."""
-        check_rope_moves(model_config)
-        self.config.validate(model_config.num_layers)
+    def register_model(self, model_config: KeyedModel, keyspace: Keyspace, block_size: int) -> None:
+        """Checks that CacheBlend can serve the model (kvtier's engine's); raises ValueError if not."""
+        model = engine_model(model_config)
+        check_rope_moves(model)
+        self.config.validate(model.num_layers)
         self._keyspace = keyspace
         self.block_size = block_size
 
@@ -55,8 +64,11 @@ class BlendPlanner:
         """Whether `seq` is blended: its prompt has a context segment and a query."""
         return bool(seq.segment_lens) and len(seq.segment_lens or ()) >= 2
 
-    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> tuple[int, bool]:
-        """Returns (the context tokens after the engine's hit, False: blended in the step)."""
+    def match(self, seq: RequestView, num_computed_tokens: int) -> tuple[int, bool] | None:
+        """Returns (the context tokens after the engine's hit, False: blended in the step) for
+        a segmented request of kvtier's engine, None for any other."""
+        if not (isinstance(seq, Sequence) and self.applies(seq)):
+            return None
         rid = seq.request_id
         self._planned.pop(rid, None)
         lens = seq.segment_lens or []
@@ -69,21 +81,20 @@ class BlendPlanner:
         m.num_prompt_tokens, m.engine_hit_tokens = seq.num_prompt_tokens, num_computed_tokens
         return end - num_computed_tokens, False
 
-    def admits(self, request_id: str) -> bool:
-        """Whether `update_state_after_alloc` for this request is a blend's."""
-        return request_id in self._planned
-
-    def update_state_after_alloc(self, seq: Sequence, block_ids: list[int], num_external_tokens: int) -> None:
-        """Admits the planned blend for the coming step and caps the engine's prefix cache at
-        its exact part."""
+    def admit(self, seq: RequestView, block_ids: list[int], num_external_tokens: int) -> bool:
+        """Admits the request's planned blend (False: none is planned) for the coming step and
+        caps the engine's prefix cache at its exact part."""
+        if seq.request_id not in self._planned or not isinstance(seq, Sequence):
+            return False
         spec = self._planned.pop(seq.request_id)
         if num_external_tokens <= 0:
-            return
+            return True
         spec.end = min(spec.end, spec.start + num_external_tokens)
         spec.exact_end = min(self._exact_end(seq, spec), spec.end)
         self._admitted[seq.request_id] = spec
         self._blended.add(seq.request_id)
         seq.max_cacheable_tokens = max(spec.start, spec.exact_end // self.block_size * self.block_size)
+        return True
 
     def _exact_end(self, seq: Sequence, spec: BlendSpec) -> int:
         """Returns where the exact part of a blend ends: past the engine's hit, the first
@@ -104,7 +115,7 @@ class BlendPlanner:
             exact = g.end
         return exact
 
-    def build_blends(self, scheduler_output: SchedulerOutput) -> list[BlendSpec]:
+    def step_work(self, scheduler_output: SchedulerOutput) -> list[BlendSpec]:
         """Returns this step's blends, with their tokens and block tables."""
         out: list[BlendSpec] = []
         for r in scheduler_output.requests:
@@ -116,7 +127,7 @@ class BlendPlanner:
         self._admitted.clear()
         return out
 
-    def is_blended(self, request_id: str) -> bool:
+    def excludes_saves(self, request_id: str) -> bool:
         """Whether the request holds blended (approximate) K/V."""
         return request_id in self._blended
 

@@ -1,5 +1,6 @@
-"""Segment geometry for CacheBlend (pure functions). Segment keys come from the keyspace
-(`Keyspace.segment_spans`): a segment is keyed by its own tokens only, wherever it appears."""
+"""Segment geometry for CacheBlend (pure functions) and `BlendSpec`, one blend's plan as it
+crosses to the worker side. Segment keys come from the keyspace (`Keyspace.segment_spans`):
+a segment is keyed by its own tokens only, wherever it appears."""
 
 from __future__ import annotations
 
@@ -31,3 +32,19 @@ def context_segments(segment_lens: Sequence[int]) -> list[Segment]:
         out.append(Segment(i, pos, pos + n))
         pos += n
     return out[:-1]
+
+
+@dataclass
+class BlendSpec:
+    """Blend positions [start, end) of a segmented request (start: the engine's prefix-cache
+    hit) from its context `segments`; positions [0, exact_end) come out exact (the engine's
+    hit, the first segment, and segments computed in this prompt)."""
+
+    request_id: str
+    start: int
+    end: int
+    segments: list[Segment]
+    exact_end: int
+    token_ids: list[int]
+    block_ids: list[int]
+    cache_salt: str | None = None  # the request's: its segments are keyed in its keyspace

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from connector.blend.planner import BlendPlanner
 from connector.config import make_config
 from connector.kvtier_connector import EngineConnector, build_connector
 from connector.metrics import ConnectorMetrics
@@ -55,7 +56,7 @@ def assert_idle(llm: LLM, conn: EngineConnector) -> None:
     stats = llm.get_stats()
     assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
     assert conn.storage.pins.total() == 0
-    assert conn.scheduler.blend is not None and conn.scheduler.blend.num_live() == 0
+    assert isinstance(conn.scheduler.extension, BlendPlanner) and conn.scheduler.extension.num_live() == 0
 
 
 @pytest.fixture(scope="module")

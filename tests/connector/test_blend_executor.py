@@ -169,20 +169,22 @@ def test_blend_recompute_in_a_paged_cache(default_model, tokenizer):
 def test_blend_from_connector_config_and_cli_flags():
     import argparse
 
+    from connector.blend.planner import BlendPlanner
     from connector.cli import add_connector_arguments, connector_from_args
     from connector.config import ConnectorConfig
+    from connector.extension import NoPlannerExtension
     from connector.kvtier_connector import EngineConnector, build_connector
 
     cfg = ConnectorConfig.from_dict({"tiers": ["cpu"], "blend": {"enabled": True, "ratio": 0.3}})
     conn = build_connector(cfg)
     try:
-        assert conn.scheduler.blend is not None and conn.scheduler.blend.config.ratio == 0.3
+        assert isinstance(conn.scheduler.extension, BlendPlanner) and conn.scheduler.extension.config.ratio == 0.3
         assert conn.scheduler.segment_separator == " # # "
     finally:
         conn.shutdown()
     plain = build_connector("cpu")
     try:
-        assert type(plain) is EngineConnector and plain.scheduler.blend is None
+        assert type(plain) is EngineConnector and isinstance(plain.scheduler.extension, NoPlannerExtension)
         assert plain.scheduler.segment_separator is None
     finally:
         plain.shutdown()
@@ -194,7 +196,8 @@ def test_blend_from_connector_config_and_cli_flags():
     conn = connector_from_args(ap.parse_args(["--blend", "--blend-ratio", "0.05", "--blend-check-layer", "2"]))
     try:
         assert (conn.config.blend.ratio, conn.config.blend.check_layer) == (0.05, 2)
-        assert conn.scheduler.blend is not None and conn.scheduler.blend.config is conn.config.blend
+        ext = conn.scheduler.extension
+        assert isinstance(ext, BlendPlanner) and ext.config is conn.config.blend
     finally:
         conn.shutdown()
     with pytest.raises(ValueError, match="--blend-ratio"):
