@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from connector.blend.executor import blend_recompute, compute_segment_kv, layer_inv_freqs, rerotate_kv
-from connector.kvtier_connector import build_connector
+from connector.engine_connector import build_connector
 from engine import LLM, SamplingParams
 from engine.attention_metadata import AttentionMetadata
 from engine.default_model import ensure_default_model

@@ -52,7 +52,7 @@ import cramjam
 import torch
 
 from benchmarks.bench_store import timed, timed_together
-from connector.config import make_config
+from connector.connector_config import make_config
 from connector.keyspace import Keyspace, Span
 from connector.loader import Loader
 from connector.metadata import LoadSpec
@@ -343,7 +343,7 @@ def growth(rows: list[dict]) -> list[dict]:
 
 # ---- warm TTFT against its floor ----------------------------------------------------------
 def measure_ttft(model_dir: Path, tokens: int, reps: int) -> dict:
-    from connector.kvtier_connector import build_connector
+    from connector.engine_connector import build_connector
     from engine import LLM, SamplingParams
 
     one = SamplingParams(temperature=0.0, max_tokens=1)

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from kvstore.config import TierSpec
 from kvstore.read_buffers import ReadBufferPool
 from kvstore.registry import create_backend
+from kvstore.store_config import TierSpec
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -31,8 +31,8 @@ import torch
 from connector.keyspace import Keyspace
 from kvstore import serde
 from kvstore.backend import BytesBackend
-from kvstore.config import TierSpec
 from kvstore.registry import create_backend
+from kvstore.store_config import TierSpec
 from tests.fixtures.cache_server import CacheServerProcess
 from tests.fixtures.redis_server import start_redis
 

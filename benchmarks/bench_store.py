@@ -37,8 +37,8 @@ import torch
 
 from connector.keyspace import Keyspace
 from kvstore import serde
-from kvstore.config import TierSpec
 from kvstore.registry import create_backend
+from kvstore.store_config import TierSpec
 from tests.fixtures.redis_server import start_redis
 
 REPO = Path(__file__).resolve().parents[1]

@@ -41,9 +41,9 @@ from pathlib import Path
 
 import torch
 
-from connector.config import make_config
+from connector.connector_config import make_config
+from connector.engine_connector import EngineConnector, build_connector
 from connector.keyspace import chunk_key, layer_key
-from connector.kvtier_connector import EngineConnector, build_connector
 from connector.loader import FETCH_GROUP
 from engine import LLM, SamplingParams
 from engine.model_config import ModelConfig

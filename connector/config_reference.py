@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from connector.config import ALL_SETTINGS
+from connector.connector_config import ALL_SETTINGS
 from connector.lmcache_compat import IGNORE, LMCACHE_KEYS, MAP
 
 

@@ -25,8 +25,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvstore.codecs import CODEC_NAMES
-from kvstore.config import did_you_mean
 from kvstore.eviction import POLICIES
+from kvstore.store_config import did_you_mean
 
 logger = logging.getLogger("kvtier.connector")
 

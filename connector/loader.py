@@ -16,7 +16,7 @@ Split by KV head (vLLM's connector, connector/keyspace.py), a chunk's values are
 batch and joined along the head axis before the scatter.
 Hits from slower tiers are queued for promotion through the store queue once the load ended;
 the load never waits for that write. On CUDA the scatter runs on a side stream from pinned
-host memory (connector/staging.py).
+host memory (connector/load_staging.py).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from typing import Any
 import torch
 
 from connector.keyspace import Keyspace, Span, layer_key
+from connector.load_staging import to_device_source
 from connector.metadata import LoadSpec
 from connector.metrics import ConnectorMetrics
-from connector.staging import to_device_source
 from connector.store_queue import StoreQueue
 from engine.kv_cache import PagedKVLayout
 from kvstore.backend import Destination

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from connector.blend.planner import planner_extension
-from connector.config import ConnectorConfig
+from connector.blend.blend_planner import planner_extension
+from connector.connector_config import ConnectorConfig
 from connector.keyspace import KeyedModel, Keyspace, Span
 from connector.metadata import KVTierMeta, LoadSpec, SaveSpec
 from connector.metrics import ConnectorMetrics, RequestKVMetrics

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from connector.config import ConnectorConfig
+from connector.connector_config import ConnectorConfig
 from connector.keyspace import Keyspace
 from connector.lookup_channel import RemotePresence, lookup_socket_path
 from connector.presence import RankedPresence

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from connector.blend.blender import worker_extension
-from connector.config import ConnectorConfig
+from connector.connector_config import ConnectorConfig
 from connector.extension import NoWorkerExtension, WorkerExtension
 from connector.keyspace import KeyedModel, Keyspace
 from connector.loader import Loader, LoadJob

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence as SequenceT
 from typing import Any, cast
 
-from engine.config import EngineConfig
+from engine.engine_config import EngineConfig
 from engine.kv_connector import KVConnector, connector_env, resolve_kv_connector
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput

@@ -8,8 +8,8 @@ from typing import Any
 
 from engine.block_manager import BlockManager
 from engine.cache_salt import tenant_tag, validate_cache_salt
-from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from engine.engine_config import EngineConfig
 from engine.kv_connector import KVConnector
 from engine.logprobs import TokenDecoder, record_step_logprobs
 from engine.model_loader import load_tokenizer

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from engine import cpu_ops
-from engine.config import KERNELS
+from engine.engine_config import KERNELS
 from engine.linear_backend import linear_packer
 from engine.model_config import ModelConfig
 from engine.models import get_model_class

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention_metadata import AttentionMetadata
-from engine.config import EngineConfig
+from engine.engine_config import EngineConfig
 from engine.kv_cache import kv_bytes_per_block, slot_mapping, zeroed_pool
 from engine.kv_connector import KVConnectorOutput, KVConnectorWorker
 from engine.logprobs import PromptLogprobsChunk, StepLogprobs, prompt_top_logprobs

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from connector.kvtier_connector import EngineConnector, build_connector  # noqa: E402
+from connector.engine_connector import EngineConnector, build_connector  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 

@@ -13,8 +13,8 @@ from typing import Any
 
 # public names -> defining module; imported on first use so `kvstore.server` stays torch-free
 _EXPORTS = {
-    "KVStoreConfig": "kvstore.config",
-    "TierSpec": "kvstore.config",
+    "KVStoreConfig": "kvstore.store_config",
+    "TierSpec": "kvstore.store_config",
     "StorageManager": "kvstore.storage_manager",
     "StorageBackend": "kvstore.backend",
     "BytesBackend": "kvstore.backend",

@@ -22,8 +22,8 @@ from kvstore import serde
 from kvstore.codecs import Buffer, Codec, get_codec
 
 if TYPE_CHECKING:
-    from kvstore.config import TierSpec
     from kvstore.deadlines import RemoteDeadlines
+    from kvstore.store_config import TierSpec
 
 # What a BytesBackend's `_encode` returns and its `_batched_put_bytes` stores: one buffer, or
 # header and payload unjoined for tiers that write the two parts separately.

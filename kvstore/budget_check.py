@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from kvstore.config import TierSpec
+from kvstore.store_config import TierSpec
 
 logger = logging.getLogger("kvtier.kvstore")
 

@@ -67,7 +67,7 @@ class Setting:
 
 def field_settings(config: Any) -> tuple[Setting, ...]:
     """Returns one row per field of the dataclass `config` whose metadata names its variable, in
-    field order. The metadata (engine.config.opt builds it) gives `env`, `parse` and `help` (the
+    field order. The metadata (engine.engine_config.opt builds it) gives `env`, `parse` and `help` (the
     meaning), and `shown` when the reference shows the default otherwise than the field's default
     does (booleans show as true/false)."""
     rows = []

@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 
 from kvstore.backend import StorageBackend
-from kvstore.config import TierSpec
 from kvstore.schemes import TIER_SCHEMES
+from kvstore.store_config import TierSpec
 
 
 def backend_class(scheme: str) -> type[StorageBackend]:

@@ -32,11 +32,11 @@ import torch
 
 from kvstore import serde
 from kvstore.backend import Destination, StorageBackend
-from kvstore.config import KVStoreConfig
 from kvstore.deadlines import CallKind
+from kvstore.device_staging import stage
 from kvstore.health import BACKOFF_INITIAL_S, BACKOFF_MAX_S, BREAKER_FAILURES
 from kvstore.pins import PinTable
-from kvstore.staging import stage
+from kvstore.store_config import KVStoreConfig
 from kvstore.tier_guard import SKIPPED, Skipped, TierGuard
 from kvstore.tier_stats import TierStats
 from kvstore.writer import BACKGROUND_NICE, FLUSH_TIMEOUT_S, BackgroundWriter

@@ -51,7 +51,7 @@ def device_arg(text: str) -> str:
 
 
 def restrict_choices(parser: argparse.ArgumentParser, option: str, choices: tuple[str, ...]) -> None:
-    """Gives an option another module added (e.g. connector/cli.py's --kv-codec) a fixed
+    """Gives an option another module added (e.g. connector/cli_flags.py's --kv-codec) a fixed
     vocabulary, so argparse rejects a bad value with this parser's usage."""
     action = parser._option_string_actions[option]  # argparse keeps no public lookup
     action.choices = choices

@@ -90,8 +90,8 @@ def writable_dir(path: str, flag: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstore.server.disk import DiskSpill
     from kvstore.server.server import ServerConfig, serve
+    from kvstore.server.spill import DiskSpill
     from kvstore.server.store import ByteStore
 
     if not 0 <= args.port <= 65535:

@@ -20,8 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Prints `{"tiers": {name: removed}, "errors": {name: error}}`; exit code 1 if a tier failed."""
     from engine.cache_salt import tenant_tag, validate_cache_salt
-    from kvstore.config import KVStoreConfig, TierSpec
     from kvstore.storage_manager import StorageManager
+    from kvstore.store_config import KVStoreConfig, TierSpec
     from kvstore.tenant_keys import tenant_prefix
 
     salt = validate_cache_salt(args.cache_salt)

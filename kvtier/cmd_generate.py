@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="print one JSON object per prompt: prompt_token_ids, token_ids, text, num_cached_tokens, ttft_s, "
              "finish_reason, kv_connector (default: off, plain text)",
     )
-    # Engine flags (kvtier/engine_args.py), then the KV connector flags (connector/cli.py):
+    # Engine flags (kvtier/engine_args.py), then the KV connector flags (connector/cli_flags.py):
     # --kv-tier URL (repeatable), --chunk-size, --kv-codec, --config, --blend.
     from kvtier.engine_args import add_model_arguments
 

@@ -44,7 +44,7 @@ def _check_kv_role(role: str, connector: object) -> None:
     """Raises ValueError unless a producer or consumer has a tier another process can read."""
     if role == "both":
         return
-    from connector.kvtier_connector import EngineConnector
+    from connector.engine_connector import EngineConnector
 
     if not isinstance(connector, EngineConnector):
         raise ValueError(f"--kv-role {role} needs a KV connector with a shared tier (--kv-tier redis://... or kvtier://...)")

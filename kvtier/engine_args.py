@@ -1,7 +1,7 @@
 """Engine flags shared by `kvtier generate` and `kvtier serve` (vLLM's names and meanings),
-built from `EngineConfig`'s fields (engine/config.py holds each setting's default and help).
+built from `EngineConfig`'s fields (engine/engine_config.py holds each setting's default and help).
 
-Only argparse and engine/config.py (standard library only) are imported here: the CLI builds
+Only argparse and engine/engine_config.py (standard library only) are imported here: the CLI builds
 every subcommand's parser on start-up.
 """
 
@@ -11,7 +11,7 @@ import argparse
 from dataclasses import Field, fields
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.engine_config import EngineConfig
 from kvtier.cli_help import KV_CODECS, device_arg, restrict_choices
 
 
@@ -37,9 +37,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the engine flags and the KV connector flags (connector/cli.py) to `parser`, with
+    """Adds the engine flags and the KV connector flags (connector/cli_flags.py) to `parser`, with
     --kv-codec restricted to the codecs kvstore has."""
-    from connector.cli import add_connector_arguments
+    from connector.cli_flags import add_connector_arguments
 
     add_engine_arguments(parser)
     add_connector_arguments(parser)
@@ -54,7 +54,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def build_llm(args: argparse.Namespace) -> Any:
     """Returns an `LLM` for the engine and connector flags in `args`; a connector built here
     is shut down if the engine then fails to start. Raises ValueError naming a bad flag."""
-    from connector.cli import connector_from_args
+    from connector.cli_flags import connector_from_args
     from engine import LLM
 
     connector = connector_from_args(args)  # None without --kv-tier/--config/--blend

@@ -6,6 +6,6 @@ its own: with `blend.enabled`, the scheduler side's extension is `planner.BlendP
 takes segmented prompts, and the worker side's is `blender.Blender`, which runs their blends.
 """
 
-from connector.blend.config import BlendConfig
+from connector.blend.blend_config import BlendConfig
 
 __all__ = ["BlendConfig"]

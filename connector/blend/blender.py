@@ -1,5 +1,5 @@
 """CacheBlend's worker side: runs the blends a step's metadata names (docs/architecture.md,
-"CacheBlend"; the scheduler side is connector/blend/planner.py), the worker's extension
+"CacheBlend"; the scheduler side is connector/blend/blend_planner.py), the worker's extension
 (connector/extension.py) when `blend.enabled`.
 
 For each blend: every context segment's stored K/V (positions 0..n-1, keyed from the segment
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from connector.blend.config import BlendConfig, engine_model
+from connector.blend.blend_config import BlendConfig, engine_model
 from connector.blend.executor import blend_recompute, check_blendable, compute_segment_kv, layer_inv_freqs, rerotate_kv
 from connector.blend.segments import BlendSpec
 from connector.extension import NoWorkerExtension, WorkerExtension

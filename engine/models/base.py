@@ -21,8 +21,8 @@ from engine.attention_metadata import AttentionMetadata
 from engine.layers.attention import Attention
 from engine.layers.decoder import DecoderLayer
 from engine.layers.mlp import GatedMLP
-from engine.layers.moe import Experts
 from engine.layers.norm import RMSNorm
+from engine.layers.sparse_moe import Experts
 from engine.linear_backend import LinearPacker, pack_linears
 from engine.model_config import ModelConfig
 from engine.models.weights import Target, load_into

@@ -1,5 +1,5 @@
 """Sparse MoE families: Qwen3-MoE (Qwen3's attention) and Mixtral (Mistral's attention), their
-sparse MLPs engine/layers/moe.py's SparseMoE.
+sparse MLPs engine/layers/sparse_moe.py's SparseMoE.
 
 Checkpoints name each expert's projections (`mlp.experts.<e>.gate_proj` / `up_proj` /
 `down_proj`; Mixtral: `block_sparse_moe.experts.<e>.w1` / `w3` / `w2` and
@@ -13,7 +13,7 @@ import re
 
 from torch import nn
 
-from engine.layers.moe import SparseMoE
+from engine.layers.sparse_moe import SparseMoE
 from engine.model_config import ModelConfig
 from engine.models.base import CausalLM
 from engine.models.weights import Target

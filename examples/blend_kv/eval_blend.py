@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from qa_dataset import chat_segments, make_documents, make_questions  # noqa: E402
 
-from connector.kvtier_connector import build_connector  # noqa: E402
+from connector.engine_connector import build_connector  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 # mode -> (BlendConfig.segment_kv, ratio)

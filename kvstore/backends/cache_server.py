@@ -42,7 +42,7 @@ from kvstore.server.client import (
 )
 
 if TYPE_CHECKING:
-    from kvstore.config import TierSpec
+    from kvstore.store_config import TierSpec
 
 DEFAULT_PORT = 65432
 T = TypeVar("T")

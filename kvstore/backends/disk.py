@@ -37,9 +37,9 @@ from kvstore.backends.disk_reads import read_in_place, read_value
 from kvstore.backends.disk_state import STATE_BYTES, STATE_FILE, DirState, SharedDir
 from kvstore.budget import ByteBudget
 from kvstore.codecs import Codec
-from kvstore.config import TierSpec
 from kvstore.eviction import make_policy
 from kvstore.read_buffers import ReadBufferPool
+from kvstore.store_config import TierSpec
 from kvstore.tenant_keys import key_tenant, tenant_prefix
 
 _TMP_PREFIX = ".tmp-"

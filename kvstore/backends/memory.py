@@ -16,8 +16,8 @@ from kvstore import serde
 from kvstore.backend import BackendStats, StorageBackend
 from kvstore.budget import ByteBudget
 from kvstore.codecs import Buffer, Codec, get_codec, host_copy
-from kvstore.config import TierSpec
 from kvstore.eviction import make_policy
+from kvstore.store_config import TierSpec
 
 
 def _stored_nbytes(value: torch.Tensor | Buffer) -> int:

@@ -46,9 +46,9 @@ from kvstore.backend import BackendError, BytesBackend, ReadValue, StoredValue
 from kvstore.backends.redis_wire import SplitValuePacker, get_on_nodes, get_pipelined
 from kvstore.budget import ByteBudget
 from kvstore.codecs import Codec
-from kvstore.config import TierSpec
 from kvstore.deadlines import OPTIONS, CallKind, RemoteDeadlines
 from kvstore.eviction import make_policy
+from kvstore.store_config import TierSpec
 from kvstore.tenant_keys import KEY_ROOT
 from kvstore.tenant_quota import never_pinned
 

@@ -3,7 +3,7 @@
 This module holds what is shared by all connections: configuration, the listening
 socket, the deadline sweep, the queue of connections waiting for memory, counters, and
 startup and shutdown. Framing and sending: `connection.py`; requests: `handlers.py`; the
-memory ledger: `store.py`; the disk spill (off the event loop): `disk.py`. Imports run one
+memory ledger: `store.py`; the disk spill (off the event loop): `spill.py`. Imports run one
 way, server -> connection -> handlers: each lower module declares what it needs of the
 ones above as a `Protocol` (`ConnectionServer`, `HandlerServer`, `HandlerConnection`).
 """

@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvstore.server.disk import DiskSpill
 from kvstore.server.protocol import Buffer
+from kvstore.server.spill import DiskSpill
 from kvstore.server.store_stats import StoreStats, read_stats
 from kvstore.tenant_keys import key_tenant_bytes
 from kvstore.tenant_quota import TenantBytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
-from kvstore.server.disk import DiskSpill
+from kvstore.server.spill import DiskSpill
 from kvstore.tenant_quota import TenantBytes
 
 

@@ -21,7 +21,7 @@ from kvtier.router.disagg import prefill_then_decode
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.proxy import Proxy
 from kvtier.server.http_edge import MAX_BODY_BYTES, install_edge
-from kvtier.server.protocol import APIError
+from kvtier.server.openai_protocol import APIError
 
 logger = logging.getLogger("kvtier.router")
 

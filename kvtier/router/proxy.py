@@ -24,7 +24,7 @@ from kvtier.router.backends import Backend, BackendPool
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policy import Policy
 from kvtier.router.prompt_view import view_request
-from kvtier.server.protocol import APIError
+from kvtier.server.openai_protocol import APIError
 
 logger = logging.getLogger("kvtier.router")
 

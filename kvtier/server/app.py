@@ -23,7 +23,7 @@ from engine.sampling_params import SamplingParams
 from kvtier import __version__
 from kvtier.server.http_edge import MAX_BODY_BYTES, install_edge
 from kvtier.server.metrics import ServerMetrics
-from kvtier.server.protocol import (
+from kvtier.server.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,

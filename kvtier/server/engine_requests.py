@@ -11,7 +11,13 @@ from typing import Any
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from kvtier.server.engine_loop import EngineLoop
-from kvtier.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
+from kvtier.server.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingRequest,
+)
 
 _PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 

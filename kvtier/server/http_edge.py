@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from connector.bearer_auth import bearer_key
-from kvtier.server.protocol import APIError
+from kvtier.server.openai_protocol import APIError
 
 MAX_BODY_BYTES = 64 << 20  # a request body past this is refused
 

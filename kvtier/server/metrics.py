@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from connector.kvtier_connector import EngineConnector
+from connector.engine_connector import EngineConnector
 from connector.metrics import PROM_COUNTERS, TIER_HIT_TOKENS
 from engine.cache_salt import tenant_tag
 from engine.llm_engine import LLMEngine

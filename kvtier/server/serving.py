@@ -41,7 +41,7 @@ from kvtier.server.engine_requests import (
     render_chat,
 )
 from kvtier.server.logprobs_format import chat_logprobs, completion_logprobs, prompt_logprobs_json
-from kvtier.server.protocol import (
+from kvtier.server.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,

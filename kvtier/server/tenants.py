@@ -27,9 +27,9 @@ from fastapi import Depends, Request
 
 from connector.bearer_auth import bearer_key
 from engine.cache_salt import validate_cache_salt
-from kvstore.config import read_yaml
+from kvstore.store_config import read_yaml
 from kvtier.server.http_edge import unauthorized
-from kvtier.server.protocol import APIError
+from kvtier.server.openai_protocol import APIError
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from connector.kvtier_connector import build_connector
+from connector.engine_connector import build_connector
 from engine import SamplingParams
 from engine.sequence import SequenceStatus
 from kvstore.backends.memory import CPUBackend

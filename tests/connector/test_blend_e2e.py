@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector.blend.planner import BlendPlanner
-from connector.config import make_config
-from connector.kvtier_connector import EngineConnector, build_connector
+from connector.blend.blend_planner import BlendPlanner
+from connector.connector_config import make_config
+from connector.engine_connector import EngineConnector, build_connector
 from connector.metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
 from connector.presence import Presence

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.blend.config import BlendConfig
+from connector.blend.blend_config import BlendConfig
 from connector.blend.executor import compute_segment_kv, rerotate_kv
 from connector.blend.segments import context_segments
 from connector.keyspace import ROOT_HASH, SEGMENT_ROOTS, Keyspace
@@ -169,11 +169,11 @@ def test_blend_recompute_in_a_paged_cache(default_model, tokenizer):
 def test_blend_from_connector_config_and_cli_flags():
     import argparse
 
-    from connector.blend.planner import BlendPlanner
-    from connector.cli import add_connector_arguments, connector_from_args
-    from connector.config import ConnectorConfig
+    from connector.blend.blend_planner import BlendPlanner
+    from connector.cli_flags import add_connector_arguments, connector_from_args
+    from connector.connector_config import ConnectorConfig
+    from connector.engine_connector import EngineConnector, build_connector
     from connector.extension import NoPlannerExtension
-    from connector.kvtier_connector import EngineConnector, build_connector
 
     cfg = ConnectorConfig.from_dict({"tiers": ["cpu"], "blend": {"enabled": True, "ratio": 0.3}})
     conn = build_connector(cfg)

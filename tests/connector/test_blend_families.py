@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from connector.blend.executor import blend_recompute, check_blendable, compute_segment_kv, layer_inv_freqs, rerotate_kv
-from connector.kvtier_connector import build_connector
+from connector.engine_connector import build_connector
 from engine import SamplingParams
 from engine.kv_cache import layout_for, request_slots
 from engine.model_loader import load_model

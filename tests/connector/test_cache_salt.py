@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from connector.engine_connector import build_connector
 from connector.keyspace import Keyspace
-from connector.kvtier_connector import build_connector
 from engine import SamplingParams
 from engine.cache_salt import tenant_tag
 from kvstore.tenant_keys import key_tenant, tenant_prefix

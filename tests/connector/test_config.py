@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from connector.config import ConnectorConfig, make_config
-from connector.kvtier_connector import EngineConnector, build_connector
-from kvstore.config import KVStoreConfig, TierSpec
+from connector.connector_config import ConnectorConfig, make_config
+from connector.engine_connector import EngineConnector, build_connector
+from kvstore.store_config import KVStoreConfig, TierSpec
 
 
 def test_forms_and_overrides(tmp_path):
@@ -72,8 +72,8 @@ def test_build_connector_passes_instances_through_and_needs_an_engine():
 def test_every_key_has_a_kvtier_variable():
     from dataclasses import fields
 
-    from connector.blend.config import BlendConfig
-    from connector.config import ALL_SETTINGS
+    from connector.blend.blend_config import BlendConfig
+    from connector.connector_config import ALL_SETTINGS
 
     keys = {s.key for s in ALL_SETTINGS}
     want = ({f.name for f in fields(KVStoreConfig)} | {f.name for f in fields(ConnectorConfig)} - {"kvstore", "blend"}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from connector.config import ALL_SETTINGS
 from connector.config_reference import render
+from connector.connector_config import ALL_SETTINGS
 from connector.lmcache_compat import LMCACHE_KEYS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from connector.config import make_config
-from connector.kvtier_connector import EngineConnector, build_connector
+from connector.connector_config import make_config
+from connector.engine_connector import EngineConnector, build_connector
 from engine import LLM, SamplingParams
 from kvstore.storage_manager import StorageManager
 from tests.fixtures.connector import CHUNK, assert_idle, engine, run, tier_url
@@ -193,7 +193,7 @@ def test_redis_killed_mid_workload_means_recompute(default_model_path, prompt_id
 
 _CHILD = r"""
 import json, sys
-from connector.kvtier_connector import build_connector
+from connector.engine_connector import build_connector
 from engine import LLM, SamplingParams
 conn = build_connector(json.loads(sys.argv[1]), chunk_size=int(sys.argv[2]))
 llm = LLM(sys.argv[3], device="cpu", dtype="float32", block_size=16, num_gpu_blocks=64,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from connector.engine_connector import build_connector
 from connector.keyspace import layer_key
-from connector.kvtier_connector import build_connector
 from engine import SamplingParams
 from engine.kv_cache import layout_for
 from kvstore.backends.memory import CPUBackend

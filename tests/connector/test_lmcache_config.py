@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.config import ConnectorConfig, make_config
+from connector.connector_config import ConnectorConfig, make_config
 from connector.lmcache_compat import LMCACHE_KEYS, is_lmcache, lookup
 from engine import LLM, SamplingParams
 from tests.fixtures.text import long_text

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector.config import make_config
+from connector.connector_config import make_config
 from connector.keyspace import Keyspace, Span
 from connector.loader import Loader
 from connector.metadata import LoadSpec

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector.kvtier_connector import build_connector
+from connector.engine_connector import build_connector
 from engine import RequestOutput, SamplingParams
 from engine.model_loader import load_tokenizer
 from tests.fixtures.connector import CHUNK, assert_idle, engine, tier_url

@@ -14,8 +14,8 @@ import torch
 from connector.keyspace import Keyspace
 from connector.lookup_channel import MAX_KEYS, LookupServer, RemotePresence, lookup_socket_path
 from connector.presence import Presence
-from kvstore.config import KVStoreConfig, TierSpec
 from kvstore.storage_manager import StorageManager
+from kvstore.store_config import KVStoreConfig, TierSpec
 
 KS = Keyspace("m", torch.float32, 4, num_layers=2)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector.kvtier_connector import build_connector
+from connector.engine_connector import build_connector
 from engine import LLM, SamplingParams
 from engine.kv_cache import layout_for
 from tests.fixtures.model import make_tiny_checkpoint

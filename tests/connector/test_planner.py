@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from connector.config import make_config
+from connector.connector_config import make_config
 from connector.metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
 from connector.presence import Presence

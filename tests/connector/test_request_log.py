@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.kvtier_connector import build_connector
+from connector.engine_connector import build_connector
 from engine import LLM, SamplingParams
 from tests.fixtures.text import long_text
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector.kvtier_connector import build_connector
+from connector.engine_connector import build_connector
 from kvstore.backends.disk import DiskBackend
 from kvstore.backends.memory import CPUBackend
 from kvstore.storage_manager import StorageManager

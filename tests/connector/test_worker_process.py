@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.config import make_config
+from connector.connector_config import make_config
 from connector.metadata import KVTierMeta, LoadSpec, SaveSpec
 from connector.metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner

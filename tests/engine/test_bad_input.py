@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.config import EngineConfig
+from engine.engine_config import EngineConfig
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from connector.kvtier_connector import build_connector
+from connector.engine_connector import build_connector
 from engine import LLM
 from engine.model_config import ModelConfig
 from engine.model_loader import load_model

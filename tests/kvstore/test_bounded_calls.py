@@ -21,11 +21,11 @@ import torch
 from kvstore.backend import BackendError
 from kvstore.backends.disk import DiskBackend
 from kvstore.backends.memory import CPUBackend
-from kvstore.config import TierSpec
 from kvstore.deadlines import RemoteDeadlines
 from kvstore.health import BreakerState, CircuitBreaker
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
+from kvstore.store_config import TierSpec
 from tests.fixtures.cache_server import CacheServerProcess
 from tests.fixtures.polling import wait_until
 from tests.fixtures.redis_server import RedisServer, start_cluster

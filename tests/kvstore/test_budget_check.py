@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from kvstore.budget_check import FEW_CHUNKS, check_tier_budgets, encoded_chunk_bytes
-from kvstore.config import TierSpec
+from kvstore.store_config import TierSpec
 
 CHUNK = 256 * 92160  # 256 tokens of the default model's float32 K/V (30 layers x 2 x 3 heads x 64 x 4 bytes)
 

@@ -12,9 +12,9 @@ from kvstore import serde
 from kvstore.backend import BackendError
 from kvstore.backends.cache_server import CacheServerBackend
 from kvstore.backends.memory import CPUBackend
-from kvstore.config import KVStoreConfig, TierSpec
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
+from kvstore.store_config import KVStoreConfig, TierSpec
 from tests.fixtures.cache_server import CacheServerProcess
 from tests.fixtures.polling import wait_until
 from tests.fixtures.tiers import longest_calls_while_frozen

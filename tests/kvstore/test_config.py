@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.config import KVStoreConfig, TierSpec, parse_size
 from kvstore.registry import backend_class, create_backend
+from kvstore.store_config import KVStoreConfig, TierSpec, parse_size
 
 
 def test_parse_size() -> None:
@@ -86,7 +86,7 @@ def test_registry_builds_by_scheme(tmp_path: Path) -> None:
 def test_every_key_has_a_kvtier_variable() -> None:
     from dataclasses import fields
 
-    from kvstore.config import KVSTORE_SETTINGS
+    from kvstore.store_config import KVSTORE_SETTINGS
 
     rows = {s.key: s.env for s in KVSTORE_SETTINGS}
     assert set(rows) == {f.name for f in fields(KVStoreConfig)}

@@ -12,8 +12,8 @@ import torch
 import xxhash
 
 from kvstore import serde
-from kvstore.config import KVStoreConfig
 from kvstore.storage_manager import StorageManager
+from kvstore.store_config import KVStoreConfig
 from tests.fixtures.tiers import chunk, ckey
 
 SECRET = "a shared secret of 32 characters"

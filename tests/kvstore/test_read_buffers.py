@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstore.config import TierSpec
 from kvstore.read_buffers import PAGE, ReadBufferPool
 from kvstore.registry import create_backend
+from kvstore.store_config import TierSpec
 from tests.fixtures.tiers import chunk, ckey
 
 

@@ -13,9 +13,9 @@ import torch
 from kvstore import serde
 from kvstore.backend import BackendError
 from kvstore.backends.redis_store import RedisBackend
-from kvstore.config import TierSpec
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
+from kvstore.store_config import TierSpec
 from tests.fixtures.polling import wait_until
 from tests.fixtures.tiers import chunk, ckey
 

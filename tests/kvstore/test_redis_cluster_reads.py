@@ -10,8 +10,8 @@ import torch
 
 from kvstore import serde
 from kvstore.backends.redis_store import RedisBackend
-from kvstore.config import TierSpec
 from kvstore.registry import create_backend
+from kvstore.store_config import TierSpec
 from tests.fixtures.redis_server import RedisClusterNodes
 from tests.fixtures.tiers import chunk, ckey
 

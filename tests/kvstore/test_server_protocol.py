@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from kvstore.server import protocol as P
 from kvstore.server import spillfile as F
-from kvstore.server.disk import DiskSpill
 from kvstore.server.protocol import Op
+from kvstore.server.spill import DiskSpill
 from kvstore.server.store import ByteStore
 
 

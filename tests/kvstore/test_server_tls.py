@@ -16,12 +16,12 @@ import torch
 from connector.keyspace import Keyspace
 from kvstore.backend import BackendError
 from kvstore.backends.cache_server import CacheServerBackend, client_tls_context
-from kvstore.config import TierSpec
 from kvstore.registry import create_backend
 from kvstore.server import protocol as P
 from kvstore.server.client import CacheServerClient, ServerUnavailable
 from kvstore.server.protocol import Op
 from kvstore.server.server import HEAP_SLACK_BYTES, PER_TLS_CONNECTION_BYTES
+from kvstore.store_config import TierSpec
 from tests.fixtures.cache_server import CacheServerProcess, raw_exchange
 from tests.fixtures.polling import wait_until
 

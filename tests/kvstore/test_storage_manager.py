@@ -17,8 +17,8 @@ import torch
 
 from kvstore.backends.disk import DiskBackend
 from kvstore.backends.memory import CPUBackend
-from kvstore.config import KVStoreConfig
 from kvstore.storage_manager import StorageManager
+from kvstore.store_config import KVStoreConfig
 from tests.fixtures.tiers import chunk, ckey, make_tier
 
 

@@ -22,8 +22,8 @@ from kvstore.backends.disk import DiskBackend
 from kvstore.backends.disk_names import key_path, keys_with_prefix
 from kvstore.budget import ByteBudget
 from kvstore.budget_check import check_tier_budgets
-from kvstore.config import KVStoreConfig, TierSpec
 from kvstore.registry import create_backend
+from kvstore.store_config import KVStoreConfig, TierSpec
 from kvstore.tenant_keys import key_tenant, tenant_prefix
 from tests.fixtures.redis_server import RedisServer
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.config import KVStoreConfig, TierSpec
 from kvstore.storage_manager import StorageManager
+from kvstore.store_config import KVStoreConfig, TierSpec
 from tests.fixtures.redis_server import free_port
 
 

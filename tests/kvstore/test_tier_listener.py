@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.config import TierSpec
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
+from kvstore.store_config import TierSpec
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.tiers import TIER_KINDS, chunk, ckey, tier_spec
 

@@ -182,8 +182,8 @@ def test_cli_forgets_a_tenant_in_a_disk_directory(tmp_path) -> None:
 
     import torch
 
-    from kvstore.config import KVStoreConfig, TierSpec
     from kvstore.storage_manager import StorageManager
+    from kvstore.store_config import KVStoreConfig, TierSpec
     from kvstore.tenant_keys import tenant_prefix
 
     url = f"disk://{tmp_path / 'kv'}"

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from connector import lmcache_compat
-from connector.blend.config import BLEND_SETTINGS, BlendConfig
+from connector.blend.blend_config import BLEND_SETTINGS, BlendConfig
 from connector.keyspace import KeyedModel, Keyspace
-from engine.config import opt
+from engine.engine_config import opt
 from engine.kv_connector import CONFIG_FILE_ENV
-from kvstore.config import KVSTORE_SETTINGS, KVStoreConfig, TierSpec, parse_size, read_yaml, unknown_key
 from kvstore.env import Setting, env_bool, env_int, env_str, field_settings, merge, parse_env
+from kvstore.store_config import KVSTORE_SETTINGS, KVStoreConfig, TierSpec, parse_size, read_yaml, unknown_key
 
 if TYPE_CHECKING:
     import torch

@@ -17,7 +17,7 @@ def opt(help: str, metavar: str | None = None, **extra: Any) -> dict[str, Any]:
     """Returns a setting's dataclass field metadata, so a config declares each key once, in its
     field: its help, plus what the readers of the field need. `EngineConfig`'s fields carry
     their flag spelling for `kvtier generate/serve` (kvtier/engine_args.py builds the flags from
-    them); the connector's (connector/config.py) carry their `KVTIER_*` variable (`env`,
+    them); the connector's (connector/connector_config.py) carry their `KVTIER_*` variable (`env`,
     `parse`; kvstore.env.field_settings reads them)."""
     return {"help": help, "metavar": metavar, **extra}
 

@@ -14,7 +14,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from connector.kvtier_connector import EngineConnector
+    from connector.engine_connector import EngineConnector
 
 
 def add_connector_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,10 +54,10 @@ def connector_from_args(args: argparse.Namespace) -> EngineConnector | None:
         if args.chunk_size is not None or args.kv_codec is not None:
             raise ValueError("--chunk-size/--kv-codec need a --kv-tier or --config (or KVTIER_TIERS/KVTIER_CONFIG)")
         return None
-    from connector.config import ConnectorConfig, make_config
-    from connector.kvtier_connector import EngineConnector
+    from connector.connector_config import ConnectorConfig, make_config
+    from connector.engine_connector import EngineConnector
     from kvstore.codecs import CODEC_NAMES
-    from kvstore.config import TierSpec
+    from kvstore.store_config import TierSpec
 
     if args.kv_codec is not None and args.kv_codec not in CODEC_NAMES:
         raise ValueError(f"--kv-codec: unknown codec {args.kv_codec!r}; choose one of {list(CODEC_NAMES)}")

@@ -1,7 +1,7 @@
 """The cache server's disk spill: one file per entry, LRU within its own byte budget.
 
 The index (which keys are on disk, and the disk budget) lives on the event loop's thread;
-every file operation runs on one worker thread (`worker.IOWorker`), in the order the loop
+every file operation runs on one worker thread (`io_worker.IOWorker`), in the order the loop
 issued them, so a slow or stalled disk never stalls a client. Files and directories:
 `spillfile.py`.
 
@@ -32,8 +32,8 @@ from functools import partial
 from pathlib import Path
 
 from kvstore.server import spillfile as F
+from kvstore.server.io_worker import IOWorker
 from kvstore.server.protocol import Buffer
-from kvstore.server.worker import IOWorker
 from kvstore.tenant_keys import key_tenant_bytes
 from kvstore.tenant_quota import TenantBytes
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from connector.blend.config import BlendConfig, engine_model
+from connector.blend.blend_config import BlendConfig, engine_model
 from connector.blend.executor import check_rope_moves
 from connector.blend.segments import BlendSpec, context_segments
 from connector.extension import NoPlannerExtension, PlannerExtension

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from connector.keyspace import SEGMENT_ROOTS, KeyedModel
-from kvstore.config import did_you_mean
 from kvstore.env import Setting, env_bool, env_float, env_int, env_raw, env_str
+from kvstore.store_config import did_you_mean
 
 if TYPE_CHECKING:
     from engine.model_config import ModelConfig

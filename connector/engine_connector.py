@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from connector.blend.blend_planner import BlendPlanner
 from connector.blend.blender import Blender
-from connector.blend.planner import BlendPlanner
-from connector.config import ConnectorConfig, make_config
+from connector.connector_config import ConnectorConfig, make_config
 from connector.metrics import ConnectorMetrics, RequestKVMetrics, TierKVMetrics
 from connector.planner import KVTierPlanner
 from connector.presence import held_tokens
