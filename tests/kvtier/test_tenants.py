@@ -232,7 +232,7 @@ def _probe(server: ServeProcess, victim: tuple[str, str | None], attacker: tuple
     attacker sends that document and one nobody sent (alternating which goes first), timing
     each. Returns (probe times, fresh times, the probes' cached tokens)."""
     probe, fresh, cached = [], [], []
-    body = long_text(3)  # ~120 tokens: a miss computes all, a hit all but the last few
+    body = long_text(1)  # ~65 tokens with the record line: a miss computes all, a hit all but the last few
     for i in range(rounds):
         doc, other = (f"Record {uuid.uuid4().hex}.\n{body}" for _ in range(2))
         complete(server, victim[0], doc, victim[1], max_tokens=1)
@@ -248,15 +248,15 @@ def _probe(server: ServeProcess, victim: tuple[str, str | None], attacker: tuple
 
 def test_timing_probe_learns_nothing_across_tenants(servers) -> None:
     """Distributions, not single timings: a one-sided Mann-Whitney U test of "the probe is
-    faster". Across salts it must not be; with 6 rounds against 6 the smallest p is 1/924
-    (every probe faster than every fresh prompt), and p > 0.002 refuses exactly that: a false
-    alarm in 1 run of 924. The same probe without salts must be faster, so the probe is shown
-    able to see a hit."""
+    faster", 8 rounds against 8. Across salts it must not be: p > 0.002 is a false alarm in
+    about 1 run of 500. The same probe without salts must be faster (p < 0.01), so the probe
+    is shown able to see a hit; with 8 rounds that holds even when one probe lands on a stall
+    of the machine (one probe slower than every fresh prompt still gives p = 0.005)."""
     a = servers[0]
-    probe, fresh, cached = _probe(a, (KEYS["alice"], None), (KEYS["bob"], None), rounds=6)
-    assert cached == [0] * 6
+    probe, fresh, cached = _probe(a, (KEYS["alice"], None), (KEYS["bob"], None), rounds=8)
+    assert cached == [0] * 8
     salted_p = mannwhitneyu(probe, fresh, alternative="less").pvalue
-    probe_u, fresh_u, cached_u = _probe(a, (ADMIN, None), (ADMIN, None), rounds=6)
+    probe_u, fresh_u, cached_u = _probe(a, (ADMIN, None), (ADMIN, None), rounds=8)
     assert min(cached_u) > 0
     unsalted_p = mannwhitneyu(probe_u, fresh_u, alternative="less").pvalue
     assert unsalted_p < 0.01, (probe_u, fresh_u)
