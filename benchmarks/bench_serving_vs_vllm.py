@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -45,9 +44,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.default_model import ensure_default_model
-from tests.fixtures.process import Child, http_ok
-from tests.fixtures.redis_server import free_port
 from tests.fixtures.serve import ServeProcess
+from tests.fixtures.vllm import VllmServer, vllm_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,42 +71,17 @@ def workloads(quick: bool) -> dict[str, list[str]]:
     }
 
 
-def vllm_env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE=str(KV_GIB))
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    env.pop("OMP_NUM_THREADS", None)
-    return env
-
-
-class VllmServe:
-    """`kvtier-vllm serve` (= `vllm serve`) from .venv-vllm with KVTierConnector over a `cpu`
-    tier (or `extra_config`; None: no connector), on a free loopback port; `args` are vLLM's
-    engine flags (default SHARED). `stop()` drains it with SIGINT. benchmarks/soak.py uses it too."""
-
-    def __init__(self, model: Path, log: Path, extra_config: dict[str, Any] | None = CPU_TIER,
-                 args: Sequence[str] = SHARED) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        kvt = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "connector.vllm", "kv_role": "kv_both",
-               "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra_config}
-        connector = ["--kv-transfer-config", json.dumps(kvt)] if extra_config is not None else []
-        cmd = [str(VLLM_VENV / "bin" / "kvtier-vllm"), "serve", str(model), "--served-model-name", NAME,
-               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager", *args,
-               "--seed", "0", "--shutdown-timeout", "30", *connector]
-        env = vllm_env()
-        iomp = VLLM_VENV / "lib" / "libiomp5.so"
-        if iomp.exists():  # vLLM's CPU docs' setup, as bench_vs_vllm gives it
-            env.setdefault("LD_PRELOAD", str(iomp))
-        self.child = Child(cmd, name="vllm serve", log=log, env=env, own_group=True)
-        self.proc = self.child.proc
-        self.child.wait_ready(lambda: http_ok(self.url + "/health"), 600, 1.0)
-
-    def stop(self) -> int:
-        """Stops its process group with SIGINT (SIGKILL past 90 s); returns the exit code."""
-        code = self.child.stop(signal.SIGINT, 90)
-        self.child.close()
-        return code
+def vllm_serve(model: Path, log: Path, extra_config: dict[str, Any] | None = CPU_TIER,
+               args: Sequence[str] = SHARED) -> VllmServer:
+    """Returns a ready `kvtier-vllm serve` from .venv-vllm with KVTierConnector over a `cpu` tier
+    (or `extra_config`; None: no connector); `args` are vLLM's engine flags. Its `close()`
+    drains it with SIGINT. benchmarks/soak_engines.py uses it too."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB)}
+    iomp = VLLM_VENV / "lib" / "libiomp5.so"
+    if iomp.exists():  # vLLM's CPU docs' setup, as bench_vs_vllm gives it
+        env["LD_PRELOAD"] = os.environ.get("LD_PRELOAD", str(iomp))
+    return VllmServer(model, extra_config, log, cli=True, python=VLLM_VENV / "bin" / "python", name=NAME,
+                      engine_flags=args, shutdown_timeout=30, start_timeout=600, env=env)
 
 
 def scrape(url: str, prefix: str) -> dict[str, float]:
@@ -149,7 +122,8 @@ def bench(url: str, model: Path, dataset: list[str], args: argparse.Namespace, o
            "--result-filename", f"{label}.json"]
     log = out_dir / f"{label}.log"
     with log.open("w") as f:
-        proc = subprocess.run(cmd, cwd=REPO, env=vllm_env(), stdout=f, stderr=subprocess.STDOUT, timeout=1800)
+        proc = subprocess.run(cmd, cwd=REPO, env=vllm_env(VLLM_CPU_KVCACHE_SPACE=str(KV_GIB)), stdout=f,
+                              stderr=subprocess.STDOUT, timeout=1800)
     result = out_dir / f"{label}.json"
     if proc.returncode or not result.exists():
         tail = [ln for ln in log.read_text(errors="replace").splitlines() if "nanobind" not in ln and
@@ -165,14 +139,14 @@ def bench(url: str, model: Path, dataset: list[str], args: argparse.Namespace, o
 def run_server(kind: str, model: Path, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """Starts one server, runs every workload against it, stops it; returns results by workload."""
     t0 = time.perf_counter()
-    server: ServeProcess | VllmServe
+    server: ServeProcess | VllmServer
     if kind == "kvtier":
         server = ServeProcess("--model", str(model), "--served-model-name", NAME, "--device", "cpu",
                               "--dtype", "float32", "--kv-cache-memory-bytes", str(KV_GIB << 30), *SHARED,
                               "--kv-tier", "cpu?budget=4GiB")
         prefix = "kvtier:"
     else:
-        server = VllmServe(model, tmp / "vllm_serve.log")
+        server = vllm_serve(model, tmp / "vllm_serve.log")
         prefix = "vllm:"
     started = time.perf_counter() - t0
     out: dict[str, Any] = {"startup_s": started}
@@ -184,7 +158,7 @@ def run_server(kind: str, model: Path, args: argparse.Namespace, tmp: Path) -> d
             res.update(server_side(before, scrape(server.url, prefix), prefix))
             out[name] = res
     finally:
-        code = server.stop()
+        code = server.close() if isinstance(server, VllmServer) else server.stop()
     if code != 0:
         print(f"warning: {kind} server exited {code}", file=sys.stderr)
     return out

@@ -17,14 +17,14 @@ from typing import Protocol
 
 import psutil
 
-from benchmarks.bench_serving_vs_vllm import VLLM_VENV, VllmServe
+from benchmarks.bench_serving_vs_vllm import VLLM_VENV, vllm_serve
 from tests.fixtures.serve import ServeProcess
 
 # kvtier serve: a small engine prefix cache (--num-gpu-blocks of 16 tokens) so the tiers are used
 KVTIER_ARGS = ["--device", "cpu", "--dtype", "float32", "--max-num-seqs", "8"]
 # vllm serve: the same model and precision; vLLM's own prefix cache off (as tests/vllm run it),
 # so every reuse is the connector's, from the tiers
-VLLM_ARGS = ["--max-num-seqs", "8", "--max-model-len", "4096", "--no-enable-prefix-caching"]  # + VllmServe's
+VLLM_ARGS = ["--max-num-seqs", "8", "--max-model-len", "4096", "--no-enable-prefix-caching"]  # + vllm_serve's
 VLLM_CHUNK_SIZE = 256  # the connector's chunk on vLLM, as tests/vllm use it
 KEPT = {"kvtier:prompt_tokens_total", "kvtier:prefix_cache_hits_total", "kvtier:num_requests_running",
         "kvtier:num_requests_waiting"}  # of kvtier serve's /metrics, besides kvtier:kv_* (no histograms)
@@ -91,24 +91,24 @@ class KvtierServer:
 
 
 class VllmServer:
-    """`kvtier-vllm serve` from .venv-vllm (bench_serving_vs_vllm's VllmServe) with
+    """`kvtier-vllm serve` from .venv-vllm (bench_serving_vs_vllm's vllm_serve) with
     KVTierConnector over `tiers` (none: no connector: the reference); its log in `log`."""
 
     def __init__(self, model: str, tiers: list[str], log: Path) -> None:
         if not (VLLM_VENV / "bin" / "kvtier-vllm").exists():
             raise FileNotFoundError(f"--engine vllm needs vLLM's environment in {VLLM_VENV} (make vllm-install)")
         extra = {"tiers": tiers, "chunk_size": VLLM_CHUNK_SIZE} if tiers else None
-        self.serve = VllmServe(Path(model), log, extra, VLLM_ARGS)
+        self.serve = vllm_serve(Path(model), log, extra, VLLM_ARGS)
         self.url = self.serve.url
 
     def rss(self) -> int:
         return tree_rss(self.serve.proc.pid)  # the API server and its EngineCore child
 
     def stop(self) -> None:
-        self.serve.stop()
+        self.serve.close()
 
     def log(self) -> str:
-        return self.serve.log.read_text(errors="replace")
+        return self.serve.child.log()
 
 
 def start_server(engine: str, model: str, tiers: list[str], chunk_size: int, work: Path,
