@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from connector import lmcache_compat
 from connector.blend.blend_config import BLEND_SETTINGS, BlendConfig
 from connector.keyspace import KeyedModel, Keyspace
+from engine.cache_salt import set_tenant_tag_key, tag_key_bytes
 from engine.engine_config import opt
 from engine.kv_connector import CONFIG_FILE_ENV
 from kvstore.env import Setting, env_bool, env_int, env_str, field_settings, merge, parse_env
@@ -60,6 +61,15 @@ def _positive_int(key: str, value: Any) -> int:
 def _bool(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{key}: expected bool, got {value!r}")
+    return value
+
+
+def _tag_key(key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"{key}: expected str, got {type(value).__name__}")  # never echo a secret
+    tag_key_bytes(value)
     return value
 
 
@@ -108,6 +118,12 @@ class ConnectorConfig:
         "vLLM's reset_prefix_cache(reset_connector=True) also clears the shared tiers (disk, Redis, "
         "the cache server: other instances' chunks too); by default only this process's cpu and device",
         env="KVTIER_RESET_CLEARS_SHARED_TIERS", parse=env_bool, check=_bool))
+    # The operator's secret: tenant tags in stored keys are an HMAC of the salt (engine/cache_salt.py).
+    tenant_tag_key: str | None = field(default=None, repr=False, metadata=opt(
+        "shared secret (>= 16 bytes): a cache_salt's tenant tag in stored keys is an HMAC under it, so "
+        "a reader of a shared tier cannot confirm a guessed salt; every process sharing a tier needs "
+        "the same one (unset: the unkeyed tags of before)",
+        env="KVTIER_TENANT_TAG_KEY", parse=env_str, check=_tag_key, shown="unset"))
     # CacheBlend (`blend: {enabled: true, ratio: 0.15, check_layer: 1, ...}`, see BlendConfig).
     blend: BlendConfig = field(default_factory=BlendConfig)
 
@@ -125,6 +141,11 @@ class ConnectorConfig:
         if self.use_layerwise and self.blend.enabled:
             raise ValueError("use_layerwise: CacheBlend (blend.enabled) loads whole chunks; turn one of them off")
         return self
+
+    def apply_tenant_tag_key(self) -> None:
+        """Makes `tenant_tag_key` this process's tenant tag key (None: unkeyed tags), as the
+        storage manager does with `integrity_key`: per process, so the last connector built decides."""
+        set_tenant_tag_key(self.tenant_tag_key)
 
     def keyspace(self, model: KeyedModel, kv_dtype: torch.dtype | str, split_heads: bool = False) -> Keyspace:
         """Returns the keyspace this connector keys `model`'s chunks of `kv_dtype` in: whole

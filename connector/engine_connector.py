@@ -47,6 +47,7 @@ class EngineConnector(KVConnector):
 
     def __init__(self, config: ConnectorConfig | None = None, storage: StorageManager | None = None) -> None:
         self.config = (config or ConnectorConfig()).validate()
+        self.config.apply_tenant_tag_key()  # before any key or tenant figure is derived
         self._owns_storage = storage is None
         self.storage = storage if storage is not None else StorageManager.from_config(self.config.kvstore)
         self.metrics = ConnectorMetrics()

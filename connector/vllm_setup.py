@@ -120,6 +120,7 @@ def vllm_setup(vllm_config: Any, kv_cache_config: Any, backend: str) -> VllmSetu
     $KVTIER_CONFIG / KVTIER_*); ValueError names a setup this connector does not support."""
     kvt = vllm_config.kv_transfer_config
     config = ConnectorConfig.load(overrides=kvt.kv_connector_extra_config or {})
+    config.apply_tenant_tag_key()  # scheduler and worker processes alike
     par = vllm_config.parallel_config
     if par.pipeline_parallel_size != 1:
         raise ValueError("KVTierConnector supports pipeline_parallel_size=1 only (docs/vllm.md, \"Parallel\")")

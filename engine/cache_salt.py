@@ -7,12 +7,16 @@ share as before; requests without a salt share only with each other, and their h
 byte-identical to those before salts existed (stored chunks stay valid).
 
 A salt is named in stored keys and in the engine's per-tenant bookkeeping only by its tag, a
-hash of it, so the salt itself is never stored in clear.
+hash of it, so the salt itself is never stored in clear. With a tag key (the operator's secret,
+`set_tenant_tag_key`: the connector's `tenant_tag_key`, $KVTIER_TENANT_TAG_KEY) the tag is an
+HMAC of the salt under it, so a reader of a shared tier cannot confirm a guessed salt; without
+one it is the unkeyed hash it always was (stored keys stay valid).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 
 from engine.hashing import HASH_BYTES
 
@@ -21,6 +25,9 @@ FORBIDDEN_CHARS = frozenset("@/\\\x00")
 """vLLM's rules (entrypoints/generate/base/protocol.py `validate_cache_salt`)."""
 
 TAG_BYTES = 8
+MIN_TAG_KEY_BYTES = 16
+_TAG_CONTEXT = b"kvtier-tenant-tag\x00"  # domain separation: the key may serve elsewhere too
+_tag_key: bytes | None = None
 
 
 def validate_cache_salt(cache_salt: object) -> str | None:
@@ -46,7 +53,35 @@ def salted_root(root: bytes, cache_salt: str | None) -> bytes:
     return h.digest()
 
 
-def tenant_tag(cache_salt: str) -> str:
+def tag_key_bytes(secret: str | bytes) -> bytes:
+    """Returns `secret` as a tag key; ValueError unless it has at least 16 bytes."""
+    raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if len(raw) < MIN_TAG_KEY_BYTES:
+        raise ValueError(f"tenant_tag_key: a shared secret needs at least {MIN_TAG_KEY_BYTES} bytes "
+                         f"(got {len(raw)}); e.g. `openssl rand -hex 32`")
+    return raw
+
+
+def set_tenant_tag_key(secret: str | bytes | None) -> None:
+    """Sets (None: removes) this process's tenant tag key: from now on `tenant_tag` is keyed by
+    it. Per process, like the K/V integrity key: every process sharing a tier must set the same
+    key (or none), else a salt's entries are not found across them. ValueError for a key shorter
+    than 16 bytes."""
+    global _tag_key
+    _tag_key = None if secret is None else tag_key_bytes(secret)
+
+
+def tenant_tag_keyed() -> bool:
+    """Returns whether this process's tenant tags are keyed (`set_tenant_tag_key`)."""
+    return _tag_key is not None
+
+
+def tenant_tag(cache_salt: str, secret: str | bytes | None = None) -> str:
     """Returns the 16 hex digits that name `cache_salt`'s entries (in stored keys, per-tenant
-    quotas and figures): a hash of the salt, identical in every process."""
-    return hashlib.blake2b(cache_salt.encode(), digest_size=TAG_BYTES, person=b"kvtier-tenant").hexdigest()
+    quotas and figures), identical in every process with the same key: HMAC-SHA256 of the salt
+    under `secret` (default: this process's tag key), truncated; with no key at all the unkeyed
+    BLAKE2b hash tags have always been."""
+    key = tag_key_bytes(secret) if secret is not None else _tag_key
+    if key is None:
+        return hashlib.blake2b(cache_salt.encode(), digest_size=TAG_BYTES, person=b"kvtier-tenant").hexdigest()
+    return hmac.new(key, _TAG_CONTEXT + cache_salt.encode(), hashlib.sha256).digest()[:TAG_BYTES].hex()

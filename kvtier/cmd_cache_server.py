@@ -8,10 +8,14 @@ import logging
 import os
 import sys
 import tempfile
+from typing import TYPE_CHECKING, Any
 
 from hostmem import keep_freed_memory
 from kvstore import sizes
 from kvstore.server.protocol import DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_FRAME_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from kvstore.server.tenant_tokens import TenantTokens
 
 HELP = "run the standalone KV cache server that engines on one or many machines share"
 
@@ -63,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: no quota)")
     parser.add_argument("--auth-token", default=None, metavar="TOKEN",
                         help="require clients to send this token first (default: $KVTIER_AUTH_TOKEN, else none)")
+    parser.add_argument("--tenant-tokens", default=None, metavar="FILE",
+                        help="JSON/YAML file of per-tenant tokens: token -> tenant tag (16 hex) or {cache_salt: S} "
+                             "(tagged with $KVTIER_TENANT_TAG_KEY when set); a client that authenticates with one "
+                             "may touch only that tenant's keys (--auth-token stays the operator's, allowed "
+                             "everything); see docs/security.md")
     parser.add_argument("--max-payload", default="512MiB", metavar="SIZE", help="largest payload one frame may carry")
     parser.add_argument("--idle-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="close connections that send nothing for this long")
@@ -89,6 +98,66 @@ def writable_dir(path: str, flag: str) -> str:
     return path
 
 
+def load_tenant_tokens(path: str) -> TenantTokens:
+    """Returns the tokens of a --tenant-tokens file: JSON or YAML, one token -> tenant per
+    entry, the tenant's tag (16 hex digits, the `kvtier:tenant-<tag>:` of its keys) or
+    `{cache_salt: S}`, tagged as the engines tag it (engine/cache_salt.py, keyed by
+    $KVTIER_TENANT_TAG_KEY when that is set):
+
+        {"tok-alice-...": "3f2a9c0d1e4b5a67", "tok-bob-...": {"cache_salt": "tenant-bob"}}
+
+    ValueError naming the file and the entry's position, never a token (nor a salt)."""
+    import yaml
+
+    from engine.cache_salt import tag_key_bytes
+    from kvstore.server.tenant_tokens import TenantTokens
+
+    secret = os.environ.get("KVTIER_TENANT_TAG_KEY") or None
+    if secret is not None:
+        tag_key_bytes(secret)  # a short key fails here, once, not per entry
+    name = f"--tenant-tokens {path}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw: Any = yaml.safe_load(f)
+    except OSError as exc:
+        raise ValueError(f"{name}: cannot read it: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, yaml.YAMLError) as exc:  # the parser's message may quote a token: not shown
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ValueError(f"{name}: not valid JSON or YAML{where}") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"{name}: expected a non-empty mapping of token -> tenant tag or {{cache_salt: ...}}")
+    tokens: dict[str, str] = {}
+    for i, (token, value) in enumerate(raw.items()):
+        where = f"{name}: entry {i}"
+        if not isinstance(token, str) or not token.strip():
+            raise ValueError(f"{where}: the token must be a non-empty string")
+        tokens[token] = _entry_tag(value, where, secret)
+    return TenantTokens(tokens)
+
+
+def _entry_tag(value: Any, where: str, secret: str | None) -> str:
+    """Returns the tenant tag of one --tenant-tokens entry (a tag, or {cache_salt: S})."""
+    from engine.cache_salt import tenant_tag, validate_cache_salt
+    from kvstore.tenant_keys import check_tag
+
+    if isinstance(value, dict):
+        if set(value) != {"cache_salt"}:
+            raise ValueError(f"{where}: a mapping holds exactly cache_salt, got keys {sorted(map(str, value))}")
+        try:
+            salt = validate_cache_salt(value["cache_salt"])
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        if salt is None:
+            raise ValueError(f"{where}: cache_salt must be a non-empty string")
+        return tenant_tag(salt, secret)
+    try:
+        return check_tag(value)
+    except ValueError:
+        raise ValueError(f"{where}: a tenant tag is 16 lowercase hex digits (write {{cache_salt: ...}} "
+                         "to give a salt instead)") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from kvstore.server.server import ServerConfig, serve
     from kvstore.server.spill import DiskSpill
@@ -109,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         # An empty token would silently mean "no auth": refuse it rather than guess.
         source = "--auth-token" if args.auth_token is not None else "$KVTIER_AUTH_TOKEN"
         raise ValueError(f"{source} is empty; give a non-empty token, or leave both unset to run without auth")
+    tenant_tokens = load_tenant_tokens(args.tenant_tokens) if args.tenant_tokens is not None else None
     quota = parse_size(args.tenant_quota, "--tenant-quota") if args.tenant_quota is not None else None
     spill = None
     if args.disk:
@@ -119,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         max_payload=parse_size(args.max_payload, '--max-payload'),
         auth_token=token,
+        tenant_tokens=tenant_tokens,
         idle_timeout=args.idle_timeout,
         frame_timeout=args.frame_timeout,
         max_connections=args.max_connections,

@@ -1,7 +1,8 @@
 """`kvtier forget-tenant`: removes every stored entry of one `cache_salt` from shared tiers
 (Redis, the cache server, a disk directory) without a running server. A running `kvtier
 serve` also holds the tenant in its own prefix cache and private tiers: use its
-`POST /kv/forget_tenant` (operator key) for those."""
+`POST /kv/forget_tenant` (operator key) for those. Tenant tags are keyed by
+$KVTIER_TENANT_TAG_KEY when set, as the engines' (engine/cache_salt.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Prints `{"tiers": {name: removed}, "errors": {name: error}}`; exit code 1 if a tier failed."""
+    import os
+
     from engine.cache_salt import tenant_tag, validate_cache_salt
     from kvstore.storage_manager import StorageManager
     from kvstore.store_config import KVStoreConfig, TierSpec
@@ -29,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
     config = KVStoreConfig(tiers=[TierSpec.from_url(u, f"--kv-tier[{i}]") for i, u in enumerate(args.kv_tier)])
     storage = StorageManager.from_config(config)
     try:
-        removed, errors = storage.delete_prefix(tenant_prefix(tenant_tag(salt)))
+        tag = tenant_tag(salt, os.environ.get("KVTIER_TENANT_TAG_KEY") or None)  # the engines' key, if any
+        removed, errors = storage.delete_prefix(tenant_prefix(tag))
     finally:
         storage.close()
     print(json.dumps({"tiers": removed, "errors": errors}))

@@ -5,11 +5,17 @@ Each call borrows one connection from a pool, sends its requests in windows of
 and returns the connection. A connection that breaks is dropped together with every idle
 pooled one (a server restart kills them all); a call that failed on a reused connection is
 retried once on a fresh one, which is safe because every op is idempotent.
+
+Authenticated with a tenant token (`kvtier cache-server --tenant-tokens`), the connection may
+touch only that tenant's keys: a GET, EXISTS, PUT or PREFIX_HITS the server refuses as outside
+them (FORBIDDEN) is a miss or a value not stored, as for any key the server does not hold
+(logged once per client); DELETE, DELETE_PREFIX and CLEAR raise ServerReplyError.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import ssl
 import threading
@@ -32,6 +38,8 @@ from kvstore.server.protocol import Op, Status
 
 __all__ = ["CacheServerClient", "Observer", "Payload", "Reply", "Request", "ServerReplyError",
            "ServerTimeout", "ServerUnavailable"]
+
+log = logging.getLogger(__name__)
 
 # Requests in flight per connection. Small enough that unread replies can never fill the
 # socket buffers both ways (which would deadlock a client that writes before it reads).
@@ -78,6 +86,7 @@ class CacheServerClient:
         self._lock = threading.Lock()
         self._closed = False
         self.reconnects = 0
+        self.forbidden = 0  # requests the server refused as outside this client's tenant token
 
     # ---- pool ----
 
@@ -187,8 +196,11 @@ class CacheServerClient:
         large for the server, or no memory free for it now). Other refusals raise
         ServerReplyError."""
         out: list[bool] = []
-        for reply in self.call([Request(Op.PUT, k, v) for k, v in items]):
-            out.append(reply.status not in (Status.TOO_LARGE, Status.BUSY) and _expect_ok(reply) is reply)
+        replies = self.call([Request(Op.PUT, k, v) for k, v in items])
+        self._count_forbidden(replies)
+        for reply in replies:
+            out.append(reply.status not in (Status.TOO_LARGE, Status.BUSY, Status.FORBIDDEN)
+                       and _expect_ok(reply) is reply)
         return out
 
     def get(self, key: bytes) -> memoryview | None:
@@ -199,8 +211,10 @@ class CacheServerClient:
                  observers: Callable[[], Sequence[Observer | None]] | None = None) -> list[memoryview | None]:
         """Returns one value or None per key, in order, pipelined (`observers` as in `call`)."""
         out: list[memoryview | None] = []
-        for reply in self.call([Request(Op.GET, k) for k in keys], observers):
-            out.append(None if reply.status == Status.NOT_FOUND else _expect_ok(reply).payload)
+        replies = self.call([Request(Op.GET, k) for k in keys], observers)
+        self._count_forbidden(replies)
+        for reply in replies:
+            out.append(None if reply.status in _MISS else _expect_ok(reply).payload)
         return out
 
     def exists(self, key: bytes) -> bool:
@@ -208,7 +222,9 @@ class CacheServerClient:
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Returns whether each key is stored, pipelined."""
-        return [_found(r) for r in self.call([Request(Op.EXISTS, k) for k in keys])]
+        replies = self.call([Request(Op.EXISTS, k) for k in keys])
+        self._count_forbidden(replies)
+        return [r.status not in _MISS and _expect_ok(r) is r for r in replies]
 
     def prefix_hits(self, keys: Sequence[bytes]) -> int:
         """Returns how many of `keys`, counted from the start, are stored: one round trip
@@ -216,12 +232,27 @@ class CacheServerClient:
         total, step = 0, P.MAX_KEYS_PER_REQUEST
         for start in range(0, len(keys), step):
             part = keys[start : start + step]
-            reply = _expect_ok(self._one(Request(Op.PREFIX_HITS, payload=P.encode_key_list(part))))
-            hits = P.decode_count(reply.payload)
+            reply = self._one(Request(Op.PREFIX_HITS, payload=P.encode_key_list(part)))
+            if reply.status == Status.FORBIDDEN:
+                self._count_forbidden([reply])
+                break
+            hits = P.decode_count(_expect_ok(reply).payload)
             total += hits
             if hits < len(part):
                 break
         return total
+
+    def _count_forbidden(self, replies: Sequence[Reply]) -> None:
+        refused = [r for r in replies if r.status == Status.FORBIDDEN]
+        if not refused:
+            return
+        with self._lock:
+            first = not self.forbidden
+            self.forbidden += len(refused)
+        if first:
+            log.warning("kvtier://%s:%d: %s; such requests are answered as misses or not stored "
+                        "(unsalted requests and other salts need the operator's token)",
+                        self.host, self.port, bytes(refused[0].payload).decode(errors="replace"))
 
     def delete(self, key: bytes) -> bool:
         """Removes `key`; returns whether it was present."""
@@ -256,6 +287,9 @@ def _windows(requests: Sequence[Request]) -> list[Sequence[Request]]:
     if start < len(requests):
         out.append(requests[start:])
     return out
+
+
+_MISS = (Status.NOT_FOUND, Status.FORBIDDEN)  # a key outside a tenant token's tenant reads as absent
 
 
 def _expect_ok(reply: Reply) -> Reply:

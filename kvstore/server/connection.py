@@ -64,8 +64,6 @@ class ConnectionServer(HandlerServer, Protocol):
     @property
     def config(self) -> ConnectionLimits: ...
 
-    def memory_freed(self) -> None: ...  # retries the connections waiting for memory
-
     def trim_heap(self, pending: int = 0) -> None: ...  # before `pending` bytes are allocated
 
 
@@ -77,6 +75,7 @@ class Connection(asyncio.BufferedProtocol):
         self.store = server.store
         self.transport: asyncio.Transport | None = None
         self.authed = not server.auth_required
+        self.scope = b""  # every key; a tenant token's AUTH narrows it to its tenant's prefix
         self.closing = False
         self.scratch = bytearray(_SCRATCH)
         self.scratch_view = memoryview(self.scratch)  # never resized, so one view serves

@@ -21,25 +21,38 @@ from kvstore.server.store import ByteStore
 
 INLINE_REPLY = 4096  # values up to this size are copied into their reply; larger ones are pinned
 _OPS = frozenset(int(op) for op in Op)
+# What a tenant token's connection may do (docs/protocol.md, "Tenant tokens"): ops that name
+# keys, each key under its tenant's prefix (PREFIX_HITS: every key of its list); ops that name
+# none and reveal no entry. Every other op (CLEAR, and any op added later, until it is listed
+# here) is the operator's.
+_KEYED_OPS = frozenset({Op.GET, Op.EXISTS, Op.PUT, Op.DELETE, Op.DELETE_PREFIX, Op.PREFIX_HITS})
+_UNKEYED_OPS = frozenset({Op.PING, Op.AUTH, Op.STATS})
 
 
 class HandlerServer(Protocol):
-    """What a handler asks of the server: auth, the STATS payload, one counter."""
+    """What a handler asks of the server: auth, the STATS payload, two counters, a retry of
+    the bodies waiting for memory."""
 
     busy_refusals: int
+    forbidden: int
 
     @property
     def auth_required(self) -> bool: ...
 
-    def check_token(self, token: bytes) -> bool: ...
+    def authenticate(self, token: bytes) -> bytes | None: ...
 
     def stats_json(self) -> bytes: ...
+
+    def memory_freed(self) -> None: ...
 
 
 class HandlerConnection(Protocol):
     """What a handler asks of the connection whose request it runs."""
 
     authed: bool
+    # The key prefix this connection may touch: b"" (everything) unless it authenticated with
+    # a tenant token, then that tenant's `kvtier:tenant-<tag>:`.
+    scope: bytes
     closing: bool
     parked: ParkedGet | None  # the GET holding this connection's later requests back
 
@@ -67,14 +80,14 @@ def dispatch(conn: HandlerConnection, h: P.Header, key: bytes, payload: memoryvi
     if not conn.authed:
         if h.code != Op.AUTH:
             conn.fail(Status.AUTH_REQUIRED, rid, "authentication required: send AUTH first")
-        elif not conn.server.check_token(bytes(payload)):
-            conn.fail(Status.AUTH_FAILED, rid, "wrong auth token")
         else:
-            conn.authed = True
-            conn.reply(Status.OK, rid)
+            authenticate(conn, rid, payload)
         return
     store = conn.store
     code = h.code
+    if conn.scope and code != Op.PREFIX_HITS and out_of_scope(conn.scope, code, key):  # its list: below
+        forbid(conn, rid, code, reserved if code == Op.PUT else 0)
+        return
     if code == Op.GET:
         value = store.get(key)
         if value is not None:
@@ -88,6 +101,9 @@ def dispatch(conn: HandlerConnection, h: P.Header, key: bytes, payload: memoryvi
             keys = P.decode_key_list(payload, P.MAX_KEYS_PER_REQUEST)
         except P.ProtocolError as exc:
             conn.reply(Status.BAD_REQUEST, rid, str(exc).encode())
+            return
+        if conn.scope and any(out_of_scope(conn.scope, code, k) for k in keys):
+            forbid(conn, rid, code)
             return
         conn.reply(Status.OK, rid, P.encode_count(store.prefix_hits(keys)))
     elif code == Op.PUT:
@@ -114,13 +130,49 @@ def dispatch(conn: HandlerConnection, h: P.Header, key: bytes, payload: memoryvi
     elif code == Op.STATS:
         conn.reply(Status.OK, rid, conn.server.stats_json())
     elif code == Op.AUTH:
-        # Already authenticated (or auth disabled): a correct token is a no-op.
-        if not conn.server.auth_required or conn.server.check_token(bytes(payload)):
+        # Already authenticated (or auth disabled): a valid token (re)sets the connection's scope.
+        if not conn.server.auth_required:
             conn.reply(Status.OK, rid)
         else:  # a wrong token is a wrong token, whenever it comes: close
-            conn.fail(Status.AUTH_FAILED, rid, "wrong auth token")
+            authenticate(conn, rid, payload)
     else:  # unreachable: unknown ops are refused while framing
         conn.reply(Status.UNKNOWN_OP, rid, f"unknown op {code}".encode())
+
+
+def authenticate(conn: HandlerConnection, request_id: int, token: memoryview) -> None:
+    """Answers an AUTH: OK, the connection then bound to the token's scope (everything for the
+    operator's token, one tenant's keys for a tenant token), or AUTH_FAILED and close."""
+    scope = conn.server.authenticate(bytes(token))
+    if scope is None:
+        conn.fail(Status.AUTH_FAILED, request_id, "wrong auth token")
+        return
+    conn.authed, conn.scope = True, scope
+    conn.reply(Status.OK, request_id)
+
+
+def out_of_scope(scope: bytes, code: int, key: bytes) -> bool:
+    """Returns whether a connection bound to the non-empty key prefix `scope` (a tenant
+    token's) may not run op `code` naming `key` (for PREFIX_HITS: one key of its list; for
+    DELETE_PREFIX: the prefix, which must itself start with `scope`)."""
+    if code in _UNKEYED_OPS:
+        return False
+    return code not in _KEYED_OPS or not key.startswith(scope)
+
+
+def forbid(conn: HandlerConnection, request_id: int, code: int, reserved: int = 0) -> None:
+    """Refuses a tenant token's request outside its tenant (FORBIDDEN, the connection stays
+    open), handing back the budget bytes `reserved` a PUT's body held (a PUT's only: the
+    caller hands back any other op's)."""
+    if reserved:
+        conn.store.release(reserved)
+        conn.server.memory_freed()
+    conn.server.forbidden += 1
+    if code in _KEYED_OPS:
+        message = (f"{Op(code).name}: this connection's tenant token covers only keys starting "
+                   f"{conn.scope.decode()!r}")
+    else:
+        message = f"{Op(code).name} needs the operator's token (a tenant token covers only its own keys)"
+    conn.reply(Status.FORBIDDEN, request_id, message.encode())
 
 
 def early_refusal(store: ByteStore, h: P.Header, scratch_bytes: int) -> tuple[Status, str] | None:

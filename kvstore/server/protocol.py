@@ -63,6 +63,7 @@ class Status(IntEnum):
     # 8 is reserved (docs/protocol.md): never sent
     BUSY = 9  # the memory budget is held by other bodies in flight and replies: retry later
     TOO_MANY_CONNECTIONS = 10  # --max-connections reached: the server closes at once
+    FORBIDDEN = 11  # a tenant token's connection named a key outside its tenant, or an operator's op
 
 
 def empty_buffer(n: int) -> memoryview:

@@ -18,12 +18,14 @@ import signal
 import ssl
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hostmem import ResidentGuard
 from kvstore.server import protocol as P
 from kvstore.server.connection import PER_CONNECTION_BYTES, PER_TLS_CONNECTION_BYTES, Connection
 from kvstore.server.store import ByteStore
+from kvstore.server.tenant_tokens import TenantTokens
+from kvstore.tenant_keys import tenant_prefix
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +39,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 65432
     max_payload: int = P.DEFAULT_MAX_PAYLOAD
-    auth_token: str | None = None
+    auth_token: str | None = field(default=None, repr=False)  # the operator's: may do anything
+    # --tenant-tokens: each binds its connections to one tenant's keys (kvstore/server/tenant_tokens.py)
+    tenant_tokens: TenantTokens | None = field(default=None, repr=False)
     idle_timeout: float = 300.0  # a connection that sends nothing for this long is closed
     # Every frame must arrive whole (header and body) within this many seconds of its first
     # byte, and every reply piece must drain within it; also the TLS handshake's limit.
@@ -58,6 +62,11 @@ class ServerConfig:
             raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
         if self.auth_token is not None and not self.auth_token:
             raise ValueError("auth_token must not be empty (leave it unset to disable auth)")
+        if self.tenant_tokens is not None:
+            if not len(self.tenant_tokens):
+                raise ValueError("tenant_tokens must hold at least one token (leave it unset for none)")
+            if self.auth_token is not None and self.tenant_tokens.holds(self.auth_token):
+                raise ValueError("a tenant token equals the operator's --auth-token")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
 
@@ -82,6 +91,7 @@ class CacheServer:
         self.store = store
         self.config = config
         self._token = config.auth_token.encode() if config.auth_token is not None else None
+        self._tenant_tokens = config.tenant_tokens
         self._tls = None
         if config.tls_cert is not None and config.tls_key is not None:
             self._tls = server_tls_context(config.tls_cert, config.tls_key)
@@ -94,6 +104,7 @@ class CacheServer:
         self.frame_timeouts = 0
         self.busy_refusals = 0
         self.disk_read_timeouts = 0  # GETs answered as misses because the disk read was too slow
+        self.forbidden = 0  # requests of tenant-token connections refused as outside their tenant
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self._wake_scheduled = False
@@ -165,14 +176,18 @@ class CacheServer:
             await self._server.wait_closed()
             self._server = None
 
-    def check_token(self, token: bytes) -> bool:
-        """Returns whether `token` is the configured one (constant-time comparison)."""
-        assert self._token is not None
-        return hmac.compare_digest(token, self._token)
+    def authenticate(self, token: bytes) -> bytes | None:
+        """Returns the key prefix a connection that sent `token` may touch: b"" (every key, and
+        every op) for the operator's token, its tenant's prefix for a tenant token, None for
+        any other token. Compared in constant time (a tenant token by its SHA-256)."""
+        if self._token is not None and hmac.compare_digest(token, self._token):
+            return b""
+        tag = self._tenant_tokens.tag(token) if self._tenant_tokens is not None else None
+        return tenant_prefix(tag).encode() if tag is not None else None
 
     @property
     def auth_required(self) -> bool:
-        return self._token is not None
+        return self._token is not None or self._tenant_tokens is not None
 
     def stats_json(self) -> bytes:
         """Returns the STATS reply payload: store counters plus connection counters."""
@@ -184,6 +199,7 @@ class CacheServer:
         stats["frame_timeouts"] = self.frame_timeouts
         stats["busy_refusals"] = self.busy_refusals
         stats["disk_read_timeouts"] = self.disk_read_timeouts
+        stats["forbidden"] = self.forbidden
         stats["waiting_for_memory"] = len(self.waiting)
         stats["heap_trims"] = self.heap.trims
         return json.dumps(stats).encode()

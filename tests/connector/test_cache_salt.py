@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from connector.engine_connector import build_connector
+from connector.connector_config import ConnectorConfig
+from connector.engine_connector import EngineConnector, build_connector
 from connector.keyspace import Keyspace
 from engine import SamplingParams
 from engine.cache_salt import tenant_tag
@@ -99,3 +100,26 @@ def test_blend_segments_are_keyed_per_salt(default_model_path) -> None:
         for salt in ("tenant-a", None):
             assert conn.stored_segment(parts[1], "in_context", cache_salt=salt) is not None
         assert conn.stored_segment(parts[1], "in_context", cache_salt="tenant-c") is None
+
+
+def test_tenant_tag_key_keys_the_tags_in_stored_keys() -> None:
+    """`tenant_tag_key` (config, KVTIER_TENANT_TAG_KEY, or vLLM's kv_connector_extra_config):
+    a salted key carries the HMAC tag; unsalted keys are unchanged; the key is never shown."""
+    secret = "operator secret, 32 bytes long.."
+    from_env = ConnectorConfig.load(env={"KVTIER_TENANT_TAG_KEY": secret})
+    from_extra = ConnectorConfig.load(env={}, overrides={"tenant_tag_key": secret})
+    assert from_env.tenant_tag_key == from_extra.tenant_tag_key == secret and secret not in repr(from_env)
+    with pytest.raises(ValueError, match="tenant_tag_key: a shared secret needs at least 16 bytes"):
+        ConnectorConfig.load(env={}, overrides={"tenant_tag_key": "short"})
+    unkeyed = tenant_tag("tenant-a")
+    connector = EngineConnector(from_extra)
+    try:
+        ks = Keyspace("m0", "float16", 4, 2)
+        salted = ks.for_salt("tenant-a")
+        assert salted.tenant == tenant_tag("tenant-a", secret) != unkeyed
+        assert all(key_tenant(s.key) == salted.tenant for s in salted.spans(list(range(10))))
+        assert [s.key for s in ks.spans(list(range(10)))] == GOLDEN_KEYS
+    finally:
+        connector.shutdown()
+        ConnectorConfig().apply_tenant_tag_key()  # back to unkeyed for the tests after this one
+    assert tenant_tag("tenant-a") == unkeyed

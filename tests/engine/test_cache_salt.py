@@ -8,7 +8,13 @@ import pytest
 
 from engine.block_manager import BlockManager
 from engine.block_pool import hash_full_blocks
-from engine.cache_salt import salted_root, tenant_tag, validate_cache_salt
+from engine.cache_salt import (
+    salted_root,
+    set_tenant_tag_key,
+    tenant_tag,
+    tenant_tag_keyed,
+    validate_cache_salt,
+)
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -91,3 +97,27 @@ def test_invalid_salts_are_refused(bad: object) -> None:
     with pytest.raises(ValueError, match="cache_salt"):
         validate_cache_salt(bad)
     assert validate_cache_salt("tenant-1") == "tenant-1" and validate_cache_salt(None) is None
+
+
+# Computed by the code before keyed tags (commit c17f606): without a key, tags are unchanged.
+GOLDEN_TAGS = {"tenant-a": "a78b3cf5f152dad8", "tenant-b": "65c8194b1b9501ff"}
+SECRET, OTHER_SECRET = "operator secret, 32 bytes long..", "another secret, 32 bytes long..."
+
+
+def test_keyed_tags() -> None:
+    """Same salt and key: the same tag; another key: another tag; no key: today's tag. The
+    process key (set_tenant_tag_key) is what tenant_tag uses by default, and is removable."""
+    assert {s: tenant_tag(s) for s in GOLDEN_TAGS} == GOLDEN_TAGS
+    keyed = tenant_tag("tenant-a", SECRET)
+    assert keyed == tenant_tag("tenant-a", SECRET.encode()) and len(keyed) == 16 and int(keyed, 16) >= 0
+    assert keyed not in (GOLDEN_TAGS["tenant-a"], tenant_tag("tenant-a", OTHER_SECRET), tenant_tag("tenant-b", SECRET))
+    try:
+        set_tenant_tag_key(SECRET)
+        assert tenant_tag_keyed() and tenant_tag("tenant-a") == keyed
+        assert tenant_tag("tenant-a", OTHER_SECRET) == tenant_tag("tenant-a", OTHER_SECRET)
+    finally:
+        set_tenant_tag_key(None)
+    assert not tenant_tag_keyed() and tenant_tag("tenant-a") == GOLDEN_TAGS["tenant-a"]
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        set_tenant_tag_key("short")
+    assert not tenant_tag_keyed()
