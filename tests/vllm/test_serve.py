@@ -1,11 +1,13 @@
-"""`vllm serve` with kvtier's connector across processes: a `kv_producer` stores a prompt in
-Redis and the cache server and exits; fresh servers load it through each (Redis as a
-`kv_consumer`, the cache server as `kv_both`), tested with the official `openai` client,
-streamed and not; /metrics moves, and vLLM counts the loaded tokens as from an unspecified
-external source (a shared tier). A fourth vLLM (an `LLM`, one process) publishes the KV events
-of its tier. The four start side by side; each server runs vLLM's worker in its engine core's
-process (one process import less to start: tests/fixtures/vllm.py), vLLM's default layout
-being test_router.py's `--middleware` backend and test_parallel.py's TP=2 workers."""
+"""`vllm serve` with kvtier's connector across processes: disaggregated prefill across tensor
+parallel sizes. A `kv_producer` with two tensor-parallel workers (each stores its KV heads)
+stores a prompt in Redis and the cache server and exits; fresh single-worker servers load it
+through each (Redis as a `kv_consumer`, the cache server as `kv_both`) with their own cold
+run's tokens, tested with the official `openai` client, streamed and not; /metrics moves, and
+vLLM counts the loaded tokens as from an unspecified external source (a shared tier). The
+servers run one tiny StableLM (4 KV heads: two per producer rank). A fourth vLLM (an `LLM`,
+one process, the same model) publishes the KV events of its tier. The four start side by
+side; the loaders run vLLM's worker in their engine core's process (one process import less to
+start: tests/fixtures/vllm.py), the producer vLLM's default layout with two workers."""
 
 from __future__ import annotations
 
@@ -21,21 +23,28 @@ from packaging.version import Version
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from tests.fixtures.cache_server import CacheServerProcess
+from tests.fixtures.model import make_tiny_checkpoint
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.vllm import VllmLLM, VllmServer, close_together, collect_kv_events, start_together
 
 CHUNK = 256
 SHARED = 1024  # the prompt's tokens the producer stores for the fresh servers: four chunks
+# The servers' model: 4 KV heads, so the TP=2 producer's ranks hold two each; the default
+# model's vocabulary, so they read prompt_2k (the consumers key it from vLLM's view of it).
+TINY = dict(model_type="stablelm", hidden_size=128, intermediate_size=256, num_attention_heads=4,
+            num_key_value_heads=4, num_hidden_layers=4, max_position_embeddings=4096, vocab_size=49152)
+SKIP_SAVE = {"kv_transfer_params": {"kvtier.skip_save": True}}
 
 
 def _client(server: VllmServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def _complete(server: VllmServer, prompt: list[int], stream: bool, max_tokens: int = 8) -> list[int]:
+def _complete(server: VllmServer, prompt: list[int], stream: bool, max_tokens: int = 8,
+              extra: dict[str, object] | None = None) -> list[int]:
     """Returns the greedy completion's token ids (vLLM's `return_token_ids` extension)."""
     client = _client(server)
-    body = {"return_token_ids": True, "ignore_eos": True}
+    body = {"return_token_ids": True, "ignore_eos": True, **(extra or {})}
     if not stream:
         out = client.completions.create(model="default", prompt=prompt, max_tokens=max_tokens, temperature=0.0,
                                         extra_body=body)
@@ -56,49 +65,55 @@ def _wait_for_metric(server: VllmServer, name: str, at_least: float, timeout: fl
 
 @dataclass
 class Servers:
-    """The module's servers, started side by side: the loaders (asked nothing before their
-    test), the events server and its endpoint, and the producer's cold tokens."""
+    """The module's servers, started side by side: the loaders (asked only for their cold run,
+    stored nowhere, before the producer ran), the events server and its endpoint, and each
+    loader's cold tokens."""
 
     loaders: dict[str, VllmServer]
     events: VllmLLM
     endpoint: str
-    cold: list[int]
+    cold: dict[str, list[int]]
 
 
 @pytest.fixture(scope="module")
 def servers(default_model_path: Path, redis_server_session: RedisServer, tmp_path_factory: pytest.TempPathFactory,
             prompt_2k: list[int]) -> Iterator[Servers]:
-    """A `kv_producer` stores the prompt in Redis and the cache server, then exits; a
-    `kv_consumer` over Redis and a `kv_both` over the cache server have not run anything; a
-    fourth vLLM publishes KV events from a `cpu` tier of 3 chunks."""
+    """A TP=2 `kv_producer` stores the prompt in Redis and the cache server, then exits; a
+    `kv_consumer` over Redis and a `kv_both` over the cache server ran it cold before, storing
+    nothing; a fourth vLLM publishes KV events from a `cpu` tier of 3 chunks."""
     logs = tmp_path_factory.mktemp("vllm-serve")
+    model = make_tiny_checkpoint(logs, tokenizer_dir=default_model_path, **TINY)
     redis_server_session.client().flushall()
     cache = CacheServerProcess("--max-bytes", "256MiB")
     endpoint = f"ipc://{logs}/events.sock"  # vLLM's publisher binds it: local, no network
     events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
     config = {"chunk_size": CHUNK}
     producer, consumer, both, events = start_together(
-        lambda: VllmServer(default_model_path, config | {"tiers": [redis_server_session.url, cache.url]},
-                           logs / "producer.log", "kv_producer", worker_in_engine=True),
-        lambda: VllmServer(default_model_path, config | {"tiers": [redis_server_session.url]},
+        lambda: VllmServer(model, config | {"tiers": [redis_server_session.url, cache.url]},
+                           logs / "producer.log", "kv_producer", "--tensor-parallel-size", "2",
+                           env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
+        lambda: VllmServer(model, config | {"tiers": [redis_server_session.url]},
                            logs / "consumer.log", "kv_consumer", worker_in_engine=True),
-        lambda: VllmServer(default_model_path, config | {"tiers": [cache.url]}, logs / "both.log", "kv_both",
+        lambda: VllmServer(model, config | {"tiers": [cache.url]}, logs / "both.log", "kv_both",
                            worker_in_engine=True),
-        # room for 3 of the prompt's 8 chunks (46080 bytes per token in fp32): the rest are evicted
-        lambda: VllmLLM(default_model_path, config | {"tiers": ["cpu?budget=36MiB"]}, logs / "events.log",
+        # room for 3 of the prompt's 8 chunks (4096 bytes per token in fp32, 1 MiB a chunk): the rest are evicted
+        lambda: VllmLLM(model, config | {"tiers": ["cpu?budget=3300KiB"]}, logs / "events.log",
                         kv_events=events_config))
     assert isinstance(producer, VllmServer) and isinstance(consumer, VllmServer) and isinstance(both, VllmServer)
     assert isinstance(events, VllmLLM)
+    loaders = {"redis": consumer, "kvtier": both}
     try:
         try:
+            cold = {tier: _complete(s, prompt_2k[:SHARED], stream=False, extra=SKIP_SAVE)
+                    for tier, s in loaders.items()}
             # The request ends at its prefill, before its stores land; the pending stores keep
             # the engine stepping, so their counters reach /metrics with no further request.
             _complete(producer, prompt_2k[:SHARED], stream=False, max_tokens=1)
             _wait_for_metric(producer, "kvtier:kv_stored_tokens_total", SHARED)
-            cold = _complete(producer, prompt_2k[:SHARED], stream=False)
         finally:
             assert producer.close() == 0  # SIGINT: queued stores are flushed before it exits
-        yield Servers({"redis": consumer, "kvtier": both}, events, endpoint, cold)
+        assert "KV heads (2, 4) of rank 1" in producer.log.read_text(errors="replace")
+        yield Servers(loaders, events, endpoint, cold)
     finally:
         close_together(consumer, both, events)
         cache.kill()
@@ -106,11 +121,12 @@ def servers(default_model_path: Path, redis_server_session: RedisServer, tmp_pat
 
 @pytest.mark.parametrize("tier", ["redis", "kvtier"])
 def test_a_fresh_server_loads_what_another_stored(tier: str, servers: Servers, prompt_2k: list[int]) -> None:
-    """Redis: as kv_consumer; the cache server: as kv_both."""
+    """Redis: as kv_consumer; the cache server: as kv_both. Each at TP=1, from the TP=2
+    producer's per-head values."""
     server = servers.loaders[tier]
     before = server.metrics()
-    assert _complete(server, prompt_2k[:SHARED], stream=True) == servers.cold
-    assert _complete(server, prompt_2k[:SHARED], stream=False) == servers.cold
+    assert _complete(server, prompt_2k[:SHARED], stream=True) == servers.cold[tier]
+    assert _complete(server, prompt_2k[:SHARED], stream=False) == servers.cold[tier]
     after = server.metrics()
     hits = "kvtier:kv_connector_hit_tokens_total"
     loaded = after.get(hits, 0) - before.get(hits, 0)
