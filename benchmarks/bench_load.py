@@ -62,7 +62,7 @@ from connector.vllm_layouts import vllm_layout_for
 from engine.kv_cache import EngineLayout, PagedKVLayout, zeroed_pool
 from engine.model_config import ModelConfig
 from kvstore import serde
-from kvstore.backends.disk_names import key_path
+from kvstore.backends.disk.file_names import key_path
 from kvstore.read_buffers import PAGE, page_aligned
 from kvstore.storage_manager import StorageManager
 

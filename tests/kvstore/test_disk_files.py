@@ -1,4 +1,4 @@
-"""The disk tier's file layout (kvstore/backends/disk_files.py): each value's payload starts on
+"""The disk tier's file layout (kvstore/backends/disk/file_format.py): each value's payload starts on
 a cache line of the file, files written before the file header still load, and a file header
 that lies is a miss, never a wrong value."""
 
@@ -12,7 +12,7 @@ import torch
 
 from kvstore import serde
 from kvstore.backends.disk import DiskBackend
-from kvstore.backends.disk_files import FILE_MAGIC, PAYLOAD_ALIGN, value_start
+from kvstore.backends.disk.file_format import FILE_MAGIC, PAYLOAD_ALIGN, value_start
 from tests.fixtures.scattered import Scattered
 from tests.fixtures.tiers import chunk, ckey
 

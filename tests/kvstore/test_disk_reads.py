@@ -14,7 +14,7 @@ import torch
 from kvstore import serde
 from kvstore.backend import Destination
 from kvstore.backends.disk import DiskBackend
-from kvstore.backends.disk_files import value_start
+from kvstore.backends.disk.file_format import value_start
 from kvstore.backends.memory import CPUBackend
 from kvstore.storage_manager import StorageManager
 from tests.fixtures.scattered import Scattered

@@ -19,7 +19,7 @@ import torch
 
 from kvstore.backend import StorageBackend
 from kvstore.backends.disk import DiskBackend
-from kvstore.backends.disk_names import key_path, keys_with_prefix
+from kvstore.backends.disk.file_names import key_path, keys_with_prefix
 from kvstore.budget import ByteBudget
 from kvstore.budget_check import check_tier_budgets
 from kvstore.registry import create_backend

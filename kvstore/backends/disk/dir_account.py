@@ -1,5 +1,6 @@
-"""The disk tier's shared accounting: the directory's state file (`.kvtier-dir`: bytes used,
-budget), read and written under its exclusive flock (kvstore/backends/disk.py)."""
+"""The directory's shared account, the one owner of its state file (`.kvtier-dir`: bytes
+used, budget): read and written only under the file's exclusive flock, which every process
+using the directory takes before changing anything in it (disk_tier.py)."""
 
 from __future__ import annotations
 
@@ -22,11 +23,14 @@ STATE_BYTES = _STATE.size
 
 @dataclass
 class DirState:
+    """The directory's account as read under the lock: bytes used (chunk files, live writers'
+    reservations, the state file itself; -1 when it must be recounted) and budget (None: none)."""
+
     used: int
     budget: int | None
 
 
-class SharedDir:
+class DirAccount:
     """The state file of a directory: (bytes used, budget), read and written under its flock.
     Not thread-safe: the tier calls it under its own lock (flock is per open file, not thread)."""
 
@@ -47,6 +51,7 @@ class SharedDir:
 
     @property
     def writable(self) -> bool:
+        """Returns whether the state file could be opened for writing (else: why_read_only)."""
         return self.file is not None
 
     @contextmanager
@@ -73,6 +78,7 @@ class SharedDir:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
+        """Closes the state file (dropping any lock on it); idempotent."""
         if self.file is not None:
             self.file.close()
             self.file = None

@@ -1,5 +1,6 @@
-"""Reading one chunk file of the disk tier (its layout: disk_files.py), checked as it
-arrives: into a pooled buffer, or straight into the caller's memory (`Destination`).
+"""Reading and writing one chunk file's bytes (their layout: file_format.py). A write fills
+a temp file the tier has reserved room for; a read is checked as it arrives, into a pooled
+buffer or straight into the caller's memory (`Destination`).
 
 Each piece is hashed (`serde.ValueCheck`) right after it is read, while it is still in the
 CPU's cache, instead of being read back from memory by a second pass. Reading in place skips
@@ -14,10 +15,23 @@ from collections.abc import Iterator, Sequence
 
 from kvstore import serde
 from kvstore.backend import Destination
-from kvstore.backends.disk_files import HEAD_LEN, value_start
+from kvstore.backends.disk.file_format import HEAD_LEN, value_start
+from kvstore.codecs import Buffer
 from kvstore.read_buffers import ReadBufferPool
 
 _MAX_VIEWS = 1024  # IOV_MAX on Linux: the most buffers one preadv takes
+
+
+def write_file(fd: int, parts: Sequence[Buffer], fsync: bool) -> None:
+    """Writes `parts` (file_format.file_parts) in order to the new file `fd`, then closes it,
+    fsync'd first if `fsync`. Raises OSError as the writes do; `fd` is closed either way."""
+    with open(fd, "wb", buffering=0) as f:
+        for part in parts:
+            view = memoryview(part).cast("B")
+            while view:  # raw writes may be short
+                view = view[f.write(view):]
+        if fsync:
+            os.fsync(f.fileno())
 
 
 def read_value(fd: int, key: str, pool: ReadBufferPool) -> serde.CheckedValue:

@@ -1,5 +1,8 @@
-"""The `disk` tier: one file per chunk under a directory (`disk:///path`), the value placed
-so its payload is cache-line aligned (disk_files.py).
+"""The `disk` tier (`DiskBackend`): one file per chunk under a directory (`disk:///path`), the
+value placed so its payload is cache-line aligned (file_format.py). It owns this process's
+index of the directory's files (their eviction order) and every change to the directory;
+the names it uses are file_names.py's, the shared account dir_account.py's, and a file's
+bytes are read and written by file_io.py.
 
 Writes go to a temporary file, optionally fsync'd, then atomically renamed into place, so a
 reader never sees a partial value and a crash leaves only a stray temp file (removed later).
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import os
 import threading
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,10 +33,18 @@ import torch
 
 from kvstore import serde
 from kvstore.backend import BackendError, BytesBackend, Destination, ReadValue, StoredValue
-from kvstore.backends.disk_files import file_parts
-from kvstore.backends.disk_names import SUFFIX, key_path, keys_with_prefix
-from kvstore.backends.disk_reads import read_in_place, read_value
-from kvstore.backends.disk_state import STATE_BYTES, STATE_FILE, DirState, SharedDir
+from kvstore.backends.disk.dir_account import STATE_BYTES, STATE_FILE, DirAccount, DirState
+from kvstore.backends.disk.file_format import file_parts
+from kvstore.backends.disk.file_io import read_in_place, read_value, write_file
+from kvstore.backends.disk.file_names import (
+    SUFFIX,
+    TEMP_PREFIX,
+    file_key,
+    key_path,
+    keys_with_prefix,
+    live_reservation,
+    temp_path,
+)
 from kvstore.budget import ByteBudget
 from kvstore.codecs import Codec
 from kvstore.eviction import make_policy
@@ -42,26 +52,7 @@ from kvstore.read_buffers import ReadBufferPool
 from kvstore.store_config import TierSpec
 from kvstore.tenant_keys import key_tenant, tenant_prefix
 
-_TMP_PREFIX = ".tmp-"
-__all__ = ["STATE_BYTES", "STATE_FILE", "DiskBackend"]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
-
-
-def _temp_reservation(name: str) -> tuple[int, int] | None:
-    """Returns (pid, reserved bytes) encoded in a temp file's name, or None if it has none."""
-    parts = name[len(_TMP_PREFIX):].split("-")
-    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
-        return None
-    return int(parts[0]), int(parts[1])
+__all__ = ["DiskBackend"]
 
 
 class DiskBackend(BytesBackend):
@@ -92,7 +83,7 @@ class DiskBackend(BytesBackend):
         except OSError as exc:
             raise BackendError(f"disk tier cannot create {self.root}: {exc}") from exc
         self._own_budget = byte_budget
-        self._dir = SharedDir(self.root)
+        self._dir = DirAccount(self.root)
         self.read_only = not self._dir.writable
         with self._lock:
             if self.read_only:
@@ -105,11 +96,13 @@ class DiskBackend(BytesBackend):
 
     @classmethod
     def from_spec(cls, spec: TierSpec) -> DiskBackend:
+        """Returns the tier a `disk:///path` spec describes (option `fsync`: fsync each file)."""
         path = unquote(urlsplit(spec.url).path)
         return cls(path, byte_budget=spec.budget, codec=spec.codec, eviction=spec.eviction,
                    fsync=bool(spec.options.get("fsync", False)), tenant_quota=spec.tenant_quota)
 
     def set_pin_check(self, is_pinned: Callable[[str], bool]) -> None:
+        """Makes eviction skip every key for which `is_pinned` returns True."""
         self._index.is_pinned = is_pinned
 
     # -- files and accounting (callers hold self._lock, and the dir lock to change anything) --
@@ -124,10 +117,10 @@ class DiskBackend(BytesBackend):
         found: list[tuple[float, str, int]] = []
         with os.scandir(self.root) as it:
             for entry in it:
-                if entry.name.startswith(_TMP_PREFIX):
-                    res = _temp_reservation(entry.name)
-                    if res is not None and _pid_alive(res[0]):
-                        used += res[1]
+                if entry.name.startswith(TEMP_PREFIX):
+                    reserved = live_reservation(entry.name)
+                    if reserved is not None:
+                        used += reserved
                     elif not self.read_only:
                         try:
                             os.unlink(entry.path)
@@ -141,7 +134,7 @@ class DiskBackend(BytesBackend):
                     except OSError:
                         continue
                     used += st.st_size
-                    found.append((st.st_mtime, unquote(entry.name[: -len(SUFFIX)]), st.st_size))
+                    found.append((st.st_mtime, file_key(entry.name), st.st_size))
         found.sort()
         present = {key for _, key, _ in found}
         for key in [k for k in self._index.sizes if k not in present]:
@@ -206,9 +199,8 @@ class DiskBackend(BytesBackend):
         reserved = 0
         with os.scandir(self.root) as it:
             for entry in it:
-                res = _temp_reservation(entry.name) if entry.name.endswith(f".{tag}") else None
-                if entry.name.startswith(_TMP_PREFIX) and res is not None and _pid_alive(res[0]):
-                    reserved += res[1]
+                if entry.name.startswith(TEMP_PREFIX) and entry.name.endswith(f".{tag}"):
+                    reserved += live_reservation(entry.name) or 0
         victims = self._index.plan(key, nbytes + reserved)
         if victims is None:
             return False
@@ -273,6 +265,7 @@ class DiskBackend(BytesBackend):
         return True
 
     def batched_contains(self, keys: Sequence[str]) -> list[bool]:
+        """Returns, per key, whether its file exists (any process's: another's is indexed here)."""
         return [self._exists(k) for k in keys]
 
     @contextmanager
@@ -313,7 +306,7 @@ class DiskBackend(BytesBackend):
     def batched_read_into(self, keys: Sequence[str], dests: Sequence[Destination]
                           ) -> list[torch.Tensor | Destination | None]:
         """Reads each raw value of `dest.dtype` and `dest.shape` straight into its destination
-        (`disk_reads.read_in_place`: no buffer between the page cache and `dest`); any other
+        (`file_io.read_in_place`: no buffer between the page cache and `dest`); any other
         value comes back decoded, as `batched_get` returns it. Hits, misses and corrupt values
         are counted as `batched_get` counts them."""
         if len(keys) != len(dests):
@@ -347,8 +340,7 @@ class DiskBackend(BytesBackend):
         path = self._path(key)
         parts = file_parts(value)
         nbytes = sum(memoryview(part).nbytes for part in parts)
-        tag = key_tenant(key)  # a salted write's reservation names its tenant (its quota counts it)
-        tmp = self.root / f"{_TMP_PREFIX}{os.getpid()}-{nbytes}-{uuid.uuid4().hex}{'.' + tag if tag else ''}"
+        tmp = temp_path(self.root, nbytes, key_tenant(key))  # a salted key's temp file names its tenant
         try:
             with self._locked() as state:
                 if not (self._make_tenant_room(state, key, nbytes) and self._make_room(state, nbytes)):
@@ -362,13 +354,7 @@ class DiskBackend(BytesBackend):
         except OSError as exc:
             raise BackendError(f"disk tier cannot write {key}: {exc}") from exc
         try:
-            with open(fd, "wb", buffering=0) as f:
-                for part in parts:
-                    view = memoryview(part).cast("B")
-                    while view:  # raw writes may be short
-                        view = view[f.write(view):]
-                if self.fsync:
-                    os.fsync(f.fileno())
+            write_file(fd, parts, self.fsync)
             with self._locked() as state:
                 try:
                     old = os.stat(path).st_size
@@ -388,6 +374,7 @@ class DiskBackend(BytesBackend):
             raise BackendError(f"disk tier cannot write {key}: {exc}") from exc
 
     def delete(self, key: str) -> bool:
+        """Removes `key`'s file; returns whether there was one. BackendError if read-only."""
         self._writable()
         with self._locked() as state:
             freed = self._unlink(key)
@@ -422,5 +409,6 @@ class DiskBackend(BytesBackend):
                 return len(self._index), used, budget, self._evictions
 
     def close(self) -> None:
+        """Closes the directory's state file; the files stay, for the next opener."""
         with self._lock:
             self._dir.close()

@@ -1,5 +1,6 @@
-"""The layout of a disk tier file: a file header, zeros, then the stored value (`serde`),
-placed so that the value's payload starts at a multiple of PAYLOAD_ALIGN bytes.
+"""The bytes of a chunk file, the one owner of its layout: a file header, zeros, then the
+stored value (`serde`), placed so that the value's payload starts at a multiple of
+PAYLOAD_ALIGN bytes.
 
 Why: the kernel copies the page cache into memory at full speed only when source and
 destination sit at the same offset within a cache line. The engine's blocks start on a line
