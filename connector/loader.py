@@ -41,8 +41,8 @@ from connector.metrics import ConnectorMetrics
 from connector.store_queue import StoreQueue
 from engine.kv_cache import PagedKVLayout
 from kvstore.backend import Destination
+from kvstore.background_queue import BACKGROUND_NICE, BackgroundQueue, lower_thread_priority
 from kvstore.storage_manager import StorageManager
-from kvstore.writer import BACKGROUND_NICE, BackgroundWriter, lower_thread_priority
 
 # Background loads queued at most; one past it is refused and computed instead.
 LOAD_QUEUE_SIZE = 4096
@@ -102,7 +102,7 @@ class Loader:
         self.metrics = metrics
         self.num_layers = layout.num_layers
         # A full queue refuses a job; that load is reported failed (recomputed).
-        self.jobs = BackgroundWriter(LOAD_QUEUE_SIZE, "drop_new", "kvtier-connector-load", nice=BACKGROUND_NICE)
+        self.jobs = BackgroundQueue(LOAD_QUEUE_SIZE, "drop_new", "kvtier-connector-load", nice=BACKGROUND_NICE)
         self._prefetch = ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="kvtier-connector-fetch",
                                             initializer=lower_thread_priority, initargs=(BACKGROUND_NICE,))
         # The fastest tier reads chunks straight into the blocks: nothing left to scatter.

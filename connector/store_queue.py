@@ -1,7 +1,7 @@
 """The connector's store queue: gathered chunks go to the storage manager on a background
 thread, so a step never waits for a tier; lookups can wait for the keys still in flight.
 
-Bounded twice: by job count (kvstore's `BackgroundWriter`, under its `queue_full` policy) and
+Bounded twice: by job count (kvstore's `BackgroundQueue`, under its `queue_full` policy) and
 by bytes held (`max_bytes`). A dropped store is counted and forgotten, never waited for: its
 keys and bytes are released whether the new job or a queued one is dropped (the writer calls
 each dropped job's release), so a lookup waiting for a key never hangs on a dropped store.
@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvstore.background_queue import BACKGROUND_NICE, BackgroundQueue
 from kvstore.storage_manager import StorageManager
-from kvstore.writer import BACKGROUND_NICE, BackgroundWriter
 
 Item = tuple[str, torch.Tensor]
 
@@ -29,7 +29,7 @@ class StoreQueue:
         self.storage = storage
         self.max_bytes = max_bytes
         # below the serving threads' priority, like the loader (connector/loader.py)
-        self._writer = BackgroundWriter(max_jobs, queue_full, "kvtier-connector-store", nice=BACKGROUND_NICE)
+        self._writer = BackgroundQueue(max_jobs, queue_full, "kvtier-connector-store", nice=BACKGROUND_NICE)
         self._cond = threading.Condition()
         self._keys: dict[str, int] = {}
         self._bytes = 0

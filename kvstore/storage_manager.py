@@ -32,6 +32,7 @@ import torch
 
 from kvstore import serde
 from kvstore.backend import Destination, StorageBackend
+from kvstore.background_queue import BACKGROUND_NICE, FLUSH_TIMEOUT_S, BackgroundQueue
 from kvstore.deadlines import CallKind
 from kvstore.device_staging import stage
 from kvstore.health import BACKOFF_INITIAL_S, BACKOFF_MAX_S, BREAKER_FAILURES
@@ -39,7 +40,6 @@ from kvstore.pins import PinTable
 from kvstore.store_config import KVStoreConfig
 from kvstore.tier_guard import SKIPPED, Skipped, TierGuard
 from kvstore.tier_stats import TierStats
-from kvstore.writer import BACKGROUND_NICE, FLUSH_TIMEOUT_S, BackgroundWriter
 
 logger = logging.getLogger("kvtier.kvstore")
 T = TypeVar("T")
@@ -89,7 +89,7 @@ class StorageManager:
                         for t, n in zip(self.tiers, names)]
         self._stats = [g.counters for g in self._guards]
         self.flush_timeout_s = flush_timeout_s
-        self._writer = BackgroundWriter(queue_size, queue_full, nice=BACKGROUND_NICE) if len(self.tiers) > 1 else None
+        self._writer = BackgroundQueue(queue_size, queue_full, nice=BACKGROUND_NICE) if len(self.tiers) > 1 else None
         self.staging_copies = 0  # chunks copied to another device by `batched_put` (once per device)
         self._listener: TierListener | None = None
         self._closed = False

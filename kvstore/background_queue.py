@@ -1,6 +1,7 @@
-"""A background writer with a bounded queue, so serving never waits on a slow tier.
+"""A background thread running jobs from a bounded queue, so serving never waits on a slow
+tier: the slower tiers' writes, the connector's stores and its loads.
 
-When the queue is full a write is dropped (the oldest queued one, or the new one) and
+When the queue is full a job is dropped (the oldest queued one, or the new one) and
 counted; `submit` never blocks. `flush()` waits until everything queued has been written;
 `close(timeout)` runs what is queued for at most `timeout` seconds, then drops the rest.
 Every submitted job either runs or, dropped under either policy, has its `on_drop` called,
@@ -29,7 +30,7 @@ the connector's loads and stores): they take the CPU the serving threads leave i
 running batch's steps slow down little while they work (benchmarks/bench_vllm.py, "stall")."""
 
 
-class BackgroundWriter:
+class BackgroundQueue:
     """One worker thread draining a bounded FIFO of jobs."""
 
     def __init__(self, max_queue: int = 64, drop: str = "drop_oldest", name: str = "kvstore-writer",
