@@ -19,9 +19,9 @@ from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.serve import ENGINE_ARGS, NAME
 
 pytestmark = pytest.mark.slow
-# Each task's first 10 documents (of 20: tests/fixtures/lm_eval_tasks/data): two generate_until
-# batches of 8 and 2 prompts, 40 scored continuations; the benchmark evaluates all 20.
-DOCS_PER_TASK = 10
+# Each task's first 6 documents (of 20: tests/fixtures/lm_eval_tasks/data): one generate_until
+# batch of 6 prompts, 24 scored continuations; the benchmark evaluates all 20.
+DOCS_PER_TASK = 6
 
 
 def test_scores_identical_cold_and_warm(default_model_path: Path, redis_server: RedisServer) -> None:

@@ -29,9 +29,10 @@ pytestmark = pytest.mark.slow
 ADMIN = "sk-operator"
 KEYS = {"alice": "sk-alice-1", "bob": "sk-bob-2"}
 SALTS = {"alice": "tenant-alice", "bob": "tenant-bob"}
+CHUNK = 128
 ENGINE_ARGS = ["--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "512", "--max-num-seqs", "4",
-               "--chunk-size", "256"]
-DOC = long_text(26) + "\n\nSummarise the sections above in one sentence:"
+               "--chunk-size", str(CHUNK)]
+DOC = long_text(13) + "\n\nSummarise the sections above in one sentence:"  # 520 tokens
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ def test_two_tenants_one_document_across_processes(servers, stores) -> None:
     text, cached = complete(a, alice, DOC)
     assert cached == 0
     n = lookup(a, ADMIN, DOC).json()["num_tokens"]
-    assert 1000 <= n <= 1100  # four full chunks of 256 and a tail
+    assert 4 * CHUNK < n < 5 * CHUNK  # four full chunks and a tail
     # Alice's chunks reach both shared tiers (written behind the request: wait for them).
     wait_until(lambda: min(lookup(b, alice, DOC).json()["tiers"].values()) >= n - 1, 60.0, 0.2)
     found = lookup(b, alice, DOC).json()
@@ -138,10 +139,11 @@ def test_metrics_label_hits_loads_and_stores_by_tenant(servers) -> None:
     assert on_b[("kvtier:kv_tenant_loaded_bytes", "alice")] > 0
     assert on_b[("kvtier:kv_tenant_hit_tokens", "other")] == 0 and on_b[("kvtier:kv_tenant_stored_bytes", "other")] > 0
     # stores count once they ran, behind the request
-    stored = wait_until(lambda: tenant_figures(a)[0][("kvtier:kv_tenant_stored_tokens", "none")] >= 4 * 256, 60.0, 0.2)
+    stored = wait_until(lambda: tenant_figures(a)[0][("kvtier:kv_tenant_stored_tokens", "none")] >= 4 * CHUNK,
+                        60.0, 0.2)
     assert stored, tenant_figures(a)[0]
     on_a, text_a = tenant_figures(a)
-    assert on_a[("kvtier:kv_tenant_stored_tokens", "alice")] >= 4 * 256  # the document's full chunks
+    assert on_a[("kvtier:kv_tenant_stored_tokens", "alice")] >= 4 * CHUNK  # the document's full chunks
     assert on_a[("kvtier:kv_tenant_hit_tokens", "none")] == 0
     assert not any(salt in text for salt in SALTS.values() for text in (text_a, text_b))  # salts are secrets
 

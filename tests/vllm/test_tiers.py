@@ -1,4 +1,4 @@
-"""A repeated 2k-token prompt (512 tokens in the 16-bit cases) is loaded from each tier of one process
+"""A repeated 2k-token prompt (256 tokens in the 16-bit cases) is loaded from each tier of one process
 by a real vLLM (prefix caching off), with the tokens of the cold run, its K/V in float16,
 bfloat16 and float32 (vLLM's CPU "vec" kernels' page layout, in each dtype); and vLLM's own
 prefix cache together with the connector: the engine's hit and the connector's are never
@@ -19,15 +19,15 @@ from connector.metrics import PROM_COUNTERS
 from tests.fixtures.vllm import VllmLLM, close_together, start_together
 
 # The vLLM each case starts: (its tier, more connector config, more VllmLLM keywords; the
-# model's dtype, float32 unless given, is its K/V's; a 16-bit case runs a 512-token prompt,
-# two chunks, as 16-bit math is slow on CPUs without native support). Background loads from
+# model's dtype, float32 unless given, is its K/V's; a 16-bit case runs a 256-token prompt,
+# two chunks of 128, as 16-bit math is slow on CPUs without native support). Background loads from
 # each tier of this process; layer-by-layer loads in the request's first step (vLLM's
 # synchronous path, its forward waiting per layer) from one. The shared tiers (Redis, the cache server) are loaded
 # from by a fresh process in test_serve.py.
 CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "cpu": ("cpu", {}, {}),
-    "disk": ("disk", {"reset_clears_shared_tiers": True}, {"dtype": "bfloat16"}),
-    "disk-layerwise": ("disk", {"use_layerwise": True}, {"dtype": "float16"}),
+    "disk": ("disk", {"reset_clears_shared_tiers": True, "chunk_size": 128}, {"dtype": "bfloat16"}),
+    "disk-layerwise": ("disk", {"use_layerwise": True, "chunk_size": 128}, {"dtype": "float16"}),
     "cpu-prefix-caching": ("cpu", {}, {"prefix_caching": True}),
 }
 
@@ -81,7 +81,7 @@ def tier_llms(request: pytest.FixtureRequest, default_model_path: Path,
 @pytest.mark.parametrize("case", ["cpu", "disk", "disk-layerwise"])
 def test_the_second_run_loads_the_prompt_from_the_tier(case: str, tier_llms: TierLLMs, prompt_2k: list[int]) -> None:
     tier, extra, spec = CASES[case]
-    prompt = prompt_2k[:512] if "dtype" in spec else prompt_2k
+    prompt = prompt_2k[:256] if "dtype" in spec else prompt_2k
     with tier_llms.use(case) as llm:
         if tier == "cpu":  # a request that asks not to be stored leaves nothing to load (the cold
             # run's first two chunks below included)
@@ -93,7 +93,8 @@ def test_the_second_run_loads_the_prompt_from_the_tier(case: str, tier_llms: Tie
         # when the configuration says so (the first chunk and a token: no hit)
         if tier == "cpu" or extra.get("reset_clears_shared_tiers"):
             assert llm.command(op="reset_prefix_cache", connector=True)["ok"]
-            assert llm.generate([prompt[:257]], max_tokens=1)["outputs"][0]["cached"] == 0
+            chunk = extra.get("chunk_size", 256)
+            assert llm.generate([prompt[:chunk + 1]], max_tokens=1)["outputs"][0]["cached"] == 0
     assert cold["outputs"][0]["cached"] == 0
     assert warm["outputs"][0]["tokens"] == cold["outputs"][0]["tokens"]
     assert warm["outputs"][0]["cached"] >= 0.9 * len(prompt), llm.tail()
