@@ -4,6 +4,7 @@ bring the counts back to zero, a removed key loses its pin; load pins still retu
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -105,3 +106,19 @@ def test_pin_budget_is_checked_in_the_spec() -> None:
         TierSpec.from_url("cpu?budget=1MiB&pin_budget=2MiB", "tiers[0]")
     with pytest.raises(ValueError, match="redis tier cannot pin"):
         TierSpec.from_url("redis://localhost:6379/0?pin_budget=1MiB")
+
+
+@pytest.mark.parametrize("kind", [0, 1], ids=["cpu", "disk"])
+def test_delete_idle_removes_what_was_not_used_and_keeps_pins(tmp_path: Path, kind: int) -> None:
+    tier = tiers(tmp_path)[kind]
+    tier.batched_put([("o00", CHUNK), ("o01", CHUNK)])
+    tier.pin(["o01"])
+    if isinstance(tier, DiskBackend):  # its last use is the file's mtime
+        for key in ("o00", "o01"):
+            os.utime(tier._path(key), (time.time() - 60, time.time() - 60))
+    else:
+        time.sleep(0.06)
+    tier.batched_put([("n00", CHUNK)])
+    assert tier.delete_idle(0.05 if kind == 0 else 30) == 1
+    assert tier.batched_contains(["o00", "o01", "n00"]) == [False, True, True]
+    tier.close()

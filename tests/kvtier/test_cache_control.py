@@ -176,6 +176,9 @@ def test_the_command_line_and_clear_all(server: ServeProcess) -> None:
     assert r.returncode == 0, r.stderr
     assert {kind(n) for n in json.loads(r.stdout)["chunks"][0]["tiers"]} == {CPU, DISK}
 
+    r1 = post(server, "/kv/clear", {"older_than_s": 3600})  # nothing is that old
+    assert r1.status_code == 200 and r1.json()["tiers"]["0:cpu"] == 0 and not r1.json()["errors"], r1.text
+    assert holders(server, ids) == [{CPU, DISK}]
     r2 = post(server, "/kv/clear", {"all": True})
     assert r2.status_code == 200 and r2.json()["tiers"]["0:cpu"] >= 1 and r2.json()["engine_reset"], r2.text
     assert holders(server, ids) == [set()]
