@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from connector import cache_control
 from connector.blend.blend_planner import BlendPlanner
 from connector.blend.blender import Blender
 from connector.connector_config import ConnectorConfig, make_config
@@ -30,7 +31,7 @@ from connector.presence import held_tokens
 from connector.worker import KVTierWorker
 from engine.cache_salt import tenant_tag
 from engine.kv_connector import KVConnector
-from kvstore.storage_manager import StorageManager
+from kvstore.storage_manager import LOCAL_TIERS, StorageManager
 from kvstore.tenant_keys import tenant_prefix
 
 
@@ -103,6 +104,42 @@ class EngineConnector(KVConnector):
         Returns (per tier the values removed, per tier that failed its error)."""
         self.flush()
         return self.storage.delete_prefix(tenant_prefix(tenant_tag(cache_salt)))
+
+    # ---- operating the cache (connector/cache_control.py) -----------------------------------
+    def inspect(self, token_ids: Sequence[int], cache_salt: str | None = None,
+                tenants: str | None | bool = True) -> dict[str, Any]:
+        """Returns what each tier holds of the prompt's chunks for `cache_salt`, and per tier
+        its totals (`tenants`: which tenants' usage to include: True all, a tag only it)."""
+        return cache_control.inspect(self.storage, self.scheduler.keyspace.for_salt(cache_salt), token_ids, tenants)
+
+    def pin(self, token_ids: Sequence[int], cache_salt: str | None = None, tier: str | None = None,
+            ttl_s: float | None = None) -> dict[str, Any]:
+        """Pins the prompt's held prefix in `tier` (None: the fastest) after queued stores
+        landed; PinError (nothing pinned) or ValueError (unknown tier) otherwise."""
+        self.flush()
+        return cache_control.pin(self.storage, self.scheduler.keyspace.for_salt(cache_salt), token_ids, tier, ttl_s)
+
+    def unpin(self, token_ids: Sequence[int], cache_salt: str | None = None, tier: str | None = None
+              ) -> dict[str, Any]:
+        """Releases the pins of the prompt's chunks in `tier` (None: the fastest)."""
+        return cache_control.unpin(self.storage, self.scheduler.keyspace.for_salt(cache_salt), token_ids, tier)
+
+    def clear_tiers(self, local_only: bool = False) -> dict[str, int]:
+        """Removes every chunk from every tier (with `local_only`, only this process's cpu and
+        device), after queued stores landed, pins included; returns per tier how many entries
+        it held before."""
+        self.flush()
+        cleared = {name for name, t in zip(self.storage.names, self.storage.tiers)
+                   if not local_only or t.name in LOCAL_TIERS}
+        before = {name: s.backend.entries for name, s in self.storage.stats().items() if name in cleared}
+        self.storage.clear(local_only=local_only)
+        return before
+
+    def clear_idle(self, older_than_s: float) -> tuple[dict[str, int], dict[str, str]]:
+        """Removes the chunks no request used for `older_than_s` seconds (not pinned ones)
+        from the tiers that know last uses; returns (per tier removed, per tier why not)."""
+        self.flush()
+        return self.storage.delete_idle(older_than_s)
 
     def _blender(self) -> Blender:
         """Returns the worker's extension as CacheBlend's; ValueError when it is not that."""

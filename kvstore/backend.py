@@ -20,6 +20,7 @@ import torch
 
 from kvstore import serde
 from kvstore.codecs import Buffer, Codec, get_codec
+from kvstore.pin_set import PinError
 
 if TYPE_CHECKING:
     from kvstore.deadlines import RemoteDeadlines
@@ -69,6 +70,23 @@ class BackendStats:
     corrupt: int = 0
     errors: int = 0
     rejected: int = 0  # puts refused because the value cannot fit (too big, or only pinned keys left)
+    can_pin: bool = False  # whether the operator can pin chunks here (kvstore/pin_set.py)
+    pinned_entries: int = 0  # operator pins held now
+    pinned_bytes: int = 0
+    pin_budget: int | None = None  # bytes operator pins may hold at once (None: no bound)
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """What a tier knows of one stored value (`describe`); None where it cannot tell: its
+    stored bytes, seconds since it was stored and since it was last used, and its operator pin
+    (with the seconds before that pin expires, None: never)."""
+
+    nbytes: int | None = None
+    age_s: float | None = None
+    idle_s: float | None = None
+    pinned: bool = False
+    pin_expires_in_s: float | None = None
 
 
 class StorageBackend(ABC):
@@ -102,6 +120,11 @@ class StorageBackend(ABC):
       from `batched_contains` unless the tier answers it in one cheaper request.
     - `check()`, `close()`; `set_pin_check` and `set_eviction_listener` (the manager's wiring);
       `from_spec` (construction by `kvstore.registry`).
+    - Operating the cache (`/kv/inspect`, `/kv/pin`, `/kv/clear`): `describe(keys)` (what the
+      tier knows of each stored value; default: existence only), `tenant_usage()` (entries and
+      bytes per tenant tag; default None: unknown), `pin(keys, ttl_s)` / `unpin(keys)` (operator
+      pins, kvstore/pin_set.py; default: PinError naming the tier, which cannot pin) and
+      `delete_idle(older_than_s)` (default: NotImplementedError naming the tier).
 
     Conveniences defined here once, never per tier: `contains`, `get`, `put` (the batched
     form with one key).
@@ -191,6 +214,31 @@ class StorageBackend(ABC):
         if len(keys) != len(dests):
             raise ValueError(f"one destination per key: {len(keys)} keys, {len(dests)} destinations")
         return [*self.batched_get(keys, read_only=True)]
+
+    def describe(self, keys: Sequence[str]) -> list[EntryInfo | None]:
+        """Returns per key what this tier knows of its stored value, or None when it is not
+        stored (by default existence alone: one `batched_contains`)."""
+        return [EntryInfo() if held else None for held in self.batched_contains(keys)] if keys else []
+
+    def tenant_usage(self) -> dict[str, tuple[int, int]] | None:
+        """Returns per tenant tag (salted keys) the (entries, bytes) this tier holds, or None
+        when it cannot tell."""
+        return None
+
+    def pin(self, keys: Sequence[str], ttl_s: float | None = None) -> int:
+        """Pins every stored key against eviction (for `ttl_s` seconds; None: until unpinned),
+        all or none; returns the bytes newly pinned. PinError (nothing pinned) when a key is
+        not stored here, the pins would pass this tier's pin budget, or the tier cannot pin."""
+        raise PinError(f"tier {self.name} cannot pin chunks (the cpu, device and disk tiers can)")
+
+    def unpin(self, keys: Sequence[str]) -> int:
+        """Releases the operator pins of `keys`; returns how many were pinned."""
+        raise PinError(f"tier {self.name} cannot pin chunks (the cpu, device and disk tiers can)")
+
+    def delete_idle(self, older_than_s: float) -> int:
+        """Removes every stored value not used for `older_than_s` seconds (never a pinned one);
+        returns how many. NotImplementedError when this tier does not know last uses."""
+        raise NotImplementedError(f"tier {self.name} does not know when its chunks were last used")
 
     def prefix_hits(self, keys: Sequence[str]) -> int:
         """Returns how many of `keys`, counted from the start, are stored."""

@@ -15,6 +15,9 @@
   and writes have separate breakers: a tier refusing writes (a full Redis, a read-only
   directory) keeps serving reads. Remote tiers bound each call by a deadline
   (kvstore/deadlines.py); calls that fail or end past it are counted (`TierStats.timeouts`).
+- Operating the cache: `describe` (what each tier knows of some keys), `tenant_usage`, and
+  the operator's pins of one tier (`tier_named`, `pin_tier`, `unpin_tier`: kvstore/pin_set.py), which
+  sit beside the load pins above (each tier keeps its own, within its own pin budget).
 - `close` writes what is queued for at most `flush_timeout_s`, then drops the rest and logs how
   much, so a tier that never answers cannot hold a shutdown.
 """
@@ -31,11 +34,12 @@ from typing import Any, Protocol, TypeVar, overload
 import torch
 
 from kvstore import serde
-from kvstore.backend import Destination, StorageBackend
+from kvstore.backend import BackendError, Destination, EntryInfo, StorageBackend
 from kvstore.background_queue import BACKGROUND_NICE, FLUSH_TIMEOUT_S, BackgroundQueue
 from kvstore.deadlines import CallKind
 from kvstore.device_staging import stage
 from kvstore.health import BACKOFF_INITIAL_S, BACKOFF_MAX_S, BREAKER_FAILURES
+from kvstore.pin_set import PinError
 from kvstore.pins import PinTable
 from kvstore.store_config import KVStoreConfig
 from kvstore.tier_guard import SKIPPED, Skipped, TierGuard
@@ -297,6 +301,71 @@ class StorageManager:
     def unpin(self, keys: Iterable[str]) -> None:
         """Releases pins; raises ValueError if a key is not pinned (counts never go negative)."""
         self.pins.unpin(keys)
+
+    # -- operating the cache ---------------------------------------------------------------
+    def tier_named(self, name: str | None) -> int:
+        """Returns the index of the tier `name` names: its full name ("0:cpu"), its URL, or its
+        kind ("cpu", "disk") when one tier is of that kind; None: the fastest. ValueError
+        listing the names otherwise."""
+        if name is None:
+            return 0
+        for i, full in enumerate(self.names):
+            if name in (full, full.split(":", 1)[-1]):
+                return i
+        kinds = [i for i, t in enumerate(self.tiers) if t.name == name]
+        if len(kinds) == 1:
+            return kinds[0]
+        raise ValueError(f"tier {name!r}: no such tier (or more than one of that kind); "
+                         f"this server's tiers are {', '.join(self.names)}")
+
+    def describe(self, keys: Sequence[str]) -> dict[str, list[EntryInfo | None]]:
+        """Returns per tier name (fastest first) what it knows of each key's stored value
+        (None: not stored there); a tier backing off answers all None."""
+        keys = list(keys)
+        out: dict[str, list[EntryInfo | None]] = {}
+        for i, tier in enumerate(self.tiers):
+            got = self._call(i, partial(tier.describe, keys), "lookup") if keys else []
+            out[self.names[i]] = [None] * len(keys) if got is SKIPPED else list(got)
+        return out
+
+    def tenant_usage(self) -> dict[str, dict[str, tuple[int, int]] | None]:
+        """Returns per tier name its (entries, bytes) per tenant tag, None where unknown."""
+        out: dict[str, dict[str, tuple[int, int]] | None] = {}
+        for i, tier in enumerate(self.tiers):
+            got = self._call(i, tier.tenant_usage, "lookup")
+            out[self.names[i]] = None if got is SKIPPED else got
+        return out
+
+    def held_prefix(self, tier: int, keys: Sequence[str]) -> int:
+        """Returns how many of `keys` from the start tier `tier` holds (0 while it backs off)."""
+        got = self._call(tier, partial(self.tiers[tier].prefix_hits, list(keys)), "lookup") if keys else 0
+        return 0 if got is SKIPPED else got
+
+    def pin_tier(self, tier: int, keys: Sequence[str], ttl_s: float | None = None) -> int:
+        """Pins `keys` in tier `tier` against eviction, all or none (for `ttl_s` seconds; None:
+        until unpinned); returns the bytes newly pinned. PinError (nothing pinned) names why."""
+        try:
+            return self.tiers[tier].pin(list(keys), ttl_s)
+        except BackendError as exc:
+            raise PinError(f"tier {self.names[tier]} failed: {exc}") from exc
+
+    def unpin_tier(self, tier: int, keys: Sequence[str]) -> int:
+        """Releases the operator pins of `keys` in tier `tier`; returns how many were pinned."""
+        return self.tiers[tier].unpin(list(keys))
+
+    def delete_idle(self, older_than_s: float) -> tuple[dict[str, int], dict[str, str]]:
+        """Removes from every tier the chunks not used for `older_than_s` seconds (never a
+        pinned one), after queued writes. Returns (per tier the values removed, per tier that
+        could not its reason)."""
+        self.flush()
+        removed: dict[str, int] = {}
+        errors: dict[str, str] = {}
+        for name, tier in zip(self.names, self.tiers):
+            try:
+                removed[name] = tier.delete_idle(older_than_s)
+            except Exception as exc:  # noqa: BLE001 - reported per tier, never raised past the others
+                errors[name] = f"{type(exc).__name__}: {exc}"
+        return removed, errors
 
     def delete(self, key: str) -> None:
         """Removes `key` from every healthy tier (slow tiers after queued writes)."""

@@ -33,6 +33,8 @@ from kvstore.schemes import TIER_SCHEMES
 from kvstore.sizes import parse_size
 
 QUEUE_FULL_POLICIES = ("drop_oldest", "drop_new")
+PINNING_SCHEMES = ("cpu", "device", "disk")
+"""The tiers that keep operator pins (`pin_budget`, `POST /kv/pin`)."""
 
 
 @dataclass
@@ -40,7 +42,9 @@ class TierSpec:
     """One storage tier: where (URL), how much (byte budget, None = unbounded), how encoded.
 
     `tenant_quota` caps the bytes of each tenant (cache_salt) in this tier (None = no cap;
-    kvstore/tenant_quota.py). `options` carries backend-specific settings (redis: ttl_s, socket_timeout_s, ssl_* ...;
+    kvstore/tenant_quota.py). `pin_budget` bounds the bytes the operator may pin in this tier
+    (`POST /kv/pin`; None = half of `budget`; only tiers that pin take it: kvstore/pin_set.py).
+    `options` carries backend-specific settings (redis: ttl_s, socket_timeout_s, ssl_* ...;
     disk: fsync). Backends receive the whole spec through `StorageBackend.from_spec`.
     """
 
@@ -50,6 +54,7 @@ class TierSpec:
     eviction: str = "lru"
     options: dict[str, Any] = field(default_factory=dict)
     tenant_quota: int | None = None
+    pin_budget: int | None = None
 
     @property
     def scheme(self) -> str:
@@ -74,6 +79,14 @@ class TierSpec:
             raise ValueError(f"{where}.url: bad port in {self.url!r}") from None
         self.budget = parse_size(self.budget, f"{where}.budget")
         self.tenant_quota = parse_size(self.tenant_quota, f"{where}.tenant_quota")
+        self.pin_budget = parse_size(self.pin_budget, f"{where}.pin_budget")
+        if self.pin_budget is not None:
+            if self.scheme not in PINNING_SCHEMES:
+                raise ValueError(f"{where}.pin_budget: a {self.scheme} tier cannot pin chunks; "
+                                 f"only {', '.join(PINNING_SCHEMES)} tiers take a pin_budget")
+            if self.budget is not None and self.pin_budget > self.budget:
+                raise ValueError(f"{where}.pin_budget: {self.pin_budget} bytes is more than the tier's "
+                                 f"budget ({self.budget} bytes)")
         if self.codec not in CODEC_NAMES:
             raise ValueError(f"{where}.codec: unknown codec {self.codec!r}; choose one of {list(CODEC_NAMES)}")
         if self.eviction not in POLICIES:
@@ -88,7 +101,7 @@ class TierSpec:
         base, _, query = url.partition("?")
         kw: dict[str, Any] = {"url": base, "options": {}}
         for name, value in parse_qsl(query, keep_blank_values=True):
-            if name in ("budget", "codec", "eviction", "tenant_quota"):
+            if name in ("budget", "codec", "eviction", "tenant_quota", "pin_budget"):
                 kw[name] = value
             else:
                 kw["options"][name] = _scalar(value)
@@ -231,7 +244,8 @@ def _env_tiers(var: str, text: str) -> list[TierSpec]:
 KVSTORE_SETTINGS: tuple[Setting, ...] = (
     Setting("tiers", "KVTIER_TIERS", _env_tiers, "cpu?budget=4GiB",
             "storage tiers, fastest first: `cpu`, `device`, `disk:///path`, `redis://host:port/db`, "
-            "`kvtier://host:port`; each with `budget`, `tenant_quota` (bytes per cache_salt), `codec` "
+            "`kvtier://host:port`; each with `budget`, `tenant_quota` (bytes per cache_salt), `pin_budget` "
+            "(cpu, device, disk: bytes the operator may pin; default half the budget), `codec` "
             "(raw, lz4, int8, int4), `eviction` (lru, fifo) and backend options "
             "(env: comma-separated URLs, `?budget=4GiB&codec=lz4`)"),
     Setting("queue_size", "KVTIER_QUEUE_SIZE", env_int, "64",

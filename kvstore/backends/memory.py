@@ -8,15 +8,17 @@ serde-encoded value, e.g. `int8` to fit twice as many chunks.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from kvstore import serde
-from kvstore.backend import BackendStats, StorageBackend
+from kvstore.backend import BackendStats, EntryInfo, StorageBackend
 from kvstore.budget import ByteBudget
 from kvstore.codecs import Buffer, Codec, get_codec, host_copy
 from kvstore.eviction import make_policy
+from kvstore.pin_set import PinError, default_pin_budget
 from kvstore.store_config import TierSpec
 
 
@@ -34,17 +36,19 @@ def _whole_tensor(kv: torch.Tensor, device: torch.device) -> bool:
 
 
 class MemoryBackend(StorageBackend):
-    """Chunks held in this process's memory on `device`, within a hard byte budget."""
+    """Chunks held in this process's memory on `device`, within a hard byte budget; the
+    operator's pins within `pin_budget` (None: half the byte budget, kvstore/pin_set.py)."""
 
     name = "memory"
 
     def __init__(self, device: torch.device | str = "cpu", byte_budget: int | None = None,
                  codec: Codec | str = "raw", eviction: str = "lru", pin_memory: bool = False,
-                 tenant_quota: int | None = None) -> None:
+                 tenant_quota: int | None = None, pin_budget: int | None = None) -> None:
         self.device = torch.device(device)
         self.codec = get_codec(codec) if isinstance(codec, str) else codec
         self.pin_memory = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
-        self._budget = ByteBudget(byte_budget, make_policy(eviction), tenant_quota)
+        self._budget = ByteBudget(byte_budget, make_policy(eviction), tenant_quota,
+                                  pin_budget if pin_budget is not None else default_pin_budget(byte_budget))
         self._store: dict[str, torch.Tensor | Buffer] = {}
         self._lock = threading.Lock()
         self._stats = BackendStats(byte_budget=byte_budget)
@@ -142,10 +146,54 @@ class MemoryBackend(StorageBackend):
                 del self._store[key]
         return len(keys)
 
+    # -- operating the cache ------------------------------------------------------------------
+    def describe(self, keys: Sequence[str]) -> list[EntryInfo | None]:
+        now = time.time()
+        out: list[EntryInfo | None] = []
+        with self._lock:
+            for key in keys:
+                nbytes = self._budget.sizes.get(key)
+                if nbytes is None:
+                    out.append(None)
+                    continue
+                stored, used = self._budget.times.get(key, (now, now))
+                pin = self._budget.pinned.info(key)
+                out.append(EntryInfo(nbytes, now - stored, now - used, pin is not None,
+                                     pin.expires_in_s if pin is not None else None))
+        return out
+
+    def tenant_usage(self) -> dict[str, tuple[int, int]]:
+        with self._lock:
+            return self._budget.by_tenant()
+
+    def pin(self, keys: Sequence[str], ttl_s: float | None = None) -> int:
+        with self._lock:
+            missing = sum(k not in self._budget for k in keys)
+            if missing:
+                raise PinError(f"tier {self.name}: {missing} of the {len(keys)} chunk value(s) to pin are not "
+                               "stored here (evicted meanwhile?); nothing was pinned")
+            return self._budget.pinned.pin([(k, self._budget.sizes[k]) for k in keys], ttl_s, self.name)
+
+    def unpin(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            return self._budget.pinned.unpin(keys)
+
+    def delete_idle(self, older_than_s: float) -> int:
+        cutoff = time.time() - older_than_s
+        with self._lock:
+            idle = [k for k, (_, used) in self._budget.times.items()
+                    if used <= cutoff and not self._budget.protected(k)]
+            for key in idle:
+                self._budget.remove(key)
+                del self._store[key]
+        return len(idle)
+
     def stats(self) -> BackendStats:
         with self._lock:
             s = BackendStats(**vars(self._stats))
             s.entries, s.bytes_used = len(self._store), self._budget.used
+            s.can_pin, s.pinned_entries = True, len(self._budget.pinned)
+            s.pinned_bytes, s.pin_budget = self._budget.pinned.bytes, self._budget.pinned.budget
             return s
 
     def close(self) -> None:
@@ -161,7 +209,7 @@ class DeviceBackend(MemoryBackend):
     def from_spec(cls, spec: TierSpec) -> DeviceBackend:
         device = spec.options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
         return cls(device=device, byte_budget=spec.budget, codec=spec.codec, eviction=spec.eviction,
-                   tenant_quota=spec.tenant_quota)
+                   tenant_quota=spec.tenant_quota, pin_budget=spec.pin_budget)
 
 
 class CPUBackend(MemoryBackend):
@@ -173,4 +221,4 @@ class CPUBackend(MemoryBackend):
     def from_spec(cls, spec: TierSpec) -> CPUBackend:
         pin = bool(spec.options.get("pin_memory", True))
         return cls(device="cpu", byte_budget=spec.budget, codec=spec.codec, eviction=spec.eviction, pin_memory=pin,
-                   tenant_quota=spec.tenant_quota)
+                   tenant_quota=spec.tenant_quota, pin_budget=spec.pin_budget)

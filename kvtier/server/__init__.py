@@ -10,4 +10,5 @@
 - `serving.py`: completions and chat: streaming, usage, echo, best_of.
 - `logprobs_format.py`: logprobs in the completions and chat wire shapes.
 - `app.py`: the FastAPI application (routes).
+- `cache_routes.py`: operating the cache: `/kv/inspect`, `/kv/pin`, `/kv/unpin`, `/kv/clear`.
 """

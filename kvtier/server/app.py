@@ -3,8 +3,9 @@ routes, health, version, metrics.
 
 `/v1/*`, `/tokenize`, `/detokenize` and `/kv/*` need `Authorization: Bearer <api key>` when
 the server has one (with `--tenants`, a tenant's key too, which fixes the request's
-`cache_salt`: kvtier/server/tenants.py; `/kv/forget_tenant` and `/kv/reset_prefix_cache` take
-the operator's key only);
+`cache_salt`: kvtier/server/tenants.py; `/kv/forget_tenant`, `/kv/reset_prefix_cache`, and of
+the cache's operation routes (kvtier/server/cache_routes.py) `/kv/pin`, `/kv/unpin` and
+`/kv/clear` take the operator's key only);
 `/health`, `/version` and `/metrics` are open (as in vLLM). Every error is OpenAI's shape
 (kvtier/server/http_edge.py, shared with the router).
 """
@@ -19,8 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.sampling_params import SamplingParams
 from kvtier import __version__
+from kvtier.server.cache_routes import add_cache_routes, prompt_ids
 from kvtier.server.http_edge import MAX_BODY_BYTES, install_edge
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.openai_protocol import (
@@ -31,7 +32,6 @@ from kvtier.server.openai_protocol import (
     ForgetTenantRequest,
     LookupRequest,
     TokenizeRequest,
-    new_id,
     now,
 )
 from kvtier.server.serving import ServingContext, check_model, create_chat_completion, create_completion, render_chat
@@ -115,18 +115,7 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
         router needs); runs, loads and counts nothing."""
         check_model(ctx, body.model)
         salt = tenancy.salt(request, body.cache_salt)
-        forms = [f for f in ("prompt", "prompt_token_ids", "messages") if getattr(body, f) is not None]
-        if len(forms) != 1:
-            raise APIError(400, "give exactly one of prompt, prompt_token_ids or messages", param="prompt")
-        prompt: str | dict[str, list[int]]
-        if body.prompt_token_ids is not None:
-            prompt = {"prompt_token_ids": list(body.prompt_token_ids)}
-        else:
-            prompt = body.prompt if body.prompt is not None else render_chat(front, body.messages or [])
-        try:  # the tokens generation would use (segments, token-id checks), never queued
-            ids = front.make_sequence(prompt, SamplingParams(max_tokens=1), new_id("lookup")).prompt_token_ids
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="prompt") from None
+        ids = prompt_ids(front, body)
         found = await front.lookup(ids, salt)
         return {"model": ctx.model_name, "num_tokens": found.num_tokens,
                 "engine_prefix_cache_tokens": found.engine_prefix_cache_tokens, "tiers": found.tiers,
@@ -144,4 +133,5 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
         """Drops the engine's prefix cache (refused, `reset: false`, while requests hold blocks)."""
         return {"reset": await front.reset_prefix_cache()}
 
+    add_cache_routes(app, ctx, tenancy)  # /kv/inspect, /kv/pin, /kv/unpin, /kv/clear
     return app

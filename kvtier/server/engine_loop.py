@@ -238,6 +238,26 @@ class EngineLoop:
             tiers, errors = await asyncio.to_thread(connector.forget_tenant, cache_salt)
         return {"engine_blocks": blocks, "tiers": tiers, "errors": errors}
 
+    def cached_prefix_tokens(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Returns how many leading tokens of `token_ids` the engine's prefix cache holds for
+        `cache_salt`; safe off the engine thread, as `lookup` reads it."""
+        return self._engine.num_cached_prefix_tokens(token_ids, cache_salt)
+
+    @property
+    def connector(self) -> EngineConnector | None:
+        """Returns the engine's kvtier connector (its tiers), or None when it has none."""
+        connector = self._engine.kv_connector
+        return connector if isinstance(connector, EngineConnector) else None
+
+    async def clear_all(self, local_only: bool = False) -> dict[str, Any]:
+        """Drops the engine's prefix cache (`reset_prefix_cache`) and every chunk of every tier
+        (with `local_only`, of the cpu and device tiers); returns `engine_reset` and per tier
+        the entries it held."""
+        reset = await self.reset_prefix_cache()
+        connector = self.connector
+        tiers = await asyncio.to_thread(connector.clear_tiers, local_only) if connector is not None else {}
+        return {"engine_reset": reset, "tiers": tiers}
+
     async def flush_stores(self, timeout_s: float) -> bool:
         """Returns once every K/V store the connector queued reached its tiers: True, or
         False after `timeout_s`; True at once without a connector."""

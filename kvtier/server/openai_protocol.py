@@ -130,6 +130,29 @@ class LookupRequest(BaseModel):
     _check_cache_salt = field_validator("cache_salt")(lambda cls, v: validate_cache_salt(v))
 
 
+class PinRequest(LookupRequest):
+    """`POST /kv/pin` and `/kv/unpin` (operator only): a prompt (as `/kv/lookup` takes it), the
+    tier (None: the fastest) and, to pin, how long the pin holds (None: until unpinned)."""
+
+    tier: str | None = None
+    ttl_s: float | None = Field(default=None, gt=0)
+
+
+class ClearRequest(BaseModel):
+    """`POST /kv/clear` (operator only): exactly one of a tenant's `cache_salt`, `all`, or
+    `older_than_s` (chunks not used for that long); `local_only` limits `all` to the cpu and
+    device tiers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cache_salt: str | None = None
+    all: bool = False
+    older_than_s: float | None = Field(default=None, gt=0)
+    local_only: bool = False
+
+    _check_cache_salt = field_validator("cache_salt")(lambda cls, v: validate_cache_salt(v))
+
+
 class ForgetTenantRequest(BaseModel):
     """`POST /kv/forget_tenant` (operator only): the tenant's salt."""
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,7 +33,7 @@ from urllib.parse import unquote, urlsplit
 import torch
 
 from kvstore import serde
-from kvstore.backend import BackendError, BytesBackend, Destination, ReadValue, StoredValue
+from kvstore.backend import BackendError, BackendStats, BytesBackend, Destination, EntryInfo, ReadValue, StoredValue
 from kvstore.backends.disk.dir_account import STATE_BYTES, STATE_FILE, DirAccount, DirState
 from kvstore.backends.disk.file_format import file_parts
 from kvstore.backends.disk.file_io import read_in_place, read_value, write_file
@@ -48,6 +49,7 @@ from kvstore.backends.disk.file_names import (
 from kvstore.budget import ByteBudget
 from kvstore.codecs import Codec
 from kvstore.eviction import make_policy
+from kvstore.pin_set import PinError, default_pin_budget
 from kvstore.read_buffers import ReadBufferPool
 from kvstore.store_config import TierSpec
 from kvstore.tenant_keys import key_tenant, tenant_prefix
@@ -62,7 +64,7 @@ class DiskBackend(BytesBackend):
 
     def __init__(self, root: str | os.PathLike[str], byte_budget: int | None = None,
                  codec: Codec | str = "raw", eviction: str = "lru", fsync: bool = False,
-                 tenant_quota: int | None = None) -> None:
+                 tenant_quota: int | None = None, pin_budget: int | None = None) -> None:
         super().__init__(codec)
         self.reads_in_place = self.codec.name == "raw"  # what it writes, it can read in place
         if byte_budget is not None and byte_budget < 0:
@@ -75,7 +77,9 @@ class DiskBackend(BytesBackend):
         self._dir_lock = threading.Lock()
         self._last_usage: tuple[int, int | None] = (0, byte_budget)  # (used, budget) last read
         # this process's view: the files it knows, in eviction order (the budget lives in _dir)
-        self._index = ByteBudget(None, make_policy(eviction), tenant_quota)
+        # and this process's operator pins (pin_budget, None: half the byte budget)
+        self._index = ByteBudget(None, make_policy(eviction), tenant_quota,
+                                 pin_budget if pin_budget is not None else default_pin_budget(byte_budget))
         self._evictions = 0
         self._read_buffers = ReadBufferPool()
         try:
@@ -99,7 +103,8 @@ class DiskBackend(BytesBackend):
         """Returns the tier a `disk:///path` spec describes (option `fsync`: fsync each file)."""
         path = unquote(urlsplit(spec.url).path)
         return cls(path, byte_budget=spec.budget, codec=spec.codec, eviction=spec.eviction,
-                   fsync=bool(spec.options.get("fsync", False)), tenant_quota=spec.tenant_quota)
+                   fsync=bool(spec.options.get("fsync", False)), tenant_quota=spec.tenant_quota,
+                   pin_budget=spec.pin_budget)
 
     def set_pin_check(self, is_pinned: Callable[[str], bool]) -> None:
         """Makes eviction skip every key for which `is_pinned` returns True."""
@@ -176,7 +181,7 @@ class DiskBackend(BytesBackend):
             for victim in self._index.policy.victims():
                 if state.used + nbytes <= budget:
                     return True
-                if self._index.is_pinned(victim):
+                if self._index.protected(victim):
                     continue
                 state.used -= self._unlink(victim)
                 self._evictions += 1
@@ -394,6 +399,71 @@ class DiskBackend(BytesBackend):
         with self._locked() as state:
             for key in list(self._index.sizes):
                 state.used -= self._unlink(key)
+
+    # -- operating the cache (this process's pins: other processes using the directory do
+    # not see them, and a restart forgets them) --------------------------------------------
+    def describe(self, keys: Sequence[str]) -> list[EntryInfo | None]:
+        """Per key its file's size, seconds since its last use (mtime: reads touch it) and this
+        process's pin; its age is unknown (a file's mtime is its last use, not its creation)."""
+        out: list[EntryInfo | None] = []
+        for key in keys:
+            try:
+                st = os.stat(self._path(key))
+            except FileNotFoundError:
+                out.append(None)
+                continue
+            except OSError as exc:
+                raise BackendError(f"disk tier cannot stat {key}: {exc}") from exc
+            self._adopt(key)
+            with self._lock:
+                pin = self._index.pinned.info(key)
+            out.append(EntryInfo(st.st_size, None, max(0.0, time.time() - st.st_mtime), pin is not None,
+                                 pin.expires_in_s if pin is not None else None))
+        return out
+
+    def tenant_usage(self) -> dict[str, tuple[int, int]]:
+        """Per tenant tag the files this process knows (found at open, written or found since)."""
+        with self._lock:
+            return self._index.by_tenant()
+
+    def pin(self, keys: Sequence[str], ttl_s: float | None = None) -> int:
+        present = [self._exists(k) for k in keys]  # another process's file is indexed here
+        with self._lock:
+            missing = sum(not p or k not in self._index for k, p in zip(keys, present))
+            if missing:
+                raise PinError(f"tier {self.name}: {missing} of the {len(keys)} chunk value(s) to pin are not "
+                               "stored here (evicted meanwhile?); nothing was pinned")
+            return self._index.pinned.pin([(k, self._index.sizes[k]) for k in keys], ttl_s, self.name)
+
+    def unpin(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            return self._index.pinned.unpin(keys)
+
+    def delete_idle(self, older_than_s: float) -> int:
+        """Removes the files this process knows whose last use (mtime) is `older_than_s`
+        seconds ago or more, never a pinned one; one stat per file known."""
+        self._writable()
+        cutoff = time.time() - older_than_s
+        removed = 0
+        with self._locked() as state:
+            for key in list(self._index.sizes):
+                try:
+                    idle = os.stat(self._path(key)).st_mtime <= cutoff
+                except FileNotFoundError:
+                    self._index.remove(key)
+                    continue
+                if idle and not self._index.protected(key):
+                    freed = self._unlink(key)
+                    state.used -= freed
+                    removed += freed > 0
+        return removed
+
+    def stats(self) -> BackendStats:
+        s = super().stats()
+        with self._lock:
+            s.can_pin, s.pinned_entries = True, len(self._index.pinned)
+            s.pinned_bytes, s.pin_budget = self._index.pinned.bytes, self._index.pinned.budget
+        return s
 
     def _usage(self) -> tuple[int, int, int | None, int]:
         """Returns (files this process knows, the directory's bytes in use, its budget, evictions)."""

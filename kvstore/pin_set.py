@@ -1,0 +1,132 @@
+"""Operator pins of one tier: chunks an operator keeps from eviction (`POST /kv/pin`,
+`kvtier cache pin`), within the tier's own pin budget, optionally until an expiry.
+
+They sit beside the storage manager's load pins (kvstore/pins.py), which are counts held for
+the length of one load and shared by every tier: an operator pin belongs to one tier, is set
+and released by an operator, is bounded in bytes and may expire. A tier's eviction skips a key
+pinned either way (`ByteBudget.protected`).
+
+A pin is per stored key and idempotent: pinning a pinned key sets its expiry anew, unpinning
+it once releases it (two pinned prompts sharing a prefix share its chunks' pins). A key
+removed from its tier (deleted, cleared, its tenant forgotten) loses its pin with it: pins
+keep chunks from eviction, never from an explicit removal. Pins live in the tier's process
+memory and are not persisted: a restart forgets them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+
+class PinError(ValueError):
+    """A pin that was refused (over the pin budget, a chunk not held, a tier that cannot
+    pin); nothing was pinned."""
+
+
+def default_pin_budget(byte_budget: int | None) -> int | None:
+    """Returns a tier's pin budget when its spec sets none: half its byte budget (None: none)."""
+    return None if byte_budget is None else byte_budget // 2
+
+
+@dataclass(frozen=True)
+class PinInfo:
+    """One key's pin: its bytes as pinned and the seconds left before it expires (None: never)."""
+
+    nbytes: int
+    expires_in_s: float | None
+
+
+class PinSet:
+    """The pinned keys of one tier, their bytes and expiries; `budget` bounds the bytes pinned
+    at once (None: no bound). Not thread-safe: the owning tier calls it under its lock.
+
+    Exact: `bytes` is the sum of the pinned keys' bytes, never above `budget`, and back to 0
+    once every pin was released, expired or its key removed.
+    """
+
+    def __init__(self, budget: int | None, clock: Callable[[], float] = time.monotonic) -> None:
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise ValueError(f"pin budget must be a byte count >= 0, got {budget!r}")
+        self.budget = budget
+        self.bytes = 0
+        self._clock = clock
+        self._pins: dict[str, tuple[int, float | None]] = {}  # key -> (bytes, deadline or None)
+
+    def __len__(self) -> int:
+        self.expire()
+        return len(self._pins)
+
+    def holds(self, key: str) -> bool:
+        """Returns whether `key` is pinned now (an expired pin is released here)."""
+        entry = self._pins.get(key)
+        if entry is None:
+            return False
+        if entry[1] is not None and self._clock() >= entry[1]:
+            self.release(key)
+            return False
+        return True
+
+    def info(self, key: str) -> PinInfo | None:
+        """Returns `key`'s pin, or None when it is not pinned."""
+        if not self.holds(key):
+            return None
+        nbytes, deadline = self._pins[key]
+        return PinInfo(nbytes, None if deadline is None else max(0.0, deadline - self._clock()))
+
+    def pin(self, items: Sequence[tuple[str, int]], ttl_s: float | None = None, tier: str = "tier") -> int:
+        """Pins every `(key, stored bytes)`, all or none: PinError (nothing changed) when the
+        pins would pass the budget. A re-pinned key gets the new expiry. Returns the bytes
+        newly pinned."""
+        if ttl_s is not None and not ttl_s > 0:
+            raise PinError(f"ttl_s must be > 0 seconds, got {ttl_s!r}")
+        self.expire()
+        sizes = dict(items)
+        delta = sum(n - self._pins.get(k, (0, None))[0] for k, n in sizes.items())
+        if self.budget is not None and self.bytes + delta > self.budget:
+            raise PinError(f"tier {tier}: pinning {len(sizes)} chunk value(s) needs {delta} more bytes, "
+                           f"{self.bytes} of its pin budget {self.budget} are pinned; nothing was pinned "
+                           "(unpin something, or raise the tier's pin_budget)")
+        deadline = None if ttl_s is None else self._clock() + ttl_s
+        for key, nbytes in sizes.items():
+            self._pins[key] = (nbytes, deadline)
+        self.bytes += delta
+        return delta
+
+    def release(self, key: str) -> bool:
+        """Releases `key`'s pin (unpinned, expired, or its key removed); whether it had one."""
+        entry = self._pins.pop(key, None)
+        if entry is None:
+            return False
+        self.bytes -= entry[0]
+        return True
+
+    def unpin(self, keys: Iterable[str]) -> int:
+        """Releases the pins of `keys`; returns how many were pinned (expired ones do not count)."""
+        self.expire()
+        return sum(self.release(k) for k in set(keys))
+
+    def resize(self, key: str, nbytes: int) -> None:
+        """Records that pinned `key` was stored again with `nbytes`; releases its pin when the
+        new size would pass the budget (the budget is never exceeded)."""
+        entry = self._pins.get(key)
+        if entry is None or entry[0] == nbytes:
+            return
+        if self.budget is not None and self.bytes - entry[0] + nbytes > self.budget:
+            self.release(key)
+            return
+        self._pins[key] = (nbytes, entry[1])
+        self.bytes += nbytes - entry[0]
+
+    def expire(self) -> int:
+        """Releases every expired pin; returns how many."""
+        now = self._clock()
+        done = [k for k, (_, deadline) in self._pins.items() if deadline is not None and now >= deadline]
+        for key in done:
+            self.release(key)
+        return len(done)
+
+    def clear(self) -> None:
+        self._pins.clear()
+        self.bytes = 0

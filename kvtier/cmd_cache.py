@@ -1,0 +1,180 @@
+"""`kvtier cache ...`: operate a running `kvtier serve`'s cache over its `/kv/*` routes
+(kvtier/server/cache_routes.py; docs/serving.md, "Operating the cache"). An HTTP client only:
+it loads no model and no torch.
+
+Each subcommand is one entry of `COMMANDS`: its help, a function adding its flags and a
+function running it (returning the exit code). Prompts are given as text (the positional
+argument), `--chat JSON` (a messages list) or `--token-ids 1,2,3`, and are tokenized by the
+server as a request would be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+HELP = "operate a running kvtier serve's KV cache: inspect, pin, unpin, clear"
+DEFAULT_LOG_LEVEL = "warning"
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+TIMEOUT_S = 60.0
+
+
+# ---- shared flags and the one HTTP call ---------------------------------------------------
+def _server_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=DEFAULT_URL, metavar="URL",
+                        help=f"the kvtier serve to ask (default: {DEFAULT_URL})")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="its API key, the operator's for pin, unpin and clear "
+                             "(default: $KVTIER_API_KEY, else none)")
+
+
+def _prompt_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", nargs="?", default=None, help="the prompt text (or give --chat or --token-ids)")
+    parser.add_argument("--chat", default=None, metavar="JSON",
+                        help='a conversation, e.g. \'[{"role": "user", "content": "hi"}]\' (chat template applied)')
+    parser.add_argument("--token-ids", default=None, metavar="IDS", help="the prompt's token ids: 1,2,3 or a JSON list")
+    parser.add_argument("--cache-salt", default=None, metavar="SALT",
+                        help="the requests' cache_salt; a tenant's key implies its own")
+    parser.add_argument("--model", default=None, metavar="NAME",
+                        help="the served model's name (default: the one served)")
+
+
+def _prompt_body(args: argparse.Namespace) -> dict[str, Any]:
+    """Returns the request body's prompt form and salt; ValueError unless exactly one form."""
+    given = [f for f in ("prompt", "chat", "token_ids") if getattr(args, f) is not None]
+    if len(given) != 1:
+        raise ValueError("give exactly one prompt: text, --chat JSON or --token-ids")
+    body: dict[str, Any] = {}
+    if args.prompt is not None:
+        body["prompt"] = args.prompt
+    elif args.chat is not None:
+        try:
+            messages = json.loads(args.chat)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--chat: not JSON ({exc})") from None
+        if not isinstance(messages, list):
+            raise ValueError("--chat: expected a JSON list of messages")
+        body["messages"] = messages
+    else:
+        text = args.token_ids.strip()
+        try:
+            ids = json.loads(text) if text.startswith("[") else [int(t) for t in text.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--token-ids: expected 1,2,3 or a JSON list of ints, got {args.token_ids!r}") from None
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise ValueError("--token-ids: expected a list of ints")
+        body["prompt_token_ids"] = ids
+    if args.cache_salt is not None:
+        body["cache_salt"] = args.cache_salt
+    if args.model is not None:
+        body["model"] = args.model
+    return body
+
+
+def _post(args: argparse.Namespace, route: str, body: dict[str, Any]) -> int:
+    """POSTs `body` to the server's `route`, prints the JSON answer; returns 0, or 1 (the
+    server's error message on one line) for an HTTP error or no answer."""
+    import httpx
+
+    key = args.api_key or os.environ.get("KVTIER_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    name = f"kvtier cache {args.cache_command}"
+    try:
+        r = httpx.post(args.url.rstrip("/") + route, json=body, headers=headers, timeout=TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        print(f"{name}: error: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        answer = r.json()
+    except ValueError:
+        answer = {"error": {"message": r.text[:500]}}
+    if r.status_code >= 400:
+        message = answer.get("error", {}).get("message") if isinstance(answer, dict) else None
+        print(f"{name}: error: HTTP {r.status_code}: {message or r.text[:500]}", file=sys.stderr)
+        return 1
+    print(json.dumps(answer, indent=2))
+    return 0
+
+
+# ---- the subcommands: one adder and one runner each ------------------------------------------
+def _inspect_flags(parser: argparse.ArgumentParser) -> None:
+    _prompt_flags(parser)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    return _post(args, "/kv/inspect", _prompt_body(args))
+
+
+def _pin_flags(parser: argparse.ArgumentParser) -> None:
+    _prompt_flags(parser)
+    parser.add_argument("--tier", default=None, metavar="TIER",
+                        help="the tier: its kind (cpu, disk), URL or name from inspect (default: the fastest)")
+    parser.add_argument("--ttl", type=float, default=None, metavar="SECONDS",
+                        help="the pin expires after this long (default: held until unpinned)")
+
+
+def _pin(args: argparse.Namespace) -> int:
+    body = _prompt_body(args) | {"tier": args.tier, "ttl_s": args.ttl}
+    return _post(args, "/kv/pin", body)
+
+
+def _unpin_flags(parser: argparse.ArgumentParser) -> None:
+    _prompt_flags(parser)
+    parser.add_argument("--tier", default=None, metavar="TIER", help="the tier (default: the fastest)")
+
+
+def _unpin(args: argparse.Namespace) -> int:
+    return _post(args, "/kv/unpin", _prompt_body(args) | {"tier": args.tier})
+
+
+def _clear_flags(parser: argparse.ArgumentParser) -> None:
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--cache-salt", default=None, metavar="SALT", help="remove one tenant's entries")
+    which.add_argument("--all", action="store_true", help="remove everything: the engine's prefix cache and every tier")
+    which.add_argument("--older-than", type=float, default=None, metavar="SECONDS",
+                       help="remove the chunks not used for this long (not pinned ones; cpu, device and disk tiers)")
+    parser.add_argument("--local-only", action="store_true", help="with --all: only the cpu and device tiers")
+
+
+def _clear(args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"local_only": args.local_only}
+    if args.cache_salt is not None:
+        body["cache_salt"] = args.cache_salt
+    elif args.all:
+        body["all"] = True
+    else:
+        body["older_than_s"] = args.older_than
+    return _post(args, "/kv/clear", body)
+
+
+Adder = Callable[[argparse.ArgumentParser], None]
+Runner = Callable[[argparse.Namespace], int]
+
+COMMANDS: dict[str, tuple[str, Adder, Runner]] = {
+    "inspect": ("a prompt's chunks, the tiers holding each (bytes, age, last use, pin) and per tier totals",
+                _inspect_flags, _inspect),
+    "pin": ("pin a prompt's held prefix in one tier against eviction (operator key)", _pin_flags, _pin),
+    "unpin": ("release a prompt's pins in one tier (operator key)", _unpin_flags, _unpin),
+    "clear": ("remove one tenant's entries, everything, or what was not used for a while (operator key)",
+              _clear_flags, _clear),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvtier.cli_help import HelpFormatter
+
+    sub = parser.add_subparsers(dest="cache_command", metavar="SUBCOMMAND", required=True)
+    for name, (help_text, add, runner) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
+        add(p)
+        _server_flags(p)
+        p.set_defaults(_cache_run=runner)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(args._cache_run(args))

@@ -1,0 +1,115 @@
+"""The routes that operate the cache (`kvtier cache ...`, kvtier/cmd_cache.py, is their
+client; docs/serving.md, "Operating the cache"):
+
+- `POST /kv/inspect` (any key, like `/kv/lookup`; a tenant's key sees its own salt and only
+  its own tenant's usage): a prompt's chunks, which tiers hold each (bytes, age, last use,
+  pin), and per tier its totals;
+- `POST /kv/pin`, `POST /kv/unpin` (operator's key): pin a prompt's held prefix in one tier
+  against eviction, within that tier's pin budget, optionally for `ttl_s` seconds; release it;
+- `POST /kv/clear` (operator's key): one tenant's entries (what `/kv/forget_tenant` does),
+  everything (the engine's prefix cache, as `/kv/reset_prefix_cache`, and every tier), or
+  the chunks not used for `older_than_s` seconds.
+
+The work runs off the event loop (tier calls may touch the disk or the network) and off the
+engine thread (no step waits for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from connector.engine_connector import EngineConnector
+from engine.cache_salt import tenant_tag
+from engine.sampling_params import SamplingParams
+from kvstore.pin_set import PinError
+from kvtier.server.engine_loop import EngineLoop
+from kvtier.server.openai_protocol import APIError, ClearRequest, LookupRequest, PinRequest, new_id
+from kvtier.server.serving import ServingContext, check_model, render_chat
+from kvtier.server.tenants import Tenancy
+
+
+def prompt_ids(front: EngineLoop, body: LookupRequest) -> list[int]:
+    """Returns the token ids of the body's one prompt form (`prompt`, `prompt_token_ids` or
+    `messages`), as a request would run them (segments, token-id checks); APIError 400 else."""
+    forms = [f for f in ("prompt", "prompt_token_ids", "messages") if getattr(body, f) is not None]
+    if len(forms) != 1:
+        raise APIError(400, "give exactly one of prompt, prompt_token_ids or messages", param="prompt")
+    prompt: str | dict[str, list[int]]
+    if body.prompt_token_ids is not None:
+        prompt = {"prompt_token_ids": list(body.prompt_token_ids)}
+    else:
+        prompt = body.prompt if body.prompt is not None else render_chat(front, body.messages or [])
+    try:  # never queued
+        return front.make_sequence(prompt, SamplingParams(max_tokens=1), new_id("kv")).prompt_token_ids
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="prompt") from None
+
+
+def _connector(front: EngineLoop) -> EngineConnector:
+    connector = front.connector
+    if connector is None:
+        raise APIError(400, "this server has no KV tiers (start it with --kv-tier or --config)")
+    return connector
+
+
+def add_cache_routes(app: FastAPI, ctx: ServingContext, tenancy: Tenancy) -> None:
+    """Adds `/kv/inspect`, `/kv/pin`, `/kv/unpin` and `/kv/clear` to `app`."""
+    front = ctx.engine_loop
+
+    @app.post("/kv/inspect", dependencies=tenancy.user)
+    async def inspect(body: LookupRequest, request: Request) -> dict[str, Any]:
+        """The prompt's chunks for the request's cache_salt and where each is held, and per
+        tier its totals; reads nothing but the tiers' indexes (no K/V)."""
+        check_model(ctx, body.model)
+        salt = tenancy.salt(request, body.cache_salt)
+        ids = prompt_ids(front, body)
+        connector = _connector(front)
+        # a tenant's key sees only its own tenant's usage; the operator's every tenant's
+        tenants: str | bool = tenant_tag(salt) if tenancy.is_tenant(request) and salt is not None else True
+        found = await asyncio.to_thread(connector.inspect, ids, salt, tenants)
+        engine_tokens = await asyncio.to_thread(front.cached_prefix_tokens, ids, salt)
+        return {"model": ctx.model_name, "engine_prefix_cache_tokens": engine_tokens, **found}
+
+    @app.post("/kv/pin", dependencies=tenancy.admin)
+    async def pin(body: PinRequest) -> dict[str, Any]:
+        """Pins the prompt's leading chunks the tier holds (all or none)."""
+        check_model(ctx, body.model)
+        ids = prompt_ids(front, body)
+        connector = _connector(front)
+        return await _control(connector.pin, ids, body.cache_salt, body.tier, body.ttl_s)
+
+    @app.post("/kv/unpin", dependencies=tenancy.admin)
+    async def unpin(body: PinRequest) -> dict[str, Any]:
+        """Releases the pins of the prompt's chunks in the tier."""
+        check_model(ctx, body.model)
+        ids = prompt_ids(front, body)
+        connector = _connector(front)
+        return await _control(connector.unpin, ids, body.cache_salt, body.tier)
+
+    @app.post("/kv/clear", dependencies=tenancy.admin)
+    async def clear(body: ClearRequest) -> dict[str, Any]:
+        """Removes one tenant's entries, everything, or what was not used for a while."""
+        given = [body.cache_salt is not None, body.all, body.older_than_s is not None]
+        if sum(given) != 1:
+            raise APIError(400, "give exactly one of cache_salt, all (true) or older_than_s", param="all")
+        if body.cache_salt is not None:
+            return {"cleared": "tenant", **await front.forget_tenant(body.cache_salt)}
+        if body.all:
+            return {"cleared": "all", **await front.clear_all(body.local_only)}
+        assert body.older_than_s is not None
+        removed, errors = await asyncio.to_thread(_connector(front).clear_idle, body.older_than_s)
+        return {"cleared": "idle", "older_than_s": body.older_than_s, "tiers": removed, "errors": errors}
+
+
+async def _control(fn: Any, *args: Any) -> dict[str, Any]:
+    """Returns `fn(*args)` run off the event loop; a refused pin is 409, an unknown tier 400."""
+    try:
+        result: dict[str, Any] = await asyncio.to_thread(fn, *args)
+    except PinError as exc:
+        raise APIError(409, str(exc), param="tier", code="pin_refused") from None
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tier") from None
+    return result
