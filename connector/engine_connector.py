@@ -24,6 +24,7 @@ import torch
 from connector.blend.blend_planner import BlendPlanner
 from connector.blend.blender import Blender
 from connector.connector_config import ConnectorConfig, make_config
+from connector.explain import explain
 from connector.metrics import ConnectorMetrics, RequestKVMetrics, TierKVMetrics
 from connector.planner import KVTierPlanner
 from connector.presence import held_tokens
@@ -96,6 +97,15 @@ class EngineConnector(KVConnector):
         ks = self.scheduler.keyspace.for_salt(cache_salt)
         spans = ks.spans(token_ids)
         return held_tokens(spans, self.worker.presence.tier_prefix_chunks(ks, spans), len(token_ids))
+
+    def explain(self, token_ids: Sequence[int], cache_salt: str | None = None,
+                other_tenants: bool = True) -> dict[str, Any]:
+        """Returns per tier the leading tokens of `token_ids` held for requests of `cache_salt`
+        and why not more (connector/explain.py: another model, engine tag, dtype, layout, chunk
+        size or tenant holds it, or evicted, or never stored); existence only. With
+        `other_tenants` False, other tenants' entries are not considered."""
+        ks = self.scheduler.keyspace.for_salt(cache_salt)
+        return explain(self.storage, ks, self.worker.presence, token_ids, other_tenants)
 
     def forget_tenant(self, cache_salt: str) -> tuple[dict[str, int], dict[str, str]]:
         """Removes every stored value of `cache_salt`'s requests (any model, prefix chunks and

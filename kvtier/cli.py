@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, str] = {
     "cache-server": "kvtier.cmd_cache_server",
     "router": "kvtier.cmd_router",
     "forget-tenant": "kvtier.cmd_forget_tenant",
+    "cache": "kvtier.cmd_cache",
 }
 
 

@@ -123,6 +123,11 @@ class Tenancy:
             raise APIError(403, "this call needs the operator's API key (--api-key), not a tenant's",
                            "permission_error", code="forbidden")
 
+    def is_tenant(self, request: Request) -> bool:
+        """Returns whether `request` carries a tenant's key (not the operator's, nor a server
+        without tenants): it may learn nothing of another tenant's entries."""
+        return getattr(request.state, "tenant_salt", None) is not None
+
     def salt(self, request: Request, body_salt: str | None) -> str | None:
         """Returns the salt `request` runs under: its tenant's (the body may repeat it; naming
         another is a 403), else the body's `cache_salt` (already validated)."""
