@@ -14,6 +14,7 @@ import torch
 from connector.explain import explain
 from connector.key_families import INDEX_KEY, FamilyIndex, decode_index
 from connector.keyspace import Keyspace
+from connector.lookup_channel import LookupServer, RemotePresence
 from connector.presence import Presence
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import KVStoreConfig, TierSpec
@@ -95,4 +96,27 @@ def test_evicted_and_never_stored_in_a_cpu_tier() -> None:
         [never] = causes(storage, ASKED, prompt(2, 64))
         assert never["cause"] == "never_stored", never
     finally:
+        storage.close()
+
+
+def test_explain_over_the_lookup_channel(tmp_path: Path) -> None:
+    """`vllm serve`'s /kv/lookup asks the worker process over the lookup channel (OP_EXPLAIN),
+    a long prompt's question cut into several keys."""
+    storage = manager(f"disk://{tmp_path / 'kv'}")
+    path = tmp_path / "lookup.sock"
+    tokens = prompt(0, 3000)  # its JSON is longer than one key of the channel
+    store(storage, STORED["kv_dtype"], tokens)
+    presence = Presence(storage)
+    server = LookupServer(presence, path, explainer=lambda ids, salt, others: explain(
+        storage, ASKED.for_salt(salt), presence, ids, others))
+    remote = RemotePresence(path)
+    try:
+        answer = remote.explain(tokens)
+        assert answer is not None and [t["cause"] for t in answer["tiers"].values()] == ["kv_dtype"]
+        assert answer["num_tokens"] == 3000 and remote.failures == 0
+        server.explainer = None
+        assert remote.explain(tokens) is None  # a worker without explain
+    finally:
+        remote.close()
+        server.close()
         storage.close()
