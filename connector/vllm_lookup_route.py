@@ -23,6 +23,7 @@ straight on to vLLM. The body takes one of `prompt` (text), `prompt_token_ids` o
 - `explain` (with `"explain": true` in the body): per tier why it holds no more of the prompt,
   as kvtier serve answers it (connector/explain.py), asked of rank 0's worker over the lookup
   channel (OP_EXPLAIN; with tensor parallel, rank 0's KV heads); null when it does not answer.
+  Every client shares vLLM's API key, so only the asked tenant's and unsalted entries count.
 
 Guarded by vLLM's `--api-key` (or `VLLM_API_KEY`) like its `/v1` routes: a lookup tells whether
 a prompt was seen. Bad input is a 400 naming the problem. This module never imports vllm: it
@@ -120,7 +121,7 @@ class _Tiers:
     def explain(self, token_ids: Sequence[int], cache_salt: str | None = None) -> dict[str, Any] | None:
         """Returns rank 0's worker's explain of the prompt for requests of `cache_salt`
         (connector/explain.py); None if it does not answer."""
-        return self.explainer.explain(token_ids, cache_salt, other_tenants=True)
+        return self.explainer.explain(token_ids, cache_salt, other_tenants=False)
 
 
 class KvLookupRoute:
@@ -177,7 +178,7 @@ class KvLookupRoute:
         answer = {"model": names[0], "num_tokens": len(ids), "engine_prefix_cache_tokens": 0, "tiers": tiers,
                   "max_hit_tokens": max(tiers.values(), default=0), "num_requests_running": running,
                   "num_requests_waiting": waiting}
-        if body.get("explain") is True:  # vLLM's API key is the operator's: every tenant is considered
+        if body.get("explain") is True:  # every client shares vLLM's key: no other tenant's entries
             answer["explain"] = await asyncio.to_thread(worker.explain, ids, salt)
         return answer
 

@@ -132,8 +132,8 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
                   "engine_prefix_cache_tokens": found.engine_prefix_cache_tokens, "tiers": found.tiers,
                   "max_hit_tokens": found.max_hit_tokens, "num_requests_running": found.num_requests_running,
                   "num_requests_waiting": found.num_requests_waiting}
-        if body.explain:  # a tenant's key learns nothing of other tenants' entries
-            answer["explain"] = await front.explain(ids, salt, other_tenants=not tenancy.is_tenant(request))
+        if body.explain:  # only the operator learns of other tenants' entries
+            answer["explain"] = await front.explain(ids, salt, other_tenants=tenancy.is_operator(request))
         return answer
 
     @app.post("/kv/forget_tenant", dependencies=admin)

@@ -123,10 +123,11 @@ class Tenancy:
             raise APIError(403, "this call needs the operator's API key (--api-key), not a tenant's",
                            "permission_error", code="forbidden")
 
-    def is_tenant(self, request: Request) -> bool:
-        """Returns whether `request` carries a tenant's key (not the operator's, nor a server
-        without tenants): it may learn nothing of another tenant's entries."""
-        return getattr(request.state, "tenant_salt", None) is not None
+    def is_operator(self, request: Request) -> bool:
+        """Returns whether `request` carries the operator's key on a server with tenants: the
+        one caller that may learn of any tenant's entries (without `--tenants` every client
+        shares one key, and a salt is the client's own secret)."""
+        return self.keys is not None and getattr(request.state, "tenant_salt", None) is None
 
     def salt(self, request: Request, body_salt: str | None) -> str | None:
         """Returns the salt `request` runs under: its tenant's (the body may repeat it; naming

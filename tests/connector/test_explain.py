@@ -1,8 +1,8 @@
 """Explaining a miss (connector/explain.py, connector/key_families.py, issue #50): over real
-tiers, a writer with its own storage manager (as another process) stores a prompt in one key
-family, and explain, asked in another family, names what differs: chunk size, dtype, model,
-engine tag or tenant; a cpu tier that evicted the chunk says so; a prompt never stored is
-named as such. No model runs: keys come from the connector's keyspace."""
+shared tiers (disk, Redis, the cache server) a writer with its own storage manager (as another
+process) stores a prompt in one key family, and explain, asked in another family, names what
+differs: chunk size, dtype, model, engine tag or tenant; a cpu tier that evicted the chunk says
+so; a prompt never stored is named as such. No model runs: keys come from the keyspace."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def causes(storage: StorageManager, ks: Keyspace, tokens: list[int], **kw: bool)
     return list(explain(storage, ks, Presence(storage), tokens, **kw)["tiers"].values())
 
 
-@pytest.mark.parametrize("tier", ["disk", "redis"])
+@pytest.mark.parametrize("tier", ["disk", "redis", "kvtier"])
 def test_each_cause_across_processes(tier: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     url = tier_url(tier, tmp_path, request)
     writer = manager(url)

@@ -2,8 +2,8 @@
 engine in this process and a `kvtier serve` process with another tiny checkpoint share one
 disk tier. The server names the model for the prompt the other engine stored; for a prompt it
 stored itself under a `cache_salt` (the openai client's request), explain without the salt
-names the tenant, and with it, a hit. The chunks and family records come from the connector's
-own save path in both processes."""
+names the tenant to the operator, and nothing of it to another tenant's key; with the salt, a
+hit. The chunks and family records come from the connector's own save path in both processes."""
 
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_explain_model_and_tenant_over_http(tmp_path: Path) -> None:
     tier = f"disk://{tmp_path / 'kv'}"
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps({"sk-bob": "bob"}))
     server = ServeProcess("--model", str(make_tiny_checkpoint(tmp_path, "llama", seed=1)), *ARGS,
-                          "--kv-tier", tier, "--api-key", "sk-op", wait=False)
+                          "--kv-tier", tier, "--api-key", "sk-op", "--tenants", str(tenants), wait=False)
     try:
         other = make_tiny_checkpoint(tmp_path, "llama", seed=0)
         conn = build_connector([tier], chunk_size=32)
@@ -64,5 +66,8 @@ def test_explain_model_and_tenant_over_http(tmp_path: Path) -> None:
         assert miss["cause"] == "tenant" and miss["asked"]["tenant"] is None, miss
         ran = cli("--url", server.url, "--api-key", "sk-op", text)
         assert ran.returncode == 0 and "tenant" in ran.stdout, ran.stdout + ran.stderr
+        bob = httpx.post(server.url + "/kv/lookup", json=body, headers={"Authorization": "Bearer sk-bob"},
+                         timeout=60).json()  # a tenant's key is told nothing of alice's entries
+        assert [t["cause"] for t in bob["explain"]["tiers"].values()] == ["not_stored"], bob
     finally:
         assert server.stop() == 0, server.log()[-3000:]
