@@ -25,6 +25,7 @@ from connector.blend.blend_planner import BlendPlanner
 from connector.blend.blender import Blender
 from connector.connector_config import ConnectorConfig, make_config
 from connector.explain import explain
+from connector.key_families import FamilyIndex
 from connector.metrics import ConnectorMetrics, RequestKVMetrics, TierKVMetrics
 from connector.planner import KVTierPlanner
 from connector.presence import held_tokens
@@ -112,7 +113,9 @@ class EngineConnector(KVConnector):
         CacheBlend segments) from every tier, after this connector's queued stores landed.
         Returns (per tier the values removed, per tier that failed its error)."""
         self.flush()
-        return self.storage.delete_prefix(tenant_prefix(tenant_tag(cache_salt)))
+        tag = tenant_tag(cache_salt)
+        FamilyIndex.of(self.storage).forget_tenant(tag)
+        return self.storage.delete_prefix(tenant_prefix(tag))
 
     def _blender(self) -> Blender:
         """Returns the worker's extension as CacheBlend's; ValueError when it is not that."""

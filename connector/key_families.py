@@ -156,6 +156,21 @@ class FamilyIndex:
             merged = [family, *(f for f in listed if f.id != family.id)][:MAX_FAMILIES]
             self.storage.tier_put(name, INDEX_KEY, encode_index(merged))
 
+    def forget_tenant(self, tenant: str) -> None:
+        """Drops tenant `tenant`'s families from this process's and from each shared tier's
+        index (with its entries, `forget_tenant` removes its sealed roots)."""
+        with self._lock:
+            for fid in [fid for fid, f in self._mine.items() if f.tenant == tenant]:
+                del self._mine[fid]
+                self._checked.pop(fid, None)
+        for name in self.storage.names:
+            if self.storage.is_local(name):
+                continue
+            listed = self.listed(name)
+            kept = [f for f in listed if f.tenant != tenant]
+            if len(kept) < len(listed):
+                self.storage.tier_put(name, INDEX_KEY, encode_index(kept))
+
     def listed(self, name: str) -> list[Family]:
         """Returns the families the tier named `name` is known to hold keys of: a local tier's
         are this process's, a shared tier's its index's (one read)."""

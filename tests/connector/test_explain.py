@@ -120,3 +120,16 @@ def test_explain_over_the_lookup_channel(tmp_path: Path) -> None:
         remote.close()
         server.close()
         storage.close()
+
+
+def test_forgetting_a_tenant_drops_its_families_from_the_index(tmp_path: Path) -> None:
+    storage = manager(f"disk://{tmp_path / 'kv'}")
+    try:
+        alice = STORED["tenant"]
+        store(storage, alice, prompt(0))
+        store(storage, ASKED, prompt(1))
+        assert alice.tenant is not None
+        FamilyIndex.of(storage).forget_tenant(alice.tenant)
+        assert [f.tenant for f in decode_index(storage.tier_get(storage.names[0], INDEX_KEY))] == [None]
+    finally:
+        storage.close()
