@@ -25,6 +25,8 @@ from connector import cache_control
 from connector.blend.blend_planner import BlendPlanner
 from connector.blend.blender import Blender
 from connector.connector_config import ConnectorConfig, make_config
+from connector.explain import explain
+from connector.key_families import FamilyIndex
 from connector.metrics import ConnectorMetrics, RequestKVMetrics, TierKVMetrics
 from connector.planner import KVTierPlanner
 from connector.presence import held_tokens
@@ -98,12 +100,23 @@ class EngineConnector(KVConnector):
         spans = ks.spans(token_ids)
         return held_tokens(spans, self.worker.presence.tier_prefix_chunks(ks, spans), len(token_ids))
 
+    def explain(self, token_ids: Sequence[int], cache_salt: str | None = None,
+                other_tenants: bool = True) -> dict[str, Any]:
+        """Returns per tier the leading tokens of `token_ids` held for requests of `cache_salt`
+        and why not more (connector/explain.py: another model, engine tag, dtype, layout, chunk
+        size or tenant holds it, or evicted, or never stored); existence only. With
+        `other_tenants` False, other tenants' entries are not considered."""
+        ks = self.scheduler.keyspace.for_salt(cache_salt)
+        return explain(self.storage, ks, self.worker.presence, token_ids, other_tenants)
+
     def forget_tenant(self, cache_salt: str) -> tuple[dict[str, int], dict[str, str]]:
         """Removes every stored value of `cache_salt`'s requests (any model, prefix chunks and
         CacheBlend segments) from every tier, after this connector's queued stores landed.
         Returns (per tier the values removed, per tier that failed its error)."""
         self.flush()
-        return self.storage.delete_prefix(tenant_prefix(tenant_tag(cache_salt)))
+        tag = tenant_tag(cache_salt)
+        FamilyIndex.of(self.storage).forget_tenant(tag)
+        return self.storage.delete_prefix(tenant_prefix(tag))
 
     # ---- operating the cache (connector/cache_control.py) -----------------------------------
     def inspect(self, token_ids: Sequence[int], cache_salt: str | None = None,

@@ -12,13 +12,17 @@ rest), then per key a u32 length and its UTF-8 bytes. `OP_HELD` is answered with
 serve`'s /kv/lookup, connector/vllm_lookup_route.py) with a u32 tier count, then per tier,
 fastest first, a u32 name length, the name's UTF-8 bytes and a u32 count; `OP_CLEAR_LOCAL`
 (no keys: vLLM's `reset_cache`) with one byte 1 once the process-local tiers (with the
-server's `clear_shared`, every tier) are empty. A malformed or
+server's `clear_shared`, every tier) are empty; `OP_EXPLAIN` (a JSON question
+`{"token_ids", "cache_salt", "other_tenants"}` cut into keys of at most MAX_KEY_BYTES: why the
+tiers hold no more of a prompt, connector/explain.py) with a u32 length and a JSON answer
+(`{}`: this worker has no explain). A malformed or
 oversized frame closes that connection. An answer that does not come (the worker is gone or
 stuck) is a miss.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -29,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from connector.presence import KeyPresence, Presence
 from kvstore.deadlines import LOOKUP_CHANNEL_ANSWER_S, LOOKUP_CHANNEL_CONNECT_S
@@ -41,7 +45,10 @@ _U32 = struct.Struct("<I")
 MAX_KEYS = 1 << 16
 MAX_KEY_BYTES = 4096
 MAX_TIERS = 64
-OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL = 0, 1, 2
+OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL, OP_EXPLAIN = 0, 1, 2, 3
+MAX_ANSWER_BYTES = 16 << 20
+Explainer = Callable[[list[int], "str | None", bool], dict[str, Any]]
+"""Answers OP_EXPLAIN: (token ids, cache_salt, other_tenants) -> connector/explain.py's answer."""
 _OP_SHIFT = 24  # the op's place in a question's header; MAX_KEYS fits below it
 
 
@@ -82,7 +89,7 @@ def read_question(sock: socket.socket) -> tuple[int, list[str]]:
     frame or an unknown op, ConnectionError when the peer closed."""
     (header,) = _U32.unpack(_read_exact(sock, 4))
     op, count = header >> _OP_SHIFT, header & ((1 << _OP_SHIFT) - 1)
-    if op not in (OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL):
+    if op not in (OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL, OP_EXPLAIN):
         raise ValueError(f"lookup channel: unknown op {op}")
     if count > MAX_KEYS:
         raise ValueError(f"lookup channel: {count} keys in one question, at most {MAX_KEYS}")
@@ -123,6 +130,30 @@ def read_tier_hits(sock: socket.socket, num_keys: int) -> dict[str, int]:
     return hits
 
 
+def encode_explain_question(token_ids: Sequence[int], cache_salt: str | None, other_tenants: bool) -> bytes:
+    """Returns the OP_EXPLAIN frame for a prompt."""
+    raw = json.dumps({"token_ids": list(token_ids), "cache_salt": cache_salt, "other_tenants": other_tenants})
+    step = MAX_KEY_BYTES  # JSON of ids and a validated salt is ASCII: one byte per character
+    return encode_question([raw[i:i + step] for i in range(0, len(raw), step)], OP_EXPLAIN)
+
+
+def encode_json(answer: dict[str, Any]) -> bytes:
+    """Returns a JSON answer's frame: a u32 length, then the UTF-8 JSON."""
+    raw = json.dumps(answer).encode()
+    return _U32.pack(len(raw)) + raw
+
+
+def read_json(sock: socket.socket) -> dict[str, Any]:
+    """Returns a JSON answer; ValueError past MAX_ANSWER_BYTES or for anything but an object."""
+    (n,) = _U32.unpack(_read_exact(sock, 4))
+    if n > MAX_ANSWER_BYTES:
+        raise ValueError(f"lookup channel: an answer of {n} bytes, at most {MAX_ANSWER_BYTES}")
+    answer = json.loads(_read_exact(sock, n))
+    if not isinstance(answer, dict):
+        raise ValueError("lookup channel: an explain answer is a JSON object")
+    return answer
+
+
 class LookupServer:
     """Answers existence questions about `presence` on a Unix socket, from daemon threads.
 
@@ -130,8 +161,10 @@ class LookupServer:
     ends open connections; a bad question ends only its own connection.
     """
 
-    def __init__(self, presence: Presence, path: Path, clear_shared: bool = False) -> None:
+    def __init__(self, presence: Presence, path: Path, clear_shared: bool = False,
+                 explainer: Explainer | None = None) -> None:
         self.presence = presence
+        self.explainer = explainer
         self.path = path
         self.clear_shared = clear_shared  # OP_CLEAR_LOCAL clears the shared tiers too
         self._open: set[socket.socket] = set()
@@ -160,6 +193,8 @@ class LookupServer:
                 op, keys = read_question(sock)
                 if op == OP_TIER_PREFIX:
                     sock.sendall(encode_tier_hits(self.presence.storage.tier_prefix_hits(keys)))
+                elif op == OP_EXPLAIN:
+                    sock.sendall(encode_json(self._explain("".join(keys))))
                 elif op == OP_CLEAR_LOCAL:
                     self.presence.storage.clear(local_only=not self.clear_shared)
                     sock.sendall(b"\x01")
@@ -172,6 +207,14 @@ class LookupServer:
         finally:
             with self._lock:
                 self._open.discard(sock)
+
+    def _explain(self, question: str) -> dict[str, Any]:
+        """Returns the explainer's answer to an OP_EXPLAIN question; ValueError if malformed."""
+        q = json.loads(question)
+        ids, salt = q.get("token_ids") if isinstance(q, dict) else None, q.get("cache_salt")
+        if not isinstance(ids, list) or not all(type(t) is int for t in ids) or not isinstance(salt, (str, type(None))):
+            raise ValueError("lookup channel: an explain question needs token_ids and cache_salt")
+        return {} if self.explainer is None else self.explainer(ids, salt, bool(q.get("other_tenants")))
 
     def close(self) -> None:
         """Stops serving, ends open connections and removes the socket file."""
@@ -233,6 +276,13 @@ class RemotePresence(KeyPresence):
         """Has the worker clear its process-local tiers (vLLM's `reset_cache`); returns True once
         it did, False when the channel fails."""
         return self._ask(encode_question((), OP_CLEAR_LOCAL), lambda sock: _read_exact(sock, 1)) == b"\x01"
+
+    def explain(self, token_ids: Sequence[int], cache_salt: str | None = None,
+                other_tenants: bool = True) -> dict[str, Any] | None:
+        """Returns the worker's explain of a prompt (connector/explain.py); None when the
+        channel fails or the worker has no explain."""
+        answer = self._ask(encode_explain_question(token_ids, cache_salt, other_tenants), read_json)
+        return answer or None
 
     def _ask(self, question: bytes, read: Callable[[socket.socket], _T]) -> _T | None:
         """Returns the worker's answer to `question` as `read` decodes it; None (logged, the

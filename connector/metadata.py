@@ -31,6 +31,7 @@ class SaveSpec:
     block_ids: list[list[int]]  # per KV cache group
     spans: list[Span]
     release: bool = False
+    cache_salt: str | None = None  # the spans' keyspace's (its key family: connector/key_families.py)
 
 
 @dataclass

@@ -232,7 +232,7 @@ class KVTierPlanner(KVConnectorScheduler):
                 continue
             spans = plan.spans_to_save(r.request, r.num_computed_tokens + r.num_new_tokens)
             if spans:
-                meta.saves.append(SaveSpec(rid, [list(t) for t in r.block_ids], spans))
+                meta.saves.append(SaveSpec(rid, [list(t) for t in r.block_ids], spans, cache_salt=r.request.cache_salt))
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput, failed: Collection[str] = ()) -> None:
@@ -276,7 +276,8 @@ class KVTierPlanner(KVConnectorScheduler):
                 return False
             tail = self._saves().finish(seq, min(len(t) for t in block_ids), self.block_size)
             if tail:
-                self._tail_saves.append(SaveSpec(rid, [list(t) for t in block_ids], tail, release=True))
+                self._tail_saves.append(SaveSpec(rid, [list(t) for t in block_ids], tail, release=True,
+                                                    cache_salt=seq.cache_salt))
                 return True
             return False
         finally:

@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+from connector.key_families import FamilyIndex
 from connector.keyspace import Keyspace, Span, layer_key
 from connector.metadata import SaveSpec
 from connector.metrics import ConnectorMetrics
@@ -31,6 +32,7 @@ class Saver:
         self.layout = layout
         self.keyspace = keyspace
         self.metrics = metrics
+        self.families = FamilyIndex.of(presence.storage)
 
     def store(self, saves: list[SaveSpec]) -> None:
         """Stores the chunks of `saves` that are not held (one existence query for all)."""
@@ -38,9 +40,10 @@ class Saver:
         for save in saves:
             spans = [sp for sp in save.spans if not next(held)]
             if spans:
-                self._store(save.request_id, save.block_ids, spans)
+                self._store(save.request_id, save.block_ids, spans, save.cache_salt)
 
-    def _store(self, request_id: str, block_ids: list[list[int]], spans: list[Span]) -> None:
+    def _store(self, request_id: str, block_ids: list[list[int]], spans: list[Span],
+               cache_salt: str | None = None) -> None:
         """Gathers `spans` from `block_ids` (per KV cache group) now (once: the storage manager
         hands that buffer to every tier) and queues their put; a refused store is counted. A
         span some group holds no block for (a sliding window moved past it) is not stored."""
@@ -60,7 +63,13 @@ class Saver:
             return
         nbytes = sum(kv.numel() * kv.element_size() for _, kv in items)
         ntokens = sum(sp.num_tokens for sp in stored)
-        done = functools.partial(self.metrics.add, request_id, stored_tokens=ntokens, bytes_stored=nbytes)
+        stored_now = functools.partial(self.metrics.add, request_id, stored_tokens=ntokens, bytes_stored=nbytes)
+        family = self.families.note(self.keyspace.for_salt(cache_salt))
+
+        def done() -> None:  # on the store thread, once the chunks are in their tiers
+            stored_now()
+            if family is not None:
+                self.families.publish(family)
         dropped = functools.partial(self.metrics.add, request_id, dropped_store_bytes=nbytes)
         if not self.stores.submit(items, done, dropped):
             dropped()

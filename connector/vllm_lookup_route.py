@@ -20,6 +20,10 @@ straight on to vLLM. The body takes one of `prompt` (text), `prompt_token_ids` o
   process, which answers no such question.
 - `num_requests_running` / `num_requests_waiting`: vLLM's own gauges as its `/metrics` shows
   them (the last engine step's); 0 when vLLM keeps no stats (`--disable-log-stats`).
+- `explain` (with `"explain": true` in the body): per tier why it holds no more of the prompt,
+  as kvtier serve answers it (connector/explain.py), asked of rank 0's worker over the lookup
+  channel (OP_EXPLAIN; with tensor parallel, rank 0's KV heads); null when it does not answer.
+  Every client shares vLLM's API key, so only the asked tenant's and unsalted entries count.
 
 Guarded by vLLM's `--api-key` (or `VLLM_API_KEY`) like its `/v1` routes: a lookup tells whether
 a prompt was seen. Bad input is a 400 naming the problem. This module never imports vllm: it
@@ -37,9 +41,10 @@ from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 from connector.bearer_auth import bearer_key
+from connector.lookup_channel import RemotePresence, lookup_socket_path
 from connector.presence import held_tokens
 from engine.cache_salt import validate_cache_salt
-from kvstore.deadlines import LOOKUP_ROUTE_CHANNEL_S
+from kvstore.deadlines import EXPLAIN_CHANNEL_S, LOOKUP_ROUTE_CHANNEL_S
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +105,11 @@ class _Tiers:
 
         setup = vllm_setup(vllm_config, None, attention_backend())
         self.keyspace = setup.keyspace()
-        self.presence = setup.worker_presence(vllm_config.kv_transfer_config.engine_id,
-                                              timeout=LOOKUP_ROUTE_CHANNEL_S, connect_timeout=LOOKUP_ROUTE_CHANNEL_S)
+        engine_id = vllm_config.kv_transfer_config.engine_id
+        self.presence = setup.worker_presence(engine_id, timeout=LOOKUP_ROUTE_CHANNEL_S,
+                                              connect_timeout=LOOKUP_ROUTE_CHANNEL_S)
+        self.explainer = RemotePresence(lookup_socket_path(engine_id, 0), timeout=EXPLAIN_CHANNEL_S,
+                                        connect_timeout=LOOKUP_ROUTE_CHANNEL_S)
 
     def held(self, token_ids: Sequence[int], cache_salt: str | None = None) -> dict[str, int]:
         """Returns per tier (fastest first) the leading tokens held for requests of
@@ -109,6 +117,11 @@ class _Tiers:
         ks = self.keyspace.for_salt(cache_salt)
         spans = ks.spans(token_ids)
         return held_tokens(spans, self.presence.tier_prefix_chunks(ks, spans), len(token_ids))
+
+    def explain(self, token_ids: Sequence[int], cache_salt: str | None = None) -> dict[str, Any] | None:
+        """Returns rank 0's worker's explain of the prompt for requests of `cache_salt`
+        (connector/explain.py); None if it does not answer."""
+        return self.explainer.explain(token_ids, cache_salt, other_tenants=False)
 
 
 class KvLookupRoute:
@@ -159,11 +172,15 @@ class KvLookupRoute:
         if len(ids) > mc.max_model_len:
             raise Rejected(400, f"the prompt has {len(ids)} tokens, more than this server's max_model_len "
                                 f"({mc.max_model_len})", form)
-        tiers = await asyncio.to_thread((await self._tiers_of(state)).held, ids, salt)
+        worker = await self._tiers_of(state)
+        tiers = await asyncio.to_thread(worker.held, ids, salt)
         running, waiting = _load()
-        return {"model": names[0], "num_tokens": len(ids), "engine_prefix_cache_tokens": 0, "tiers": tiers,
-                "max_hit_tokens": max(tiers.values(), default=0), "num_requests_running": running,
-                "num_requests_waiting": waiting}
+        answer = {"model": names[0], "num_tokens": len(ids), "engine_prefix_cache_tokens": 0, "tiers": tiers,
+                  "max_hit_tokens": max(tiers.values(), default=0), "num_requests_running": running,
+                  "num_requests_waiting": waiting}
+        if body.get("explain") is True:  # every client shares vLLM's key: no other tenant's entries
+            answer["explain"] = await asyncio.to_thread(worker.explain, ids, salt)
+        return answer
 
     async def _tiers_of(self, state: Any) -> _Tiers:
         async with self._setup_lock:

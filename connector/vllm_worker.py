@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from connector.explain import explain
 from connector.kv_events import TierChangeLog
 from connector.lookup_channel import LookupServer, lookup_socket_path
 from connector.metrics import ConnectorMetrics, RequestKVMetrics
@@ -66,10 +67,15 @@ class VllmWorkerConnector(KVConnectorBase_V1, SupportsHMA):
         self._reported = RequestKVMetrics("*")
         path = lookup_socket_path(vllm_config.kv_transfer_config.engine_id, self.rank)
         clear_shared = self.setup.config.reset_clears_shared_tiers
-        self._server = LookupServer(self.worker.presence, path, clear_shared=clear_shared)
+        self._server = LookupServer(self.worker.presence, path, clear_shared=clear_shared, explainer=self._explain)
         self._idle = False
         self._reported_pending = False
         self._closed = False
+
+    def _explain(self, token_ids: list[int], cache_salt: str | None, other_tenants: bool) -> dict[str, Any]:
+        """The lookup channel's OP_EXPLAIN: why this rank's tiers hold no more of a prompt."""
+        return explain(self.storage, self.keyspace.for_salt(cache_salt), self.worker.presence, token_ids,
+                       other_tenants)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Takes vLLM's named per-layer caches (layers 0..L-1, in one or more KV cache groups)."""

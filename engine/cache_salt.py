@@ -85,3 +85,14 @@ def tenant_tag(cache_salt: str, secret: str | bytes | None = None) -> str:
     if key is None:
         return hashlib.blake2b(cache_salt.encode(), digest_size=TAG_BYTES, person=b"kvtier-tenant").hexdigest()
     return hmac.new(key, _TAG_CONTEXT + cache_salt.encode(), hashlib.sha256).digest()[:TAG_BYTES].hex()
+
+
+def seal_root(root: bytes, tag: str) -> bytes:
+    """Returns a salt's chain root (`salted_root`) as a shared tier's index of key families may
+    keep it (connector/key_families.py; its own inverse): XORed with an HMAC of the tenant's tag
+    under this process's tag key, so without the key it confirms no guessed salt; unchanged
+    without a key (the unkeyed tag confirms a guess already)."""
+    if _tag_key is None:
+        return root
+    mask = hmac.new(_tag_key, b"kvtier-root-seal\x00" + tag.encode(), hashlib.sha256).digest()
+    return bytes(a ^ b for a, b in zip(root, mask))

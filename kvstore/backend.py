@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore import serde
-from kvstore.codecs import Buffer, Codec, get_codec
+from kvstore.codecs import Buffer, Codec, QuantCodec, get_codec
 from kvstore.pin_set import PinError
 
 if TYPE_CHECKING:
@@ -118,6 +118,8 @@ class StorageBackend(ABC):
       caller's memory; the default reads as `batched_get(read_only=True)` does.
     - `prefix_hits(keys) -> int`: how many of `keys`, from the start, are stored; derived
       from `batched_contains` unless the tier answers it in one cheaper request.
+    - `batched_evicted(keys) -> list[bool] | None`: per key whether this tier evicted it
+      lately (a miss explained, connector/explain.py); None (the default): it cannot tell.
     - `check()`, `close()`; `set_pin_check` and `set_eviction_listener` (the manager's wiring);
       `from_spec` (construction by `kvstore.registry`).
     - Operating the cache (`/kv/inspect`, `/kv/pin`, `/kv/clear`): `describe(keys)` (what the
@@ -165,6 +167,12 @@ class StorageBackend(ABC):
     def _evicted(self, keys: list[str]) -> None:
         if keys and self._on_evict is not None:
             self._on_evict(keys)
+
+    @property
+    def exact(self) -> bool:
+        """Whether every value reads back bit for bit (no lossy codec), so it may hold values
+        that are not K/V (connector/key_families.py's index)."""
+        return True
 
     def check(self) -> None:
         """Returns when the tier answers now; raises BackendError when it cannot be reached.
@@ -249,6 +257,11 @@ class StorageBackend(ABC):
             n += 1
         return n
 
+    def batched_evicted(self, keys: Sequence[str]) -> list[bool] | None:
+        """Returns per key whether this tier evicted it lately (and holds no newer value);
+        None when this tier cannot tell (it keeps no record of its evictions)."""
+        return None
+
     # -- conveniences: the batched forms with one key --------------------------------------
     def contains(self, key: str) -> bool:
         """Returns whether `key` is stored (`batched_contains` of one key)."""
@@ -277,6 +290,10 @@ class BytesBackend(StorageBackend):
         self.codec = get_codec(codec) if isinstance(codec, str) else codec
         self._stats_lock = threading.Lock()
         self._hits = self._misses = self._puts = self._corrupt = self._rejected = 0
+
+    @property
+    def exact(self) -> bool:
+        return not isinstance(self.codec, QuantCodec)
 
     # -- byte-level hooks ---------------------------------------------------------------
     @abstractmethod

@@ -38,6 +38,8 @@ LOOKUP_CHANNEL_ANSWER_S = 10.0
 LOOKUP_CHANNEL_CONNECT_S = 30.0
 # The vLLM `/kv/lookup` route's channel questions and connects (a router waits less: --lookup-timeout).
 LOOKUP_ROUTE_CHANNEL_S = 2.0
+# The vLLM `/kv/lookup` route's explain of a miss (one index read and one existence query per tier).
+EXPLAIN_CHANNEL_S = 10.0
 # An idle vLLM worker step's wait for a load in flight, or queued stores, before reporting.
 VLLM_IDLE_WAIT_S = 0.05
 # A producer's wait for its queued K/V stores to land before answering (kvtier serve).

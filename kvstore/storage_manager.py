@@ -224,6 +224,46 @@ class StorageManager:
                     held[j] = bool(present)
         return held
 
+    def tier_contains(self, keys: Sequence[str]) -> dict[str, list[bool] | None]:
+        """Returns, per tier name (fastest first), per key whether that tier holds it, or None
+        for a tier backing off or failing: one batched existence query per tier."""
+        keys = list(keys)
+        out: dict[str, list[bool] | None] = {}
+        for i, tier in enumerate(self.tiers):
+            got = self._call(i, partial(tier.batched_contains, keys), "lookup") if keys else []
+            out[self.names[i]] = None if got is SKIPPED else [bool(h) for h in got]
+        return out
+
+    def tier_evicted(self, keys: Sequence[str]) -> dict[str, list[bool] | None]:
+        """Returns, per tier name, per key whether that tier evicted it lately, or None for a
+        tier that cannot tell (`StorageBackend.batched_evicted`)."""
+        out: dict[str, list[bool] | None] = {}
+        for i, tier in enumerate(self.tiers):
+            got = self._call(i, partial(tier.batched_evicted, list(keys)), "lookup")
+            out[self.names[i]] = None if got is SKIPPED else got
+        return out
+
+    def is_local(self, name: str) -> bool:
+        """Returns whether the tier named `name` lives in this process's memory (`LOCAL_TIERS`)."""
+        return self.tiers[self.names.index(name)].name in LOCAL_TIERS
+
+    def tier_get(self, name: str, key: str) -> torch.Tensor | None:
+        """Returns the value the tier named `name` holds under `key` (the caller's own), or
+        None (absent, or the tier backing off or failing)."""
+        i = self.names.index(name)
+        got = self._call(i, partial(self.tiers[i].batched_get, [key]), "load")
+        return None if got is SKIPPED else got[0]
+
+    def tier_put(self, name: str, key: str, value: torch.Tensor) -> bool:
+        """Stores `value` under `key` in the tier named `name` alone, now (not through the
+        background writer); returns whether it was accepted."""
+        _check_chunk(key, value)
+        i = self.names.index(name)
+        if not self.tiers[i].exact and not value.is_floating_point():
+            return False  # a lossy codec takes floating-point K/V only
+        got = self._call(i, partial(self.tiers[i].batched_put, [(key, value)]), "write")
+        return got is not SKIPPED and bool(got[0])
+
     @property
     def reads_in_place(self) -> bool:
         """Whether `fetch(into=...)` can read chunks straight into memory: the fastest tier

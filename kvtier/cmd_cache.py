@@ -1,6 +1,7 @@
 """`kvtier cache ...`: operate a running `kvtier serve`'s cache over its `/kv/*` routes
-(kvtier/server/cache_routes.py; docs/serving.md, "Operating the cache"). An HTTP client only:
-it loads no model and no torch.
+(kvtier/server/cache_routes.py; docs/serving.md, "Operating the cache"), and explain a miss
+(`explain`: `/kv/lookup` with `"explain": true`, also on `vllm serve` with kvtier's connector;
+docs/serving.md, "Explain a miss"). An HTTP client only: it loads no model and no torch.
 
 Each subcommand is one entry of `COMMANDS`: its help, a function adding its flags and a
 function running it (returning the exit code). Prompts are given as text (the positional
@@ -17,7 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-HELP = "operate a running kvtier serve's KV cache: inspect, pin, unpin, clear"
+HELP = "operate a running server's KV cache: inspect, pin, unpin, clear, explain a miss"
 DEFAULT_LOG_LEVEL = "warning"
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -79,6 +80,16 @@ def _prompt_body(args: argparse.Namespace) -> dict[str, Any]:
 def _post(args: argparse.Namespace, route: str, body: dict[str, Any]) -> int:
     """POSTs `body` to the server's `route`, prints the JSON answer; returns 0, or 1 (the
     server's error message on one line) for an HTTP error or no answer."""
+    answer = _answer(args, route, body)
+    if answer is None:
+        return 1
+    print(json.dumps(answer, indent=2))
+    return 0
+
+
+def _answer(args: argparse.Namespace, route: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """Returns the server's JSON answer to `body` POSTed to `route`; None (the error printed
+    on one line) for an HTTP error or no answer."""
     import httpx
 
     key = args.api_key or os.environ.get("KVTIER_API_KEY")
@@ -88,17 +99,17 @@ def _post(args: argparse.Namespace, route: str, body: dict[str, Any]) -> int:
         r = httpx.post(args.url.rstrip("/") + route, json=body, headers=headers, timeout=TIMEOUT_S)
     except httpx.HTTPError as exc:
         print(f"{name}: error: cannot reach {args.url}: {exc}", file=sys.stderr)
-        return 1
+        return None
     try:
         answer = r.json()
     except ValueError:
         answer = {"error": {"message": r.text[:500]}}
-    if r.status_code >= 400:
-        message = answer.get("error", {}).get("message") if isinstance(answer, dict) else None
+    if r.status_code >= 400 or not isinstance(answer, dict):
+        error = answer.get("error") if isinstance(answer, dict) else None
+        message = error.get("message") if isinstance(error, dict) else None
         print(f"{name}: error: HTTP {r.status_code}: {message or r.text[:500]}", file=sys.stderr)
-        return 1
-    print(json.dumps(answer, indent=2))
-    return 0
+        return None
+    return answer
 
 
 # ---- the subcommands: one adder and one runner each ------------------------------------------
@@ -152,6 +163,30 @@ def _clear(args: argparse.Namespace) -> int:
     return _post(args, "/kv/clear", body)
 
 
+def _explain_flags(parser: argparse.ArgumentParser) -> None:
+    _prompt_flags(parser)
+    parser.add_argument("--json", action="store_true", help="print the server's whole answer as JSON")
+
+
+def _explain(args: argparse.Namespace) -> int:
+    """Prints per tier the tokens held and the cause; 1 if the server has no tiers to explain."""
+    answer = _answer(args, "/kv/lookup", _prompt_body(args) | {"explain": True})
+    if answer is None:
+        return 1
+    explained = answer.get("explain")
+    if args.json:
+        print(json.dumps(answer, indent=2))
+    elif isinstance(explained, dict):
+        print(f"{answer.get('num_tokens')} prompt tokens; {answer.get('engine_prefix_cache_tokens', 0)} "
+              "in the engine's prefix cache")
+        for name, tier in explained.get("tiers", {}).items():
+            print(f"{name}: {tier.get('held_tokens')} tokens held; {tier.get('cause')}: {tier.get('message')}")
+    if not isinstance(explained, dict):
+        print("the server has no kvtier connector tiers to explain", file=sys.stderr)
+        return 1
+    return 0
+
+
 Adder = Callable[[argparse.ArgumentParser], None]
 Runner = Callable[[argparse.Namespace], int]
 
@@ -162,6 +197,8 @@ COMMANDS: dict[str, tuple[str, Adder, Runner]] = {
     "unpin": ("release a prompt's pins in one tier (operator key)", _unpin_flags, _unpin),
     "clear": ("remove one tenant's entries, everything, or what was not used for a while (operator key)",
               _clear_flags, _clear),
+    "explain": ("say per tier why a prompt's hit is shorter than its chunks (another model, engine tag, dtype, "
+                "layout, chunk size or tenant holds it; evicted; never stored)", _explain_flags, _explain),
 }
 
 

@@ -22,6 +22,7 @@ def run(args: argparse.Namespace) -> int:
     """Prints `{"tiers": {name: removed}, "errors": {name: error}}`; exit code 1 if a tier failed."""
     import os
 
+    from connector.key_families import FamilyIndex
     from engine.cache_salt import tenant_tag, validate_cache_salt
     from kvstore.storage_manager import StorageManager
     from kvstore.store_config import KVStoreConfig, TierSpec
@@ -33,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     storage = StorageManager.from_config(config)
     try:
         tag = tenant_tag(salt, os.environ.get("KVTIER_TENANT_TAG_KEY") or None)  # the engines' key, if any
+        FamilyIndex.of(storage).forget_tenant(tag)  # its key families, from each tier's index
         removed, errors = storage.delete_prefix(tenant_prefix(tag))
     finally:
         storage.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from kvstore import serde
 from kvstore.backend import BackendStats, EntryInfo, StorageBackend
 from kvstore.budget import ByteBudget
-from kvstore.codecs import Buffer, Codec, get_codec, host_copy
+from kvstore.codecs import Buffer, Codec, QuantCodec, get_codec, host_copy
 from kvstore.eviction import make_policy
 from kvstore.pin_set import PinError, default_pin_budget
 from kvstore.store_config import TierSpec
@@ -35,9 +36,15 @@ def _whole_tensor(kv: torch.Tensor, device: torch.device) -> bool:
             and kv.untyped_storage().nbytes() == kv.numel() * kv.element_size())
 
 
+EVICTIONS_REMEMBERED = 16384
+"""How many of its latest evicted keys a memory tier remembers, so a miss can be explained as
+an eviction (`batched_evicted`): about 200 bytes each, some 3 MiB at most."""
+
+
 class MemoryBackend(StorageBackend):
     """Chunks held in this process's memory on `device`, within a hard byte budget; the
-    operator's pins within `pin_budget` (None: half the byte budget, kvstore/pin_set.py)."""
+    operator's pins within `pin_budget` (None: half the byte budget, kvstore/pin_set.py); it
+    remembers its latest `EVICTIONS_REMEMBERED` evicted keys (`batched_evicted`)."""
 
     name = "memory"
 
@@ -52,6 +59,11 @@ class MemoryBackend(StorageBackend):
         self._store: dict[str, torch.Tensor | Buffer] = {}
         self._lock = threading.Lock()
         self._stats = BackendStats(byte_budget=byte_budget)
+        self._evictions: OrderedDict[str, None] = OrderedDict()
+
+    @property
+    def exact(self) -> bool:
+        return not isinstance(self.codec, QuantCodec)
 
     def set_pin_check(self, is_pinned: Callable[[str], bool]) -> None:
         self._budget.is_pinned = is_pinned
@@ -120,11 +132,20 @@ class MemoryBackend(StorageBackend):
                 self._store.pop(victim, None)
                 self._budget.remove(victim)
                 self._stats.evictions += 1
+                self._evictions[victim] = None
+            while len(self._evictions) > EVICTIONS_REMEMBERED:
+                self._evictions.popitem(last=False)
+            self._evictions.pop(key, None)
             self._store[key] = stored
             self._budget.add(key, nbytes)
             self._stats.puts += 1
         self._evicted(victims)
         return True
+
+    def batched_evicted(self, keys: Sequence[str]) -> list[bool]:
+        """Returns per key whether it is among the latest keys this tier evicted (and not stored since)."""
+        with self._lock:
+            return [key in self._evictions for key in keys]
 
     def delete(self, key: str) -> bool:
         with self._lock:
@@ -135,6 +156,7 @@ class MemoryBackend(StorageBackend):
         with self._lock:
             self._store.clear()
             self._budget.clear()
+            self._evictions.clear()
 
     def delete_prefix(self, prefix: str) -> int:
         if not prefix:

@@ -117,10 +117,13 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
         salt = tenancy.salt(request, body.cache_salt)
         ids = prompt_ids(front, body)
         found = await front.lookup(ids, salt)
-        return {"model": ctx.model_name, "num_tokens": found.num_tokens,
-                "engine_prefix_cache_tokens": found.engine_prefix_cache_tokens, "tiers": found.tiers,
-                "max_hit_tokens": found.max_hit_tokens, "num_requests_running": found.num_requests_running,
-                "num_requests_waiting": found.num_requests_waiting}
+        answer = {"model": ctx.model_name, "num_tokens": found.num_tokens,
+                  "engine_prefix_cache_tokens": found.engine_prefix_cache_tokens, "tiers": found.tiers,
+                  "max_hit_tokens": found.max_hit_tokens, "num_requests_running": found.num_requests_running,
+                  "num_requests_waiting": found.num_requests_waiting}
+        if body.explain:  # only the operator learns of other tenants' entries
+            answer["explain"] = await front.explain(ids, salt, other_tenants=tenancy.is_operator(request))
+        return answer
 
     @app.post("/kv/forget_tenant", dependencies=admin)
     async def forget_tenant(body: ForgetTenantRequest) -> dict[str, Any]:

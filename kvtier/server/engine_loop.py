@@ -226,6 +226,15 @@ class EngineLoop:
             tiers = await asyncio.to_thread(connector.lookup, token_ids, cache_salt)
         return PrefixLookup(len(token_ids), in_engine, tiers, running, waiting)
 
+    async def explain(self, token_ids: list[int], cache_salt: str | None = None,
+                      other_tenants: bool = True) -> dict[str, Any] | None:
+        """Returns per tier why it holds no more of `token_ids` for requests of `cache_salt`
+        (connector/explain.py), off the engine thread; None without kvtier's connector."""
+        connector = self._engine.kv_connector
+        if not isinstance(connector, EngineConnector):
+            return None
+        return await asyncio.to_thread(connector.explain, token_ids, cache_salt, other_tenants)
+
     async def forget_tenant(self, cache_salt: str) -> dict[str, Any]:
         """Removes `cache_salt`'s entries from the engine's prefix cache (between two steps)
         and from every tier; returns what was removed: `engine_blocks`, per tier `tiers`, and

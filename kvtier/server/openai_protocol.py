@@ -126,6 +126,7 @@ class LookupRequest(BaseModel):
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     cache_salt: str | None = None  # only this salt's entries count (none: only unsalted ones)
+    explain: bool = False  # also say per tier why it holds no more (connector/explain.py)
 
     _check_cache_salt = field_validator("cache_salt")(lambda cls, v: validate_cache_salt(v))
 

@@ -127,6 +127,12 @@ class Tenancy:
         """Returns whether `request` came with a tenant's key (not the operator's)."""
         return getattr(request.state, "tenant_salt", None) is not None
 
+    def is_operator(self, request: Request) -> bool:
+        """Returns whether `request` carries the operator's key on a server with tenants: the
+        one caller that may learn of any tenant's entries (without `--tenants` every client
+        shares one key, and a salt is the client's own secret)."""
+        return self.keys is not None and getattr(request.state, "tenant_salt", None) is None
+
     def salt(self, request: Request, body_salt: str | None) -> str | None:
         """Returns the salt `request` runs under: its tenant's (the body may repeat it; naming
         another is a 403), else the body's `cache_salt` (already validated)."""

@@ -55,9 +55,10 @@ def events_endpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def stored_values(redis: RedisServer, minimum: int, timeout: float = 60.0) -> int:
-    """Waits (bounded) until Redis holds at least `minimum` keys; returns how many it holds."""
-    wait_until(lambda: len(redis.client().keys("kvtier:*")) >= minimum, timeout, 0.2)
-    return len(redis.client().keys("kvtier:*"))
+    """Waits (bounded) until Redis holds at least `minimum` chunk values (one per chunk and KV
+    head: the key families index aside); returns how many it holds."""
+    wait_until(lambda: len(redis.client().keys("kvtier:*@H*")) >= minimum, timeout, 0.2)
+    return len(redis.client().keys("kvtier:*@H*"))
 
 
 def assert_same(cold: dict[str, Any], warm: dict[str, Any]) -> None:

@@ -1,0 +1,184 @@
+"""Key families: everything a stored key names but the chunk hash (model fingerprint with its
+engine tag, KV dtype, layout version, chunk size, tenant), and the per-tier index of the
+families stored there, so a miss can be explained (connector/explain.py) across processes
+without listing a tier.
+
+A `Family` carries its chain root too (a salt's root sealed under the tenant tag key,
+engine/cache_salt.py `seal_root`): with it the keys a prompt has in that family are computed
+again, and a tier is asked whether it holds them, by existence alone.
+
+The index of a shared tier (disk, Redis, the cache server) is one value under `INDEX_KEY`: a
+JSON list of at most `MAX_FAMILIES` records (about 250 bytes each), held as a uint8 tensor
+`(1, 2, n, 1, 1)` so any exact tier stores it. A process adds a family it stores the first time
+it stores it (read, merge, write on the store thread, after the chunk's own put) and checks
+again every `RECHECK_S` (one read), so a record lost to a concurrent writer or to eviction is
+back within that time. A process-local tier (cpu, device) needs no index: its families are
+this process's own. Tiers with a lossy codec keep none; a cache server client bound to one
+tenant may not write it (its families are not listed there).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from connector.keyspace import LAYOUT_VERSION, Keyspace, chunk_key, head_key, layer_key
+from engine.cache_salt import seal_root
+from engine.hashing import chain_hash
+from kvstore.storage_manager import StorageManager
+from kvstore.tenant_keys import KEY_ROOT
+
+INDEX_KEY = f"{KEY_ROOT}index:families"
+MAX_FAMILIES = 256
+RECHECK_S = 60.0
+
+
+@dataclass(frozen=True)
+class Family:
+    """One key family, as an index record holds it. `values`: how a chunk is stored ("chunk",
+    "layers": one value per layer, "heads": one per KV head)."""
+
+    model: str
+    kv_dtype: str
+    layout: int
+    chunk_size: int
+    tenant: str | None
+    root: str  # hex; a tenant's sealed
+    values: str = "chunk"
+    num_layers: int = 1
+
+    @classmethod
+    def of(cls, ks: Keyspace) -> Family:
+        """Returns the family of `ks`'s keys."""
+        root = ks.root if ks.tenant is None else seal_root(ks.root, ks.tenant)
+        values = "heads" if ks.heads is not None else "layers" if ks.layerwise else "chunk"
+        return cls(ks.model, ks.kv_dtype, LAYOUT_VERSION, ks.chunk_size, ks.tenant, root.hex(), values, ks.num_layers)
+
+    @property
+    def id(self) -> str:
+        """Every key of this family starts with this (its chunk key without the hash)."""
+        return chunk_key(self.model, self.kv_dtype, self.chunk_size, b"", self.layout, self.tenant)
+
+    @property
+    def engine_tag(self) -> str:
+        """The fingerprint's engine tag (`+vllm-cpu`), "" for kvtier's own engine."""
+        return self.model.partition("+")[2]
+
+    def fields(self) -> dict[str, object]:
+        """What tells families apart, as explain names it."""
+        return {"model": self.model.partition("+")[0], "engine_tag": self.engine_tag, "kv_dtype": self.kv_dtype,
+                "layout": self.layout, "chunk_size": self.chunk_size, "tenant": self.tenant}
+
+    def probes(self, tokens: Sequence[int]) -> list[tuple[int, str]]:
+        """Returns per chunk of `tokens` in this family (the last, short one too) its end and
+        one stored key that is there only when the chunk is (its last layer's, its first head's)."""
+        root = bytes.fromhex(self.root)
+        if self.tenant is not None:
+            root = seal_root(root, self.tenant)  # its own inverse
+        out = []
+        chain = root
+        for start in range(0, len(tokens), self.chunk_size):
+            end = min(start + self.chunk_size, len(tokens))
+            chain = chain_hash(chain, tokens[start:end])
+            key = chunk_key(self.model, self.kv_dtype, self.chunk_size, chain, self.layout, self.tenant)
+            if self.values == "layers":
+                key = layer_key(key, self.num_layers - 1)
+            elif self.values == "heads":
+                key = head_key(key, 0)
+            out.append((end, key))
+        return out
+
+
+def encode_index(families: Sequence[Family]) -> torch.Tensor:
+    """Returns the index value holding `families`."""
+    raw = json.dumps([asdict(f) for f in families], separators=(",", ":")).encode()
+    raw += b" " * (len(raw) % 2)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(1, 2, len(raw) // 2, 1, 1)
+
+
+def decode_index(value: torch.Tensor | None) -> list[Family]:
+    """Returns the families an index value lists ([] for none, or a value that is not one)."""
+    if value is None or value.dtype != torch.uint8:
+        return []
+    try:
+        records = json.loads(value.contiguous().view(-1).numpy().tobytes())
+        return [Family(**r) for r in records]
+    except (ValueError, TypeError):
+        return []
+
+
+class FamilyIndex:
+    """This process's key families stored through one storage manager (every connector over
+    it shares one: `FamilyIndex.of`), and the index of each shared tier. Thread-safe."""
+
+    @classmethod
+    def of(cls, storage: StorageManager) -> FamilyIndex:
+        """Returns the index of `storage`'s families (made on first use)."""
+        with _INDEXES_LOCK:
+            index = _INDEXES.get(storage)
+            if index is None:
+                index = _INDEXES[storage] = cls(storage)
+            return index
+
+    def __init__(self, storage: StorageManager) -> None:
+        self.storage = storage
+        self._lock = threading.Lock()
+        self._mine: dict[str, Family] = {}
+        self._checked: dict[str, float] = {}  # family id -> when the shared tiers were last seen to list it
+
+    def note(self, ks: Keyspace) -> Family | None:
+        """Records that `ks`'s family is being stored; returns it when the shared tiers' index
+        is due a check (`publish` it after the store), else None. Cheap: no I/O."""
+        family = Family.of(ks)
+        fid = family.id
+        with self._lock:
+            self._mine.setdefault(fid, family)
+            if time.monotonic() - self._checked.get(fid, float("-inf")) < RECHECK_S:
+                return None
+            self._checked[fid] = time.monotonic()  # one check at a time
+        return family
+
+    def publish(self, family: Family) -> None:
+        """Adds `family` to each shared tier's index that does not list it: one read per tier,
+        and a write where it was missing. Failures are left to the next check."""
+        for name in self.storage.names:
+            if self.storage.is_local(name):
+                continue
+            listed = self.listed(name)
+            if family.id in {f.id for f in listed}:
+                continue
+            merged = [family, *(f for f in listed if f.id != family.id)][:MAX_FAMILIES]
+            self.storage.tier_put(name, INDEX_KEY, encode_index(merged))
+
+    def forget_tenant(self, tenant: str) -> None:
+        """Drops tenant `tenant`'s families from this process's and from each shared tier's
+        index (with its entries, `forget_tenant` removes its sealed roots)."""
+        with self._lock:
+            for fid in [fid for fid, f in self._mine.items() if f.tenant == tenant]:
+                del self._mine[fid]
+                self._checked.pop(fid, None)
+        for name in self.storage.names:
+            if self.storage.is_local(name):
+                continue
+            listed = self.listed(name)
+            kept = [f for f in listed if f.tenant != tenant]
+            if len(kept) < len(listed):
+                self.storage.tier_put(name, INDEX_KEY, encode_index(kept))
+
+    def listed(self, name: str) -> list[Family]:
+        """Returns the families the tier named `name` is known to hold keys of: a local tier's
+        are this process's, a shared tier's its index's (one read)."""
+        if self.storage.is_local(name):
+            with self._lock:
+                return list(self._mine.values())
+        return decode_index(self.storage.tier_get(name, INDEX_KEY))
+
+
+_INDEXES: weakref.WeakKeyDictionary[StorageManager, FamilyIndex] = weakref.WeakKeyDictionary()
+_INDEXES_LOCK = threading.Lock()
