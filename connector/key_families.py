@@ -19,6 +19,7 @@ tenant may not write it (its families are not listed there).
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -31,6 +32,7 @@ import torch
 from connector.keyspace import LAYOUT_VERSION, Keyspace, chunk_key, head_key, layer_key
 from engine.cache_salt import seal_root
 from engine.hashing import chain_hash
+from kvstore.background_queue import BACKGROUND_NICE, BackgroundQueue
 from kvstore.storage_manager import StorageManager
 from kvstore.tenant_keys import KEY_ROOT
 
@@ -156,6 +158,12 @@ class FamilyIndex:
             merged = [family, *(f for f in listed if f.id != family.id)][:MAX_FAMILIES]
             self.storage.tier_put(name, INDEX_KEY, encode_index(merged))
 
+    def publish_later(self, family: Family) -> None:
+        """Queues `publish(family)` on the process's one index thread, so a shared tier that
+        hangs never holds up the caller (the store thread); a full queue drops it, and the
+        family's next check (`RECHECK_S`) tries again."""
+        _publisher().submit(functools.partial(self.publish, family))
+
     def forget_tenant(self, tenant: str) -> None:
         """Drops tenant `tenant`'s families from this process's and from each shared tier's
         index (with its entries, `forget_tenant` removes its sealed roots)."""
@@ -178,6 +186,18 @@ class FamilyIndex:
             with self._lock:
                 return list(self._mine.values())
         return decode_index(self.storage.tier_get(name, INDEX_KEY))
+
+
+_PUBLISHER: BackgroundQueue | None = None
+
+
+def _publisher() -> BackgroundQueue:
+    """Returns the process's index thread (started on first use)."""
+    global _PUBLISHER
+    with _INDEXES_LOCK:
+        if _PUBLISHER is None:
+            _PUBLISHER = BackgroundQueue(16, "drop_new", "kvtier-family-index", nice=BACKGROUND_NICE)
+        return _PUBLISHER
 
 
 _INDEXES: weakref.WeakKeyDictionary[StorageManager, FamilyIndex] = weakref.WeakKeyDictionary()

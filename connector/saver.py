@@ -68,8 +68,8 @@ class Saver:
 
         def done() -> None:  # on the store thread, once the chunks are in their tiers
             stored_now()
-            if family is not None:
-                self.families.publish(family)
+            if family is not None:  # on the index thread: a hung shared tier must not hold the store thread
+                self.families.publish_later(family)
         dropped = functools.partial(self.metrics.add, request_id, dropped_store_bytes=nbytes)
         if not self.stores.submit(items, done, dropped):
             dropped()
