@@ -200,5 +200,12 @@ def _publisher() -> BackgroundQueue:
         return _PUBLISHER
 
 
+def flush_index(timeout: float | None = None) -> bool:
+    """Waits until the index thread ran every queued publish; returns False on timeout."""
+    with _INDEXES_LOCK:
+        publisher = _PUBLISHER
+    return publisher is None or publisher.flush(timeout)
+
+
 _INDEXES: weakref.WeakKeyDictionary[StorageManager, FamilyIndex] = weakref.WeakKeyDictionary()
 _INDEXES_LOCK = threading.Lock()

@@ -27,6 +27,7 @@ import torch
 from connector.blend.blender import worker_extension
 from connector.connector_config import ConnectorConfig
 from connector.extension import NoWorkerExtension, WorkerExtension
+from connector.key_families import flush_index
 from connector.keyspace import KeyedModel, Keyspace
 from connector.loader import Loader, LoadJob
 from connector.metadata import KVTierMeta, SaveSpec
@@ -237,8 +238,10 @@ class KVTierWorker(KVConnectorWorker):
         return self.stores.pending() > 0 or self.storage.writer_stats()["pending"] > 0
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Waits until queued stores reached every tier; returns False on timeout."""
+        """Waits until queued stores reached every tier (and the key families index its
+        shared tiers); returns False on timeout."""
         ok = self.stores.flush(timeout)
+        ok = flush_index(timeout) and ok
         return self.storage.flush(timeout) and ok
 
     def shutdown(self) -> None:
