@@ -105,7 +105,7 @@ def main() -> int:
         print(f"\nanswer (warm): {rows['warm · cpu'][0][0].outputs[0].text.strip()!r}")
         for t in conn.tier_metrics():
             print(f"tier {t.name}: {t.tokens_hit} tokens hit, {t.bytes_loaded / 2**20:.1f} MiB loaded, "
-                  f"{t.bytes_stored / 2**20:.1f} MiB stored, load {t.load_seconds:.3f} s")
+                  f"{t.bytes_stored / 2**20:.1f} MiB stored, the tier's reads {t.load_seconds:.3f} s")
         llm.shutdown()
         ok = all(s is not False for outs in rows.values() for _, s in outs)
     return 0 if ok else 1
