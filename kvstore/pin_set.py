@@ -16,7 +16,7 @@ memory and are not persisted: a restart forgets them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -93,6 +93,16 @@ class PinSet:
             self._pins[key] = (nbytes, deadline)
         self.bytes += delta
         return delta
+
+    def pin_held(self, keys: Sequence[str], held: Mapping[str, int], ttl_s: float | None = None,
+                 tier: str = "tier") -> int:
+        """`pin` of `keys` at their sizes in `held` (the tier's stored values); PinError
+        (nothing pinned) when any key is not held. Returns the bytes newly pinned."""
+        missing = sum(k not in held for k in keys)
+        if missing:
+            raise PinError(f"tier {tier}: {missing} of the {len(keys)} chunk value(s) to pin are not "
+                           "stored here (evicted meanwhile?); nothing was pinned")
+        return self.pin([(k, held[k]) for k in keys], ttl_s, tier)
 
     def release(self, key: str) -> bool:
         """Releases `key`'s pin (unpinned, expired, or its key removed); whether it had one."""

@@ -398,14 +398,7 @@ class StorageManager:
         pinned one), after queued writes. Returns (per tier the values removed, per tier that
         could not its reason)."""
         self.flush()
-        removed: dict[str, int] = {}
-        errors: dict[str, str] = {}
-        for name, tier in zip(self.names, self.tiers):
-            try:
-                removed[name] = tier.delete_idle(older_than_s)
-            except Exception as exc:  # noqa: BLE001 - reported per tier, never raised past the others
-                errors[name] = f"{type(exc).__name__}: {exc}"
-        return removed, errors
+        return self._remove_from_each_tier(lambda tier: tier.delete_idle(older_than_s))
 
     def delete(self, key: str) -> None:
         """Removes `key` from every healthy tier (slow tiers after queued writes)."""
@@ -419,11 +412,16 @@ class StorageManager:
         a tier marked unhealthy (it is tried). Returns (per tier name the keys removed, per tier
         that failed its error): a tier in the second may still hold some."""
         self.flush()
+        return self._remove_from_each_tier(lambda tier: tier.delete_prefix(prefix))
+
+    def _remove_from_each_tier(self, remove: Callable[[StorageBackend], int]) -> tuple[dict[str, int], dict[str, str]]:
+        """Runs `remove` on every tier, even one marked unhealthy; returns (per tier name its
+        count, per tier that raised its error), one tier's failure never stopping the others."""
         removed: dict[str, int] = {}
         errors: dict[str, str] = {}
         for name, tier in zip(self.names, self.tiers):
             try:
-                removed[name] = tier.delete_prefix(prefix)
+                removed[name] = remove(tier)
             except Exception as exc:  # noqa: BLE001 - reported per tier, never raised past the others
                 errors[name] = f"{type(exc).__name__}: {exc}"
         return removed, errors

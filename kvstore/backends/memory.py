@@ -19,7 +19,7 @@ from kvstore.backend import BackendStats, EntryInfo, StorageBackend
 from kvstore.budget import ByteBudget
 from kvstore.codecs import Buffer, Codec, QuantCodec, get_codec, host_copy
 from kvstore.eviction import make_policy
-from kvstore.pin_set import PinError, default_pin_budget
+from kvstore.pin_set import default_pin_budget
 from kvstore.store_config import TierSpec
 
 
@@ -190,11 +190,7 @@ class MemoryBackend(StorageBackend):
 
     def pin(self, keys: Sequence[str], ttl_s: float | None = None) -> int:
         with self._lock:
-            missing = sum(k not in self._budget for k in keys)
-            if missing:
-                raise PinError(f"tier {self.name}: {missing} of the {len(keys)} chunk value(s) to pin are not "
-                               "stored here (evicted meanwhile?); nothing was pinned")
-            return self._budget.pinned.pin([(k, self._budget.sizes[k]) for k in keys], ttl_s, self.name)
+            return self._budget.pinned.pin_held(keys, self._budget.sizes, ttl_s, self.name)
 
     def unpin(self, keys: Sequence[str]) -> int:
         with self._lock:

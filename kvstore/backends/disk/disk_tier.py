@@ -49,7 +49,7 @@ from kvstore.backends.disk.file_names import (
 from kvstore.budget import ByteBudget
 from kvstore.codecs import Codec
 from kvstore.eviction import make_policy
-from kvstore.pin_set import PinError, default_pin_budget
+from kvstore.pin_set import default_pin_budget
 from kvstore.read_buffers import ReadBufferPool
 from kvstore.store_config import TierSpec
 from kvstore.tenant_keys import key_tenant, tenant_prefix
@@ -429,11 +429,8 @@ class DiskBackend(BytesBackend):
     def pin(self, keys: Sequence[str], ttl_s: float | None = None) -> int:
         present = [self._exists(k) for k in keys]  # another process's file is indexed here
         with self._lock:
-            missing = sum(not p or k not in self._index for k, p in zip(keys, present))
-            if missing:
-                raise PinError(f"tier {self.name}: {missing} of the {len(keys)} chunk value(s) to pin are not "
-                               "stored here (evicted meanwhile?); nothing was pinned")
-            return self._index.pinned.pin([(k, self._index.sizes[k]) for k in keys], ttl_s, self.name)
+            held = {k: self._index.sizes[k] for k, p in zip(keys, present) if p and k in self._index}
+            return self._index.pinned.pin_held(keys, held, ttl_s, self.name)
 
     def unpin(self, keys: Sequence[str]) -> int:
         with self._lock:
