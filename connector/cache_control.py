@@ -1,6 +1,8 @@
-"""Operating the cache for one prompt: what each tier holds of its chunks (inspect), and the
-operator's pins of its prefix in one tier (pin, unpin). The routes `/kv/inspect`, `/kv/pin`
-and `/kv/unpin` of `kvtier serve` answer from here (docs/serving.md, "Operating the cache").
+"""Operating the cache for one prompt: what each tier holds of its chunks (inspect), the
+operator's pins of its prefix in one tier (pin, unpin), and copies of its prefix between tiers
+(prefetch into a faster tier, move, drop). The routes `/kv/inspect`, `/kv/pin`, `/kv/unpin`,
+`/kv/prefetch`, `/kv/move` and `/kv/drop` of `kvtier serve` answer from here (docs/serving.md,
+"Operating the cache").
 
 A prompt is taken as the request would take it: its tokens are cut into chunk spans by the
 request's keyspace (its cache_salt's: connector/keyspace.py), and a chunk is held by a tier
@@ -111,3 +113,79 @@ def unpin(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int],
 def _pins_now(storage: StorageManager, tier: int) -> dict[str, Any]:
     b = storage.stats()[storage.names[tier]].backend
     return {"pinned_entries": b.pinned_entries, "pinned_bytes": b.pinned_bytes, "pin_budget": b.pin_budget}
+
+
+def _held_chunks(storage: StorageManager, keyspace: Keyspace, spans: Sequence[Span]) -> list[list[bool]]:
+    """Returns per tier (fastest first) per chunk whether the tier holds every value of it."""
+    per_value = keyspace.values_per_chunk
+    described = storage.describe(keyspace.stored_keys(spans))
+    return [[all(i is not None for i in infos[c * per_value:(c + 1) * per_value]) for c in range(len(spans))]
+            for infos in described.values()]
+
+
+def prefetch(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int], tier: str | None = None
+             ) -> dict[str, Any]:
+    """Copies into tier `tier` (None: the fastest) the prompt's leading chunks it lacks, each
+    from the fastest other tier holding it; stops at the first chunk no tier holds (a later
+    chunk is of no use without it). Returns the chunks copied per source tier, those the target
+    held already, and the leading tokens the target holds now. ValueError for an unknown tier."""
+    t = storage.tier_named(tier)
+    storage.flush()
+    spans = keyspace.spans(token_ids)
+    held = _held_chunks(storage, keyspace, spans)
+    copied: dict[str, int] = {}
+    already = 0
+    for c, span in enumerate(spans):
+        if held[t][c]:
+            already += 1
+            continue
+        source = next((i for i in range(len(held)) if i != t and held[i][c]), None)
+        if source is None:
+            break
+        keys = keyspace.stored_keys([span])
+        if storage.copy_between(source, t, keys) < len(keys):
+            break  # the source lost it meanwhile, or the target refused it
+        copied[storage.names[source]] = copied.get(storage.names[source], 0) + 1
+    return {"tier": storage.names[t], "of_chunks": len(spans), "held_before": already, "copied": copied,
+            "held_tokens": _held_tokens(storage, keyspace, spans, t)}
+
+
+def move(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int], src: str, dst: str
+         ) -> dict[str, Any]:
+    """Moves the prompt's chunks tier `src` holds into tier `dst`: each is copied, then removed
+    from `src` (a chunk `dst` already holds is only removed from `src`; one `dst` refuses stays
+    where it is). Returns the chunks moved and refused, and the leading tokens each tier holds
+    now. ValueError for an unknown tier or `src` equal to `dst`."""
+    s, d = storage.tier_named(src), storage.tier_named(dst)
+    if s == d:
+        raise ValueError(f"move: source and target are the same tier ({storage.names[s]})")
+    storage.flush()
+    spans = keyspace.spans(token_ids)
+    held = _held_chunks(storage, keyspace, spans)
+    moved = refused = 0
+    for c, span in enumerate(spans):
+        if not held[s][c]:
+            continue
+        keys = keyspace.stored_keys([span])
+        if not held[d][c] and storage.copy_between(s, d, keys) < len(keys):
+            refused += 1
+            continue
+        storage.delete_from_tier(s, keys)
+        moved += 1
+    return {"from": storage.names[s], "to": storage.names[d], "moved": moved, "refused": refused,
+            "held_tokens": {storage.names[i]: _held_tokens(storage, keyspace, spans, i) for i in (s, d)}}
+
+
+def drop(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int], tier: str | None = None
+         ) -> dict[str, Any]:
+    """Removes every chunk of the prompt from tier `tier` (None: the fastest), pinned or not;
+    returns how many stored values it held. ValueError for an unknown tier."""
+    t = storage.tier_named(tier)
+    removed = storage.delete_from_tier(t, keyspace.stored_keys(keyspace.spans(token_ids)))
+    return {"tier": storage.names[t], "removed": removed}
+
+
+def _held_tokens(storage: StorageManager, keyspace: Keyspace, spans: Sequence[Span], tier: int) -> int:
+    """Returns the leading tokens tier `tier` holds whole chunks of."""
+    held = storage.held_prefix(tier, keyspace.stored_keys(spans)) // keyspace.values_per_chunk
+    return spans[held - 1].end if held else 0

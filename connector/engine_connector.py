@@ -137,6 +137,24 @@ class EngineConnector(KVConnector):
         """Releases the pins of the prompt's chunks in `tier` (None: the fastest)."""
         return cache_control.unpin(self.storage, self.scheduler.keyspace.for_salt(cache_salt), token_ids, tier)
 
+    def prefetch(self, token_ids: Sequence[int], cache_salt: str | None = None, tier: str | None = None
+                 ) -> dict[str, Any]:
+        """Copies the prompt's leading chunks `tier` (None: the fastest) lacks into it from the
+        other tiers, after queued stores landed (cache_control.prefetch)."""
+        self.flush()
+        return cache_control.prefetch(self.storage, self.scheduler.keyspace.for_salt(cache_salt), token_ids, tier)
+
+    def move(self, token_ids: Sequence[int], cache_salt: str | None, src: str, dst: str) -> dict[str, Any]:
+        """Moves the prompt's chunks from tier `src` into tier `dst`, after queued stores landed."""
+        self.flush()
+        return cache_control.move(self.storage, self.scheduler.keyspace.for_salt(cache_salt), token_ids, src, dst)
+
+    def drop(self, token_ids: Sequence[int], cache_salt: str | None = None, tier: str | None = None
+             ) -> dict[str, Any]:
+        """Removes the prompt's chunks from `tier` (None: the fastest), after queued stores landed."""
+        self.flush()
+        return cache_control.drop(self.storage, self.scheduler.keyspace.for_salt(cache_salt), token_ids, tier)
+
     def clear_tiers(self, local_only: bool = False) -> dict[str, int]:
         """Removes every chunk from every tier (with `local_only`, only this process's cpu and
         device), after queued stores landed, pins included; returns per tier how many entries

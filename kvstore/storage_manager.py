@@ -393,6 +393,52 @@ class StorageManager:
         """Releases the operator pins of `keys` in tier `tier`; returns how many were pinned."""
         return self.tiers[tier].unpin(list(keys))
 
+    def copy_between(self, src: int, dst: int, keys: Sequence[str]) -> int:
+        """Copies the values of `keys` from tier `src` into tier `dst`, in order, now; returns
+        how many were copied: it stops at the first value the source no longer holds or the
+        target refuses (a tier backing off copies nothing). The keys are load-pinned meanwhile,
+        so no tier evicts them mid-copy."""
+        keys = list(keys)
+        if not keys or src == dst:
+            return 0
+        self.pins.pin(keys)
+        try:
+            got = self._call(src, partial(self.tiers[src].batched_get, keys), "load")
+            if got is SKIPPED:
+                return 0
+            found: list[tuple[str, torch.Tensor]] = []
+            for key, kv in zip(keys, got):
+                if kv is None:
+                    break
+                found.append((key, kv))
+            if not self.tiers[dst].exact:  # a lossy codec takes floating-point K/V only
+                floating = [kv.is_floating_point() for _, kv in found]
+                found = found[:floating.index(False) if False in floating else len(found)]
+            if not found:
+                return 0
+            device = self.tiers[dst].device
+            items = stage(found, {device})[0][device]
+            accepted = self._call(dst, partial(self.tiers[dst].batched_put, items, owned=True), "write")
+            if accepted is SKIPPED:
+                return 0
+            n = next((i for i, ok in enumerate(accepted) if not ok), len(accepted))
+            with self._stats_lock:
+                self._stats[dst].bytes_stored += sum(kv.nbytes for _, kv in items[:n])
+            if self._listener is not None and n:
+                self._listener.stored(self.tiers[dst].name, [k for k, _ in items[:n]])
+            return n
+        finally:
+            self.pins.unpin(keys)
+
+    def delete_from_tier(self, tier: int, keys: Sequence[str]) -> int:
+        """Removes `keys` from tier `tier` alone, pinned or not (an explicit removal beats a
+        pin), after queued writes; returns how many it held. The tier's error is raised."""
+        self.flush()
+        removed = [k for k in keys if self.tiers[tier].delete(k)]
+        if removed and self._listener is not None:
+            self._listener.removed(self.tiers[tier].name, removed)
+        return len(removed)
+
     def delete_idle(self, older_than_s: float) -> tuple[dict[str, int], dict[str, str]]:
         """Removes from every tier the chunks not used for `older_than_s` seconds (never a
         pinned one), after queued writes. Returns (per tier the values removed, per tier that

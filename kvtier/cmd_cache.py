@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-HELP = "operate a running server's KV cache: inspect, pin, unpin, clear, explain a miss"
+HELP = "operate a running server's KV cache: inspect, pin, unpin, prefetch, move, drop, clear, explain a miss"
 DEFAULT_LOG_LEVEL = "warning"
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -134,13 +134,38 @@ def _pin(args: argparse.Namespace) -> int:
     return _post(args, "/kv/pin", body)
 
 
-def _unpin_flags(parser: argparse.ArgumentParser) -> None:
+def _tier_flags(parser: argparse.ArgumentParser) -> None:
     _prompt_flags(parser)
     parser.add_argument("--tier", default=None, metavar="TIER", help="the tier (default: the fastest)")
 
 
 def _unpin(args: argparse.Namespace) -> int:
     return _post(args, "/kv/unpin", _prompt_body(args) | {"tier": args.tier})
+
+
+def _prefetch_flags(parser: argparse.ArgumentParser) -> None:
+    _prompt_flags(parser)
+    parser.add_argument("--tier", default=None, metavar="TIER", help="the tier to fill (default: the fastest)")
+    parser.add_argument("--compute", action="store_true",
+                        help="run the prompt first, so what no tier holds is computed and stored")
+
+
+def _prefetch(args: argparse.Namespace) -> int:
+    return _post(args, "/kv/prefetch", _prompt_body(args) | {"tier": args.tier, "compute": args.compute})
+
+
+def _move_flags(parser: argparse.ArgumentParser) -> None:
+    _prompt_flags(parser)
+    parser.add_argument("--from", dest="from_tier", required=True, metavar="TIER", help="the tier to move from")
+    parser.add_argument("--to", dest="to_tier", required=True, metavar="TIER", help="the tier to move into")
+
+
+def _move(args: argparse.Namespace) -> int:
+    return _post(args, "/kv/move", _prompt_body(args) | {"from_tier": args.from_tier, "to_tier": args.to_tier})
+
+
+def _drop(args: argparse.Namespace) -> int:
+    return _post(args, "/kv/drop", _prompt_body(args) | {"tier": args.tier})
 
 
 def _clear_flags(parser: argparse.ArgumentParser) -> None:
@@ -194,7 +219,11 @@ COMMANDS: dict[str, tuple[str, Adder, Runner]] = {
     "inspect": ("a prompt's chunks, the tiers holding each (bytes, age, last use, pin) and per tier totals",
                 _inspect_flags, _inspect),
     "pin": ("pin a prompt's held prefix in one tier against eviction (operator key)", _pin_flags, _pin),
-    "unpin": ("release a prompt's pins in one tier (operator key)", _unpin_flags, _unpin),
+    "unpin": ("release a prompt's pins in one tier (operator key)", _tier_flags, _unpin),
+    "prefetch": ("copy a prompt's held prefix into one tier from the others, or compute it first (--compute); "
+                 "operator key", _prefetch_flags, _prefetch),
+    "move": ("move a prompt's chunks from one tier into another (operator key)", _move_flags, _move),
+    "drop": ("remove a prompt's chunks from one tier, pinned or not (operator key)", _tier_flags, _drop),
     "clear": ("remove one tenant's entries, everything, or what was not used for a while (operator key)",
               _clear_flags, _clear),
     "explain": ("say per tier why a prompt's hit is shorter than its chunks (another model, engine tag, dtype, "

@@ -4,8 +4,8 @@ routes, health, version, metrics.
 `/v1/*`, `/tokenize`, `/detokenize` and `/kv/*` need `Authorization: Bearer <api key>` when
 the server has one (with `--tenants`, a tenant's key too, which fixes the request's
 `cache_salt`: kvtier/server/tenants.py; `/kv/forget_tenant`, `/kv/reset_prefix_cache`, and of
-the cache's operation routes (kvtier/server/cache_routes.py) `/kv/pin`, `/kv/unpin` and
-`/kv/clear` take the operator's key only);
+the cache's operation routes (kvtier/server/cache_routes.py) all but `/kv/inspect` take the
+operator's key only);
 `/health`, `/version` and `/metrics` are open (as in vLLM). Every error is OpenAI's shape
 (kvtier/server/http_edge.py, shared with the router).
 """

@@ -6,6 +6,11 @@ client; docs/serving.md, "Operating the cache"):
   pin), and per tier its totals;
 - `POST /kv/pin`, `POST /kv/unpin` (operator's key): pin a prompt's held prefix in one tier
   against eviction, within that tier's pin budget, optionally for `ttl_s` seconds; release it;
+- `POST /kv/prefetch` (operator's key): copy a prompt's held prefix into one tier (default the
+  fastest) from the others; with `compute`, run the prompt first so what no tier holds is
+  computed and stored (warm a document before traffic);
+- `POST /kv/move`, `POST /kv/drop` (operator's key): move a prompt's chunks from one tier to
+  another; remove them from one tier;
 - `POST /kv/clear` (operator's key): one tenant's entries (what `/kv/forget_tenant` does),
   everything (the engine's prefix cache, as `/kv/reset_prefix_cache`, and every tier), or
   the chunks not used for `older_than_s` seconds.
@@ -26,8 +31,17 @@ from engine.cache_salt import tenant_tag
 from engine.sampling_params import SamplingParams
 from kvstore.pin_set import PinError
 from kvtier.server.engine_loop import EngineLoop
-from kvtier.server.openai_protocol import APIError, ClearRequest, LookupRequest, PinRequest, new_id
-from kvtier.server.serving import ServingContext, check_model, render_chat
+from kvtier.server.openai_protocol import (
+    APIError,
+    ClearRequest,
+    LookupRequest,
+    MoveRequest,
+    PinRequest,
+    PrefetchRequest,
+    TierRequest,
+    new_id,
+)
+from kvtier.server.serving import ServingContext, check_model, collect_finals, render_chat, submit
 from kvtier.server.tenants import Tenancy
 
 
@@ -56,7 +70,8 @@ def _connector(front: EngineLoop) -> EngineConnector:
 
 
 def add_cache_routes(app: FastAPI, ctx: ServingContext, tenancy: Tenancy) -> None:
-    """Adds `/kv/inspect`, `/kv/pin`, `/kv/unpin` and `/kv/clear` to `app`."""
+    """Adds `/kv/inspect`, `/kv/pin`, `/kv/unpin`, `/kv/prefetch`, `/kv/move`, `/kv/drop` and
+    `/kv/clear` to `app`."""
     front = ctx.engine_loop
 
     @app.post("/kv/inspect", dependencies=tenancy.user)
@@ -82,12 +97,46 @@ def add_cache_routes(app: FastAPI, ctx: ServingContext, tenancy: Tenancy) -> Non
         return await _control(connector.pin, ids, body.cache_salt, body.tier, body.ttl_s)
 
     @app.post("/kv/unpin", dependencies=tenancy.admin)
-    async def unpin(body: PinRequest) -> dict[str, Any]:
+    async def unpin(body: TierRequest) -> dict[str, Any]:
         """Releases the pins of the prompt's chunks in the tier."""
         check_model(ctx, body.model)
         ids = prompt_ids(front, body)
         connector = _connector(front)
         return await _control(connector.unpin, ids, body.cache_salt, body.tier)
+
+    @app.post("/kv/prefetch", dependencies=tenancy.admin)
+    async def prefetch(body: PrefetchRequest, request: Request) -> dict[str, Any]:
+        """Fills the tier with the prompt's held prefix; with `compute`, runs the prompt first."""
+        check_model(ctx, body.model)
+        ids = prompt_ids(front, body)
+        connector = _connector(front)
+        await _control(connector.storage.tier_named, body.tier)  # an unknown tier is a 400 before any work
+        ran: dict[str, Any] | None = None
+        if body.compute:
+            seq = front.make_sequence(_salted(ids, body.cache_salt), SamplingParams(max_tokens=1), new_id("kv") + "-0")
+            try:
+                front.check_request(seq)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="prompt") from None
+            (out,) = await collect_finals(request, submit(ctx, [seq]))
+            ran = {"prompt_tokens": len(ids), "cached_tokens": out.num_cached_tokens}
+        return {**await _control(connector.prefetch, ids, body.cache_salt, body.tier), "ran_request": ran}
+
+    @app.post("/kv/move", dependencies=tenancy.admin)
+    async def move(body: MoveRequest) -> dict[str, Any]:
+        """Moves the prompt's chunks from one tier into another."""
+        check_model(ctx, body.model)
+        ids = prompt_ids(front, body)
+        connector = _connector(front)
+        return await _control(connector.move, ids, body.cache_salt, body.from_tier, body.to_tier)
+
+    @app.post("/kv/drop", dependencies=tenancy.admin)
+    async def drop(body: TierRequest) -> dict[str, Any]:
+        """Removes the prompt's chunks from the tier, pinned or not."""
+        check_model(ctx, body.model)
+        ids = prompt_ids(front, body)
+        connector = _connector(front)
+        return await _control(connector.drop, ids, body.cache_salt, body.tier)
 
     @app.post("/kv/clear", dependencies=tenancy.admin)
     async def clear(body: ClearRequest) -> dict[str, Any]:
@@ -104,10 +153,15 @@ def add_cache_routes(app: FastAPI, ctx: ServingContext, tenancy: Tenancy) -> Non
         return {"cleared": "idle", "older_than_s": body.older_than_s, "tiers": removed, "errors": errors}
 
 
-async def _control(fn: Any, *args: Any) -> dict[str, Any]:
+def _salted(ids: list[int], cache_salt: str | None) -> dict[str, Any]:
+    """Returns the engine prompt of `ids` under `cache_salt`."""
+    return {"prompt_token_ids": ids} if cache_salt is None else {"prompt_token_ids": ids, "cache_salt": cache_salt}
+
+
+async def _control(fn: Any, *args: Any) -> Any:
     """Returns `fn(*args)` run off the event loop; a refused pin is 409, an unknown tier 400."""
     try:
-        result: dict[str, Any] = await asyncio.to_thread(fn, *args)
+        result = await asyncio.to_thread(fn, *args)
     except PinError as exc:
         raise APIError(409, str(exc), param="tier", code="pin_refused") from None
     except ValueError as exc:

@@ -131,12 +131,33 @@ class LookupRequest(BaseModel):
     _check_cache_salt = field_validator("cache_salt")(lambda cls, v: validate_cache_salt(v))
 
 
-class PinRequest(LookupRequest):
-    """`POST /kv/pin` and `/kv/unpin` (operator only): a prompt (as `/kv/lookup` takes it), the
-    tier (None: the fastest) and, to pin, how long the pin holds (None: until unpinned)."""
+class TierRequest(LookupRequest):
+    """`POST /kv/unpin` and `/kv/drop` (operator only): a prompt (as `/kv/lookup` takes it) and
+    one tier (None: the fastest)."""
 
     tier: str | None = None
+
+
+class PinRequest(TierRequest):
+    """`POST /kv/pin` (operator only): a prompt, the tier, and how long the pin holds (None:
+    until unpinned)."""
+
     ttl_s: float | None = Field(default=None, gt=0)
+
+
+class PrefetchRequest(TierRequest):
+    """`POST /kv/prefetch` (operator only): a prompt, the tier to fill (None: the fastest), and
+    whether to run the prompt as a request first (`compute`: what no tier holds is computed
+    and stored)."""
+
+    compute: bool = False
+
+
+class MoveRequest(LookupRequest):
+    """`POST /kv/move` (operator only): a prompt and the tiers to move its chunks from and to."""
+
+    from_tier: str
+    to_tier: str
 
 
 class ClearRequest(BaseModel):

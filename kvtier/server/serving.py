@@ -58,7 +58,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 logger = logging.getLogger("kvtier.server")
 
 
-def _submit(ctx: ServingContext, seqs: list[Sequence]) -> RequestStream:
+def submit(ctx: ServingContext, seqs: list[Sequence]) -> RequestStream:
+    """Queues `seqs` on the engine; returns their stream. APIError 429 (queue full) or 503."""
     try:
         return ctx.engine_loop.submit(seqs)
     except QueueFullError as exc:
@@ -129,7 +130,7 @@ class _Totals:
         return usage(self.prompt, self.completion, self.cached)
 
 
-async def _collect(request: Request, stream: RequestStream) -> list[RequestOutput]:
+async def collect_finals(request: Request, stream: RequestStream) -> list[RequestOutput]:
     """Returns the final output of each of the stream's requests, in prompt order."""
     finals: dict[str, RequestOutput] = {}
     async with watching(request, stream):
@@ -248,9 +249,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     rid = new_id("cmpl")
     seqs = make_sequences(ctx, completion_prompts(req), req, req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, rid, ask)
     created = now()
-    stream = _submit(ctx, seqs)
+    stream = submit(ctx, seqs)
     if not req.stream:
-        outs = await _collect(request, stream)
+        outs = await collect_finals(request, stream)
         await stores_landed(ctx)
         totals = _Totals()
         choices: list[dict[str, Any]] = []
@@ -300,9 +301,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     seqs = make_sequences(ctx, [prompt], req, max_tokens, None, rid, ask)
     created = now()
-    stream = _submit(ctx, seqs)
+    stream = submit(ctx, seqs)
     if not req.stream:
-        (out,) = await _collect(request, stream)
+        (out,) = await collect_finals(request, stream)
         await stores_landed(ctx)
         totals = _Totals()
         totals.add(out)

@@ -145,6 +145,23 @@ def test_pins_protect_and_never_go_negative(tmp_path: Path) -> None:
         assert mgr.pins.total() == 0
 
 
+def test_copy_between_tiers_stops_at_a_gap_and_delete_from_one_tier_beats_a_pin(tmp_path: Path) -> None:
+    cpu, disk = CPUBackend(byte_budget=10 * _chunk_bytes()), DiskBackend(tmp_path, codec="lz4")
+    with StorageManager([cpu, disk], names=["cpu", "disk"]) as mgr:
+        mgr.batched_put([(ckey(i), chunk(i)) for i in (0, 1, 3)])
+        assert mgr.flush(timeout=10)
+        for i in (0, 1, 3):
+            assert cpu.delete(ckey(i))
+        assert mgr.copy_between(1, 0, [ckey(i) for i in range(4)]) == 2  # ckey(2) is a gap: 3 is not copied
+        assert cpu.prefix_hits([ckey(i) for i in range(4)]) == 2 and not cpu.contains(ckey(3))
+        assert torch.equal(cpu.get(ckey(1)), chunk(1)) and mgr.copy_between(0, 0, [ckey(0)]) == 0
+        assert not mgr.pins.is_pinned(ckey(0))  # the copy's load pins are released
+
+        assert mgr.pin_tier(0, [ckey(0)]) > 0
+        assert mgr.delete_from_tier(0, [ckey(0), ckey(2)]) == 1  # pinned, removed all the same
+        assert not cpu.contains(ckey(0)) and disk.contains(ckey(0)) and cpu.stats().pinned_entries == 0
+
+
 def test_bad_input_is_a_value_error_and_stores_nothing(tmp_path: Path) -> None:
     with StorageManager([CPUBackend()]) as mgr:
         with pytest.raises(ValueError, match="torch.Tensor"):

@@ -1,8 +1,9 @@
 """Operating the cache of a real `kvtier serve` (issue #50, item 1: inspect, pin, unpin,
-clear) over a small cpu tier and a small disk tier, chunks of 32 tokens: inspect shows which
+prefetch, move, drop, clear) over a small cpu tier and a small disk tier, chunks of 32 tokens: inspect shows which
 tier holds each chunk of a prompt; a pinned prefix survives a flood that evicts everything
 else, and is evicted once unpinned; a pin past the pin budget is refused whole; a pin's ttl
-expires; clear by tenant leaves the other tenant; a tenant's key cannot pin or clear; the
+expires; prefetch makes the next request load from the faster tier, and computes what no tier
+holds; move and drop; clear by tenant leaves the other tenant; a tenant's key cannot pin or clear; the
 `kvtier cache` command line prints what the route answers.
 
 Prompts are token ids (exact chunk counts): a 64-token prompt is two full chunks."""
@@ -182,3 +183,63 @@ def test_the_command_line_and_clear_all(server: ServeProcess) -> None:
     r2 = post(server, "/kv/clear", {"all": True})
     assert r2.status_code == 200 and r2.json()["tiers"]["0:cpu"] >= 1 and r2.json()["engine_reset"], r2.text
     assert holders(server, ids) == [set()]
+
+
+def tier_hits(server: ServeProcess) -> dict[str, float]:
+    """Returns per tier kind the tokens requests loaded from it (`/metrics`)."""
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kvtier:kv_tier_hit_tokens_total{"):
+            name = line.split('tier="', 1)[1].split('"', 1)[0]
+            out[kind(name)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_prefetch_move_drop(server: ServeProcess) -> None:
+    a = prompt(64)
+    run(server, a)
+    stored(server, a, {CPU, DISK})
+    r = post(server, "/kv/drop", {"prompt_token_ids": a, "tier": "cpu"})
+    assert r.status_code == 200 and r.json()["removed"] == 2, r.text
+    assert holders(server, a) == [{DISK}] * 2
+
+    # prefetch copies the disk's chunks into cpu, and the next request loads them from cpu
+    r = post(server, "/kv/prefetch", {"prompt_token_ids": a, "tier": "cpu"})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert [kind(n) for n in got["copied"]] == [DISK] and sum(got["copied"].values()) == 2, got
+    assert got["held_before"] == 0 and got["held_tokens"] == 64 and got["ran_request"] is None, got
+    assert holders(server, a) == [{CPU, DISK}] * 2
+    before = tier_hits(server)
+    assert post(server, "/kv/reset_prefix_cache", {}).json() == {"reset": True}
+    run(server, a)
+    after = tier_hits(server)
+    assert after[CPU] - before.get(CPU, 0) >= 32 and after.get(DISK, 0) == before.get(DISK, 0), (before, after)
+
+    # move: a chunk the target holds is only removed from the source; else copied, then removed
+    r = post(server, "/kv/move", {"prompt_token_ids": a, "from_tier": "cpu", "to_tier": "disk"})
+    assert r.status_code == 200 and r.json()["moved"] == 2 and r.json()["refused"] == 0, r.text
+    assert holders(server, a) == [{DISK}] * 2
+    r = post(server, "/kv/move", {"prompt_token_ids": a, "from_tier": "disk", "to_tier": "cpu"})
+    assert r.status_code == 200 and r.json()["moved"] == 2, r.text
+    assert holders(server, a) == [{CPU}] * 2 and r.json()["held_tokens"] == {"0:cpu": 64, r.json()["from"]: 0}
+    for body in ({"from_tier": "cpu", "to_tier": "cpu"}, {"from_tier": "cpu", "to_tier": "tape"}):
+        r = post(server, "/kv/move", {"prompt_token_ids": a} | body)
+        assert r.status_code == 400 and "tier" in r.json()["error"]["message"], r.text
+
+    # compute: a prompt no tier holds is run, stored, and lands in the asked tier
+    b = prompt(64)
+    r = post(server, "/kv/prefetch", {"prompt_token_ids": b, "tier": "disk", "compute": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["ran_request"] == {"prompt_tokens": 64, "cached_tokens": 0} and r.json()["held_tokens"] == 64
+    assert holders(server, b) == [{CPU, DISK}] * 2
+
+    for route in ("/kv/prefetch", "/kv/move", "/kv/drop"):
+        body = {"prompt_token_ids": b, "from_tier": "cpu", "to_tier": "disk"}
+        assert post(server, route, body, key=TENANT).status_code == 403, route
+    cmd = [sys.executable, "-m", "kvtier", "cache", "drop", "--url", server.url, "--api-key", ADMIN,
+           "--tier", "disk", "--token-ids", ",".join(map(str, b))]
+    r2 = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r2.returncode == 0 and json.loads(r2.stdout)["removed"] == 2, r2.stderr
+    assert holders(server, b) == [{CPU}] * 2
