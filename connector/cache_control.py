@@ -15,10 +15,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from connector.keyspace import Keyspace, Span
+from connector.keyspace import Keyspace, Span, key_family_label
 from kvstore.backend import EntryInfo
 from kvstore.pin_set import PinError
 from kvstore.storage_manager import StorageManager
+from kvstore.tenant_keys import key_tenant
 
 
 def _merge(infos: Sequence[EntryInfo | None]) -> dict[str, Any] | None:
@@ -58,9 +59,11 @@ def inspect(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int
 
 
 def tier_totals(storage: StorageManager, tenants: str | None | bool = True) -> dict[str, dict[str, Any]]:
-    """Returns per tier name its entries, bytes, budget, pins, and `by_tenant` (tag -> entries,
-    bytes; None where the tier cannot tell) filtered as `inspect` says."""
-    usage = storage.tenant_usage() if tenants is not False else {}
+    """Returns per tier name its entries, bytes, budget, pins, `by_tenant` (tag -> entries,
+    bytes) filtered as `inspect` says, and with every tenant's usage `by_model` (key family:
+    model, dtype, layout, chunk size -> entries, bytes); None where the tier cannot tell."""
+    usage = storage.usage_by(key_tenant) if tenants is not False else {}
+    families = storage.usage_by(key_family_label) if tenants is True else {}
     out: dict[str, dict[str, Any]] = {}
     for name, stats in storage.stats().items():
         b = stats.backend
@@ -70,9 +73,13 @@ def tier_totals(storage: StorageManager, tenants: str | None | bool = True) -> d
         out[name] = {"healthy": stats.healthy, "entries": b.entries, "bytes": b.bytes_used,
                      "byte_budget": b.byte_budget, "can_pin": b.can_pin, "pinned_entries": b.pinned_entries,
                      "pinned_bytes": b.pinned_bytes, "pin_budget": b.pin_budget,
-                     "by_tenant": None if by_tenant is None else
-                     {tag: {"entries": n, "bytes": nbytes} for tag, (n, nbytes) in sorted(by_tenant.items())}}
+                     "by_tenant": _counts(by_tenant),
+                     "by_model": _counts(families.get(name))}
     return out
+
+
+def _counts(usage: dict[str, tuple[int, int]] | None) -> dict[str, dict[str, int]] | None:
+    return None if usage is None else {k: {"entries": n, "bytes": b} for k, (n, b) in sorted(usage.items())}
 
 
 def _prefix(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int], tier: int

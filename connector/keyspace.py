@@ -36,7 +36,7 @@ import torch
 from engine.cache_salt import salted_root, tenant_tag
 from engine.hashing import chain_hash, chain_prefixes, root_hash
 from engine.kv_cache import KVShape
-from kvstore.tenant_keys import KEY_ROOT, tenant_prefix
+from kvstore.tenant_keys import KEY_ROOT, TENANT_FIELD, tenant_prefix
 
 LAYOUT_VERSION = 1
 """Bumped whenever the chunk tensor layout `(layers, 2, tokens, kv_heads, head_size)` changes."""
@@ -88,6 +88,19 @@ def chunk_key(model: str, kv_dtype: str, chunk_size: int, chain: bytes,
     for a tenant `kvtier:tenant-<tag>:<model>:...`."""
     head = tenant_prefix(tenant) if tenant is not None else KEY_ROOT
     return f"{head}{model}:{kv_dtype}:v{layout_version}:c{chunk_size}:{chain.hex()}"
+
+
+def key_family_label(key: str) -> str | None:
+    """Returns `<model>:<dtype>:v<layout>:c<chunk_size>`, what a stored chunk key (any tenant's,
+    any layer's or head's value) names besides its tenant and hash; None for another key."""
+    if not key.startswith(KEY_ROOT):
+        return None
+    fields = key[len(KEY_ROOT):].split(":")
+    if fields and fields[0].startswith(TENANT_FIELD):
+        fields = fields[1:]
+    if len(fields) != 5 or not fields[2].startswith("v") or not fields[3].startswith("c"):
+        return None
+    return ":".join(fields[:4])
 
 
 def layer_key(key: str, layer: int) -> str:

@@ -123,9 +123,10 @@ class StorageBackend(ABC):
     - `check()`, `close()`; `set_pin_check` and `set_eviction_listener` (the manager's wiring);
       `from_spec` (construction by `kvstore.registry`).
     - Operating the cache (`/kv/inspect`, `/kv/pin`, `/kv/clear`): `describe(keys)` (what the
-      tier knows of each stored value; default: existence only), `tenant_usage()` (entries and
-      bytes per tenant tag; default None: unknown), `pin(keys, ttl_s)` / `unpin(keys)` (operator
-      pins, kvstore/pin_set.py; default: PinError naming the tier, which cannot pin) and
+      tier knows of each stored value; default: existence only), `usage_by(label)` (entries
+      and bytes per label of its keys, such as their tenant or key family; default None:
+      unknown), `pin(keys, ttl_s)` / `unpin(keys)` (operator pins, kvstore/pin_set.py; default:
+      PinError naming the tier, which cannot pin) and
       `delete_idle(older_than_s)` (default: NotImplementedError naming the tier).
 
     Conveniences defined here once, never per tier: `contains`, `get`, `put` (the batched
@@ -228,9 +229,10 @@ class StorageBackend(ABC):
         stored (by default existence alone: one `batched_contains`)."""
         return [EntryInfo() if held else None for held in self.batched_contains(keys)] if keys else []
 
-    def tenant_usage(self) -> dict[str, tuple[int, int]] | None:
-        """Returns per tenant tag (salted keys) the (entries, bytes) this tier holds, or None
-        when it cannot tell."""
+    def usage_by(self, label: Callable[[str], str | None]) -> dict[str, tuple[int, int]] | None:
+        """Returns per label of its keys (`label(key)`, e.g. a tenant tag; None: not counted)
+        the (entries, bytes) this tier holds, or None when it cannot tell without a scan of a
+        shared store."""
         return None
 
     def pin(self, keys: Sequence[str], ttl_s: float | None = None) -> int:

@@ -97,11 +97,12 @@ class ByteBudget:
             self.policy.on_access(key)
             self.times[key] = (self.times.get(key, (time.time(), 0.0))[0], time.time())
 
-    def by_tenant(self) -> dict[str, tuple[int, int]]:
-        """Returns per tenant tag (salted keys only) its (entries, bytes)."""
+    def usage_by(self, label: Callable[[str], str | None]) -> dict[str, tuple[int, int]]:
+        """Returns per label of the keys held (`label(key)`; None: the key is not counted) its
+        (entries, bytes)."""
         out: dict[str, tuple[int, int]] = {}
         for key, nbytes in self.sizes.items():
-            tag = key_tenant(key)
+            tag = label(key)
             if tag is not None:
                 n, b = out.get(tag, (0, 0))
                 out[tag] = (n + 1, b + nbytes)

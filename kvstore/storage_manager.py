@@ -15,7 +15,7 @@
   and writes have separate breakers: a tier refusing writes (a full Redis, a read-only
   directory) keeps serving reads. Remote tiers bound each call by a deadline
   (kvstore/deadlines.py); calls that fail or end past it are counted (`TierStats.timeouts`).
-- Operating the cache: `describe` (what each tier knows of some keys), `tenant_usage`, and
+- Operating the cache: `describe` (what each tier knows of some keys), `usage_by`, and
   the operator's pins of one tier (`tier_named`, `pin_tier`, `unpin_tier`: kvstore/pin_set.py), which
   sit beside the load pins above (each tier keeps its own, within its own pin budget).
 - `close` writes what is queued for at most `flush_timeout_s`, then drops the rest and logs how
@@ -368,11 +368,12 @@ class StorageManager:
             out[self.names[i]] = [None] * len(keys) if got is SKIPPED else list(got)
         return out
 
-    def tenant_usage(self) -> dict[str, dict[str, tuple[int, int]] | None]:
-        """Returns per tier name its (entries, bytes) per tenant tag, None where unknown."""
+    def usage_by(self, label: Callable[[str], str | None]) -> dict[str, dict[str, tuple[int, int]] | None]:
+        """Returns per tier name its (entries, bytes) per label of its keys (`label(key)`;
+        None: not counted), None where the tier cannot tell."""
         out: dict[str, dict[str, tuple[int, int]] | None] = {}
         for i, tier in enumerate(self.tiers):
-            got = self._call(i, tier.tenant_usage, "lookup")
+            got = self._call(i, partial(tier.usage_by, label), "lookup")
             out[self.names[i]] = None if got is SKIPPED else got
         return out
 

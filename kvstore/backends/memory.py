@@ -184,9 +184,9 @@ class MemoryBackend(StorageBackend):
                                      pin.expires_in_s if pin is not None else None))
         return out
 
-    def tenant_usage(self) -> dict[str, tuple[int, int]]:
+    def usage_by(self, label: Callable[[str], str | None]) -> dict[str, tuple[int, int]]:
         with self._lock:
-            return self._budget.by_tenant()
+            return self._budget.usage_by(label)
 
     def pin(self, keys: Sequence[str], ttl_s: float | None = None) -> int:
         with self._lock:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from connector.keyspace import LAYOUT_VERSION, ROOT_HASH, Keyspace, chunk_key, layer_key
+from connector.keyspace import LAYOUT_VERSION, ROOT_HASH, Keyspace, chunk_key, head_key, key_family_label, layer_key
 from engine.hashing import chain_hash
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,3 +128,12 @@ def test_bad_input_is_a_value_error() -> None:
         ks.spans(np.zeros((2, 2), dtype=np.int64))
     with pytest.raises(ValueError, match="model"):
         Keyspace("org/name:rev", "float16", 256, num_layers=1)
+
+
+def test_a_keys_family_label_is_everything_but_its_tenant_and_hash() -> None:
+    ks = Keyspace("m-1+vllm-cpu", torch.bfloat16, 256, num_layers=2)
+    key = ks.spans(list(range(256)))[0].key
+    label = f"m-1+vllm-cpu:bfloat16:v{LAYOUT_VERSION}:c256"
+    salted = ks.for_salt("tenant-a").spans(list(range(256)))[0].key
+    assert [key_family_label(k) for k in (key, layer_key(key, 1), head_key(key, 3), salted)] == [label] * 4
+    assert key_family_label("kvtier:index:families") is None and key_family_label("other:m:f:v1:c2:ab") is None

@@ -109,6 +109,10 @@ def test_inspect_pin_flood_unpin(server: ServeProcess) -> None:
         assert cpu["age_s"] >= 0 and cpu["idle_s"] >= 0 and disk["idle_s"] >= 0 and not cpu["pinned"]
     tiers = seen["tiers"]
     assert tiers[CPU]["entries"] == 3 and tiers[CPU]["bytes"] == 3 * CHUNK_BYTES and tiers[CPU]["can_pin"]
+    (family, counts), = tiers[CPU]["by_model"].items()  # one model, dtype, layout and chunk size
+    assert ":float32:v" in family and family.endswith(f":c{CHUNK_TOKENS}"), family
+    assert counts == {"entries": 3, "bytes": 3 * CHUNK_BYTES}
+    assert tiers[DISK]["by_model"][family]["entries"] == 3
 
     # a pin with a ttl, then one that does not fit beside it: refused whole
     r = pin(server, c, "cpu", ttl_s=1.5)
@@ -155,6 +159,7 @@ def test_clear_by_tenant_and_who_may(server: ServeProcess) -> None:
     # a tenant's key: its own salt's chunks and only its own tenant's usage; no pins, no clears
     mine = inspect(server, ids, key=TENANT)
     assert set(mine["chunks"][0]["tiers"]) >= {CPU} and len(mine["tiers"][CPU]["by_tenant"]) == 1
+    assert mine["tiers"][CPU]["by_model"] is None  # every tenant's: the operator's to see
     assert len(inspect(server, ids, "salt-u")["tiers"][CPU]["by_tenant"]) >= 2  # the operator sees every tenant
     for route, body in (("/kv/pin", {"prompt_token_ids": ids}), ("/kv/unpin", {"prompt_token_ids": ids}),
                         ("/kv/clear", {"cache_salt": "salt-t"}), ("/kv/clear", {"all": True})):

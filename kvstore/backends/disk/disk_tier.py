@@ -421,10 +421,10 @@ class DiskBackend(BytesBackend):
                                  pin.expires_in_s if pin is not None else None))
         return out
 
-    def tenant_usage(self) -> dict[str, tuple[int, int]]:
-        """Per tenant tag the files this process knows (found at open, written or found since)."""
+    def usage_by(self, label: Callable[[str], str | None]) -> dict[str, tuple[int, int]]:
+        """Per label the files this process knows (found at open, written or found since)."""
         with self._lock:
-            return self._index.by_tenant()
+            return self._index.usage_by(label)
 
     def pin(self, keys: Sequence[str], ttl_s: float | None = None) -> int:
         present = [self._exists(k) for k in keys]  # another process's file is indexed here
