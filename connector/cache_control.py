@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from connector.key_families import Family, FamilyIndex
 from connector.keyspace import Keyspace, Span, key_family_label
 from kvstore.backend import EntryInfo
 from kvstore.pin_set import PinError
@@ -196,3 +197,26 @@ def _held_tokens(storage: StorageManager, keyspace: Keyspace, spans: Sequence[Sp
     """Returns the leading tokens tier `tier` holds whole chunks of."""
     held = storage.held_prefix(tier, keyspace.stored_keys(spans)) // keyspace.values_per_chunk
     return spans[held - 1].end if held else 0
+
+
+def clear_model(storage: StorageManager, model: str) -> tuple[dict[str, int], dict[str, str]]:
+    """Removes from every tier the values of each key family of model `model` (its key's model
+    field, or that field's name before the `+engine` tag) that some tier's families index
+    lists (connector/key_families.py: a shared tier's index, this process's own for the cpu and
+    device tiers), and drops those families from the indexes. Returns (per tier the values
+    removed, per tier that failed its error)."""
+    index = FamilyIndex.of(storage)
+
+    def match(f: Family) -> bool:
+        return model in (f.model, f.model.partition("+")[0])
+
+    prefixes = sorted({f.id for name in storage.names for f in index.listed(name) if match(f)})
+    removed: dict[str, int] = dict.fromkeys(storage.names, 0)
+    errors: dict[str, str] = {}
+    for prefix in prefixes:
+        got, failed = storage.delete_prefix(prefix)
+        for name, n in got.items():
+            removed[name] += n
+        errors.update(failed)
+    index.forget(match)
+    return removed, errors

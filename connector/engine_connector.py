@@ -155,6 +155,13 @@ class EngineConnector(KVConnector):
         self.flush()
         return cache_control.drop(self.storage, self.scheduler.keyspace.for_salt(cache_salt), token_ids, tier)
 
+    def clear_model(self, model: str) -> tuple[dict[str, int], dict[str, str]]:
+        """Removes every stored value of model `model` (a key's model field, or its name
+        before the engine tag: any tenant, dtype, chunk size) from every tier, after this
+        connector's queued stores landed (cache_control.clear_model)."""
+        self.flush()
+        return cache_control.clear_model(self.storage, model)
+
     def clear_tiers(self, local_only: bool = False) -> dict[str, int]:
         """Removes every chunk from every tier (with `local_only`, only this process's cpu and
         device), after queued stores landed, pins included; returns per tier how many entries

@@ -24,7 +24,7 @@ import json
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -167,15 +167,19 @@ class FamilyIndex:
     def forget_tenant(self, tenant: str) -> None:
         """Drops tenant `tenant`'s families from this process's and from each shared tier's
         index (with its entries, `forget_tenant` removes its sealed roots)."""
+        self.forget(lambda f: f.tenant == tenant)
+
+    def forget(self, match: Callable[[Family], bool]) -> None:
+        """Drops the families `match` selects from this process's and each shared tier's index."""
         with self._lock:
-            for fid in [fid for fid, f in self._mine.items() if f.tenant == tenant]:
+            for fid in [fid for fid, f in self._mine.items() if match(f)]:
                 del self._mine[fid]
                 self._checked.pop(fid, None)
         for name in self.storage.names:
             if self.storage.is_local(name):
                 continue
             listed = self.listed(name)
-            kept = [f for f in listed if f.tenant != tenant]
+            kept = [f for f in listed if not match(f)]
             if len(kept) < len(listed):
                 self.storage.tier_put(name, INDEX_KEY, encode_index(kept))
 

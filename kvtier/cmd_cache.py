@@ -172,6 +172,9 @@ def _clear_flags(parser: argparse.ArgumentParser) -> None:
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--cache-salt", default=None, metavar="SALT", help="remove one tenant's entries")
     which.add_argument("--all", action="store_true", help="remove everything: the engine's prefix cache and every tier")
+    which.add_argument("--stored-model", default=None, metavar="MODEL",
+                       help="remove every chunk of this model, any tenant (its name, or the model field "
+                            "inspect's by_model shows)")
     which.add_argument("--older-than", type=float, default=None, metavar="SECONDS",
                        help="remove the chunks not used for this long (not pinned ones; cpu, device and disk tiers)")
     parser.add_argument("--local-only", action="store_true", help="with --all: only the cpu and device tiers")
@@ -183,6 +186,8 @@ def _clear(args: argparse.Namespace) -> int:
         body["cache_salt"] = args.cache_salt
     elif args.all:
         body["all"] = True
+    elif args.stored_model is not None:
+        body["stored_model"] = args.stored_model
     else:
         body["older_than_s"] = args.older_than
     return _post(args, "/kv/clear", body)
@@ -224,7 +229,7 @@ COMMANDS: dict[str, tuple[str, Adder, Runner]] = {
                  "operator key", _prefetch_flags, _prefetch),
     "move": ("move a prompt's chunks from one tier into another (operator key)", _move_flags, _move),
     "drop": ("remove a prompt's chunks from one tier, pinned or not (operator key)", _tier_flags, _drop),
-    "clear": ("remove one tenant's entries, everything, or what was not used for a while (operator key)",
+    "clear": ("remove one tenant's entries, one model's, everything, or what was not used for a while (operator key)",
               _clear_flags, _clear),
     "explain": ("say per tier why a prompt's hit is shorter than its chunks (another model, engine tag, dtype, "
                 "layout, chunk size or tenant holds it; evicted; never stored)", _explain_flags, _explain),

@@ -12,7 +12,7 @@ client; docs/serving.md, "Operating the cache"):
 - `POST /kv/move`, `POST /kv/drop` (operator's key): move a prompt's chunks from one tier to
   another; remove them from one tier;
 - `POST /kv/clear` (operator's key): one tenant's entries (what `/kv/forget_tenant` does),
-  everything (the engine's prefix cache, as `/kv/reset_prefix_cache`, and every tier), or
+  one model's (`stored_model`), everything (the engine's prefix cache, as `/kv/reset_prefix_cache`, and every tier), or
   the chunks not used for `older_than_s` seconds.
 
 The work runs off the event loop (tier calls may touch the disk or the network) and off the
@@ -140,14 +140,17 @@ def add_cache_routes(app: FastAPI, ctx: ServingContext, tenancy: Tenancy) -> Non
 
     @app.post("/kv/clear", dependencies=tenancy.admin)
     async def clear(body: ClearRequest) -> dict[str, Any]:
-        """Removes one tenant's entries, everything, or what was not used for a while."""
-        given = [body.cache_salt is not None, body.all, body.older_than_s is not None]
+        """Removes one tenant's entries, one model's, everything, or what was not used for a while."""
+        given = [body.cache_salt is not None, body.all, body.older_than_s is not None, body.stored_model is not None]
         if sum(given) != 1:
-            raise APIError(400, "give exactly one of cache_salt, all (true) or older_than_s", param="all")
+            raise APIError(400, "give exactly one of cache_salt, all (true), older_than_s or stored_model", param="all")
         if body.cache_salt is not None:
             return {"cleared": "tenant", **await front.forget_tenant(body.cache_salt)}
         if body.all:
             return {"cleared": "all", **await front.clear_all(body.local_only)}
+        if body.stored_model is not None:
+            removed, errors = await asyncio.to_thread(_connector(front).clear_model, body.stored_model)
+            return {"cleared": "model", "stored_model": body.stored_model, "tiers": removed, "errors": errors}
         assert body.older_than_s is not None
         removed, errors = await asyncio.to_thread(_connector(front).clear_idle, body.older_than_s)
         return {"cleared": "idle", "older_than_s": body.older_than_s, "tiers": removed, "errors": errors}

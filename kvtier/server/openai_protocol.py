@@ -161,13 +161,15 @@ class MoveRequest(LookupRequest):
 
 
 class ClearRequest(BaseModel):
-    """`POST /kv/clear` (operator only): exactly one of a tenant's `cache_salt`, `all`, or
-    `older_than_s` (chunks not used for that long); `local_only` limits `all` to the cpu and
+    """`POST /kv/clear` (operator only): exactly one of a tenant's `cache_salt`, `all`,
+    `older_than_s` (chunks not used for that long) or `stored_model` (every chunk of that model,
+    as inspect's `by_model` names it, any tenant); `local_only` limits `all` to the cpu and
     device tiers."""
 
     model_config = ConfigDict(extra="forbid")
 
     cache_salt: str | None = None
+    stored_model: str | None = Field(default=None, min_length=1)
     all: bool = False
     older_than_s: float | None = Field(default=None, gt=0)
     local_only: bool = False
