@@ -436,6 +436,25 @@ class DiskBackend(BytesBackend):
         with self._lock:
             return self._index.pinned.unpin(keys)
 
+    def set_budget(self, byte_budget: int | None = None, pin_budget: int | None = None,
+                   tenant_quota: int | None = None) -> None:
+        """Changes the directory's byte budget (every process using it shares it), this
+        process's pin budget and its tenant quota (None: unchanged), evicting least recently
+        used files (any process's, never one pinned here) to meet them before it returns, after
+        a recount of the directory. BudgetError or ValueError (nothing changed) as
+        `ByteBudget.plan_limits` says; BackendError if read-only."""
+        self._writable()
+        with self._locked() as state:
+            self._recount(state)  # every process's files and live writers' reservations
+            limits = self._index.plan_limits(byte_budget, pin_budget, tenant_quota,
+                                             account=(state.used, state.budget), tier=self.name)
+            self._index.apply_limits(limits, own_budget=False)
+            state.budget = self._own_budget = limits.budget
+            for victim in limits.victims:
+                state.used -= self._unlink(victim)
+                self._evictions += 1
+            self._evicted(limits.victims)
+
     def delete_idle(self, older_than_s: float) -> int:
         """Removes the files this process knows whose last use (mtime) is `older_than_s`
         seconds ago or more, never a pinned one; one stat per file known."""
