@@ -294,6 +294,33 @@ class ByteStore:
         self.spill.close(stall_timeout)
         return sum(written)
 
+    def set_limits(self, max_bytes: int | None = None, tenant_quota: int | None = None) -> None:
+        """Sets the memory budget and/or the tenant quota (None: unchanged; SET_BUDGET) and
+        evicts least recently used entries at once to meet them (each tenant's own past the
+        quota, in memory and on the disk spill; then any, down to the budget), to the disk
+        spill if there is one (an entry being written stays counted until written, as after
+        any eviction; new bodies wait for it). ValueError (nothing changed) for a malformed
+        figure, or a budget below what bodies in flight and replies being sent hold now."""
+        if max_bytes is not None:
+            if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+                raise ValueError(f"max_bytes must be a byte count > 0, got {max_bytes!r}")
+            held = self.reserved + (self.retired - self.spilling) + self.pinned_stored
+            if held > max_bytes:
+                raise ValueError(f"max_bytes {max_bytes}: bodies in flight and replies being sent hold {held} "
+                                 "bytes now; nothing was changed (retry later)")
+        if tenant_quota is not None:
+            if isinstance(tenant_quota, bool) or not isinstance(tenant_quota, int) or tenant_quota < 0:
+                raise ValueError(f"tenant_quota must be a byte count >= 0, got {tenant_quota!r}")
+            self.tenants.quota = tenant_quota
+            if self.spill is not None:
+                self.spill.set_tenant_quota(tenant_quota)
+            for victim in self.tenants.trim_victims(tenant_quota, self._sizes, lambda: iter(self._lru)) or []:
+                self.tenant_evictions += 1
+                self._evict(victim, self._lru.pop(victim))
+        if max_bytes is not None:
+            self.max_bytes = max_bytes
+            self._make_room(0)
+
     def stats(self) -> StoreStats:
         """Returns what STATS reports of this store and its disk spill."""
         return read_stats(self)
