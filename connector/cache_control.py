@@ -1,6 +1,7 @@
 """Operating the cache for one prompt: what each tier holds of its chunks (inspect), and the
-operator's pins of its prefix in one tier (pin, unpin). The routes `/kv/inspect`, `/kv/pin`
-and `/kv/unpin` of `kvtier serve` answer from here (docs/serving.md, "Operating the cache").
+operator's pins of its prefix in one tier (pin, unpin); and one tier's limits changed at run
+time (set_budget). The routes `/kv/inspect`, `/kv/pin`, `/kv/unpin` and `/kv/budget` of
+`kvtier serve` answer from here (docs/serving.md, "Operating the cache").
 
 A prompt is taken as the request would take it: its tokens are cut into chunk spans by the
 request's keyspace (its cache_salt's: connector/keyspace.py), and a chunk is held by a tier
@@ -106,6 +107,16 @@ def unpin(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int],
     spans = keyspace.spans(token_ids)
     released = storage.unpin_tier(i, keyspace.stored_keys(spans))
     return {"tier": storage.names[i], "released": released, **_pins_now(storage, i)}
+
+
+def set_budget(storage: StorageManager, tier: str | None = None, byte_budget: int | None = None,
+               pin_budget: int | None = None, tenant_quota: int | None = None) -> dict[str, Any]:
+    """Changes the limits given (None: unchanged) of tier `tier` (None: the fastest), which
+    evicts at once to meet them; returns the tier's name and figures after (as inspect's
+    `tiers`). BudgetError (nothing changed) when its pins hold more or it cannot; ValueError
+    for an unknown tier, no limit or a malformed one."""
+    name = storage.set_tier_budget(tier, byte_budget, pin_budget, tenant_quota)
+    return {"tier": name, **tier_totals(storage)[name]}
 
 
 def _pins_now(storage: StorageManager, tier: int) -> dict[str, Any]:
