@@ -7,7 +7,7 @@ import uuid
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from engine.cache_salt import validate_cache_salt
 from kvstore.sizes import parse_size
@@ -168,8 +168,8 @@ class BudgetRequest(BaseModel):
 
     @field_validator("budget", "pin_budget", "tenant_quota", mode="before")
     @classmethod
-    def _size(cls, value: Any) -> int | None:
-        return parse_size(value, "size")
+    def _size(cls, value: Any, info: ValidationInfo) -> int | None:
+        return parse_size(value, info.field_name or "size")
 
 
 class ForgetTenantRequest(BaseModel):

@@ -3,7 +3,8 @@ clear) over a small cpu tier and a small disk tier, chunks of 32 tokens: inspect
 tier holds each chunk of a prompt; a pinned prefix survives a flood that evicts everything
 else, and is evicted once unpinned; a pin past the pin budget is refused whole; a pin's ttl
 expires; clear by tenant leaves the other tenant; a tenant's key cannot pin or clear; the
-`kvtier cache` command line prints what the route answers.
+`kvtier cache` command line prints what the route answers; a budget lowered at run time
+(`/kv/budget`, `kvtier cache budget`) is met at once and never passed after.
 
 Prompts are token ids (exact chunk counts): a 64-token prompt is two full chunks."""
 
@@ -182,3 +183,45 @@ def test_the_command_line_and_clear_all(server: ServeProcess) -> None:
     r2 = post(server, "/kv/clear", {"all": True})
     assert r2.status_code == 200 and r2.json()["tiers"]["0:cpu"] >= 1 and r2.json()["engine_reset"], r2.text
     assert holders(server, ids) == [set()]
+
+
+def test_a_budget_lowered_at_run_time_is_met_at_once(server: ServeProcess) -> None:
+    """`/kv/budget` lowers the cpu tier's budget: met before it answers (the oldest unpinned
+    chunk evicted, the pinned one kept), never passed by the stores after; refused whole below
+    what is pinned; the operator's alone. `kvtier cache budget` puts it back."""
+    assert post(server, "/kv/clear", {"all": True}).status_code == 200
+    first = [prompt(32) for _ in range(3)]
+    for ids in first:
+        run(server, ids)
+        stored(server, ids, {CPU})
+    assert pin(server, first[0], "cpu").status_code == 200
+    budget = 2 * CHUNK_BYTES + 4096
+    assert post(server, "/kv/budget", {"tier": "cpu", "budget": budget}, key=TENANT).status_code == 403
+    r = post(server, "/kv/budget", {"tier": "cpu", "budget": budget})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["tier"] == "0:cpu" and got["byte_budget"] == budget and got["entries"] == 2
+    assert got["bytes"] == 2 * CHUNK_BYTES and got["pinned_bytes"] == CHUNK_BYTES
+    assert [CPU in holders(server, ids)[0] for ids in first] == [True, False, True]
+    for _ in range(2):
+        ids = prompt(32)
+        run(server, ids)
+        stored(server, ids, {CPU})
+        cpu = inspect(server, ids)["tiers"][CPU]
+        assert cpu["bytes"] <= budget and cpu["byte_budget"] == budget
+    assert CPU in holders(server, first[0])[0]
+
+    for body, status in (({"budget": CHUNK_BYTES - 1}, 409), ({"budget": "lots"}, 400), ({}, 400)):
+        r = post(server, "/kv/budget", {"tier": "cpu"} | body)
+        assert r.status_code == status, r.text
+    assert "cannot be evicted" in post(server, "/kv/budget", {"budget": 1}).json()["error"]["message"]
+    assert inspect(server, first[0])["tiers"][CPU]["byte_budget"] == budget
+
+    restored = 4 * CHUNK_BYTES + 4096
+    assert restored % 1024 == 0
+    cmd = [sys.executable, "-m", "kvtier", "cache", "budget", "--url", server.url, "--api-key", ADMIN,
+           "--tier", "cpu", "--budget", f"{restored // 1024}KiB"]
+    r2 = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r2.returncode == 0, r2.stderr
+    assert json.loads(r2.stdout)["byte_budget"] == restored
+    assert post(server, "/kv/unpin", {"prompt_token_ids": first[0], "tier": "cpu"}).json()["released"] == 1
