@@ -4,8 +4,8 @@ routes, health, version, metrics.
 `/v1/*`, `/tokenize`, `/detokenize` and `/kv/*` need `Authorization: Bearer <api key>` when
 the server has one (with `--tenants`, a tenant's key too, which fixes the request's
 `cache_salt`: kvtier/server/tenants.py; `/kv/forget_tenant`, `/kv/reset_prefix_cache`, and of
-the cache's operation routes (kvtier/server/cache_routes.py) `/kv/pin`, `/kv/unpin` and
-`/kv/clear` take the operator's key only);
+the cache's operation routes (kvtier/server/cache_routes.py) `/kv/pin`, `/kv/unpin`,
+`/kv/clear` and `/kv/budget` take the operator's key only);
 `/health`, `/version` and `/metrics` are open (as in vLLM). Every error is OpenAI's shape
 (kvtier/server/http_edge.py, shared with the router).
 """
@@ -136,5 +136,5 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
         """Drops the engine's prefix cache (refused, `reset: false`, while requests hold blocks)."""
         return {"reset": await front.reset_prefix_cache()}
 
-    add_cache_routes(app, ctx, tenancy)  # /kv/inspect, /kv/pin, /kv/unpin, /kv/clear
+    add_cache_routes(app, ctx, tenancy)  # /kv/inspect, /kv/pin, /kv/unpin, /kv/clear, /kv/budget
     return app
