@@ -111,10 +111,8 @@ def unpin(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int],
 
 def set_budget(storage: StorageManager, tier: str | None = None, byte_budget: int | None = None,
                pin_budget: int | None = None, tenant_quota: int | None = None) -> dict[str, Any]:
-    """Changes the limits given (None: unchanged) of tier `tier` (None: the fastest), which
-    evicts at once to meet them; returns the tier's name and figures after (as inspect's
-    `tiers`). BudgetError (nothing changed) when its pins hold more or it cannot; ValueError
-    for an unknown tier, no limit or a malformed one."""
+    """Returns tier `tier`'s (None: the fastest) name and figures once it met the limits given
+    (None: unchanged); BudgetError or ValueError (`StorageManager.set_tier_budget`) otherwise."""
     name = storage.set_tier_budget(tier, byte_budget, pin_budget, tenant_quota)
     return {"tier": name, **tier_totals(storage)[name]}
 

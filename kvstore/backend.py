@@ -248,10 +248,8 @@ class StorageBackend(ABC):
 
     def set_budget(self, byte_budget: int | None = None, pin_budget: int | None = None,
                    tenant_quota: int | None = None) -> None:
-        """Changes this tier's byte budget, pin budget and per-tenant quota (None: unchanged)
-        and evicts (least recently used first, never a pinned chunk) to meet them before it
-        returns. BudgetError (nothing changed) when pins hold more than a new limit or the tier
-        cannot change its limits (this default); ValueError for a malformed figure."""
+        """Changes the limits given (None: unchanged), evicting LRU chunks (never pinned) to meet them
+        before it returns; BudgetError or ValueError: nothing changed (this default: BudgetError)."""
         raise BudgetError(f"tier {self.name} cannot change its limits at run time "
                           "(the cpu, device, disk and cache server tiers can)")
 

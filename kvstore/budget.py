@@ -137,13 +137,10 @@ class ByteBudget:
     def plan_limits(self, budget: int | None = None, pin_budget: int | None = None,
                     tenant_quota: int | None = None, *, account: tuple[int, int | None] | None = None,
                     tier: str = "tier") -> Limits:
-        """Returns the limits with those given changed (None: unchanged) and the keys to evict
-        (in eviction order, never protected ones) so that every tenant holds at most the quota
-        and the bytes used at most the budget. An unchanged pin budget above a new budget
-        becomes that budget. `account`: (bytes used, budget) of the account the byte budget
-        lives in when it is not this one (a disk directory's, shared by processes). ValueError
-        for a malformed figure, BudgetError when pins (the operator's, or chunks being loaded)
-        hold more than a new limit. Changes nothing (but releases operator pins found expired)."""
+        """Returns the limits with those given changed (None: unchanged) and the unprotected keys to evict, in
+        order, to meet them; changes nothing. ValueError if malformed, BudgetError if pins hold more."""
+        # An unchanged pin budget above a new budget becomes that budget. `account`: (bytes used,
+        # budget) of the account the byte budget lives in when not this one (a disk directory's).
         for name, value in (("budget", budget), ("pin_budget", pin_budget), ("tenant_quota", tenant_quota)):
             _check_size(name, value, tier)
         used, old_budget = account if account is not None else (self.used, self.budget)
@@ -184,9 +181,8 @@ class ByteBudget:
         return Limits(new_budget, new_pin, quota, victims)
 
     def apply_limits(self, limits: Limits, *, own_budget: bool = True) -> None:
-        """Sets the limits `plan_limits` returned (the byte budget only with `own_budget`: a
-        tier keeping it in another account sets it there); the caller then removes the victims
-        under the same lock."""
+        """Sets the limits `plan_limits` returned (the byte budget only with `own_budget`); the caller
+        then removes the victims under the same lock."""
         if own_budget:
             self.budget = limits.budget
         self.pinned.budget = limits.pin_budget

@@ -393,10 +393,8 @@ class StorageManager:
 
     def set_tier_budget(self, name: str | None, byte_budget: int | None = None, pin_budget: int | None = None,
                         tenant_quota: int | None = None) -> str:
-        """Changes the limits given (None: unchanged) of the tier `name` names (`tier_named`),
-        which evicts at once to meet them before this returns; returns the tier's full name.
-        ValueError for an unknown tier, no limit or a malformed one; BudgetError (nothing
-        changed) when the tier cannot change its limits or its pins hold more."""
+        """Returns the full name of the tier `name` names once it met the limits given (None: unchanged);
+        ValueError (unknown tier, no or bad limit) or BudgetError (refused): nothing changed."""
         i = self.tier_named(name)
         if byte_budget is None and pin_budget is None and tenant_quota is None:
             raise ValueError("give at least one of byte_budget, pin_budget and tenant_quota")

@@ -73,9 +73,8 @@ class TenantBytes(Generic[K]):
 
     def trim_victims(self, quota: int, sizes: Mapping[K, int], order: Callable[[], Iterable[K]],
                      is_pinned: Callable[[K], bool] = never_pinned) -> list[K] | None:
-        """Returns the entries to evict (in `order()`, the tier's eviction order; never pinned
-        ones) so that every tenant holds at most `quota` bytes (a quota lowered at run time);
-        None when some tenant's pinned entries alone hold more. Changes nothing."""
+        """Returns the entries to evict (in `order()`, never pinned ones) so every tenant holds at most
+        `quota` bytes (a quota lowered at run time); None when pinned ones alone hold more."""
         over = {tag: used - quota for tag, used in self.used.items() if used > quota}
         victims: list[K] = []
         for key in order() if over else ():

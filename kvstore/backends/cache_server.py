@@ -186,10 +186,8 @@ class CacheServerBackend(BytesBackend):
 
     def set_budget(self, byte_budget: int | None = None, pin_budget: int | None = None,
                    tenant_quota: int | None = None) -> None:
-        """Sets the server's memory budget (`--max-bytes`; its disk spill's stays) and/or its
-        tenant quota (memory and spill), which it meets at once (SET_BUDGET, the operator's
-        token). BudgetError (nothing changed) for a pin budget (the server does not pin) or a
-        refusal, with the server's reason; BackendError when it cannot be reached."""
+        """Sets the server's memory budget (`--max-bytes`) and/or tenant quota, met at once (SET_BUDGET);
+        BudgetError for a pin budget or the server's refusal, BackendError when unreachable."""
         if pin_budget is not None:
             raise BudgetError(f"tier {self.name} ({self.url}) cannot pin chunks, so it has no pin_budget")
         try:

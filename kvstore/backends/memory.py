@@ -202,9 +202,8 @@ class MemoryBackend(StorageBackend):
 
     def set_budget(self, byte_budget: int | None = None, pin_budget: int | None = None,
                    tenant_quota: int | None = None) -> None:
-        """Changes the limits given (None: unchanged), evicting least recently used chunks
-        (never pinned ones) to meet them before it returns; BudgetError or ValueError
-        (nothing changed) as `ByteBudget.plan_limits` says."""
+        """Changes the limits given (None: unchanged), evicting LRU chunks (never pinned) to meet them
+        before it returns; BudgetError or ValueError: nothing changed (`ByteBudget.plan_limits`)."""
         with self._lock:
             limits = self._budget.plan_limits(byte_budget, pin_budget, tenant_quota, tier=self.name)
             self._budget.apply_limits(limits)

@@ -270,9 +270,8 @@ class CacheServerClient:
         return json.loads(bytes(_expect_ok(self._one(Request(Op.STATS))).payload))
 
     def set_budget(self, max_bytes: int | None = None, tenant_quota: int | None = None) -> dict[str, int]:
-        """Sets the server's memory budget and/or tenant quota (None: unchanged; the operator's
-        token), which it meets at once; returns its STATS after. ServerReplyError when refused
-        (FORBIDDEN for a tenant token, BAD_REQUEST naming the problem)."""
+        """Returns the server's STATS once it met the memory budget and/or tenant quota given (None:
+        unchanged; the operator's token); ServerReplyError (FORBIDDEN, BAD_REQUEST) when refused."""
         reply = self._one(Request(Op.SET_BUDGET, payload=P.encode_limits(max_bytes, tenant_quota)))
         return json.loads(bytes(_expect_ok(reply).payload))
 

@@ -295,12 +295,10 @@ class ByteStore:
         return sum(written)
 
     def set_limits(self, max_bytes: int | None = None, tenant_quota: int | None = None) -> None:
-        """Sets the memory budget and/or the tenant quota (None: unchanged; SET_BUDGET) and
-        evicts least recently used entries at once to meet them (each tenant's own past the
-        quota, in memory and on the disk spill; then any, down to the budget), to the disk
-        spill if there is one (an entry being written stays counted until written, as after
-        any eviction; new bodies wait for it). ValueError (nothing changed) for a malformed
-        figure, or a budget below what bodies in flight and replies being sent hold now."""
+        """Sets the memory budget and/or tenant quota (None: unchanged) and evicts (LRU, spilled if
+        a spill) to meet them now; ValueError, nothing changed, if malformed or below what is in flight."""
+        # A lowered quota evicts each tenant's own entries past it, in memory and on the spill;
+        # an entry being spilled stays counted until written, as after any eviction.
         if max_bytes is not None:
             if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
                 raise ValueError(f"max_bytes must be a byte count > 0, got {max_bytes!r}")

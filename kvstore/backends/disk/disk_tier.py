@@ -438,11 +438,8 @@ class DiskBackend(BytesBackend):
 
     def set_budget(self, byte_budget: int | None = None, pin_budget: int | None = None,
                    tenant_quota: int | None = None) -> None:
-        """Changes the directory's byte budget (every process using it shares it), this
-        process's pin budget and its tenant quota (None: unchanged), evicting least recently
-        used files (any process's, never one pinned here) to meet them before it returns, after
-        a recount of the directory. BudgetError or ValueError (nothing changed) as
-        `ByteBudget.plan_limits` says; BackendError if read-only."""
+        """Changes the directory's shared budget, this process's pin budget and quota (None: unchanged),
+        evicting LRU files of any process (never pinned here) before it returns; as `MemoryBackend`'s."""
         self._writable()
         with self._locked() as state:
             self._recount(state)  # every process's files and live writers' reservations
