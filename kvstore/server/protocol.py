@@ -181,9 +181,11 @@ def encode_limits(max_bytes: int | None = None, tenant_quota: int | None = None)
 def decode_limits(payload: Buffer) -> dict[str, int | None]:
     """Returns the limits a SET_BUDGET payload sets (`LIMITS`, None: unchanged); raises
     ProtocolError naming the problem (not a JSON object, an unknown field, not a byte count)."""
+    if len(payload) > 1024:
+        raise ProtocolError(f"SET_BUDGET payload of {len(payload)} bytes is over 1024 (two byte counts)")
     try:
         data = json.loads(bytes(payload))
-    except (UnicodeDecodeError, ValueError):
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         raise ProtocolError("SET_BUDGET payload is not JSON") from None
     if not isinstance(data, dict):
         raise ProtocolError("SET_BUDGET payload must be a JSON object")
