@@ -26,7 +26,7 @@ A, B = "a1" * 8, "b2" * 8
 
 
 def _chunk(fill: float) -> torch.Tensor:
-    return torch.full((2, 2, 16, 2, 8), fill)  # 8 KiB of float32
+    return torch.full((2, 2, 16, 2, 8), fill)  # 4 KiB of float32
 
 
 def _key(i: int, tag: str | None = None) -> str:
@@ -51,7 +51,7 @@ def _used(manager: StorageManager, keys: list[str], root: Path | None) -> int:
     """The bytes the tier holds, measured outside its accounting."""
     if root is not None:
         return sum(e.stat().st_size for e in os.scandir(root) if e.is_file())
-    return sum(manager.tiers[0].batched_contains(keys)) * _chunk(0).nbytes
+    return sum(manager.tiers[0].batched_contains(keys)) * _chunk(0.0).nbytes
 
 
 def _figures(manager: StorageManager) -> tuple[int, int, int | None, int, int | None]:
@@ -68,12 +68,12 @@ def test_a_lowered_budget_is_met_at_once_and_never_passed(tiers: tuple[StorageMa
     tier.pin(keys[:2])  # the two oldest: the first an LRU eviction would take
     size = tier.describe(keys[:1])[0].nbytes  # a disk file is the chunk plus its header
     assert size is not None
-    budget = 5 * size + 4096
+    budget = 5 * size + size // 2
     assert manager.set_tier_budget(kind, byte_budget=budget) == manager.names[0]
     assert _used(manager, keys, root) <= budget
     entries, used, byte_budget, pinned, pin_budget = _figures(manager)
     assert used <= budget and byte_budget == budget and entries == 5
-    assert pinned == 2 * size and pin_budget == 64 << 10  # an unchanged pin budget within the budget stays
+    assert pinned == 2 * size and pin_budget == budget  # an unchanged pin budget above the budget becomes it
     # the pinned two survive; the rest are the three most recent, least recently used evicted first
     assert tier.batched_contains(keys[:12]) == [True] * 2 + [False] * 7 + [True] * 3
     for key in keys[12:]:
@@ -98,9 +98,9 @@ def test_a_lowered_budget_is_met_at_once_and_never_passed(tiers: tuple[StorageMa
     manager.set_tier_budget(None, byte_budget=budget + 10 * size, pin_budget=2 * size)
     assert _figures(manager)[2:] == (budget + 10 * size, 2 * size, 2 * size)
     assert tier.unpin(keys[:2]) == 2
-    manager.set_tier_budget(kind, byte_budget=size + 4096)
-    assert _used(manager, keys, root) <= size + 4096 and tier.batched_contains(keys[-1:]) == [True]
-    assert _figures(manager)[0] == 1 and _figures(manager)[4] == size + 4096  # the pin budget follows
+    manager.set_tier_budget(kind, byte_budget=size + size // 2)
+    assert _used(manager, keys, root) <= size + size // 2 and tier.batched_contains(keys[-1:]) == [True]
+    assert _figures(manager)[0] == 1 and _figures(manager)[4] == size + size // 2  # the pin budget follows
 
 
 def test_a_lowered_tenant_quota_evicts_only_the_tenants_past_it(
