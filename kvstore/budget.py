@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from kvstore.eviction import EvictionPolicy, LRUPolicy
 from kvstore.pin_set import PinSet
+from kvstore.sizes import parse_size
 from kvstore.tenant_keys import key_tenant
 from kvstore.tenant_quota import TenantBytes, never_pinned
 
@@ -28,11 +29,6 @@ class Limits:
     pin_budget: int | None
     tenant_quota: int | None
     victims: list[str] = field(default_factory=list)
-
-
-def _check_size(name: str, value: int | None, tier: str) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"tier {tier}: {name} must be a byte count >= 0, got {value!r}")
 
 
 class ByteBudget:
@@ -141,8 +137,9 @@ class ByteBudget:
         order, to meet them; changes nothing. ValueError if malformed, BudgetError if pins hold more."""
         # An unchanged pin budget above a new budget becomes that budget. `account`: (bytes used,
         # budget) of the account the byte budget lives in when not this one (a disk directory's).
-        for name, value in (("budget", budget), ("pin_budget", pin_budget), ("tenant_quota", tenant_quota)):
-            _check_size(name, value, tier)
+        budget = parse_size(budget, f"tier {tier}: budget")
+        pin_budget = parse_size(pin_budget, f"tier {tier}: pin_budget")
+        tenant_quota = parse_size(tenant_quota, f"tier {tier}: tenant_quota")
         used, old_budget = account if account is not None else (self.used, self.budget)
         new_budget = old_budget if budget is None else budget
         new_pin = self.pinned.budget if pin_budget is None else pin_budget

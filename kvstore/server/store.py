@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from kvstore.server.protocol import Buffer
 from kvstore.server.spill import DiskSpill
 from kvstore.server.store_stats import StoreStats, read_stats
+from kvstore.sizes import parse_size
 from kvstore.tenant_keys import key_tenant_bytes
 from kvstore.tenant_quota import TenantBytes
 
@@ -299,16 +300,13 @@ class ByteStore:
         a spill) to meet them now; ValueError, nothing changed, if malformed or below what is in flight."""
         # A lowered quota evicts each tenant's own entries past it, in memory and on the spill;
         # an entry being spilled stays counted until written, as after any eviction.
+        max_bytes, tenant_quota = parse_size(max_bytes, "max_bytes"), parse_size(tenant_quota, "tenant_quota")
         if max_bytes is not None:
-            if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
-                raise ValueError(f"max_bytes must be a byte count > 0, got {max_bytes!r}")
             held = self.reserved + (self.retired - self.spilling) + self.pinned_stored
-            if held > max_bytes:
-                raise ValueError(f"max_bytes {max_bytes}: bodies in flight and replies being sent hold {held} "
-                                 "bytes now; nothing was changed (retry later)")
+            if max_bytes == 0 or held > max_bytes:
+                raise ValueError(f"max_bytes {max_bytes}: must be > 0 and at least the {held} bytes bodies in "
+                                 "flight and replies being sent hold now; nothing was changed")
         if tenant_quota is not None:
-            if isinstance(tenant_quota, bool) or not isinstance(tenant_quota, int) or tenant_quota < 0:
-                raise ValueError(f"tenant_quota must be a byte count >= 0, got {tenant_quota!r}")
             self.tenants.quota = tenant_quota
             if self.spill is not None:
                 self.spill.set_tenant_quota(tenant_quota)
