@@ -167,7 +167,6 @@ def decode_count(payload: Buffer) -> int:
     return _U64.unpack(payload)[0]
 
 
-
 LIMITS = ("max_bytes", "tenant_quota")
 """What a SET_BUDGET payload may set (a JSON object of byte counts; absent or null: unchanged)."""
 
