@@ -1,8 +1,9 @@
 """Operating the cache for one prompt: what each tier holds of its chunks (inspect), the
 operator's pins of its prefix in one tier (pin, unpin), and copies of its prefix between tiers
-(prefetch into a faster tier, move, drop). The routes `/kv/inspect`, `/kv/pin`, `/kv/unpin`,
-`/kv/prefetch`, `/kv/move` and `/kv/drop` of `kvtier serve` answer from here (docs/serving.md,
-"Operating the cache").
+(prefetch into a faster tier, move, drop); one model's chunks cleared (clear_model); one tier's
+limits changed at run time (set_budget). The routes `/kv/inspect`, `/kv/pin`, `/kv/unpin`,
+`/kv/prefetch`, `/kv/move`, `/kv/drop`, `/kv/clear` and `/kv/budget` of `kvtier serve` answer
+from here (docs/serving.md, "Operating the cache").
 
 A prompt is taken as the request would take it: its tokens are cut into chunk spans by the
 request's keyspace (its cache_salt's: connector/keyspace.py), and a chunk is held by a tier
@@ -116,6 +117,14 @@ def unpin(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int],
     spans = keyspace.spans(token_ids)
     released = storage.unpin_tier(i, keyspace.stored_keys(spans))
     return {"tier": storage.names[i], "released": released, **_pins_now(storage, i)}
+
+
+def set_budget(storage: StorageManager, tier: str | None = None, byte_budget: int | None = None,
+               pin_budget: int | None = None, tenant_quota: int | None = None) -> dict[str, Any]:
+    """Returns tier `tier`'s (None: the fastest) name and figures once it met the limits given
+    (None: unchanged); BudgetError or ValueError (`StorageManager.set_tier_budget`) otherwise."""
+    name = storage.set_tier_budget(tier, byte_budget, pin_budget, tenant_quota)
+    return {"tier": name, **tier_totals(storage)[name]}
 
 
 def _pins_now(storage: StorageManager, tier: int) -> dict[str, Any]:

@@ -161,6 +161,11 @@ class EngineConnector(KVConnector):
         connector's queued stores landed (cache_control.clear_model)."""
         self.flush()
         return cache_control.clear_model(self.storage, model)
+    def set_budget(self, tier: str | None = None, byte_budget: int | None = None, pin_budget: int | None = None,
+                   tenant_quota: int | None = None) -> dict[str, Any]:
+        """Changes `tier`'s (None: the fastest) limits given, evicting at once to meet them;
+        returns its figures after. BudgetError (nothing changed) or ValueError otherwise."""
+        return cache_control.set_budget(self.storage, tier, byte_budget, pin_budget, tenant_quota)
 
     def clear_tiers(self, local_only: bool = False) -> dict[str, int]:
         """Removes every chunk from every tier (with `local_only`, only this process's cpu and

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore import serde
+from kvstore.budget import BudgetError
 from kvstore.codecs import Buffer, Codec, QuantCodec, get_codec
 from kvstore.pin_set import PinError
 
@@ -126,8 +127,10 @@ class StorageBackend(ABC):
       tier knows of each stored value; default: existence only), `usage_by(label)` (entries
       and bytes per label of its keys, such as their tenant or key family; default None:
       unknown), `pin(keys, ttl_s)` / `unpin(keys)` (operator pins, kvstore/pin_set.py; default:
-      PinError naming the tier, which cannot pin) and
-      `delete_idle(older_than_s)` (default: NotImplementedError naming the tier).
+      PinError naming the tier, which cannot pin), `delete_idle(older_than_s)` (default:
+      NotImplementedError naming the tier), and `set_budget(byte_budget, pin_budget,
+      tenant_quota)` (`/kv/budget`: limits changed at run time, evicting at once to meet them;
+      default: BudgetError naming the tier).
 
     Conveniences defined here once, never per tier: `contains`, `get`, `put` (the batched
     form with one key).
@@ -244,6 +247,13 @@ class StorageBackend(ABC):
     def unpin(self, keys: Sequence[str]) -> int:
         """Releases the operator pins of `keys`; returns how many were pinned."""
         raise PinError(f"tier {self.name} cannot pin chunks (the cpu, device and disk tiers can)")
+
+    def set_budget(self, byte_budget: int | None = None, pin_budget: int | None = None,
+                   tenant_quota: int | None = None) -> None:
+        """Changes the limits given (None: unchanged), evicting LRU chunks (never pinned) to meet them
+        before it returns; BudgetError or ValueError: nothing changed (this default: BudgetError)."""
+        raise BudgetError(f"tier {self.name} cannot change its limits at run time "
+                          "(the cpu, device, disk and cache server tiers can)")
 
     def delete_idle(self, older_than_s: float) -> int:
         """Removes every stored value not used for `older_than_s` seconds (never a pinned one);

@@ -1,15 +1,34 @@
 """Byte accounting for one tier: sizes, an eviction policy, a hard byte budget, and the
-operator's pins (kvstore/pin_set.py) with their own budget."""
+operator's pins (kvstore/pin_set.py) with their own budget. The limits may change at run time
+(`plan_limits`, `apply_limits`: `POST /kv/budget`), the tier evicting at once to meet them."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvstore.eviction import EvictionPolicy, LRUPolicy
 from kvstore.pin_set import PinSet
+from kvstore.sizes import parse_size
 from kvstore.tenant_keys import key_tenant
 from kvstore.tenant_quota import TenantBytes, never_pinned
+
+
+class BudgetError(ValueError):
+    """A change of a tier's limits that was refused (what is pinned holds more than a new
+    limit, or a tier whose limits kvtier does not set); nothing was changed."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A tier's limits after a change (None: unbounded) and the keys to evict, in eviction
+    order, to meet them (`ByteBudget.plan_limits`)."""
+
+    budget: int | None
+    pin_budget: int | None
+    tenant_quota: int | None
+    victims: list[str] = field(default_factory=list)
 
 
 class ByteBudget:
@@ -111,3 +130,58 @@ class ByteBudget:
     def clear(self) -> None:
         for key in list(self.sizes):
             self.remove(key)
+
+    def plan_limits(self, budget: int | None = None, pin_budget: int | None = None,
+                    tenant_quota: int | None = None, *, account: tuple[int, int | None] | None = None,
+                    tier: str = "tier") -> Limits:
+        """Returns the limits with those given changed (None: unchanged) and the unprotected keys to evict, in
+        order, to meet them; changes nothing. ValueError if malformed, BudgetError if pins hold more."""
+        # An unchanged pin budget above a new budget becomes that budget. `account`: (bytes used,
+        # budget) of the account the byte budget lives in when not this one (a disk directory's).
+        budget = parse_size(budget, f"tier {tier}: budget")
+        pin_budget = parse_size(pin_budget, f"tier {tier}: pin_budget")
+        tenant_quota = parse_size(tenant_quota, f"tier {tier}: tenant_quota")
+        used, old_budget = account if account is not None else (self.used, self.budget)
+        new_budget = old_budget if budget is None else budget
+        new_pin = self.pinned.budget if pin_budget is None else pin_budget
+        if new_budget is not None and (new_pin is None or new_pin > new_budget):
+            if pin_budget is not None:
+                raise ValueError(f"tier {tier}: pin_budget {pin_budget} bytes is more than the tier's budget "
+                                 f"({new_budget} bytes)")
+            new_pin = new_budget
+        quota = self.tenants.quota if tenant_quota is None else tenant_quota
+        victims: list[str] = []
+        if tenant_quota is not None:
+            found = self.tenants.trim_victims(tenant_quota, self.sizes, self.policy.victims, self.protected)
+            if found is None:
+                raise BudgetError(f"tier {tier}: a tenant's pinned chunks (or chunks being loaded) hold more than "
+                                  f"the tenant_quota of {tenant_quota} bytes asked; nothing was changed "
+                                  "(unpin them first)")
+            victims = found
+        if new_budget is not None:
+            chosen = set(victims)
+            left = used - sum(self.sizes[v] for v in victims)
+            for key in self.policy.victims() if left > new_budget else ():
+                if key in chosen or self.protected(key):
+                    continue
+                victims.append(key)
+                left -= self.sizes[key]
+                if left <= new_budget:
+                    break
+            if left > new_budget:
+                raise BudgetError(f"tier {tier}: {left} bytes cannot be evicted (pinned chunks, chunks being "
+                                  f"loaded or written), more than the budget of {new_budget} bytes asked; "
+                                  "nothing was changed (unpin first)")
+        self.pinned.expire()
+        if new_pin is not None and self.pinned.bytes > new_pin:
+            raise BudgetError(f"tier {tier}: {self.pinned.bytes} bytes are pinned, more than the pin budget of "
+                              f"{new_pin} bytes asked; nothing was changed (unpin first)")
+        return Limits(new_budget, new_pin, quota, victims)
+
+    def apply_limits(self, limits: Limits, *, own_budget: bool = True) -> None:
+        """Sets the limits `plan_limits` returned (the byte budget only with `own_budget`); the caller
+        then removes the victims under the same lock."""
+        if own_budget:
+            self.budget = limits.budget
+        self.pinned.budget = limits.pin_budget
+        self.tenants.quota = limits.tenant_quota

@@ -17,7 +17,8 @@
   (kvstore/deadlines.py); calls that fail or end past it are counted (`TierStats.timeouts`).
 - Operating the cache: `describe` (what each tier knows of some keys), `usage_by`, and
   the operator's pins of one tier (`tier_named`, `pin_tier`, `unpin_tier`: kvstore/pin_set.py), which
-  sit beside the load pins above (each tier keeps its own, within its own pin budget).
+  sit beside the load pins above (each tier keeps its own, within its own pin budget), and one
+  tier's limits changed at run time (`set_tier_budget`), met at once.
 - `close` writes what is queued for at most `flush_timeout_s`, then drops the rest and logs how
   much, so a tier that never answers cannot hold a shutdown.
 """
@@ -36,6 +37,7 @@ import torch
 from kvstore import serde
 from kvstore.backend import BackendError, Destination, EntryInfo, StorageBackend
 from kvstore.background_queue import BACKGROUND_NICE, FLUSH_TIMEOUT_S, BackgroundQueue
+from kvstore.budget import BudgetError
 from kvstore.deadlines import CallKind
 from kvstore.device_staging import stage
 from kvstore.health import BACKOFF_INITIAL_S, BACKOFF_MAX_S, BREAKER_FAILURES
@@ -389,6 +391,19 @@ class StorageManager:
             return self.tiers[tier].pin(list(keys), ttl_s)
         except BackendError as exc:
             raise PinError(f"tier {self.names[tier]} failed: {exc}") from exc
+
+    def set_tier_budget(self, name: str | None, byte_budget: int | None = None, pin_budget: int | None = None,
+                        tenant_quota: int | None = None) -> str:
+        """Returns the full name of the tier `name` names once it met the limits given (None: unchanged);
+        ValueError (unknown tier, no or bad limit) or BudgetError (refused): nothing changed."""
+        i = self.tier_named(name)
+        if byte_budget is None and pin_budget is None and tenant_quota is None:
+            raise ValueError("give at least one of byte_budget, pin_budget and tenant_quota")
+        try:
+            self.tiers[i].set_budget(byte_budget, pin_budget, tenant_quota)
+        except BackendError as exc:
+            raise BudgetError(f"tier {self.names[i]} failed: {exc}") from exc
+        return self.names[i]
 
     def unpin_tier(self, tier: int, keys: Sequence[str]) -> int:
         """Releases the operator pins of `keys` in tier `tier`; returns how many were pinned."""

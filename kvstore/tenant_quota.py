@@ -70,3 +70,21 @@ class TenantBytes(Generic[K]):
             if free >= nbytes:
                 return victims
         return None
+
+    def trim_victims(self, quota: int, sizes: Mapping[K, int], order: Callable[[], Iterable[K]],
+                     is_pinned: Callable[[K], bool] = never_pinned) -> list[K] | None:
+        """Returns the entries to evict (in `order()`, never pinned ones) so every tenant holds at most
+        `quota` bytes (a quota lowered at run time); None when pinned ones alone hold more."""
+        over = {tag: used - quota for tag, used in self.used.items() if used > quota}
+        victims: list[K] = []
+        for key in order() if over else ():
+            tag = self.tenant_of(key)
+            if tag is None or tag not in over or is_pinned(key):
+                continue
+            victims.append(key)
+            over[tag] -= sizes[key]
+            if over[tag] <= 0:
+                del over[tag]
+                if not over:
+                    break
+        return None if over else victims

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-HELP = "operate a running server's KV cache: inspect, pin, unpin, prefetch, move, drop, clear, explain a miss"
+HELP = "operate a running server's KV cache: inspect, pin, unpin, prefetch, move, drop, clear, budget, explain a miss"
 DEFAULT_LOG_LEVEL = "warning"
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -30,7 +30,7 @@ def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=DEFAULT_URL, metavar="URL",
                         help=f"the kvtier serve to ask (default: {DEFAULT_URL})")
     parser.add_argument("--api-key", default=None, metavar="KEY",
-                        help="its API key, the operator's for pin, unpin and clear "
+                        help="its API key, the operator's for pin, unpin, clear and budget "
                              "(default: $KVTIER_API_KEY, else none)")
 
 
@@ -193,6 +193,29 @@ def _clear(args: argparse.Namespace) -> int:
     return _post(args, "/kv/clear", body)
 
 
+def _budget_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tier", default=None, metavar="TIER",
+                        help="the tier: its kind (cpu, disk), URL or name from inspect (default: the fastest)")
+    parser.add_argument("--budget", default=None, metavar="SIZE",
+                        help="its new byte budget, e.g. 1GiB or 512MB (default: unchanged)")
+    parser.add_argument("--pin-budget", default=None, metavar="SIZE",
+                        help="the bytes the operator may pin in it (default: unchanged, at most the budget)")
+    parser.add_argument("--tenant-quota", default=None, metavar="SIZE",
+                        help="the bytes each tenant (cache_salt) may hold in it (default: unchanged)")
+
+
+def _budget(args: argparse.Namespace) -> int:
+    """Sets the tier's limits given (sizes parsed here: a bad one is a one-line error)."""
+    from kvstore.sizes import parse_size
+
+    limits = {"budget": parse_size(args.budget, "--budget"),
+              "pin_budget": parse_size(args.pin_budget, "--pin-budget"),
+              "tenant_quota": parse_size(args.tenant_quota, "--tenant-quota")}
+    if all(v is None for v in limits.values()):
+        raise ValueError("give at least one of --budget, --pin-budget and --tenant-quota")
+    return _post(args, "/kv/budget", {"tier": args.tier} | {k: v for k, v in limits.items() if v is not None})
+
+
 def _explain_flags(parser: argparse.ArgumentParser) -> None:
     _prompt_flags(parser)
     parser.add_argument("--json", action="store_true", help="print the server's whole answer as JSON")
@@ -231,6 +254,8 @@ COMMANDS: dict[str, tuple[str, Adder, Runner]] = {
     "drop": ("remove a prompt's chunks from one tier, pinned or not (operator key)", _tier_flags, _drop),
     "clear": ("remove one tenant's entries, one model's, everything, or what was not used for a while (operator key)",
               _clear_flags, _clear),
+    "budget": ("change one tier's byte budget, pin budget or per-tenant quota now, evicting at once to meet them "
+               "(operator key)", _budget_flags, _budget),
     "explain": ("say per tier why a prompt's hit is shorter than its chunks (another model, engine tag, dtype, "
                 "layout, chunk size or tenant holds it; evicted; never stored)", _explain_flags, _explain),
 }

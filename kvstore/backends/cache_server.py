@@ -16,7 +16,8 @@ most its deadline; the older `timeout_s` sets the load and write deadlines), `po
 and for kvtiers:// `ca_file`
 (PEM bundle the server's certificate must chain to; default: the system's trust store; the
 certificate must name the URL's host). A `budget` or a non-LRU `eviction` is refused
-(ValueError): the server owns both.
+(ValueError): the server owns both; `set_budget` (`/kv/budget`) changes the server's memory
+budget and tenant quota at run time.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 
 from kvstore import serde
 from kvstore.backend import BackendError, BackendStats, BytesBackend, ReadValue, StoredValue
+from kvstore.budget import BudgetError
 from kvstore.codecs import Codec
 from kvstore.deadlines import OPTIONS, CallKind, RemoteDeadlines
 from kvstore.server.client import (
@@ -181,6 +183,19 @@ class CacheServerBackend(BytesBackend):
         if not prefix:
             raise ValueError("delete_prefix needs a non-empty prefix")
         return int(self._io(self.client.delete_prefix, prefix.encode()))
+
+    def set_budget(self, byte_budget: int | None = None, pin_budget: int | None = None,
+                   tenant_quota: int | None = None) -> None:
+        """Sets the server's memory budget (`--max-bytes`) and/or tenant quota, met at once (SET_BUDGET);
+        BudgetError for a pin budget or the server's refusal, BackendError when unreachable."""
+        if pin_budget is not None:
+            raise BudgetError(f"tier {self.name} ({self.url}) cannot pin chunks, so it has no pin_budget")
+        try:
+            self.client.set_budget(byte_budget, tenant_quota)
+        except ServerReplyError as exc:
+            raise BudgetError(f"cache server {self.url} refused the limits: {exc}") from exc
+        except (ServerUnavailable, OSError) as exc:
+            raise BackendError(f"cache server {self.url}: {exc}") from exc
 
     def stats(self) -> BackendStats:
         """Returns the server's usage with this client's counters; while the server is

@@ -128,19 +128,23 @@ class MemoryBackend(StorageBackend):
             if victims is None:
                 self._stats.rejected += 1
                 return False
-            for victim in victims:
-                self._store.pop(victim, None)
-                self._budget.remove(victim)
-                self._stats.evictions += 1
-                self._evictions[victim] = None
-            while len(self._evictions) > EVICTIONS_REMEMBERED:
-                self._evictions.popitem(last=False)
+            self._evict(victims)
             self._evictions.pop(key, None)
             self._store[key] = stored
             self._budget.add(key, nbytes)
             self._stats.puts += 1
         self._evicted(victims)
         return True
+
+    def _evict(self, victims: list[str]) -> None:
+        """Removes `victims` as evicted (counted, remembered); the caller holds the lock."""
+        for victim in victims:
+            self._store.pop(victim, None)
+            self._budget.remove(victim)
+            self._stats.evictions += 1
+            self._evictions[victim] = None
+        while len(self._evictions) > EVICTIONS_REMEMBERED:
+            self._evictions.popitem(last=False)
 
     def batched_evicted(self, keys: Sequence[str]) -> list[bool]:
         """Returns per key whether it is among the latest keys this tier evicted (and not stored since)."""
@@ -195,6 +199,17 @@ class MemoryBackend(StorageBackend):
     def unpin(self, keys: Sequence[str]) -> int:
         with self._lock:
             return self._budget.pinned.unpin(keys)
+
+    def set_budget(self, byte_budget: int | None = None, pin_budget: int | None = None,
+                   tenant_quota: int | None = None) -> None:
+        """Changes the limits given (None: unchanged), evicting LRU chunks (never pinned) to meet them
+        before it returns; BudgetError or ValueError: nothing changed (`ByteBudget.plan_limits`)."""
+        with self._lock:
+            limits = self._budget.plan_limits(byte_budget, pin_budget, tenant_quota, tier=self.name)
+            self._budget.apply_limits(limits)
+            self._stats.byte_budget = limits.budget
+            self._evict(limits.victims)
+        self._evicted(limits.victims)
 
     def delete_idle(self, older_than_s: float) -> int:
         cutoff = time.time() - older_than_s

@@ -44,7 +44,7 @@ from redis.retry import Retry
 from kvstore import serde
 from kvstore.backend import BackendError, BytesBackend, ReadValue, StoredValue
 from kvstore.backends.redis_wire import SplitValuePacker, get_on_nodes, get_pipelined
-from kvstore.budget import ByteBudget
+from kvstore.budget import BudgetError, ByteBudget
 from kvstore.codecs import Codec
 from kvstore.deadlines import OPTIONS, CallKind, RemoteDeadlines
 from kvstore.eviction import make_policy
@@ -350,6 +350,12 @@ class RedisBackend(BytesBackend):
     def _usage(self) -> tuple[int, int, int | None, int]:
         with self._lock:
             return len(self._budget), self._budget.used, self._budget.budget, self._evictions
+
+    def set_budget(self, byte_budget: int | None = None, pin_budget: int | None = None,
+                   tenant_quota: int | None = None) -> None:
+        """Always refused (BudgetError, nothing changed): a Redis server's memory is its own."""
+        raise BudgetError(f"tier {self.name} cannot change its limits at run time: its memory is the Redis "
+                          "server's (set its maxmemory and an LRU maxmemory-policy, e.g. CONFIG SET maxmemory 4gb)")
 
     def close(self) -> None:
         for client in (self.client, self.reader, self.lookups):

@@ -269,6 +269,12 @@ class CacheServerClient:
         """Returns the server's STATS counters (entries, bytes, hits, misses, evictions, ...)."""
         return json.loads(bytes(_expect_ok(self._one(Request(Op.STATS))).payload))
 
+    def set_budget(self, max_bytes: int | None = None, tenant_quota: int | None = None) -> dict[str, int]:
+        """Returns the server's STATS once it met the memory budget and/or tenant quota given (None:
+        unchanged; the operator's token); ServerReplyError (FORBIDDEN, BAD_REQUEST) when refused."""
+        reply = self._one(Request(Op.SET_BUDGET, payload=P.encode_limits(max_bytes, tenant_quota)))
+        return json.loads(bytes(_expect_ok(reply).payload))
+
 
 def _windows(requests: Sequence[Request]) -> list[Sequence[Request]]:
     """Returns the requests cut into pipelined windows of at most _WINDOW. A large payload

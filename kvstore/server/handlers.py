@@ -23,8 +23,8 @@ INLINE_REPLY = 4096  # values up to this size are copied into their reply; large
 _OPS = frozenset(int(op) for op in Op)
 # What a tenant token's connection may do (docs/protocol.md, "Tenant tokens"): ops that name
 # keys, each key under its tenant's prefix (PREFIX_HITS: every key of its list); ops that name
-# none and reveal no entry. Every other op (CLEAR, and any op added later, until it is listed
-# here) is the operator's.
+# none and reveal no entry. Every other op (CLEAR, SET_BUDGET, and any op added later, until it
+# is listed here) is the operator's.
 _KEYED_OPS = frozenset({Op.GET, Op.EXISTS, Op.PUT, Op.DELETE, Op.DELETE_PREFIX, Op.PREFIX_HITS})
 _UNKEYED_OPS = frozenset({Op.PING, Op.AUTH, Op.STATS})
 
@@ -128,6 +128,14 @@ def dispatch(conn: HandlerConnection, h: P.Header, key: bytes, payload: memoryvi
         store.clear()  # the spill's files go in the background: bounded work here
         conn.reply(Status.OK, rid)
     elif code == Op.STATS:
+        conn.reply(Status.OK, rid, conn.server.stats_json())
+    elif code == Op.SET_BUDGET:  # the operator's (not in _KEYED_OPS nor _UNKEYED_OPS)
+        try:
+            store.set_limits(**P.decode_limits(payload))
+        except ValueError as exc:  # ProtocolError included
+            conn.reply(Status.BAD_REQUEST, rid, str(exc).encode())
+            return
+        conn.server.memory_freed()  # a budget raised: bodies waiting for memory may fit
         conn.reply(Status.OK, rid, conn.server.stats_json())
     elif code == Op.AUTH:
         # Already authenticated (or auth disabled): a valid token (re)sets the connection's scope.

@@ -7,6 +7,7 @@ See docs/protocol.md for the full specification; this module is its one implemen
 
 from __future__ import annotations
 
+import json
 import struct
 from collections.abc import Iterable
 from enum import IntEnum
@@ -49,6 +50,7 @@ class Op(IntEnum):
     CLEAR = 8
     STATS = 9
     DELETE_PREFIX = 10  # removes every key starting with the request's key; replies the count
+    SET_BUDGET = 11  # the operator's: sets the memory budget and/or tenant quota; replies STATS
 
 
 class Status(IntEnum):
@@ -164,3 +166,37 @@ def decode_count(payload: Buffer) -> int:
         raise ProtocolError(f"count payload must be 8 bytes, got {len(payload)}")
     return _U64.unpack(payload)[0]
 
+
+LIMITS = ("max_bytes", "tenant_quota")
+"""What a SET_BUDGET payload may set (a JSON object of byte counts; absent or null: unchanged)."""
+
+
+def encode_limits(max_bytes: int | None = None, tenant_quota: int | None = None) -> bytes:
+    """Returns the SET_BUDGET payload setting the limits given (None: unchanged)."""
+    given = {"max_bytes": max_bytes, "tenant_quota": tenant_quota}
+    return json.dumps({k: v for k, v in given.items() if v is not None}).encode()
+
+
+def decode_limits(payload: Buffer) -> dict[str, int | None]:
+    """Returns the limits a SET_BUDGET payload sets (`LIMITS`, None: unchanged); raises
+    ProtocolError naming the problem (not a JSON object, an unknown field, not a byte count)."""
+    if len(payload) > 1024:
+        raise ProtocolError(f"SET_BUDGET payload of {len(payload)} bytes is over 1024 (two byte counts)")
+    try:
+        data = json.loads(bytes(payload))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise ProtocolError("SET_BUDGET payload is not JSON") from None
+    if not isinstance(data, dict):
+        raise ProtocolError("SET_BUDGET payload must be a JSON object")
+    unknown = sorted(set(data) - set(LIMITS))
+    if unknown:
+        raise ProtocolError(f"SET_BUDGET: unknown field(s) {unknown}; it sets {', '.join(LIMITS)}")
+    out: dict[str, int | None] = {}
+    for name in LIMITS:
+        value = data.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ProtocolError(f"SET_BUDGET: {name} must be a byte count >= 0, got {value!r}")
+        out[name] = value
+    if out["max_bytes"] is None and out["tenant_quota"] is None:
+        raise ProtocolError(f"SET_BUDGET sets nothing: give {' and/or '.join(LIMITS)}")
+    return out

@@ -311,16 +311,22 @@ class DiskSpill:
             self.tenant_evictions += 1
         return True
 
+    def set_tenant_quota(self, quota: int) -> None:
+        """Sets the tenant quota at run time; each tenant's least recently used files past it
+        are removed now (queued for the worker)."""
+        self.tenants.quota = quota
+        self._evict_over_quota()
+
     def _evict_over_quota(self) -> None:
+        """Removes each tenant's least recently used files past its quota (a restart with a
+        smaller quota, or one set lower at run time)."""
         quota = self.tenants.quota
         if quota is None:
             return
-        for key in list(self._index):  # least recently used first
-            tag = key_tenant_bytes(key)
-            if tag is not None and self.tenants.used.get(tag, 0) > quota:
-                self.delete(key)
-                self.evictions += 1
-                self.tenant_evictions += 1
+        for key in self.tenants.trim_victims(quota, self._index, lambda: iter(self._index)) or []:
+            self.delete(key)
+            self.evictions += 1
+            self.tenant_evictions += 1
 
     def _evict_to(self, limit: int) -> None:
         while self.bytes_used > limit and self._index:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from kvstore.server.protocol import Buffer
 from kvstore.server.spill import DiskSpill
 from kvstore.server.store_stats import StoreStats, read_stats
+from kvstore.sizes import parse_size
 from kvstore.tenant_keys import key_tenant_bytes
 from kvstore.tenant_quota import TenantBytes
 
@@ -293,6 +294,28 @@ class ByteStore:
             self.spill.put(key, value, written.append)
         self.spill.close(stall_timeout)
         return sum(written)
+
+    def set_limits(self, max_bytes: int | None = None, tenant_quota: int | None = None) -> None:
+        """Sets the memory budget and/or tenant quota (None: unchanged) and evicts (LRU, spilled if
+        a spill) to meet them now; ValueError, nothing changed, if malformed or below what is in flight."""
+        # A lowered quota evicts each tenant's own entries past it, in memory and on the spill;
+        # an entry being spilled stays counted until written, as after any eviction.
+        max_bytes, tenant_quota = parse_size(max_bytes, "max_bytes"), parse_size(tenant_quota, "tenant_quota")
+        if max_bytes is not None:
+            held = self.reserved + (self.retired - self.spilling) + self.pinned_stored
+            if max_bytes == 0 or held > max_bytes:
+                raise ValueError(f"max_bytes {max_bytes}: must be > 0 and at least the {held} bytes bodies in "
+                                 "flight and replies being sent hold now; nothing was changed")
+        if tenant_quota is not None:
+            self.tenants.quota = tenant_quota
+            if self.spill is not None:
+                self.spill.set_tenant_quota(tenant_quota)
+            for victim in self.tenants.trim_victims(tenant_quota, self._sizes, lambda: iter(self._lru)) or []:
+                self.tenant_evictions += 1
+                self._evict(victim, self._lru.pop(victim))
+        if max_bytes is not None:
+            self.max_bytes = max_bytes
+            self._make_room(0)
 
     def stats(self) -> StoreStats:
         """Returns what STATS reports of this store and its disk spill."""

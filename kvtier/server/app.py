@@ -136,5 +136,5 @@ def build_app(ctx: ServingContext, metrics: ServerMetrics, api_key: str | None =
         """Drops the engine's prefix cache (refused, `reset: false`, while requests hold blocks)."""
         return {"reset": await front.reset_prefix_cache()}
 
-    add_cache_routes(app, ctx, tenancy)  # /kv/inspect, /kv/pin, /kv/unpin, /kv/clear
+    add_cache_routes(app, ctx, tenancy)  # /kv/inspect, /kv/pin, /kv/unpin, /kv/clear, /kv/budget
     return app

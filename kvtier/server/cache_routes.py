@@ -14,6 +14,8 @@ client; docs/serving.md, "Operating the cache"):
 - `POST /kv/clear` (operator's key): one tenant's entries (what `/kv/forget_tenant` does),
   one model's (`stored_model`), everything (the engine's prefix cache, as `/kv/reset_prefix_cache`, and every tier), or
   the chunks not used for `older_than_s` seconds.
+- `POST /kv/budget` (operator's key): one tier's byte budget, pin budget and per-tenant quota
+  changed at run time, evicting at once to meet them; answers the tier's figures after.
 
 The work runs off the event loop (tier calls may touch the disk or the network) and off the
 engine thread (no step waits for it).
@@ -29,10 +31,12 @@ from fastapi import FastAPI, Request
 from connector.engine_connector import EngineConnector
 from engine.cache_salt import tenant_tag
 from engine.sampling_params import SamplingParams
+from kvstore.budget import BudgetError
 from kvstore.pin_set import PinError
 from kvtier.server.engine_loop import EngineLoop
 from kvtier.server.openai_protocol import (
     APIError,
+    BudgetRequest,
     ClearRequest,
     LookupRequest,
     MoveRequest,
@@ -70,8 +74,8 @@ def _connector(front: EngineLoop) -> EngineConnector:
 
 
 def add_cache_routes(app: FastAPI, ctx: ServingContext, tenancy: Tenancy) -> None:
-    """Adds `/kv/inspect`, `/kv/pin`, `/kv/unpin`, `/kv/prefetch`, `/kv/move`, `/kv/drop` and
-    `/kv/clear` to `app`."""
+    """Adds `/kv/inspect`, `/kv/pin`, `/kv/unpin`, `/kv/prefetch`, `/kv/move`, `/kv/drop`,
+    `/kv/clear` and `/kv/budget` to `app`."""
     front = ctx.engine_loop
 
     @app.post("/kv/inspect", dependencies=tenancy.user)
@@ -155,6 +159,14 @@ def add_cache_routes(app: FastAPI, ctx: ServingContext, tenancy: Tenancy) -> Non
         removed, errors = await asyncio.to_thread(_connector(front).clear_idle, body.older_than_s)
         return {"cleared": "idle", "older_than_s": body.older_than_s, "tiers": removed, "errors": errors}
 
+    @app.post("/kv/budget", dependencies=tenancy.admin)
+    async def budget(body: BudgetRequest) -> dict[str, Any]:
+        """Changes one tier's limits, evicting at once to meet them; the tier's figures after."""
+        if body.budget is None and body.pin_budget is None and body.tenant_quota is None:
+            raise APIError(400, "give at least one of budget, pin_budget and tenant_quota", param="budget")
+        connector = _connector(front)
+        return await _control(connector.set_budget, body.tier, body.budget, body.pin_budget, body.tenant_quota)
+
 
 def _salted(ids: list[int], cache_salt: str | None) -> dict[str, Any]:
     """Returns the engine prompt of `ids` under `cache_salt`."""
@@ -162,11 +174,14 @@ def _salted(ids: list[int], cache_salt: str | None) -> dict[str, Any]:
 
 
 async def _control(fn: Any, *args: Any) -> Any:
-    """Returns `fn(*args)` run off the event loop; a refused pin is 409, an unknown tier 400."""
+    """Returns `fn(*args)` run off the event loop; a refused pin or budget is 409, an unknown
+    tier (or a malformed limit) 400."""
     try:
         result = await asyncio.to_thread(fn, *args)
     except PinError as exc:
         raise APIError(409, str(exc), param="tier", code="pin_refused") from None
+    except BudgetError as exc:
+        raise APIError(409, str(exc), param="budget", code="budget_refused") from None
     except ValueError as exc:
         raise APIError(400, str(exc), param="tier") from None
     return result

@@ -7,9 +7,10 @@ import uuid
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from engine.cache_salt import validate_cache_salt
+from kvstore.sizes import parse_size
 
 
 class StreamOptions(BaseModel):
@@ -175,6 +176,23 @@ class ClearRequest(BaseModel):
     local_only: bool = False
 
     _check_cache_salt = field_validator("cache_salt")(lambda cls, v: validate_cache_salt(v))
+
+
+class BudgetRequest(BaseModel):
+    """`POST /kv/budget` (operator only): the tier (None: the fastest) and at least one of its
+    limits to change, each a byte count or a size ("1GiB"); None: unchanged."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tier: str | None = None
+    budget: int | None = None
+    pin_budget: int | None = None
+    tenant_quota: int | None = None
+
+    @field_validator("budget", "pin_budget", "tenant_quota", mode="before")
+    @classmethod
+    def _size(cls, value: Any, info: ValidationInfo) -> int | None:
+        return parse_size(value, info.field_name or "size")
 
 
 class ForgetTenantRequest(BaseModel):

@@ -4,7 +4,8 @@ tier holds each chunk of a prompt; a pinned prefix survives a flood that evicts 
 else, and is evicted once unpinned; a pin past the pin budget is refused whole; a pin's ttl
 expires; prefetch makes the next request load from the faster tier, and computes what no tier
 holds; move and drop; clear by tenant leaves the other tenant; a tenant's key cannot pin or clear; the
-`kvtier cache` command line prints what the route answers.
+`kvtier cache` command line prints what the route answers; a budget lowered at run time
+(`/kv/budget`, `kvtier cache budget`) is met at once and never passed after.
 
 Prompts are token ids (exact chunk counts): a 64-token prompt is two full chunks."""
 
@@ -248,3 +249,44 @@ def test_prefetch_move_drop(server: ServeProcess) -> None:
     r2 = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r2.returncode == 0 and json.loads(r2.stdout)["removed"] == 2, r2.stderr
     assert holders(server, b) == [{CPU}] * 2
+
+
+def test_a_budget_lowered_at_run_time_is_met_at_once(server: ServeProcess) -> None:
+    """`/kv/budget` lowers the cpu tier's budget: met before it answers (the oldest unpinned
+    chunk evicted, the pinned one kept), never passed by the stores after; refused whole below
+    what is pinned; the operator's alone. `kvtier cache budget` puts it back."""
+    assert post(server, "/kv/clear", {"all": True}).status_code == 200
+    first = [prompt(32) for _ in range(3)]
+    for ids in first:
+        run(server, ids)
+        stored(server, ids, {CPU})
+    assert pin(server, first[0], "cpu").status_code == 200
+    budget = 2 * CHUNK_BYTES + 4096
+    assert post(server, "/kv/budget", {"tier": "cpu", "budget": budget}, key=TENANT).status_code == 403
+    r = post(server, "/kv/budget", {"tier": "cpu", "budget": budget})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["tier"] == "0:cpu" and got["byte_budget"] == budget and got["entries"] == 2
+    assert got["bytes"] == 2 * CHUNK_BYTES and got["pinned_bytes"] == CHUNK_BYTES
+    assert [CPU in holders(server, ids)[0] for ids in first] == [True, False, True]
+    later = prompt(32)  # stored within the new budget: first[2] makes room
+    run(server, later)
+    stored(server, later, {CPU})
+    cpu = inspect(server, later)["tiers"][CPU]
+    assert cpu["bytes"] == 2 * CHUNK_BYTES and cpu["byte_budget"] == budget
+    assert [CPU in holders(server, ids)[0] for ids in first] == [True, False, False]
+
+    for body, status in (({"budget": CHUNK_BYTES - 1}, 409), ({"budget": "lots"}, 400), ({}, 400)):
+        r = post(server, "/kv/budget", {"tier": "cpu"} | body)
+        assert r.status_code == status, r.text
+    assert "cannot be evicted" in post(server, "/kv/budget", {"budget": 1}).json()["error"]["message"]
+    assert inspect(server, first[0])["tiers"][CPU]["byte_budget"] == budget
+
+    restored = 4 * CHUNK_BYTES + 4096
+    assert restored % 1024 == 0
+    cmd = [sys.executable, "-m", "kvtier", "cache", "budget", "--url", server.url, "--api-key", ADMIN,
+           "--tier", "cpu", "--budget", f"{restored // 1024}KiB"]
+    r2 = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r2.returncode == 0, r2.stderr
+    assert json.loads(r2.stdout)["byte_budget"] == restored
+    assert post(server, "/kv/unpin", {"prompt_token_ids": first[0], "tier": "cpu"}).json()["released"] == 1

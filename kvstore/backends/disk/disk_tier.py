@@ -436,6 +436,22 @@ class DiskBackend(BytesBackend):
         with self._lock:
             return self._index.pinned.unpin(keys)
 
+    def set_budget(self, byte_budget: int | None = None, pin_budget: int | None = None,
+                   tenant_quota: int | None = None) -> None:
+        """Changes the directory's shared budget, this process's pin budget and quota (None: unchanged),
+        evicting LRU files of any process (never pinned here) before it returns; as `MemoryBackend`'s."""
+        self._writable()
+        with self._locked() as state:
+            self._recount(state)  # every process's files and live writers' reservations
+            limits = self._index.plan_limits(byte_budget, pin_budget, tenant_quota,
+                                             account=(state.used, state.budget), tier=self.name)
+            self._index.apply_limits(limits, own_budget=False)
+            state.budget = self._own_budget = limits.budget
+            for victim in limits.victims:
+                state.used -= self._unlink(victim)
+                self._evictions += 1
+            self._evicted(limits.victims)
+
     def delete_idle(self, older_than_s: float) -> int:
         """Removes the files this process knows whose last use (mtime) is `older_than_s`
         seconds ago or more, never a pinned one; one stat per file known."""
