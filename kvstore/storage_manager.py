@@ -390,8 +390,12 @@ class StorageManager:
             raise PinError(f"tier {self.names[tier]} failed: {exc}") from exc
 
     def unpin_tier(self, tier: int, keys: Sequence[str]) -> int:
-        """Releases the operator pins of `keys` in tier `tier`; returns how many were pinned."""
-        return self.tiers[tier].unpin(list(keys))
+        """Releases the operator pins of `keys` in tier `tier`; returns how many were pinned.
+        PinError names a tier that failed (nothing released there)."""
+        try:
+            return self.tiers[tier].unpin(list(keys))
+        except BackendError as exc:
+            raise PinError(f"tier {self.names[tier]} failed: {exc}") from exc
 
     def delete_idle(self, older_than_s: float) -> tuple[dict[str, int], dict[str, str]]:
         """Removes from every tier the chunks not used for `older_than_s` seconds (never a
