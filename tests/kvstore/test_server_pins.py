@@ -1,7 +1,8 @@
 """Operator pins on a real `kvtier cache-server` process (PIN/UNPIN/DESCRIBE, through the
 `kvtier://` tier as `POST /kv/pin` uses it): a pinned entry is never evicted from memory nor
 from the disk spill, the pin budget refuses a pin whole, pins survive a restart with the spill
-directory and unpinning there is kept too; a tenant token pins only its own keys."""
+directory and unpinning there is kept too; a tenant token pins only its own keys; the storage
+manager pins, describes and unpins in the cache server tier by its kind, as `/kv/pin` does."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import pytest
 import torch
 
 from kvstore.backends.cache_server import CacheServerBackend
+from kvstore.backends.memory import CPUBackend
 from kvstore.pin_set import PinError
 from kvstore.server.client import CacheServerClient, ServerReplyError
 from kvstore.server.protocol import Status
+from kvstore.storage_manager import StorageManager
 from kvstore.tenant_keys import tenant_prefix
 from tests.fixtures.cache_server import CacheServerProcess
 from tests.fixtures.tiers import chunk, ckey
@@ -96,3 +99,23 @@ def test_removal_beats_a_pin_and_a_tenant_pins_only_its_own_keys(
     op.clear()  # and so does CLEAR
     s = op.stats()
     assert (s["pin_entries"], s["pin_bytes"]) == (0, 0)
+
+
+def test_the_storage_manager_pins_in_the_cache_server_tier(cache_server_factory: type[CacheServerProcess]) -> None:
+    server = cache_server_factory("--max-bytes", "8MiB")
+    manager = StorageManager([CPUBackend(byte_budget=1 << 20), CacheServerBackend("127.0.0.1", server.port)],
+                             names=["0:cpu", "1:kvtier"])
+    manager.batched_put([(ckey(0), chunk(0))])
+    manager.flush()
+    tier = manager.tier_named("kvtier")  # `tier: "kvtier"` in POST /kv/pin
+    assert tier == 1 and manager.pin_tier(tier, [ckey(0)], ttl_s=60) > 0
+    info = manager.describe([ckey(0)])["1:kvtier"][0]
+    assert info is not None and info.pinned and info.pin_expires_in_s is not None and info.pin_expires_in_s <= 60
+    b = manager.stats()["1:kvtier"].backend
+    assert b.can_pin and b.pinned_entries == 1 and b.pin_budget == 4 << 20
+    with pytest.raises(PinError, match="not stored"):
+        manager.pin_tier(tier, [ckey(5)])
+    assert manager.unpin_tier(tier, [ckey(0)]) == 1
+    b = manager.stats()["1:kvtier"].backend
+    assert (b.pinned_entries, b.pinned_bytes) == (0, 0)
+    manager.close()
