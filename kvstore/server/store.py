@@ -381,9 +381,7 @@ class ByteStore:
         written: list[bool] = []
         for key, value in self._lru.items():
             self.spill.put(key, value, written.append)
-        self._drop_lost_pins()
-        self._pins_saved = -1
-        self._save_pins()  # after the writes: the pins of entries the disk took
+        self._drop_lost_pins()  # and saves what changed unsaved (expiries, sizes), after the writes
         self.spill.close(stall_timeout)
         return sum(written)
 

@@ -44,6 +44,8 @@ def test_pins_survive_a_restart_and_keep_their_chunks(tmp_path: Path) -> None:
     tier.batched_put([(ckey(i), chunk(i)) for i in range(3)])
     tier.pin([ckey(0)])
     tier.pin([ckey(1)], ttl_s=3600)
+    root = tmp_path / "d"
+    assert tier.stats().bytes_used == sum(p.stat().st_size for p in root.iterdir())  # the pin file counts
     tier.close()
 
     again = DiskBackend(tmp_path / "d", byte_budget=budget, pin_budget=pin_budget)  # the restart
