@@ -13,8 +13,8 @@ keep chunks from eviction, never from an explicit removal.
 
 The cpu and device tiers keep their pins in the process's memory (a restart forgets them). The
 tiers that persist (the disk tier, the cache server's spill) keep a copy of theirs on disk
-(kvstore/pin_file.py: `to_json`/`load_json`, expiries on the wall clock), re-read whenever
-another process changed it.
+(kvstore/pin_file.py: `to_json`/`load_json`, expiries on the wall clock): the disk tier
+re-reads it whenever another process changed it, the cache server at startup.
 """
 
 from __future__ import annotations
