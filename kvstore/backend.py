@@ -242,11 +242,11 @@ class StorageBackend(ABC):
         """Pins every stored key against eviction (for `ttl_s` seconds; None: until unpinned),
         all or none; returns the bytes newly pinned. PinError (nothing pinned) when a key is
         not stored here, the pins would pass this tier's pin budget, or the tier cannot pin."""
-        raise PinError(f"tier {self.name} cannot pin chunks (the cpu, device and disk tiers can)")
+        raise PinError(f"tier {self.name} cannot pin chunks (the cpu, device, disk and cache server tiers can)")
 
     def unpin(self, keys: Sequence[str]) -> int:
         """Releases the operator pins of `keys`; returns how many were pinned."""
-        raise PinError(f"tier {self.name} cannot pin chunks (the cpu, device and disk tiers can)")
+        raise PinError(f"tier {self.name} cannot pin chunks (the cpu, device, disk and cache server tiers can)")
 
     def set_budget(self, byte_budget: int | None = None, pin_budget: int | None = None,
                    tenant_quota: int | None = None) -> None:

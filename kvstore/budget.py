@@ -43,7 +43,8 @@ class ByteBudget:
     """
 
     def __init__(self, budget: int | None, policy: EvictionPolicy | None = None,
-                 tenant_quota: int | None = None, pin_budget: int | None = None) -> None:
+                 tenant_quota: int | None = None, pin_budget: int | None = None,
+                 pin_clock: Callable[[], float] = time.monotonic) -> None:
         if budget is not None and budget < 0:
             raise ValueError(f"byte budget must be >= 0, got {budget}")
         self.budget = budget
@@ -52,7 +53,7 @@ class ByteBudget:
         self.used = 0
         self.is_pinned: Callable[[str], bool] = never_pinned
         self.tenants: TenantBytes[str] = TenantBytes(tenant_quota, key_tenant)
-        self.pinned = PinSet(pin_budget)
+        self.pinned = PinSet(pin_budget, pin_clock)  # a persisted set's clock: time.time
         self.times: dict[str, tuple[float, float]] = {}
 
     def protected(self, key: str) -> bool:

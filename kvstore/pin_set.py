@@ -9,12 +9,18 @@ pinned either way (`ByteBudget.protected`).
 A pin is per stored key and idempotent: pinning a pinned key sets its expiry anew, unpinning
 it once releases it (two pinned prompts sharing a prefix share its chunks' pins). A key
 removed from its tier (deleted, cleared, its tenant forgotten) loses its pin with it: pins
-keep chunks from eviction, never from an explicit removal. Pins live in the tier's process
-memory and are not persisted: a restart forgets them.
+keep chunks from eviction, never from an explicit removal.
+
+The cpu and device tiers keep their pins in the process's memory (a restart forgets them). The
+tiers that persist (the disk tier, the cache server's spill) keep a copy of theirs on disk
+(kvstore/pin_file.py: `to_json`/`load_json`, expiries on the wall clock): the disk tier
+re-reads it whenever another process changed it, the cache server at startup.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -53,6 +59,7 @@ class PinSet:
         self.bytes = 0
         self._clock = clock
         self._pins: dict[str, tuple[int, float | None]] = {}  # key -> (bytes, deadline or None)
+        self.changes = 0  # counts every change to the pins (a persisted set is saved when it moved)
 
     def __len__(self) -> int:
         self.expire()
@@ -67,6 +74,11 @@ class PinSet:
             self.release(key)
             return False
         return True
+
+    def keys(self) -> list[str]:
+        """Returns the pinned keys (expired pins released first)."""
+        self.expire()
+        return list(self._pins)
 
     def info(self, key: str) -> PinInfo | None:
         """Returns `key`'s pin, or None when it is not pinned."""
@@ -92,6 +104,7 @@ class PinSet:
         for key, nbytes in sizes.items():
             self._pins[key] = (nbytes, deadline)
         self.bytes += delta
+        self.changes += 1
         return delta
 
     def pin_held(self, keys: Sequence[str], held: Mapping[str, int], ttl_s: float | None = None,
@@ -110,6 +123,7 @@ class PinSet:
         if entry is None:
             return False
         self.bytes -= entry[0]
+        self.changes += 1
         return True
 
     def unpin(self, keys: Iterable[str]) -> int:
@@ -128,6 +142,7 @@ class PinSet:
             return
         self._pins[key] = (nbytes, entry[1])
         self.bytes += nbytes - entry[0]
+        self.changes += 1
 
     def expire(self) -> int:
         """Releases every expired pin; returns how many."""
@@ -138,5 +153,77 @@ class PinSet:
         return len(done)
 
     def clear(self) -> None:
-        self._pins.clear()
-        self.bytes = 0
+        """Releases every pin (a change only if there were any)."""
+        if self._pins:
+            self._pins.clear()
+            self.bytes = 0
+            self.changes += 1
+
+    def trim(self) -> list[str]:
+        """Releases pins, the most recently added first, until `bytes` is within `budget` (one
+        lowered since they were set); returns the keys released."""
+        released: list[str] = []
+        for key in reversed(list(self._pins)):
+            if self.budget is None or self.bytes <= self.budget:
+                break
+            self.release(key)
+            released.append(key)
+        return released
+
+    def to_json(self) -> bytes:
+        """Returns the pins and budget as JSON (`kind`, `version`, `budget`, `pins`: key ->
+        [bytes, expiry on this set's clock or null]), expired pins left out."""
+        self.expire()
+        pins = {k: [n, d] for k, (n, d) in self._pins.items()}
+        return json.dumps({"kind": PIN_FILE_KIND, "version": PIN_FILE_VERSION, "budget": self.budget,
+                           "pins": pins}, separators=(",", ":")).encode()
+
+    def load_json(self, data: bytes, exists: Callable[[str], bool] | None = None) -> None:
+        """Replaces the pins and budget with those `data` (`to_json`'s) holds, leaving out
+        expired pins and (with `exists`) pins of keys no longer stored. ValueError, nothing
+        changed, when `data` is not a pin set of this version or claims more than its budget."""
+        budget, pins = _parse(data)
+        now = self._clock()
+        kept = {k: v for k, v in pins.items()
+                if (v[1] is None or now < v[1]) and (exists is None or exists(k))}
+        self.budget = budget
+        self._pins = kept
+        self.bytes = sum(n for n, _ in kept.values())
+        self.changes += 1
+
+
+PIN_FILE_KIND = "kvtier-pins"
+"""The `kind` of a persisted pin set (`PinSet.to_json`); any other is foreign."""
+PIN_FILE_VERSION = 1
+
+
+def _parse(data: bytes) -> tuple[int | None, dict[str, tuple[int, float | None]]]:
+    """Returns (budget, pins) of a persisted pin set; ValueError naming what is wrong."""
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not JSON: {exc}") from exc
+    if not isinstance(doc, dict) or doc.get("kind") != PIN_FILE_KIND:
+        raise ValueError(f"not a kvtier pin file (kind {PIN_FILE_KIND!r} expected)")
+    if doc.get("version") != PIN_FILE_VERSION:
+        raise ValueError(f"pin file version {doc.get('version')!r}, this kvtier reads {PIN_FILE_VERSION}")
+    budget, raw = doc.get("budget"), doc.get("pins")
+    if budget is not None and not _count(budget):
+        raise ValueError(f"budget {budget!r} is not a byte count")
+    if not isinstance(raw, dict):
+        raise ValueError("pins is not an object")
+    pins: dict[str, tuple[int, float | None]] = {}
+    for key, entry in raw.items():
+        if not (isinstance(entry, list) and len(entry) == 2 and _count(entry[0])
+                and (entry[1] is None or (isinstance(entry[1], (int, float)) and not isinstance(entry[1], bool)
+                                          and math.isfinite(entry[1])))):
+            raise ValueError(f"pin of {key[:40]!r} is not [bytes, expiry or null]")
+        pins[key] = (entry[0], None if entry[1] is None else float(entry[1]))
+    total = sum(n for n, _ in pins.values())
+    if budget is not None and total > budget:
+        raise ValueError(f"{total} bytes pinned, more than its budget {budget}")
+    return budget, pins
+
+
+def _count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0

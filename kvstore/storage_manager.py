@@ -406,8 +406,12 @@ class StorageManager:
         return self.names[i]
 
     def unpin_tier(self, tier: int, keys: Sequence[str]) -> int:
-        """Releases the operator pins of `keys` in tier `tier`; returns how many were pinned."""
-        return self.tiers[tier].unpin(list(keys))
+        """Releases the operator pins of `keys` in tier `tier`; returns how many were pinned.
+        PinError names a tier that failed (nothing released there)."""
+        try:
+            return self.tiers[tier].unpin(list(keys))
+        except BackendError as exc:
+            raise PinError(f"tier {self.names[tier]} failed: {exc}") from exc
 
     def copy_between(self, src: int, dst: int, keys: Sequence[str]) -> int:
         """Copies the values of `keys` from tier `src` into tier `dst`, in order, now; returns

@@ -81,6 +81,9 @@ class TierSpec:
         self.tenant_quota = parse_size(self.tenant_quota, f"{where}.tenant_quota")
         self.pin_budget = parse_size(self.pin_budget, f"{where}.pin_budget")
         if self.pin_budget is not None:
+            if self.scheme in ("kvtier", "kvtiers"):
+                raise ValueError(f"{where}.pin_budget: a cache server's pin budget is the server's "
+                                 "(kvtier cache-server --pin-budget), not a client's")
             if self.scheme not in PINNING_SCHEMES:
                 raise ValueError(f"{where}.pin_budget: a {self.scheme} tier cannot pin chunks; "
                                  f"only {', '.join(PINNING_SCHEMES)} tiers take a pin_budget")

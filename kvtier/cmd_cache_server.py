@@ -65,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most bytes one tenant (cache_salt) may hold, in memory and on the disk spill "
                              "each; a tenant at its quota evicts its own least recently used entries "
                              "(default: no quota)")
+    parser.add_argument("--pin-budget", default=None, metavar="SIZE",
+                        help="most bytes operator pins (PIN, POST /kv/pin) may hold; pinned entries are "
+                             "never evicted, and with --disk their pins are kept across a restart "
+                             "(default: half of --max-bytes, at most --max-disk-bytes)")
     parser.add_argument("--auth-token", default=None, metavar="TOKEN",
                         help="require clients to send this token first (default: $KVTIER_AUTH_TOKEN, else none)")
     parser.add_argument("--tenant-tokens", default=None, metavar="FILE",
@@ -180,10 +184,20 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{source} is empty; give a non-empty token, or leave both unset to run without auth")
     tenant_tokens = load_tenant_tokens(args.tenant_tokens) if args.tenant_tokens is not None else None
     quota = parse_size(args.tenant_quota, "--tenant-quota") if args.tenant_quota is not None else None
+    max_bytes = parse_size(args.max_bytes, '--max-bytes')
+    pin_budget = parse_size(args.pin_budget, "--pin-budget") if args.pin_budget is not None else None
+    if pin_budget is not None and not 0 <= pin_budget <= max_bytes:
+        raise ValueError(f"--pin-budget must be 0..--max-bytes ({max_bytes}), got {pin_budget}")
     spill = None
     if args.disk:
-        spill = DiskSpill(writable_dir(args.disk, "--disk"), parse_size(args.max_disk_bytes, '--max-disk-bytes'), quota)
-    store = ByteStore(parse_size(args.max_bytes, '--max-bytes'), spill, quota)
+        max_disk = parse_size(args.max_disk_bytes, '--max-disk-bytes')
+        if pin_budget is None:
+            pin_budget = min(max_bytes // 2, max_disk)  # pinned entries fit on the spill at shutdown
+        elif pin_budget > max_disk:
+            raise ValueError(f"--pin-budget must not pass --max-disk-bytes ({max_disk}): pinned entries "
+                             "must fit on the disk spill at shutdown")
+        spill = DiskSpill(writable_dir(args.disk, "--disk"), max_disk, quota)
+    store = ByteStore(max_bytes, spill, quota, pin_budget)
     config = ServerConfig(
         host=args.host,
         port=args.port,

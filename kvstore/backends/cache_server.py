@@ -31,10 +31,11 @@ from urllib.parse import urlsplit
 import torch
 
 from kvstore import serde
-from kvstore.backend import BackendError, BackendStats, BytesBackend, ReadValue, StoredValue
+from kvstore.backend import BackendError, BackendStats, BytesBackend, EntryInfo, ReadValue, StoredValue
 from kvstore.budget import BudgetError
 from kvstore.codecs import Codec
 from kvstore.deadlines import OPTIONS, CallKind, RemoteDeadlines
+from kvstore.pin_set import PinError
 from kvstore.server.client import (
     CacheServerClient,
     Observer,
@@ -42,6 +43,7 @@ from kvstore.server.client import (
     ServerReplyError,
     ServerUnavailable,
 )
+from kvstore.server.protocol import Status
 
 if TYPE_CHECKING:
     from kvstore.store_config import TierSpec
@@ -83,6 +85,7 @@ class CacheServerBackend(BytesBackend):
         self.lookup_client = pool("lookup")
         self.scheme = "kvtiers" if tls is not None else "kvtier"
         self._errors = 0
+        self._last_pins: tuple[int, int, int | None] = (0, 0, None)  # as the last STATS said
 
     @classmethod
     def from_spec(cls, spec: TierSpec) -> CacheServerBackend:
@@ -157,6 +160,8 @@ class CacheServerBackend(BytesBackend):
 
     def _usage(self) -> tuple[int, int, int | None, int]:
         s = self._io(self.lookup_client.stats)  # a /metrics scrape waits at most a lookup's deadline
+        # an older server reports no pins
+        self._last_pins = (s.get("pin_entries", 0), s.get("pin_bytes", 0), s.get("pin_budget"))
         return (s["entries"] + s["disk_entries"], s["bytes"] + s["disk_bytes"],
                 s["max_bytes"] + s["max_disk_bytes"], s["evictions"])
 
@@ -187,9 +192,11 @@ class CacheServerBackend(BytesBackend):
     def set_budget(self, byte_budget: int | None = None, pin_budget: int | None = None,
                    tenant_quota: int | None = None) -> None:
         """Sets the server's memory budget (`--max-bytes`) and/or tenant quota, met at once (SET_BUDGET);
-        BudgetError for a pin budget or the server's refusal, BackendError when unreachable."""
+        BudgetError for a pin budget (the server's `--pin-budget` is its own) or the server's
+        refusal, BackendError when unreachable."""
         if pin_budget is not None:
-            raise BudgetError(f"tier {self.name} ({self.url}) cannot pin chunks, so it has no pin_budget")
+            raise BudgetError(f"tier {self.name} ({self.url}): its pin budget is the server's own "
+                              "(kvtier cache-server --pin-budget), not changed at run time")
         try:
             self.client.set_budget(byte_budget, tenant_quota)
         except ServerReplyError as exc:
@@ -197,15 +204,44 @@ class CacheServerBackend(BytesBackend):
         except (ServerUnavailable, OSError) as exc:
             raise BackendError(f"cache server {self.url}: {exc}") from exc
 
+    # -- operating the cache: the server's own pins (PIN/UNPIN, within its --pin-budget) ----
+    def describe(self, keys: Sequence[str]) -> list[EntryInfo | None]:
+        """Returns per key the server's entry (its bytes, in memory or on its disk spill) and
+        pin, or None when it holds none (one DESCRIBE round trip per 4096 keys)."""
+        got = self._io(self.lookup_client.describe, [k.encode() for k in keys]) if keys else []
+        return [None if d is None else
+                EntryInfo(int(d["bytes"]), None, None, bool(d["pinned"]),
+                          None if d["pin_expires_in_s"] is None else float(d["pin_expires_in_s"]))
+                for d in got]
+
+    def pin(self, keys: Sequence[str], ttl_s: float | None = None) -> int:
+        """Pins `keys` on the server, all or none; returns the bytes newly pinned. PinError
+        (nothing pinned) when it refuses (a key not held, its pin budget); BackendError when
+        it cannot be reached or refuses this token (a tenant's, for another's keys)."""
+        try:
+            return self.client.pin([k.encode() for k in keys], ttl_s)
+        except ServerReplyError as exc:
+            if exc.status == Status.PIN_REFUSED:
+                raise PinError(f"cache server {self.url}: {exc}") from None
+            raise BackendError(f"cache server {self.url}: {exc}") from exc
+        except (ServerUnavailable, OSError) as exc:
+            raise BackendError(f"cache server {self.url}: {exc}") from exc
+
+    def unpin(self, keys: Sequence[str]) -> int:
+        """Releases the server's pins of `keys`; returns how many were pinned."""
+        return self._io(self.client.unpin, [k.encode() for k in keys])
+
     def stats(self) -> BackendStats:
-        """Returns the server's usage with this client's counters; while the server is
-        unreachable, usage reads as zero and `errors` counts the failure."""
+        """Returns the server's usage and pins with this client's counters; while the server
+        is unreachable, usage reads as zero and `errors` counts the failure."""
         try:
             stats = super().stats()
         except BackendError:
             with self._stats_lock:
                 stats = BackendStats(hits=self._hits, misses=self._misses, puts=self._puts,
                                      corrupt=self._corrupt, rejected=self._rejected)
+        pins = self._last_pins
+        stats.can_pin, stats.pinned_entries, stats.pinned_bytes, stats.pin_budget = True, *pins
         with self._stats_lock:
             stats.errors = self._errors
         return stats

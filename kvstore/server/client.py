@@ -20,6 +20,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvstore.server import protocol as P
 from kvstore.server.client_connection import (
@@ -241,6 +242,32 @@ class CacheServerClient:
             if hits < len(part):
                 break
         return total
+
+    def pin(self, keys: Sequence[bytes], ttl_s: float | None = None) -> int:
+        """Pins `keys` on the server (all or none, for `ttl_s` seconds; None: until unpinned);
+        returns the bytes newly pinned. ServerReplyError: PIN_REFUSED (nothing pinned: a key
+        not held, or the server's pin budget), FORBIDDEN (a tenant token, another's keys)."""
+        if len(keys) > P.MAX_KEYS_PER_REQUEST:
+            raise ValueError(f"pin at most {P.MAX_KEYS_PER_REQUEST} keys at once (all or none)")
+        return P.decode_count(_expect_ok(self._one(Request(Op.PIN, payload=P.encode_pin(ttl_s, keys)))).payload)
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        """Releases the server's pins of `keys`; returns how many were pinned."""
+        total = 0
+        for start in range(0, len(keys), P.MAX_KEYS_PER_REQUEST):
+            part = keys[start : start + P.MAX_KEYS_PER_REQUEST]
+            total += P.decode_count(_expect_ok(self._one(Request(Op.UNPIN, payload=P.encode_key_list(part)))).payload)
+        return total
+
+    def describe(self, keys: Sequence[bytes]) -> list[dict[str, Any] | None]:
+        """Returns per key what the server holds of it (`bytes`, `pinned`, `pin_expires_in_s`),
+        or None when it holds nothing under it."""
+        out: list[dict[str, Any] | None] = []
+        for start in range(0, len(keys), P.MAX_KEYS_PER_REQUEST):
+            part = keys[start : start + P.MAX_KEYS_PER_REQUEST]
+            reply = _expect_ok(self._one(Request(Op.DESCRIBE, payload=P.encode_key_list(part))))
+            out += json.loads(bytes(reply.payload))
+        return out
 
     def _count_forbidden(self, replies: Sequence[Reply]) -> None:
         refused = [r for r in replies if r.status == Status.FORBIDDEN]

@@ -13,8 +13,10 @@ and `HandlerServer`, and `connection.Connection` and `server.CacheServer` provid
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Protocol
 
+from kvstore.pin_set import PinError
 from kvstore.server import protocol as P
 from kvstore.server.protocol import Op, Status
 from kvstore.server.store import ByteStore
@@ -22,10 +24,11 @@ from kvstore.server.store import ByteStore
 INLINE_REPLY = 4096  # values up to this size are copied into their reply; larger ones are pinned
 _OPS = frozenset(int(op) for op in Op)
 # What a tenant token's connection may do (docs/protocol.md, "Tenant tokens"): ops that name
-# keys, each key under its tenant's prefix (PREFIX_HITS: every key of its list); ops that name
-# none and reveal no entry. Every other op (CLEAR, SET_BUDGET, and any op added later, until it
-# is listed here) is the operator's.
-_KEYED_OPS = frozenset({Op.GET, Op.EXISTS, Op.PUT, Op.DELETE, Op.DELETE_PREFIX, Op.PREFIX_HITS})
+# keys, each key under its tenant's prefix (the list ops: every key of their list); ops that
+# name none and reveal no entry. Every other op (CLEAR, SET_BUDGET, and any op added later,
+# until it is listed here) is the operator's.
+_LIST_OPS = frozenset({Op.PREFIX_HITS, Op.PIN, Op.UNPIN, Op.DESCRIBE})
+_KEYED_OPS = frozenset({Op.GET, Op.EXISTS, Op.PUT, Op.DELETE, Op.DELETE_PREFIX, *_LIST_OPS})
 _UNKEYED_OPS = frozenset({Op.PING, Op.AUTH, Op.STATS})
 
 
@@ -85,7 +88,7 @@ def dispatch(conn: HandlerConnection, h: P.Header, key: bytes, payload: memoryvi
         return
     store = conn.store
     code = h.code
-    if conn.scope and code != Op.PREFIX_HITS and out_of_scope(conn.scope, code, key):  # its list: below
+    if conn.scope and code not in _LIST_OPS and out_of_scope(conn.scope, code, key):  # lists: below
         forbid(conn, rid, code, reserved if code == Op.PUT else 0)
         return
     if code == Op.GET:
@@ -106,6 +109,8 @@ def dispatch(conn: HandlerConnection, h: P.Header, key: bytes, payload: memoryvi
             forbid(conn, rid, code)
             return
         conn.reply(Status.OK, rid, P.encode_count(store.prefix_hits(keys)))
+    elif code in (Op.PIN, Op.UNPIN, Op.DESCRIBE):
+        pins(conn, rid, code, payload)
     elif code == Op.PUT:
         if store.put(key, payload, reserved):
             conn.reply(Status.OK, rid)
@@ -145,6 +150,38 @@ def dispatch(conn: HandlerConnection, h: P.Header, key: bytes, payload: memoryvi
             authenticate(conn, rid, payload)
     else:  # unreachable: unknown ops are refused while framing
         conn.reply(Status.UNKNOWN_OP, rid, f"unknown op {code}".encode())
+
+
+def pins(conn: HandlerConnection, request_id: int, code: int, payload: memoryview) -> None:
+    """Answers a PIN (the bytes newly pinned, or PIN_REFUSED), UNPIN (how many were pinned) or
+    DESCRIBE (JSON: per key null, or its bytes and pin); a tenant token's list must hold only
+    its own keys (else FORBIDDEN, nothing done)."""
+    ttl_s = None
+    try:
+        if code == Op.PIN:
+            ttl_s, keys = P.decode_pin(payload)
+        else:
+            keys = P.decode_key_list(payload, P.MAX_KEYS_PER_REQUEST)
+    except P.ProtocolError as exc:
+        conn.reply(Status.BAD_REQUEST, request_id, str(exc).encode())
+        return
+    if conn.scope and any(out_of_scope(conn.scope, code, k) for k in keys):
+        forbid(conn, request_id, code)
+        return
+    store = conn.store
+    if code == Op.PIN:
+        try:
+            conn.reply(Status.OK, request_id, P.encode_count(store.pin_keys(keys, ttl_s)))
+        except PinError as exc:
+            conn.reply(Status.PIN_REFUSED, request_id, str(exc).encode())
+    elif code == Op.UNPIN:
+        conn.reply(Status.OK, request_id, P.encode_count(store.unpin_keys(keys)))
+    else:
+        described = [None if d is None else
+                     {"bytes": d[0], "pinned": d[1] is not None,
+                      "pin_expires_in_s": None if d[1] is None else d[1].expires_in_s}
+                     for d in store.describe_keys(keys)]
+        conn.reply(Status.OK, request_id, json.dumps(described).encode())
 
 
 def authenticate(conn: HandlerConnection, request_id: int, token: memoryview) -> None:

@@ -51,6 +51,9 @@ class Op(IntEnum):
     STATS = 9
     DELETE_PREFIX = 10  # removes every key starting with the request's key; replies the count
     SET_BUDGET = 11  # the operator's: sets the memory budget and/or tenant quota; replies STATS
+    PIN = 12  # payload: u64 ttl in ms (0: until unpinned), then a key list; replies the bytes newly pinned
+    UNPIN = 13  # payload: a key list; replies how many were pinned
+    DESCRIBE = 14  # payload: a key list; replies JSON, per key its bytes and pin (null: not held)
 
 
 class Status(IntEnum):
@@ -66,6 +69,7 @@ class Status(IntEnum):
     BUSY = 9  # the memory budget is held by other bodies in flight and replies: retry later
     TOO_MANY_CONNECTIONS = 10  # --max-connections reached: the server closes at once
     FORBIDDEN = 11  # a tenant token's connection named a key outside its tenant, or an operator's op
+    PIN_REFUSED = 12  # a PIN over the pin budget, or naming a key not held: nothing was pinned
 
 
 def empty_buffer(n: int) -> memoryview:
@@ -153,6 +157,21 @@ def decode_key_list(payload: Buffer, max_keys: int = MAX_KEYS_PER_REQUEST) -> li
         keys.append(bytes(view[pos : pos + n]))
         pos += n
     return keys
+
+
+def encode_pin(ttl_s: float | None, keys: Iterable[bytes]) -> bytes:
+    """Returns a PIN payload: the ttl in whole milliseconds (at least 1; 0: until unpinned),
+    then the key list."""
+    ttl_ms = 0 if ttl_s is None else max(1, round(ttl_s * 1000))
+    return _U64.pack(ttl_ms) + encode_key_list(keys)
+
+
+def decode_pin(payload: Buffer) -> tuple[float | None, list[bytes]]:
+    """Returns (ttl in seconds or None, keys) of a PIN payload; ProtocolError if malformed."""
+    if len(payload) < 8:
+        raise ProtocolError("PIN payload must start with a u64 ttl in milliseconds")
+    (ttl_ms,) = _U64.unpack_from(payload, 0)
+    return (ttl_ms / 1000 if ttl_ms else None), decode_key_list(memoryview(payload)[8:])
 
 
 def encode_count(n: int) -> bytes:

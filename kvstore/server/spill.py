@@ -17,6 +17,12 @@ issued them, so a slow or stalled disk never stalls a client. Files and director
 With a tenant quota, no tenant (the tag of a salted key) holds more than that many bytes of
 files: a tenant at its quota evicts its own least recently used files first.
 
+The server's operator pins (`pins`, kvstore/pin_set.py: PIN/UNPIN) are kept beside the spill's
+generations (`DIR/.kvtier-pins`, kvstore/pin_file.py): loaded at startup, before the startup
+eviction, and written by the worker after each change (`save_pins`), so a restart with the same
+directory keeps them. A pinned key's file is never evicted (`protected`); a write that only
+pinned files stand in the way of is refused (the entry is dropped, as one larger than the budget).
+
 The directory is a cache, never a reason to stop serving: when it stops accepting writes
 (read-only, full) the failure is logged once per episode and evicted entries are dropped.
 """
@@ -25,12 +31,15 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from kvstore.pin_file import PIN_FILE, PinFile
+from kvstore.pin_set import PinSet
 from kvstore.server import spillfile as F
 from kvstore.server.io_worker import IOWorker
 from kvstore.server.protocol import Buffer
@@ -38,6 +47,12 @@ from kvstore.tenant_keys import key_tenant_bytes
 from kvstore.tenant_quota import TenantBytes
 
 log = logging.getLogger(__name__)
+
+
+def pin_name(key: bytes) -> str:
+    """Returns the name `key` has in the server's pin set (latin-1: one character per byte, so
+    any key round-trips through the pin file's JSON)."""
+    return key.decode("latin-1")
 
 
 @dataclass(eq=False)
@@ -93,8 +108,33 @@ class DiskSpill:
             self.janitor.submit(partial(F.remove_tree, F.generation_dir(self.root, old)))
         for entry in F.scan(self.dir):
             self._add(entry.key, entry.size)
+        # the pins kept by the last run (the store sets their budget); of keys still on disk
+        self.pins = PinSet(None, time.time)
+        self.pin_file = PinFile(self.root / PIN_FILE)
+        self.pin_file.refresh(self.pins, self._on_disk)
         self._evict_to(self.max_bytes)
         self._evict_over_quota()  # a restart with a smaller quota
+
+    def _on_disk(self, name: str) -> bool:
+        try:
+            return name.encode("latin-1") in self._index
+        except UnicodeEncodeError:  # no key of ours (a foreign pin file's)
+            return False
+
+    def protected(self, key: bytes) -> bool:
+        """Returns whether `key` is pinned by the operator (its file is never evicted)."""
+        return self.pins.holds(pin_name(key))
+
+    def save_pins(self) -> None:
+        """Queues a write of the pin set as it is now to the pin file (in order with the other
+        file operations); a failure is logged, the pins stay in memory."""
+        data = self.pins.to_json()
+        self.worker.submit(partial(_write_pins, self.pin_file, data), self._pins_written)
+
+    def _pins_written(self, error: OSError | None) -> None:
+        if error is not None:
+            log.error("disk spill %s cannot write its pin file (%s): pins changed since are not "
+                      "kept across a restart until a later write succeeds", self.root, error)
 
     def attach(self, wake: Callable[[Callable[[], None]], object]) -> None:
         """Has completions run through `wake` (the event loop's call_soon_threadsafe)."""
@@ -119,7 +159,8 @@ class DiskSpill:
         self.delete(key)
         if size > self.max_bytes or not self._make_tenant_room(key, size):
             return False
-        self._evict_to(self.max_bytes - size)
+        if not self._evict_to(self.max_bytes - size):
+            return False  # only pinned files left to evict
         job = _Write(key, value, self._path(key), size)
         self._add(key, size)
         self._writing[key] = job
@@ -171,12 +212,19 @@ class DiskSpill:
         size = self._detached.get(key)
         if size is None:
             return
-        if not self._make_tenant_room(key, size):
-            self.delete(key)  # larger than its tenant's quota (set lower since it was written)
+        if not self._make_tenant_room(key, size) or not self._evict_to(self.max_bytes - size):
+            self.delete(key)  # larger than its tenant's quota (set lower since), or only pinned files left
             return
         del self._detached[key]
-        self._evict_to(self.max_bytes - size)
         self._add(key, size)
+
+    def size_of(self, key: bytes) -> int | None:
+        """Returns the file size of `key` if this spill holds it (written, being written or
+        read, detached), else None."""
+        size = self._index.get(key) or self._detached.get(key)
+        if size is None and key in self._reading:
+            size = self._reading[key].size
+        return size
 
     def reading(self, key: bytes) -> bool:
         return key in self._reading
@@ -302,7 +350,7 @@ class DiskSpill:
     def _make_tenant_room(self, key: bytes, size: int) -> bool:
         """Evicts `key`'s tenant's own least recently used files until `size` more bytes fit
         in its quota; returns False (evicting nothing) when they cannot."""
-        victims = self.tenants.own_victims(key, size, self._index, lambda: iter(self._index))
+        victims = self.tenants.own_victims(key, size, self._index, lambda: iter(self._index), self.protected)
         if victims is None:
             return False
         for victim in victims:
@@ -323,15 +371,24 @@ class DiskSpill:
         quota = self.tenants.quota
         if quota is None:
             return
-        for key in self.tenants.trim_victims(quota, self._index, lambda: iter(self._index)) or []:
+        for key in self.tenants.trim_victims(quota, self._index, lambda: iter(self._index), self.protected) or []:
             self.delete(key)
             self.evictions += 1
             self.tenant_evictions += 1
 
-    def _evict_to(self, limit: int) -> None:
-        while self.bytes_used > limit and self._index:
-            self.delete(next(iter(self._index)))
+    def _evict_to(self, limit: int) -> bool:
+        """Evicts least recently used files, never a pinned one, until `limit` bytes hold the
+        rest; returns whether they do."""
+        skipped = 0
+        while self.bytes_used > limit and len(self._index) > skipped:
+            key = next(iter(self._index))
+            if self.protected(key):
+                self._index.move_to_end(key)
+                skipped += 1
+                continue
+            self.delete(key)
             self.evictions += 1
+        return self.bytes_used <= limit
 
 
 def _run_write(job: _Write) -> OSError | None:
@@ -340,6 +397,15 @@ def _run_write(job: _Write) -> OSError | None:
         return None
     try:
         F.write(job.path, job.key, job.value)
+    except OSError as exc:
+        return exc
+    return None
+
+
+def _write_pins(pin_file: PinFile, data: bytes) -> OSError | None:
+    """Worker side of `save_pins`: returns the error of a failed write (None if written)."""
+    try:
+        pin_file.write(data)
     except OSError as exc:
         return exc
     return None

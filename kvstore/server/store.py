@@ -20,15 +20,25 @@ key, kvstore/tenant_keys.py) holds more than that many bytes of stored entries: 
 its quota evicts its own least recently used entries first, never another tenant's (the disk
 spill applies the same quota to its files). Memory and disk hold disjoint sets of keys: a GET
 that finds its key on disk reads it back into memory (`load`, off the event loop).
+
+Operator pins (PIN/UNPIN, `pins`: kvstore/pin_set.py, within `pin_budget` bytes): a pinned
+entry is never evicted, neither from memory nor from the disk spill, while its pin holds;
+memory keeps the pinned bytes back from the room it makes for others (so they are always
+room for the pinned entries, wherever they are). An explicit removal (DELETE, DELETE_PREFIX,
+CLEAR) beats a pin; an entry lost otherwise (a damaged file) loses its pin with it. With a
+spill, the pins are kept in its directory across a restart (kvstore/server/spill.py); after a
+restart the pinned entries are on disk, never evicted there, and back in memory at their first GET.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from kvstore.pin_set import PinInfo, PinSet, default_pin_budget
 from kvstore.server.protocol import Buffer
-from kvstore.server.spill import DiskSpill
+from kvstore.server.spill import DiskSpill, pin_name
 from kvstore.server.store_stats import StoreStats, read_stats
 from kvstore.sizes import parse_size
 from kvstore.tenant_keys import key_tenant_bytes
@@ -39,9 +49,13 @@ class ByteStore:
     """LRU map of byte keys to byte values within `max_bytes`. Not thread-safe: the server
     touches it only from its event loop thread (the spill's completions run there too)."""
 
-    def __init__(self, max_bytes: int, spill: DiskSpill | None = None, tenant_quota: int | None = None) -> None:
+    def __init__(self, max_bytes: int, spill: DiskSpill | None = None, tenant_quota: int | None = None,
+                 pin_budget: int | None = None) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        budget = default_pin_budget(max_bytes) if pin_budget is None else pin_budget
+        if budget is None or not 0 <= budget <= max_bytes:
+            raise ValueError(f"pin_budget must be 0..max_bytes ({max_bytes}), got {budget}")
         if spill is not None and spill.tenants.quota != tenant_quota:
             raise ValueError(f"the disk spill's tenant quota ({spill.tenants.quota}) differs from "
                              f"memory's ({tenant_quota})")
@@ -65,6 +79,13 @@ class ByteStore:
         self._sizes: dict[bytes, int] = {}
         # id(value) -> [replies (and spill writes) holding it, bytes it holds, whether it has left the store]
         self._pins: dict[int, list[int]] = {}
+        # The operator's pins (names: spill.pin_name), the spill's when there is one (loaded
+        # from its directory); this budget replaces the last run's, over it the newest go.
+        self.pins = spill.pins if spill is not None else PinSet(None, time.time)
+        self.pins.budget = budget
+        self.pins.trim()
+        self._pins_saved = -1 if spill is not None and spill.pin_file.size else self.pins.changes
+        self._save_pins()
 
     @property
     def memory_entries(self) -> int:
@@ -87,19 +108,22 @@ class ByteStore:
         # What eviction can make free: the rest is held by bodies in flight and by values
         # replies are sending (evicting those frees nothing until the reply is written).
         # Values being spilled free their bytes once written: they count as room.
-        return self.max_bytes - self.reserved - (self.retired - self.spilling) - self.pinned_stored
+        # Operator pins keep their bytes back (their entries are never evicted, wherever they are).
+        self.pins.expire()
+        return self.max_bytes - self.reserved - (self.retired - self.spilling) - self.pinned_stored - self.pins.bytes
 
-    def can_make_room(self, n: int) -> bool:
+    def can_make_room(self, n: int, own_pin: int = 0) -> bool:
         """Returns whether evicting (and waiting for spill writes) can make `n` bytes free,
-        i.e. they are not held by bodies in flight and replies being sent."""
-        return n <= self._room()
+        i.e. they are not held by bodies in flight, replies being sent and operator pins
+        (`own_pin`: the bytes kept back for the entry these are for, pinned on disk)."""
+        return n <= self._room() + own_pin
 
-    def reserve(self, n: int) -> bool:
+    def reserve(self, n: int, own_pin: int = 0) -> bool:
         """Commits `n` bytes for a body about to be received, evicting LRU entries to make
-        room; returns False while bodies in flight, replies being sent and spill writes
-        still pending leave less than `n` (evicting nothing in the first two cases).
-        Guarantees committed <= max_bytes."""
-        if n > self._room():
+        room; returns False while bodies in flight, replies being sent, operator pins (but
+        `own_pin`, as in can_make_room) and spill writes still pending leave less than `n`
+        (evicting nothing in the first three cases). Guarantees committed <= max_bytes."""
+        if n > self._room() + own_pin:
             return False
         self._make_room(n)
         if self.committed + n > self.max_bytes:
@@ -144,10 +168,11 @@ class ByteStore:
         bodies in flight hold the rest). Guarantees committed <= max_bytes afterwards."""
         size = len(key) + len(value)
         self.reserved -= reserved
+        own_pin = self._pin_bytes(key)  # a pinned key stored again keeps its pin, at its new size
         self._remove(key)
         if self.spill is not None:
             self.spill.delete(key)  # memory and disk hold disjoint keys
-        if size > self._room() or not self._make_tenant_room(key, size):
+        if size > self._room() + own_pin or not self._make_tenant_room(key, size):
             self.rejected += 1
             return False
         self._make_room(size)
@@ -212,9 +237,10 @@ class ByteStore:
         size, waiters = self._loads[key]
         spill = self.spill
         assert spill is not None
-        if spill.detached(key) and self.can_make_room(size):
+        own_pin = self._pin_bytes(key)
+        if spill.detached(key) and self.can_make_room(size, own_pin):
             # The file is read into a buffer of its size: commit that first.
-            if not self.reserve(size):
+            if not self.reserve(size, own_pin):
                 return  # room comes when the spill writes just queued are done
             del self._loads[key]
             spill.read(key, lambda value: self._loaded(key, size, value, waiters))
@@ -223,6 +249,9 @@ class ByteStore:
         # memory: then the entry stays on disk and these GETs miss.
         del self._loads[key]
         spill.restore(key)
+        if key not in spill:  # the disk had no room to keep it again: the entry is lost, with its pin
+            self.pins.release(pin_name(key))
+            self._save_pins()
         for done in waiters:
             self._count_load(None, done)
 
@@ -262,24 +291,85 @@ class ByteStore:
         return n
 
     def delete(self, key: bytes) -> bool:
-        """Removes `key` from memory and disk; returns whether it was present."""
+        """Removes `key` from memory and disk, with its pin; returns whether it was present."""
+        found = self._delete(key)
+        self._save_pins()
+        return found
+
+    def _delete(self, key: bytes) -> bool:
         in_memory = self._remove(key)
         on_disk = self.spill.delete(key) if self.spill is not None else False
+        self.pins.release(pin_name(key))
         return in_memory or on_disk
 
     def delete_prefix(self, prefix: bytes) -> int:
-        """Removes every key starting with `prefix` from memory and disk; returns how many."""
+        """Removes every key starting with `prefix` from memory and disk, with their pins;
+        returns how many."""
         keys = {k for k in self._lru if k.startswith(prefix)}
         if self.spill is not None:
             keys.update(self.spill.keys_with_prefix(prefix))
-        return sum(self.delete(k) for k in keys)
+        removed = sum(self._delete(k) for k in keys)
+        self._save_pins()
+        return removed
 
     def clear(self) -> None:
-        """Empties memory now, and the disk spill (its files are removed in the background)."""
+        """Empties memory now, and the disk spill (its files are removed in the background);
+        every pin is released."""
         for key in list(self._lru):
             self._remove(key)
         if self.spill is not None:
             self.spill.clear()
+        self.pins.clear()
+        self._save_pins()
+
+    # -- operator pins ----------------------------------------------------------------------
+    def pin_keys(self, keys: Sequence[bytes], ttl_s: float | None = None) -> int:
+        """Pins every key held (in memory or on disk) against eviction, all or none, within
+        the pin budget; returns the bytes newly pinned. PinError (nothing pinned) when a key
+        is not held or the pins would pass the budget."""
+        self._drop_lost_pins()
+        held: dict[str, int] = {}
+        for key in keys:
+            size = self._sizes.get(key) or (self.spill.size_of(key) if self.spill is not None else None)
+            if size:
+                held[pin_name(key)] = size
+        added = self.pins.pin_held([pin_name(k) for k in keys], held, ttl_s, "cache server")
+        self._save_pins()
+        return added
+
+    def unpin_keys(self, keys: Sequence[bytes]) -> int:
+        """Releases the operator pins of `keys`; returns how many were pinned."""
+        released = self.pins.unpin(pin_name(k) for k in keys)
+        self._save_pins()
+        return released
+
+    def describe_keys(self, keys: Sequence[bytes]) -> list[tuple[int, PinInfo | None] | None]:
+        """Returns per key (its bytes, in memory or on disk, and its pin or None), or None
+        when it is not held."""
+        out: list[tuple[int, PinInfo | None] | None] = []
+        for key in keys:
+            size = self._sizes.get(key) or (self.spill.size_of(key) if self.spill is not None else None)
+            out.append(None if not size else (size, self.pins.info(pin_name(key))))
+        return out
+
+    def _pin_bytes(self, key: bytes) -> int:
+        """Returns the bytes `key`'s operator pin keeps back (0: not pinned)."""
+        info = self.pins.info(pin_name(key))
+        return 0 if info is None else info.nbytes
+
+    def _drop_lost_pins(self) -> None:
+        """Releases the pins of keys held neither in memory nor on disk (a damaged file, a
+        write that failed)."""
+        for name in self.pins.keys():
+            if not self.contains(name.encode("latin-1")):
+                self.pins.release(name)
+        self._save_pins()
+
+    def _save_pins(self) -> None:
+        """Has the spill write the pins when they changed since last written."""
+        if self.spill is not None and self.pins.changes != self._pins_saved:
+            self._pins_saved = self.pins.changes
+            self.spill.save_pins()
 
     def flush_to_disk(self, stall_timeout: float | None = None) -> int:
         """Writes every in-memory entry to the disk spill (most recent last, so that the
@@ -292,6 +382,7 @@ class ByteStore:
         written: list[bool] = []
         for key, value in self._lru.items():
             self.spill.put(key, value, written.append)
+        self._drop_lost_pins()  # and saves what changed unsaved (expiries, sizes), after the writes
         self.spill.close(stall_timeout)
         return sum(written)
 
@@ -319,6 +410,7 @@ class ByteStore:
 
     def stats(self) -> StoreStats:
         """Returns what STATS reports of this store and its disk spill."""
+        self._drop_lost_pins()
         return read_stats(self)
 
     def tenant_bytes(self) -> dict[str, int]:
@@ -330,11 +422,15 @@ class ByteStore:
         self._sizes[key] = size
         self.bytes_used += size
         self.tenants.record(key, size)
+        self.pins.resize(pin_name(key), size)  # a pinned entry stored again, or read back from disk
+
+    def _pinned(self, key: bytes) -> bool:
+        return self.pins.holds(pin_name(key))
 
     def _make_tenant_room(self, key: bytes, size: int) -> bool:
-        """Evicts `key`'s tenant's own least recently used entries until `size` more bytes fit
-        in its quota; returns False (evicting nothing) when they cannot (larger than the quota)."""
-        victims = self.tenants.own_victims(key, size, self._sizes, lambda: iter(self._lru))
+        """Evicts `key`'s tenant's own least recently used entries (never pinned ones) until
+        `size` more bytes fit in its quota; returns False (evicting nothing) when they cannot."""
+        victims = self.tenants.own_victims(key, size, self._sizes, lambda: iter(self._lru), self._pinned)
         if victims is None:
             return False
         for victim in victims:
@@ -363,8 +459,14 @@ class ByteStore:
         """Evicts LRU entries until `n` more bytes fit once queued spill writes finish
         (callers check _room() first, so the entries that replies are sending, which free
         nothing, never leave it short)."""
-        while self._lru and self.committed - self.spilling + n > self.max_bytes:
-            self._evict(*self._lru.popitem(last=False))
+        skipped = 0  # pinned entries met, each moved to the end (never evicted)
+        while len(self._lru) > skipped and self.committed - self.spilling + n > self.max_bytes:
+            key = next(iter(self._lru))
+            if self._pinned(key):
+                self._lru.move_to_end(key)
+                skipped += 1
+                continue
+            self._evict(key, self._lru.pop(key))
 
     def _evict(self, key: bytes, value: Buffer) -> None:
         """Evicts an entry just taken out of the LRU: to the disk spill, else dropped."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
+from kvstore.pin_set import PinSet
 from kvstore.server.spill import DiskSpill
 from kvstore.tenant_quota import TenantBytes
 
@@ -13,6 +14,7 @@ class _Counted(Protocol):
     """What STATS reads of the store (kvstore/server/store.py `ByteStore`)."""
 
     spill: DiskSpill | None
+    pins: PinSet
     tenants: TenantBytes[bytes]
     bytes_used: int
     max_bytes: int
@@ -55,6 +57,9 @@ class StoreStats:
     spilling_bytes: int
     tenant_quota: int  # 0: none
     tenant_evictions: int  # entries (memory and disk) evicted to keep a tenant within its quota
+    pin_entries: int  # operator pins (PIN) held now
+    pin_bytes: int  # their bytes, never above pin_budget
+    pin_budget: int  # --pin-budget
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -84,4 +89,7 @@ def read_stats(store: _Counted) -> StoreStats:
         spilling_bytes=store.spilling,
         tenant_quota=store.tenants.quota or 0,
         tenant_evictions=store.tenant_evictions + (spill.tenant_evictions if spill is not None else 0),
+        pin_entries=len(store.pins),
+        pin_bytes=store.pins.bytes,
+        pin_budget=store.pins.budget or 0,
     )

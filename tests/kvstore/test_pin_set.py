@@ -122,3 +122,22 @@ def test_delete_idle_removes_what_was_not_used_and_keeps_pins(tmp_path: Path, ki
     assert tier.delete_idle(0.05 if kind == 0 else 30) == 1
     assert tier.batched_contains(["o00", "o01", "n00"]) == [False, True, True]
     tier.close()
+
+
+def test_a_pin_set_round_trips_through_json_and_refuses_what_is_not_one() -> None:
+    now = [1000.0]
+    pins = PinSet(100, clock=lambda: now[0])
+    pins.pin([("a", 40)], ttl_s=5)
+    pins.pin([("b", 10), ("c", 20)])
+    copy = PinSet(None, clock=lambda: now[0])
+    copy.load_json(pins.to_json(), exists=lambda key: key != "c")  # c's value is gone
+    assert (copy.budget, copy.bytes, copy.keys()) == (100, 50, ["a", "b"])
+    info = copy.info("a")
+    assert info is not None and info.expires_in_s == 5
+    now[0] = 1005.0
+    assert copy.keys() == ["b"] and copy.bytes == 10  # expired on the shared clock
+    for bad in (b"[]", b'{"kind": "kvtier-pins", "version": 1, "budget": 5, "pins": {"x": [6, null]}}',
+                b'{"kind": "kvtier-pins", "version": 1, "budget": null, "pins": {"x": [true, null]}}'):
+        with pytest.raises(ValueError):
+            copy.load_json(bad)
+        assert copy.keys() == ["b"]  # nothing changed

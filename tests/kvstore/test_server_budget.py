@@ -75,7 +75,7 @@ def test_the_operator_lowers_the_budget_and_quota_at_run_time(
         manager.set_tier_budget("kvtier", byte_budget=budget // 2)
         b = next(iter(manager.stats().values())).backend
         assert b.byte_budget == budget // 2 and 0 < b.bytes_used <= budget // 2
-        with pytest.raises(BudgetError, match="no pin_budget"):
+        with pytest.raises(BudgetError, match="pin budget is the server.s own"):
             manager.set_tier_budget("kvtier", pin_budget=1)
     tenant = KVStoreConfig(tiers=[TierSpec.from_url(f"{server.url}?auth_token={TOKEN_A}")])
     with StorageManager.from_config(tenant) as manager:

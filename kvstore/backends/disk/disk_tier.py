@@ -16,12 +16,21 @@ process's) until the reservation fits. The process that opened the directory las
 budget. Temp files are named `.tmp-<pid>-<bytes>-<id>`, so a recount (on open, and whenever
 a write does not fit) keeps the reservations of live writers and removes dead writers' files.
 
+Operator pins are a property of the directory too (kvstore/pin_file.py, `.kvtier-pins`: key ->
+bytes and wall-clock expiry, with the pin budget), so a restarted process keeps them and every
+process using the directory honours them: each re-reads the file (when its stat changed) under
+the directory's lock before it evicts, pins or unpins, and writes it back, under the same lock,
+whenever its pins changed (pinned, unpinned, expired, or their files removed). The file exists
+once something was pinned; it carries the pin budget of the last process that opened the
+directory or pinned first, which every process then checks pins against.
+
 A directory that cannot be written (a read-only mount of a pre-warmed cache, another user's
-files) is served read-only: reads work, writes raise BackendError.
+files) is served read-only: reads work, writes (and pins) raise BackendError.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -49,12 +58,15 @@ from kvstore.backends.disk.file_names import (
 from kvstore.budget import ByteBudget
 from kvstore.codecs import Codec
 from kvstore.eviction import make_policy
-from kvstore.pin_set import default_pin_budget
+from kvstore.pin_file import PIN_FILE, PinFile
+from kvstore.pin_set import PinError, default_pin_budget
 from kvstore.read_buffers import ReadBufferPool
 from kvstore.store_config import TierSpec
 from kvstore.tenant_keys import key_tenant, tenant_prefix
 
 __all__ = ["DiskBackend"]
+
+log = logging.getLogger(__name__)
 
 
 class DiskBackend(BytesBackend):
@@ -76,10 +88,13 @@ class DiskBackend(BytesBackend):
         # directory another process keeps locked stalls this tier's writes, never its reads.
         self._dir_lock = threading.Lock()
         self._last_usage: tuple[int, int | None] = (0, byte_budget)  # (used, budget) last read
-        # this process's view: the files it knows, in eviction order (the budget lives in _dir)
-        # and this process's operator pins (pin_budget, None: half the byte budget)
-        self._index = ByteBudget(None, make_policy(eviction), tenant_quota,
-                                 pin_budget if pin_budget is not None else default_pin_budget(byte_budget))
+        # this process's view: the files it knows, in eviction order (the budget lives in _dir),
+        # and the directory's operator pins as last read from its pin file (pin_budget, None:
+        # half the byte budget; expiries on the wall clock, shared with other processes)
+        own_pin_budget = pin_budget if pin_budget is not None else default_pin_budget(byte_budget)
+        self._index = ByteBudget(None, make_policy(eviction), tenant_quota, own_pin_budget, pin_clock=time.time)
+        self._pin_file = PinFile(self.root / PIN_FILE)
+        self._pins_saved = self._index.pinned.changes  # the pins' change count the file holds
         self._evictions = 0
         self._read_buffers = ReadBufferPool()
         try:
@@ -92,11 +107,14 @@ class DiskBackend(BytesBackend):
         with self._lock:
             if self.read_only:
                 self._scan()
+                self._sync_pins()
             else:
                 with self._dir.locked() as state:
                     state.budget = byte_budget  # the latest opener sets the directory's budget
                     self._recount(state)
+                    self._open_pins(own_pin_budget)
                     self._make_room(state, 0)  # a lowered budget trims the directory now
+                    self._save_pins(state)
 
     @classmethod
     def from_spec(cls, spec: TierSpec) -> DiskBackend:
@@ -131,6 +149,11 @@ class DiskBackend(BytesBackend):
                             os.unlink(entry.path)
                         except OSError:
                             pass
+                elif entry.name == PIN_FILE:
+                    try:
+                        used += entry.stat().st_size
+                    except OSError:
+                        pass
                 elif entry.name.endswith(SUFFIX):
                     try:
                         if not entry.is_file():
@@ -160,13 +183,76 @@ class DiskBackend(BytesBackend):
                 if state.used < 0:
                     state.budget = self._own_budget
                     self._recount(state)
-                yield state
+                self._sync_pins()  # other processes' pins, before anything is evicted
+                try:
+                    yield state
+                except BaseException:
+                    self._pin_file.forget()  # pins changed and not saved: re-read next time
+                    raise
+                self._save_pins(state)
                 self._last_usage = (state.used, state.budget)
         finally:
             self._dir_lock.release()
 
     def _recount(self, state: DirState) -> None:
         state.used = self._scan() + STATE_BYTES
+
+    # -- the directory's pins (callers hold self._lock; the dir lock to save) ---------------
+    def _stored(self, key: str) -> bool:
+        try:
+            return self._path(key).is_file()
+        except (ValueError, OSError):  # a key no file can be named for (a foreign pin file's)
+            return False
+
+    def _sync_pins(self) -> None:
+        """Re-reads the directory's pin file if another process (or a restart) changed it;
+        pins of keys whose file is gone are left out."""
+        if self._pin_file.refresh(self._index.pinned, self._stored):
+            self._pins_saved = self._index.pinned.changes
+
+    def _open_pins(self, budget: int | None) -> None:
+        """Loads the directory's pins at open; an existing pin file takes this opener's pin
+        budget (pins over a lowered budget are released, most recently set first, with a warning)."""
+        pins = self._index.pinned
+        self._sync_pins()
+        if self._pin_file.size == 0:
+            pins.budget = budget  # no pin file: nothing shared yet
+            return
+        if pins.budget != budget:
+            pins.budget = budget
+            self._pins_saved = -1  # the file's budget changes
+        pinned = pins.bytes
+        released = pins.trim()
+        if released:
+            log.warning("disk tier %s: pin_budget %s is below the %d bytes pinned; released %d pin(s), "
+                        "the most recently set first", self.root, budget, pinned, len(released))
+
+    def _pin_file_growth(self) -> int:
+        """Returns how many bytes the pin file would grow by if saved now (negative: shrink)."""
+        return len(self._index.pinned.to_json()) - self._pin_file.size
+
+    def _save_pins(self, state: DirState) -> None:
+        """Writes this process's pins to the directory's pin file if they changed since read
+        or saved (the file's bytes counted in the directory's budget); a directory with no pin
+        file and no pins stays without one. A write that fails is logged; the pins are re-read."""
+        pins = self._index.pinned
+        if pins.changes == self._pins_saved:
+            return
+        if not len(pins) and self._pin_file.size == 0 and not self._pin_file.path.exists():
+            self._pins_saved = pins.changes
+            return
+        grow = self._pin_file_growth()
+        if grow > 0:
+            self._make_room(state, grow)  # best effort: pin() made room for what it added
+        old = self._pin_file.size
+        try:
+            new = self._pin_file.save(pins)
+        except OSError as exc:
+            log.error("disk tier %s cannot write its pin file (%s): pins changed here are not kept", self.root, exc)
+            self._pin_file.forget()
+            return
+        state.used += new - old
+        self._pins_saved = pins.changes
 
     def _make_room(self, state: DirState, nbytes: int) -> bool:
         """Evicts files (least recently used first, never pinned ones) until `nbytes` more fit
@@ -400,11 +486,11 @@ class DiskBackend(BytesBackend):
             for key in list(self._index.sizes):
                 state.used -= self._unlink(key)
 
-    # -- operating the cache (this process's pins: other processes using the directory do
-    # not see them, and a restart forgets them) --------------------------------------------
+    # -- operating the cache (the directory's pins: shared by every process using it, kept
+    # across restarts in its pin file) ------------------------------------------------------
     def describe(self, keys: Sequence[str]) -> list[EntryInfo | None]:
-        """Per key its file's size, seconds since its last use (mtime: reads touch it) and this
-        process's pin; its age is unknown (a file's mtime is its last use, not its creation)."""
+        """Per key its file's size, seconds since its last use (mtime: reads touch it) and its
+        pin (any process's); its age is unknown (a file's mtime is its last use, not its creation)."""
         out: list[EntryInfo | None] = []
         for key in keys:
             try:
@@ -416,6 +502,7 @@ class DiskBackend(BytesBackend):
                 raise BackendError(f"disk tier cannot stat {key}: {exc}") from exc
             self._adopt(key)
             with self._lock:
+                self._sync_pins()
                 pin = self._index.pinned.info(key)
             out.append(EntryInfo(st.st_size, None, max(0.0, time.time() - st.st_mtime), pin is not None,
                                  pin.expires_in_s if pin is not None else None))
@@ -427,13 +514,27 @@ class DiskBackend(BytesBackend):
             return self._index.usage_by(label)
 
     def pin(self, keys: Sequence[str], ttl_s: float | None = None) -> int:
+        """Pins stored `keys` in the directory's pin file, all or none, within its pin budget
+        counting every process's pins; returns the bytes newly pinned. PinError (nothing
+        pinned) as `StorageBackend.pin`, or when the pin file finds no room; BackendError if read-only."""
+        self._writable()
         present = [self._exists(k) for k in keys]  # another process's file is indexed here
-        with self._lock:
+        with self._locked() as state:
             held = {k: self._index.sizes[k] for k, p in zip(keys, present) if p and k in self._index}
-            return self._index.pinned.pin_held(keys, held, ttl_s, self.name)
+            added = self._index.pinned.pin_held(keys, held, ttl_s, self.name)
+            grow = self._pin_file_growth()
+            if grow <= 0 or self._make_room(state, grow):
+                return added
+            self._pin_file.forget()
+            self._sync_pins()  # back to the pins before this call
+        raise PinError(f"tier {self.name}: no room in the directory's budget for its pin file "
+                       f"({grow} more bytes; only pinned chunks are left); nothing was pinned")
 
     def unpin(self, keys: Sequence[str]) -> int:
-        with self._lock:
+        """Releases the pins of `keys` (whichever process set them); returns how many were pinned.
+        BackendError if read-only."""
+        self._writable()
+        with self._locked():
             return self._index.pinned.unpin(keys)
 
     def set_budget(self, byte_budget: int | None = None, pin_budget: int | None = None,
@@ -445,7 +546,10 @@ class DiskBackend(BytesBackend):
             self._recount(state)  # every process's files and live writers' reservations
             limits = self._index.plan_limits(byte_budget, pin_budget, tenant_quota,
                                              account=(state.used, state.budget), tier=self.name)
+            pin_budget_before = self._index.pinned.budget
             self._index.apply_limits(limits, own_budget=False)
+            if self._index.pinned.budget != pin_budget_before:
+                self._pins_saved = -1  # the pin file carries the directory's pin budget: saved below
             state.budget = self._own_budget = limits.budget
             for victim in limits.victims:
                 state.used -= self._unlink(victim)
@@ -474,6 +578,7 @@ class DiskBackend(BytesBackend):
     def stats(self) -> BackendStats:
         s = super().stats()
         with self._lock:
+            self._sync_pins()
             s.can_pin, s.pinned_entries = True, len(self._index.pinned)
             s.pinned_bytes, s.pin_budget = self._index.pinned.bytes, self._index.pinned.budget
         return s
