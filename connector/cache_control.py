@@ -1,9 +1,10 @@
-"""Operating the cache for one prompt: what each tier holds of its chunks (inspect), the
-operator's pins of its prefix in one tier (pin, unpin), and copies of its prefix between tiers
-(prefetch into a faster tier, move, drop); one model's chunks cleared (clear_model); one tier's
-limits changed at run time (set_budget). The routes `/kv/inspect`, `/kv/pin`, `/kv/unpin`,
-`/kv/prefetch`, `/kv/move`, `/kv/drop`, `/kv/clear` and `/kv/budget` of `kvtier serve` answer
-from here (docs/serving.md, "Operating the cache").
+"""Operating the cache: what each tier holds of a prompt's chunks (inspect), the operator's pins
+of its prefix in one tier (pin, unpin), copies of its prefix between tiers (prefetch into a
+faster tier, move, drop), removals (one tenant's entries, one model's, every chunk, the chunks
+unused for a while) and one tier's limits changed at run time (set_budget). The routes
+`/kv/inspect`, `/kv/pin`, `/kv/unpin`, `/kv/prefetch`, `/kv/move`, `/kv/drop`, `/kv/clear` and
+`/kv/budget` of `kvtier serve` answer from here (docs/serving.md, "Operating the cache"), and
+so do the same routes of `vllm serve` through connector/control_ops.py.
 
 A prompt is taken as the request would take it: its tokens are cut into chunk spans by the
 request's keyspace (its cache_salt's: connector/keyspace.py), and a chunk is held by a tier
@@ -18,13 +19,14 @@ from typing import Any
 
 from connector.key_families import Family, FamilyIndex
 from connector.keyspace import Keyspace, Span, key_family_label
+from engine.cache_salt import tenant_tag
 from kvstore.backend import EntryInfo
 from kvstore.pin_set import PinError
-from kvstore.storage_manager import StorageManager
-from kvstore.tenant_keys import key_tenant
+from kvstore.storage_manager import LOCAL_TIERS, StorageManager
+from kvstore.tenant_keys import key_tenant, tenant_prefix
 
 
-def _merge(infos: Sequence[EntryInfo | None]) -> dict[str, Any] | None:
+def merge_figures(infos: Sequence[EntryInfo | None]) -> dict[str, Any] | None:
     """Returns one chunk's figures from its stored values' (None unless every value is held):
     bytes summed, the oldest age, the latest use, pinned only if every value is, the soonest
     pin expiry."""
@@ -53,7 +55,7 @@ def inspect(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int
     described = storage.describe(keyspace.stored_keys(spans))
     chunks = []
     for c, span in enumerate(spans):
-        where = {name: _merge(infos[c * per_value:(c + 1) * per_value]) for name, infos in described.items()}
+        where = {name: merge_figures(infos[c * per_value:(c + 1) * per_value]) for name, infos in described.items()}
         chunks.append({"index": c, "start": span.start, "end": span.end, "key": span.key,
                        "tiers": {name: figures for name, figures in where.items() if figures is not None}})
     return {"num_tokens": len(token_ids), "chunk_size": keyspace.chunk_size, "chunks": chunks,
@@ -229,3 +231,19 @@ def clear_model(storage: StorageManager, model: str) -> tuple[dict[str, int], di
         errors.update(failed)
     index.forget(match)
     return removed, errors
+# ---- removals ---------------------------------------------------------------------------
+def forget_tenant(storage: StorageManager, cache_salt: str) -> tuple[dict[str, int], dict[str, str]]:
+    """Removes every stored value of `cache_salt`'s requests from every tier (and the tenant
+    from the shared tiers' family index); returns (per tier removed, per tier that failed)."""
+    tag = tenant_tag(cache_salt)
+    FamilyIndex.of(storage).forget_tenant(tag)
+    return storage.delete_prefix(tenant_prefix(tag))
+
+
+def clear_tiers(storage: StorageManager, local_only: bool = False) -> dict[str, int]:
+    """Removes every chunk from every tier (`local_only`: the cpu and device tiers), pins
+    included; returns per cleared tier how many entries it held before."""
+    cleared = {name for name, t in zip(storage.names, storage.tiers) if not local_only or t.name in LOCAL_TIERS}
+    before = {name: s.backend.entries for name, s in storage.stats().items() if name in cleared}
+    storage.clear(local_only=local_only)
+    return before

@@ -26,15 +26,12 @@ from connector.blend.blend_planner import BlendPlanner
 from connector.blend.blender import Blender
 from connector.connector_config import ConnectorConfig, make_config
 from connector.explain import explain
-from connector.key_families import FamilyIndex
 from connector.metrics import ConnectorMetrics, RequestKVMetrics, TierKVMetrics
 from connector.planner import KVTierPlanner
 from connector.presence import held_tokens
 from connector.worker import KVTierWorker
-from engine.cache_salt import tenant_tag
 from engine.kv_connector import KVConnector
-from kvstore.storage_manager import LOCAL_TIERS, StorageManager
-from kvstore.tenant_keys import tenant_prefix
+from kvstore.storage_manager import StorageManager
 
 
 class EngineConnector(KVConnector):
@@ -114,9 +111,7 @@ class EngineConnector(KVConnector):
         CacheBlend segments) from every tier, after this connector's queued stores landed.
         Returns (per tier the values removed, per tier that failed its error)."""
         self.flush()
-        tag = tenant_tag(cache_salt)
-        FamilyIndex.of(self.storage).forget_tenant(tag)
-        return self.storage.delete_prefix(tenant_prefix(tag))
+        return cache_control.forget_tenant(self.storage, cache_salt)
 
     # ---- operating the cache (connector/cache_control.py) -----------------------------------
     def inspect(self, token_ids: Sequence[int], cache_salt: str | None = None,
@@ -172,11 +167,7 @@ class EngineConnector(KVConnector):
         device), after queued stores landed, pins included; returns per tier how many entries
         it held before."""
         self.flush()
-        cleared = {name for name, t in zip(self.storage.names, self.storage.tiers)
-                   if not local_only or t.name in LOCAL_TIERS}
-        before = {name: s.backend.entries for name, s in self.storage.stats().items() if name in cleared}
-        self.storage.clear(local_only=local_only)
-        return before
+        return cache_control.clear_tiers(self.storage, local_only)
 
     def clear_idle(self, older_than_s: float) -> tuple[dict[str, int], dict[str, str]]:
         """Removes the chunks no request used for `older_than_s` seconds (not pinned ones)

@@ -12,10 +12,12 @@ rest), then per key a u32 length and its UTF-8 bytes. `OP_HELD` is answered with
 serve`'s /kv/lookup, connector/vllm_lookup_route.py) with a u32 tier count, then per tier,
 fastest first, a u32 name length, the name's UTF-8 bytes and a u32 count; `OP_CLEAR_LOCAL`
 (no keys: vLLM's `reset_cache`) with one byte 1 once the process-local tiers (with the
-server's `clear_shared`, every tier) are empty; `OP_EXPLAIN` (a JSON question
-`{"token_ids", "cache_salt", "other_tenants"}` cut into keys of at most MAX_KEY_BYTES: why the
-tiers hold no more of a prompt, connector/explain.py) with a u32 length and a JSON answer
-(`{}`: this worker has no explain). A malformed or
+server's `clear_shared`, every tier) are empty. Two ops carry a JSON question (ASCII JSON cut
+into keys of at most MAX_KEY_BYTES) and are answered with a u32 length and a JSON object:
+`OP_EXPLAIN` (`{"token_ids", "cache_salt", "other_tenants"}`: why the tiers hold no more of a
+prompt, connector/explain.py; `{}`: this worker has no explain) and `OP_CONTROL` (`{"op": name,
+...}`: a cache-control op, connector/control_ops.py's CONTROL_OPS, for `vllm serve`'s
+`/kv/inspect`, `/kv/pin`, ...; `{}`: this worker has no controller). A malformed or
 oversized frame closes that connection. An answer that does not come (the worker is gone or
 stuck) is a miss.
 """
@@ -45,10 +47,13 @@ _U32 = struct.Struct("<I")
 MAX_KEYS = 1 << 16
 MAX_KEY_BYTES = 4096
 MAX_TIERS = 64
-OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL, OP_EXPLAIN = 0, 1, 2, 3
+OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL, OP_EXPLAIN, OP_CONTROL = 0, 1, 2, 3, 4
+JSON_OPS = (OP_EXPLAIN, OP_CONTROL)
 MAX_ANSWER_BYTES = 16 << 20
 Explainer = Callable[[list[int], "str | None", bool], dict[str, Any]]
 """Answers OP_EXPLAIN: (token ids, cache_salt, other_tenants) -> connector/explain.py's answer."""
+Controller = Callable[[dict[str, Any]], dict[str, Any]]
+"""Answers OP_CONTROL: a JSON question `{"op": name, ...}` -> its JSON answer (never raises)."""
 _OP_SHIFT = 24  # the op's place in a question's header; MAX_KEYS fits below it
 
 
@@ -89,7 +94,7 @@ def read_question(sock: socket.socket) -> tuple[int, list[str]]:
     frame or an unknown op, ConnectionError when the peer closed."""
     (header,) = _U32.unpack(_read_exact(sock, 4))
     op, count = header >> _OP_SHIFT, header & ((1 << _OP_SHIFT) - 1)
-    if op not in (OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL, OP_EXPLAIN):
+    if op not in (OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL, *JSON_OPS):
         raise ValueError(f"lookup channel: unknown op {op}")
     if count > MAX_KEYS:
         raise ValueError(f"lookup channel: {count} keys in one question, at most {MAX_KEYS}")
@@ -130,11 +135,26 @@ def read_tier_hits(sock: socket.socket, num_keys: int) -> dict[str, int]:
     return hits
 
 
+def encode_json_question(question: dict[str, Any], op: int) -> bytes:
+    """Returns the frame asking JSON op `op` (JSON_OPS) `question`; ValueError past MAX_KEYS
+    pieces of MAX_KEY_BYTES."""
+    raw = json.dumps(question)  # ASCII (non-ASCII escaped): one byte per character
+    step = MAX_KEY_BYTES
+    return encode_question([raw[i:i + step] for i in range(0, len(raw), step)], op)
+
+
+def decode_json_question(keys: Sequence[str]) -> dict[str, Any]:
+    """Returns the JSON object a JSON op's keys carry; ValueError unless it is one."""
+    question = json.loads("".join(keys))
+    if not isinstance(question, dict):
+        raise ValueError("lookup channel: a JSON question is a JSON object")
+    return question
+
+
 def encode_explain_question(token_ids: Sequence[int], cache_salt: str | None, other_tenants: bool) -> bytes:
     """Returns the OP_EXPLAIN frame for a prompt."""
-    raw = json.dumps({"token_ids": list(token_ids), "cache_salt": cache_salt, "other_tenants": other_tenants})
-    step = MAX_KEY_BYTES  # JSON of ids and a validated salt is ASCII: one byte per character
-    return encode_question([raw[i:i + step] for i in range(0, len(raw), step)], OP_EXPLAIN)
+    return encode_json_question({"token_ids": list(token_ids), "cache_salt": cache_salt,
+                                 "other_tenants": other_tenants}, OP_EXPLAIN)
 
 
 def encode_json(answer: dict[str, Any]) -> bytes:
@@ -150,7 +170,7 @@ def read_json(sock: socket.socket) -> dict[str, Any]:
         raise ValueError(f"lookup channel: an answer of {n} bytes, at most {MAX_ANSWER_BYTES}")
     answer = json.loads(_read_exact(sock, n))
     if not isinstance(answer, dict):
-        raise ValueError("lookup channel: an explain answer is a JSON object")
+        raise ValueError("lookup channel: a JSON answer is a JSON object")
     return answer
 
 
@@ -162,9 +182,10 @@ class LookupServer:
     """
 
     def __init__(self, presence: Presence, path: Path, clear_shared: bool = False,
-                 explainer: Explainer | None = None) -> None:
+                 explainer: Explainer | None = None, controller: Controller | None = None) -> None:
         self.presence = presence
         self.explainer = explainer
+        self.controller = controller
         self.path = path
         self.clear_shared = clear_shared  # OP_CLEAR_LOCAL clears the shared tiers too
         self._open: set[socket.socket] = set()
@@ -194,7 +215,10 @@ class LookupServer:
                 if op == OP_TIER_PREFIX:
                     sock.sendall(encode_tier_hits(self.presence.storage.tier_prefix_hits(keys)))
                 elif op == OP_EXPLAIN:
-                    sock.sendall(encode_json(self._explain("".join(keys))))
+                    sock.sendall(encode_json(self._explain(decode_json_question(keys))))
+                elif op == OP_CONTROL:
+                    question = decode_json_question(keys)
+                    sock.sendall(encode_json({} if self.controller is None else self.controller(question)))
                 elif op == OP_CLEAR_LOCAL:
                     self.presence.storage.clear(local_only=not self.clear_shared)
                     sock.sendall(b"\x01")
@@ -208,10 +232,9 @@ class LookupServer:
             with self._lock:
                 self._open.discard(sock)
 
-    def _explain(self, question: str) -> dict[str, Any]:
+    def _explain(self, q: dict[str, Any]) -> dict[str, Any]:
         """Returns the explainer's answer to an OP_EXPLAIN question; ValueError if malformed."""
-        q = json.loads(question)
-        ids, salt = q.get("token_ids") if isinstance(q, dict) else None, q.get("cache_salt")
+        ids, salt = q.get("token_ids"), q.get("cache_salt")
         if not isinstance(ids, list) or not all(type(t) is int for t in ids) or not isinstance(salt, (str, type(None))):
             raise ValueError("lookup channel: an explain question needs token_ids and cache_salt")
         return {} if self.explainer is None else self.explainer(ids, salt, bool(q.get("other_tenants")))
@@ -282,6 +305,13 @@ class RemotePresence(KeyPresence):
         """Returns the worker's explain of a prompt (connector/explain.py); None when the
         channel fails or the worker has no explain."""
         answer = self._ask(encode_explain_question(token_ids, cache_salt, other_tenants), read_json)
+        return answer or None
+
+    def control(self, question: dict[str, Any]) -> dict[str, Any] | None:
+        """Returns the worker's answer to a cache-control question (`{"op": name, ...}`,
+        connector/cache_control.py; a refusal as `{"error": ...}`); None when the channel fails
+        or the worker has no controller."""
+        answer = self._ask(encode_json_question(question, OP_CONTROL), read_json)
         return answer or None
 
     def _ask(self, question: bytes, read: Callable[[socket.socket], _T]) -> _T | None:

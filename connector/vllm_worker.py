@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from connector.control_ops import answer_control
 from connector.explain import explain
 from connector.kv_events import TierChangeLog
 from connector.lookup_channel import LookupServer, lookup_socket_path
@@ -35,7 +36,7 @@ from connector.vllm_metadata import KVTierVllmMeta, KVTierWorkerMeta
 from connector.vllm_metrics import KVTierVllmStats, stats_delta
 from connector.vllm_setup import layer_index, vllm_setup
 from connector.worker import KVTierWorker
-from kvstore.deadlines import VLLM_IDLE_WAIT_S
+from kvstore.deadlines import STORE_FLUSH_TIMEOUT_S, VLLM_IDLE_WAIT_S
 from kvstore.storage_manager import StorageManager
 
 log = logging.getLogger(LOGGER)
@@ -67,7 +68,8 @@ class VllmWorkerConnector(KVConnectorBase_V1, SupportsHMA):
         self._reported = RequestKVMetrics("*")
         path = lookup_socket_path(vllm_config.kv_transfer_config.engine_id, self.rank)
         clear_shared = self.setup.config.reset_clears_shared_tiers
-        self._server = LookupServer(self.worker.presence, path, clear_shared=clear_shared, explainer=self._explain)
+        self._server = LookupServer(self.worker.presence, path, clear_shared=clear_shared, explainer=self._explain,
+                                    controller=self._control)
         self._idle = False
         self._reported_pending = False
         self._closed = False
@@ -76,6 +78,13 @@ class VllmWorkerConnector(KVConnectorBase_V1, SupportsHMA):
         """The lookup channel's OP_EXPLAIN: why this rank's tiers hold no more of a prompt."""
         return explain(self.storage, self.keyspace.for_salt(cache_salt), self.worker.presence, token_ids,
                        other_tenants)
+
+    def _control(self, question: dict[str, Any]) -> dict[str, Any]:
+        """The lookup channel's OP_CONTROL: a cache-control op (inspect, pin, unpin, clear, ...)
+        answered from this rank's tiers and KV heads by connector/cache_control.py, as kvtier
+        serve's routes are; queued stores land first (within STORE_FLUSH_TIMEOUT_S)."""
+        return answer_control(self.storage, self.keyspace, question,
+                              flush=lambda: self.worker.flush(STORE_FLUSH_TIMEOUT_S))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Takes vLLM's named per-layer caches (layers 0..L-1, in one or more KV cache groups)."""

@@ -40,9 +40,13 @@ LOOKUP_CHANNEL_CONNECT_S = 30.0
 LOOKUP_ROUTE_CHANNEL_S = 2.0
 # The vLLM `/kv/lookup` route's explain of a miss (one index read and one existence query per tier).
 EXPLAIN_CHANNEL_S = 10.0
+# The vLLM cache-control routes' (/kv/inspect, /kv/pin, /kv/clear, ...) question to each worker: past
+# the worker's own STORE_FLUSH_TIMEOUT_S flush of queued stores, then a removal from every tier.
+CONTROL_CHANNEL_S = 60.0
 # An idle vLLM worker step's wait for a load in flight, or queued stores, before reporting.
 VLLM_IDLE_WAIT_S = 0.05
-# A producer's wait for its queued K/V stores to land before answering (kvtier serve).
+# A producer's wait for its queued K/V stores to land before answering (kvtier serve); a vLLM
+# worker's before a cache-control op (pin, clear).
 STORE_FLUSH_TIMEOUT_S = 30.0
 # How long kvtier serve and router keep an idle keep-alive connection: past what clients keep theirs
 # (httpx 5 s, aiohttp 15 s), so none sends a request on a connection being closed.

@@ -1,5 +1,6 @@
 """`kvtier cache ...`: operate a running `kvtier serve`'s cache over its `/kv/*` routes
-(kvtier/server/cache_routes.py; docs/serving.md, "Operating the cache"), and explain a miss
+(kvtier/server/cache_routes.py; docs/serving.md, "Operating the cache"; the same routes on
+`vllm serve` with kvtier's connector: connector/vllm_lookup_route.py), and explain a miss
 (`explain`: `/kv/lookup` with `"explain": true`, also on `vllm serve` with kvtier's connector;
 docs/serving.md, "Explain a miss"). An HTTP client only: it loads no model and no torch.
 
@@ -28,7 +29,8 @@ TIMEOUT_S = 60.0
 # ---- shared flags and the one HTTP call ---------------------------------------------------
 def _server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=DEFAULT_URL, metavar="URL",
-                        help=f"the kvtier serve to ask (default: {DEFAULT_URL})")
+                        help=f"the kvtier serve (or vllm serve with kvtier's connector) to ask "
+                             f"(default: {DEFAULT_URL})")
     parser.add_argument("--api-key", default=None, metavar="KEY",
                         help="its API key, the operator's for pin, unpin, clear and budget "
                              "(default: $KVTIER_API_KEY, else none)")

@@ -1,6 +1,7 @@
 """`vllm serve`'s /kv/lookup (connector/vllm_lookup_route.py), the parts that need no vLLM: the
-body's forms, tier answers turned into tokens, and the middleware's pass-through. The route
-inside a real `vllm serve`: tests/vllm/test_router.py."""
+body's forms, tier answers turned into tokens, and the middleware's pass-through (the control
+routes, one per CONTROL_OPS entry, are its own). The route inside a real `vllm serve`:
+tests/vllm/test_router.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from connector.control_ops import CONTROL_OPS
 from connector.keyspace import Keyspace
 from connector.presence import KeyPresence, held_tokens
 from connector.vllm_lookup_route import KvLookupRoute, Message, Rejected, Scope, lookup_form
@@ -97,6 +99,7 @@ def test_other_paths_go_straight_through_and_lookup_takes_post() -> None:
         assert _run(route, {"type": "http", "path": path, "method": "POST"}) == []
     _run(route, {"type": "lifespan"})
     assert seen == ["/v1/completions", "/kv/lookups", "/health", ""]
-    start, body = _run(route, {"type": "http", "path": "/kv/lookup", "method": "GET", "root_path": ""})
-    assert start["status"] == 405 and "takes POST" in json.loads(body["body"])["error"]["message"]
+    for path in ("/kv/lookup", *(f"/kv/{op}" for op in CONTROL_OPS)):  # the control routes: one per op
+        start, body = _run(route, {"type": "http", "path": "/api" + path, "method": "GET", "root_path": "/api"})
+        assert start["status"] == 405 and f"{path} takes POST" in json.loads(body["body"])["error"]["message"]
     assert seen == ["/v1/completions", "/kv/lookups", "/health", ""]  # answered by the route itself

@@ -3,12 +3,18 @@ each with its own `cpu` tier, so a hit is local to one backend. The backends' `/
 (connector/vllm_lookup_route.py) answers what the connector then loads; the router sends each
 prompt to the backend holding it, also where prefix-hash alone would pick the other one. One
 backend runs as `kvtier-vllm serve` (which adds the route by itself, its worker in the engine
-core's process), the other as vLLM's own server with `--middleware`, in vLLM's default layout."""
+core's process), the other as vLLM's own server with `--middleware`, in vLLM's default layout,
+with an API key (the router passes the client's on). That one also answers kvtier's cache-control
+routes (`/kv/inspect`, `/kv/pin`, `/kv/unpin`, `/kv/clear`), its worker in its own process
+answering over the lookup channel; they run last, as `clear` empties its tier."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,12 +30,16 @@ from kvtier.router.backends import Backend
 from kvtier.router.policy import PrefixHash
 from kvtier.router.prompt_view import view_request
 from kvtier.vllm_cli import LOOKUP_MIDDLEWARE
+from tests.fixtures.process import repo_env
 from tests.fixtures.serve import RouterProcess
 from tests.fixtures.text import long_text
 from tests.fixtures.vllm import VllmServer, close_together, start_together
 
 CONFIG = {"tiers": ["cpu?budget=1GiB"], "chunk_size": 256}
 HIT = "kvtier:kv_connector_hit_tokens_total"
+KEY = "router-test-key"  # the middleware backend's --api-key (the other has none and ignores it)
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CPU = "0:cpu"
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +48,7 @@ def backends(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
     servers = start_together(lambda: VllmServer(default_model_path, CONFIG, logs / "cli.log", cli=True,
                                                 worker_in_engine=True),
                              lambda: VllmServer(default_model_path, CONFIG, logs / "middleware.log", "kv_both",
-                                                "--middleware", LOOKUP_MIDDLEWARE))
+                                                "--middleware", LOOKUP_MIDDLEWARE, "--api-key", KEY))
     yield servers
     close_together(*servers)
 
@@ -65,7 +75,7 @@ def _ids(tokenizer: Any, tag: str, n: int) -> list[int]:
 
 
 def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
 
 
 def _complete(url: str, ids: list[int], max_tokens: int = 4, cache_salt: str | None = None) -> list[int]:
@@ -78,7 +88,7 @@ def _complete(url: str, ids: list[int], max_tokens: int = 4, cache_salt: str | N
 
 
 def _lookup(server: VllmServer, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{server.url}/kv/lookup", json=body, timeout=30)
+    return httpx.post(f"{server.url}/kv/lookup", json=body, headers=AUTH, timeout=30)
 
 
 def _wait_hit(server: VllmServer, body: dict[str, Any], expected: int, timeout: float = 60.0) -> dict[str, Any]:
@@ -201,7 +211,7 @@ def test_load_is_vllms_own(backends: list[VllmServer], tokenizer: Any) -> None:
 ])
 def test_a_bad_body_is_refused_naming_the_problem(backends: list[VllmServer], body: bytes, status: int,
                                                   message: str) -> None:
-    r = httpx.post(f"{backends[1].url}/kv/lookup", content=body, headers={"content-type": "application/json"},
+    r = httpx.post(f"{backends[1].url}/kv/lookup", content=body, headers={"content-type": "application/json", **AUTH},
                    timeout=30)
     assert r.status_code == status and message in r.json()["error"]["message"], r.text
 
@@ -255,3 +265,101 @@ def test_a_prompt_first_sent_through_the_router_stays_where_it_went(backends: li
         hits = _hits(backends)
         assert _complete(router.url, ids) == cold
         assert [after - b for after, b in zip(_hits(backends), hits)] == [511 if s is on else 0 for s in backends]
+
+
+def _kv(server: VllmServer, route: str, body: dict[str, Any], key: str | None = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return httpx.post(f"{server.url}{route}", json=body, headers=headers, timeout=120)
+
+
+def _ok(r: httpx.Response) -> dict[str, Any]:
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def _holders(server: VllmServer, ids: list[int]) -> list[dict[str, Any]]:
+    """Returns per chunk of `ids` the tiers holding it, with their figures (/kv/inspect)."""
+    return [c["tiers"] for c in _ok(_kv(server, "/kv/inspect", {"prompt_token_ids": ids}))["chunks"]]
+
+
+def test_the_cache_control_routes_refuse_without_the_key_and_name_bad_fields(backends: list[VllmServer]) -> None:
+    server = backends[1]
+    for route in ("/kv/inspect", "/kv/pin", "/kv/unpin", "/kv/clear"):
+        assert _kv(server, route, {"prompt_token_ids": [1, 2]}, key=None).status_code == 401, route
+    assert _kv(server, "/kv/clear", {"all": True}, key="wrong").status_code == 401
+    assert httpx.get(f"{server.url}/kv/inspect", headers=AUTH, timeout=30).status_code == 405
+    for route, body, status, message in (
+            ("/kv/pin", {"prompt_token_ids": [1, 2], "ttl_s": -1}, 400, "ttl_s must be"),
+            ("/kv/pin", {"prompt_token_ids": [1, 2], "tier": "redis"}, 400, "0:cpu"),
+            ("/kv/pin", {"prompt_token_ids": [7, 8, 9]}, 409, "holds none of this prompt"),
+            ("/kv/inspect", {"prompt_token_ids": [1, 49152]}, 400, "past the vocabulary"),
+            ("/kv/clear", {}, 400, "exactly one of cache_salt, all (true), older_than_s or stored_model"),
+            ("/kv/clear", {"all": True, "older_than_s": 5}, 400, "exactly one of"),
+            ("/kv/clear", {"all": True, "model": "default"}, 400, "not model")):
+        r = _kv(server, route, body)
+        assert r.status_code == status and message in r.json()["error"]["message"], (route, body, r.text)
+
+
+def test_inspect_pin_clear_unpin_on_vllm_serve(backends: list[VllmServer], tokenizer: Any) -> None:
+    """kvtier serve's shapes, answered by the worker's tiers: a request's chunks are in the cpu
+    tier; a pin keeps them through a clear of idle chunks that removes the rest; unpin releases
+    them; `kvtier cache inspect` reads the same; a clear of everything empties the tier; prefetch
+    with compute runs the prompt and stores it, drop removes it, a budget changes at run time."""
+    server = backends[1]
+    kept, dropped = _ids(tokenizer, "Pinned document.", 1024), _ids(tokenizer, "Idle document.", 512)
+    for ids in (kept, dropped):
+        _complete(server.url, ids)
+        _wait_hit(server, {"prompt_token_ids": ids}, len(ids) - 1)
+
+    seen = _ok(_kv(server, "/kv/inspect", {"model": "default", "prompt_token_ids": kept}))
+    assert (seen["model"], seen["engine_prefix_cache_tokens"], seen["num_tokens"], seen["chunk_size"]) == (
+        "default", 0, 1024, 256)
+    assert [(c["start"], c["end"]) for c in seen["chunks"]] == [(0, 256), (256, 512), (512, 768), (768, 1024)]
+    figures = [c["tiers"][CPU] for c in seen["chunks"]]
+    assert all(set(c["tiers"]) == {CPU} for c in seen["chunks"])
+    assert all(f["bytes"] > 0 and not f["pinned"] for f in figures)
+    assert seen["tiers"][CPU]["can_pin"] and seen["tiers"][CPU]["pinned_entries"] == 0
+    assert seen["tiers"][CPU]["by_tenant"] is None  # no salt asked: no tenant's usage shown
+
+    pinned = _ok(_kv(server, "/kv/pin", {"prompt_token_ids": kept, "tier": "cpu"}))
+    assert (pinned["tier"], pinned["chunks"], pinned["of_chunks"], pinned["tokens"]) == (CPU, 4, 4, 1024)
+    assert pinned["new_bytes"] == pinned["pinned_bytes"] == sum(f["bytes"] for f in figures)
+    assert all(t[CPU]["pinned"] and t[CPU]["pin_expires_in_s"] is None for t in _holders(server, kept))
+
+    # every chunk was last used before this inspect's answer: older_than_s below its idle time takes them all
+    idle = [t[CPU]["idle_s"] for t in _holders(server, dropped)] + [f["idle_s"] for f in figures]
+    cleared = _ok(_kv(server, "/kv/clear", {"older_than_s": max(min(idle), 1e-3)}))
+    assert cleared["cleared"] == "idle" and cleared["tiers"][CPU] > 0 and cleared["errors"] == {}, cleared
+    assert all(set(t) == {CPU} for t in _holders(server, kept))  # pinned: kept
+    assert _holders(server, dropped) == [{}, {}]
+    assert _lookup(server, {"prompt_token_ids": dropped}).json()["max_hit_tokens"] == 0
+
+    released = _ok(_kv(server, "/kv/unpin", {"prompt_token_ids": kept}))
+    assert released["released"] == pinned["pinned_entries"] and released["pinned_entries"] == 0, released
+    assert not any(t[CPU]["pinned"] for t in _holders(server, kept))
+
+    cmd = [sys.executable, "-m", "kvtier", "cache", "inspect", "--url", server.url, "--api-key", KEY,
+           "--token-ids", ",".join(map(str, kept))]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=repo_env())
+    assert r.returncode == 0, r.stderr
+    assert [set(c["tiers"]) for c in json.loads(r.stdout)["chunks"]] == [{CPU}] * 4
+
+    tenant = _ok(_kv(server, "/kv/clear", {"cache_salt": "tenant-a"}))
+    assert tenant["cleared"] == "tenant" and tenant["engine_blocks"] is None and tenant["errors"] == {}, tenant
+    everything = _ok(_kv(server, "/kv/clear", {"all": True}))
+    assert everything["cleared"] == "all" and everything["engine_reset"] is True, everything
+    assert everything["tiers"][CPU] >= pinned["pinned_entries"]
+    after = _ok(_kv(server, "/kv/inspect", {"prompt_token_ids": kept}))
+    assert after["tiers"][CPU]["entries"] == 0 and all(c["tiers"] == {} for c in after["chunks"])
+
+    # prefetch with compute runs the prompt through vLLM, whose worker stores it; drop removes it
+    warmed = _ok(_kv(server, "/kv/prefetch", {"prompt_token_ids": kept, "tier": "cpu", "compute": True}))
+    assert warmed["ran_request"]["prompt_tokens"] == 1024 and warmed["held_tokens"] == 1024, warmed
+    assert all(set(t) == {CPU} for t in _holders(server, kept))
+    gone = _ok(_kv(server, "/kv/drop", {"prompt_token_ids": kept, "tier": "cpu"}))
+    assert gone["tier"] == CPU and gone["removed"] > 0 and gone["removed"] % 4 == 0, gone  # values: per KV head
+    assert _holders(server, kept) == [{}] * 4
+    # a budget changed at run time, answered with the tier's figures, then put back
+    for size, expected in (("512MiB", 512 << 20), ("1GiB", 1 << 30)):
+        budget = _ok(_kv(server, "/kv/budget", {"tier": "cpu", "budget": size}))
+        assert budget["tier"] == CPU and budget["byte_budget"] == expected, budget
