@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Protocol
 
 from kvstore.pin_set import PinError
@@ -100,15 +101,9 @@ def dispatch(conn: HandlerConnection, h: P.Header, key: bytes, payload: memoryvi
     elif code == Op.EXISTS:
         conn.reply(Status.OK if store.contains(key) else Status.NOT_FOUND, rid)
     elif code == Op.PREFIX_HITS:
-        try:
-            keys = P.decode_key_list(payload, P.MAX_KEYS_PER_REQUEST)
-        except P.ProtocolError as exc:
-            conn.reply(Status.BAD_REQUEST, rid, str(exc).encode())
-            return
-        if conn.scope and any(out_of_scope(conn.scope, code, k) for k in keys):
-            forbid(conn, rid, code)
-            return
-        conn.reply(Status.OK, rid, P.encode_count(store.prefix_hits(keys)))
+        keys = scoped_keys(conn, rid, code, lambda: P.decode_key_list(payload, P.MAX_KEYS_PER_REQUEST))
+        if keys is not None:
+            conn.reply(Status.OK, rid, P.encode_count(store.prefix_hits(keys)))
     elif code in (Op.PIN, Op.UNPIN, Op.DESCRIBE):
         pins(conn, rid, code, payload)
     elif code == Op.PUT:
@@ -152,21 +147,37 @@ def dispatch(conn: HandlerConnection, h: P.Header, key: bytes, payload: memoryvi
         conn.reply(Status.UNKNOWN_OP, rid, f"unknown op {code}".encode())
 
 
+def scoped_keys(conn: HandlerConnection, request_id: int, code: int,
+                decode: Callable[[], list[bytes]]) -> list[bytes] | None:
+    """Returns the key list `decode()` reads from a request, or None once the request was
+    answered: BAD_REQUEST (malformed), FORBIDDEN (a tenant token's list naming a key outside
+    its tenant: nothing done)."""
+    try:
+        keys = decode()
+    except P.ProtocolError as exc:
+        conn.reply(Status.BAD_REQUEST, request_id, str(exc).encode())
+        return None
+    if conn.scope and any(out_of_scope(conn.scope, code, k) for k in keys):
+        forbid(conn, request_id, code)
+        return None
+    return keys
+
+
 def pins(conn: HandlerConnection, request_id: int, code: int, payload: memoryview) -> None:
     """Answers a PIN (the bytes newly pinned, or PIN_REFUSED), UNPIN (how many were pinned) or
     DESCRIBE (JSON: per key null, or its bytes and pin); a tenant token's list must hold only
     its own keys (else FORBIDDEN, nothing done)."""
-    ttl_s = None
-    try:
-        if code == Op.PIN:
-            ttl_s, keys = P.decode_pin(payload)
-        else:
-            keys = P.decode_key_list(payload, P.MAX_KEYS_PER_REQUEST)
-    except P.ProtocolError as exc:
-        conn.reply(Status.BAD_REQUEST, request_id, str(exc).encode())
-        return
-    if conn.scope and any(out_of_scope(conn.scope, code, k) for k in keys):
-        forbid(conn, request_id, code)
+    ttl_s: float | None = None
+
+    def decode() -> list[bytes]:
+        nonlocal ttl_s
+        if code != Op.PIN:
+            return P.decode_key_list(payload, P.MAX_KEYS_PER_REQUEST)
+        ttl_s, keys = P.decode_pin(payload)
+        return keys
+
+    keys = scoped_keys(conn, request_id, code, decode)
+    if keys is None:
         return
     store = conn.store
     if code == Op.PIN:

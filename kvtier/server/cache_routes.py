@@ -78,14 +78,18 @@ def add_cache_routes(app: FastAPI, ctx: ServingContext, tenancy: Tenancy) -> Non
     `/kv/clear` and `/kv/budget` to `app`."""
     front = ctx.engine_loop
 
+    def asked(body: LookupRequest) -> tuple[list[int], EngineConnector]:
+        """Returns the body's prompt as token ids and the connector to ask; APIError 400 (or
+        404 for another model) otherwise."""
+        check_model(ctx, body.model)
+        return prompt_ids(front, body), _connector(front)
+
     @app.post("/kv/inspect", dependencies=tenancy.user)
     async def inspect(body: LookupRequest, request: Request) -> dict[str, Any]:
         """The prompt's chunks for the request's cache_salt and where each is held, and per
         tier its totals; reads nothing but the tiers' indexes (no K/V)."""
-        check_model(ctx, body.model)
+        ids, connector = asked(body)
         salt = tenancy.salt(request, body.cache_salt)
-        ids = prompt_ids(front, body)
-        connector = _connector(front)
         # a tenant's key sees only its own tenant's usage; the operator's every tenant's
         tenants: str | bool = tenant_tag(salt) if tenancy.is_tenant(request) and salt is not None else True
         found = await asyncio.to_thread(connector.inspect, ids, salt, tenants)
@@ -95,25 +99,19 @@ def add_cache_routes(app: FastAPI, ctx: ServingContext, tenancy: Tenancy) -> Non
     @app.post("/kv/pin", dependencies=tenancy.admin)
     async def pin(body: PinRequest) -> dict[str, Any]:
         """Pins the prompt's leading chunks the tier holds (all or none)."""
-        check_model(ctx, body.model)
-        ids = prompt_ids(front, body)
-        connector = _connector(front)
+        ids, connector = asked(body)
         return await _control(connector.pin, ids, body.cache_salt, body.tier, body.ttl_s)
 
     @app.post("/kv/unpin", dependencies=tenancy.admin)
     async def unpin(body: TierRequest) -> dict[str, Any]:
         """Releases the pins of the prompt's chunks in the tier."""
-        check_model(ctx, body.model)
-        ids = prompt_ids(front, body)
-        connector = _connector(front)
+        ids, connector = asked(body)
         return await _control(connector.unpin, ids, body.cache_salt, body.tier)
 
     @app.post("/kv/prefetch", dependencies=tenancy.admin)
     async def prefetch(body: PrefetchRequest, request: Request) -> dict[str, Any]:
         """Fills the tier with the prompt's held prefix; with `compute`, runs the prompt first."""
-        check_model(ctx, body.model)
-        ids = prompt_ids(front, body)
-        connector = _connector(front)
+        ids, connector = asked(body)
         await _control(connector.storage.tier_named, body.tier)  # an unknown tier is a 400 before any work
         ran: dict[str, Any] | None = None
         if body.compute:
@@ -129,17 +127,13 @@ def add_cache_routes(app: FastAPI, ctx: ServingContext, tenancy: Tenancy) -> Non
     @app.post("/kv/move", dependencies=tenancy.admin)
     async def move(body: MoveRequest) -> dict[str, Any]:
         """Moves the prompt's chunks from one tier into another."""
-        check_model(ctx, body.model)
-        ids = prompt_ids(front, body)
-        connector = _connector(front)
+        ids, connector = asked(body)
         return await _control(connector.move, ids, body.cache_salt, body.from_tier, body.to_tier)
 
     @app.post("/kv/drop", dependencies=tenancy.admin)
     async def drop(body: TierRequest) -> dict[str, Any]:
         """Removes the prompt's chunks from the tier, pinned or not."""
-        check_model(ctx, body.model)
-        ids = prompt_ids(front, body)
-        connector = _connector(front)
+        ids, connector = asked(body)
         return await _control(connector.drop, ids, body.cache_salt, body.tier)
 
     @app.post("/kv/clear", dependencies=tenancy.admin)
