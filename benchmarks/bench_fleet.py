@@ -254,23 +254,25 @@ def doc_chat(doc: str, question: int) -> list[dict[str, str]]:
 
 
 async def pin_run(url: str, groups: dict[str, list[str]], flood: list[str], answer_tokens: int) -> dict[str, Any]:
-    """Asks every document of every group once (cold; its chunks are stored), pins the
-    `pinned` group's in the cpu tier, sends the `flood` through, prefetches the `prefetched`
-    group's back into the cpu tier, then asks each document a new question, the groups
-    interleaved; returns the TTFTs and what each tier held before the questions."""
+    """Asks every document of every group once (cold; its chunks are stored), pinning each of
+    the `pinned` group's in the cpu tier just after, sends the `flood` through, prefetches
+    the `prefetched` group's back into the cpu tier, then asks each document a new question,
+    the groups interleaved; returns the TTFTs and what each tier held before the questions."""
     async with httpx.AsyncClient(base_url=url, timeout=1200,
                                  headers={"Authorization": f"Bearer {OPERATOR_KEY}"}) as client:
-        cold = [(await chat_stream(client, doc_chat(d, 0), answer_tokens))["ttft"]
-                for docs in groups.values() for d in docs]
-        pins = []
-        for d in groups.get("pinned", []):  # the cpu tier's store lands just after the answer: retry briefly
-            for _ in range(100):
-                r = await client.post("/kv/pin", json={"messages": doc_chat(d, 0), "tier": "cpu"})
-                if r.status_code != 409:
-                    break
-                await asyncio.sleep(0.1)
-            r.raise_for_status()
-            pins.append(r.json())
+        cold, pins = [], []
+        for name, docs in groups.items():
+            for d in docs:
+                cold.append((await chat_stream(client, doc_chat(d, 0), answer_tokens))["ttft"])
+                if name != "pinned":
+                    continue
+                for _ in range(100):  # the cpu tier's store lands just after the answer: retry briefly
+                    r = await client.post("/kv/pin", json={"messages": doc_chat(d, 0), "tier": "cpu"})
+                    if r.status_code != 409:
+                        break
+                    await asyncio.sleep(0.1)
+                r.raise_for_status()
+                pins.append(r.json())
         for d in flood:
             await chat_stream(client, doc_chat(d, 0), answer_tokens)
         prefetches = []
