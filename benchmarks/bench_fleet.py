@@ -41,7 +41,8 @@ Part 3, `vllm serve` (`--engine vllm`, from .venv-vllm through `kvtier-vllm serv
 adds the `/kv/lookup` route the router asks): three servers with kvtier's connector, isolated
 (`cpu` tier) vs one shared cache server (and Redis with `--vllm-arms`), same workload and
 router. Each server one OpenMP thread: VLLM_CPU_OMP_THREADS_BIND 0, 1, 0 (two on core 0),
-VLLM_CPU_KVCACHE_SPACE=2 and `--num-gpu-blocks-override` sized as kvtier's engine pool.
+VLLM_CPU_KVCACHE_SPACE=2 and `--num-gpu-blocks-override` sized as kvtier's engine pool (at
+least one --max-model-len sequence).
 
     .venv/bin/python -m benchmarks.bench_fleet [--quick] [--engine kvtier|vllm] [--docs 8]
         [--users 24] [--turns 3] [--concurrency 6] [--doc-tokens 1500] [--no-pin]
@@ -227,7 +228,7 @@ def vllm_fleet(model: str, docs: list[str], plan: list[int], args: argparse.Name
     from tests.fixtures.vllm import close_together, start_together
 
     flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "4096", "--enable-prompt-tokens-details",
-             "--num-gpu-blocks-override", str(max(4, blocks * 16 // VLLM_BLOCK))]
+             "--num-gpu-blocks-override", str(max(4096 // VLLM_BLOCK, blocks * 16 // VLLM_BLOCK))]
 
     def tiers(url: str | None) -> list[str]:
         return [f"cpu?budget={args.cpu_docs * per_doc}", *([url] if url else [])]
