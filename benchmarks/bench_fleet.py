@@ -44,8 +44,8 @@ router. Each server one OpenMP thread: VLLM_CPU_OMP_THREADS_BIND 0, 1, 0 (two on
 VLLM_CPU_KVCACHE_SPACE=2 and `--num-gpu-blocks-override` sized as kvtier's engine pool (at
 least one --max-model-len sequence).
 
-    .venv/bin/python -m benchmarks.bench_fleet [--quick] [--engine kvtier|vllm] [--docs 8]
-        [--users 24] [--turns 3] [--concurrency 6] [--doc-tokens 1500] [--no-pin]
+    .venv/bin/python -m benchmarks.bench_fleet [--quick] [--engine kvtier|vllm] [--docs 12]
+        [--users 36] [--turns 2] [--concurrency 6] [--doc-tokens 1500] [--no-pin]
 
 Writes benchmarks/results/fleet.json and fleet.md (each engine's part kept from the existing
 file when the other runs) and prints the tables.
@@ -406,14 +406,14 @@ def main() -> int:
     ap.add_argument("--engine", choices=["kvtier", "vllm"], default="kvtier",
                     help="kvtier: parts 1 and 2; vllm: part 3 (the other parts are kept from the results file)")
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the bundled model)")
-    ap.add_argument("--docs", type=int, default=8)
-    ap.add_argument("--users", type=int, default=24, help="chats in all (each over one document)")
-    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--docs", type=int, default=12)
+    ap.add_argument("--users", type=int, default=36, help="chats in all (each over one document)")
+    ap.add_argument("--turns", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=6, help="users at a time (closed loop)")
     ap.add_argument("--doc-tokens", type=int, default=1500)
     ap.add_argument("--answer-tokens", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=4)
-    ap.add_argument("--cpu-docs", type=int, default=4, help="each instance's cpu tier holds this many documents")
+    ap.add_argument("--cpu-docs", type=int, default=2, help="each instance's cpu tier holds this many documents")
     ap.add_argument("--cache-bytes", default="4GiB", help="the cache server's --max-bytes")
     ap.add_argument("--balance-threshold", type=int, default=1, help="the router's, in the main arms")
     ap.add_argument("--lookup-timeout", type=float, default=2.0, help="the router's (s)")
