@@ -350,6 +350,8 @@ def ratios(part: dict[str, Any]) -> dict[str, tuple[float, str]]:
             iso = part[iso_name]
             within = all(sh[f"ttft_p{q}_s"] <= iso[f"ttft_p{q}_s"] for q in (50, 90, 99))
             out[f"requests/s, {arm} / {iso_name}"] = (sh["requests_per_s"] / iso["requests_per_s"], "reported")
+            out[f"prompt tokens computed, {iso_name} / {arm}"] = (
+                iso["computed_prompt_tokens"] / sh["computed_prompt_tokens"], "reported")
             out[f"{arm}: TTFT p50, p90, p99 all <= {iso_name}'s (same bound)"] = (float(within), "1")
         best = max(isolated, key=lambda a: part[a]["requests_per_s"])
         out[f"requests/s, {arm} / the better isolated arm ({best})"] = (
@@ -359,8 +361,8 @@ def ratios(part: dict[str, Any]) -> dict[str, tuple[float, str]]:
 
 def table(part: dict[str, Any]) -> str:
     lines = ["| arm | requests/s | out tok/s | prompt tok/s | TTFT p50 / p90 / p99 | TTFT mean | ITL p50 / p99 | "
-             "cached share | cold requests | requests per instance | wall |",
-             "|---|---:|---:|---:|---|---:|---|---:|---:|---|---:|"]
+             "cached share | prompt tokens computed | cold requests | requests per instance | wall |",
+             "|---|---:|---:|---:|---|---:|---|---:|---:|---:|---|---:|"]
     for arm, a in part.items():
         if not isinstance(a, dict) or "requests_per_s" not in a:
             continue
@@ -368,6 +370,7 @@ def table(part: dict[str, Any]) -> str:
                      f"{a['ttft_p50_s']:.2f} / {a['ttft_p90_s']:.2f} / {a['ttft_p99_s']:.2f} s | "
                      f"{a['ttft_mean_s']:.2f} s | "
                      f"{a['itl_p50_s'] * 1e3:.0f} / {a['itl_p99_s'] * 1e3:.0f} ms | {a['cached_share']:.2f} | "
+                     f"{a['computed_prompt_tokens']} | "
                      f"{a['cold_requests']} of {a['requests']} | "
                      f"{' / '.join(f'{x:.0f}' for x in a['requests_per_instance'])} | {a['wall_s']:.0f} s |")
     return "\n".join(lines + ratio_rows(ratios(part)))
