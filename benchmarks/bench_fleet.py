@@ -484,7 +484,10 @@ def markdown(res: dict[str, Any]) -> str:
                   f"cache server --max-bytes {w['cache_server_bytes']}; router kv-aware, --balance-threshold "
                   f"{w['balance_threshold']} (the affinity-first arm: 16), --lookup-timeout {w['lookup_timeout_s']:g}."
                   + (f" vLLM: thread binds {part['thread_binds']}, flags {' '.join(part['engine_flags'])}."
-                     if engine == "vllm" else ""), "", table(part["arms"]), ""]
+                     if engine == "vllm" else ""), "", table(part["arms"]), "",
+                  "Machine noise (other work shares this host): 1-minute load average at each arm's start and end: "
+                  + "; ".join(f"{arm} {a['loadavg_1m_start']:.1f} -> {a['loadavg_1m_end']:.1f}"
+                              for arm, a in part["arms"].items()) + ".", ""]
     if "pin" in res:
         p = res["pin"]
         parts += ["## Pin and prefetch under eviction pressure (one `kvtier serve`, both threads)", "",
