@@ -18,7 +18,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # vLLM on CPU: compute on both cores (its default keeps one for the scheduler), 2 GiB of KV cache.
 VLLM_ENV   := VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2
 
-.PHONY: install vllm-install demo test test-vllm bench bench-vllm bench-vs-vllm eval bench-serving-vs-vllm soak clean
+.PHONY: install vllm-install demo test test-vllm bench bench-vllm bench-vs-vllm eval bench-serving-vs-vllm bench-fleet \
+	bench-fleet-vllm soak clean
 
 install: $(STAMP)
 
@@ -82,6 +83,16 @@ eval: install
 # (random and prefix_repetition datasets): benchmarks/results/serving_vs_vllm.{json,md}.
 bench-serving-vs-vllm: install vllm-install
 	$(PY) -m benchmarks.bench_serving_vs_vllm
+
+# A fleet sharing one cache (issue #50): three kvtier serve instances over one cache server, over one Redis, and
+# with only their own cpu tier, behind the kv-aware router, on documents that recur across instances; and a pinned
+# document's TTFT under eviction pressure. bench-fleet-vllm: the same fleet as three `vllm serve` + kvtier's
+# connector (isolated vs one cache server). Both write benchmarks/results/fleet.{json,md}, keeping the other's part.
+bench-fleet: install
+	$(PY) -m benchmarks.bench_fleet
+
+bench-fleet-vllm: install vllm-install
+	$(PY) -m benchmarks.bench_fleet --engine vllm
 
 # Hours of load with faults against kvtier serve (cpu, disk, Redis and cache-server tiers): answers vs a server
 # without a connector, leaks at idle points, RSS, TTFT in and out of fault windows, /health

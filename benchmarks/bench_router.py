@@ -48,7 +48,7 @@ RESULTS = REPO / "benchmarks" / "results"
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def start_pair(flags: list[list[str]]) -> list[ServeProcess]:
+def start_servers(flags: list[list[str]]) -> list[ServeProcess]:
     """Returns started serve processes, one per flag list (started together, then awaited)."""
     procs = [ServeProcess(*f, env=ONE_THREAD, wait=False) for f in flags]
     for p in procs:
@@ -69,7 +69,7 @@ def served_counts(router: RouterProcess) -> dict[str, float]:
 
 
 def routing_arm(policy: str, engine: list[str], contexts: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    servers = start_pair([engine, engine])
+    servers = start_servers([engine, engine])
     router = RouterProcess(*[f"--backend={s.url}" for s in servers], "--policy", policy)
     try:
         res = asyncio.run(run_arm(router.url, contexts, args.rounds, args.concurrency, args.answer_tokens))
@@ -108,10 +108,11 @@ def pd_arm(disaggregated: bool, engine: list[str], prompts: list[str], args: arg
     tier = ["--kv-tier", cache.url]
     try:
         if disaggregated:
-            servers = start_pair([[*engine, *tier, "--kv-role", "producer"], [*engine, *tier, "--kv-role", "consumer"]])
+            servers = start_servers([[*engine, *tier, "--kv-role", "producer"],
+                                     [*engine, *tier, "--kv-role", "consumer"]])
             router = RouterProcess("--prefill", servers[0].url, "--decode", servers[1].url)
         else:
-            servers = start_pair([[*engine, *tier], [*engine, *tier]])
+            servers = start_servers([[*engine, *tier], [*engine, *tier]])
             router = RouterProcess(*[f"--backend={s.url}" for s in servers], "--policy", "kv-aware")
         try:
             return asyncio.run(pd_load(router.url, prompts, args.pd_interval, args.pd_answer_tokens))

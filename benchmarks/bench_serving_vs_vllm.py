@@ -72,11 +72,12 @@ def workloads(quick: bool) -> dict[str, list[str]]:
 
 
 def vllm_serve(model: Path, log: Path, extra_config: dict[str, Any] | None = CPU_TIER,
-               args: Sequence[str] = SHARED) -> VllmServer:
+               args: Sequence[str] = SHARED, env: dict[str, str] | None = None) -> VllmServer:
     """Returns a ready `kvtier-vllm serve` from .venv-vllm with KVTierConnector over a `cpu` tier
-    (or `extra_config`; None: no connector); `args` are vLLM's engine flags. Its `close()`
-    drains it with SIGINT. benchmarks/soak_engines.py uses it too."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB)}
+    (or `extra_config`; None: no connector); `args` are vLLM's engine flags; `env` adds to its
+    environment (e.g. VLLM_CPU_OMP_THREADS_BIND). Its `close()` drains it with SIGINT.
+    benchmarks/soak_engines.py and bench_fleet use it too."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(KV_GIB), **(env or {})}
     iomp = VLLM_VENV / "lib" / "libiomp5.so"
     if iomp.exists():  # vLLM's CPU docs' setup, as bench_vs_vllm gives it
         env["LD_PRELOAD"] = os.environ.get("LD_PRELOAD", str(iomp))
