@@ -3,6 +3,8 @@ device/dtype resolution the rest of the engine shares."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -144,12 +146,12 @@ def load_model(model: str | Path | None, device: torch.device, dtype: torch.dtyp
 
 def load_tokenizer(path: str | Path):
     """Returns the checkpoint's HF tokenizer (local files only): what AutoTokenizer returns."""
-    from transformers import AutoTokenizer
-
     if _is_plain_tokenizers_backend(Path(path)):
         from transformers import TokenizersBackend
 
         return TokenizersBackend.from_pretrained(str(path), local_files_only=True)
+    from transformers import AutoTokenizer  # imports transformers.models (see tokenizer_mapped_model_types)
+
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
@@ -159,8 +161,6 @@ def _is_plain_tokenizers_backend(path: Path) -> bool:
     and transformers maps the model_type to no tokenizer class of its own (the default model,
     Llama). AutoTokenizer first builds the config object, and importing the model's config
     class pulls in torch.distributed and sympy (~1 s of every engine start)."""
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
-
     try:
         from transformers import TokenizersBackend  # noqa: F401  (transformers >= 5 only)
     except ImportError:
@@ -175,4 +175,52 @@ def _is_plain_tokenizers_backend(path: Path) -> bool:
     model_type = model_cfg.get("model_type")
     return (tok_cfg.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in tok_cfg
             and "auto_map" not in model_cfg and isinstance(model_type, str) and bool(model_type)
-            and TOKENIZER_MAPPING_NAMES.get(model_type) is None)
+            and model_type not in tokenizer_mapped_model_types())
+
+
+@functools.lru_cache(maxsize=1)
+def tokenizer_mapped_model_types() -> frozenset[str]:
+    """Returns the model types transformers' AutoTokenizer maps to a tokenizer class of their
+    own (`TOKENIZER_MAPPING_NAMES`' keys), read from its source without importing
+    `transformers.models`: that import scans every model file (1.5-2 s of each process start
+    here). Any other shape of that source: the imported mapping's keys."""
+    import transformers
+
+    source = Path(transformers.__file__).parent / "models" / "auto" / "tokenization_auto.py"
+    try:
+        keys = _mapping_keys(ast.parse(source.read_text()))
+    except (OSError, SyntaxError, ValueError):
+        keys = None
+    if keys is None:
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+        return frozenset(TOKENIZER_MAPPING_NAMES)
+    return keys
+
+
+def _mapping_keys(tree: ast.Module) -> frozenset[str] | None:
+    """Returns the keys `TOKENIZER_MAPPING_NAMES` gets in tokenization_auto.py: its literal
+    list's first items and `MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS` (added to it by a loop);
+    None unless both are found as literals."""
+    listed: set[str] | None = None
+    added: set[str] | None = None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if not isinstance(target, ast.Name):
+            continue
+        name = target.id
+        if name == "TOKENIZER_MAPPING_NAMES" and isinstance(value, ast.Call) and value.args:
+            pairs = value.args[0]
+            if isinstance(pairs, ast.List):
+                firsts = [e.elts[0] if isinstance(e, ast.Tuple) and e.elts else None for e in pairs.elts]
+                keys = [f.value for f in firsts if isinstance(f, ast.Constant) and isinstance(f.value, str)]
+                listed = set(keys) if keys and len(keys) == len(firsts) else None
+        elif name == "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS" and isinstance(value, ast.Set):
+            consts = [e.value for e in value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            added = set(consts) if len(consts) == len(value.elts) else None
+    return None if listed is None or added is None else frozenset(listed | added)

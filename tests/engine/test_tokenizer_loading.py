@@ -54,3 +54,23 @@ def test_unreadable_tokenizer_config_goes_through_auto_tokenizer(default_model_p
     shutil.copy(default_model_path / "config.json", tmp_path / "config.json")
     (tmp_path / "tokenizer_config.json").write_text("{not json")
     assert not _is_plain_tokenizers_backend(tmp_path)
+
+
+def test_the_mapped_model_types_read_from_source_are_transformers_own() -> None:
+    """`tokenizer_mapped_model_types` reads AutoTokenizer's mapping from its source (importing
+    it costs every process start 0.5-2 s); the installed transformers' mapping has the same
+    keys, and `qwen2` (its own class) is one of them, `llama` (TokenizersBackend) is not."""
+    import ast
+
+    import transformers
+
+    from engine.model_loader import _mapping_keys, tokenizer_mapped_model_types
+
+    source = Path(transformers.__file__).parent / "models" / "auto" / "tokenization_auto.py"
+    parsed = _mapping_keys(ast.parse(source.read_text()))
+    assert parsed is not None  # the fast path is what runs here, not the import fallback
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    assert parsed == frozenset(TOKENIZER_MAPPING_NAMES) == tokenizer_mapped_model_types()
+    assert "qwen2" in parsed and "llama" not in parsed
+    assert _mapping_keys(ast.parse("TOKENIZER_MAPPING_NAMES = dict(x)")) is None  # another shape: the import
