@@ -17,8 +17,10 @@
   (kvstore/deadlines.py); calls that fail or end past it are counted (`TierStats.timeouts`).
 - Operating the cache: `describe` (what each tier knows of some keys), `usage_by`, and
   the operator's pins of one tier (`tier_named`, `pin_tier`, `unpin_tier`: kvstore/pin_set.py), which
-  sit beside the load pins above (each tier keeps its own, within its own pin budget), and one
-  tier's limits changed at run time (`set_tier_budget`), met at once.
+  sit beside the load pins above (each tier keeps its own, within its own pin budget); one
+  tier's limits changed at run time (`set_tier_budget`), met at once; values copied from one
+  tier into another (`copy_between`, load-pinned meanwhile) and removed from one tier alone
+  (`delete_from_tier`).
 - `close` writes what is queued for at most `flush_timeout_s`, then drops the rest and logs how
   much, so a tier that never answers cannot hold a shutdown.
 """
