@@ -86,11 +86,9 @@ def _counts(usage: dict[str, tuple[int, int]] | None) -> dict[str, dict[str, int
     return None if usage is None else {k: {"entries": n, "bytes": b} for k, (n, b) in sorted(usage.items())}
 
 
-def _prefix(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int], tier: int
-            ) -> tuple[list[Span], int]:
-    """Returns the prompt's spans and how many of them, from the start, tier `tier` holds whole."""
-    spans = keyspace.spans(token_ids)
-    return spans, storage.held_prefix(tier, keyspace.stored_keys(spans)) // keyspace.values_per_chunk
+def _leading_held(storage: StorageManager, keyspace: Keyspace, spans: Sequence[Span], tier: int) -> int:
+    """Returns how many of `spans`, from the start, tier `tier` holds whole."""
+    return storage.held_prefix(tier, keyspace.stored_keys(spans)) // keyspace.values_per_chunk
 
 
 def pin(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int], tier: str | None = None,
@@ -102,7 +100,8 @@ def pin(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int], t
     i = storage.tier_named(tier)
     name = storage.names[i]
     storage.flush()  # chunks queued for a slower tier land first
-    spans, held = _prefix(storage, keyspace, token_ids, i)
+    spans = keyspace.spans(token_ids)
+    held = _leading_held(storage, keyspace, spans, i)
     if not held:
         raise PinError(f"tier {name} holds none of this prompt's {len(spans)} chunk(s) (for its cache_salt); "
                        "nothing was pinned (run the prompt first)")
@@ -206,7 +205,7 @@ def drop(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int], 
 
 def _held_tokens(storage: StorageManager, keyspace: Keyspace, spans: Sequence[Span], tier: int) -> int:
     """Returns the leading tokens tier `tier` holds whole chunks of."""
-    held = storage.held_prefix(tier, keyspace.stored_keys(spans)) // keyspace.values_per_chunk
+    held = _leading_held(storage, keyspace, spans, tier)
     return spans[held - 1].end if held else 0
 
 

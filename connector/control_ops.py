@@ -70,10 +70,7 @@ class ControlOp:
 
 
 def _tier_arg(q: Question) -> str | None:
-    tier = q.get("tier")
-    if tier is not None and not (isinstance(tier, str) and tier):
-        raise Refused(400, "tier must be a tier's kind (cpu, disk), URL or name from inspect", "tier")
-    return tier
+    return None if q.get("tier") is None else _tier_name(q, "tier")
 
 
 def _positive(q: Question, field: str) -> float | None:
@@ -133,6 +130,7 @@ def _run_prefetch(storage: StorageManager, keyspace: Keyspace, q: Question) -> A
 
 
 def _tier_name(q: Question, field: str) -> str:
+    """Returns the tier the question's `field` names; Refused (400) unless a non-empty string."""
     tier = q.get(field)
     if not (isinstance(tier, str) and tier):
         raise Refused(400, f"{field} must be a tier's kind (cpu, disk), URL or name from inspect", field)

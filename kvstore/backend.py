@@ -21,7 +21,7 @@ import torch
 from kvstore import serde
 from kvstore.budget import BudgetError
 from kvstore.codecs import Buffer, Codec, QuantCodec, get_codec
-from kvstore.pin_set import PinError
+from kvstore.pin_set import PinError, PinInfo
 
 if TYPE_CHECKING:
     from kvstore.deadlines import RemoteDeadlines
@@ -88,6 +88,11 @@ class EntryInfo:
     idle_s: float | None = None
     pinned: bool = False
     pin_expires_in_s: float | None = None
+
+    @classmethod
+    def held(cls, nbytes: int | None, age_s: float | None, idle_s: float | None, pin: PinInfo | None) -> EntryInfo:
+        """Returns a stored value's figures with its operator pin (None: not pinned)."""
+        return cls(nbytes, age_s, idle_s, pin is not None, pin.expires_in_s if pin is not None else None)
 
 
 class StorageBackend(ABC):

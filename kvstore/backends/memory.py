@@ -184,8 +184,7 @@ class MemoryBackend(StorageBackend):
                     continue
                 stored, used = self._budget.times.get(key, (now, now))
                 pin = self._budget.pinned.info(key)
-                out.append(EntryInfo(nbytes, now - stored, now - used, pin is not None,
-                                     pin.expires_in_s if pin is not None else None))
+                out.append(EntryInfo.held(nbytes, now - stored, now - used, pin))
         return out
 
     def usage_by(self, label: Callable[[str], str | None]) -> dict[str, tuple[int, int]]:

@@ -504,8 +504,7 @@ class DiskBackend(BytesBackend):
             with self._lock:
                 self._sync_pins()
                 pin = self._index.pinned.info(key)
-            out.append(EntryInfo(st.st_size, None, max(0.0, time.time() - st.st_mtime), pin is not None,
-                                 pin.expires_in_s if pin is not None else None))
+            out.append(EntryInfo.held(st.st_size, None, max(0.0, time.time() - st.st_mtime), pin))
         return out
 
     def usage_by(self, label: Callable[[str], str | None]) -> dict[str, tuple[int, int]]:
