@@ -492,6 +492,8 @@ class DiskBackend(BytesBackend):
         """Per key its file's size, seconds since its last use (mtime: reads touch it) and its
         pin (any process's); its age is unknown (a file's mtime is its last use, not its creation)."""
         out: list[EntryInfo | None] = []
+        with self._lock:
+            self._sync_pins()  # once: the pin file's state as of this call
         for key in keys:
             try:
                 st = os.stat(self._path(key))
@@ -502,7 +504,6 @@ class DiskBackend(BytesBackend):
                 raise BackendError(f"disk tier cannot stat {key}: {exc}") from exc
             self._adopt(key)
             with self._lock:
-                self._sync_pins()
                 pin = self._index.pinned.info(key)
             out.append(EntryInfo.held(st.st_size, None, max(0.0, time.time() - st.st_mtime), pin))
         return out
