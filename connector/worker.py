@@ -246,8 +246,8 @@ class KVTierWorker(KVConnectorWorker):
 
     def shutdown(self) -> None:
         """Lets loads in flight end (and unpin; remote loads are bounded by their deadlines),
-        then writes what the store queue and the slower tiers' writer hold until
-        `flush_time_left()` runs out; what is left then is dropped and logged."""
+        then writes what the store queue, the key families index and the slower tiers' writer
+        hold until `flush_time_left()` runs out; what is left then is dropped and logged."""
         if self._closed:
             return
         self._closed = True
@@ -258,6 +258,9 @@ class KVTierWorker(KVConnectorWorker):
         if dropped:
             logger.warning("connector: the shutdown flush ran out of time (flush_timeout_s=%g): %d queued "
                            "store(s) dropped", self.config.kvstore.flush_timeout_s, dropped)
+        # The index thread is a daemon: one still inside a torch call when the interpreter
+        # exits aborts the process (pthread_exit unwinding through pybind11's noexcept frames).
+        flush_index(self.flush_time_left())
         self.storage.flush(self.flush_time_left())
 
     def flush_time_left(self) -> float | None:

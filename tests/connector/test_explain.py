@@ -6,13 +6,15 @@ so; a prompt never stored is named as such. No model runs: keys come from the ke
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from connector.engine_connector import build_connector
 from connector.explain import explain
-from connector.key_families import INDEX_KEY, FamilyIndex, decode_index
+from connector.key_families import INDEX_KEY, FamilyIndex, _publisher, decode_index
 from connector.keyspace import Keyspace
 from connector.lookup_channel import LookupServer, RemotePresence
 from connector.presence import Presence
@@ -133,3 +135,15 @@ def test_forgetting_a_tenant_drops_its_families_from_the_index(tmp_path: Path) -
         assert [f.tenant for f in decode_index(storage.tier_get(storage.names[0], INDEX_KEY))] == [None]
     finally:
         storage.close()
+
+
+def test_shutdown_waits_for_the_index_thread(tmp_path: Path) -> None:
+    """A connector's shutdown lets a publish in flight end (within its flush bound): a daemon
+    thread still inside torch at interpreter exit would abort the process."""
+    conn = build_connector([f"disk://{tmp_path}"], chunk_size=16)
+    started, release = threading.Event(), threading.Event()
+    _publisher().submit(lambda: (started.set(), release.wait(10)))
+    assert started.wait(10)
+    threading.Timer(0.3, release.set).start()
+    conn.shutdown()
+    assert release.is_set() and _publisher().pending() == 0
