@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.util
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -20,6 +22,7 @@ from engine.models import get_model_class
 from engine.models.base import CausalLM
 from engine.models.multimodal import checkpoint_names
 from engine.progress import progress_bar
+from engine.tokenizer import Tokenizer
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -144,8 +147,13 @@ def load_model(model: str | Path | None, device: torch.device, dtype: torch.dtyp
     return net, config
 
 
-def load_tokenizer(path: str | Path):
-    """Returns the checkpoint's HF tokenizer (local files only): what AutoTokenizer returns."""
+def load_tokenizer(path: str | Path) -> Any:
+    """Returns the checkpoint's tokenizer (local files only): kvtier's `tokenizers`-only
+    Tokenizer where transformers' would be the plain tokenizer.json (the same ids, text and chat
+    prompts without importing transformers: engine/tokenizer.py), else what AutoTokenizer returns."""
+    plain = Tokenizer.from_pretrained(path, tokenizer_mapped_model_types())
+    if plain is not None:
+        return plain
     if _is_plain_tokenizers_backend(Path(path)):
         from transformers import TokenizersBackend
 
@@ -183,14 +191,15 @@ def tokenizer_mapped_model_types() -> frozenset[str]:
     """Returns the model types transformers' AutoTokenizer maps to a tokenizer class of their
     own (`TOKENIZER_MAPPING_NAMES`' keys), read from its source without importing
     `transformers.models`: that import scans every model file (1.5-2 s of each process start
-    here). Any other shape of that source: the imported mapping's keys."""
-    import transformers
-
-    source = Path(transformers.__file__).parent / "models" / "auto" / "tokenization_auto.py"
-    try:
-        keys = _mapping_keys(ast.parse(source.read_text()))
-    except (OSError, SyntaxError, ValueError):
-        keys = None
+    here) or even transformers itself. Any other shape of that source: the imported mapping's keys."""
+    spec = importlib.util.find_spec("transformers")
+    keys = None
+    if spec is not None and spec.origin is not None:
+        source = Path(spec.origin).parent / "models" / "auto" / "tokenization_auto.py"
+        try:
+            keys = _mapping_keys(ast.parse(source.read_text()))
+        except (OSError, SyntaxError, ValueError):
+            pass
     if keys is None:
         from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 

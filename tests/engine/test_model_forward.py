@@ -24,7 +24,7 @@ def _prompt_ids(path: Path, n: int, seed: int = 0) -> list[int]:
     text = ("The paged KV cache stores keys and values in fixed-size blocks; a block table "
             "maps each sequence's logical blocks to physical ones, so memory is shared and "
             "reused. Prefix caching lets requests with a common system prompt skip work. ")
-    ids = load_tokenizer(path)(text)["input_ids"]
+    ids = load_tokenizer(path).encode(text)
     rng = random.Random(seed)
     out: list[int] = []
     while len(out) < n:
@@ -131,7 +131,7 @@ def test_greedy_chat_matches_generate(default_model, hf_default_model,
     tok = load_tokenizer(default_model_path)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Name three primary colours."}],
                                      add_generation_prompt=True, tokenize=False)
-    ids = tok(prompt)["input_ids"]
+    ids = tok.encode(prompt)
     with torch.inference_mode():
         ref = hf_default_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24,
                                         pad_token_id=cfg.eos_token_ids[0])[0, len(ids):].tolist()

@@ -1,37 +1,134 @@
-"""engine.model_loader.load_tokenizer returns what transformers' AutoTokenizer returns, also
-where it skips AutoTokenizer's config step (the default model's TokenizersBackend)."""
+"""engine.model_loader.load_tokenizer: kvtier's `tokenizers`-only Tokenizer (engine/tokenizer.py)
+for a checkpoint whose transformers tokenizer is its plain tokenizer.json, giving what
+transformers' AutoTokenizer gives (ids, text, chat prompts) without importing transformers; and
+AutoTokenizer's own tokenizer, also where it skips AutoTokenizer's config step, for the rest."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from engine.model_loader import _is_plain_tokenizers_backend, load_tokenizer
+from engine.model_loader import _is_plain_tokenizers_backend, load_tokenizer, tokenizer_mapped_model_types
+from engine.tokenizer import Tokenizer
 
-TEXTS = ["Hello <|im_start|> world \U0001f642\n\n  tabs\t", "", "The capital of France is"]
-
-
-def _same_tokenizer(got, ref) -> None:
-    assert type(got) is type(ref)
-    assert got.init_kwargs == ref.init_kwargs
-    assert got.special_tokens_map == ref.special_tokens_map
-    assert got.model_max_length == ref.model_max_length
-    for text in TEXTS:
-        assert got(text) == ref(text)
-    chat = [{"role": "user", "content": "Name three primary colours."}]
-    assert (got.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-            == ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+REPO = Path(__file__).resolve().parents[2]
+TEXTS = ["Hello <|im_start|> world \U0001f642\n\n  tabs\t", "", "The capital of France is",
+         "<|im_end|><|endoftext|> ünïcödé — 漢字 \u200b  spaces   end ", "x" * 300, "12345 + 67890 = ?\r\n"]
+CHATS = [
+    [{"role": "user", "content": "Name three primary colours."}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|>"},
+     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Again 漢字"}],
+    [{"role": "user", "content": "with a none field", "name": None}],
+]
 
 
-def test_default_model_tokenizer_matches_auto_tokenizer(default_model_path: Path) -> None:
+def _auto(path: Path) -> Any:
     from transformers import AutoTokenizer
 
-    assert _is_plain_tokenizers_backend(default_model_path)  # the fast path is what runs here
-    _same_tokenizer(load_tokenizer(default_model_path),
-                    AutoTokenizer.from_pretrained(str(default_model_path), local_files_only=True))
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _same_as_transformers(got: Tokenizer, ref: Any) -> None:
+    assert got.special_tokens_map == ref.special_tokens_map
+    assert got.eos_token_id == ref.eos_token_id and got.vocab_size == len(ref)
+    for text in TEXTS:
+        for special in (True, False):
+            ids = got.encode(text, add_special_tokens=special)
+            assert ids == ref.encode(text, add_special_tokens=special), (text, special)
+        assert got.convert_ids_to_tokens(ids) == ref.convert_ids_to_tokens(ids)
+        for skip in (True, False):  # every window, so split multi-byte characters are met too
+            for a in range(0, len(ids), 3):
+                for b in range(a, min(len(ids), a + 6) + 1):
+                    assert (got.decode(ids[a:b], skip_special_tokens=skip)
+                            == ref.decode(ids[a:b], skip_special_tokens=skip)), (text, a, b, skip)
+    for chat in CHATS:
+        for gen in (True, False):
+            want = ref.apply_chat_template(chat, add_generation_prompt=gen, tokenize=False)
+            assert got.apply_chat_template(chat, add_generation_prompt=gen) == want
+            assert got.apply_chat_template(chat, add_generation_prompt=gen, tokenize=True) == \
+                ref.apply_chat_template(chat, add_generation_prompt=gen, return_dict=False)
+
+
+def test_default_model_tokenizer_is_kvtiers_own_and_equals_auto_tokenizer(default_model_path: Path) -> None:
+    tok = load_tokenizer(default_model_path)
+    assert isinstance(tok, Tokenizer)
+    _same_as_transformers(tok, _auto(default_model_path))
+
+
+def test_loading_the_default_tokenizer_does_not_import_transformers(default_model_path: Path) -> None:
+    code = ("import sys; from engine.model_loader import load_tokenizer; "
+            f"tok = load_tokenizer({str(default_model_path)!r}); "
+            "tok.apply_chat_template([dict(role='user', content='x')]); "
+            "print(type(tok).__name__, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.stdout.split() == ["Tokenizer", "False"], out.stderr[-2000:]
+
+
+# A chat template using what transformers' environment gives templates: namespace, tojson (no
+# HTML escaping), loop controls, the generation tag, the special tokens as variables, trimmed blocks.
+TEMPLATE = """{{ bos_token }}{% set ns = namespace(n=0) %}
+{% for m in messages %}
+  {% if m['role'] == 'system' %}{% continue %}{% endif %}
+  {% set ns.n = ns.n + 1 %}
+  {{ ns.n }}:{{ m['role'] | tojson }} {{ {'c': m['content']} | tojson }}
+{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}<|im_start|>assistant{% endif %}"""
+
+
+def _variant(src: Path, out: Path, config: dict[str, Any] | None = None, spec: dict[str, Any] | None = None,
+             template: str | None = TEMPLATE) -> Path:
+    """Copies the default tokenizer to `out` with edits to tokenizer_config.json and tokenizer.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src / "config.json", out / "config.json")
+    cfg = {**json.loads((src / "tokenizer_config.json").read_text()), **(config or {})}
+    (out / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    tj = {**json.loads((src / "tokenizer.json").read_text()), **(spec or {})}
+    (out / "tokenizer.json").write_text(json.dumps(tj))
+    if template is not None:
+        (out / "chat_template.jinja").write_text(template)
+    return out
+
+
+def test_a_bos_adding_post_processor_and_a_richer_template_equal_auto_tokenizer(default_model_path: Path,
+                                                                                tmp_path: Path) -> None:
+    bos = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
+                                                    {"Sequence": {"id": "A", "type_id": 0}}],
+           "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+           "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}}}
+    added = {"2": {"content": "<|im_end|>", "lstrip": False, "rstrip": False, "normalized": False,
+                   "single_word": False, "special": True}}
+    path = _variant(default_model_path, tmp_path / "v", {"added_tokens_decoder": added, "unk_token": None},
+                    {"post_processor": bos})
+    tok = load_tokenizer(path)
+    assert isinstance(tok, Tokenizer)
+    assert tok.encode("hi")[0] == 1 and tok.encode("hi", add_special_tokens=False)[0] != 1
+    _same_as_transformers(tok, _auto(path))
+
+
+@pytest.mark.parametrize("config, spec, template", [
+    ({"add_bos_token": True}, None, None),  # transformers rebuilds the post-processor
+    ({"clean_up_tokenization_spaces": True}, None, None),
+    ({"eos_token": "<not-a-token>"}, None, None),  # transformers would add it
+    ({"added_tokens_decoder": {"2": {"content": "<|im_end|>", "special": False}}}, None, None),  # re-flagged
+    ({"added_tokens_decoder": {"5": {"content": "<|im_end|>", "special": True}}}, None, None),  # another id
+    (None, {"truncation": {"max_length": 8, "stride": 0, "strategy": "LongestFirst", "direction": "Right"}}, None),
+    (None, {"post_processor": None}, None),
+    ({"chat_template": "{{ messages }}"}, None, TEMPLATE),  # two templates
+    ({"chat_template": {"default": "x", "tool_use": "y"}}, None, None),
+    ({"tokenizer_class": "PreTrainedTokenizerFast"}, None, None),
+])
+def test_other_tokenizers_are_left_to_transformers(default_model_path: Path, tmp_path: Path, config: Any, spec: Any,
+                                                   template: str | None) -> None:
+    path = _variant(default_model_path, tmp_path / "v", config, spec, template)
+    assert Tokenizer.from_pretrained(path, tokenizer_mapped_model_types()) is None
+    assert not isinstance(load_tokenizer(path), Tokenizer)
 
 
 @pytest.mark.parametrize("edit", [

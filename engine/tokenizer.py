@@ -1,0 +1,222 @@
+"""A checkpoint's tokenizer through the `tokenizers` library alone, without importing transformers.
+
+Importing transformers scans every model file it ships (about half of an engine's start here).
+For a checkpoint whose transformers tokenizer is its tokenizer.json and nothing more
+(`load_plain_backend` says when), `Tokenizer` encodes, decodes and renders the chat template
+exactly as transformers' `TokenizersBackend` does: the same ids, the same text, the same chat
+prompt (tests/engine/test_tokenizer_loading.py holds it to that). Any other checkpoint gets
+transformers' own tokenizer (engine/model_loader.py `load_tokenizer`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# tokenizer_config.json keys whose values `Tokenizer` honours or that change nothing it does;
+# a config with any other key is left to transformers.
+_KNOWN_KEYS = frozenset({
+    *SPECIAL_NAMES, "tokenizer_class", "added_tokens_decoder", "chat_template", "backend", "is_local",
+    "local_files_only", "model_max_length", "clean_up_tokenization_spaces", "split_special_tokens",
+    "padding_side", "truncation_side", "model_input_names", "name_or_path", "errors",
+})
+_ADDED_TOKEN_FLAGS = ("special", "lstrip", "rstrip", "single_word", "normalized")
+# transformers rewrites the pre-tokenizer of vocabularies larger than this (its Mistral regex fix)
+_MAX_PLAIN_VOCAB = 100_000
+
+
+def load_plain_backend(path: Path, mapped_model_types: frozenset[str]) -> tuple[Any, dict[str, Any]] | None:
+    """Returns (the `tokenizers.Tokenizer` of tokenizer.json, tokenizer_config.json) of the
+    checkpoint at `path` when transformers would load it as a plain `TokenizersBackend` that
+    changes nothing in tokenizer.json: that class named, no remote code, a model type
+    transformers gives no tokenizer class of its own (`mapped_model_types`), no setting beyond
+    `_KNOWN_KEYS`, every special and added token already in tokenizer.json as the config
+    describes it, a post-processor, no truncation or padding, one chat template at most.
+    Else None."""
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        model_cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or not isinstance(model_cfg, dict):
+        return None
+    model_type = model_cfg.get("model_type")
+    if (config.get("tokenizer_class") != "TokenizersBackend" or "auto_map" in model_cfg
+            or not isinstance(model_type, str) or not model_type or model_type in mapped_model_types
+            or not set(config) <= _KNOWN_KEYS or config.get("split_special_tokens")
+            or config.get("clean_up_tokenization_spaces") or not isinstance(config.get("chat_template", ""), str)
+            or ("chat_template" in config and (path / "chat_template.jinja").exists())
+            or any(p.name.startswith("chat_template_") for p in path.iterdir())
+            or (path / "additional_chat_templates").exists()):
+        return None
+    from tokenizers import Tokenizer as Backend
+
+    try:
+        backend = Backend.from_file(str(path / "tokenizer.json"))
+    except Exception:  # tokenizers raises a bare Exception for a file it cannot read
+        return None
+    if (backend.truncation is not None or backend.padding is not None or backend.post_processor is None
+            or backend.get_vocab_size(with_added_tokens=False) > _MAX_PLAIN_VOCAB):
+        return None
+    added = {t.content: (i, t) for i, t in backend.get_added_tokens_decoder().items()}
+    for name in SPECIAL_NAMES:
+        token = _content(config.get(name))
+        if token is not None and token not in added:
+            return None
+    for tid, token in (config.get("added_tokens_decoder") or {}).items():
+        content = _content(token)
+        have = added.get(content) if content is not None else None
+        if (have is None or have[0] != int(tid)
+                or (isinstance(token, dict) and any(k in token and token[k] != getattr(have[1], k)
+                                                    for k in _ADDED_TOKEN_FLAGS))):
+            return None
+    return backend, config
+
+
+def _content(token: Any) -> str | None:
+    """Returns a special token's text, given as a string or as an AddedToken's dict."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+class Tokenizer:
+    """A plain checkpoint's tokenizer (see the module docstring). Thread-safe for reading."""
+
+    def __init__(self, backend: Any, config: Mapping[str, Any], chat_template: str | None) -> None:
+        self._backend = backend
+        self._backend.no_truncation()
+        self._backend.no_padding()
+        self._backend.encode_special_tokens = False
+        self.special_tokens_map = {n: t for n in SPECIAL_NAMES if (t := _content(config.get(n))) is not None}
+        self.chat_template = chat_template
+        self._template: Any = None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, mapped_model_types: frozenset[str]) -> Tokenizer | None:
+        """Returns the tokenizer of the checkpoint at `path`, or None when its transformers
+        tokenizer is not a plain tokenizer.json (`load_plain_backend`)."""
+        path = Path(path)
+        loaded = load_plain_backend(path, mapped_model_types)
+        if loaded is None:
+            return None
+        backend, config = loaded
+        jinja = path / "chat_template.jinja"
+        template = jinja.read_text() if jinja.is_file() else config.get("chat_template")
+        return cls(backend, config, template or None)
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens_map.get("eos_token")
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens_map.get("bos_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """Returns the eos token's id (None without one)."""
+        return None if self.eos_token is None else self._backend.token_to_id(self.eos_token)
+
+    @property
+    def vocab_size(self) -> int:
+        """Returns the vocabulary's size, added tokens included."""
+        return int(self._backend.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Returns `text`'s token ids (with the post-processor's special tokens if asked)."""
+        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Returns the text of `token_ids` (special tokens left out if asked)."""
+        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        return str(self._backend.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def convert_ids_to_tokens(self, token_ids: Iterable[int]) -> list[str | None]:
+        """Returns each id's token string (None for an id outside the vocabulary)."""
+        return [self._backend.id_to_token(i) for i in token_ids]
+
+    def apply_chat_template(self, conversation: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False,
+                            tokenize: bool = False, **kwargs: Any) -> str | list[int]:
+        """Returns `conversation` rendered with the checkpoint's chat template as transformers
+        renders it (its sandbox, filters and globals; the special tokens and `kwargs` as
+        template variables; None-valued message fields dropped), or its ids if `tokenize`
+        (no special tokens added). ValueError without a template or for an empty conversation."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        if not conversation:
+            raise ValueError("cannot apply a chat template to an empty conversation")
+        if self._template is None:
+            self._template = compile_chat_template(self.chat_template)
+        messages = [{k: v for k, v in dict(m).items() if v is not None} for m in conversation]
+        text = self._template.render(messages=messages, tools=None, documents=None,
+                                     add_generation_prompt=add_generation_prompt,
+                                     **{**self.special_tokens_map, **kwargs})
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def compile_chat_template(source: str) -> Any:
+    """Returns `source` compiled in the environment transformers renders chat templates in: an
+    immutable sandbox trimming blocks, loop controls, a `generation` block tag, its `tojson`
+    (no HTML escaping), `raise_exception`, `strftime_now`, and `dict`/`namespace` that refuse
+    underscore names."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        """`{% generation %}...{% endgeneration %}` renders its body (transformers marks the
+        assistant's tokens with it)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return str(caller())
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    def check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot store underscore names, got {name!r}")
+
+    class TemplateDict:
+        def __call__(self, *args: Any, **kwargs: Any) -> dict:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        def __init__(*args: Any, **kwargs: Any) -> None:
+            self, rest = args[0], args[1:]
+            attrs = dict(*rest, **kwargs)
+            for name in attrs:
+                check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(),
+                       namespace=TemplateNamespace)
+    return env.from_string(source)
