@@ -4,7 +4,8 @@ three with only their own cpu tier, behind `kvtier router --policy kv-aware`; ra
 Workload (documents that recur across instances): D long documents (~1.5k tokens), read by S
 users in all; each user is a multi-turn chat over one document (the document as the system
 message, T questions in a row, the history growing). Document popularity is Zipf-like (a
-few documents draw most users), and users of one document arrive spread over the run. Closed
+few documents draw most users; `--popularity uniform`: every document the same number), and
+users of one document arrive spread over the run. Closed
 loop: C users at a time, each running its turns back to back; the next user starts when one
 ends. Every arm runs the same users in the same order.
 
@@ -47,7 +48,7 @@ least one --max-model-len sequence).
     .venv/bin/python -m benchmarks.bench_fleet [--quick] [--engine kvtier|vllm] [--docs 12]
         [--users 36] [--turns 2] [--concurrency 6] [--doc-tokens 1500] [--no-pin]
 
-Writes benchmarks/results/fleet.json and fleet.md (each engine's part kept from the existing
+Writes benchmarks/results/<--out, default fleet>.json and .md (each engine's part kept from the existing
 file when the other runs) and prints the tables.
 """
 
@@ -98,10 +99,11 @@ def kv_bytes_per_token(model: str) -> int:
     return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head * 4
 
 
-def plan_users(docs: int, users: int, seed: int) -> list[int]:
+def plan_users(docs: int, users: int, seed: int, popularity: str = "zipf") -> list[int]:
     """Returns each user's document: Zipf-like counts (weight 1/rank, every document at least
-    one user), in a seeded order that spreads a document's users over the run."""
-    weights = [1 / (d + 1) for d in range(docs)]
+    one user) or, `popularity` "uniform", as even as `users` allows, in a seeded order that
+    spreads a document's users over the run."""
+    weights = [1 / (d + 1) if popularity == "zipf" else 1.0 for d in range(docs)]
     counts = [1] * docs
     for _ in range(users - docs):  # largest remainder: give the next user to the most under-served
         d = max(range(docs), key=lambda i: weights[i] / sum(weights) * users - counts[i])
@@ -426,6 +428,9 @@ def main() -> int:
     ap.add_argument("--pin-docs", type=int, default=2)
     ap.add_argument("--flood-docs", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--popularity", choices=["zipf", "uniform"], default="zipf",
+                    help="users per document: Zipf-like (a few documents draw most) or even (every one recurs)")
+    ap.add_argument("--out", default="fleet", help="results file name under benchmarks/results (no suffix)")
     args = ap.parse_args()
     if args.quick:
         args.docs, args.users, args.turns, args.concurrency, args.doc_tokens = 3, 6, 2, 3, 300
@@ -435,19 +440,19 @@ def main() -> int:
 
     tok = AutoTokenizer.from_pretrained(model)
     docs = [context_text(100 + d, tok, args.doc_tokens) for d in range(args.docs)]
-    plan = plan_users(args.docs, args.users, args.seed)
+    plan = plan_users(args.docs, args.users, args.seed, args.popularity)
     per_doc = kv_bytes_per_token(model) * (args.doc_tokens + 100)
     per_request_blocks = (args.doc_tokens + args.turns * (args.answer_tokens + 40)) // 16 + 8
     blocks = per_request_blocks * args.max_num_seqs + per_request_blocks // 2  # the running requests and a little more
     suffix = "_quick" if args.quick else ""
-    previous = RESULTS / f"fleet{suffix}.json"
+    previous = RESULTS / f"{args.out}{suffix}.json"
     res: dict[str, Any] = json.loads(previous.read_text()) if previous.exists() else {}
     workload = {"docs": args.docs, "users": args.users, "turns": args.turns, "concurrency": args.concurrency,
                 "doc_tokens": args.doc_tokens, "answer_tokens": args.answer_tokens, "users_per_doc":
                 [plan.count(d) for d in range(args.docs)], "max_num_seqs": args.max_num_seqs,
                 "engine_pool_blocks": blocks, "cpu_tier_docs": args.cpu_docs, "cpu_tier_bytes": args.cpu_docs * per_doc,
                 "cache_server_bytes": args.cache_bytes, "balance_threshold": args.balance_threshold,
-                "lookup_timeout_s": args.lookup_timeout, "seed": args.seed}
+                "lookup_timeout_s": args.lookup_timeout, "seed": args.seed, "popularity": args.popularity}
     res.update({"quick": args.quick, "platform": platform.platform()})
     if args.engine == "kvtier":
         res["kvtier"] = {"workload": workload, "threads_per_instance": 1, "env": ONE_THREAD,
@@ -461,9 +466,9 @@ def main() -> int:
         res["vllm"] = {"workload": workload, **{k: arms.pop(k) for k in ("served_model_name", "thread_binds",
                                                                           "engine_flags")}, "arms": arms}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"fleet{suffix}.json").write_text(json.dumps(res, indent=2) + "\n")
+    (RESULTS / f"{args.out}{suffix}.json").write_text(json.dumps(res, indent=2) + "\n")
     md = markdown(res)
-    (RESULTS / f"fleet{suffix}.md").write_text(md)
+    (RESULTS / f"{args.out}{suffix}.md").write_text(md)
     print(md)
     return 0
 

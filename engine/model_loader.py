@@ -190,8 +190,8 @@ def _is_plain_tokenizers_backend(path: Path) -> bool:
 def tokenizer_mapped_model_types() -> frozenset[str]:
     """Returns the model types transformers' AutoTokenizer maps to a tokenizer class of their
     own (`TOKENIZER_MAPPING_NAMES`' keys), read from its source without importing
-    `transformers.models`: that import scans every model file (1.5-2 s of each process start
-    here) or even transformers itself. Any other shape of that source: the imported mapping's keys."""
+    `transformers.models`: that import scans every model file (a large part of each process
+    start), or even transformers itself. Any other shape of that source: the imported mapping's keys."""
     spec = importlib.util.find_spec("transformers")
     keys = None
     if spec is not None and spec.origin is not None:

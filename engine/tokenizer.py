@@ -1,6 +1,6 @@
 """A checkpoint's tokenizer through the `tokenizers` library alone, without importing transformers.
 
-Importing transformers scans every model file it ships (about half of an engine's start here).
+Importing transformers scans every model file it ships: a large part of every engine start.
 For a checkpoint whose transformers tokenizer is its tokenizer.json and nothing more
 (`load_plain_backend` says when), `Tokenizer` encodes, decodes and renders the chat template
 exactly as transformers' `TokenizersBackend` does: the same ids, the same text, the same chat
@@ -89,9 +89,7 @@ class Tokenizer:
 
     def __init__(self, backend: Any, config: Mapping[str, Any], chat_template: str | None) -> None:
         self._backend = backend
-        self._backend.no_truncation()
-        self._backend.no_padding()
-        self._backend.encode_special_tokens = False
+        self._backend.encode_special_tokens = False  # transformers' split_special_tokens=False
         self.special_tokens_map = {n: t for n in SPECIAL_NAMES if (t := _content(config.get(n))) is not None}
         self.chat_template = chat_template
         self._template: Any = None
@@ -141,11 +139,12 @@ class Tokenizer:
         return [self._backend.id_to_token(i) for i in token_ids]
 
     def apply_chat_template(self, conversation: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False,
-                            tokenize: bool = False, **kwargs: Any) -> str | list[int]:
+                            tokenize: bool = False) -> str | list[int]:
         """Returns `conversation` rendered with the checkpoint's chat template as transformers
-        renders it (its sandbox, filters and globals; the special tokens and `kwargs` as
-        template variables; None-valued message fields dropped), or its ids if `tokenize`
-        (no special tokens added). ValueError without a template or for an empty conversation."""
+        renders it without tools or documents (its sandbox, filters and globals; the special
+        tokens as template variables; None-valued message fields dropped), or its ids if
+        `tokenize` (no special tokens added). ValueError without a template or for an empty
+        conversation."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         if not conversation:
@@ -154,8 +153,7 @@ class Tokenizer:
             self._template = compile_chat_template(self.chat_template)
         messages = [{k: v for k, v in dict(m).items() if v is not None} for m in conversation]
         text = self._template.render(messages=messages, tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt,
-                                     **{**self.special_tokens_map, **kwargs})
+                                     add_generation_prompt=add_generation_prompt, **self.special_tokens_map)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
