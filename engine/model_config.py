@@ -18,6 +18,7 @@ safetensors original.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -252,14 +253,26 @@ def _collect_eos_ids(path: Path, hf: dict[str, Any]) -> list[int]:
         if isinstance(eos, dict):
             eos = eos.get("content")
         if isinstance(eos, str):
-            tok = json.loads(tok_json.read_text())
-            added = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
-            vocab = (tok.get("model") or {}).get("vocab")
-            if eos in added:
-                ids.add(int(added[eos]))
-            elif isinstance(vocab, dict) and eos in vocab:
-                ids.add(int(vocab[eos]))
+            stat = tok_json.stat()
+            tid = _token_id(tok_json, stat.st_mtime_ns, stat.st_size, eos)
+            if tid is not None:
+                ids.add(tid)
     return sorted(ids)
+
+
+@functools.lru_cache(maxsize=16)
+def _token_id(tok_json: Path, mtime_ns: int, size: int, token: str) -> int | None:
+    """Returns `token`'s id in tokenizer.json (an added token's, else the vocabulary's), or
+    None. Cached by the file's mtime and size: parsing the file is most of a config's read, and
+    a process builds engines for one checkpoint many times."""
+    tok = json.loads(tok_json.read_text())
+    added = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
+    vocab = (tok.get("model") or {}).get("vocab")
+    if token in added:
+        return int(added[token])
+    if isinstance(vocab, dict) and token in vocab:
+        return int(vocab[token])
+    return None
 
 
 def weights_identity(path: Path) -> str:

@@ -7,6 +7,7 @@ import ast
 import functools
 import importlib.util
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -151,7 +152,7 @@ def load_tokenizer(path: str | Path) -> Any:
     """Returns the checkpoint's tokenizer (local files only): kvtier's `tokenizers`-only
     Tokenizer where transformers' would be the plain tokenizer.json (the same ids, text and chat
     prompts without importing transformers: engine/tokenizer.py), else what AutoTokenizer returns."""
-    plain = Tokenizer.from_pretrained(path, tokenizer_mapped_model_types())
+    plain = _plain_tokenizer(str(path), _tokenizer_files_stamp(Path(path)))
     if plain is not None:
         return plain
     if _is_plain_tokenizers_backend(Path(path)):
@@ -161,6 +162,23 @@ def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer  # imports transformers.models (see tokenizer_mapped_model_types)
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _plain_tokenizer(path: str, stamp: tuple[tuple[str, int, int], ...]) -> Tokenizer | None:
+    """Returns `Tokenizer.from_pretrained(path)`, one per process while the files in `stamp`
+    are unchanged (a Tokenizer is immutable; a process builds engines for one checkpoint often)."""
+    return Tokenizer.from_pretrained(path, tokenizer_mapped_model_types())
+
+
+def _tokenizer_files_stamp(path: Path) -> tuple[tuple[str, int, int], ...]:
+    """Returns (name, mtime_ns, size) of each file in `path` a tokenizer is read from."""
+    try:
+        entries = [e for e in os.scandir(path)
+                   if e.name == "config.json" or e.name.startswith(("tokenizer", "chat_template", "additional_chat"))]
+        return tuple(sorted((e.name, (st := e.stat()).st_mtime_ns, st.st_size) for e in entries))
+    except OSError:
+        return ()
 
 
 def _is_plain_tokenizers_backend(path: Path) -> bool:

@@ -171,3 +171,13 @@ def test_the_mapped_model_types_read_from_source_are_transformers_own() -> None:
     assert parsed == frozenset(TOKENIZER_MAPPING_NAMES) == tokenizer_mapped_model_types()
     assert "qwen2" in parsed and "llama" not in parsed
     assert _mapping_keys(ast.parse("TOKENIZER_MAPPING_NAMES = dict(x)")) is None  # another shape: the import
+
+
+def test_a_checkpoints_tokenizer_is_loaded_once_until_its_files_change(default_model_path: Path,
+                                                                        tmp_path: Path) -> None:
+    path = _variant(default_model_path, tmp_path / "v")
+    first = load_tokenizer(path)
+    assert isinstance(first, Tokenizer) and load_tokenizer(path) is first  # one per process
+    (path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    second = load_tokenizer(path)
+    assert second is not first and second.apply_chat_template([{"role": "user", "content": "x"}]) == "x!"
