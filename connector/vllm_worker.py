@@ -163,11 +163,15 @@ class VllmWorkerConnector(KVConnectorBase_V1, SupportsHMA):
         return KVTierVllmStats(data=delta) if delta else None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        """Returns the report the scheduler role needs after this step (stores pending, when
-        that changed; the tiers' changes), or None when there is no news."""
+        """Returns the report the scheduler role needs after this step (stores pending, every
+        step while they are and once when they no longer are; the tiers' changes), or None when
+        there is no news."""
         pending = self.worker.stores_pending()
         stored, removed = self.changes.drain() if self.changes is not None else ([], [])
-        if pending == self._reported_pending and not stored and not removed:
+        # vLLM merges one step's reports of all ranks, starting from the first that is not None:
+        # a rank still storing must say so every step, or another rank's "done" would stand
+        # alone and the engine would stop stepping before this rank's stores (and figures) land.
+        if not pending and not self._reported_pending and not stored and not removed:
             return None
         self._reported_pending = pending
         return KVTierWorkerMeta(pending, stored, removed)
