@@ -23,7 +23,7 @@ from engine.models import get_model_class
 from engine.models.base import CausalLM
 from engine.models.multimodal import checkpoint_names
 from engine.progress import progress_bar
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, names_plain_backend, read_tokenizer_configs
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -191,17 +191,8 @@ def _is_plain_tokenizers_backend(path: Path) -> bool:
         from transformers import TokenizersBackend  # noqa: F401  (transformers >= 5 only)
     except ImportError:
         return False
-    try:
-        tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
-        model_cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False  # AutoTokenizer decides, and reports what is wrong
-    if not isinstance(tok_cfg, dict) or not isinstance(model_cfg, dict):
-        return False
-    model_type = model_cfg.get("model_type")
-    return (tok_cfg.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in tok_cfg
-            and "auto_map" not in model_cfg and isinstance(model_type, str) and bool(model_type)
-            and model_type not in tokenizer_mapped_model_types())
+    configs = read_tokenizer_configs(path)  # None: AutoTokenizer decides, and reports what is wrong
+    return configs is not None and names_plain_backend(*configs, tokenizer_mapped_model_types())
 
 
 @functools.lru_cache(maxsize=1)

@@ -37,16 +37,11 @@ def load_plain_backend(path: Path, mapped_model_types: frozenset[str]) -> tuple[
     `_KNOWN_KEYS`, every special and added token already in tokenizer.json as the config
     describes it, a post-processor, no truncation or padding, one chat template at most.
     Else None."""
-    try:
-        config = json.loads((path / "tokenizer_config.json").read_text())
-        model_cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
+    configs = read_tokenizer_configs(path)
+    if configs is None:
         return None
-    if not isinstance(config, dict) or not isinstance(model_cfg, dict):
-        return None
-    model_type = model_cfg.get("model_type")
-    if (config.get("tokenizer_class") != "TokenizersBackend" or "auto_map" in model_cfg
-            or not isinstance(model_type, str) or not model_type or model_type in mapped_model_types
+    config, model_cfg = configs
+    if (not names_plain_backend(config, model_cfg, mapped_model_types)
             or not set(config) <= _KNOWN_KEYS or config.get("split_special_tokens")
             or config.get("clean_up_tokenization_spaces") or not isinstance(config.get("chat_template", ""), str)
             or ("chat_template" in config and (path / "chat_template.jinja").exists())
@@ -75,6 +70,28 @@ def load_plain_backend(path: Path, mapped_model_types: frozenset[str]) -> tuple[
                                                     for k in _ADDED_TOKEN_FLAGS))):
             return None
     return backend, config
+
+
+def read_tokenizer_configs(path: Path) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """Returns (tokenizer_config.json, config.json) of the checkpoint at `path`, or None where
+    either is missing, unreadable or not a JSON object."""
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        model_cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return (config, model_cfg) if isinstance(config, dict) and isinstance(model_cfg, dict) else None
+
+
+def names_plain_backend(config: Mapping[str, Any], model_cfg: Mapping[str, Any],
+                        mapped_model_types: frozenset[str]) -> bool:
+    """Returns whether transformers' AutoTokenizer loads a checkpoint with these configs as its
+    plain `TokenizersBackend`: that class named, no remote code declared, and a model type
+    transformers gives no tokenizer class of its own (`mapped_model_types`)."""
+    model_type = model_cfg.get("model_type")
+    return (config.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in config
+            and "auto_map" not in model_cfg and isinstance(model_type, str) and bool(model_type)
+            and model_type not in mapped_model_types)
 
 
 def _content(token: Any) -> str | None:
@@ -110,10 +127,6 @@ class Tokenizer:
     @property
     def eos_token(self) -> str | None:
         return self.special_tokens_map.get("eos_token")
-
-    @property
-    def bos_token(self) -> str | None:
-        return self.special_tokens_map.get("bos_token")
 
     @property
     def eos_token_id(self) -> int | None:
