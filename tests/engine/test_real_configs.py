@@ -108,8 +108,10 @@ def test_a_shrunk_published_config_runs_as_transformers_does(name: str, tmp_path
     prompts = [prompt_ids(n) for n in (7, 40)]
     for p in prompts:
         # 16 blocks hold the 40 tokens (the default 512, NaN-filled, cost 0.2 s a prompt at head size 256).
+        # rtol: logits reach ~10 here, and the packed kernels sum in another order than torch, one
+        # that follows the host's vector width (AVX-512 hosts differ by up to 1.4e-4 at a logit of 3).
         torch.testing.assert_close(PagedDriver(ours, num_blocks=16).step([(0, p)])[0], hf_logits(hf, p),
-                                   atol=1e-4, rtol=0)
+                                   atol=1e-4, rtol=1e-4)
     refs = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
     conn = build_connector(["cpu"], chunk_size=16)
     llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=16, num_gpu_blocks=64, kv_connector=conn)
