@@ -101,8 +101,10 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     output columns 16p..16p+15 (zeros past `out`), each input feature's 16 weights together."""
     out_features, in_features = weight.shape
     panels = -(-out_features // PANEL_COLUMNS)
-    padded = F.pad(weight.detach(), (0, 0, 0, panels * PANEL_COLUMNS - out_features))
-    return padded.view(panels, PANEL_COLUMNS, in_features).transpose(1, 2).contiguous()
+    padded = weight.detach()
+    if out_features % PANEL_COLUMNS:  # a pad copies the whole weight: only where columns are missing
+        padded = F.pad(padded, (0, 0, 0, panels * PANEL_COLUMNS - out_features))
+    return padded.reshape(panels, PANEL_COLUMNS, in_features).transpose(1, 2).contiguous()
 
 
 class PanelLinear(nn.Module):

@@ -78,6 +78,8 @@ def test_panels_hold_the_weight_sixteen_outputs_at_a_time() -> None:
     assert panels.shape == (2, 3, 16) and panels.is_contiguous()
     assert torch.equal(panels[0], weight[:16].t()) and torch.equal(panels[1, :, :4], weight[16:].t())
     assert not panels[1, :, 4:].any()
+    whole = to_panels(weight[:16].repeat(2, 1))  # 32 outputs: two full panels, no padding
+    assert whole.shape == (2, 3, 16) and whole.is_contiguous() and torch.equal(whole[1], weight[:16].t())
 
 
 def test_panel_linear_refuses_what_it_cannot_run(ops: ModuleType) -> None:
