@@ -23,7 +23,7 @@ from kvstore.tenant_keys import key_tenant
 from tests.fixtures.cache_server import CacheServerProcess
 from tests.fixtures.polling import wait_until
 from tests.fixtures.redis_server import RedisServer
-from tests.fixtures.serve import ServeProcess
+from tests.fixtures.serve import ServeProcess, metrics
 from tests.fixtures.text import long_text
 
 pytestmark = pytest.mark.slow
@@ -233,7 +233,9 @@ def _probe(server: ServeProcess, victim: tuple[str, str | None], attacker: tuple
            rounds: int) -> tuple[list[float], list[float], list[int]]:
     """An attacker's timing probe: per round the victim sends a new document, then the
     attacker sends that document and one nobody sent (alternating which goes first), timing
-    each. Returns (probe times, fresh times, the probes' cached tokens)."""
+    each. Every request starts once the server has written the last one's K/V to its tiers: a
+    store still running behind it would slow whichever request met it, hit or not. Returns
+    (probe times, fresh times, the probes' cached tokens)."""
     probe, fresh, cached = [], [], []
     body = long_text(1)  # ~65 tokens with the record line: a miss computes all, a hit all but the last few
     for i in range(rounds):
@@ -241,12 +243,19 @@ def _probe(server: ServeProcess, victim: tuple[str, str | None], attacker: tuple
         complete(server, victim[0], doc, victim[1], max_tokens=1)
         order = [(doc, probe), (other, fresh)]
         for prompt, times in order if i % 2 else order[::-1]:
+            assert wait_until(lambda: _stores_written(server), 60.0, 0.02), "the server's stores never drained"
             t0 = time.perf_counter()
             _, hit = complete(server, attacker[0], prompt, attacker[1], max_tokens=1)
             times.append(time.perf_counter() - t0)
             if times is probe:
                 cached.append(hit)
     return probe, fresh, cached
+
+
+def _stores_written(server: ServeProcess) -> bool:
+    """Returns whether the server has no store queued or being written to a slower tier."""
+    m = metrics(server.url)
+    return m["kvtier:kv_pending_stores"] == 0 and m["kvtier:kv_slow_tier_writes_pending"] == 0
 
 
 def test_timing_probe_learns_nothing_across_tenants(servers) -> None:
