@@ -75,16 +75,16 @@ class LoadJob(LoadSpec):
         return max(sp.start, self.start), min(sp.end, self.end)
 
 
-def chunk_ok(kv: torch.Tensor | None, shape: tuple[int, ...]) -> bool:
-    """Whether a fetched value is a floating-point tensor of exactly `shape`."""
-    return isinstance(kv, torch.Tensor) and kv.is_floating_point() and tuple(kv.shape) == shape
+def chunk_ok(kv: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+    """Whether a fetched value is a tensor of exactly `shape` and `dtype` (the caches')."""
+    return isinstance(kv, torch.Tensor) and kv.dtype == dtype and tuple(kv.shape) == shape
 
 
 def join_heads(pieces: Sequence[tuple[torch.Tensor | Destination | None, int]],
-               shape: tuple[int, ...]) -> tuple[torch.Tensor | None, int]:
+               shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor | None, int]:
     """Returns one chunk's fetched per-head values joined along the head axis, with the
-    slowest tier any came from; (None, -1) unless every piece is a tensor of `shape`."""
-    if not all(isinstance(kv, torch.Tensor) and chunk_ok(kv, shape) for kv, _ in pieces):
+    slowest tier any came from; (None, -1) unless every piece is a tensor of `shape` and `dtype`."""
+    if not all(isinstance(kv, torch.Tensor) and chunk_ok(kv, shape, dtype) for kv, _ in pieces):
         return None, -1
     return torch.cat([kv for kv, _ in pieces], dim=3), max(tier for _, tier in pieces)  # type: ignore[misc]
 
@@ -220,7 +220,7 @@ class Loader:
                     break  # evicted or corrupt: computed from here on
                 lo, hi = job.bounds(sp)
                 if isinstance(kv, torch.Tensor):
-                    if not chunk_ok(kv, self._shape(self.num_layers, sp.num_tokens)):
+                    if not chunk_ok(kv, self._shape(self.num_layers, sp.num_tokens), layout.dtype):
                         break  # foreign
                     src = to_device_source(kv[:, :, lo - sp.start:hi - sp.start], layout.device, keep)
                     layout.scatter_chunk(slots[..., lo - job.start:hi - job.start], src)
@@ -263,7 +263,7 @@ class Loader:
             n = ks.values_per_chunk
             if n == 1:
                 return values
-            return [join_heads(values[i:i + n], self._shape(self.num_layers, sp.num_tokens, heads=1))
+            return [join_heads(values[i:i + n], self._shape(self.num_layers, sp.num_tokens, heads=1), self.layout.dtype)
                     for i, sp in zip(range(0, len(values), n), group)]
         keys = [sp.key for sp in group]
         into = []
@@ -298,7 +298,7 @@ class Loader:
                 sp = job.spans[i]
                 if sp.start >= filled:
                     break
-                if job.cancelled or kv is None or not chunk_ok(kv, self._shape(1, sp.num_tokens)):
+                if job.cancelled or kv is None or not chunk_ok(kv, self._shape(1, sp.num_tokens), layout.dtype):
                     filled = max(job.start, sp.start)
                     break
                 lo, hi = max(sp.start, job.start), min(sp.end, filled)

@@ -78,6 +78,9 @@ class KVTierPlanner(KVConnectorScheduler):
         self._save_plan: SavePlan | None = None
         self.block_size = 0
         self._hits: dict[str, _Hit] = {}  # waiting requests with a lookup answer
+        # Requests whose load failed: they recompute; offering the same chunks again could fail
+        # again for ever (a value the tier keeps but the engine cannot take).
+        self._load_failed: set[str] = set()
         self._loads: list[LoadSpec] = []  # planned since the last meta
         self._tail_saves: list[SaveSpec] = []  # of finished requests, since the last meta
         self._loading: dict[str, LoadSpec] = {}  # background loads not reported ended
@@ -85,7 +88,7 @@ class KVTierPlanner(KVConnectorScheduler):
         self._no_save: set[str] = set()  # live requests that asked not to be stored
 
     # ---- set-up ------------------------------------------------------------------------
-    def register_model(self, model_config: KeyedModel, kv_dtype: torch.dtype, block_size: int,
+    def register_model(self, model_config: KeyedModel, kv_dtype: torch.dtype | str, block_size: int,
                        keyspace: Keyspace | None = None) -> None:
         """Takes the model, its K/V dtype and block size, and the keyspace chunks are keyed in
         (default: the model's, whole chunks)."""
@@ -124,7 +127,7 @@ class KVTierPlanner(KVConnectorScheduler):
             return hit.end - hit.start, not self.layerwise
         self._hits.pop(rid, None)
         limit = n - 1  # the last token's logits are needed
-        if limit <= num_computed_tokens or not self.loads:
+        if limit <= num_computed_tokens or not self.loads or rid in self._load_failed:
             return 0, False
         m = self.metrics.live(rid)
         m.num_prompt_tokens = seq.num_prompt_tokens
@@ -236,18 +239,20 @@ class KVTierPlanner(KVConnectorScheduler):
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput, failed: Collection[str] = ()) -> None:
-        """Forgets ended background loads; a failed load's request offers its chunks again from
-        its first bad position (`failed`: requests whose load failed somewhere, from the load's
-        start), as they are recomputed."""
+        """Forgets ended background loads; a failed load's request saves its chunks again from
+        its first bad position as they are recomputed, and loads nothing more (`failed`:
+        requests whose load failed somewhere, from the load's start)."""
         step_loads, self._step_loads = self._step_loads, {}
         ended = [self._loading.pop(rid) for rid in output.finished_recving if rid in self._loading]
         bad = output.invalid_block_ids
         for load in [*ended, *step_loads.values()]:
             if load.request_id in failed:
+                self._load_failed.add(load.request_id)
                 self._saves().rewind(load.request_id, load.start)
                 continue
             first = min((i for t in load.block_ids for i, b in enumerate(t) if b in bad), default=None)
             if first is not None:
+                self._load_failed.add(load.request_id)
                 self._saves().rewind(load.request_id, max(load.start, first * self.block_size))
 
     def is_loading(self, request_id: str) -> bool:
@@ -264,6 +269,7 @@ class KVTierPlanner(KVConnectorScheduler):
         them."""
         rid = seq.request_id
         self._hits.pop(rid, None)
+        self._load_failed.discard(rid)
         try:
             if self.extension.finish(rid):
                 self._saves().forget(rid)

@@ -198,7 +198,7 @@ class Blender(WorkerExtension):
         found = self.storage.fetch(keys, read_only=True)
         self.stores.promote([(k, kv, t) for k, (kv, t) in zip(keys, found) if kv is not None and t > 0])
         layout = self.layout
-        ok = [chunk_ok(kv, (layout.num_layers, 2, sp.num_tokens, layout.num_kv_heads, layout.head_size))
+        ok = [chunk_ok(kv, (layout.num_layers, 2, sp.num_tokens, layout.num_kv_heads, layout.head_size), layout.dtype)
               for sp, (kv, _) in zip(spans, found)]
         tiers = [t for _, t in found]
         if not all(ok):

@@ -119,3 +119,24 @@ def test_a_request_that_skips_saves_offers_nothing_but_still_loads(default_model
     planner.get_num_new_matched_tokens(again, 0)
     planner.update_state_after_alloc(again, list(range(4)), 0)
     assert planner.build_connector_meta(SchedulerOutput([ScheduledRequest(again, 32, 18)])).saves
+
+
+def test_a_request_whose_load_failed_recomputes_and_is_offered_nothing_again(default_model_path: Path) -> None:
+    """A value the tier keeps but the engine cannot take fails every load of it: the request
+    recomputes, saving its chunks again, and its next lookups (vLLM asks again for a request
+    it reschedules) claim nothing, where offering the chunks again looped for ever."""
+    planner, tier, mc = _planner(default_model_path)
+    ids = list(range(100, 150))
+    _store(tier, mc, planner.keyspace.spans(ids[:32]))
+    seq = Sequence("f", ids, SamplingParams(max_tokens=1))
+    assert planner.get_num_new_matched_tokens(seq, 0) == (32, True)
+    planner.update_state_after_alloc(seq, [3, 1, 2, 0], 32)
+    planner.build_connector_meta(SchedulerOutput())
+    planner.update_connector_output(KVConnectorOutput(finished_recving={"f"}, invalid_block_ids={1}))
+    assert planner.get_num_new_matched_tokens(seq, 0) == (0, False)
+    planner.update_state_after_alloc(seq, [3, 1, 2, 0], 0)
+    meta = planner.build_connector_meta(SchedulerOutput([ScheduledRequest(seq, 0, 50)]))
+    assert [(sp.start, sp.end) for sp in meta.saves[0].spans][:1] == [(16, 32)]  # from the bad block on
+    planner.request_finished(seq, [3, 1, 2, 0])
+    again = Sequence("f", ids, SamplingParams(max_tokens=1))  # the id's next request loads again
+    assert planner.get_num_new_matched_tokens(again, 0) == (32, True)
