@@ -57,11 +57,14 @@ def attention_backend() -> str:
     return "cpu" if current_platform.is_cpu() else "flash"
 
 
-def cpu_attention_isa(dtype: object, block_size: int, head_size: int) -> str:
-    """Returns the kernels vLLM's CPU attention picks for these caches ("vec", "vec16", "amx", ...)."""
+def cpu_attention_isa(dtype: object, block_size: int, head_size: int, kv_cache_dtype: str = "auto") -> str:
+    """Returns the kernels vLLM's CPU attention picks for a model of `dtype` over these caches
+    ("vec", "vec16", "amx", ...)."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    return str(_get_attn_isa(dtype, block_size, head_size))
+    if kv_cache_dtype == "auto":
+        return str(_get_attn_isa(dtype, block_size, head_size))
+    return str(_get_attn_isa(dtype, block_size, head_size, kv_cache_dtype))
 
 
 def vllm_event(e: ChunkEvent) -> BlockStored | BlockRemoved:

@@ -23,11 +23,11 @@ from connector.vllm_api import (
     CacheHitSource,
     KVConnectorBase_V1,
     KVConnectorMetadata,
-    SupportsHMA,
     attention_backend,
     vllm_event,
 )
 from connector.vllm_metadata import KVTierVllmMeta, KVTierWorkerMeta
+from connector.vllm_roles import SchedulerRole
 from connector.vllm_setup import hit_sources, vllm_setup
 from engine.kv_connector import KVConnectorOutput
 
@@ -38,7 +38,7 @@ SKIP_SAVE_PARAMS = ("kvtier.skip_save", "lmcache.skip_save")
 (LMCache's name is honoured too); it still loads what others stored."""
 
 
-class VllmSchedulerConnector(KVConnectorBase_V1, SupportsHMA):
+class VllmSchedulerConnector(SchedulerRole, KVConnectorBase_V1):  # vLLM's class, one per role
     """The scheduler role: lookups, load and save plans, KV events.
 
     Guarantees: a lookup never claims the last prompt token and answers `load_async=False`
@@ -147,16 +147,3 @@ class VllmSchedulerConnector(KVConnectorBase_V1, SupportsHMA):
         cache server) serve other instances and are left as they are, unless the configuration
         says `reset_clears_shared_tiers`. False if the worker does not answer."""
         return all([rank.clear_local() for rank in self.presence.ranks if isinstance(rank, RemotePresence)])
-
-    # ---- the worker role's hooks: vLLM never calls them on this object -----------------------
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        raise RuntimeError("start_load_kv is a worker-role hook")
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        raise RuntimeError("wait_for_layer_load is a worker-role hook")
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        raise RuntimeError("save_kv_layer is a worker-role hook")
-
-    def wait_for_save(self) -> None:
-        raise RuntimeError("wait_for_save is a worker-role hook")

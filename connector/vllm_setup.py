@@ -57,23 +57,35 @@ def vllm_model(model_config: Any, backend: str) -> VllmModel:
                      int(model_config.get_total_num_kv_heads()), int(model_config.get_head_size()))
 
 
+# vLLM's fp8 `kv_cache_dtype` names the connector moves as they are (bytes in vLLM's CPU "vec"
+# pages, where they sit as the model dtype's elements would), by the format's name in keys:
+# "fp8" is vLLM's name for e4m3, and its CPU kernels write the same bytes for both.
+FP8_KV_DTYPES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+
 @dataclasses.dataclass
 class VllmSetup:
     """kvtier's view of one vLLM configuration."""
 
     config: ConnectorConfig
     model: VllmModel
-    kv_dtype: torch.dtype
+    model_dtype: torch.dtype
     block_size: int
     layer_groups: dict[str, int]  # attention layer name -> KV cache group
     loads: bool
     saves: bool
     events: bool
     tp_size: int = 1
+    cache_dtype: str = "auto"  # vLLM's kv_cache_dtype: "auto" (the model's dtype) or an FP8_KV_DTYPES name
 
     @property
     def num_groups(self) -> int:
         return max(self.layer_groups.values(), default=0) + 1
+
+    @property
+    def kv_dtype(self) -> torch.dtype | str:
+        """Returns the K/V dtype chunks are keyed by: the model's, or the fp8 format's name."""
+        return self.model_dtype if self.cache_dtype == "auto" else FP8_KV_DTYPES[self.cache_dtype]
 
     def keyspace(self) -> Keyspace:
         """Returns the keyspace the connector keys chunks in: split by KV head (unless
@@ -127,9 +139,7 @@ def vllm_setup(vllm_config: Any, kv_cache_config: Any, backend: str) -> VllmSetu
     if par.tensor_parallel_size > 1 and config.use_layerwise:
         raise ValueError("KVTierConnector: use_layerwise needs tensor_parallel_size=1 (a layerwise value holds "
                          "every KV head of its layer; tensor-parallel ranks store their own heads)")
-    if vllm_config.cache_config.cache_dtype not in ("auto", None):
-        raise ValueError(f"KVTierConnector: kv_cache_dtype {vllm_config.cache_config.cache_dtype!r} "
-                         "is not supported; use 'auto'")
+    cache_dtype = kv_cache_dtype(vllm_config.cache_config, backend)
     if config.blend.enabled:
         raise ValueError("CacheBlend (blend.enabled) is not supported inside vLLM yet; "
                          "use kvtier's engine for blended prompts")
@@ -147,7 +157,25 @@ def vllm_setup(vllm_config: Any, kv_cache_config: Any, backend: str) -> VllmSetu
     ev = vllm_config.kv_events_config
     return VllmSetup(config, model, vllm_config.model_config.dtype, vllm_config.cache_config.block_size, groups,
                      loads=kvt.is_kv_consumer, saves=kvt.is_kv_producer,
-                     events=ev is not None and bool(ev.enable_kv_cache_events), tp_size=par.tensor_parallel_size)
+                     events=ev is not None and bool(ev.enable_kv_cache_events), tp_size=par.tensor_parallel_size,
+                     cache_dtype=cache_dtype)
+
+
+def kv_cache_dtype(cache_config: Any, backend: str) -> str:
+    """Returns vLLM's `kv_cache_dtype` where the connector supports it: "auto", or an fp8 format
+    on the CPU backend with fixed scales (a checkpoint's scales are in the weights the model's
+    identity hashes); ValueError names any other."""
+    name = cache_config.cache_dtype or "auto"
+    if name == "auto":
+        return name
+    if name not in FP8_KV_DTYPES or backend != "cpu":
+        where = "" if name not in FP8_KV_DTYPES else " on vLLM's GPU backends (verified on its CPU backend only)"
+        raise ValueError(f"KVTierConnector: kv_cache_dtype {name!r} is not supported{where}; use 'auto'"
+                         + (f" or one of {sorted(FP8_KV_DTYPES)}" if backend == "cpu" else ""))
+    if getattr(cache_config, "calculate_kv_scales", False):
+        raise ValueError("KVTierConnector: calculate_kv_scales computes each instance's own fp8 K/V scales, so "
+                         "stored fp8 K/V would be read with other scales than it was written with; leave it off")
+    return name
 
 
 def refuse_image_input(checkpoint: str | Path, multimodal_config: Any) -> None:

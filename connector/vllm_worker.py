@@ -26,7 +26,6 @@ from connector.vllm_api import (
     KVConnectorStats,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
-    SupportsHMA,
     attention_backend,
     cpu_attention_isa,
     tensor_parallel_rank,
@@ -34,6 +33,7 @@ from connector.vllm_api import (
 from connector.vllm_layouts import NULL_BLOCK, vllm_layout_for
 from connector.vllm_metadata import KVTierVllmMeta, KVTierWorkerMeta
 from connector.vllm_metrics import KVTierVllmStats, stats_delta
+from connector.vllm_roles import WorkerRole
 from connector.vllm_setup import layer_index, vllm_setup
 from connector.worker import KVTierWorker
 from kvstore.deadlines import STORE_FLUSH_TIMEOUT_S, VLLM_IDLE_WAIT_S
@@ -42,7 +42,7 @@ from kvstore.storage_manager import StorageManager
 log = logging.getLogger(LOGGER)
 
 
-class VllmWorkerConnector(KVConnectorBase_V1, SupportsHMA):
+class VllmWorkerConnector(WorkerRole, KVConnectorBase_V1):  # vLLM's class, one per role
     """The worker role: loads, saves, the tiers and the lookup channel.
 
     Guarantees: the lookup channel answers from this worker's `Presence` (pending stores
@@ -95,7 +95,8 @@ class VllmWorkerConnector(KVConnectorBase_V1, SupportsHMA):
         caches = [kv_caches[n] for n in names]
         isa = None
         if self.backend == "cpu" and caches:  # the kernels that write these pages
-            isa = cpu_attention_isa(caches[0].dtype, caches[0].shape[2], caches[0].shape[3] // 2)
+            isa = cpu_attention_isa(self.setup.model_dtype, caches[0].shape[2], caches[0].shape[3] // 2,
+                                    self.setup.cache_dtype)
         groups = self.setup.layer_groups
         layer_groups = [groups.get(n, 0) for n in names] if groups else None
         self._layers = {n: i for i, n in enumerate(names)}
@@ -186,17 +187,3 @@ class VllmWorkerConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.shutdown()
         finally:
             self.storage.close(self.worker.flush_time_left())  # within the worker's flush bound
-
-    # ---- the scheduler role's hooks: vLLM never calls them on this object ----------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        raise RuntimeError("get_num_new_matched_tokens is a scheduler-role hook")
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        raise RuntimeError("update_state_after_alloc is a scheduler-role hook")
-
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        raise RuntimeError("build_connector_meta is a scheduler-role hook")
-
-    def request_finished_all_groups(self, request: Any,
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        raise RuntimeError("request_finished_all_groups is a scheduler-role hook")

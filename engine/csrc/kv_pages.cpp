@@ -187,6 +187,7 @@ void copy_kv_pages(const std::vector<torch::Tensor>& caches, torch::Tensor& chun
   const int64_t num_slots = ref.size(0) * ref.size(2);
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(s[i] >= 0 && s[i] < num_slots, "slot ", s[i], " outside [0, ", num_slots, ")");
   switch (ref.element_size()) {
+    case 1: copy_pages(caches, static_cast<uint8_t*>(chunk.data_ptr()), s, n, to_pages); break;  // fp8 K/V
     case 2: copy_pages(caches, static_cast<uint16_t*>(chunk.data_ptr()), s, n, to_pages); break;
     case 4: copy_pages(caches, static_cast<uint32_t*>(chunk.data_ptr()), s, n, to_pages); break;
     case 8: copy_pages(caches, static_cast<uint64_t*>(chunk.data_ptr()), s, n, to_pages); break;

@@ -1,6 +1,7 @@
 """What vLLM's configuration means to the connector (connector/vllm_setup.py), the parts that
 need no vLLM: hit sources for vLLM's per-tier counts, layer numbers from vLLM's layer names,
-a multimodal checkpoint refused while vLLM takes images for it."""
+a multimodal checkpoint refused while vLLM takes images for it, the K/V dtypes it takes and how
+chunks of each are keyed."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from connector.vllm_setup import hit_sources, layer_index, refuse_image_input
+from connector.connector_config import ConnectorConfig
+from connector.vllm_setup import VllmModel, VllmSetup, hit_sources, kv_cache_dtype, layer_index, refuse_image_input
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "real_configs"
 
@@ -49,3 +52,25 @@ def test_vllm_taking_images_is_refused_for_a_multimodal_checkpoint(tmp_path: Pat
     refuse_image_input(wrapped, None)  # vLLM serves it as a text model
     with pytest.raises(ValueError, match="SomeVisionModel takes images"):  # an architecture only vLLM knows
         refuse_image_input(foreign, images)
+
+
+def test_kv_cache_dtypes_taken_and_refused_by_name() -> None:
+    cache = lambda name, **more: SimpleNamespace(cache_dtype=name, **more)  # noqa: E731
+    assert [kv_cache_dtype(cache(n), "cpu") for n in ("auto", None, "fp8", "fp8_e4m3", "fp8_e5m2")] == [
+        "auto", "auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+    with pytest.raises(ValueError, match="'fp8' is not supported on vLLM's GPU backends"):
+        kv_cache_dtype(cache("fp8"), "flash")
+    with pytest.raises(ValueError, match="'int4_per_token_head' is not supported; use 'auto' or one of"):
+        kv_cache_dtype(cache("int4_per_token_head"), "cpu")
+    with pytest.raises(ValueError, match="calculate_kv_scales"):
+        kv_cache_dtype(cache("fp8_e5m2", calculate_kv_scales=True), "cpu")
+
+
+def test_fp8_chunks_are_keyed_by_their_format() -> None:
+    def key_dtype(cache_dtype: str) -> str:
+        setup = VllmSetup(ConnectorConfig(), VllmModel("m+vllm-cpu", 2, 2, 64), torch.bfloat16, 16, {},
+                          loads=True, saves=True, events=False, cache_dtype=cache_dtype)
+        return setup.keyspace().kv_dtype
+
+    assert [key_dtype(n) for n in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")] == [
+        "bfloat16", "fp8_e4m3", "fp8_e4m3", "fp8_e5m2"]  # vLLM's "fp8" writes e4m3's bytes

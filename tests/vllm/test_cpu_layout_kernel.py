@@ -14,6 +14,7 @@ from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from connector.vllm_layouts import VllmCpuLayout, VllmFlashLayout
+from tests.fixtures.vllm import fp8_kv_runs
 
 # (dtype, block_size, head_size): both ISAs this layout covers, "vec" and "vec16" (block
 # size below 32 or head size not a multiple of 32), in every dtype vLLM's CPU backend takes.
@@ -65,6 +66,48 @@ def test_layout_reads_and_writes_the_kernels_bytes(dtype: torch.dtype, block_siz
         c.zero_()
     layout.scatter_chunk(slots, kv)
     assert all(torch.equal(a, b) for a, b in zip(caches, written))
+
+
+# vLLM's fp8 K/V formats on CPU, as torch decodes them ("fp8" is e4m3), with one step of each
+# format's mantissa as the relative bound: vLLM's kernel rounds some values one step from torch's.
+FP8 = {"fp8": (torch.float8_e4m3fn, 2**-3), "fp8_e4m3": (torch.float8_e4m3fn, 2**-3),
+       "fp8_e5m2": (torch.float8_e5m2, 2**-2)}
+
+
+@pytest.mark.skipif(not fp8_kv_runs(), reason="vLLM's CPU build runs fp8 K/V with AVX-512 or AMX only")
+@pytest.mark.parametrize("kv_cache_dtype", sorted(FP8))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_pages_hold_one_byte_where_the_model_dtype_would(kv_cache_dtype: str, dtype: torch.dtype) -> None:
+    """vLLM's CPU kernels write fp8 K/V into "vec" pages, one byte per value where the model
+    dtype's element would sit: the layout's gather decodes to the K/V within a step of the
+    format, token ranges and the compiled copy agree, and a scatter writes the kernel's bytes."""
+    torch.manual_seed(0)
+    block_size, head_size = 32, 64
+    isa = _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
+    assert isa in ("vec", "vec16"), isa
+    slots, kv = prompt(dtype, block_size, head_size)
+    caches = empty_caches(torch.uint8, block_size, head_size)
+    for layer, cache in enumerate(caches):
+        ops.cpu_attn_reshape_and_cache(kv[layer, 0], kv[layer, 1], *halves(cache), slots, isa, 1.0, 1.0,
+                                       kv_cache_dtype)
+    layout = VllmCpuLayout(caches)
+    chunk = layout.gather_chunk(slots)
+    assert chunk.dtype == torch.uint8 and torch.equal(chunk, VllmCpuLayout(caches, kernels=False).gather_chunk(slots))
+    fp8, step = FP8[kv_cache_dtype]
+    torch.testing.assert_close(chunk.view(fp8).float(), kv.float(), rtol=step, atol=2**-6)
+    assert torch.equal(torch.cat(layout.gather_layers(slots[3:9])), chunk[:, :, 3:9])
+    written = [c.clone() for c in caches]
+    for c in caches:
+        c.zero_()
+    layout.scatter_chunk(slots, chunk)
+    assert all(torch.equal(a, b) for a, b in zip(caches, written))
+    if kv_cache_dtype == "fp8":  # keyed as e4m3: the same bytes as vLLM's "fp8_e4m3"
+        for c in caches:
+            c.zero_()
+        for layer, cache in enumerate(caches):
+            ops.cpu_attn_reshape_and_cache(kv[layer, 0], kv[layer, 1], *halves(cache), slots, isa, 1.0, 1.0,
+                                           "fp8_e4m3")
+        assert all(torch.equal(a, b) for a, b in zip(caches, written))
 
 
 def kernel_attention(cache: torch.Tensor, q: torch.Tensor, seq_len: int, isa: str) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """A repeated 2k-token prompt (256 tokens in the 16-bit cases) is loaded from each tier of one process
 by a real vLLM (prefix caching off), with the tokens of the cold run, its K/V in float16,
-bfloat16 and float32 (vLLM's CPU "vec" kernels' page layout, in each dtype); and vLLM's own
+bfloat16, float32 and fp8 (vLLM's CPU "vec" kernels' page layout, in each dtype); and vLLM's own
 prefix cache together with the connector: the engine's hit and the connector's are never
 double-counted."""
 
@@ -16,7 +16,7 @@ import vllm
 from packaging.version import Version
 
 from connector.metrics import PROM_COUNTERS
-from tests.fixtures.vllm import VllmLLM, close_together, start_together
+from tests.fixtures.vllm import VllmLLM, close_together, fp8_kv_runs, start_together
 
 # The vLLM each case starts: (its tier, more connector config, more VllmLLM keywords; the
 # model's dtype, float32 unless given, is its K/V's; a 16-bit case runs a 256-token prompt,
@@ -29,7 +29,10 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "disk": ("disk", {"reset_clears_shared_tiers": True, "chunk_size": 128}, {"dtype": "bfloat16"}),
     "disk-layerwise": ("disk", {"use_layerwise": True, "chunk_size": 128}, {"dtype": "float16"}),
     "cpu-prefix-caching": ("cpu", {}, {"prefix_caching": True}),
+    # fp8 K/V (vLLM's kv_cache_dtype "fp8", e4m3) of a bfloat16 model: bytes in the "vec" pages
+    "cpu-fp8": ("cpu", {}, {"dtype": "bfloat16", "llm": {"kv_cache_dtype": "fp8"}}),
 }
+FP8 = pytest.mark.skipif(not fp8_kv_runs(), reason="vLLM's CPU build runs fp8 K/V with AVX-512 or AMX only")
 
 
 class TierLLMs:
@@ -72,13 +75,14 @@ class TierLLMs:
 def tier_llms(request: pytest.FixtureRequest, default_model_path: Path,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[TierLLMs]:
     selected = [item.callspec.params["case"] for item in request.session.items
-                if item.module is request.module and hasattr(item, "callspec")]
+                if item.module is request.module and hasattr(item, "callspec")
+                and not any(m.args and m.args[0] for m in item.iter_markers("skipif"))]  # a skipped case starts none
     llms = TierLLMs(default_model_path, selected, tmp_path_factory)
     yield llms
     llms.close()
 
 
-@pytest.mark.parametrize("case", ["cpu", "disk", "disk-layerwise"])
+@pytest.mark.parametrize("case", ["cpu", "disk", "disk-layerwise", pytest.param("cpu-fp8", marks=FP8)])
 def test_the_second_run_loads_the_prompt_from_the_tier(case: str, tier_llms: TierLLMs, prompt_2k: list[int]) -> None:
     tier, extra, spec = CASES[case]
     prompt = prompt_2k[:256] if "dtype" in spec else prompt_2k
