@@ -55,17 +55,28 @@ def test_layout_reads_and_writes_the_kernels_bytes(dtype: torch.dtype, block_siz
     isa = kernel_isa(dtype, block_size, head_size)
     slots, kv = prompt(dtype, block_size, head_size)
     caches = empty_caches(dtype, block_size, head_size)
-    for layer, cache in enumerate(caches):
-        ops.cpu_attn_reshape_and_cache(kv[layer, 0], kv[layer, 1], *halves(cache), slots, isa)
+    write_with_kernel(caches, kv, slots, isa)
     layout = VllmCpuLayout(caches)
     assert torch.equal(layout.gather_chunk(slots), kv)
     assert torch.equal(torch.cat(layout.gather_layers(slots[3:9])), kv[:, :, 3:9])
-    # Scattered into zeroed caches, the same K/V gives the kernel's bytes, everywhere.
-    written = [c.clone() for c in caches]
-    for c in caches:
+    assert_scatter_writes_the_kernels_bytes(layout, slots, kv)
+
+
+def write_with_kernel(caches: list[torch.Tensor], kv: torch.Tensor, slots: torch.Tensor, isa: str,
+                      kv_cache_dtype: str = "auto") -> None:
+    """Writes `kv` into `caches` at `slots` with vLLM's own `cpu_attn_reshape_and_cache`."""
+    for layer, cache in enumerate(caches):
+        ops.cpu_attn_reshape_and_cache(kv[layer, 0], kv[layer, 1], *halves(cache), slots, isa, 1.0, 1.0,
+                                       kv_cache_dtype)
+
+
+def assert_scatter_writes_the_kernels_bytes(layout: VllmCpuLayout, slots: torch.Tensor, chunk: torch.Tensor) -> None:
+    """Scattered into zeroed caches, `chunk` gives the bytes the kernel wrote, everywhere."""
+    written = [c.clone() for c in layout.kv_caches]
+    for c in layout.kv_caches:
         c.zero_()
-    layout.scatter_chunk(slots, kv)
-    assert all(torch.equal(a, b) for a, b in zip(caches, written))
+    layout.scatter_chunk(slots, chunk)
+    assert all(torch.equal(a, b) for a, b in zip(layout.kv_caches, written))
 
 
 # vLLM's fp8 K/V formats on CPU, as torch decodes them ("fp8" is e4m3), with one step of each
@@ -87,27 +98,18 @@ def test_fp8_pages_hold_one_byte_where_the_model_dtype_would(kv_cache_dtype: str
     assert isa in ("vec", "vec16"), isa
     slots, kv = prompt(dtype, block_size, head_size)
     caches = empty_caches(torch.uint8, block_size, head_size)
-    for layer, cache in enumerate(caches):
-        ops.cpu_attn_reshape_and_cache(kv[layer, 0], kv[layer, 1], *halves(cache), slots, isa, 1.0, 1.0,
-                                       kv_cache_dtype)
+    write_with_kernel(caches, kv, slots, isa, kv_cache_dtype)
     layout = VllmCpuLayout(caches)
     chunk = layout.gather_chunk(slots)
     assert chunk.dtype == torch.uint8 and torch.equal(chunk, VllmCpuLayout(caches, kernels=False).gather_chunk(slots))
     fp8, step = FP8[kv_cache_dtype]
     torch.testing.assert_close(chunk.view(fp8).float(), kv.float(), rtol=step, atol=2**-6)
     assert torch.equal(torch.cat(layout.gather_layers(slots[3:9])), chunk[:, :, 3:9])
-    written = [c.clone() for c in caches]
-    for c in caches:
-        c.zero_()
-    layout.scatter_chunk(slots, chunk)
-    assert all(torch.equal(a, b) for a, b in zip(caches, written))
+    assert_scatter_writes_the_kernels_bytes(layout, slots, chunk)
     if kv_cache_dtype == "fp8":  # keyed as e4m3: the same bytes as vLLM's "fp8_e4m3"
-        for c in caches:
-            c.zero_()
-        for layer, cache in enumerate(caches):
-            ops.cpu_attn_reshape_and_cache(kv[layer, 0], kv[layer, 1], *halves(cache), slots, isa, 1.0, 1.0,
-                                           "fp8_e4m3")
-        assert all(torch.equal(a, b) for a, b in zip(caches, written))
+        e4m3 = empty_caches(torch.uint8, block_size, head_size)
+        write_with_kernel(e4m3, kv, slots, isa, "fp8_e4m3")
+        assert all(torch.equal(a, b) for a, b in zip(caches, e4m3))
 
 
 def kernel_attention(cache: torch.Tensor, q: torch.Tensor, seq_len: int, isa: str) -> torch.Tensor:
