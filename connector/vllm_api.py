@@ -62,8 +62,6 @@ def cpu_attention_isa(dtype: object, block_size: int, head_size: int, kv_cache_d
     ("vec", "vec16", "amx", ...)."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    if kv_cache_dtype == "auto":
-        return str(_get_attn_isa(dtype, block_size, head_size))
     return str(_get_attn_isa(dtype, block_size, head_size, kv_cache_dtype))
 
 

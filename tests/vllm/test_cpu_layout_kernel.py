@@ -14,7 +14,7 @@ from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from connector.vllm_layouts import VllmCpuLayout, VllmFlashLayout
-from tests.fixtures.vllm import fp8_kv_runs
+from tests.fixtures.vllm import needs_fp8_kv
 
 # (dtype, block_size, head_size): both ISAs this layout covers, "vec" and "vec16" (block
 # size below 32 or head size not a multiple of 32), in every dtype vLLM's CPU backend takes.
@@ -85,7 +85,7 @@ FP8 = {"fp8": (torch.float8_e4m3fn, 2**-3), "fp8_e4m3": (torch.float8_e4m3fn, 2*
        "fp8_e5m2": (torch.float8_e5m2, 2**-2)}
 
 
-@pytest.mark.skipif(not fp8_kv_runs(), reason="vLLM's CPU build runs fp8 K/V with AVX-512 or AMX only")
+@needs_fp8_kv()
 @pytest.mark.parametrize("kv_cache_dtype", sorted(FP8))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_pages_hold_one_byte_where_the_model_dtype_would(kv_cache_dtype: str, dtype: torch.dtype) -> None:

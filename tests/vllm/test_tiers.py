@@ -16,7 +16,7 @@ import vllm
 from packaging.version import Version
 
 from connector.metrics import PROM_COUNTERS
-from tests.fixtures.vllm import VllmLLM, close_together, fp8_kv_runs, start_together
+from tests.fixtures.vllm import VllmLLM, close_together, needs_fp8_kv, start_together
 
 # The vLLM each case starts: (its tier, more connector config, more VllmLLM keywords; the
 # model's dtype, float32 unless given, is its K/V's; a 16-bit case runs a 256-token prompt,
@@ -32,7 +32,6 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # fp8 K/V (vLLM's kv_cache_dtype "fp8", e4m3) of a bfloat16 model: bytes in the "vec" pages
     "cpu-fp8": ("cpu", {}, {"dtype": "bfloat16", "llm": {"kv_cache_dtype": "fp8"}}),
 }
-FP8 = pytest.mark.skipif(not fp8_kv_runs(), reason="vLLM's CPU build runs fp8 K/V with AVX-512 or AMX only")
 
 
 class TierLLMs:
@@ -82,7 +81,7 @@ def tier_llms(request: pytest.FixtureRequest, default_model_path: Path,
     llms.close()
 
 
-@pytest.mark.parametrize("case", ["cpu", "disk", "disk-layerwise", pytest.param("cpu-fp8", marks=FP8)])
+@pytest.mark.parametrize("case", ["cpu", "disk", "disk-layerwise", pytest.param("cpu-fp8", marks=needs_fp8_kv())])
 def test_the_second_run_loads_the_prompt_from_the_tier(case: str, tier_llms: TierLLMs, prompt_2k: list[int]) -> None:
     tier, extra, spec = CASES[case]
     prompt = prompt_2k[:256] if "dtype" in spec else prompt_2k
