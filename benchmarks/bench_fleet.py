@@ -490,7 +490,7 @@ def markdown(res: dict[str, Any]) -> str:
                   f"{w['balance_threshold']} (the affinity-first arm: 16), --lookup-timeout {w['lookup_timeout_s']:g}."
                   + (f" vLLM: thread binds {part['thread_binds']}, flags {' '.join(part['engine_flags'])}."
                      if engine == "vllm" else ""), "", table(part["arms"]), "",
-                  "Machine noise (other work shares this host): 1-minute load average at each arm's start and end: "
+                  "1-minute load average at each arm's start and end (it counts the fleet's own processes): "
                   + "; ".join(f"{arm} {a['loadavg_1m_start']:.1f} -> {a['loadavg_1m_end']:.1f}"
                               for arm, a in part["arms"].items()) + ".", ""]
     if "pin" in res:
