@@ -237,7 +237,10 @@ def _probe(server: ServeProcess, victim: tuple[str, str | None], attacker: tuple
     store still running behind it would slow whichever request met it, hit or not. Returns
     (probe times, fresh times, the probes' cached tokens)."""
     probe, fresh, cached = [], [], []
-    body = long_text(1)  # ~65 tokens with the record line: a miss computes all, a hit all but the last few
+    # ~225 tokens with the record line: a miss computes all, a hit only the last few, so a miss
+    # takes about 5x a hit here and a stall of the machine (the other test worker) rarely
+    # closes the gap; at ~65 tokens it was 2x and one CI run's stalls did
+    body = long_text(5)
     for i in range(rounds):
         doc, other = (f"Record {uuid.uuid4().hex}.\n{body}" for _ in range(2))
         complete(server, victim[0], doc, victim[1], max_tokens=1)
