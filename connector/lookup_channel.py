@@ -15,11 +15,13 @@ fastest first, a u32 name length, the name's UTF-8 bytes and a u32 count; `OP_CL
 server's `clear_shared`, every tier) are empty. Two ops carry a JSON question (ASCII JSON cut
 into keys of at most MAX_KEY_BYTES) and are answered with a u32 length and a JSON object:
 `OP_EXPLAIN` (`{"token_ids", "cache_salt", "other_tenants"}`: why the tiers hold no more of a
-prompt, connector/explain.py; `{}`: this worker has no explain) and `OP_CONTROL` (`{"op": name,
+prompt, connector/explain.py; `{}`: this worker has no explain), `OP_CONTROL` (`{"op": name,
 ...}`: a cache-control op, connector/control_ops.py's CONTROL_OPS, for `vllm serve`'s
-`/kv/inspect`, `/kv/pin`, ...; `{}`: this worker has no controller). A malformed or
-oversized frame closes that connection. An answer that does not come (the worker is gone or
-stuck) is a miss.
+`/kv/inspect`, `/kv/pin`, ...; `{}`: this worker has no controller) and `OP_ENGINE_PREFIX`
+(`{"token_ids", "cache_salt"}`: how many leading tokens the engine's own prefix cache holds,
+`{"tokens": n}`; asked of the scheduler side, which serves the same frames on its own socket,
+`scheduler_socket_path`; `{}`: no engine here). A malformed or oversized frame closes that
+connection. An answer that does not come (the worker is gone or stuck) is a miss.
 """
 
 from __future__ import annotations
@@ -47,13 +49,17 @@ _U32 = struct.Struct("<I")
 MAX_KEYS = 1 << 16
 MAX_KEY_BYTES = 4096
 MAX_TIERS = 64
-OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL, OP_EXPLAIN, OP_CONTROL = 0, 1, 2, 3, 4
-JSON_OPS = (OP_EXPLAIN, OP_CONTROL)
+OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL, OP_EXPLAIN, OP_CONTROL, OP_ENGINE_PREFIX = 0, 1, 2, 3, 4, 5
+JSON_OPS = (OP_EXPLAIN, OP_CONTROL, OP_ENGINE_PREFIX)
+TIER_OPS = (OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL, OP_EXPLAIN, OP_CONTROL)
+"""The ops a server without tiers (the scheduler side's) refuses."""
 MAX_ANSWER_BYTES = 16 << 20
 Explainer = Callable[[list[int], "str | None", bool], dict[str, Any]]
 """Answers OP_EXPLAIN: (token ids, cache_salt, other_tenants) -> connector/explain.py's answer."""
 Controller = Callable[[dict[str, Any]], dict[str, Any]]
 """Answers OP_CONTROL: a JSON question `{"op": name, ...}` -> its JSON answer (never raises)."""
+EnginePrefix = Callable[[list[int], "str | None"], int]
+"""Answers OP_ENGINE_PREFIX: (token ids, cache_salt) -> leading tokens in the engine's own prefix cache."""
 _OP_SHIFT = 24  # the op's place in a question's header; MAX_KEYS fits below it
 
 
@@ -64,6 +70,12 @@ def lookup_socket_path(instance_id: str, rank: int = 0) -> Path:
     if not instance_id or not all(c.isalnum() or c in "-_." for c in instance_id):
         raise ValueError(f"lookup channel: instance id {instance_id!r} must be letters, digits, '-', '_' or '.'")
     return Path(tempfile.gettempdir()) / f"kvtier-lookup-{instance_id}-rank{rank}.sock"
+
+
+def scheduler_socket_path(instance_id: str) -> Path:
+    """Returns the socket path of connector instance `instance_id`'s scheduler side (it answers
+    OP_ENGINE_PREFIX); ValueError as `lookup_socket_path`."""
+    return lookup_socket_path(instance_id).with_name(f"kvtier-lookup-{instance_id}-scheduler.sock")
 
 
 def _read_exact(sock: socket.socket, n: int) -> bytes:
@@ -94,7 +106,7 @@ def read_question(sock: socket.socket) -> tuple[int, list[str]]:
     frame or an unknown op, ConnectionError when the peer closed."""
     (header,) = _U32.unpack(_read_exact(sock, 4))
     op, count = header >> _OP_SHIFT, header & ((1 << _OP_SHIFT) - 1)
-    if op not in (OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL, *JSON_OPS):
+    if op not in (*TIER_OPS, OP_ENGINE_PREFIX):
         raise ValueError(f"lookup channel: unknown op {op}")
     if count > MAX_KEYS:
         raise ValueError(f"lookup channel: {count} keys in one question, at most {MAX_KEYS}")
@@ -157,6 +169,14 @@ def encode_explain_question(token_ids: Sequence[int], cache_salt: str | None, ot
                                  "other_tenants": other_tenants}, OP_EXPLAIN)
 
 
+def _prompt_question(q: dict[str, Any]) -> tuple[list[int], str | None]:
+    """Returns a prompt question's (token ids, cache_salt); ValueError if malformed."""
+    ids, salt = q.get("token_ids"), q.get("cache_salt")
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids) or not isinstance(salt, (str, type(None))):
+        raise ValueError("lookup channel: a prompt question needs token_ids and cache_salt")
+    return ids, salt
+
+
 def encode_json(answer: dict[str, Any]) -> bytes:
     """Returns a JSON answer's frame: a u32 length, then the UTF-8 JSON."""
     raw = json.dumps(answer).encode()
@@ -175,17 +195,20 @@ def read_json(sock: socket.socket) -> dict[str, Any]:
 
 
 class LookupServer:
-    """Answers existence questions about `presence` on a Unix socket, from daemon threads.
+    """Answers existence questions about `presence` on a Unix socket, from daemon threads
+    (without `presence`, as the scheduler side serves, only OP_ENGINE_PREFIX).
 
     Guarantees: the socket file is created owner-only and removed by `close()`, which also
     ends open connections; a bad question ends only its own connection.
     """
 
-    def __init__(self, presence: Presence, path: Path, clear_shared: bool = False,
-                 explainer: Explainer | None = None, controller: Controller | None = None) -> None:
+    def __init__(self, presence: Presence | None, path: Path, clear_shared: bool = False,
+                 explainer: Explainer | None = None, controller: Controller | None = None,
+                 engine_prefix: EnginePrefix | None = None) -> None:
         self.presence = presence
         self.explainer = explainer
         self.controller = controller
+        self.engine_prefix = engine_prefix
         self.path = path
         self.clear_shared = clear_shared  # OP_CLEAR_LOCAL clears the shared tiers too
         self._open: set[socket.socket] = set()
@@ -212,6 +235,13 @@ class LookupServer:
         try:
             while True:
                 op, keys = read_question(sock)
+                if op == OP_ENGINE_PREFIX:
+                    ids, salt = _prompt_question(decode_json_question(keys))
+                    sock.sendall(encode_json({} if self.engine_prefix is None
+                                             else {"tokens": self.engine_prefix(ids, salt)}))
+                    continue
+                if self.presence is None:
+                    raise ValueError(f"lookup channel: op {op} asked of a server without tiers")
                 if op == OP_TIER_PREFIX:
                     sock.sendall(encode_tier_hits(self.presence.storage.tier_prefix_hits(keys)))
                 elif op == OP_EXPLAIN:
@@ -234,9 +264,7 @@ class LookupServer:
 
     def _explain(self, q: dict[str, Any]) -> dict[str, Any]:
         """Returns the explainer's answer to an OP_EXPLAIN question; ValueError if malformed."""
-        ids, salt = q.get("token_ids"), q.get("cache_salt")
-        if not isinstance(ids, list) or not all(type(t) is int for t in ids) or not isinstance(salt, (str, type(None))):
-            raise ValueError("lookup channel: an explain question needs token_ids and cache_salt")
+        ids, salt = _prompt_question(q)
         return {} if self.explainer is None else self.explainer(ids, salt, bool(q.get("other_tenants")))
 
     def close(self) -> None:
@@ -313,6 +341,15 @@ class RemotePresence(KeyPresence):
         or the worker has no controller."""
         answer = self._ask(encode_json_question(question, OP_CONTROL), read_json)
         return answer or None
+
+    def engine_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int | None:
+        """Returns how many leading tokens of the prompt the engine's own prefix cache holds
+        for requests of `cache_salt` (asked of the scheduler side); None when the channel fails
+        or the server has no engine."""
+        question = encode_json_question({"token_ids": list(token_ids), "cache_salt": cache_salt}, OP_ENGINE_PREFIX)
+        answer = self._ask(question, read_json)
+        tokens = None if answer is None else answer.get("tokens")
+        return tokens if type(tokens) is int and 0 <= tokens <= len(token_ids) else None
 
     def _ask(self, question: bytes, read: Callable[[socket.socket], _T]) -> _T | None:
         """Returns the worker's answer to `question` as `read` decodes it; None (logged, the

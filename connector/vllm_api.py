@@ -8,6 +8,10 @@ so an unsupported vLLM fails with one clear message before any of its names is t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
 import vllm
 
 from connector.kv_events import ChunkEvent
@@ -41,8 +45,8 @@ LOGGER = "vllm.kvtier"
 
 __all__ = ["LOGGER", "BlockRemoved", "BlockStored", "CacheHitSource", "KVConnectorBase_V1", "KVConnectorMetadata",
            "KVConnectorPromMetrics", "KVConnectorRole", "KVConnectorStats", "KVConnectorTransferResults",
-           "KVConnectorWorkerMetadata", "SupportsHMA", "attention_backend", "cpu_attention_isa", "tensor_parallel_rank",
-           "vllm_event"]
+           "KVConnectorWorkerMetadata", "SupportsHMA", "attention_backend", "cpu_attention_isa", "prefix_cache_tokens",
+           "tensor_parallel_rank", "vllm_event"]
 
 
 def tensor_parallel_rank() -> int:
@@ -63,6 +67,26 @@ def cpu_attention_isa(dtype: object, block_size: int, head_size: int, kv_cache_d
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     return str(_get_attn_isa(dtype, block_size, head_size, kv_cache_dtype))
+
+
+def prefix_cache_tokens(kv_cache_manager: Any, hash_algo: str, token_ids: Sequence[int],
+                        cache_salt: str | None) -> int:
+    """Returns how many leading tokens of a prompt vLLM's own prefix cache holds for a request
+    of `cache_salt` (base model, text only), never the last token, as vLLM's own lookup caps it;
+    0 when prefix caching is off. Only reads the block pool: no block is touched or taken, and
+    vLLM's prefix-cache stats are not counted, so it may run beside the scheduler's thread."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+
+    if not kv_cache_manager.enable_caching or len(token_ids) < 2:
+        return 0
+    ids = list(token_ids)
+    # The attributes vLLM's block hasher reads of a request (0.30-0.32), as a plain prompt has them.
+    prompt = SimpleNamespace(block_hashes=[], num_tokens=len(ids), all_token_ids=ids, cache_salt=cache_salt,
+                             mm_features=[], lora_request=None, prompt_embeds=None)
+    hasher = get_request_block_hasher(kv_cache_manager.block_pool.hash_block_size, get_hash_fn_by_name(hash_algo))
+    _, tokens, *_ = kv_cache_manager.coordinator.find_longest_cache_hit(hasher(prompt), len(ids) - 1)
+    return int(tokens)
 
 
 def vllm_event(e: ChunkEvent) -> BlockStored | BlockRemoved:

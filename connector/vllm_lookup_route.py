@@ -12,14 +12,16 @@ straight on to vLLM. The body takes one of `prompt` (text), `prompt_token_ids` o
   request: text and messages go through vLLM's own `/tokenize` route, in process (its
   renderer, chat template and defaults; chat fields such as `add_generation_prompt` or
   `chat_template_kwargs` in the body are honoured as there).
-- `tiers`, `max_hit_tokens`: per tier, how many leading tokens it holds as stored chunks, never
-  the last token (vLLM always computes it), asked of the worker process's tiers over the lookup
-  channel (connector/lookup_channel.py, OP_TIER_PREFIX; with tensor parallel, the shortest
-  rank's). Stores still queued are not counted.
+- `tiers`: per tier, how many leading tokens it holds as stored chunks, never the last token
+  (vLLM always computes it), asked of the worker process's tiers over the lookup channel
+  (connector/lookup_channel.py, OP_TIER_PREFIX; with tensor parallel, the shortest rank's).
+  Stores still queued are not counted.
+- `engine_prefix_cache_tokens`: how many leading tokens vLLM's own prefix cache holds (whole
+  blocks, never the last token), asked of the connector's scheduler side, which lives in
+  vLLM's EngineCore process beside that cache (OP_ENGINE_PREFIX; 0 if it does not answer).
+- `max_hit_tokens`: the longest of the two, what a request would not compute.
 - `cache_salt` (optional, vLLM's rules): only that tenant's chunks count, as a request with
   that salt would load them; without it only unsalted chunks count.
-- `engine_prefix_cache_tokens`: always 0: vLLM's own prefix cache lives in its EngineCore
-  process, which answers no such question.
 - `num_requests_running` / `num_requests_waiting`: vLLM's own gauges as its `/metrics` shows
   them (the last engine step's); 0 when vLLM keeps no stats (`--disable-log-stats`).
 - `explain` (with `"explain": true` in the body): per tier why it holds no more of the prompt,
@@ -54,7 +56,7 @@ from typing import Any
 
 from connector.bearer_auth import bearer_key
 from connector.control_ops import CONTROL_OPS
-from connector.lookup_channel import RemotePresence, lookup_socket_path
+from connector.lookup_channel import RemotePresence, lookup_socket_path, scheduler_socket_path
 from connector.presence import held_tokens
 from engine.cache_salt import validate_cache_salt
 from kvstore.deadlines import CONTROL_CHANNEL_S, EXPLAIN_CHANNEL_S, LOOKUP_ROUTE_CHANNEL_S
@@ -116,7 +118,7 @@ def lookup_form(body: Any) -> tuple[str, Any]:
 
 class _Tiers:
     """The worker's tiers as this server's connector keys them, asked over the lookup channel
-    (every tensor-parallel rank's)."""
+    (every tensor-parallel rank's), and vLLM's own prefix cache, asked of the scheduler side."""
 
     def __init__(self, vllm_config: Any) -> None:
         from connector.vllm_api import attention_backend  # imports vllm: only inside vLLM's server
@@ -129,6 +131,8 @@ class _Tiers:
                                               connect_timeout=LOOKUP_ROUTE_CHANNEL_S)
         self.explainer = RemotePresence(lookup_socket_path(engine_id, 0), timeout=EXPLAIN_CHANNEL_S,
                                         connect_timeout=LOOKUP_ROUTE_CHANNEL_S)
+        self.scheduler = RemotePresence(scheduler_socket_path(engine_id), timeout=LOOKUP_ROUTE_CHANNEL_S,
+                                        connect_timeout=LOOKUP_ROUTE_CHANNEL_S)
         # the control ops' own connections: a slow clear never holds up a lookup
         self.controls = [RemotePresence(lookup_socket_path(engine_id, r), timeout=CONTROL_CHANNEL_S,
                                         connect_timeout=LOOKUP_ROUTE_CHANNEL_S) for r in range(setup.tp_size)]
@@ -139,6 +143,11 @@ class _Tiers:
         ks = self.keyspace.for_salt(cache_salt)
         spans = ks.spans(token_ids)
         return held_tokens(spans, self.presence.tier_prefix_chunks(ks, spans), len(token_ids))
+
+    def engine_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Returns how many leading tokens vLLM's own prefix cache holds for requests of
+        `cache_salt`; 0 if the scheduler side does not answer."""
+        return self.scheduler.engine_prefix(token_ids, cache_salt) or 0
 
     def explain(self, token_ids: Sequence[int], cache_salt: str | None = None) -> dict[str, Any] | None:
         """Returns rank 0's worker's explain of the prompt for requests of `cache_salt`
@@ -170,15 +179,19 @@ class _Tiers:
         return op.merge(answers)
 
 
-EnginePart = Callable[[Any, dict[str, Any], dict[str, Any]], Awaitable[dict[str, Any]]]
+EnginePart = Callable[[Any, _Tiers, dict[str, Any], dict[str, Any]], Awaitable[dict[str, Any]]]
+"""(vLLM's app state, the channels, the question the workers answered, their answer) -> the answer."""
 
 
-async def _inspect_engine(state: Any, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
-    """Inspect's model and engine figure: vLLM's own prefix cache answers no such question (0)."""
-    return {"model": _model_names(state)[0], "engine_prefix_cache_tokens": 0, **answer}
+async def _inspect_engine(state: Any, tiers: _Tiers, question: dict[str, Any],
+                          answer: dict[str, Any]) -> dict[str, Any]:
+    """Inspect's model and how much of the prompt vLLM's own prefix cache holds."""
+    engine = await asyncio.to_thread(tiers.engine_prefix, question["token_ids"], question["cache_salt"])
+    return {"model": _model_names(state)[0], "engine_prefix_cache_tokens": engine, **answer}
 
 
-async def _clear_engine(state: Any, body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+async def _clear_engine(state: Any, tiers: _Tiers, question: dict[str, Any],
+                        answer: dict[str, Any]) -> dict[str, Any]:
     """Clear's engine part: with `all`, vLLM's own prefix cache is reset (`engine_reset`, false
     while requests hold blocks); a tenant's blocks cannot be dropped from it alone (null)."""
     if answer.get("cleared") == "all":
@@ -252,10 +265,11 @@ class KvLookupRoute:
         ids, salt = await self._prompt(scope, body)
         state = scope["app"].state
         worker = await self._tiers_of(state)
-        tiers = await asyncio.to_thread(worker.held, ids, salt)
+        tiers, engine = await asyncio.gather(asyncio.to_thread(worker.held, ids, salt),
+                                             asyncio.to_thread(worker.engine_prefix, ids, salt))
         running, waiting = _load()
-        answer = {"model": _model_names(state)[0], "num_tokens": len(ids), "engine_prefix_cache_tokens": 0,
-                  "tiers": tiers, "max_hit_tokens": max(tiers.values(), default=0), "num_requests_running": running,
+        answer = {"model": _model_names(state)[0], "num_tokens": len(ids), "engine_prefix_cache_tokens": engine,
+                  "tiers": tiers, "max_hit_tokens": max([engine, *tiers.values()]), "num_requests_running": running,
                   "num_requests_waiting": waiting}
         if body.get("explain") is True:  # every client shares vLLM's key: no other tenant's entries
             answer["explain"] = await asyncio.to_thread(worker.explain, ids, salt)
@@ -280,7 +294,7 @@ class KvLookupRoute:
         if ran is not None and "error" not in answer:
             answer["ran_request"] = ran
         part = ENGINE_PARTS.get(name)
-        return answer if part is None else await part(state, body, answer)
+        return answer if part is None else await part(state, worker, question, answer)
 
     async def _tiers_of(self, state: Any) -> _Tiers:
         async with self._setup_lock:

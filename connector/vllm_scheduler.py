@@ -2,17 +2,19 @@
 vLLM's own requests (connector/request_view.py) and block tables (docs/vllm.md).
 
 The worker's tiers live in the worker process, so the planner's existence questions go
-there (connector/lookup_channel.py), and so does `reset_cache`.
+there (connector/lookup_channel.py), and so does `reset_cache`. vLLM's own prefix cache lives
+in this process: the scheduler side answers, on its own socket, how much of a prompt it holds
+(`vllm serve`'s /kv/lookup, connector/vllm_lookup_route.py).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from connector.kv_events import ChunkEventBuilder
-from connector.lookup_channel import RemotePresence
+from connector.lookup_channel import LookupServer, RemotePresence, scheduler_socket_path
 from connector.metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
 from connector.request_view import StepRequest
@@ -24,6 +26,7 @@ from connector.vllm_api import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     attention_backend,
+    prefix_cache_tokens,
     vllm_event,
 )
 from connector.vllm_metadata import KVTierVllmMeta, KVTierWorkerMeta
@@ -58,11 +61,40 @@ class VllmSchedulerConnector(SchedulerRole, KVConnectorBase_V1):  # vLLM's class
         self._finished: dict[str, Any] = {}  # finished requests whose tail the next meta plans (events)
         self._events: list[BlockStored | BlockRemoved] = []
         self._stores_pending = False  # the worker's last report
+        self._engine_id = kvt.engine_id
+        self._hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
+        self._server: LookupServer | None = None
         policy = kvt.kv_load_failure_policy
         if setup.loads and policy != "recompute":
             log.warning("KVTierConnector: kv_load_failure_policy=%r: a request whose stored K/V turns out lost or "
                         "corrupt when loaded ends with an error; set \"kv_load_failure_policy\": \"recompute\" in "
                         "--kv-transfer-config to recompute it instead", policy)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """Takes vLLM's cache manager and starts answering how much of a prompt its prefix
+        cache holds (OP_ENGINE_PREFIX on `scheduler_socket_path`) until `shutdown()`."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._server is None:
+            self._server = LookupServer(None, scheduler_socket_path(self._engine_id),
+                                        engine_prefix=self.engine_prefix_tokens)
+
+    def engine_prefix_tokens(self, token_ids: Sequence[int], cache_salt: str | None) -> int:
+        """Returns how many leading tokens of the prompt vLLM's own prefix cache holds for
+        requests of `cache_salt`; 0 if it cannot tell (logged)."""
+        manager = getattr(self, "_kv_cache_manager", None)
+        if manager is None:
+            return 0
+        try:
+            return prefix_cache_tokens(manager, self._hash_algo, token_ids, cache_salt)
+        except Exception:  # a read racing vLLM's own step, or a vLLM whose internals moved: a miss
+            log.warning("KVTierConnector: could not read vLLM's prefix cache for a lookup", exc_info=True)
+            return 0
+
+    def shutdown(self) -> None:
+        """Stops answering prefix-cache questions and removes the socket."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from connector.keyspace import Keyspace
-from connector.lookup_channel import MAX_KEYS, LookupServer, RemotePresence, lookup_socket_path
+from connector.lookup_channel import MAX_KEYS, LookupServer, RemotePresence, lookup_socket_path, scheduler_socket_path
 from connector.presence import Presence
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import KVStoreConfig, TierSpec
@@ -116,6 +116,43 @@ def test_socket_is_owner_only_and_ids_are_checked(storage: StorageManager, path:
     assert lookup_socket_path("0b2c-uuid_1.x", 1).name == "kvtier-lookup-0b2c-uuid_1.x-rank1.sock"
     with pytest.raises(ValueError, match="instance id"):
         lookup_socket_path("../etc")
+    assert scheduler_socket_path("0b2c").name == "kvtier-lookup-0b2c-scheduler.sock"
+    with pytest.raises(ValueError, match="instance id"):
+        scheduler_socket_path("a/b")
+
+
+def test_the_scheduler_side_answers_its_engines_prefix_cache_and_refuses_tier_ops(path: Path) -> None:
+    """vLLM's own prefix cache lives in the scheduler's process: its server (no tiers) answers
+    OP_ENGINE_PREFIX with the engine's count for the prompt and salt asked; a tier question
+    asked of it ends that connection (a miss), and an answer out of range is no answer."""
+    asked: list[tuple[list[int], str | None]] = []
+
+    def engine_prefix(ids: list[int], salt: str | None) -> int:
+        asked.append((ids, salt))
+        return 0 if salt else len(ids) // 16 * 16
+
+    server = LookupServer(None, path, engine_prefix=engine_prefix)
+    remote = RemotePresence(path, timeout=5.0, connect_timeout=0.2)
+    try:
+        assert remote.engine_prefix(list(range(40))) == 32
+        assert remote.engine_prefix(list(range(40)), "tenant-a") == 0
+        assert asked == [(list(range(40)), None), (list(range(40)), "tenant-a")]
+        assert remote.held(["k"]) == [False] and remote.failures == 1  # not a worker: no tiers to ask
+        assert remote.engine_prefix(list(range(20))) == 16  # the next question reconnects
+        assert remote.engine_prefix(list(range(10))) == 0
+    finally:
+        remote.close()
+        server.close()
+    lying = LookupServer(None, path, engine_prefix=lambda ids, salt: len(ids) + 1)
+    worker = LookupServer(None, path.with_name("w.sock"))  # a server without an engine answers {}
+    asks = [RemotePresence(p, timeout=5.0) for p in (path, worker.path)]
+    try:
+        assert [a.engine_prefix([1, 2, 3]) for a in asks] == [None, None]
+    finally:
+        for a in asks:
+            a.close()
+        lying.close()
+        worker.close()
 
 
 @pytest.mark.parametrize("clear_shared", [False, True])

@@ -6,7 +6,9 @@ backend runs as `kvtier-vllm serve` (which adds the route by itself, its worker 
 core's process), the other as vLLM's own server with `--middleware`, in vLLM's default layout,
 with an API key (the router passes the client's on). That one also answers kvtier's cache-control
 routes (`/kv/inspect`, `/kv/pin`, `/kv/unpin`, `/kv/clear`), its worker in its own process
-answering over the lookup channel; they run last, as `clear` empties its tier."""
+answering over the lookup channel; they run last, as `clear` empties its tier. A third
+backend keeps vLLM's own prefix cache on: its lookup counts that cache (asked of the
+connector's scheduler side, in vLLM's engine core), and the router sends a prompt there for it."""
 
 from __future__ import annotations
 
@@ -40,17 +42,32 @@ HIT = "kvtier:kv_connector_hit_tokens_total"
 KEY = "router-test-key"  # the middleware backend's --api-key (the other has none and ignores it)
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CPU = "0:cpu"
+PREFIX_CACHE_FLAGS = ("--max-model-len", "4096", "--enable-prompt-tokens-details")  # vLLM's prefix cache on
+SKIP_SAVE = {"kvtier.skip_save": True}  # the connector stores nothing: a hit can only be vLLM's own
 
 
 @pytest.fixture(scope="module")
-def backends(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServer]]:
+def started(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServer]]:
+    """The two backends without vLLM's own prefix cache (ENGINE_FLAGS), then one with it."""
     logs = tmp_path_factory.mktemp("vllm-router")
     servers = start_together(lambda: VllmServer(default_model_path, CONFIG, logs / "cli.log", cli=True,
                                                 worker_in_engine=True),
                              lambda: VllmServer(default_model_path, CONFIG, logs / "middleware.log", "kv_both",
-                                                "--middleware", LOOKUP_MIDDLEWARE, "--api-key", KEY))
+                                                "--middleware", LOOKUP_MIDDLEWARE, "--api-key", KEY),
+                             lambda: VllmServer(default_model_path, CONFIG, logs / "prefix-cache.log", cli=True,
+                                                worker_in_engine=True, engine_flags=PREFIX_CACHE_FLAGS))
     yield servers
     close_together(*servers)
+
+
+@pytest.fixture(scope="module")
+def backends(started: list[VllmServer]) -> list[VllmServer]:
+    return started[:2]
+
+
+@pytest.fixture(scope="module")
+def prefix_cached(started: list[VllmServer]) -> VllmServer:
+    return started[2]
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +95,18 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
 
 
-def _complete(url: str, ids: list[int], max_tokens: int = 4, cache_salt: str | None = None) -> list[int]:
-    body: dict[str, Any] = {"return_token_ids": True, "ignore_eos": True}
+def _complete(url: str, ids: list[int], max_tokens: int = 4, cache_salt: str | None = None,
+              **extra: Any) -> list[int]:
+    return list(_completion(url, ids, max_tokens, cache_salt, **extra).choices[0].token_ids)
+
+
+def _completion(url: str, ids: list[int], max_tokens: int = 4, cache_salt: str | None = None,
+                **extra: Any) -> Any:
+    body: dict[str, Any] = {"return_token_ids": True, "ignore_eos": True, **extra}
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
-    out = _client(url).completions.create(model="default", prompt=ids, max_tokens=max_tokens, temperature=0.0,
-                                          extra_body=body)
-    return list(out.choices[0].token_ids)  # type: ignore[attr-defined]
+    return _client(url).completions.create(model="default", prompt=ids, max_tokens=max_tokens, temperature=0.0,
+                                           extra_body=body)
 
 
 def _lookup(server: VllmServer, body: dict[str, Any]) -> httpx.Response:
@@ -265,6 +287,50 @@ def test_a_prompt_first_sent_through_the_router_stays_where_it_went(backends: li
         hits = _hits(backends)
         assert _complete(router.url, ids) == cold
         assert [after - b for after, b in zip(_hits(backends), hits)] == [511 if s is on else 0 for s in backends]
+
+
+def test_lookup_counts_vllms_own_prefix_cache_and_the_router_follows_it(
+        backends: list[VllmServer], prefix_cached: VllmServer, tokenizer: Any) -> None:
+    """A prompt run with the connector storing nothing is held only by vLLM's own prefix cache:
+    /kv/lookup reports it (whole blocks, never the last token, only for the salt it ran with),
+    the router sends the prompt there though prefix-hash ranks the other backend first, vLLM
+    serves it from that cache, and once vLLM's cache is cleared the lookup reports nothing."""
+    other = backends[0]
+    ids = _ids(tokenizer, "Engine cache 0.", 1000)
+    for k in range(1, 100):  # prefix-hash alone would send the prompt to the other backend
+        if _hash_order([other, prefix_cached], ids)[0] is other:
+            break
+        ids = _ids(tokenizer, f"Engine cache {k}.", 1000)
+    assert _engine_tokens(prefix_cached, ids) == 0
+    first = _completion(prefix_cached.url, ids, kv_transfer_params=SKIP_SAVE)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+
+    held = _lookup(prefix_cached, {"prompt_token_ids": ids}).json()
+    engine = held["engine_prefix_cache_tokens"]
+    assert 500 < engine < 1000 and held["tiers"] == {CPU: 0} and held["max_hit_tokens"] == engine  # 7 blocks of 128
+    assert _engine_tokens(prefix_cached, ids[:engine + 1]) == engine  # whole blocks, the last token left
+    assert _engine_tokens(prefix_cached, ids[:engine]) < engine
+    assert _engine_tokens(prefix_cached, ids, cache_salt="t") == 0
+    assert _lookup(other, {"prompt_token_ids": ids}).json()["max_hit_tokens"] == 0
+
+    router = RouterProcess(f"--backend={other.url}", f"--backend={prefix_cached.url}", "--policy", "kv-aware",
+                           "--lookup-timeout", "5", "--health-interval", "0.2")
+    try:
+        again = _completion(router.url, ids, kv_transfer_params=SKIP_SAVE)
+        now = _router_metrics(router)
+    finally:
+        assert router.stop() == 0, router.log()[-3000:]
+    assert (_sent(now, prefix_cached), _sent(now, other)) == (1, 0)
+    assert now[("kvtier:router_routed_hit_tokens_total", prefix_cached.url)] == engine
+    assert again.usage.prompt_tokens_details.cached_tokens == engine  # vLLM's own cache served it
+    assert again.choices[0].token_ids == first.choices[0].token_ids
+
+    assert _ok(_kv(prefix_cached, "/kv/clear", {"all": True}))["engine_reset"] is True
+    assert _engine_tokens(prefix_cached, ids) == 0
+
+
+def _engine_tokens(server: VllmServer, ids: list[int], **body: Any) -> int:
+    return int(_lookup(server, {"prompt_token_ids": ids, **body}).json()["engine_prefix_cache_tokens"])
 
 
 def _kv(server: VllmServer, route: str, body: dict[str, Any], key: str | None = KEY) -> httpx.Response:
