@@ -51,8 +51,7 @@ MAX_KEY_BYTES = 4096
 MAX_TIERS = 64
 OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL, OP_EXPLAIN, OP_CONTROL, OP_ENGINE_PREFIX = 0, 1, 2, 3, 4, 5
 JSON_OPS = (OP_EXPLAIN, OP_CONTROL, OP_ENGINE_PREFIX)
-TIER_OPS = (OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL, OP_EXPLAIN, OP_CONTROL)
-"""The ops a server without tiers (the scheduler side's) refuses."""
+OPS = (OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL, OP_EXPLAIN, OP_CONTROL, OP_ENGINE_PREFIX)
 MAX_ANSWER_BYTES = 16 << 20
 Explainer = Callable[[list[int], "str | None", bool], dict[str, Any]]
 """Answers OP_EXPLAIN: (token ids, cache_salt, other_tenants) -> connector/explain.py's answer."""
@@ -106,7 +105,7 @@ def read_question(sock: socket.socket) -> tuple[int, list[str]]:
     frame or an unknown op, ConnectionError when the peer closed."""
     (header,) = _U32.unpack(_read_exact(sock, 4))
     op, count = header >> _OP_SHIFT, header & ((1 << _OP_SHIFT) - 1)
-    if op not in (*TIER_OPS, OP_ENGINE_PREFIX):
+    if op not in OPS:
         raise ValueError(f"lookup channel: unknown op {op}")
     if count > MAX_KEYS:
         raise ValueError(f"lookup channel: {count} keys in one question, at most {MAX_KEYS}")

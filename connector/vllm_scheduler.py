@@ -80,12 +80,10 @@ class VllmSchedulerConnector(SchedulerRole, KVConnectorBase_V1):  # vLLM's class
 
     def engine_prefix_tokens(self, token_ids: Sequence[int], cache_salt: str | None) -> int:
         """Returns how many leading tokens of the prompt vLLM's own prefix cache holds for
-        requests of `cache_salt`; 0 if it cannot tell (logged)."""
-        manager = getattr(self, "_kv_cache_manager", None)
-        if manager is None:
-            return 0
+        requests of `cache_salt`; 0 if it cannot tell (logged). Asked only once vLLM bound its
+        cache manager (the server answering it starts then)."""
         try:
-            return prefix_cache_tokens(manager, self._hash_algo, token_ids, cache_salt)
+            return prefix_cache_tokens(self._kv_cache_manager, self._hash_algo, token_ids, cache_salt)
         except Exception:  # a read racing vLLM's own step, or a vLLM whose internals moved: a miss
             log.warning("KVTierConnector: could not read vLLM's prefix cache for a lookup", exc_info=True)
             return 0
