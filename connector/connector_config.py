@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from connector import lmcache_compat
 from connector.blend.blend_config import BLEND_SETTINGS, BlendConfig
 from connector.keyspace import KeyedModel, Keyspace
+from connector.vllm_layouts import PAGE_FORMS
 from engine.cache_salt import set_tenant_tag_key, tag_key_bytes
 from engine.engine_config import opt
 from engine.kv_connector import CONFIG_FILE_ENV
@@ -73,6 +74,12 @@ def _tag_key(key: str, value: Any) -> str | None:
     return value
 
 
+def _page_form(key: str, value: Any) -> str:
+    if value not in PAGE_FORMS:
+        raise ValueError(f"{key}: expected one of {', '.join(PAGE_FORMS)}, got {value!r}")
+    return str(value)
+
+
 def _positive_size(key: str, value: Any) -> int:
     size = parse_size(value, key)
     if not size:
@@ -118,6 +125,11 @@ class ConnectorConfig:
         "vLLM's reset_prefix_cache(reset_connector=True) also clears the shared tiers (disk, Redis, "
         "the cache server: other instances' chunks too); by default only this process's cpu and device",
         env="KVTIER_RESET_CLEARS_SHARED_TIERS", parse=env_bool, check=_bool))
+    cpu_page_form: str = field(default="auto", metadata=opt(
+        "vLLM's CPU backend: 'auto' stores the pages of the kernels kvtier decodes (vec, vec16, amx in "
+        "bfloat16) in the canonical form every engine shares, and moves any other's (block, KV head) tiles "
+        "as their bytes, keyed by their format; 'tiles' moves every kernel's pages as tiles",
+        env="KVTIER_CPU_PAGE_FORM", parse=env_str, check=_page_form))
     # The operator's secret: tenant tags in stored keys are an HMAC of the salt (engine/cache_salt.py).
     tenant_tag_key: str | None = field(default=None, repr=False, metadata=opt(
         "shared secret (>= 16 bytes): a cache_salt's tenant tag in stored keys is an HMAC under it, so "
@@ -147,12 +159,14 @@ class ConnectorConfig:
         storage manager does with `integrity_key`: per process, so the last connector built decides."""
         set_tenant_tag_key(self.tenant_tag_key)
 
-    def keyspace(self, model: KeyedModel, kv_dtype: torch.dtype | str, split_heads: bool = False) -> Keyspace:
+    def keyspace(self, model: KeyedModel, kv_dtype: torch.dtype | str, split_heads: bool = False,
+                 token_multiple: int = 1) -> Keyspace:
         """Returns the keyspace this connector keys `model`'s chunks of `kv_dtype` in: whole
-        chunks, per layer with `use_layerwise`, or per KV head (`split_heads`, covering all)."""
+        chunks, per layer with `use_layerwise`, or per KV head (`split_heads`, covering all);
+        spans a multiple of `token_multiple` tokens (pages moved as whole tiles)."""
         heads = (0, model.num_kv_heads) if split_heads else None
         return Keyspace(model.fingerprint, kv_dtype, self.chunk_size, model.num_layers,
-                        layerwise=self.use_layerwise, heads=heads)
+                        layerwise=self.use_layerwise, heads=heads, token_multiple=token_multiple)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ConnectorConfig:

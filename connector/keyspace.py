@@ -23,6 +23,11 @@ is its own stored value `(layers, 2, tokens, 1, head_size)` under `<chunk key>@H
 keyspace covers the heads [lo, hi) its worker holds: a tensor-parallel rank stores and loads
 exactly its own heads, and chunks stored at one TP size load at any other (docs/vllm.md,
 "Parallel"). A chunk counts as held only when all its covered heads are.
+
+Over a page layout moved as whole (block, KV head) tiles (connector/vllm_layouts.py,
+`VllmTileLayout`) every span is a whole number of blocks (`token_multiple`, the block size):
+a partial last chunk is cut back to its last whole block, so a stored value never holds half
+a tile.
 """
 
 from __future__ import annotations
@@ -119,12 +124,15 @@ class Keyspace:
 
     def __init__(self, model: str, kv_dtype: torch.dtype | str, chunk_size: int, num_layers: int,
                  layerwise: bool = False, cache_salt: str | None = None,
-                 heads: tuple[int, int] | None = None) -> None:
+                 heads: tuple[int, int] | None = None, token_multiple: int = 1) -> None:
         for name, value in (("model", model), ("kv_dtype", dtype_name(kv_dtype))):
             if not isinstance(value, str) or ":" in value or any(c.isspace() for c in value):
                 raise ValueError(f"keyspace {name} must be a str without ':' or spaces, got {value!r}")
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+        if token_multiple <= 0 or chunk_size % token_multiple:
+            raise ValueError(f"chunk_size {chunk_size} must be a multiple of the tokens of one tile "
+                             f"({token_multiple}, the block size where pages move as whole tiles)")
         if num_layers <= 0:
             raise ValueError(f"num_layers must be > 0, got {num_layers}")
         if heads is not None and not 0 <= heads[0] < heads[1]:
@@ -136,6 +144,7 @@ class Keyspace:
         self.chunk_size = chunk_size
         self.num_layers = num_layers
         self.layerwise = layerwise
+        self.token_multiple = token_multiple  # every span's length is a multiple of it
         self.heads: tuple[int, int] | None = (heads[0], heads[1]) if heads is not None else None
         self.cache_salt = cache_salt  # hashed, never put in a key: any string is safe here
         self.tenant = tenant_tag(cache_salt) if cache_salt is not None else None
@@ -163,7 +172,8 @@ class Keyspace:
         return self._like(self.cache_salt, (lo, hi))
 
     def _like(self, cache_salt: str | None, heads: tuple[int, int] | None) -> Keyspace:
-        return Keyspace(self.model, self.kv_dtype, self.chunk_size, self.num_layers, self.layerwise, cache_salt, heads)
+        return Keyspace(self.model, self.kv_dtype, self.chunk_size, self.num_layers, self.layerwise, cache_salt, heads,
+                        self.token_multiple)
 
     def key(self, chain: bytes) -> str:
         """Returns the stored key of the chunk whose chain hash is `chain`."""
@@ -171,9 +181,10 @@ class Keyspace:
 
     def spans(self, tokens: Sequence[int] | Any, unfull: bool = True, parent: bytes | None = None) -> list[Span]:
         """Returns each `chunk_size` slice of `tokens` as a span, chained from `parent`
-        (default: this keyspace's root); the last, shorter slice only if `unfull`."""
+        (default: this keyspace's root); the last, shorter slice only if `unfull`, cut back to a
+        multiple of `token_multiple` (none if that leaves nothing)."""
         out: list[Span] = []
-        n = len(tokens)
+        n = len(tokens) // self.token_multiple * self.token_multiple
         chain = self.root if parent is None else parent
         for start in range(0, n, self.chunk_size):
             end = min(start + self.chunk_size, n)
@@ -184,11 +195,13 @@ class Keyspace:
         return out
 
     def partial_spans(self, tokens: Sequence[int] | Any, start: int, parent: bytes) -> list[Span]:
-        """Returns, for m = 1 .. len(tokens) - 1, the span `tokens[:m]` would be as the partial
-        last chunk of a sequence whose chunk starting at `start` (after `parent`) ends there:
-        how a chunk stored partial, that later grew, is found again."""
+        """Returns, for m = 1 .. len(tokens) - 1 (multiples of `token_multiple`), the span
+        `tokens[:m]` would be as the partial last chunk of a sequence whose chunk starting at
+        `start` (after `parent`) ends there: how a chunk stored partial, that later grew, is
+        found again."""
+        step = self.token_multiple
         return [Span(start, start + m, self.key(h), h)
-                for m, h in enumerate(chain_prefixes(parent, tokens[:-1]), start=1)]
+                for m, h in enumerate(chain_prefixes(parent, tokens[:-1]), start=1) if m % step == 0]
 
     def segment_spans(self, tokens: Sequence[int] | Any, segment_kv: str) -> list[Span]:
         """Returns a CacheBlend segment's spans (positions relative to the segment), keyed from

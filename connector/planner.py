@@ -126,13 +126,14 @@ class KVTierPlanner(KVConnectorScheduler):
         if hit is not None and (hit.num_tokens, hit.start) == (n, num_computed_tokens):
             return hit.end - hit.start, not self.layerwise
         self._hits.pop(rid, None)
-        limit = n - 1  # the last token's logits are needed
-        if limit <= num_computed_tokens or not self.loads or rid in self._load_failed:
+        ks = self.keyspace.for_salt(seq.cache_salt)  # a salt's chunks are its own
+        step = ks.token_multiple  # loads of whole tiles start and end at block boundaries
+        limit = (n - 1) // step * step  # the last token's logits are needed
+        if limit <= num_computed_tokens or not self.loads or rid in self._load_failed or num_computed_tokens % step:
             return 0, False
         m = self.metrics.live(rid)
         m.num_prompt_tokens = seq.num_prompt_tokens
         m.engine_hit_tokens = num_computed_tokens
-        ks = self.keyspace.for_salt(seq.cache_salt)  # a salt's chunks are its own
         tokens = seq.all_token_ids
         spans = ks.spans(tokens)
         first = num_computed_tokens // ks.chunk_size
@@ -178,8 +179,10 @@ class KVTierPlanner(KVConnectorScheduler):
         if span.num_tokens < 2 or span.end - 1 <= after:
             return None
         parent = ks.root if j == 0 else spans[j - 1].chain
-        skip = max(0, after - span.start)  # lengths that would end at or before `after` load nothing
-        probe = ks.partial_spans(tokens[span.start:span.end], span.start, parent)[skip:]
+        # lengths that would end at or before `after` load nothing
+        probe = [sp for sp in ks.partial_spans(tokens[span.start:span.end], span.start, parent) if sp.end > after]
+        if not probe:
+            return None
         held = [i for i, present in enumerate(self.presence.chunks_held(ks, probe, probe_only=True)) if present]
         if not held or (ks.values_per_chunk > 1 and not self.presence.chunks_held(ks, [probe[held[-1]]])[0]):
             return None

@@ -3,24 +3,35 @@
 vLLM 0.32 gives a connector, per attention layer, a tensor of logical shape
 `(num_blocks, num_kv_heads, block_size, 2 * head_size)`; what the last two axes mean depends
 on the attention backend (docs/vllm.md):
-- CPU (`VllmCpuLayout`, the "vec"/"vec16" kernels): each (block, head) page of
-  `block_size * 2 * head_size` elements holds K transposed, `(head_size, block_size)`, then V,
-  `(block_size, head_size)` (vLLM's `cpu_attn_reshape_and_cache` writes it so;
-  tests/vllm/test_cpu_layout_kernel.py checks it against that kernel). The AMX kernel packs
-  pages differently and is not supported.
+- CPU: each (block, head) page (a "tile": `block_size * 2 * head_size` elements, contiguous)
+  is laid out by the kernels vLLM's CPU attention picks (its "ISA"), and only inside the tile.
+  - `VllmCpuLayout` ("vec"/"vec16"): K transposed, `(head_size, block_size)`, then V,
+    `(block_size, head_size)`.
+  - `VllmAmxLayout` ("amx", 2-byte K/V): K in groups of 16 tokens, each token's elements in
+    pairs (4 bytes) interleaved across the group's tokens; V in 16-element head groups, each
+    token pair's values interleaved (vLLM's csrc/cpu/cpu_attn_amx.hpp, `reshape_and_cache`).
+  - `VllmTileLayout` (any other ISA, fp8 under "amx", or any ISA when `cpu_page_form` is
+    "tiles"): the tile's bytes as they are, never decoded.
+  tests/vllm/test_cpu_layout_kernel.py checks each against vLLM's `cpu_attn_reshape_and_cache`.
 - GPU FlashAttention (`VllmFlashLayout`): each token row is `[K | V]`, K the first
   `head_size` values; the tensor may be any strided view (vLLM's `LBNHC` allocation is
   token-major `(num_blocks, block_size, H, 2D)` permuted).
 kvtier's engine layout `(2, num_blocks, block_size, H, D)` is `engine.kv_cache.EngineLayout`.
 Slot ids are the same everywhere: `block * block_size + offset`.
 
-Each layout only says where K and V sit: per layer, two strided views `(num_blocks,
-block_size, H, D)` of the cache, one for K and one for V (vLLM's own split). A gather or
-scatter is then one advanced-indexing op per layer and K/V over (block, offset), with no
-per-token loop; writes go through the views into the caller's tensors. (One op over all
-layers through a stacked `as_strided` view was no faster, so there is none.) On CPU,
-`VllmCpuLayout` moves whole chunks in one compiled call instead (engine/csrc/kv_pages.cpp):
-its K^T pages make the indexing path slow. This module never imports vllm.
+Decoded layouts give chunks in the canonical form `(layers, 2, tokens, H, D)`, shared by every
+layout that decodes to it. A tile chunk has the same shape and dtype, but token `b * block_size
++ o` of head `h` holds elements `[o * D, (o + 1) * D)` of each half of tile (b, h): only whole
+blocks move, and only instances with the same tile format can read it, so the keyspace names
+the format (connector/vllm_setup.py) and cuts spans to whole blocks (`token_multiple`). The KV
+head stays an axis of its own, so tiles split by head and load at any tensor-parallel size.
+
+Each layout says where K and V sit: per layer, views of the cache, one for K and one for V
+(vLLM's own split). A gather or scatter is then one advanced-indexing op per layer and K/V over
+(block, offset), with no per-token loop; writes go through the views into the caller's tensors.
+(One op over all layers through a stacked `as_strided` view was no faster, so there is none.)
+On CPU, `VllmCpuLayout` moves whole chunks in one compiled call instead (engine/csrc/
+kv_pages.cpp): its K^T pages make the indexing path slow. This module never imports vllm.
 """
 
 from __future__ import annotations
@@ -76,8 +87,9 @@ class _SplitKVLayout(PagedKVLayout):
 
     @abstractmethod
     def _halves(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns views (never copies) K and V of one layer's cache, each `(num_blocks,
-        block_size, H, D)`; ValueError if the cache's strides do not allow them."""
+        """Returns views (never copies) K and V of one layer's cache as `_move_group` indexes
+        them, `(num_blocks, block_size, H, D)` unless a subclass says otherwise; ValueError if
+        the cache's strides do not allow them."""
 
     def _positions(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (blocks, offsets) of valid `slots` on the caches' device."""
@@ -109,6 +121,17 @@ class _SplitKVLayout(PagedKVLayout):
                 raise ValueError(f"KV cache group {g} holds no block for some of these positions")
             pos = held.nonzero().squeeze(1)
             self._move_group([layers[i] for i in idx], group[pos], [chunk[i][:, pos] for i in idx], True)
+
+    def _whole_blocks(self, slots: torch.Tensor) -> int:
+        """Returns how many whole blocks `slots` (1-D, host) begin with: runs of `block_size`
+        consecutive slots, each from a block's first."""
+        bs = self.block_size
+        m = slots.shape[0] // bs
+        if m == 0 or slots.dim() != 1:
+            return 0
+        runs = slots[:m * bs].view(m, bs)
+        whole = (runs[:, 0] % bs == 0) & (runs == runs[:, :1] + torch.arange(bs)).all(dim=1)
+        return m if bool(whole.all()) else int(whole.long().cumprod(0).sum())
 
     def _move_group(self, layers: Sequence[int], slots: torch.Tensor,
                     chunk: torch.Tensor | Sequence[torch.Tensor], to_cache: bool) -> None:
@@ -181,14 +204,126 @@ class VllmCpuLayout(_SplitKVLayout):
 
     def _halves(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         nb, h, bs, d2 = kv.shape
-        if kv.stride(3) != 1 or (bs > 1 and kv.stride(2) != d2):
-            raise ValueError(f"VllmCpuLayout needs each (block, head) page contiguous, got strides {kv.stride()}")
         d = d2 // 2
         # vLLM's split: kv.view(nb, h, 2 * bs, d).chunk(2, dim=2), K's half read as (d, bs).
-        pages = kv.view(nb, h, 2 * bs * d)
+        pages = _pages(kv, type(self).__name__)
         k = pages[..., :d * bs].unflatten(2, (d, bs)).permute(0, 3, 1, 2)
         v = pages[..., d * bs:].unflatten(2, (bs, d)).transpose(1, 2)
         return k, v
+
+
+def _pages(kv: torch.Tensor, layout: str) -> torch.Tensor:
+    """Returns one layer's CPU cache as `(num_blocks, H, block_size * 2 * D)` tiles, a view;
+    ValueError unless each (block, head) tile is contiguous (vLLM's kernels address it by offset)."""
+    nb, h, bs, d2 = kv.shape
+    if kv.stride(3) != 1 or (bs > 1 and kv.stride(2) != d2):
+        raise ValueError(f"{layout} needs each (block, head) page contiguous, got strides {kv.stride()}")
+    return kv.view(nb, h, bs * d2)
+
+
+class VllmAmxLayout(_SplitKVLayout):
+    """vLLM's CPU attention backend with its "amx" kernels, K/V of 2 bytes (bfloat16): per
+    (block, head) tile, K then V, `block_size * D` elements each (vLLM's split), with
+    - K as `(block_size / 16, D / 2, 16, 2)`: element `[g, q, t, e]` is K[16 g + t, 2 q + e];
+    - V as `(D / 16, block_size / 2, 16, 2)`: element `[i, s, j, e]` is V[2 s + e, 16 i + j].
+    Decoded to the canonical form, so its chunks are shared with every decoded layout."""
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor], layer_groups: Sequence[int] | None = None) -> None:
+        ref = kv_caches[0] if len(kv_caches) else None
+        if ref is not None and (ref.element_size() != 2 or ref.dim() != 4 or ref.shape[2] % 32
+                                or ref.shape[3] % 32):
+            raise ValueError("VllmAmxLayout reads 2-byte K/V with block_size a multiple of 32 and head_size a "
+                             f"multiple of 16, got {ref.dtype} caches of shape {tuple(ref.shape)}")
+        super().__init__(kv_caches, layer_groups)
+
+    def _halves(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns K `(num_blocks, H, bs / 16, D / 2, 16, 2)` and V `(num_blocks, H, D / 16,
+        bs / 2, 16, 2)`, views of the tiles."""
+        nb, h, bs, d2 = kv.shape
+        d = d2 // 2
+        pages = _pages(kv, type(self).__name__)
+        k = pages[..., :bs * d].unflatten(2, (bs // 16, d // 2, 16, 2))
+        v = pages[..., bs * d:].unflatten(2, (d // 16, bs // 2, 16, 2))
+        return k, v
+
+    def _move_group(self, layers: Sequence[int], slots: torch.Tensor,
+                    chunk: torch.Tensor | Sequence[torch.Tensor], to_cache: bool) -> None:
+        # Whole blocks are re-laid out block by block (several times faster than token by
+        # token: benchmarks/bench_load.py), the rest token by token.
+        check_slots(slots, self.num_slots)
+        m = self._whole_blocks(slots) * self.block_size
+        if m:
+            self._move_blocks(layers, slots[:m], [c[:, :m] for c in chunk], to_cache)
+        if m < slots.shape[0]:
+            self._move_tokens(layers, slots[m:], [c[:, m:] for c in chunk], to_cache)
+
+    def _move_blocks(self, layers: Sequence[int], slots: torch.Tensor, chunk: Sequence[torch.Tensor],
+                     to_cache: bool) -> None:
+        """Moves whole blocks: `slots` are `_whole_blocks`."""
+        d = self.head_size
+        blocks = (slots[::self.block_size] // self.block_size).to(self.device)
+        for i, layer in enumerate(layers):
+            k, v = self._kv_views[layer]
+            # chunk tokens as (block, group, token) and head elements as (pair, element): K's
+            # tile axes are (head, group, pair, token, element), V's (head, group, pair, j, element).
+            ck = chunk[i][0].unflatten(0, (-1, self.block_size // 16, 16)).unflatten(-1, (d // 2, 2))
+            cv = chunk[i][1].unflatten(0, (-1, self.block_size // 2, 2)).unflatten(-1, (d // 16, 16))
+            if to_cache:  # re-laid out in one pass, then copied a tile at a time
+                k.index_copy_(0, blocks, ck.permute(0, 3, 1, 4, 2, 5).contiguous())
+                v.index_copy_(0, blocks, cv.permute(0, 3, 4, 1, 5, 2).contiguous())
+            else:
+                ck.copy_(k[blocks].permute(0, 2, 4, 1, 3, 5))
+                cv.copy_(v[blocks].permute(0, 3, 5, 1, 2, 4))
+
+    def _move_tokens(self, layers: Sequence[int], slots: torch.Tensor, chunk: Sequence[torch.Tensor],
+                     to_cache: bool) -> None:
+        """Moves any slots, token by token."""
+        blocks, offsets = self._positions(slots)
+        n, h, d = slots.shape[0], self.num_kv_heads, self.head_size
+        # Advanced indices split by slices: the token axis comes first, then the sliced axes.
+        k_at = (blocks, slice(None), offsets // 16, slice(None), offsets % 16)
+        v_at = (blocks, slice(None), slice(None), offsets // 2, slice(None), offsets % 2)
+        for i, layer in enumerate(layers):
+            k, v = self._kv_views[layer]
+            if to_cache:
+                k[k_at] = chunk[i][0].reshape(n, h, d // 2, 2)
+                v[v_at] = chunk[i][1].reshape(n, h, d // 16, 16)
+            else:
+                chunk[i][0] = k[k_at].reshape(n, h, d)
+                chunk[i][1] = v[v_at].reshape(n, h, d)
+
+
+class VllmTileLayout(_SplitKVLayout):
+    """vLLM's CPU attention backend, whatever kernels wrote its pages: each (block, head) tile
+    is moved as its bytes, never decoded. Token `b * block_size + o` of a chunk holds, of each
+    half of its block's tile (K's elements, then V's, `block_size * D` each), elements
+    `[o * D, (o + 1) * D)`; a move covers whole blocks only (ValueError otherwise), so every
+    tile moves whole and lands byte for byte in another block."""
+
+    def _halves(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        nb, h, bs, d2 = kv.shape
+        d = d2 // 2
+        pages = _pages(kv, type(self).__name__)
+        k = pages[..., :bs * d].unflatten(2, (bs, d)).transpose(1, 2)
+        v = pages[..., bs * d:].unflatten(2, (bs, d)).transpose(1, 2)
+        return k, v
+
+    def _move_group(self, layers: Sequence[int], slots: torch.Tensor,
+                    chunk: torch.Tensor | Sequence[torch.Tensor], to_cache: bool) -> None:
+        check_slots(slots, self.num_slots)
+        bs = self.block_size
+        if self._whole_blocks(slots) * bs != slots.shape[0]:
+            raise ValueError(f"{type(self).__name__} moves whole blocks only ({bs} tokens each, from a block's "
+                             f"first slot); got {slots.shape[0]} slots")
+        blocks = (slots[::bs] // bs).to(self.device)
+        for i, layer in enumerate(layers):
+            k, v = self._kv_views[layer]
+            ck, cv = chunk[i][0].unflatten(0, (-1, bs)), chunk[i][1].unflatten(0, (-1, bs))
+            if to_cache:
+                k[blocks], v[blocks] = ck, cv
+            else:
+                ck.copy_(k[blocks])
+                cv.copy_(v[blocks])
 
 
 class VllmFlashLayout(_SplitKVLayout):
@@ -203,24 +338,39 @@ class VllmFlashLayout(_SplitKVLayout):
 
 LAYOUTS = ("cpu", "flash", "engine")
 
+CPU_DECODED: dict[str, type[_SplitKVLayout]] = {"vec": VllmCpuLayout, "vec16": VllmCpuLayout, "amx": VllmAmxLayout}
+"""vLLM's CPU attention kernels ("ISA") whose pages kvtier decodes to the canonical form, and
+the layout that does; the pages of any other move as tiles (`VllmTileLayout`)."""
 
-CPU_ISAS = ("vec", "vec16")
-"""vLLM's CPU attention kernels whose pages `VllmCpuLayout` reads (their "amx" and "neon" pages
-are laid out otherwise: docs/vllm.md, "Limits")."""
+PAGE_FORMS = ("auto", "tiles")
+"""`cpu_page_form`: "auto" decodes what `CPU_DECODED` reads and moves the rest as tiles;
+"tiles" moves every ISA's pages as tiles."""
+
+
+def cpu_page_decoder(isa: str, element_size: int, page_form: str = "auto") -> str | None:
+    """Returns the ISA whose decoder reads pages written by vLLM's `isa` kernels into caches
+    of `element_size`-byte elements, or None where they move as tiles (an ISA kvtier does not
+    decode, 1-byte fp8 pages under "amx", or `page_form` "tiles"); ValueError for an unknown form."""
+    if page_form not in PAGE_FORMS:
+        raise ValueError(f"cpu_page_form must be one of {', '.join(PAGE_FORMS)}, got {page_form!r}")
+    if page_form == "tiles" or isa not in CPU_DECODED or (isa == "amx" and element_size != 2):
+        return None
+    return isa
 
 
 def vllm_layout_for(kv_caches: Sequence[torch.Tensor], backend: str,
-                    layer_groups: Sequence[int] | None = None, isa: str | None = None) -> PagedKVLayout:
+                    layer_groups: Sequence[int] | None = None, decoder: str | None = "vec") -> PagedKVLayout:
     """Returns the layout of vLLM caches from attention backend `backend` ("cpu", "flash", or
     "engine" for `(2, num_blocks, block_size, H, D)`), each layer in KV cache group
-    `layer_groups[layer]` (default: one group), the CPU backend's pages written by vLLM's `isa`
-    kernels (default: "vec"); ValueError names an unknown backend, kernels whose pages it does
-    not read, a shape that does not fit it, or several groups where the backend has one."""
+    `layer_groups[layer]` (default: one group); on the CPU backend, pages decoded as `decoder`
+    (`cpu_page_decoder`'s answer) or moved as tiles (None). ValueError names an unknown
+    backend or decoder, a shape that does not fit it, or several groups where the backend has one."""
     if backend == "cpu":
-        if isa is not None and isa not in CPU_ISAS:
-            raise ValueError(f"KVTierConnector: vLLM's CPU attention uses the {isa!r} kernels here, whose KV "
-                             "layout kvtier does not support; use float32 (or a CPU without AMX)")
-        return VllmCpuLayout(kv_caches, layer_groups)
+        if decoder is None:
+            return VllmTileLayout(kv_caches, layer_groups)
+        if decoder not in CPU_DECODED:
+            raise ValueError(f"no decoder for vLLM's {decoder!r} CPU pages; known: {', '.join(CPU_DECODED)}")
+        return CPU_DECODED[decoder](kv_caches, layer_groups)
     if backend == "flash":
         return VllmFlashLayout(kv_caches, layer_groups)
     if layer_groups is not None and max(layer_groups) > 0:

@@ -121,10 +121,10 @@ class _Tiers:
     (every tensor-parallel rank's), and vLLM's own prefix cache, asked of the scheduler side."""
 
     def __init__(self, vllm_config: Any) -> None:
-        from connector.vllm_api import attention_backend  # imports vllm: only inside vLLM's server
+        from connector.vllm_api import attention_backend, cpu_attention_isa  # imports vllm: only inside vLLM's server
         from connector.vllm_setup import vllm_setup
 
-        setup = vllm_setup(vllm_config, None, attention_backend())
+        setup = vllm_setup(vllm_config, None, attention_backend(), cpu_attention_isa)
         self.keyspace = setup.keyspace()
         engine_id = vllm_config.kv_transfer_config.engine_id
         self.presence = setup.worker_presence(engine_id, timeout=LOOKUP_ROUTE_CHANNEL_S,

@@ -26,6 +26,7 @@ from connector.vllm_api import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     attention_backend,
+    cpu_attention_isa,
     prefix_cache_tokens,
     vllm_event,
 )
@@ -50,7 +51,7 @@ class VllmSchedulerConnector(SchedulerRole, KVConnectorBase_V1):  # vLLM's class
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        setup = vllm_setup(vllm_config, kv_cache_config, attention_backend())
+        setup = vllm_setup(vllm_config, kv_cache_config, attention_backend(), cpu_attention_isa)
         kvt = vllm_config.kv_transfer_config
         self.metrics = ConnectorMetrics()
         self.presence = setup.worker_presence(kvt.engine_id)  # every tensor-parallel rank's tiers

@@ -9,15 +9,17 @@ import dataclasses
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from connector.connector_config import ConnectorConfig
-from connector.keyspace import Keyspace
+from connector.keyspace import Keyspace, dtype_name
 from connector.lookup_channel import RemotePresence, lookup_socket_path
 from connector.presence import RankedPresence
+from connector.vllm_layouts import cpu_page_decoder
 from engine.model_config import ModelConfig, weights_identity
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -77,21 +79,38 @@ class VllmSetup:
     events: bool
     tp_size: int = 1
     cache_dtype: str = "auto"  # vLLM's kv_cache_dtype: "auto" (the model's dtype) or an FP8_KV_DTYPES name
+    isa: str | None = None  # the kernels vLLM's CPU attention writes pages with; None on other backends
 
     @property
     def num_groups(self) -> int:
         return max(self.layer_groups.values(), default=0) + 1
 
     @property
+    def page_decoder(self) -> str | None:
+        """Returns the decoder the worker reads vLLM's CPU pages with (`cpu_page_decoder`),
+        None where they move as (block, KV head) tiles; "vec" off the CPU backend (unused)."""
+        if self.isa is None:
+            return "vec"
+        element_size = 1 if self.cache_dtype in FP8_KV_DTYPES else self.model_dtype.itemsize
+        return cpu_page_decoder(self.isa, element_size, self.config.cpu_page_form)
+
+    @property
     def kv_dtype(self) -> torch.dtype | str:
-        """Returns the K/V dtype chunks are keyed by: the model's, or the fp8 format's name."""
-        return self.model_dtype if self.cache_dtype == "auto" else FP8_KV_DTYPES[self.cache_dtype]
+        """Returns the K/V dtype chunks are keyed by: the model's, or the fp8 format's name;
+        for pages moved as tiles, with their format: `<dtype>.<isa>-tiles-b<block_size>`."""
+        dtype = self.model_dtype if self.cache_dtype == "auto" else FP8_KV_DTYPES[self.cache_dtype]
+        if self.page_decoder is None:
+            return f"{dtype_name(dtype)}.{self.isa}-tiles-b{self.block_size}"
+        return dtype
 
     def keyspace(self) -> Keyspace:
         """Returns the keyspace the connector keys chunks in: split by KV head (unless
         layerwise, which needs tp_size 1), so any tensor-parallel size loads what another
-        stored; it covers all heads (a rank's own: `rank_keyspace`)."""
-        return self.config.keyspace(self.model, self.kv_dtype, split_heads=not self.config.use_layerwise)
+        stored; it covers all heads (a rank's own: `rank_keyspace`). Over tiles, spans are
+        whole blocks."""
+        tiles = self.page_decoder is None
+        return self.config.keyspace(self.model, self.kv_dtype, split_heads=not self.config.use_layerwise,
+                                    token_multiple=self.block_size if tiles else 1)
 
     def rank_keyspace(self, rank: int) -> Keyspace:
         """Returns the keyspace tensor-parallel rank `rank` keys its chunks in: its own heads
@@ -127,9 +146,12 @@ def rank_heads(num_kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
     return rank * n, (rank + 1) * n
 
 
-def vllm_setup(vllm_config: Any, kv_cache_config: Any, backend: str) -> VllmSetup:
+def vllm_setup(vllm_config: Any, kv_cache_config: Any, backend: str,
+               isa_of: Callable[[torch.dtype, int, int, str], str]) -> VllmSetup:
     """Returns kvtier's view of `vllm_config` (connector settings: its extra config over
-    $KVTIER_CONFIG / KVTIER_*); ValueError names a setup this connector does not support."""
+    $KVTIER_CONFIG / KVTIER_*), on the CPU backend with the kernels `isa_of(dtype, block_size,
+    head_size, kv_cache_dtype)` says vLLM picks; ValueError names a setup this connector does
+    not support."""
     kvt = vllm_config.kv_transfer_config
     config = ConnectorConfig.load(overrides=kvt.kv_connector_extra_config or {})
     config.apply_tenant_tag_key()  # scheduler and worker processes alike
@@ -155,10 +177,15 @@ def vllm_setup(vllm_config: Any, kv_cache_config: Any, backend: str) -> VllmSetu
     model = vllm_model(vllm_config.model_config, backend)
     refuse_image_input(vllm_config.model_config.model, getattr(vllm_config.model_config, "multimodal_config", None))
     ev = vllm_config.kv_events_config
-    return VllmSetup(config, model, vllm_config.model_config.dtype, vllm_config.cache_config.block_size, groups,
-                     loads=kvt.is_kv_consumer, saves=kvt.is_kv_producer,
-                     events=ev is not None and bool(ev.enable_kv_cache_events), tp_size=par.tensor_parallel_size,
-                     cache_dtype=cache_dtype)
+    dtype, block_size = vllm_config.model_config.dtype, vllm_config.cache_config.block_size
+    isa = isa_of(dtype, block_size, model.head_size, cache_dtype) if backend == "cpu" else None
+    setup = VllmSetup(config, model, dtype, block_size, groups, loads=kvt.is_kv_consumer, saves=kvt.is_kv_producer,
+                      events=ev is not None and bool(ev.enable_kv_cache_events), tp_size=par.tensor_parallel_size,
+                      cache_dtype=cache_dtype, isa=isa)
+    if setup.page_decoder is None and config.chunk_size % block_size:
+        raise ValueError(f"KVTierConnector: chunk_size {config.chunk_size} must be a multiple of block_size "
+                         f"{block_size}: vLLM's {isa!r} pages move as whole (block, KV head) tiles")
+    return setup
 
 
 def kv_cache_dtype(cache_config: Any, backend: str) -> str:

@@ -53,7 +53,7 @@ class VllmWorkerConnector(WorkerRole, KVConnectorBase_V1):  # vLLM's class, one 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.backend = attention_backend()
-        self.setup = vllm_setup(vllm_config, kv_cache_config, self.backend)
+        self.setup = vllm_setup(vllm_config, kv_cache_config, self.backend, cpu_attention_isa)
         self.storage = StorageManager.from_config(self.setup.config.kvstore)
         # events: what the tiers stored and removed, reported to the scheduler role each step
         self.changes = TierChangeLog() if self.setup.events else None
@@ -93,17 +93,15 @@ class VllmWorkerConnector(WorkerRole, KVConnectorBase_V1):  # vLLM's class, one 
         if indices != list(range(len(names))):
             raise ValueError(f"KV caches must be layers 0..{len(names) - 1}, got {indices}")
         caches = [kv_caches[n] for n in names]
-        isa = None
-        if self.backend == "cpu" and caches:  # the kernels that write these pages
-            isa = cpu_attention_isa(self.setup.model_dtype, caches[0].shape[2], caches[0].shape[3] // 2,
-                                    self.setup.cache_dtype)
         groups = self.setup.layer_groups
         layer_groups = [groups.get(n, 0) for n in names] if groups else None
         self._layers = {n: i for i, n in enumerate(names)}
-        self.worker.register_layout(vllm_layout_for(caches, self.backend, layer_groups, isa), self.keyspace)
-        log.info("kvtier connector ready: backend %s, %d layers in %d KV cache group(s), KV heads %s of rank %d, "
-                 "%d bytes per token", self.backend, len(names), self.setup.num_groups, self.keyspace.heads, self.rank,
-                 self.worker.layout.bytes_per_token() if self.worker.layout is not None else 0)
+        layout = vllm_layout_for(caches, self.backend, layer_groups, self.setup.page_decoder)
+        self.worker.register_layout(layout, self.keyspace)
+        log.info("kvtier connector ready: backend %s (%s), %d layers in %d KV cache group(s), KV heads %s of rank %d, "
+                 "%d bytes per token, keyed as %s", self.backend, type(layout).__name__, len(names),
+                 self.setup.num_groups, self.keyspace.heads, self.rank, layout.bytes_per_token(),
+                 self.keyspace.kv_dtype)
 
     # ---- the step ----------------------------------------------------------------------
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

@@ -140,3 +140,28 @@ def test_a_request_whose_load_failed_recomputes_and_is_offered_nothing_again(def
     planner.request_finished(seq, [3, 1, 2, 0])
     again = Sequence("f", ids, SamplingParams(max_tokens=1))  # the id's next request loads again
     assert planner.get_num_new_matched_tokens(again, 0) == (32, True)
+
+
+def test_over_tiles_loads_and_saves_cover_whole_blocks(default_model_path: Path) -> None:
+    """A keyspace over pages moved as whole tiles (block size 4 here): the partial last chunk
+    is stored cut to its last whole block, and a load ends at a block boundary before the last
+    token, so no tile moves in part."""
+    mc = ModelConfig.from_pretrained(default_model_path)
+    tier = _CountingTier()
+    config = make_config(["cpu"], chunk_size=CHUNK)
+    planner = KVTierPlanner(config, Presence(StorageManager([tier])), ConnectorMetrics())
+    planner.register_model(mc, torch.float32, 4, config.keyspace(mc, "float32.vec-tiles-b4", token_multiple=4))
+    ids = list(range(100, 143))  # two full chunks and an 11-token partial one
+    seq = Sequence("t", ids, SamplingParams(max_tokens=1))
+    assert planner.get_num_new_matched_tokens(seq, 0) == (0, False)
+    planner.update_state_after_alloc(seq, list(range(11)), 0)
+    meta = planner.build_connector_meta(SchedulerOutput([ScheduledRequest(seq, 0, 43)]))
+    assert [(sp.start, sp.end) for sp in meta.saves[0].spans] == [(0, 16), (16, 32), (32, 40)]
+    _store(tier, mc, meta.saves[0].spans)
+    again = Sequence("u", ids, SamplingParams(max_tokens=1))
+    assert planner.get_num_new_matched_tokens(again, 0) == (40, True)
+    exact = Sequence("v", ids[:32] + [7, 7, 7, 7, 7], SamplingParams(max_tokens=1))  # 37 tokens: [0, 32) held
+    assert planner.get_num_new_matched_tokens(exact, 0) == (32, True)
+    whole = Sequence("w", ids[:32], SamplingParams(max_tokens=1))  # the last token computed: up to 28
+    assert planner.get_num_new_matched_tokens(whole, 0) == (28, True)
+    assert planner.get_num_new_matched_tokens(again, 2) == (0, False)  # a hit mid-block: no partial tile

@@ -140,8 +140,10 @@ def test_backends_and_shapes_that_do_not_fit_are_named() -> None:
         vllm_layout_for([torch.zeros(2, NB, BS, H, D)], "cpu")
     with pytest.raises(ValueError, match=r"VllmFlashLayout: .*got \(6, 2, 8, 7\)"):
         vllm_layout_for([torch.zeros(NB, H, BS, 7)], "flash")
-    with pytest.raises(ValueError, match="CPU attention uses the 'amx' kernels here"):
-        vllm_layout_for(vllm_caches("LBHNC"), "cpu", isa="amx")
+    with pytest.raises(ValueError, match="no decoder for vLLM's 'neon' CPU pages; known: vec, vec16, amx"):
+        vllm_layout_for(vllm_caches("LBHNC"), "cpu", decoder="neon")
+    with pytest.raises(ValueError, match="VllmAmxLayout reads 2-byte K/V with block_size a multiple of 32"):
+        vllm_layout_for(vllm_caches("LBHNC", torch.bfloat16), "cpu", decoder="amx")  # block size 8
     with pytest.raises(ValueError, match="page contiguous"):
         vllm_layout_for(vllm_caches("LBNHC"), "cpu")  # FlashAttention's token-major order
     with pytest.raises(ValueError, match="differs"):

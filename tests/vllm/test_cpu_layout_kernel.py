@@ -1,7 +1,10 @@
-"""VllmCpuLayout against vLLM's own CPU attention kernels: it reads exactly what
-`cpu_attn_reshape_and_cache` writes, it scatters the bytes that kernel would have written,
-and vLLM's attention (`cpu_attention_with_kv_cache`) over K/V it scattered equals attention
-computed from those K/V directly. Runs in vLLM's virtualenv only (`make test-vllm`)."""
+"""kvtier's CPU layouts against vLLM's own CPU attention kernels: each decoder reads exactly
+what `cpu_attn_reshape_and_cache` writes for its kernels ("vec", "vec16", "amx"), it scatters
+the bytes that op would have written, a tile's bytes depend only on its tokens (so tiles move
+between blocks, caches and instances), and vLLM's attention (`cpu_attention_with_kv_cache`)
+over K/V a layout scattered equals attention computed from those K/V directly. The cache-
+writing op is plain C++ for every ISA and runs on any x86 CPU; the attention kernels of an ISA
+run only where the CPU has its instructions. Runs in vLLM's virtualenv only (`make test-vllm`)."""
 
 from __future__ import annotations
 
@@ -9,24 +12,33 @@ import math
 
 import pytest
 import torch
-import vllm
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from connector.vllm_layouts import VllmCpuLayout, VllmFlashLayout
+from connector.vllm_layouts import VllmCpuLayout, VllmFlashLayout, VllmTileLayout, cpu_page_decoder, vllm_layout_for
+from engine.kv_cache import PagedKVLayout
 from tests.fixtures.vllm import needs_fp8_kv
 
-# (dtype, block_size, head_size): both ISAs this layout covers, "vec" and "vec16" (block
-# size below 32 or head size not a multiple of 32), in every dtype vLLM's CPU backend takes.
-CASES = [(torch.float32, 128, 64), (torch.float32, 16, 64), (torch.bfloat16, 32, 128), (torch.float16, 128, 80)]
+# (isa, dtype, block_size, head_size): each kernel family kvtier decodes, in the dtypes vLLM's
+# CPU backend gives it ("vec16": block size below 32 or head size not a multiple of 32; "amx":
+# bfloat16, block size a multiple of 32).
+CASES = [("vec", torch.float32, 128, 64), ("vec16", torch.float32, 16, 64), ("vec", torch.bfloat16, 32, 128),
+         ("vec16", torch.float16, 128, 80), ("amx", torch.bfloat16, 32, 128), ("amx", torch.bfloat16, 64, 64)]
 NUM_BLOCKS, KV_HEADS, Q_HEADS, LAYERS = 5, 3, 6, 2
 TABLE = [4, 1, 3]  # out of order, as vLLM hands out blocks
 
 
-def kernel_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
-    isa = _get_attn_isa(dtype, block_size, head_size)
-    assert isa in ("vec", "vec16"), f"vLLM {vllm.__version__} picked ISA {isa!r}; VllmCpuLayout knows vec and vec16"
-    return isa
+def runs_attention(isa: str) -> None:
+    """Skips the test where this CPU cannot run vLLM's `isa` attention kernels."""
+    if isa == "amx" and not torch.cpu._is_amx_tile_supported():
+        pytest.skip("vLLM's amx attention kernels need a CPU with AMX tiles (amx_tile), which this one lacks")
+
+
+def decoded_layout(caches: list[torch.Tensor], isa: str) -> PagedKVLayout:
+    """The layout the connector reads pages written by `isa` with."""
+    decoder = cpu_page_decoder(isa, caches[0].element_size())
+    assert decoder == isa
+    return vllm_layout_for(caches, "cpu", decoder=decoder)
 
 
 def halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,28 +61,31 @@ def empty_caches(dtype: torch.dtype, block_size: int, head_size: int) -> list[to
     return list(torch.zeros(LAYERS, NUM_BLOCKS, KV_HEADS, block_size, 2 * head_size, dtype=dtype).unbind(0))
 
 
-@pytest.mark.parametrize(("dtype", "block_size", "head_size"), CASES)
-def test_layout_reads_and_writes_the_kernels_bytes(dtype: torch.dtype, block_size: int, head_size: int) -> None:
+@pytest.mark.parametrize(("isa", "dtype", "block_size", "head_size"), CASES)
+def test_layout_reads_and_writes_the_kernels_bytes(isa: str, dtype: torch.dtype, block_size: int,
+                                                   head_size: int) -> None:
     torch.manual_seed(0)
-    isa = kernel_isa(dtype, block_size, head_size)
     slots, kv = prompt(dtype, block_size, head_size)
     caches = empty_caches(dtype, block_size, head_size)
     write_with_kernel(caches, kv, slots, isa)
-    layout = VllmCpuLayout(caches)
+    layout = decoded_layout(caches, isa)
     assert torch.equal(layout.gather_chunk(slots), kv)
     assert torch.equal(torch.cat(layout.gather_layers(slots[3:9])), kv[:, :, 3:9])
     assert_scatter_writes_the_kernels_bytes(layout, slots, kv)
 
 
 def write_with_kernel(caches: list[torch.Tensor], kv: torch.Tensor, slots: torch.Tensor, isa: str,
-                      kv_cache_dtype: str = "auto") -> None:
-    """Writes `kv` into `caches` at `slots` with vLLM's own `cpu_attn_reshape_and_cache`."""
+                      kv_cache_dtype: str = "auto", steps: tuple[int, ...] = ()) -> None:
+    """Writes `kv` into `caches` at `slots` with vLLM's own `cpu_attn_reshape_and_cache`, in one
+    call per layer, or one per range between the token positions `steps`."""
+    bounds = steps or (0, len(slots))
     for layer, cache in enumerate(caches):
-        ops.cpu_attn_reshape_and_cache(kv[layer, 0], kv[layer, 1], *halves(cache), slots, isa, 1.0, 1.0,
-                                       kv_cache_dtype)
+        for lo, hi in zip(bounds, bounds[1:]):
+            ops.cpu_attn_reshape_and_cache(kv[layer, 0, lo:hi], kv[layer, 1, lo:hi], *halves(cache), slots[lo:hi],
+                                           isa, 1.0, 1.0, kv_cache_dtype)
 
 
-def assert_scatter_writes_the_kernels_bytes(layout: VllmCpuLayout, slots: torch.Tensor, chunk: torch.Tensor) -> None:
+def assert_scatter_writes_the_kernels_bytes(layout: PagedKVLayout, slots: torch.Tensor, chunk: torch.Tensor) -> None:
     """Scattered into zeroed caches, `chunk` gives the bytes the kernel wrote, everywhere."""
     written = [c.clone() for c in layout.kv_caches]
     for c in layout.kv_caches:
@@ -93,9 +108,7 @@ def test_fp8_pages_hold_one_byte_where_the_model_dtype_would(kv_cache_dtype: str
     dtype's element would sit: the layout's gather decodes to the K/V within a step of the
     format, token ranges and the compiled copy agree, and a scatter writes the kernel's bytes."""
     torch.manual_seed(0)
-    block_size, head_size = 32, 64
-    isa = _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
-    assert isa in ("vec", "vec16"), isa
+    block_size, head_size, isa = 32, 64, "vec"  # "amx" writes fp8 otherwise: moved as tiles (below)
     slots, kv = prompt(dtype, block_size, head_size)
     caches = empty_caches(torch.uint8, block_size, head_size)
     write_with_kernel(caches, kv, slots, isa, kv_cache_dtype)
@@ -139,19 +152,65 @@ def reference_attention(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> to
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(future, float("-inf")).softmax(-1), vf)
 
 
-@pytest.mark.parametrize(("dtype", "block_size", "head_size"), CASES)
-def test_vllm_attention_reads_what_the_layout_scatters(dtype: torch.dtype, block_size: int, head_size: int) -> None:
+@pytest.mark.parametrize(("isa", "dtype", "block_size", "head_size"), CASES)
+def test_vllm_attention_reads_what_the_layout_scatters(isa: str, dtype: torch.dtype, block_size: int,
+                                                       head_size: int) -> None:
+    runs_attention(isa)
     torch.manual_seed(1)
-    isa = kernel_isa(dtype, block_size, head_size)
     slots, kv = prompt(dtype, block_size, head_size)
     q = torch.randn(4, Q_HEADS, head_size).to(dtype)
     expected = reference_attention(kv[1, 0], kv[1, 1], q)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # the kernel's output is rounded to `dtype`
     caches = empty_caches(dtype, block_size, head_size)
-    VllmCpuLayout(caches).scatter_chunk(slots, kv)
+    decoded_layout(caches, isa).scatter_chunk(slots, kv)
     got = kernel_attention(caches[1], q, len(slots), isa).float()
     assert (got - expected).abs().max().item() <= tol
     # The check tells layouts apart: the same K/V laid out as token rows `[K | V]` is misread.
     VllmFlashLayout(caches).scatter_chunk(slots, kv)
     misread = kernel_attention(caches[1], q, len(slots), isa).float()
     assert (misread - expected).abs().max().item() > 10 * tol
+
+
+def test_vllm_picks_the_kernels_kvtier_decodes_or_moves_as_tiles() -> None:
+    """Whatever this CPU is, the kernels vLLM picks for each case are decoded or moved as
+    tiles: none is refused."""
+    for _, dtype, block_size, head_size in CASES:
+        isa = _get_attn_isa(dtype, block_size, head_size)
+        assert cpu_page_decoder(isa, 2) in (isa, None)
+    if torch.cpu._is_amx_tile_supported():
+        assert _get_attn_isa(torch.bfloat16, 32, 128) == "amx"
+
+
+# (isa, dtype, kv_cache_dtype): "amx" writes fp8 K/V in a format of its own, moved only as tiles.
+TILE_CASES = [("vec", torch.bfloat16, "auto"), ("vec16", torch.float32, "auto"), ("amx", torch.bfloat16, "auto"),
+              ("amx", torch.bfloat16, "fp8_e4m3")]
+
+
+@pytest.mark.parametrize(("isa", "dtype", "kv_cache_dtype"), TILE_CASES)
+def test_a_tiles_bytes_depend_only_on_its_tokens(isa: str, dtype: torch.dtype, kv_cache_dtype: str) -> None:
+    """The same tokens written into another block, into a cache of fewer KV heads (a
+    tensor-parallel rank's), or in two steps give the same tile bytes; tiles gathered from one
+    cache and scattered into fresh blocks of another are the bytes the kernel writes there."""
+    if kv_cache_dtype != "auto" and not torch.cpu._is_avx512_supported():
+        pytest.skip("vLLM's CPU build writes fp8 K/V only on a CPU with AVX-512 or AMX, which this one lacks")
+    torch.manual_seed(2)
+    block_size = 16 if isa == "vec16" else 32
+    head_size, elem = 64, torch.uint8 if kv_cache_dtype != "auto" else dtype
+    slots, kv = prompt(dtype, block_size, head_size)
+    whole = slots[:2 * block_size]  # the first two blocks of TABLE
+    a = empty_caches(elem, block_size, head_size)
+    write_with_kernel(a, kv, slots, isa, kv_cache_dtype)
+    b = empty_caches(elem, block_size, head_size)  # the same tokens in blocks 2 and 0, in two steps
+    moved = torch.tensor([blk * block_size + t % block_size for blk in (2, 0) for t in range(block_size)])
+    write_with_kernel(b, kv[:, :, :2 * block_size], moved, isa, kv_cache_dtype, steps=(0, 7, 2 * block_size))
+    fewer = [c[:, 1:] for c in empty_caches(elem, block_size, head_size)]  # KV heads 1 and 2 only
+    write_with_kernel(fewer, kv[:, :, :2 * block_size, 1:], whole, isa, kv_cache_dtype)
+    for layer in range(LAYERS):
+        assert torch.equal(b[layer][2], a[layer][TABLE[0]]) and torch.equal(b[layer][0], a[layer][TABLE[1]])
+        assert torch.equal(fewer[layer][TABLE[0]], a[layer][TABLE[0], 1:])
+    tiles = VllmTileLayout(a).gather_chunk(whole)
+    fresh = empty_caches(elem, block_size, head_size)
+    VllmTileLayout(fresh).scatter_chunk(moved, tiles)
+    assert all(torch.equal(x, y) for x, y in zip(fresh, b))
+    rank = VllmTileLayout(fewer).gather_chunk(whole)  # a rank's heads are the whole chunk's
+    assert torch.equal(rank, tiles[:, :, :, 1:])
