@@ -1,6 +1,7 @@
 """A repeated 2k-token prompt (256 tokens in the 16-bit cases) is loaded from each tier of one process
 by a real vLLM (prefix caching off), with the tokens of the cold run, its K/V in float16,
-bfloat16, float32 and fp8 (vLLM's CPU "vec" kernels' page layout, in each dtype); and vLLM's own
+bfloat16, float32 and fp8 (in the page layout of the kernels vLLM picks on this CPU: "vec"
+everywhere, "amx" for bfloat16 on a CPU with AMX tiles), decoded or moved as tiles; and vLLM's own
 prefix cache together with the connector: the engine's hit and the connector's are never
 double-counted."""
 
@@ -30,7 +31,11 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "disk-layerwise": ("disk", {"use_layerwise": True, "chunk_size": 128}, {"dtype": "float16"}),
     "cpu-prefix-caching": ("cpu", {}, {"prefix_caching": True}),
     # fp8 K/V (vLLM's kv_cache_dtype "fp8", e4m3) of a bfloat16 model: bytes in the "vec" pages
+    # (under vLLM's "amx" kernels, a CPU with AMX tiles, in their own format, moved as tiles)
     "cpu-fp8": ("cpu", {}, {"dtype": "bfloat16", "llm": {"kv_cache_dtype": "fp8"}}),
+    # the pages moved as whole (block, KV head) tiles, never decoded: the path of any kernels'
+    # pages kvtier does not decode, run here over the "vec" pages every x86 CPU has
+    "cpu-tiles": ("cpu", {"cpu_page_form": "tiles"}, {}),
 }
 
 
@@ -81,7 +86,8 @@ def tier_llms(request: pytest.FixtureRequest, default_model_path: Path,
     llms.close()
 
 
-@pytest.mark.parametrize("case", ["cpu", "disk", "disk-layerwise", pytest.param("cpu-fp8", marks=needs_fp8_kv())])
+@pytest.mark.parametrize("case", ["cpu", "disk", "disk-layerwise", pytest.param("cpu-fp8", marks=needs_fp8_kv()),
+                                  "cpu-tiles"])
 def test_the_second_run_loads_the_prompt_from_the_tier(case: str, tier_llms: TierLLMs, prompt_2k: list[int]) -> None:
     tier, extra, spec = CASES[case]
     prompt = prompt_2k[:256] if "dtype" in spec else prompt_2k
@@ -92,6 +98,8 @@ def test_the_second_run_loads_the_prompt_from_the_tier(case: str, tier_llms: Tie
             assert skipped["metrics"].get("kvtier:kv_stored_tokens_total", 0) == 0
         cold = llm.generate([prompt])
         warm = llm.generate([prompt])
+        if extra.get("cpu_page_form") == "tiles":  # the worker said which layout moves its pages
+            assert "VllmTileLayout" in llm.child.log() and ".vec-tiles-b" in llm.child.log(), llm.tail()
         # vLLM's reset_prefix_cache(reset_connector=True) empties the cpu tier, and a shared tier
         # when the configuration says so (the first chunk and a token: no hit)
         if tier == "cpu" or extra.get("reset_clears_shared_tiers"):
