@@ -18,7 +18,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # vLLM on CPU: compute on both cores (its default keeps one for the scheduler), 2 GiB of KV cache.
 VLLM_ENV   := VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2
 
-.PHONY: install vllm-install demo test test-vllm bench bench-vllm bench-vs-vllm eval bench-serving-vs-vllm bench-fleet \
+.PHONY: install vllm-install demo test test-vllm bench bench-cpu-pages bench-vllm bench-vs-vllm eval bench-serving-vs-vllm bench-fleet \
 	bench-fleet-vllm soak clean
 
 install: $(STAMP)
@@ -66,6 +66,10 @@ test-vllm: vllm-install
 
 bench: install
 	$(PY) -m benchmarks.bench_engine
+
+# What each form of vLLM's CPU pages costs to move (vec, amx decoded, tiles): benchmarks/results/cpu_pages.{json,md}.
+bench-cpu-pages: install
+	$(PY) -m benchmarks.bench_cpu_pages
 
 bench-vllm: vllm-install
 	$(VLLM_ENV) $(VLLM_PY) -m benchmarks.bench_vllm

@@ -28,8 +28,18 @@ NUM_BLOCKS, KV_HEADS, Q_HEADS, LAYERS = 5, 3, 6, 2
 TABLE = [4, 1, 3]  # out of order, as vLLM hands out blocks
 
 
+def writes_pages(isa: str) -> None:
+    """Skips the test where vLLM's CPU build has no `isa` cache-writing op: its "amx" kernels
+    are compiled only into the library it loads on CPUs with AVX512-BF16 (vllm/_C; vllm/_C_AVX512
+    and vllm/_C_AVX2 have none)."""
+    if isa == "amx" and not torch.cpu._is_avx512_bf16_supported():
+        missing = "avx512_bf16" if torch.cpu._is_avx512_supported() else "avx512f and avx512_bf16"
+        pytest.skip(f"vLLM's CPU build has its amx kernels only on CPUs with AVX512-BF16; this one lacks {missing}")
+
+
 def runs_attention(isa: str) -> None:
     """Skips the test where this CPU cannot run vLLM's `isa` attention kernels."""
+    writes_pages(isa)
     if isa == "amx" and not torch.cpu._is_amx_tile_supported():
         pytest.skip("vLLM's amx attention kernels need a CPU with AMX tiles (amx_tile), which this one lacks")
 
@@ -64,6 +74,7 @@ def empty_caches(dtype: torch.dtype, block_size: int, head_size: int) -> list[to
 @pytest.mark.parametrize(("isa", "dtype", "block_size", "head_size"), CASES)
 def test_layout_reads_and_writes_the_kernels_bytes(isa: str, dtype: torch.dtype, block_size: int,
                                                    head_size: int) -> None:
+    writes_pages(isa)
     torch.manual_seed(0)
     slots, kv = prompt(dtype, block_size, head_size)
     caches = empty_caches(dtype, block_size, head_size)
@@ -191,6 +202,7 @@ def test_a_tiles_bytes_depend_only_on_its_tokens(isa: str, dtype: torch.dtype, k
     """The same tokens written into another block, into a cache of fewer KV heads (a
     tensor-parallel rank's), or in two steps give the same tile bytes; tiles gathered from one
     cache and scattered into fresh blocks of another are the bytes the kernel writes there."""
+    writes_pages(isa)
     if kv_cache_dtype != "auto" and not torch.cpu._is_avx512_supported():
         pytest.skip("vLLM's CPU build writes fp8 K/V only on a CPU with AVX-512 or AMX, which this one lacks")
     torch.manual_seed(2)
