@@ -127,7 +127,7 @@ class ConnectorConfig:
         env="KVTIER_RESET_CLEARS_SHARED_TIERS", parse=env_bool, check=_bool))
     cpu_page_form: str = field(default="auto", metadata=opt(
         "vLLM's CPU backend: 'auto' stores the pages of the kernels kvtier decodes (vec, vec16, amx in "
-        "bfloat16) in the canonical form every engine shares, and moves any other's (block, KV head) tiles "
+        "bfloat16) in the canonical form every vLLM CPU instance shares, and moves any other's (block, KV head) tiles "
         "as their bytes, keyed by their format; 'tiles' moves every kernel's pages as tiles",
         env="KVTIER_CPU_PAGE_FORM", parse=env_str, check=_page_form))
     # The operator's secret: tenant tags in stored keys are an HMAC of the salt (engine/cache_salt.py).

@@ -134,7 +134,8 @@ def test_tile_chunks_are_keyed_by_their_format_and_span_whole_blocks() -> None:
                                     ("amx", "auto", "fp8")]}
     assert labels == {("vec", "auto", "auto"): "bfloat16", ("amx", "auto", "auto"): "bfloat16",
                       (None, "auto", "auto"): "bfloat16", ("vec", "tiles", "auto"): "bfloat16.vec-tiles-b32",
-                      ("amx", "tiles", "auto"): "bfloat16.amx-tiles-b32", ("neon", "auto", "auto"): "bfloat16.neon-tiles-b32",
+                      ("amx", "tiles", "auto"): "bfloat16.amx-tiles-b32",
+                      ("neon", "auto", "auto"): "bfloat16.neon-tiles-b32",
                       ("amx", "auto", "fp8"): "fp8_e4m3.amx-tiles-b32"}
     tiles, decoded = setup("amx", "tiles").keyspace(), setup("amx").keyspace()
     tokens = list(range(300))

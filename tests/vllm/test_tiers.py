@@ -1,4 +1,4 @@
-"""A repeated 2k-token prompt (256 tokens in the 16-bit cases) is loaded from each tier of one process
+"""A repeated 2k-token prompt (257 tokens in the 16-bit cases) is loaded from each tier of one process
 by a real vLLM (prefix caching off), with the tokens of the cold run, its K/V in float16,
 bfloat16, float32 and fp8 (in the page layout of the kernels vLLM picks on this CPU: "vec"
 everywhere, "amx" for bfloat16 on a CPU with AMX tiles), decoded or moved as tiles; and vLLM's own
@@ -20,8 +20,8 @@ from connector.metrics import PROM_COUNTERS
 from tests.fixtures.vllm import VllmLLM, close_together, needs_fp8_kv, start_together
 
 # The vLLM each case starts: (its tier, more connector config, more VllmLLM keywords; the
-# model's dtype, float32 unless given, is its K/V's; a 16-bit case runs a 256-token prompt,
-# two chunks of 128, as 16-bit math is slow on CPUs without native support). Background loads from
+# model's dtype, float32 unless given, is its K/V's; a 16-bit case runs a 257-token prompt,
+# two chunks of 128 and a token, as 16-bit math is slow on CPUs without native support). Background loads from
 # each tier of this process; layer-by-layer loads in the request's first step (vLLM's
 # synchronous path, its forward waiting per layer) from one. The shared tiers (Redis, the cache server) are loaded
 # from by a fresh process in test_serve.py.
@@ -90,7 +90,9 @@ def tier_llms(request: pytest.FixtureRequest, default_model_path: Path,
                                   "cpu-tiles"])
 def test_the_second_run_loads_the_prompt_from_the_tier(case: str, tier_llms: TierLLMs, prompt_2k: list[int]) -> None:
     tier, extra, spec = CASES[case]
-    prompt = prompt_2k[:256] if "dtype" in spec else prompt_2k
+    # 257 tokens: whole blocks of 128 (vLLM's CPU default) and the last token, which is always
+    # computed; pages moved as tiles (fp8 under the amx kernels) load whole blocks only.
+    prompt = prompt_2k[:257] if "dtype" in spec else prompt_2k
     with tier_llms.use(case) as llm:
         if tier == "cpu":  # a request that asks not to be stored leaves nothing to load (the cold
             # run's first two chunks below included)
