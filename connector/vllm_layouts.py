@@ -249,7 +249,7 @@ class VllmAmxLayout(_SplitKVLayout):
     def _move_group(self, layers: Sequence[int], slots: torch.Tensor,
                     chunk: torch.Tensor | Sequence[torch.Tensor], to_cache: bool) -> None:
         # Whole blocks are re-laid out block by block (several times faster than token by
-        # token: benchmarks/bench_load.py), the rest token by token.
+        # token: benchmarks/bench_cpu_pages.py), the rest token by token.
         check_slots(slots, self.num_slots)
         m = self._whole_blocks(slots) * self.block_size
         if m:
