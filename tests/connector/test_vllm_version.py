@@ -26,12 +26,12 @@ def run_python(code: str, pythonpath: Path | None = None) -> subprocess.Complete
                           timeout=60)
 
 
-@pytest.mark.parametrize("version", ["0.30.0", "0.31.0+cpu", "0.32.0", "0.32.0+cpu", "0.32.7", "0.32.1+cu128"])
+@pytest.mark.parametrize("version", ["0.30.0", "0.31.0+cpu", "0.32.0", "0.32.7", "0.33.0", "0.33.1+cu130"])
 def test_supported_versions_pass(version: str) -> None:
     check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.29.1", "0.30.0rc1", "0.33.0", "1.0.0", "dev", ""])
+@pytest.mark.parametrize("version", ["0.29.1", "0.30.0rc1", "0.34.0", "1.0.0", "dev", ""])
 def test_other_versions_name_the_supported_range(version: str) -> None:
     with pytest.raises(RuntimeError, match="supports vLLM") as e:
         check_vllm_version(version)

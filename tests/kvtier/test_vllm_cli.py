@@ -112,4 +112,4 @@ def test_an_unsupported_vllm_is_refused_before_its_cli_runs(tmp_path: Path) -> N
     out = run(["-m", "kvtier.vllm_cli", "serve", "--help"], tmp_path)
     assert out.returncode == 1 and out.stdout == ""
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and ">=0.30.0,<0.33" in lines[0] and "'0.29.2'" in lines[0], out.stderr
+    assert len(lines) == 1 and ">=0.30.0,<0.34" in lines[0] and "'0.29.2'" in lines[0], out.stderr
