@@ -86,7 +86,7 @@ bench-cpu-pages: install
 	$(PY) -m benchmarks.bench_cpu_pages
 
 bench-vllm: vllm-install
-	$(VLLM_ENV) $(VLLM_PY) -m benchmarks.bench_vllm
+	$(VLLM_ENV) $(VLLM_PY) -m benchmarks.bench_vllm $(BENCH_ARGS)
 
 # kvtier's engine and vLLM side by side (decode, prefill, warm TTFT), each in its own process.
 # BENCH_ARGS="--dtype bfloat16 ...": both engines in bfloat16 (benchmarks/results/vs_vllm*_bfloat16.*).

@@ -25,7 +25,11 @@ token comes through the connector) and the same prompts:
   as `joined`), over the same decodes with no load                       (target <= 1.2)
 
     make bench-vllm     (= .venv-vllm/bin/python -m benchmarks.bench_vllm [--quick] [--reps N]
-                         [--only ARM ...] [--lmcache-python PY])
+                         [--only ARM ...] [--lmcache-python PY] [--dtype bfloat16])
+
+`--dtype bfloat16` runs the model in bfloat16 (vLLM's CPU attention then picks "amx" on a Xeon
+with AMX tiles, named in the results) with the arms none, kvtier cpu (its pages decoded, no
+stall row) and kvtier cpu tiles (`cpu_page_form: tiles`), into vllm_bfloat16.*.
 
 Writes benchmarks/results/vllm.json and vllm.md. TTFT here is the wall time of a greedy
 one-token `generate`; medians of `--reps` prompts. `--quick` checks that the script runs.
@@ -61,13 +65,22 @@ def token_ids(n: int, salt: int) -> list[int]:
     return [(i * 7919 + salt * 104729 + 13) % 40000 + 100 for i in range(n)]
 
 
+def attention_isa(dtype: str) -> str:
+    """Returns the kernels vLLM's CPU attention picks here for the default model in `dtype` at
+    its CPU default block size (128)."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(_get_attn_isa(getattr(torch, dtype), 128, 64))
+
+
 # ---- the child: one LLM, one arm ---------------------------------------------------------
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.config import KVTransferConfig
 
     kvt = KVTransferConfig(**spec["kv"]) if spec["kv"] else None
-    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=4608,
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True, max_model_len=4608,
               enable_prefix_caching=False, kv_transfer_config=kvt, seed=0, disable_log_stats=False,
               tensor_parallel_size=spec.get("tp", 1))
     one = SamplingParams(temperature=0.0, max_tokens=1)
@@ -183,9 +196,10 @@ def run_arm(name: str, spec: dict[str, Any], log_dir: Path) -> dict[str, Any]:
     return out
 
 
-def kvtier(tier: str, chunk: int = 256) -> dict[str, Any]:
+def kvtier(tier: str, chunk: int = 256, **more: Any) -> dict[str, Any]:
     return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "connector.vllm", "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"tiers": [tier], "chunk_size": chunk}}
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"tiers": [tier], "chunk_size": chunk, **more}}
 
 
 def main() -> int:
@@ -195,6 +209,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", action="append", help="rerun only this arm (repeatable) into the last results")
     ap.add_argument("--lmcache-python", help="an interpreter that has lmcache next to this vLLM (see above)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the model's dtype (default: float32; bfloat16 runs its own arms, above)")
     args = ap.parse_args()
     if args.child:  # the result goes to a file: vLLM's processes share this one's stdout
         spec = json.loads(args.child)
@@ -211,7 +227,7 @@ def main() -> int:
     sizes = [256, 512] if args.quick else [1024, 2048, 4096]
     reps = 1 if args.quick else args.reps
     redis = start_redis()
-    base = {"model": model, "sizes": sizes, "reps": reps}
+    base = {"model": model, "sizes": sizes, "reps": reps, "dtype": args.dtype}
     arms = {
         "none": {**base, "kv": None},
         "kvtier cpu": {**base, "kv": kvtier("cpu?budget=3GiB"), "stall": 512 if args.quick else 4096,
@@ -233,10 +249,14 @@ def main() -> int:
                                "env": {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_CHUNK_SIZE": "256",
                                        "LMCACHE_MAX_LOCAL_CPU_SIZE": "4"}},
     }
+    if args.dtype != "float32":  # the connector's own figures in this dtype, decoded and as tiles
+        arms = {"none": arms["none"], "kvtier cpu": {**arms["kvtier cpu"], "stall": 0},
+                "kvtier cpu tiles": {**base, "kv": kvtier("cpu?budget=3GiB", cpu_page_form="tiles")}}
     res: dict[str, Any] = {"quick": args.quick, "platform": platform.platform(), "sizes": sizes, "reps": reps,
+                           "dtype": args.dtype, "attention_isa": attention_isa(args.dtype),
                            "vllm_env": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND",
                                                                         "VLLM_CPU_KVCACHE_SPACE")}}
-    suffix = "_quick" if args.quick else ""
+    suffix = ("_quick" if args.quick else "") + ("" if args.dtype == "float32" else f"_{args.dtype}")
     if args.only:  # rerun these arms into the last run's results (its sizes and reps)
         unknown = set(args.only) - set(arms)
         if unknown:
@@ -265,21 +285,25 @@ def render(res: dict[str, Any]) -> str:
         t = res.get(arm, {}).get("ttft", {}).get(n)
         return t["warm_s"] / t["cold_s"] if t else None
 
-    lines = ["| figure | " + " | ".join(f"{n} tok" for n in sizes) + " | target |",
+    lines = [f"The model in {res.get('dtype', 'float32')}; vLLM's CPU attention runs its "
+             f"{res.get('attention_isa', '?')!r} kernels here.", "",
+             "| figure | " + " | ".join(f"{n} tok" for n in sizes) + " | target |",
              "|---|" + "---:|" * len(sizes) + "---|"]
-    targets = {"kvtier cpu": "<= 0.12 (2k, 4k)", "kvtier disk": "-", "kvtier redis": "<= 0.2 (2k, 4k)",
-               "ExampleConnector": "-"}
+    targets = {"kvtier cpu": "<= 0.12 (2k, 4k)", "kvtier cpu tiles": "<= 0.12 (2k, 4k)", "kvtier disk": "-",
+               "kvtier redis": "<= 0.2 (2k, 4k)", "ExampleConnector": "-"}
+    targets = {arm: t for arm, t in targets.items() if arm in res}
     for arm, target in targets.items():
         cells = [f"{r:.3f}" if (r := ratio(arm, n)) is not None else "n/a" for n in sizes]
         lines.append(f"| warm/cold TTFT, {arm} | " + " | ".join(cells) + f" | {target} |")
-    for arm in ("kvtier cpu", "kvtier disk", "kvtier redis", "ExampleConnector"):
-        t = res.get(arm, {}).get("ttft", {})
+    for arm in targets:
+        t = res[arm].get("ttft", {})
         cells = [f"{t[n]['warm_s'] * 1e3:.0f} ms" if n in t else "n/a" for n in sizes]
         lines.append(f"| warm TTFT, {arm} | " + " | ".join(cells) + " | cost growth |")
     ex = res.get("ExampleConnector", {}).get("ttft", {})
     dk = res.get("kvtier disk", {}).get("ttft", {})
     cells = [f"{dk[n]['warm_s'] / ex[n]['warm_s']:.2f}x" if n in dk and n in ex else "n/a" for n in sizes]
-    lines.append("| warm TTFT, kvtier disk / ExampleConnector | " + " | ".join(cells) + " | <= 0.5x |")
+    if ex and dk:
+        lines.append("| warm TTFT, kvtier disk / ExampleConnector | " + " | ".join(cells) + " | <= 0.5x |")
     no, cpu = res.get("none", {}).get("ttft", {}), res.get("kvtier cpu", {}).get("ttft", {})
     cells = [f"{cpu[n]['cold_s'] / no[n]['cold_s']:.3f}" if n in cpu and n in no else "n/a" for n in sizes]
     lines.append("| cold TTFT, kvtier cpu / no connector (separate processes) | " + " | ".join(cells) + " | - |")
@@ -306,6 +330,8 @@ def render(res: dict[str, Any]) -> str:
                      f"{rate[0]:.0f} tokens/s) | >= 0.8 |")
     for arm in ("SimpleCPUOffloadConnector", "LMCacheConnectorV1"):
         r = res.get(arm, {})
+        if not r:
+            continue
         if "error" in r:
             what = "fails: " + r["error"][-300:].replace("|", "/")
         else:

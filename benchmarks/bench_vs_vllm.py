@@ -4,8 +4,10 @@ Both engines get the same token-id prompts, one after the other, each in its own
 the same interpreter (vLLM at its best here: `enforce_eager`, both cores bound, Intel OpenMP
 preloaded when its environment ships it, TCMalloc preloaded as its CPU docs advise when the
 machine has it (Debian: `apt-get install libtcmalloc-minimal4`; ~1.1-1.3x its prefill), prefix
-caching on; kvtier as installed, its default `kernels="auto"`), fp32, greedy, the same
-`max_num_seqs` (64) and `max_num_batched_tokens` (4096):
+caching on; kvtier as installed, its default `kernels="auto"`), fp32 (or `--dtype bfloat16`:
+both engines in bfloat16, and the kernels vLLM's CPU attention picks for it here, "amx" on a
+Xeon with AMX tiles, are named), greedy, the same `max_num_seqs` (64) and
+`max_num_batched_tokens` (4096):
 
 - decode tokens/s at batch 1, 16, 64 and contexts of 64, 1k, 4k tokens: `B * N / (t(N+1) -
   t(1))`, where t(m) is the wall time of generating m tokens for the B prompts (their prefill is
@@ -29,9 +31,11 @@ caching on; kvtier as installed, its default `kernels="auto"`), fp32, greedy, th
   shared document the K/V a step reads mostly comes from cache, so the bytes bound is loose.)
 
     make bench-vs-vllm   (= .venv-vllm/bin/python -m benchmarks.bench_vs_vllm [--quick] [--reps N])
+    make bench-vs-vllm BENCH_ARGS="--dtype bfloat16 --cells 16x64,8x1024 --prefill 1024"
 
 Writes benchmarks/results/vs_vllm.json and vs_vllm.md (`--quick`: vs_vllm_quick.*, small sizes
-that only check the script runs). Exits non-zero with a message if vLLM cannot be imported:
+that only check the script runs; `--cells`: vs_vllm_cells.*; in bfloat16, `_bfloat16` after
+the name). Exits non-zero with a message if vLLM cannot be imported:
 it never runs one arm alone.
 """
 
@@ -82,12 +86,12 @@ class _Engine:
         if self.kind == "vllm":
             from vllm import LLM, SamplingParams
 
-            self.llm: Any = LLM(model=spec["model"], dtype="float32", enforce_eager=True, max_model_len=4608,
+            self.llm: Any = LLM(model=spec["model"], dtype=spec["dtype"], enforce_eager=True, max_model_len=4608,
                                 enable_prefix_caching=True, seed=0, **common)
         else:
             from engine import LLM, SamplingParams  # type: ignore[assignment]
 
-            self.llm = LLM(spec["model"], dtype="float32", max_model_len=4608,
+            self.llm = LLM(spec["model"], dtype=spec["dtype"], max_model_len=4608,
                            kv_cache_memory_bytes=spec["kv_gib"] << 30, **common)
         self.params = SamplingParams
 
@@ -112,6 +116,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     reps = spec["reps"]
     eng.generate([token_ids(64, 1)], 2)  # first-call costs out of the figures
     out: dict[str, Any] = {"decode": {}, "prefill": {}, "ttft": {}}
+    if spec["engine"] == "vllm":  # the kernels its CPU attention runs here
+        import torch
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        out["attention_isa"] = str(_get_attn_isa(getattr(torch, spec["dtype"]), spec["block_size"], 64))
     for batch, ctx in spec["decode"]:
         prompts = decode_prompts(batch, ctx)
         eng.generate(prompts, NEW_TOKENS + 1)  # prefix cache filled, shapes warm
@@ -141,6 +150,12 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---- the parent: bounds, then both engines -----------------------------------------------
+def cpu_features() -> str:
+    """Returns the vector extensions of this CPU that pick kernels: AMX tiles, AVX512-BF16, AVX-512, AVX2."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    return ", ".join(f for f in ("amx_tile", "avx512_bf16", "avx512f", "avx2") if f in flags) or platform.machine()
+
+
 def measure_machine() -> dict[str, float]:
     """Memory read bandwidth (bytes/s, best of 5 `sum`s of 1 GiB) and fp32 GEMM FLOP/s (best of
     10 2048x576 by 576x3072 products, on MKL and on oneDNN, whichever is faster), with this
@@ -236,6 +251,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cells", help="only these decode cells, e.g. 16x64,64x1024, and no other row "
                     "(a quick look; writes vs_vllm_cells.*)")
+    ap.add_argument("--prefill", help="with --cells, also these fresh prompt lengths, e.g. 1024")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="both engines' weights and K/V dtype (default: float32)")
     args = ap.parse_args()
     if args.child:  # the result goes to a file: vLLM's processes share this one's stdout
         spec = json.loads(args.child)
@@ -258,8 +276,8 @@ def main() -> int:
         prefill, ttft, reps = [1024, 4096], 2048, args.reps
     if args.cells:
         decode = [(int(b), int(c)) for b, c in (cell.split("x") for cell in args.cells.split(","))]
-        prefill, ttft = [], 0
-    base = {"model": model, "reps": reps, "kv_gib": 4}
+        prefill, ttft = [int(n) for n in args.prefill.split(",")] if args.prefill else [], 0
+    base = {"model": model, "reps": reps, "kv_gib": 4, "dtype": args.dtype}
     arms = {
         "kvtier": {**base, "engine": "kvtier", "block_size": 16, "decode": [], "prefill": [],
                    "ttft": ttft, "greedy": True},
@@ -274,7 +292,8 @@ def main() -> int:
         print("TCMalloc not found: vLLM runs on glibc's malloc, ~10-25% slower prefill than with the allocator "
               "its CPU docs advise (apt-get install libtcmalloc-minimal4)", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-vs-vllm-"))
-    res: dict[str, Any] = {"quick": args.quick, "platform": platform.platform(), "reps": reps,
+    res: dict[str, Any] = {"quick": args.quick, "platform": platform.platform(), "reps": reps, "dtype": args.dtype,
+                           "cpu": cpu_features(),
                            "new_tokens": NEW_TOKENS, "machine": machine,
                            "env": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD")},
                            "vllm_preloads": vllm_preloads()}
@@ -292,7 +311,8 @@ def main() -> int:
     after = measure_machine()  # the machine's best of both, in case one was disturbed
     res["machine"] = machine = {k: max(v, after[k]) for k, v in machine.items()}
     res["bounds"] = {f"{b}x{c}": step_bounds(cfg, b, c, machine) for b, c in decode}
-    suffix = "_quick" if args.quick else "_cells" if args.cells else ""
+    suffix = ("_quick" if args.quick else "_cells" if args.cells else "") + (
+        "" if args.dtype == "float32" else f"_{args.dtype}")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"vs_vllm{suffix}.json").write_text(json.dumps(res, indent=2) + "\n")
     table = render(res)
@@ -304,7 +324,11 @@ def main() -> int:
 def render(res: dict[str, Any]) -> str:
     k, v = res["kvtier"], res["vllm"]
     m = res["machine"]
-    lines = [f"Machine, measured in this run: memory read {m['bandwidth_Bps'] / 1e9:.1f} GB/s, "
+    isa = v.get("attention_isa")
+    lines = [f"Both engines in {res.get('dtype', 'float32')}"
+             + (f"; vLLM's CPU attention runs its {isa!r} kernels" if isa else "")
+             + (f"; CPU: {res['cpu']}" if res.get("cpu") else "") + ".",
+             f"Machine, measured in this run: memory read {m['bandwidth_Bps'] / 1e9:.1f} GB/s, "
              f"fp32 GEMM {m['gemm_flops'] / 1e9:.0f} GFLOP/s. Decode: {res['new_tokens']} new tokens per "
              f"sequence, medians of {res['reps']}. vLLM preloads: "
              f"{', '.join(Path(p).name for p in res.get('vllm_preloads', [])) or 'none'}.", "",
