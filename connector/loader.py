@@ -69,10 +69,13 @@ class LoadJob(LoadSpec):
     layer_events: list[Any] = field(default_factory=list)  # CUDA: one per layer, on the load stream
     ended: bool = False
     tiers: list[int] = field(default_factory=list)  # per span: the tier it (its layer 0) came from
+    # Where moves stop: `end`, or past it to the end of its block where the layout moves whole
+    # blocks (the rest of that block is positions the engine computes after the load anyway).
+    move_end: int = -1
 
     def bounds(self, sp: Span) -> tuple[int, int]:
-        """Returns the positions [lo, hi) of span `sp` that this job loads."""
-        return max(sp.start, self.start), min(sp.end, self.end)
+        """Returns the positions [lo, hi) of span `sp` that this job writes (to `move_end`)."""
+        return max(sp.start, self.start), min(sp.end, self.move_end)
 
 
 def chunk_ok(kv: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
@@ -125,6 +128,8 @@ class Loader:
         if spec.layerwise != self.keyspace.layerwise:
             raise ValueError("a layerwise load needs a layerwise keyspace (use_layerwise) and the reverse")
         job = LoadJob(**{f.name: getattr(spec, f.name) for f in fields(LoadSpec)})
+        step = self.layout.tokens_per_move
+        job.move_end = min(-(-job.end // step) * step, job.spans[-1].end) if job.spans else job.end
         self.storage.pin(self._pinned_keys(job))  # no local tier evicts them before they are read
         if self._stream is not None:
             job.ready = torch.cuda.Event()
@@ -213,7 +218,7 @@ class Loader:
         filled = job.start
         keep: list[torch.Tensor] = []  # pinned sources stay alive until the stream is synchronised
         layout = self.layout
-        slots = layout.group_slots(job.block_ids, job.start, job.end)  # once: per chunk was a visible share of a load
+        slots = layout.group_slots(job.block_ids, job.start, job.move_end)  # once: per chunk was a visible share
         with contextlib.closing(self._fetch_groups(job, slots)) as fetched:
             for i, (sp, (kv, tier)) in enumerate(fetched):
                 if job.cancelled or kv is None:
@@ -227,7 +232,7 @@ class Loader:
                     if tier > 0:
                         promote += [(key, value, tier) for key, value in self.keyspace.chunk_values(sp.key, kv)]
                 nbytes[0] += kv.nbytes
-                filled = hi
+                filled = min(hi, job.end)
                 job.tiers[i] = tier
         return filled
 
@@ -277,10 +282,10 @@ class Loader:
         """Scatters layer by layer, marking each layer done; returns the end of what arrived
         in every layer. A layer whose chunk c fails cuts `filled` to c's start for the layers
         after it too (the positions before it must be complete in every layer)."""
-        filled = job.end
+        filled = job.move_end  # cut to job.end when returned
         layout = self.layout
         # Host-side slots: scatter_layer checks them without a device sync, then moves them.
-        job_slots = layout.group_slots(job.block_ids, job.start, job.end)
+        job_slots = layout.group_slots(job.block_ids, job.start, job.move_end)
         slots = [job_slots[..., lo - job.start:hi - job.start] for lo, hi in map(job.bounds, job.spans)]
         keep: list[torch.Tensor] = []
 
@@ -310,7 +315,7 @@ class Loader:
                 if tier > 0:
                     promote.append((layer_key(sp.key, layer), kv, tier))
             self._layer_done(job, layer)
-        return filled
+        return min(filled, job.end)
 
     def _layer_done(self, job: LoadJob, layer: int) -> None:
         event = None

@@ -127,9 +127,10 @@ class KVTierPlanner(KVConnectorScheduler):
             return hit.end - hit.start, not self.layerwise
         self._hits.pop(rid, None)
         ks = self.keyspace.for_salt(seq.cache_salt)  # a salt's chunks are its own
-        step = ks.token_multiple  # loads of whole tiles start and end at block boundaries
-        limit = (n - 1) // step * step  # the last token's logits are needed
-        if limit <= num_computed_tokens or not self.loads or rid in self._load_failed or num_computed_tokens % step:
+        limit = n - 1  # the last token's logits are needed
+        if limit <= num_computed_tokens or not self.loads or rid in self._load_failed:
+            return 0, False
+        if num_computed_tokens % ks.token_multiple:  # whole tiles only: never into a block the engine holds
             return 0, False
         m = self.metrics.live(rid)
         m.num_prompt_tokens = seq.num_prompt_tokens

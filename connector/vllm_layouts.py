@@ -300,6 +300,10 @@ class VllmTileLayout(_SplitKVLayout):
     `[o * D, (o + 1) * D)`; a move covers whole blocks only (ValueError otherwise), so every
     tile moves whole and lands byte for byte in another block."""
 
+    def __init__(self, kv_caches: Sequence[torch.Tensor], layer_groups: Sequence[int] | None = None) -> None:
+        super().__init__(kv_caches, layer_groups)
+        self.tokens_per_move = self.block_size
+
     def _halves(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         nb, h, bs, d2 = kv.shape
         d = d2 // 2

@@ -209,6 +209,9 @@ class PagedKVLayout(ABC):
 
     # Whether `chunk_views` can give views of the caches' own memory (host memory, contiguous).
     writes_in_place: bool = False
+    # Moves cover whole runs of this many slots from a multiple of it (1: any slots; a layout
+    # that moves whole blocks, e.g. connector/vllm_layouts.py's tiles: its block size).
+    tokens_per_move: int = 1
 
     def chunk_views(self, slots: torch.Tensor, before: int = 0, after: int = 0) -> list[memoryview]:
         """Returns writable byte views of where the bytes of a chunk `(num_layers, 2, before +

@@ -144,8 +144,8 @@ def test_a_request_whose_load_failed_recomputes_and_is_offered_nothing_again(def
 
 def test_over_tiles_loads_and_saves_cover_whole_blocks(default_model_path: Path) -> None:
     """A keyspace over pages moved as whole tiles (block size 4 here): the partial last chunk
-    is stored cut to its last whole block, and a load ends at a block boundary before the last
-    token, so no tile moves in part."""
+    is stored cut to its last whole block, a load never starts inside a block, and it stops
+    before the last token as any load does (the worker moves that block's tile whole)."""
     mc = ModelConfig.from_pretrained(default_model_path)
     tier = _CountingTier()
     config = make_config(["cpu"], chunk_size=CHUNK)
@@ -162,6 +162,6 @@ def test_over_tiles_loads_and_saves_cover_whole_blocks(default_model_path: Path)
     assert planner.get_num_new_matched_tokens(again, 0) == (40, True)
     exact = Sequence("v", ids[:32] + [7, 7, 7, 7, 7], SamplingParams(max_tokens=1))  # 37 tokens: [0, 32) held
     assert planner.get_num_new_matched_tokens(exact, 0) == (32, True)
-    whole = Sequence("w", ids[:32], SamplingParams(max_tokens=1))  # the last token computed: up to 28
-    assert planner.get_num_new_matched_tokens(whole, 0) == (28, True)
+    whole = Sequence("w", ids[:32], SamplingParams(max_tokens=1))  # the last token computed
+    assert planner.get_num_new_matched_tokens(whole, 0) == (31, True)
     assert planner.get_num_new_matched_tokens(again, 2) == (0, False)  # a hit mid-block: no partial tile
