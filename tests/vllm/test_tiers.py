@@ -102,6 +102,9 @@ def test_the_second_run_loads_the_prompt_from_the_tier(case: str, tier_llms: Tie
         warm = llm.generate([prompt])
         if extra.get("cpu_page_form") == "tiles":  # the worker said which layout moves its pages
             assert "VllmTileLayout" in llm.child.log() and ".vec-tiles-b" in llm.child.log(), llm.tail()
+            # stored: the prompt's whole blocks (vLLM's CPU default: 128 tokens); loaded: all of
+            # them but the last token, the last block's tile moved whole
+            assert warm["outputs"][0]["cached"] == min(len(prompt) // 128 * 128, len(prompt) - 1), llm.tail()
         # vLLM's reset_prefix_cache(reset_connector=True) empties the cpu tier, and a shared tier
         # when the configuration says so (the first chunk and a token: no hit)
         if tier == "cpu" or extra.get("reset_clears_shared_tiers"):
