@@ -3,8 +3,9 @@ what `cpu_attn_reshape_and_cache` writes for its kernels ("vec", "vec16", "amx")
 the bytes that op would have written, a tile's bytes depend only on its tokens (so tiles move
 between blocks, caches and instances), and vLLM's attention (`cpu_attention_with_kv_cache`)
 over K/V a layout scattered equals attention computed from those K/V directly. The cache-
-writing op is plain C++ for every ISA and runs on any x86 CPU; the attention kernels of an ISA
-run only where the CPU has its instructions. Runs in vLLM's virtualenv only (`make test-vllm`)."""
+writing op is plain C++ for every ISA, run wherever vLLM's CPU library has that ISA compiled in
+("amx": the library it loads on CPUs with AVX512-BF16); the attention kernels of an ISA run only
+where the CPU has its instructions. Runs in vLLM's virtualenv only (`make test-vllm`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,15 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from connector.vllm_layouts import VllmCpuLayout, VllmFlashLayout, VllmTileLayout, cpu_page_decoder, vllm_layout_for
+from connector.vllm_layouts import (
+    CPU_DECODED,
+    VllmAmxLayout,
+    VllmCpuLayout,
+    VllmFlashLayout,
+    VllmTileLayout,
+    cpu_page_decoder,
+    vllm_layout_for,
+)
 from engine.kv_cache import PagedKVLayout
 from tests.fixtures.vllm import needs_fp8_kv
 
@@ -182,14 +191,17 @@ def test_vllm_attention_reads_what_the_layout_scatters(isa: str, dtype: torch.dt
     assert (misread - expected).abs().max().item() > 10 * tol
 
 
-def test_vllm_picks_the_kernels_kvtier_decodes_or_moves_as_tiles() -> None:
-    """Whatever this CPU is, the kernels vLLM picks for each case are decoded or moved as
-    tiles: none is refused."""
+def test_the_kernels_vllm_picks_here_get_their_layout() -> None:
+    """Whatever this CPU is, caches of each case's shape, written by the kernels vLLM picks
+    for it here, get the layout that decodes them (or moves them as tiles): none is refused."""
     for _, dtype, block_size, head_size in CASES:
         isa = _get_attn_isa(dtype, block_size, head_size)
-        assert cpu_page_decoder(isa, 2) in (isa, None)
-    if torch.cpu._is_amx_tile_supported():
-        assert _get_attn_isa(torch.bfloat16, 32, 128) == "amx"
+        caches = empty_caches(dtype, block_size, head_size)
+        layout = vllm_layout_for(caches, "cpu", decoder=cpu_page_decoder(isa, caches[0].element_size()))
+        assert type(layout) is CPU_DECODED.get(isa, VllmTileLayout), (isa, dtype, block_size, head_size)
+    if torch.cpu._is_amx_tile_supported():  # the case this is for: bfloat16 on a Xeon with AMX tiles
+        assert type(decoded_layout(empty_caches(torch.bfloat16, 128, 64), "amx")) is VllmAmxLayout
+        assert _get_attn_isa(torch.bfloat16, 128, 64) == "amx"
 
 
 # (isa, dtype, kv_cache_dtype): "amx" writes fp8 K/V in a format of its own, moved only as tiles.
