@@ -93,6 +93,10 @@ class VllmWorkerConnector(WorkerRole, KVConnectorBase_V1):  # vLLM's class, one 
         if indices != list(range(len(names))):
             raise ValueError(f"KV caches must be layers 0..{len(names) - 1}, got {indices}")
         caches = [kv_caches[n] for n in names]
+        if caches and caches[0].dim() == 4 and self.backend == "cpu" and caches[0].shape[2] != self.setup.block_size:
+            # the kernels, the keys and the block tables were all taken from vLLM's block size
+            raise ValueError(f"KVTierConnector: vLLM's CPU caches hold blocks of {caches[0].shape[2]} tokens, its "
+                             f"cache config says {self.setup.block_size}")
         groups = self.setup.layer_groups
         layer_groups = [groups.get(n, 0) for n in names] if groups else None
         self._layers = {n: i for i, n in enumerate(names)}
