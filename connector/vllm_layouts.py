@@ -131,7 +131,11 @@ class _SplitKVLayout(PagedKVLayout):
             return 0
         runs = slots[:m * bs].view(m, bs)
         whole = (runs[:, 0] % bs == 0) & (runs == runs[:, :1] + torch.arange(bs)).all(dim=1)
-        return m if bool(whole.all()) else int(whole.long().cumprod(0).sum())
+        return int(whole.long().cumprod(0).sum())
+
+    def _block_ids(self, slots: torch.Tensor) -> torch.Tensor:
+        """Returns the blocks of `slots` that are `_whole_blocks`, on the caches' device."""
+        return (slots[::self.block_size] // self.block_size).to(self.device)
 
     def _move_group(self, layers: Sequence[int], slots: torch.Tensor,
                     chunk: torch.Tensor | Sequence[torch.Tensor], to_cache: bool) -> None:
@@ -261,7 +265,7 @@ class VllmAmxLayout(_SplitKVLayout):
                      to_cache: bool) -> None:
         """Moves whole blocks: `slots` are `_whole_blocks`."""
         d = self.head_size
-        blocks = (slots[::self.block_size] // self.block_size).to(self.device)
+        blocks = self._block_ids(slots)
         for i, layer in enumerate(layers):
             k, v = self._kv_views[layer]
             # chunk tokens as (block, group, token) and head elements as (pair, element): K's
@@ -319,7 +323,7 @@ class VllmTileLayout(_SplitKVLayout):
         if self._whole_blocks(slots) * bs != slots.shape[0]:
             raise ValueError(f"{type(self).__name__} moves whole blocks only ({bs} tokens each, from a block's "
                              f"first slot); got {slots.shape[0]} slots")
-        blocks = (slots[::bs] // bs).to(self.device)
+        blocks = self._block_ids(slots)
         for i, layer in enumerate(layers):
             k, v = self._kv_views[layer]
             ck, cv = chunk[i][0].unflatten(0, (-1, bs)), chunk[i][1].unflatten(0, (-1, bs))

@@ -179,13 +179,10 @@ def vllm_setup(vllm_config: Any, kv_cache_config: Any, backend: str,
     ev = vllm_config.kv_events_config
     dtype, block_size = vllm_config.model_config.dtype, vllm_config.cache_config.block_size
     isa = isa_of(dtype, block_size, model.head_size, cache_dtype) if backend == "cpu" else None
-    setup = VllmSetup(config, model, dtype, block_size, groups, loads=kvt.is_kv_consumer, saves=kvt.is_kv_producer,
-                      events=ev is not None and bool(ev.enable_kv_cache_events), tp_size=par.tensor_parallel_size,
-                      cache_dtype=cache_dtype, isa=isa)
-    if setup.page_decoder is None and config.chunk_size % block_size:
-        raise ValueError(f"KVTierConnector: chunk_size {config.chunk_size} must be a multiple of block_size "
-                         f"{block_size}: vLLM's {isa!r} pages move as whole (block, KV head) tiles")
-    return setup
+    # Over tiles, a chunk_size that is no multiple of block_size is refused by the keyspace each role builds.
+    return VllmSetup(config, model, dtype, block_size, groups, loads=kvt.is_kv_consumer, saves=kvt.is_kv_producer,
+                     events=ev is not None and bool(ev.enable_kv_cache_events), tp_size=par.tensor_parallel_size,
+                     cache_dtype=cache_dtype, isa=isa)
 
 
 def kv_cache_dtype(cache_config: Any, backend: str) -> str:

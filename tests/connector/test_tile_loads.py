@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from connector.connector_config import make_config
-from connector.keyspace import Keyspace
+from connector.keyspace import Keyspace, layer_key
 from connector.loader import Loader
 from connector.metadata import LoadSpec
 from connector.metrics import ConnectorMetrics
@@ -35,7 +35,7 @@ def run_load(layerwise: bool, end: int) -> tuple[int, VllmTileLayout, torch.Tens
         spans = keyspace.spans(list(range(1, TOKENS + 2)))  # the prompt's last token is never stored
         assert spans[-1].end == TOKENS
         if layerwise:
-            storage.batched_put([(f"{sp.key}@L{i}", source[i:i + 1, :, sp.start:sp.end].clone())
+            storage.batched_put([(layer_key(sp.key, i), source[i:i + 1, :, sp.start:sp.end].clone())
                                  for sp in spans for i in range(LAYERS)])
         else:
             storage.batched_put([(sp.key, source[:, :, sp.start:sp.end].clone()) for sp in spans])
