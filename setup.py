@@ -11,7 +11,7 @@ import shutil
 
 from setuptools import setup
 
-VLLM_VERSION = "0.32.0"  # connector/vllm_version.py::SUPPORTED_VLLM names the range
+VLLM_VERSION = "0.32.0"  # connector/vllm/version.py::SUPPORTED_VLLM names the range
 
 # What tests/vllm needs in vLLM's virtualenv (`make vllm-install`), and no more: every vLLM process
 # imports what is installed there that transformers can use (scikit-learn, which lm-eval pulls,

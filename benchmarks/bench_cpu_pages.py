@@ -1,7 +1,7 @@
 """The cost of each form vLLM's CPU pages are moved in, in one run (ratios): a 4096-token load
 of the default model's shape (30 layers, 3 KV heads of 64, bfloat16) in 256-token chunks into
 and out of shuffled blocks of vLLM's CPU default size (128), through each layout of
-connector/vllm_layouts.py:
+connector/vllm/layouts.py:
 
 - "vec" pages decoded by the compiled copy (`VllmCpuLayout`, engine/csrc/kv_pages.cpp);
 - "amx" pages decoded block by block (`VllmAmxLayout`, whole blocks), and token by token
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from benchmarks.bench_kernels import median_s
-from connector.vllm_layouts import VllmAmxLayout, VllmCpuLayout, VllmTileLayout
+from connector.vllm.layouts import VllmAmxLayout, VllmCpuLayout, VllmTileLayout
 from engine.kv_cache import PagedKVLayout
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -13,7 +13,7 @@
   kernel) against the cascade (engine/cascade_attention.py: the prefix once for all rows);
 - vLLM CPU pages (K transposed per block), a 4096-token load's 256-token chunks of the
   default model's 30 layers into and out of shuffled blocks: PyTorch's indexing through views
-  against the compiled copy (connector/vllm_layouts.py).
+  against the compiled copy (connector/vllm/layouts.py).
 
     .venv/bin/python -m benchmarks.bench_kernels [--quick]
 
@@ -168,7 +168,7 @@ def bench_shared_decode(cells: list[tuple[int, int]], reps: int) -> list[dict[st
 def bench_vllm_pages(reps: int) -> dict[str, Any]:
     """A 4096-token load's chunks (256 tokens, 30 layers) into and out of shuffled blocks:
     188 MB each way, out of cache as in a real load."""
-    from connector.vllm_layouts import VllmCpuLayout
+    from connector.vllm.layouts import VllmCpuLayout
 
     layers, blocks, bs, hkv, d, chunk, n = 30, 512, 16, 3, 64, 256, 4096
     caches = [torch.randn(blocks, hkv, bs, 2 * d) for _ in range(layers)]

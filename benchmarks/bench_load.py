@@ -58,7 +58,7 @@ from connector.loader import Loader
 from connector.metadata import LoadSpec
 from connector.metrics import ConnectorMetrics
 from connector.store_queue import StoreQueue
-from connector.vllm_layouts import vllm_layout_for
+from connector.vllm.layouts import vllm_layout_for
 from engine.kv_cache import EngineLayout, PagedKVLayout, zeroed_pool
 from engine.model_config import ModelConfig
 from kvstore import serde
@@ -76,7 +76,7 @@ SECRET = "bench-load-integrity-secret-0123456789"
 
 def make_layout(name: str, mc: ModelConfig, num_blocks: int) -> PagedKVLayout:
     """Paged caches as kvtier's engine allocates them (engine/model_runner.py), or as vLLM's
-    CPU backend does (`(num_blocks, H, block_size, 2 * D)` per layer, connector/vllm_layouts.py)."""
+    CPU backend does (`(num_blocks, H, block_size, 2 * D)` per layer, connector/vllm/layouts.py)."""
     if name == "engine":  # the engine's own allocation (huge pages where the host gives them)
         shape: tuple[int, ...] = (mc.num_layers, 2, num_blocks, BLOCK, mc.num_kv_heads, mc.head_size)
         return EngineLayout(list(zeroed_pool(shape, torch.float32, torch.device("cpu")).unbind(0)))

@@ -4,7 +4,7 @@ faster tier, move, drop), removals (one tenant's entries, one model's, every chu
 unused for a while) and one tier's limits changed at run time (set_budget). The routes
 `/kv/inspect`, `/kv/pin`, `/kv/unpin`, `/kv/prefetch`, `/kv/move`, `/kv/drop`, `/kv/clear` and
 `/kv/budget` of `kvtier serve` answer from here (docs/serving.md, "Operating the cache"), and
-so do the same routes of `vllm serve` through connector/control_ops.py.
+so do the same routes of `vllm serve` through connector/vllm/control_ops.py.
 
 A prompt is taken as the request would take it: its tokens are cut into chunk spans by the
 request's keyspace (its cache_salt's: connector/keyspace.py), and a chunk is held by a tier

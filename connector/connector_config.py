@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 from connector import lmcache_compat
 from connector.blend.blend_config import BLEND_SETTINGS, BlendConfig
 from connector.keyspace import KeyedModel, Keyspace
-from connector.vllm_layouts import PAGE_FORMS
 from engine.cache_salt import set_tenant_tag_key, tag_key_bytes
 from engine.engine_config import opt
 from engine.kv_connector import CONFIG_FILE_ENV
@@ -36,6 +35,10 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("kvtier.connector")
+
+PAGE_FORMS = ("auto", "tiles")
+"""`cpu_page_form`: "auto" decodes the CPU pages vLLM's adapter reads (connector/vllm/layouts.py
+`CPU_DECODED`) and moves the rest as tiles; "tiles" moves every ISA's pages as tiles."""
 
 
 def valid_keys() -> frozenset[str]:

@@ -24,7 +24,7 @@ keyspace covers the heads [lo, hi) its worker holds: a tensor-parallel rank stor
 exactly its own heads, and chunks stored at one TP size load at any other (docs/vllm.md,
 "Parallel"). A chunk counts as held only when all its covered heads are.
 
-Over a page layout moved as whole (block, KV head) tiles (connector/vllm_layouts.py,
+Over a page layout moved as whole (block, KV head) tiles (connector/vllm/layouts.py,
 `VllmTileLayout`) every span is a whole number of blocks (`token_multiple`, the block size):
 a partial last chunk is cut back to its last whole block, so a stored value never holds half
 a tile.
@@ -60,7 +60,7 @@ a prompt, and can never share a key with a prefix chain."""
 
 class KeyedModel(KVShape, Protocol):
     """What a keyspace and a chunk's shape need of a model, its K/V sizes and its identity:
-    engine/model_config.py's `ModelConfig`, or connector/vllm_setup.py's `VllmModel` (any
+    engine/model_config.py's `ModelConfig`, or connector/vllm/setup.py's `VllmModel` (any
     architecture vLLM runs)."""
 
     @property
@@ -80,6 +80,39 @@ class Span:
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+
+class RequestSpans:
+    """One request's spans in its keyspace, extended as its tokens grow: each whole chunk is
+    hashed once for the request's life, so hashing is linear in its tokens however often it is
+    looked up or planned; a partial last chunk is hashed again only when its end moved. A
+    request's tokens only ever grow (its prompt, then what it generated)."""
+
+    def __init__(self, keyspace: Keyspace) -> None:
+        self.keyspace = keyspace
+        self._whole: list[Span] = []
+        self._tail: Span | None = None  # the last partial span asked for
+
+    def spans(self, tokens: Sequence[int] | Any, unfull: bool = True) -> list[Span]:
+        """Returns `Keyspace.spans(tokens, unfull)` for a prefix of the request's tokens."""
+        ks = self.keyspace
+        whole_end = len(tokens) // ks.chunk_size * ks.chunk_size
+        have = len(self._whole) * ks.chunk_size
+        if whole_end > have:
+            parent = self._whole[-1].chain if self._whole else None
+            self._whole += ks.spans(tokens[have:whole_end], unfull=False, parent=parent, start=have)
+        out = self._whole[:whole_end // ks.chunk_size]
+        if not unfull or whole_end == len(tokens):
+            return out
+        tail = self._tail
+        end = whole_end + (len(tokens) - whole_end) // ks.token_multiple * ks.token_multiple
+        if tail is None or (tail.start, tail.end) != (whole_end, end):
+            parent = out[-1].chain if out else None
+            found = ks.spans(tokens[whole_end:end], unfull=True, parent=parent, start=whole_end)
+            if not found:
+                return out
+            tail = self._tail = found[0]
+        return [*out, tail]
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -175,23 +208,34 @@ class Keyspace:
         return Keyspace(self.model, self.kv_dtype, self.chunk_size, self.num_layers, self.layerwise, cache_salt, heads,
                         self.token_multiple)
 
+    @property
+    def identity(self) -> str:
+        """Returns what keyspaces that key the same chunks alike share, their salt and covered
+        heads aside: two roles (or processes) whose identities differ must not trust each
+        other's answers about keys."""
+        split = "layers" if self.layerwise else "heads" if self.heads is not None else "chunks"
+        return (f"{self.model}:{self.kv_dtype}:v{LAYOUT_VERSION}:c{self.chunk_size}:t{self.token_multiple}:"
+                f"L{self.num_layers}:{split}")
+
     def key(self, chain: bytes) -> str:
         """Returns the stored key of the chunk whose chain hash is `chain`."""
         return chunk_key(self.model, self.kv_dtype, self.chunk_size, chain, tenant=self.tenant)
 
-    def spans(self, tokens: Sequence[int] | Any, unfull: bool = True, parent: bytes | None = None) -> list[Span]:
+    def spans(self, tokens: Sequence[int] | Any, unfull: bool = True, parent: bytes | None = None,
+              start: int = 0) -> list[Span]:
         """Returns each `chunk_size` slice of `tokens` as a span, chained from `parent`
-        (default: this keyspace's root); the last, shorter slice only if `unfull`, cut back to a
-        multiple of `token_multiple` (none if that leaves nothing)."""
+        (default: this keyspace's root), positions counted from `start` (where `tokens[0]`
+        sits); the last, shorter slice only if `unfull`, cut back to a multiple of
+        `token_multiple` (none if that leaves nothing)."""
         out: list[Span] = []
         n = len(tokens) // self.token_multiple * self.token_multiple
         chain = self.root if parent is None else parent
-        for start in range(0, n, self.chunk_size):
-            end = min(start + self.chunk_size, n)
-            if end - start < self.chunk_size and not unfull:
+        for i in range(0, n, self.chunk_size):
+            j = min(i + self.chunk_size, n)
+            if j - i < self.chunk_size and not unfull:
                 break
-            chain = chain_hash(chain, tokens[start:end])
-            out.append(Span(start, end, self.key(chain), chain))
+            chain = chain_hash(chain, tokens[i:j])
+            out.append(Span(start + i, start + j, self.key(chain), chain))
         return out
 
     def partial_spans(self, tokens: Sequence[int] | Any, start: int, parent: bytes) -> list[Span]:
@@ -243,8 +287,18 @@ class Keyspace:
             return [(key, kv)]
         return [(head_key(key, h), kv[:, :, :, i:i + 1]) for i, h in enumerate(range(*self.heads))]
 
+    def chunk_tiers(self, where: Sequence[int | None]) -> list[int | None]:
+        """Returns per chunk the slowest tier among its stored values (a load must reach it),
+        None unless all are held, given `where` per stored key in `stored_keys` order (the
+        fastest tier holding each, None: none)."""
+        n = self.values_per_chunk
+        out: list[int | None] = []
+        for i in range(0, len(where), n):
+            values = where[i:i + n]
+            out.append(None if None in values else max(t for t in values if t is not None))
+        return out
+
     def chunks_held(self, held: Sequence[bool]) -> list[bool]:
         """Returns per chunk whether all its stored values are held, given `held` per stored
         key in `stored_keys` order."""
-        n = self.values_per_chunk
-        return [all(held[i:i + n]) for i in range(0, len(held), n)]
+        return [t is not None for t in self.chunk_tiers([0 if h else None for h in held])]

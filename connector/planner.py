@@ -4,8 +4,9 @@
   prefix-cache hit, the longest run of chunks held (connector/presence.py: some tier, or a
   pending store) is taken, capped so the last token is computed; where that run stops, the
   longest stored partial chunk starting there is taken too (a prompt that grew, a chat's next
-  round, finds the partial tail its last round stored). Existence only, one batched query per
-  tier; never a read of K/V.
+  round, finds the partial tail its last round stored). Existence only: one question
+  (`ChunkPresence.find`), which also says which tier holds each chunk (the load's hit
+  sources); never a read of K/V.
 - Plans (`update_state_after_alloc`, `build_connector_meta`): a hit becomes a `LoadSpec` for
   the worker side, in the background (the request waits for it) or, with `use_layerwise`, in
   the request's first step; chunks a step made storable become `SaveSpec`s (connector/
@@ -33,10 +34,10 @@ import torch
 
 from connector.blend.blend_planner import planner_extension
 from connector.connector_config import ConnectorConfig
-from connector.keyspace import KeyedModel, Keyspace, Span
+from connector.keyspace import KeyedModel, Keyspace, RequestSpans, Span
 from connector.metadata import KVTierMeta, LoadSpec, SaveSpec
 from connector.metrics import ConnectorMetrics, RequestKVMetrics
-from connector.presence import ChunkPresence
+from connector.presence import ChunkPresence, Found
 from connector.request_view import BlockIds, RequestView, StepRequest
 from connector.save_plan import SavePlan, SavePolicy
 from engine.cache_salt import tenant_tag
@@ -48,12 +49,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Hit:
-    """A lookup's answer for a waiting request: load positions [start, end) from `spans`."""
+    """A lookup's answer for a waiting request: load positions [start, end) from `spans`, in
+    the tiers `found` names."""
 
     num_tokens: int  # sequence length the lookup was made for
     start: int  # the engine's prefix-cache hit the lookup was made against
     end: int
     spans: list[Span] = field(default_factory=list)
+    found: Found = field(default_factory=Found)
 
 
 class KVTierPlanner(KVConnectorScheduler):
@@ -85,6 +88,8 @@ class KVTierPlanner(KVConnectorScheduler):
         self._tail_saves: list[SaveSpec] = []  # of finished requests, since the last meta
         self._loading: dict[str, LoadSpec] = {}  # background loads not reported ended
         self._step_loads: dict[str, LoadSpec] = {}  # in-step loads of the last meta
+        self._sources: dict[str, dict[str, int]] = {}  # a planned load's tokens per tier, until asked
+        self._spans: dict[str, RequestSpans] = {}  # live requests' spans, extended as they grow
         self._no_save: set[str] = set()  # live requests that asked not to be stored
 
     # ---- set-up ------------------------------------------------------------------------
@@ -95,7 +100,7 @@ class KVTierPlanner(KVConnectorScheduler):
         self._keyspace = keyspace if keyspace is not None else self.config.keyspace(model_config, kv_dtype)
         self.block_size = block_size
         self._save_plan = SavePlan(SavePolicy(self.config.save_decode_tokens, self.config.save_unfull_chunk,
-                                              self.saves), self._keyspace)
+                                              self.saves), self._keyspace, self._spans_of)
         self.extension.register_model(model_config, self._keyspace, block_size)
 
     @property
@@ -104,6 +109,13 @@ class KVTierPlanner(KVConnectorScheduler):
         if self._keyspace is None:
             raise RuntimeError("the connector is not attached to an engine (register_model)")
         return self._keyspace
+
+    def _spans_of(self, seq: RequestView) -> RequestSpans:
+        """Returns the request's spans in its salt's keyspace, kept until it finishes."""
+        spans = self._spans.get(seq.request_id)
+        if spans is None:
+            spans = self._spans[seq.request_id] = RequestSpans(self.keyspace.for_salt(seq.cache_salt))
+        return spans
 
     def _saves(self) -> SavePlan:
         if self._save_plan is None:
@@ -126,7 +138,8 @@ class KVTierPlanner(KVConnectorScheduler):
         if hit is not None and (hit.num_tokens, hit.start) == (n, num_computed_tokens):
             return hit.end - hit.start, not self.layerwise
         self._hits.pop(rid, None)
-        ks = self.keyspace.for_salt(seq.cache_salt)  # a salt's chunks are its own
+        request_spans = self._spans_of(seq)
+        ks = request_spans.keyspace  # a salt's chunks are its own
         limit = n - 1  # the last token's logits are needed
         if limit <= num_computed_tokens or not self.loads or rid in self._load_failed:
             return 0, False
@@ -136,58 +149,28 @@ class KVTierPlanner(KVConnectorScheduler):
         m.num_prompt_tokens = seq.num_prompt_tokens
         m.engine_hit_tokens = num_computed_tokens
         tokens = seq.all_token_ids
-        spans = ks.spans(tokens)
+        spans = request_spans.spans(tokens)
         first = num_computed_tokens // ks.chunk_size
         candidates = [sp for sp in spans[first:] if sp.start < limit]
         if not candidates:
             return 0, False
-        held = self.presence.chunks_held(ks, candidates)
-        num_hit = held.index(False) if False in held else len(held)
-        wanted = candidates[:num_hit]
-        if num_hit < len(candidates):
-            tail = self._stored_partial(ks, tokens, spans, first + num_hit, num_computed_tokens)
-            if tail is not None:
-                wanted.append(tail)
+        base = candidates[0].start
+        parent = spans[first - 1].chain if first else ks.root
+        found = self.presence.find(ks, tokens[base:candidates[-1].end], base, candidates, parent, num_computed_tokens)
+        wanted = candidates[:len(found.tiers)]
+        if found.partial is not None:
+            wanted.append(found.partial)
         end = min(wanted[-1].end, limit) if wanted else num_computed_tokens
         if end <= num_computed_tokens:
             return 0, False
-        self._hits[rid] = _Hit(n, num_computed_tokens, end, wanted)
+        self._hits[rid] = _Hit(n, num_computed_tokens, end, wanted, found)
         return end - num_computed_tokens, not self.layerwise
 
     def load_sources(self, request_id: str) -> dict[str, int]:
-        """Returns the tokens of the load planned for `request_id` per tier name, each chunk
-        counted for the fastest tier whose leading run of the load's chunks holds it, a chunk
-        beyond every run for the fastest tier (a store still queued lands there first, and the
-        load waits for it); one existence query, the load itself may find otherwise. {} when
-        none is planned."""
-        load = self._loading.get(request_id) or self._step_loads.get(request_id)
-        if load is None:
-            return {}
-        runs = self.presence.tier_prefix_chunks(self.keyspace, load.spans)
-        fastest = next(iter(runs), "")
-        out: dict[str, int] = {}
-        for i, sp in enumerate(load.spans):
-            tier = next((name for name, n in runs.items() if n > i), fastest)
-            out[tier] = out.get(tier, 0) + min(sp.end, load.end) - max(sp.start, load.start)
-        return out
-
-    def _stored_partial(self, ks: Keyspace, tokens: Sequence[int], spans: list[Span], j: int,
-                        after: int) -> Span | None:
-        """Returns the longest stored partial chunk that starts where span `j` starts and ends
-        past position `after`, or None: one batched existence query over its possible lengths
-        (over their probe keys, then, when a chunk is several values, one for all of the longest)."""
-        span = spans[j]
-        if span.num_tokens < 2 or span.end - 1 <= after:
-            return None
-        parent = ks.root if j == 0 else spans[j - 1].chain
-        # lengths that would end at or before `after` load nothing
-        probe = [sp for sp in ks.partial_spans(tokens[span.start:span.end], span.start, parent) if sp.end > after]
-        if not probe:
-            return None
-        held = [i for i, present in enumerate(self.presence.chunks_held(ks, probe, probe_only=True)) if present]
-        if not held or (ks.values_per_chunk > 1 and not self.presence.chunks_held(ks, [probe[held[-1]]])[0]):
-            return None
-        return probe[held[-1]]
+        """Returns, once, the tokens of the load planned for `request_id` per tier name, from
+        its lookup's answer (a chunk a pending store carries counts for the fastest tier, where
+        it lands first); no I/O, and the load itself may find otherwise. {} when none is planned."""
+        return self._sources.pop(request_id, {})
 
     # ---- plans -------------------------------------------------------------------------
     def update_state_after_alloc(self, seq: RequestView, block_ids: list[int], num_external_tokens: int) -> None:
@@ -213,6 +196,7 @@ class KVTierPlanner(KVConnectorScheduler):
                         [list(t) for t in block_ids], layerwise=self.layerwise)
         self._loads.append(load)
         (self._step_loads if load.layerwise else self._loading)[rid] = load
+        self._sources[rid] = hit.found.tokens_by_tier(hit.spans, hit.start, end)
         self._saves().skip_to(rid, end)
 
     def skip_saves(self, request_id: str) -> None:
@@ -273,6 +257,7 @@ class KVTierPlanner(KVConnectorScheduler):
         them."""
         rid = seq.request_id
         self._hits.pop(rid, None)
+        self._sources.pop(rid, None)
         self._load_failed.discard(rid)
         try:
             if self.extension.finish(rid):
@@ -292,6 +277,7 @@ class KVTierPlanner(KVConnectorScheduler):
             return False
         finally:
             self._no_save.discard(rid)
+            self._spans.pop(rid, None)
             self.metrics.finish(rid)
 
     def request_metrics(self, request_id: str) -> RequestKVMetrics:

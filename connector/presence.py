@@ -5,26 +5,94 @@ A chunk is held when some tier holds (or a pending store carries) every stored v
 (connector/keyspace.py). One batched existence query per tier per call; no value is read.
 `Presence` lives with the store (the worker side, whose store queue knows what is pending);
 a planner in the same process asks it directly, one in another process (vLLM's scheduler)
-asks it through connector/lookup_channel.py's `RemotePresence`, one per tensor-parallel rank
-under a `RankedPresence`. All answer the planner's one question, `ChunkPresence.chunks_held`.
+asks it through connector/vllm/lookup_channel.py's `RemotePresence`, one per tensor-parallel
+rank under a `RankedPresence`.
+
+The planner's lookup is one question, `ChunkPresence.find`: how long a run of a request's
+chunks is held, in which tier each is (so a load's hit sources need no second question), and
+the longest partial chunk stored where the run stops. Asked of another process it is one
+round trip per rank.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from connector.keyspace import Keyspace, Span
 from kvstore.storage_manager import StorageManager
+
+
+@dataclass(frozen=True)
+class Found:
+    """The answer to a lookup (`ChunkPresence.find`) over a request's candidate spans: the
+    leading run of them held, as the index of the tier a load reads each from (`tiers[i]` for
+    span i; a pending store counts as the fastest tier, where it lands first), then, where that
+    run stops short, the longest partial chunk stored there, with its tier."""
+
+    tiers: list[int] = field(default_factory=list)
+    tier_names: tuple[str, ...] = ()  # fastest first
+    partial: Span | None = None
+    partial_tier: int = 0
+
+    def tokens_by_tier(self, spans: Sequence[Span], start: int, end: int) -> dict[str, int]:
+        """Returns the positions [start, end) of `spans` (the run, then the partial chunk) per
+        tier name that holds them."""
+        tiers = [*self.tiers, self.partial_tier] if self.partial is not None else self.tiers
+        out: dict[str, int] = {}
+        for sp, tier in zip(spans, tiers):
+            n = min(sp.end, end) - max(sp.start, start)
+            if n > 0 and tier < len(self.tier_names):
+                name = self.tier_names[tier]
+                out[name] = out.get(name, 0) + n
+        return out
+
+
+def find_held(where: Callable[[list[str]], list[int | None]], tier_names: Sequence[str], keyspace: Keyspace,
+              tokens: Sequence[int], base: int, spans: Sequence[Span], parent: bytes, after: int) -> Found:
+    """Returns the `Found` of `spans` (consecutive, the first after chain `parent`), given
+    `where` (per stored key the fastest tier holding it) and `tokens` from position `base`
+    through the last span: one `where` for the run, one over the probe keys of the partial
+    lengths that end past `after` where it stops short, and one more for the longest of them
+    when a chunk is several values."""
+    per_key = where(keyspace.stored_keys(spans))
+    tiers = keyspace.chunk_tiers(per_key)
+    run = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
+    found = Found([t for t in tiers[:run] if t is not None], tuple(tier_names))
+    if run == len(spans):
+        return found
+    span = spans[run]
+    if span.num_tokens < 2 or span.end - 1 <= after:
+        return found
+    chain = spans[run - 1].chain if run else parent
+    # lengths that would end at or before `after` load nothing
+    probe = [sp for sp in keyspace.partial_spans(tokens[span.start - base:span.end - base], span.start, chain)
+             if sp.end > after]
+    probed = where(keyspace.probe_keys(probe))
+    held = [i for i, t in enumerate(probed) if t is not None]
+    if not held:
+        return found
+    best, tier = probe[held[-1]], probed[held[-1]]
+    if keyspace.values_per_chunk > 1:  # the probe is one of its values: ask for all of them
+        tier = keyspace.chunk_tiers(where(keyspace.stored_keys([best])))[0]
+    return found if tier is None else Found(found.tiers, found.tier_names, best, tier)
 
 
 class ChunkPresence(ABC):
     """Answers "which of these chunks are held?" from existence alone."""
 
     @abstractmethod
-    def chunks_held(self, keyspace: Keyspace, spans: Sequence[Span], probe_only: bool = False) -> list[bool]:
-        """Returns per span whether its chunk is held: every stored value of it, or with
-        `probe_only` just its probe key (`Keyspace.probe_keys`: cheap over many candidates)."""
+    def find(self, keyspace: Keyspace, tokens: Sequence[int], base: int, spans: Sequence[Span], parent: bytes,
+             after: int) -> Found:
+        """Returns how many leading `spans` are held and in which tiers, and the longest stored
+        partial chunk where that run stops short (ending past position `after`): `find_held`.
+        `tokens` run from position `base` through the last span; `parent` is the chain before
+        the first span. Nothing held (or no answer): an empty `Found`."""
+
+    @abstractmethod
+    def chunks_held(self, keyspace: Keyspace, spans: Sequence[Span]) -> list[bool]:
+        """Returns per span whether its chunk is held: every stored value of it."""
 
     @abstractmethod
     def tier_prefix_chunks(self, keyspace: Keyspace, spans: Sequence[Span]) -> dict[str, int]:
@@ -48,9 +116,7 @@ class KeyPresence(ChunkPresence):
         hits = self.tier_prefix_hits(keyspace.stored_keys(spans))
         return {name: n // keyspace.values_per_chunk for name, n in hits.items()}
 
-    def chunks_held(self, keyspace: Keyspace, spans: Sequence[Span], probe_only: bool = False) -> list[bool]:
-        if probe_only:
-            return self.held(keyspace.probe_keys(spans))
+    def chunks_held(self, keyspace: Keyspace, spans: Sequence[Span]) -> list[bool]:
         return keyspace.chunks_held(self.held(keyspace.stored_keys(spans)))
 
 
@@ -64,13 +130,27 @@ class Presence(KeyPresence):
     def held(self, keys: Sequence[str]) -> list[bool]:
         """Returns per stored key whether a pending store carries it or some tier holds it
         (one batched query per tier for the keys not pending)."""
+        return [w is not None for w in self.where(keys)]
+
+    def where(self, keys: Sequence[str]) -> list[int | None]:
+        """Returns per stored key the index of the fastest tier holding it (a pending store's:
+        the fastest tier, where it lands first), None where none does."""
         pending = self._pending
-        held = [pending(k) for k in keys] if pending is not None else [False] * len(keys)
-        rest = [k for k, h in zip(keys, held) if not h]
+        where: list[int | None] = [0 if pending is not None and pending(k) else None for k in keys]
+        rest = [k for k, w in zip(keys, where) if w is None]
         if rest:
-            found = iter(self.storage.batched_contains(rest))
-            held = [h or next(found) for h in held]
-        return held
+            found = iter(self.storage.batched_where(rest))
+            where = [next(found) if w is None else w for w in where]
+        return where
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        """Returns the tiers' names, fastest first."""
+        return tuple(self.storage.names)
+
+    def find(self, keyspace: Keyspace, tokens: Sequence[int], base: int, spans: Sequence[Span], parent: bytes,
+             after: int) -> Found:
+        return find_held(self.where, self.tier_names, keyspace, tokens, base, spans, parent, after)
 
     def tier_prefix_hits(self, keys: Sequence[str]) -> dict[str, int]:
         return self.storage.tier_prefix_hits(keys)
@@ -87,13 +167,27 @@ class RankedPresence(ChunkPresence):
         self.ranks = list(ranks)
         self.heads = list(heads)
 
-    def chunks_held(self, keyspace: Keyspace, spans: Sequence[Span], probe_only: bool = False) -> list[bool]:
+    def chunks_held(self, keyspace: Keyspace, spans: Sequence[Span]) -> list[bool]:
         held = [True] * len(spans)
         for rank, heads in zip(self.ranks, self.heads):
             if any(held):
-                answer = rank.chunks_held(self._covering(keyspace, heads), spans, probe_only)
+                answer = rank.chunks_held(self._covering(keyspace, heads), spans)
                 held = [h and r for h, r in zip(held, answer)]
         return held
+
+    def find(self, keyspace: Keyspace, tokens: Sequence[int], base: int, spans: Sequence[Span], parent: bytes,
+             after: int) -> Found:
+        """Each rank's `find` over its heads (one question each): the run all of them hold, each
+        chunk in the slowest rank's tier, and a partial chunk only where every rank stops at
+        the same span and holds the same one."""
+        answers = [rank.find(self._covering(keyspace, heads), tokens, base, spans, parent, after)
+                   for rank, heads in zip(self.ranks, self.heads)]
+        run = min(len(a.tiers) for a in answers)
+        tiers = [max(a.tiers[i] for a in answers) for i in range(run)]
+        first = answers[0]
+        if first.partial is not None and all(a.partial == first.partial and len(a.tiers) == run for a in answers):
+            return Found(tiers, first.tier_names, first.partial, max(a.partial_tier for a in answers))
+        return Found(tiers, first.tier_names)
 
     def tier_prefix_chunks(self, keyspace: Keyspace, spans: Sequence[Span]) -> dict[str, int]:
         runs = [rank.tier_prefix_chunks(self._covering(keyspace, heads), spans)

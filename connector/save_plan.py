@@ -9,10 +9,11 @@ per request, up to where it has offered chunks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from connector.keyspace import Keyspace, Span
+from connector.keyspace import Keyspace, RequestSpans, Span
 
 if TYPE_CHECKING:
     from connector.request_view import RequestView
@@ -31,9 +32,11 @@ class SavePlan:
     """Per request, the position up to which chunks were offered. Guarantees: a span is
     offered once unless `rewind` says it is computed again."""
 
-    def __init__(self, policy: SavePolicy, keyspace: Keyspace) -> None:
+    def __init__(self, policy: SavePolicy, keyspace: Keyspace,
+                 spans_of: Callable[[RequestView], RequestSpans]) -> None:
         self.policy = policy
         self.keyspace = keyspace
+        self._spans_of = spans_of  # the planner's per-request spans: no chunk is hashed twice
         self._saved_upto: dict[str, int] = {}
 
     def skip_to(self, request_id: str, position: int) -> None:
@@ -59,7 +62,7 @@ class SavePlan:
         if new_end <= done:
             return []
         self._saved_upto[rid] = new_end
-        spans = self.keyspace.for_salt(seq.cache_salt).spans(seq.all_token_ids[:new_end], bool(unfull))
+        spans = self._spans_of(seq).spans(seq.all_token_ids[:new_end], bool(unfull))
         return [sp for sp in spans if sp.end > done]
 
     def rewind(self, request_id: str, position: int) -> None:
@@ -79,7 +82,7 @@ class SavePlan:
         computed = min(seq.num_computed_tokens, num_blocks * block_size)
         if computed <= done:
             return []
-        spans = self.keyspace.for_salt(seq.cache_salt).spans(seq.all_token_ids[:computed], True)
+        spans = self._spans_of(seq).spans(seq.all_token_ids[:computed], True)
         return [sp for sp in spans if sp.end > done]
 
     def forget(self, request_id: str) -> None:

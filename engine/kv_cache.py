@@ -172,7 +172,7 @@ class PagedKVLayout(ABC):
         """Returns the host slots of positions [start, end) of a sequence given its block table
         per KV cache group: 1-D here, where every layer is in one group; ValueError for another
         number of groups or a table that does not cover the range. Layouts of several groups
-        return `(num_groups, n)` slots (connector/vllm_layouts.py)."""
+        return `(num_groups, n)` slots (connector/vllm/layouts.py)."""
         if len(block_ids) != 1:
             raise ValueError(f"{type(self).__name__} has one KV cache group, got block tables for {len(block_ids)}")
         return request_slots(block_ids[0], self.block_size, start, end)
@@ -210,7 +210,7 @@ class PagedKVLayout(ABC):
     # Whether `chunk_views` can give views of the caches' own memory (host memory, contiguous).
     writes_in_place: bool = False
     # Moves cover whole runs of this many slots from a multiple of it (1: any slots; a layout
-    # that moves whole blocks, e.g. connector/vllm_layouts.py's tiles: its block size).
+    # that moves whole blocks, e.g. connector/vllm/layouts.py's tiles: its block size).
     tokens_per_move: int = 1
 
     def chunk_views(self, slots: torch.Tensor, before: int = 0, after: int = 0) -> list[memoryview]:

@@ -6,8 +6,9 @@
 - `fetch` reads from the fastest tier holding a chunk and says which tier that was (it never
   promotes); `promote` writes such hits into the faster tiers (the connector does it through
   its store queue, off the load path).
-- Existence: `batched_contains` (some tier holds each key) and `tier_prefix_hits` (what each
-  tier holds from the start), one batched query per tier, no data read.
+- Existence: `batched_where` (the fastest tier holding each key), `batched_contains` and
+  `tier_prefix_hits` (what each tier holds from the start), one batched query per tier, no
+  data read.
 - Each tier evicts by its own policy within its byte budget; keys pinned here (chunks being
   loaded) are never evicted. Pin counts cannot go negative.
 - A tier that raises is backed off by a circuit breaker (kvstore/health.py) and probed again
@@ -213,20 +214,26 @@ class StorageManager:
             hits[self.names[i]] = 0 if got is SKIPPED else got
         return hits
 
-    def batched_contains(self, keys: Sequence[str]) -> list[bool]:
-        """Returns, per key, whether some tier holds it (one batched query per tier, asking
-        each only for the keys not found yet; tiers backing off count as holding nothing)."""
+    def batched_where(self, keys: Sequence[str]) -> list[int | None]:
+        """Returns, per key, the index (in `names`) of the fastest tier holding it, None where
+        none does: one batched query per tier, asking each only for the keys not found yet
+        (tiers backing off count as holding nothing)."""
         keys = list(keys)
-        held = [False] * len(keys)
+        where: list[int | None] = [None] * len(keys)
         for i, tier in enumerate(self.tiers):
-            todo = [j for j, h in enumerate(held) if not h]
+            todo = [j for j, w in enumerate(where) if w is None]
             if not todo:
                 break
             got = self._call(i, partial(tier.batched_contains, [keys[j] for j in todo]), "lookup")
             if got is not SKIPPED:
                 for j, present in zip(todo, got):
-                    held[j] = bool(present)
-        return held
+                    if present:
+                        where[j] = i
+        return where
+
+    def batched_contains(self, keys: Sequence[str]) -> list[bool]:
+        """Returns, per key, whether some tier holds it (`batched_where`)."""
+        return [w is not None for w in self.batched_where(keys)]
 
     def tier_contains(self, keys: Sequence[str]) -> dict[str, list[bool] | None]:
         """Returns, per tier name (fastest first), per key whether that tier holds it, or None

@@ -1,6 +1,6 @@
 """`kvtier cache ...`: operate a running `kvtier serve`'s cache over its `/kv/*` routes
 (kvtier/server/cache_routes.py; docs/serving.md, "Operating the cache"; the same routes on
-`vllm serve` with kvtier's connector: connector/vllm_lookup_route.py), and explain a miss
+`vllm serve` with kvtier's connector: connector/vllm/lookup_route.py), and explain a miss
 (`explain`: `/kv/lookup` with `"explain": true`, also on `vllm serve` with kvtier's connector;
 docs/serving.md, "Explain a miss"). An HTTP client only: it loads no model and no torch.
 

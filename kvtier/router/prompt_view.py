@@ -14,7 +14,7 @@ PREFIX_TOKENS = 256
 TOKENIZE_FIELDS = ("add_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template",
                    "chat_template_kwargs", "tools")
 """Request fields that change a prompt's tokens; passed on in the lookup, so a `vllm serve`
-backend tokenizes it as it will the request (connector/vllm_lookup_route.py; kvtier serve
+backend tokenizes it as it will the request (connector/vllm/lookup_route.py; kvtier serve
 ignores them)."""
 
 

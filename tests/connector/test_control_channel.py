@@ -1,4 +1,4 @@
-"""Cache-control questions over the lookup channel (OP_CONTROL, connector/lookup_channel.py),
+"""Cache-control questions over the lookup channel (OP_CONTROL, connector/vllm/lookup_channel.py),
 answered by connector/cache_control.py's ops as `vllm serve`'s worker answers them, and the
 tensor-parallel ranks' answers merged. The routes inside a real `vllm serve`:
 tests/vllm/test_router.py."""
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from connector import cache_control
-from connector.control_ops import CONTROL_OPS, answer_control
 from connector.keyspace import Keyspace
-from connector.lookup_channel import LookupServer, RemotePresence
 from connector.presence import Presence
+from connector.vllm.control_ops import CONTROL_OPS, answer_control
+from connector.vllm.lookup_channel import LookupServer, RemotePresence
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import KVStoreConfig, TierSpec
 

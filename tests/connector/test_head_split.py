@@ -9,7 +9,7 @@ import torch
 
 from connector.keyspace import Keyspace, head_key
 from connector.presence import Presence, RankedPresence, held_tokens
-from connector.vllm_setup import rank_heads
+from connector.vllm.setup import rank_heads
 from kvstore.backends.memory import CPUBackend
 from kvstore.storage_manager import StorageManager
 
@@ -60,4 +60,5 @@ def test_a_chunk_is_held_when_every_rank_holds_its_heads() -> None:
     runs = ranked.tier_prefix_chunks(KS, spans)
     assert list(runs.values()) == [2]
     assert held_tokens(spans, runs, 12) == {next(iter(runs)): 8}
-    assert ranked.chunks_held(KS, spans, probe_only=True) == [True, True, False]
+    found = ranked.find(KS, list(range(12)), 0, spans, KS.root, 0)  # the planner's lookup
+    assert found.tiers == [0, 0] and found.partial is None

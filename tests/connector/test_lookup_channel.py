@@ -1,5 +1,5 @@
 """The scheduler process's existence questions, answered by the worker process's Presence
-over the lookup channel (connector/lookup_channel.py)."""
+over the lookup channel (connector/vllm/lookup_channel.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,15 @@ import pytest
 import torch
 
 from connector.keyspace import Keyspace
-from connector.lookup_channel import MAX_KEYS, LookupServer, RemotePresence, lookup_socket_path, scheduler_socket_path
-from connector.presence import Presence
+from connector.presence import Found, Presence
+from connector.vllm.lookup_channel import (
+    MAX_KEYS,
+    OP_FIND,
+    LookupServer,
+    RemotePresence,
+    lookup_socket_path,
+    scheduler_socket_path,
+)
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import KVStoreConfig, TierSpec
 
@@ -159,7 +166,7 @@ def test_the_scheduler_side_answers_its_engines_prefix_cache_and_refuses_tier_op
 def test_a_reset_clears_the_local_tiers_and_the_shared_ones_only_when_asked(path: Path, tmp_path: Path,
                                                                             clear_shared: bool) -> None:
     """vLLM's reset_cache: the cpu tier is emptied; the disk tier (shared with other processes)
-    too with `reset_clears_shared_tiers` (the server's `clear_shared`)."""
+    too with `reset_clears_shared_tiers` (what the worker's `clear_local` does)."""
     config = KVStoreConfig(tiers=[TierSpec(url="cpu"), TierSpec(url=f"disk://{tmp_path / 'kv'}")])
     with StorageManager.from_config(config) as two:
         keys = KS.stored_keys(KS.spans(list(range(8))))
@@ -167,7 +174,7 @@ def test_a_reset_clears_the_local_tiers_and_the_shared_ones_only_when_asked(path
         assert two.flush(10)
         before = two.tier_prefix_hits(keys)
         assert list(before.values()) == [len(keys), len(keys)]
-        server = LookupServer(Presence(two), path, clear_shared=clear_shared)
+        server = LookupServer(Presence(two), path, clear_local=lambda: two.clear(local_only=not clear_shared))
         remote = RemotePresence(path, timeout=5.0, connect_timeout=0.2)
         try:
             assert remote.clear_local()
@@ -176,3 +183,56 @@ def test_a_reset_clears_the_local_tiers_and_the_shared_ones_only_when_asked(path
         finally:
             remote.close()
             server.close()
+
+
+def test_a_find_is_one_round_trip_and_equals_the_local_find(path: Path) -> None:
+    """The planner's lookup: the run held, each chunk's tier (a pending store's: the fastest),
+    and the partial chunk stored where the run stops, answered as the worker's own presence
+    answers it, in one round trip."""
+    config = KVStoreConfig(tiers=[TierSpec(url="cpu"), TierSpec(url="cpu")])
+    with StorageManager.from_config(config) as two:
+        short = list(range(10))  # chunks [0,4) [4,8), partial [8,10)
+        stored = KS.spans(short)
+        two.tiers[0].put(stored[0].key, torch.zeros(2, 2, 4, 1, 8))
+        two.tiers[1].put(stored[2].key, torch.zeros(2, 2, 2, 1, 8))
+        local = Presence(two, {stored[1].key}.__contains__)  # chunk 1 still queued
+        grown = short + [50, 51, 52, 53, 54]
+        spans = KS.spans(grown)
+        server = LookupServer(local, path, KS)
+        remote = RemotePresence(path, timeout=5.0, connect_timeout=0.2)
+        try:
+            want = local.find(KS, grown, 0, spans, KS.root, 0)
+            assert want == Found([0, 0], tuple(two.names), stored[2], 1)
+            assert remote.find(KS, grown, 0, spans, KS.root, 0) == want
+            assert remote.questions == 1 and remote.failures == 0
+            late = remote.find(KS, grown[4:], 4, spans[1:], spans[0].chain, 9)  # a partial ending at 10 > 9
+            assert late == local.find(KS, grown[4:], 4, spans[1:], spans[0].chain, 9) == Found([0], tuple(two.names),
+                                                                                                 stored[2], 1)
+            assert remote.find(KS, grown, 0, spans, KS.root, 10).partial is None  # it would load nothing
+            salted = KS.for_salt("tenant")
+            assert remote.find(salted, grown, 0, salted.spans(grown), salted.root, 0) == Found([], tuple(two.names))
+        finally:
+            remote.close()
+            server.close()
+
+
+def test_a_find_from_another_keyspace_is_refused_and_a_bad_one_dropped(storage: StorageManager, path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    spans = KS.spans(list(range(8)))
+    storage.batched_put([(sp.key, torch.zeros(2, 2, 4, 1, 8)) for sp in spans])
+    server = LookupServer(Presence(storage), path, KS)
+    remote = RemotePresence(path, timeout=5.0, connect_timeout=0.2)
+    try:
+        assert remote.find(KS, list(range(8)), 0, spans, KS.root, 0).tiers == [0, 0]
+        other = Keyspace("m", torch.float32, 4, num_layers=3)  # keys alike, but not the same chunks
+        assert remote.find(other, list(range(8)), 0, spans, KS.root, 0) == Found()
+        assert "refused" in caplog.text and remote.failures == 0  # answered: a miss, not a broken channel
+        bad = socket.socket(socket.AF_UNIX)
+        bad.connect(str(path))
+        bad.sendall(struct.pack("<II", OP_FIND << 24, 3) + b"abc")  # a truncated body
+        assert bad.recv(1) == b""
+        bad.close()
+        assert remote.find(KS, list(range(8)), 0, spans, KS.root, 0).tiers == [0, 0]
+    finally:
+        remote.close()
+        server.close()

@@ -1,6 +1,6 @@
 """The scheduler side alone: it answers from existence (one batched query per tier, a second
-only to find a stored partial chunk), plans loads and saves without touching a tier, and its
-plans are plain data."""
+only to find a stored partial chunk), plans loads and saves without touching a tier, hashes
+each token of a request once, and its plans are plain data."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from pathlib import Path
 
 import torch
 
+from connector import keyspace as keyspace_module
 from connector.connector_config import make_config
 from connector.metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
 from connector.presence import Presence
+from connector.request_view import StepRequest
 from engine.kv_connector import KVConnectorOutput
 from engine.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
@@ -165,3 +167,30 @@ def test_over_tiles_loads_and_saves_cover_whole_blocks(default_model_path: Path)
     whole = Sequence("w", ids[:32], SamplingParams(max_tokens=1))  # the last token computed
     assert planner.get_num_new_matched_tokens(whole, 0) == (31, True)
     assert planner.get_num_new_matched_tokens(again, 2) == (0, False)  # a hit mid-block: no partial tile
+
+
+def test_a_chunked_8k_prompt_has_each_token_hashed_once(default_model_path: Path, monkeypatch) -> None:
+    """Lookups (asked again while a request waits), every chunked-prefill step's save plan and
+    the finish share the request's spans: chain hashes over its tokens are linear in them."""
+    planner, _, _ = _planner(default_model_path)
+    real = keyspace_module.chain_hash
+    hashed: list[int] = []
+
+    def counting(parent: bytes, tokens) -> bytes:
+        hashed.append(len(tokens))
+        return real(parent, tokens)
+
+    monkeypatch.setattr(keyspace_module, "chain_hash", counting)
+    ids = list(range(8192 + 5))  # 512 chunks and a partial one
+    seq = Sequence("long", ids, SamplingParams(max_tokens=1))
+    for _ in range(3):
+        assert planner.get_num_new_matched_tokens(seq, 0) == (0, False)
+    blocks = list(range(len(ids) // 16 + 1))
+    saved = []
+    for done in range(0, len(ids), 512):  # chunked prefill, 512 tokens a step
+        meta = planner.plan_step([StepRequest(seq, [blocks], done, min(512, len(ids) - done))])
+        saved += [sp for save in meta.saves for sp in save.spans]
+    seq.num_computed_tokens = len(ids)
+    planner.request_finished(seq, blocks)
+    assert len(hashed) == 513 and sum(hashed) == len(ids)  # each chunk hashed once, each token once
+    assert saved == planner.keyspace.spans(ids)  # every chunk offered once, the partial one included

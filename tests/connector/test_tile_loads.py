@@ -1,4 +1,4 @@
-"""Loads over vLLM pages moved as whole tiles (connector/vllm_layouts.py, `VllmTileLayout`):
+"""Loads over vLLM pages moved as whole tiles (connector/vllm/layouts.py, `VllmTileLayout`):
 a load that ends inside a block (before a prompt's last token) moves that block's tile whole,
 reports only its own tokens, and writes no other block, whole chunks and layer by layer."""
 
@@ -12,7 +12,7 @@ from connector.loader import Loader
 from connector.metadata import LoadSpec
 from connector.metrics import ConnectorMetrics
 from connector.store_queue import StoreQueue
-from connector.vllm_layouts import VllmTileLayout
+from connector.vllm.layouts import VllmTileLayout
 from kvstore.storage_manager import StorageManager
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK, CHUNK, NUM_BLOCKS = 2, 2, 8, 4, 16, 16

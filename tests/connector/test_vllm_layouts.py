@@ -1,4 +1,4 @@
-"""vLLM's paged layouts behind PagedKVLayout (connector/vllm_layouts.py), on CPU tensors of
+"""vLLM's paged layouts behind PagedKVLayout (connector/vllm/layouts.py), on CPU tensors of
 each backend's shape and vLLM's stride orders, against an oracle that reads and writes one
 (slot, head) at a time by the layout's formula. (tests/vllm/test_cpu_layout_kernel.py checks
 the CPU formula against vLLM's own kernels.)"""
@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from connector.vllm_layouts import VllmCpuLayout, VllmFlashLayout, vllm_layout_for
+from connector.vllm.layouts import VllmCpuLayout, VllmFlashLayout, vllm_layout_for
 from engine.kv_cache import EngineLayout, PagedKVLayout
 
 L, NB, H, BS, D = 3, 6, 2, 8, 4

@@ -1,4 +1,4 @@
-"""`vllm serve`'s /kv/lookup (connector/vllm_lookup_route.py), the parts that need no vLLM: the
+"""`vllm serve`'s /kv/lookup (connector/vllm/lookup_route.py), the parts that need no vLLM: the
 body's forms, tier answers turned into tokens, and the middleware's pass-through (the control
 routes, one per CONTROL_OPS entry, are its own). The route inside a real `vllm serve`:
 tests/vllm/test_router.py."""
@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from connector.control_ops import CONTROL_OPS
 from connector.keyspace import Keyspace
-from connector.presence import KeyPresence, held_tokens
-from connector.vllm_lookup_route import KvLookupRoute, Message, Rejected, Scope, lookup_form
+from connector.presence import Found, KeyPresence, held_tokens
+from connector.vllm.control_ops import CONTROL_OPS
+from connector.vllm.lookup_route import KvLookupRoute, Message, Rejected, Scope, lookup_form
 
 
 @pytest.mark.parametrize(("body", "form"), [
@@ -73,6 +73,9 @@ class _Answers(KeyPresence):
 
     def tier_prefix_hits(self, keys: Sequence[str]) -> dict[str, int]:
         return {name: min(n, len(keys)) for name, n in self.leading.items()}
+
+    def find(self, *args: Any) -> Found:
+        raise AssertionError("/kv/lookup asks each tier's run, never the planner's lookup")
 
 
 def _run(app: KvLookupRoute, scope: Scope) -> list[Message]:

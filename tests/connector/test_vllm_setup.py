@@ -1,4 +1,4 @@
-"""What vLLM's configuration means to the connector (connector/vllm_setup.py), the parts that
+"""What vLLM's configuration means to the connector (connector/vllm/setup.py), the parts that
 need no vLLM: hit sources for vLLM's per-tier counts, layer numbers from vLLM's layer names,
 a multimodal checkpoint refused while vLLM takes images for it, the K/V dtypes it takes and how
 chunks of each are keyed."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from connector.connector_config import ConnectorConfig
-from connector.vllm_setup import VllmModel, VllmSetup, hit_sources, kv_cache_dtype, layer_index, refuse_image_input
+from connector.vllm.setup import VllmModel, VllmSetup, hit_sources, kv_cache_dtype, layer_index, refuse_image_input
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "real_configs"
 

@@ -1,4 +1,4 @@
-"""vLLM's CPU pages beyond the "vec" kernels (connector/vllm_layouts.py): the "amx" kernels'
+"""vLLM's CPU pages beyond the "vec" kernels (connector/vllm/layouts.py): the "amx" kernels'
 pages decoded to the canonical form, against an oracle that reads one (slot, head) at a time
 by the formula of vLLM's csrc/cpu/cpu_attn_amx.hpp, and any kernels' pages moved as whole
 (block, KV head) tiles. (tests/vllm/test_cpu_layout_kernel.py checks both against vLLM's own
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from connector.connector_config import ConnectorConfig
-from connector.vllm_layouts import VllmAmxLayout, VllmTileLayout, cpu_page_decoder, vllm_layout_for
-from connector.vllm_setup import VllmModel, VllmSetup
+from connector.vllm.layouts import VllmAmxLayout, VllmTileLayout, cpu_page_decoder, vllm_layout_for
+from connector.vllm.setup import VllmModel, VllmSetup
 
 L, NB, H, BS, D = 2, 6, 2, 32, 32
 TABLE = [4, 1, 3]

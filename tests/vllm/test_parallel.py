@@ -23,7 +23,7 @@ PROMPT = 1500
 CHUNK = 256
 HEADS = 4  # KV heads (no grouped queries): two per rank at TP=2
 # StableLM: an architecture vLLM runs and kvtier's engine does not (the connector keys any model
-# vLLM serves from vLLM's own view of it: connector/vllm_setup.py, `vllm_model`).
+# vLLM serves from vLLM's own view of it: connector/vllm/setup.py, `vllm_model`).
 TINY = dict(model_type="stablelm", hidden_size=128, intermediate_size=256, num_attention_heads=HEADS,
             num_key_value_heads=HEADS, num_hidden_layers=4, max_position_embeddings=4096, vocab_size=1000)
 SKIP_SAVE = {"kvtier.skip_save": True}

@@ -1,6 +1,6 @@
 """`kvtier router --policy kv-aware` across two `vllm serve` backends with kvtier's connector,
 each with its own `cpu` tier, so a hit is local to one backend. The backends' `/kv/lookup`
-(connector/vllm_lookup_route.py) answers what the connector then loads; the router sends each
+(connector/vllm/lookup_route.py) answers what the connector then loads; the router sends each
 prompt to the backend holding it, also where prefix-hash alone would pick the other one. One
 backend runs as `kvtier-vllm serve` (which adds the route by itself, its worker in the engine
 core's process), the other as vLLM's own server with `--middleware`, in vLLM's default layout,

@@ -117,7 +117,7 @@ def test_the_second_run_loads_the_prompt_from_the_tier(case: str, tier_llms: Tie
     loaded = warm["metrics"].get("kvtier:kv_connector_hit_tokens_total", 0) - cold["metrics"].get(
         "kvtier:kv_connector_hit_tokens_total", 0)
     assert loaded == warm["outputs"][0]["cached"]
-    # kvtier serve's names, and for one more release vLLM's old ones (connector/vllm_metrics.py)
+    # kvtier serve's names, and for one more release vLLM's old ones (connector/vllm/stats.py)
     m = warm["metrics"]
     for field, (name, _) in PROM_COUNTERS.items():
         assert m.get(f"{name}_total", 0) == m.get(f"kvtier:{field}_total", 0)

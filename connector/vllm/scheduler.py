@@ -2,9 +2,9 @@
 vLLM's own requests (connector/request_view.py) and block tables (docs/vllm.md).
 
 The worker's tiers live in the worker process, so the planner's existence questions go
-there (connector/lookup_channel.py), and so does `reset_cache`. vLLM's own prefix cache lives
+there (connector/vllm/lookup_channel.py), and so does `reset_cache`. vLLM's own prefix cache lives
 in this process: the scheduler side answers, on its own socket, how much of a prompt it holds
-(`vllm serve`'s /kv/lookup, connector/vllm_lookup_route.py).
+(`vllm serve`'s /kv/lookup, connector/vllm/lookup_route.py).
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from connector.kv_events import ChunkEventBuilder
-from connector.lookup_channel import LookupServer, RemotePresence, scheduler_socket_path
 from connector.metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
 from connector.request_view import StepRequest
-from connector.vllm_api import (
+from connector.vllm.api import (
     LOGGER,
     BlockRemoved,
     BlockStored,
@@ -30,9 +29,10 @@ from connector.vllm_api import (
     prefix_cache_tokens,
     vllm_event,
 )
-from connector.vllm_metadata import KVTierVllmMeta, KVTierWorkerMeta
-from connector.vllm_roles import SchedulerRole
-from connector.vllm_setup import hit_sources, vllm_setup
+from connector.vllm.connector import SchedulerRole
+from connector.vllm.lookup_channel import LookupServer, RemotePresence, scheduler_socket_path
+from connector.vllm.metadata import KVTierVllmMeta, KVTierWorkerMeta
+from connector.vllm.setup import hit_sources, vllm_setup
 from engine.kv_connector import KVConnectorOutput
 
 log = logging.getLogger(LOGGER)
@@ -42,7 +42,7 @@ SKIP_SAVE_PARAMS = ("kvtier.skip_save", "lmcache.skip_save")
 (LMCache's name is honoured too); it still loads what others stored."""
 
 
-class VllmSchedulerConnector(SchedulerRole, KVConnectorBase_V1):  # vLLM's class, one per role
+class VllmSchedulerConnector(SchedulerRole, KVConnectorBase_V1):  # KVTierConnector's scheduler role
     """The scheduler role: lookups, load and save plans, KV events.
 
     Guarantees: a lookup never claims the last prompt token and answers `load_async=False`

@@ -17,9 +17,9 @@ import torch
 
 from connector.connector_config import ConnectorConfig
 from connector.keyspace import Keyspace, dtype_name
-from connector.lookup_channel import RemotePresence, lookup_socket_path
 from connector.presence import RankedPresence
-from connector.vllm_layouts import cpu_page_decoder
+from connector.vllm.layouts import cpu_page_decoder
+from connector.vllm.lookup_channel import RemotePresence, lookup_socket_path
 from engine.model_config import ModelConfig, weights_identity
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")

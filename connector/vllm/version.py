@@ -1,4 +1,4 @@
-"""Which vLLM versions kvtier's connector supports, checked once at import (connector/vllm.py).
+"""Which vLLM versions kvtier's connector supports, checked once at import (connector/vllm/connector.py).
 
 vLLM's KV connector API changes between minor releases (hooks, metadata, cache layouts), so
 the connector names the range it was built and tested against and refuses any other with

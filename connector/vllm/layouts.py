@@ -23,7 +23,7 @@ Decoded layouts give chunks in the canonical form `(layers, 2, tokens, H, D)`, s
 layout that decodes to it. A tile chunk has the same shape and dtype, but token `b * block_size
 + o` of head `h` holds elements `[o * D, (o + 1) * D)` of each half of tile (b, h): only whole
 blocks move, and only instances with the same tile format can read it, so the keyspace names
-the format (connector/vllm_setup.py) and cuts spans to whole blocks (`token_multiple`). The KV
+the format (connector/vllm/setup.py) and cuts spans to whole blocks (`token_multiple`). The KV
 head stays an axis of its own, so tiles split by head and load at any tensor-parallel size.
 
 Each layout says where K and V sit: per layer, views of the cache, one for K and one for V
@@ -41,6 +41,7 @@ from collections.abc import Sequence
 
 import torch
 
+from connector.connector_config import PAGE_FORMS
 from engine import cpu_ops
 from engine.kv_cache import EngineLayout, PagedKVLayout, check_slots, request_slots
 
@@ -349,11 +350,6 @@ LAYOUTS = ("cpu", "flash", "engine")
 CPU_DECODED: dict[str, type[_SplitKVLayout]] = {"vec": VllmCpuLayout, "vec16": VllmCpuLayout, "amx": VllmAmxLayout}
 """vLLM's CPU attention kernels ("ISA") whose pages kvtier decodes to the canonical form, and
 the layout that does; the pages of any other move as tiles (`VllmTileLayout`)."""
-
-PAGE_FORMS = ("auto", "tiles")
-"""`cpu_page_form`: "auto" decodes what `CPU_DECODED` reads and moves the rest as tiles;
-"tiles" moves every ISA's pages as tiles."""
-
 
 def cpu_page_decoder(isa: str, element_size: int, page_form: str = "auto") -> str | None:
     """Returns the ISA whose decoder reads pages written by vLLM's `isa` kernels into caches

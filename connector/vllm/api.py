@@ -2,7 +2,7 @@
 the version check, with the differences between supported releases resolved here and
 nowhere else (docs/vllm.md, "Releases").
 
-Modules of the adapter import vLLM through this one (`from connector.vllm_api import ...`),
+Modules of the adapter import vLLM through this one (`from connector.vllm.api import ...`),
 so an unsupported vLLM fails with one clear message before any of its names is touched.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import vllm
 
 from connector.kv_events import ChunkEvent
-from connector.vllm_version import check_vllm_version
+from connector.vllm.version import check_vllm_version
 
 check_vllm_version(vllm.__version__)
 

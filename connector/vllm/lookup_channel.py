@@ -1,27 +1,32 @@
-"""The scheduler side's existence query, answered by a worker side in another process.
+"""The scheduler side's existence questions, answered by a worker side in another process.
 
 vLLM runs a connector's two roles in two processes, and what the worker side holds (its `cpu`
 tier, the stores its queue still carries) lives only in the worker's. `LookupServer` is a
-thread in the worker process that answers "which of these keys are held?" from its
-`Presence`; `RemotePresence` is the planner's `ChunkPresence` that asks it over a Unix socket
-(LMCache's lookup server plays this part). One round trip per question; no value is read.
+thread in the worker process that answers from the `Presence` it owns; `RemotePresence` is
+the planner's `ChunkPresence` that asks it over a Unix socket (LMCache's lookup server plays
+this part). One round trip per question; no value is read.
 
-Frames, no pickle: a question is a u32 header (its op in the top byte, the key count in the
-rest), then per key a u32 length and its UTF-8 bytes. `OP_HELD` is answered with one byte (0 or
-1) per key; `OP_TIER_PREFIX` (how many leading keys each tier holds by itself, for `vllm
-serve`'s /kv/lookup, connector/vllm_lookup_route.py) with a u32 tier count, then per tier,
-fastest first, a u32 name length, the name's UTF-8 bytes and a u32 count; `OP_CLEAR_LOCAL`
-(no keys: vLLM's `reset_cache`) with one byte 1 once the process-local tiers (with the
-server's `clear_shared`, every tier) are empty. Two ops carry a JSON question (ASCII JSON cut
-into keys of at most MAX_KEY_BYTES) and are answered with a u32 length and a JSON object:
-`OP_EXPLAIN` (`{"token_ids", "cache_salt", "other_tenants"}`: why the tiers hold no more of a
-prompt, connector/explain.py; `{}`: this worker has no explain), `OP_CONTROL` (`{"op": name,
-...}`: a cache-control op, connector/control_ops.py's CONTROL_OPS, for `vllm serve`'s
-`/kv/inspect`, `/kv/pin`, ...; `{}`: this worker has no controller) and `OP_ENGINE_PREFIX`
-(`{"token_ids", "cache_salt"}`: how many leading tokens the engine's own prefix cache holds,
-`{"tokens": n}`; asked of the scheduler side, which serves the same frames on its own socket,
-`scheduler_socket_path`; `{}`: no engine here). A malformed or oversized frame closes that
-connection. An answer that does not come (the worker is gone or stuck) is a miss.
+Frames, no pickle. A question is a u32 header, its op in the top byte and a count below:
+- key ops carry `count` keys, each a u32 length and its UTF-8 bytes: `OP_HELD` (answered with
+  one byte, 0 or 1, per key), `OP_TIER_PREFIX` (how many leading keys each tier holds by
+  itself, for `vllm serve`'s /kv/lookup: a u32 tier count, then per tier, fastest first, a u32
+  name length, the name and a u32 count) and `OP_CLEAR_LOCAL` (no keys: vLLM's `reset_cache`;
+  one byte 1 once the process-local tiers, with the server's `clear_shared` every tier, are
+  empty);
+- body ops carry one body, a u32 length and its bytes (count 0):
+  - `OP_FIND`, the planner's lookup (`encode_find`: the asker's keyspace identity, salt,
+    position, chain and spans, and the tokens they cover), answered by `encode_found`: a
+    status byte (1: the worker keys chunks otherwise, a miss), the tier names, per chunk of
+    the held run its tier, and the partial chunk stored where the run stops;
+  - JSON ops, a JSON object answered by a u32 length and a JSON object: `OP_EXPLAIN`
+    (`{"token_ids", "cache_salt", "other_tenants"}`: why the tiers hold no more of a prompt,
+    connector/explain.py), `OP_CONTROL` (`{"op": name, ...}`: a cache-control op,
+    connector/vllm/control_ops.py, for `vllm serve`'s `/kv/inspect`, `/kv/pin`, ...) and
+    `OP_ENGINE_PREFIX` (`{"token_ids", "cache_salt"}`: how many leading tokens the engine's own
+    prefix cache holds, `{"tokens": n}`, asked of the scheduler side on its own socket,
+    `scheduler_socket_path`); `{}` where the server has no such part.
+A malformed or oversized frame closes that connection. An answer that does not come (the
+worker is gone or stuck) is a miss.
 """
 
 from __future__ import annotations
@@ -36,10 +41,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from connector.presence import KeyPresence, Presence
+from connector.keyspace import Keyspace, Span
+from connector.presence import Found, KeyPresence, Presence
 from kvstore.deadlines import LOOKUP_CHANNEL_ANSWER_S, LOOKUP_CHANNEL_CONNECT_S
 
 log = logging.getLogger(__name__)
@@ -49,9 +56,10 @@ _U32 = struct.Struct("<I")
 MAX_KEYS = 1 << 16
 MAX_KEY_BYTES = 4096
 MAX_TIERS = 64
-OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL, OP_EXPLAIN, OP_CONTROL, OP_ENGINE_PREFIX = 0, 1, 2, 3, 4, 5
-JSON_OPS = (OP_EXPLAIN, OP_CONTROL, OP_ENGINE_PREFIX)
-OPS = (OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL, OP_EXPLAIN, OP_CONTROL, OP_ENGINE_PREFIX)
+OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL, OP_EXPLAIN, OP_CONTROL, OP_ENGINE_PREFIX, OP_FIND = 0, 1, 2, 3, 4, 5, 6
+KEY_OPS = (OP_HELD, OP_TIER_PREFIX, OP_CLEAR_LOCAL)
+BODY_OPS = (OP_EXPLAIN, OP_CONTROL, OP_ENGINE_PREFIX, OP_FIND)
+MAX_BODY_BYTES = 16 << 20  # a question's body (an 8k-token prompt's find is about 70 KiB)
 MAX_ANSWER_BYTES = 16 << 20
 Explainer = Callable[[list[int], "str | None", bool], dict[str, Any]]
 """Answers OP_EXPLAIN: (token ids, cache_salt, other_tenants) -> connector/explain.py's answer."""
@@ -88,7 +96,7 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def encode_question(keys: Sequence[str], op: int = OP_HELD) -> bytes:
-    """Returns the frame asking `op` about `keys`; ValueError past MAX_KEYS or MAX_KEY_BYTES."""
+    """Returns the frame asking key op `op` about `keys`; ValueError past MAX_KEYS or MAX_KEY_BYTES."""
     if len(keys) > MAX_KEYS:
         raise ValueError(f"lookup channel: {len(keys)} keys in one question, at most {MAX_KEYS}")
     parts = [_U32.pack(op << _OP_SHIFT | len(keys))]
@@ -100,12 +108,33 @@ def encode_question(keys: Sequence[str], op: int = OP_HELD) -> bytes:
     return b"".join(parts)
 
 
-def read_question(sock: socket.socket) -> tuple[int, list[str]]:
-    """Returns the op and keys of the next question on `sock`; ValueError on a malformed
-    frame or an unknown op, ConnectionError when the peer closed."""
+def encode_body_question(body: bytes, op: int) -> bytes:
+    """Returns the frame asking body op `op` (BODY_OPS); ValueError past MAX_BODY_BYTES."""
+    if len(body) > MAX_BODY_BYTES:
+        raise ValueError(f"lookup channel: a question of {len(body)} bytes, at most {MAX_BODY_BYTES}")
+    return _U32.pack(op << _OP_SHIFT) + _U32.pack(len(body)) + body
+
+
+@dataclass(frozen=True)
+class Question:
+    """One question read off the channel: its op and, per its kind, its keys or its body."""
+
+    op: int
+    keys: list[str]
+    body: bytes = b""
+
+
+def read_question(sock: socket.socket) -> Question:
+    """Returns the next question on `sock`; ValueError on a malformed frame or an unknown op,
+    ConnectionError when the peer closed."""
     (header,) = _U32.unpack(_read_exact(sock, 4))
     op, count = header >> _OP_SHIFT, header & ((1 << _OP_SHIFT) - 1)
-    if op not in OPS:
+    if op in BODY_OPS:
+        (n,) = _U32.unpack(_read_exact(sock, 4))
+        if count or n > MAX_BODY_BYTES:
+            raise ValueError(f"lookup channel: a question body of {n} bytes, at most {MAX_BODY_BYTES}")
+        return Question(op, [], _read_exact(sock, n))
+    if op not in KEY_OPS:
         raise ValueError(f"lookup channel: unknown op {op}")
     if count > MAX_KEYS:
         raise ValueError(f"lookup channel: {count} keys in one question, at most {MAX_KEYS}")
@@ -115,7 +144,123 @@ def read_question(sock: socket.socket) -> tuple[int, list[str]]:
         if n > MAX_KEY_BYTES:
             raise ValueError(f"lookup channel: a key of {n} bytes, at most {MAX_KEY_BYTES}")
         keys.append(_read_exact(sock, n).decode())
-    return op, keys
+    return Question(op, keys)
+
+
+class _Body:
+    """Reads a body's fields in order; ValueError when one runs past its end."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+        self.at = 0
+
+    def take(self, n: int) -> bytes:
+        if n < 0 or self.at + n > len(self.raw):
+            raise ValueError("lookup channel: a truncated frame")
+        out = self.raw[self.at:self.at + n]
+        self.at += n
+        return out
+
+    def unpack(self, fmt: struct.Struct) -> tuple[Any, ...]:
+        return fmt.unpack(self.take(fmt.size))
+
+    def text(self) -> str | None:
+        (n,) = self.unpack(_U32)
+        return None if n == _NONE else self.take(n).decode()
+
+
+_NONE = 0xFFFFFFFF  # a text field's length when it is None
+_I64 = struct.Struct("<q")
+_SPAN = struct.Struct("<qq16s")
+_PARTIAL = struct.Struct("<q16sB")
+
+
+def _text(value: str | None) -> bytes:
+    if value is None:
+        return _U32.pack(_NONE)
+    raw = value.encode()
+    return _U32.pack(len(raw)) + raw
+
+
+@dataclass(frozen=True)
+class FindQuestion:
+    """`ChunkPresence.find`'s arguments on the wire: spans as (start, end, chain), keyed again by
+    the worker in its own keyspace, which must have the asker's `identity`."""
+
+    identity: str
+    cache_salt: str | None
+    after: int
+    base: int
+    parent: bytes
+    spans: list[tuple[int, int, bytes]]
+    tokens: list[int]
+
+
+def encode_find(q: FindQuestion) -> bytes:
+    """Returns the OP_FIND frame of `q`; ValueError past MAX_BODY_BYTES."""
+    parts = [_text(q.identity), _text(q.cache_salt), _I64.pack(q.after), _I64.pack(q.base), q.parent,
+             _U32.pack(len(q.spans)), *(_SPAN.pack(*sp) for sp in q.spans),
+             _U32.pack(len(q.tokens)), struct.pack(f"<{len(q.tokens)}q", *q.tokens)]
+    return encode_body_question(b"".join(parts), OP_FIND)
+
+
+def decode_find(raw: bytes) -> FindQuestion:
+    """Returns the OP_FIND question in body `raw`; ValueError if malformed."""
+    body = _Body(raw)
+    identity, salt = body.text(), body.text()
+    (after,), (base,) = body.unpack(_I64), body.unpack(_I64)
+    parent = body.take(16)
+    (n,) = body.unpack(_U32)
+    if n > MAX_KEYS:
+        raise ValueError(f"lookup channel: {n} spans in one question, at most {MAX_KEYS}")
+    spans = [body.unpack(_SPAN) for _ in range(n)]
+    (m,) = body.unpack(_U32)
+    tokens = list(struct.unpack(f"<{m}q", body.take(8 * m)))
+    if identity is None or body.at != len(raw):
+        raise ValueError("lookup channel: a malformed find question")
+    if any(not base <= s < e <= base + m for s, e, _ in spans):
+        raise ValueError("lookup channel: a find question's spans run past its tokens")
+    return FindQuestion(identity, salt, after, base, parent, [(s, e, c) for s, e, c in spans], tokens)
+
+
+def encode_found(found: Found | None) -> bytes:
+    """Returns the OP_FIND answer: `found`, or status 1 (None: the worker keys chunks otherwise)."""
+    if found is None:
+        return b"\x01"
+    names = [_text(name) for name in found.tier_names]
+    partial = found.partial
+    tail = _PARTIAL.pack(partial.end, partial.chain, found.partial_tier) if partial is not None else \
+        _PARTIAL.pack(0, bytes(16), 0)
+    return b"".join([b"\x00", _U32.pack(len(names)), *names, _U32.pack(len(found.tiers)), bytes(found.tiers), tail])
+
+
+def read_found(sock: socket.socket, keyspace: Keyspace, spans: Sequence[Span]) -> Found | None:
+    """Returns the OP_FIND answer to a question about `spans` (None: the worker refused it: its
+    keyspace differs); ValueError when it is malformed (a run past `spans`, an unknown tier, a
+    partial chunk outside the span it starts)."""
+    if _read_exact(sock, 1) == b"\x01":
+        return None
+    (count,) = _U32.unpack(_read_exact(sock, 4))
+    if count > MAX_TIERS:
+        raise ValueError(f"lookup channel: {count} tiers in one answer, at most {MAX_TIERS}")
+    names = []
+    for _ in range(count):
+        (n,) = _U32.unpack(_read_exact(sock, 4))
+        if n > MAX_KEY_BYTES:
+            raise ValueError(f"lookup channel: a tier name of {n} bytes, at most {MAX_KEY_BYTES}")
+        names.append(_read_exact(sock, n).decode())
+    (run,) = _U32.unpack(_read_exact(sock, 4))
+    if run > len(spans):
+        raise ValueError(f"lookup channel: a run of {run} chunks in an answer about {len(spans)}")
+    tiers = list(_read_exact(sock, run))
+    end, chain, tier = _PARTIAL.unpack(_read_exact(sock, _PARTIAL.size))
+    if any(t >= count for t in tiers) or (end and tier >= count):
+        raise ValueError("lookup channel: an answer names a tier it did not list")
+    if not end:
+        return Found(tiers, tuple(names))
+    if run == len(spans) or not spans[run].start < end < spans[run].end:
+        raise ValueError("lookup channel: a partial chunk outside the span it starts")
+    return Found(tiers, tuple(names), Span(spans[run].start, end, keyspace.key(chain), chain), tier)
 
 
 def encode_tier_hits(hits: dict[str, int]) -> bytes:
@@ -147,16 +292,13 @@ def read_tier_hits(sock: socket.socket, num_keys: int) -> dict[str, int]:
 
 
 def encode_json_question(question: dict[str, Any], op: int) -> bytes:
-    """Returns the frame asking JSON op `op` (JSON_OPS) `question`; ValueError past MAX_KEYS
-    pieces of MAX_KEY_BYTES."""
-    raw = json.dumps(question)  # ASCII (non-ASCII escaped): one byte per character
-    step = MAX_KEY_BYTES
-    return encode_question([raw[i:i + step] for i in range(0, len(raw), step)], op)
+    """Returns the frame asking JSON op `op` `question`; ValueError past MAX_BODY_BYTES."""
+    return encode_body_question(json.dumps(question).encode(), op)
 
 
-def decode_json_question(keys: Sequence[str]) -> dict[str, Any]:
-    """Returns the JSON object a JSON op's keys carry; ValueError unless it is one."""
-    question = json.loads("".join(keys))
+def decode_json_question(body: bytes) -> dict[str, Any]:
+    """Returns the JSON object a JSON op's body carries; ValueError unless it is one."""
+    question = json.loads(body)
     if not isinstance(question, dict):
         raise ValueError("lookup channel: a JSON question is a JSON object")
     return question
@@ -194,22 +336,25 @@ def read_json(sock: socket.socket) -> dict[str, Any]:
 
 
 class LookupServer:
-    """Answers existence questions about `presence` on a Unix socket, from daemon threads
-    (without `presence`, as the scheduler side serves, only OP_ENGINE_PREFIX).
+    """Answers existence questions about `presence` (its chunks keyed in `keyspace`) on a Unix
+    socket, from daemon threads (without `presence`, as the scheduler side serves, only
+    OP_ENGINE_PREFIX).
 
     Guarantees: the socket file is created owner-only and removed by `close()`, which also
-    ends open connections; a bad question ends only its own connection.
+    ends open connections; a bad question ends only its own connection; a find from a
+    keyspace of another identity is refused (a miss), never answered with other keys.
     """
 
-    def __init__(self, presence: Presence | None, path: Path, clear_shared: bool = False,
-                 explainer: Explainer | None = None, controller: Controller | None = None,
-                 engine_prefix: EnginePrefix | None = None) -> None:
+    def __init__(self, presence: Presence | None, path: Path, keyspace: Keyspace | None = None,
+                 clear_local: Callable[[], None] | None = None, explainer: Explainer | None = None,
+                 controller: Controller | None = None, engine_prefix: EnginePrefix | None = None) -> None:
         self.presence = presence
+        self.keyspace = keyspace
+        self.clear_local = clear_local  # OP_CLEAR_LOCAL (vLLM's reset_cache)
         self.explainer = explainer
         self.controller = controller
         self.engine_prefix = engine_prefix
         self.path = path
-        self.clear_shared = clear_shared  # OP_CLEAR_LOCAL clears the shared tiers too
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
         path.unlink(missing_ok=True)  # left by a process that died
@@ -233,26 +378,30 @@ class LookupServer:
             self._open.add(sock)
         try:
             while True:
-                op, keys = read_question(sock)
-                if op == OP_ENGINE_PREFIX:
-                    ids, salt = _prompt_question(decode_json_question(keys))
+                q = read_question(sock)
+                if q.op == OP_ENGINE_PREFIX:
+                    ids, salt = _prompt_question(decode_json_question(q.body))
                     sock.sendall(encode_json({} if self.engine_prefix is None
                                              else {"tokens": self.engine_prefix(ids, salt)}))
                     continue
                 if self.presence is None:
-                    raise ValueError(f"lookup channel: op {op} asked of a server without tiers")
-                if op == OP_TIER_PREFIX:
-                    sock.sendall(encode_tier_hits(self.presence.storage.tier_prefix_hits(keys)))
-                elif op == OP_EXPLAIN:
-                    sock.sendall(encode_json(self._explain(decode_json_question(keys))))
-                elif op == OP_CONTROL:
-                    question = decode_json_question(keys)
+                    raise ValueError(f"lookup channel: op {q.op} asked of a server without tiers")
+                if q.op == OP_FIND:
+                    sock.sendall(encode_found(self._find(decode_find(q.body))))
+                elif q.op == OP_HELD:
+                    sock.sendall(bytes(self.presence.held(q.keys)) if q.keys else b"")
+                elif q.op == OP_TIER_PREFIX:
+                    sock.sendall(encode_tier_hits(self.presence.tier_prefix_hits(q.keys)))
+                elif q.op == OP_EXPLAIN:
+                    sock.sendall(encode_json(self._explain(decode_json_question(q.body))))
+                elif q.op == OP_CONTROL:
+                    question = decode_json_question(q.body)
                     sock.sendall(encode_json({} if self.controller is None else self.controller(question)))
-                elif op == OP_CLEAR_LOCAL:
-                    self.presence.storage.clear(local_only=not self.clear_shared)
+                elif q.op == OP_CLEAR_LOCAL:
+                    if self.clear_local is None:
+                        raise ValueError("lookup channel: a clear asked of a server that cannot")
+                    self.clear_local()
                     sock.sendall(b"\x01")
-                else:
-                    sock.sendall(bytes(self.presence.held(keys)) if keys else b"")
         except ConnectionError:
             return
         except (ValueError, UnicodeDecodeError, OSError) as e:
@@ -260,6 +409,17 @@ class LookupServer:
         finally:
             with self._lock:
                 self._open.discard(sock)
+
+    def _find(self, q: FindQuestion) -> Found | None:
+        """Returns the presence's `find` for question `q`, its spans keyed in this server's
+        keyspace; None (refused) when that keyspace's identity is not the asker's."""
+        if self.presence is None or self.keyspace is None or q.identity != self.keyspace.identity:
+            log.warning("lookup channel: a find from keyspace %r, this worker keys %r: refused (a miss)",
+                        q.identity, None if self.keyspace is None else self.keyspace.identity)
+            return None
+        ks = self.keyspace.for_salt(q.cache_salt)
+        spans = [Span(start, end, ks.key(chain), chain) for start, end, chain in q.spans]
+        return self.presence.find(ks, q.tokens, q.base, spans, q.parent, q.after)
 
     def _explain(self, q: dict[str, Any]) -> dict[str, Any]:
         """Returns the explainer's answer to an OP_EXPLAIN question; ValueError if malformed."""
@@ -294,6 +454,7 @@ class RemotePresence(KeyPresence):
         self.connect_timeout = connect_timeout
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self.questions = 0  # round trips asked
         self.failures = 0  # questions answered "not held" because the channel failed
 
     def _connect(self) -> socket.socket:
@@ -309,6 +470,17 @@ class RemotePresence(KeyPresence):
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.05)  # the worker side starts its server while loading the model
+
+    def find(self, keyspace: Keyspace, tokens: Sequence[int], base: int, spans: Sequence[Span], parent: bytes,
+             after: int) -> Found:
+        """The worker's `find`, in one round trip; an empty `Found` when the channel fails or
+        the worker refuses the question (it keys chunks otherwise: logged there)."""
+        if not spans:
+            return Found()
+        question = FindQuestion(keyspace.identity, keyspace.cache_salt, after, base, parent,
+                                [(sp.start, sp.end, sp.chain) for sp in spans], list(tokens))
+        answer = self._ask(encode_find(question), lambda sock: read_found(sock, keyspace, spans))
+        return answer or Found()
 
     def held(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
@@ -354,6 +526,7 @@ class RemotePresence(KeyPresence):
         """Returns the worker's answer to `question` as `read` decodes it; None (logged, the
         connection dropped) when none comes or it is malformed."""
         with self._lock:
+            self.questions += 1
             try:
                 if self._sock is None:
                     self._sock = self._connect()

@@ -3,7 +3,7 @@ kv-aware` asks each backend (kvtier serve answers the same question, kvtier/serv
 and the cache-control routes `POST /kv/inspect`, `/kv/pin`, `/kv/unpin`, `/kv/clear` with kvtier
 serve's bodies and answers (docs/serving.md, "Operating the cache"; docs/vllm.md).
 
-Added through vLLM's own option, `--middleware connector.vllm_lookup_route.KvLookupRoute`
+Added through vLLM's own option, `--middleware connector.vllm.lookup_route.KvLookupRoute`
 (`kvtier-vllm serve` adds it by itself). A pure ASGI middleware: every other request goes
 straight on to vLLM. The body takes one of `prompt` (text), `prompt_token_ids` or `messages`
 (chat), and `model`; the answer has kvtier serve's shape:
@@ -14,7 +14,7 @@ straight on to vLLM. The body takes one of `prompt` (text), `prompt_token_ids` o
   `chat_template_kwargs` in the body are honoured as there).
 - `tiers`: per tier, how many leading tokens it holds as stored chunks, never the last token
   (vLLM always computes it), asked of the worker process's tiers over the lookup channel
-  (connector/lookup_channel.py, OP_TIER_PREFIX; with tensor parallel, the shortest rank's).
+  (connector/vllm/lookup_channel.py, OP_TIER_PREFIX; with tensor parallel, the shortest rank's).
   Stores still queued are not counted.
 - `engine_prefix_cache_tokens`: how many leading tokens vLLM's own prefix cache holds (whole
   blocks, never the last token), asked of the connector's scheduler side, which lives in
@@ -29,7 +29,7 @@ straight on to vLLM. The body takes one of `prompt` (text), `prompt_token_ids` o
   channel (OP_EXPLAIN; with tensor parallel, rank 0's KV heads); null when it does not answer.
   Every client shares vLLM's API key, so only the asked tenant's and unsalted entries count.
 
-The control routes are connector/control_ops.py's CONTROL_OPS, one route `/kv/<name>` per
+The control routes are connector/vllm/control_ops.py's CONTROL_OPS, one route `/kv/<name>` per
 op: a prompt op's body is tokenized as above and sent with its `cache_salt` and other fields
 as a JSON question (OP_CONTROL) to the worker, which answers it with the same functions as
 kvtier serve; ops that change state go to every tensor-parallel rank (each holds its own KV
@@ -41,7 +41,7 @@ Guarded by vLLM's `--api-key` (or `VLLM_API_KEY`) like its `/v1` routes: a looku
 a prompt was seen. Every client shares that key: there is no operator/tenant split as on
 kvtier serve, so any client may pin and clear. Bad input is a 400 naming the problem; a worker
 that does not answer a 503. This module never imports vllm: it reads vLLM's app state by
-attribute, and takes the keyspace from connector/vllm.py, imported when first asked (inside
+attribute, and takes the keyspace from connector/vllm/connector.py, imported when first asked (inside
 vLLM's API server, where vllm is loaded anyway).
 """
 
@@ -55,9 +55,9 @@ from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 from connector.bearer_auth import bearer_key
-from connector.control_ops import CONTROL_OPS
-from connector.lookup_channel import RemotePresence, lookup_socket_path, scheduler_socket_path
 from connector.presence import held_tokens
+from connector.vllm.control_ops import CONTROL_OPS
+from connector.vllm.lookup_channel import RemotePresence, lookup_socket_path, scheduler_socket_path
 from engine.cache_salt import validate_cache_salt
 from kvstore.deadlines import CONTROL_CHANNEL_S, EXPLAIN_CHANNEL_S, LOOKUP_ROUTE_CHANNEL_S
 
@@ -121,8 +121,8 @@ class _Tiers:
     (every tensor-parallel rank's), and vLLM's own prefix cache, asked of the scheduler side."""
 
     def __init__(self, vllm_config: Any) -> None:
-        from connector.vllm_api import attention_backend, cpu_attention_isa  # imports vllm: only inside vLLM's server
-        from connector.vllm_setup import vllm_setup
+        from connector.vllm.api import attention_backend, cpu_attention_isa  # imports vllm: only inside vLLM's server
+        from connector.vllm.setup import vllm_setup
 
         setup = vllm_setup(vllm_config, None, attention_backend(), cpu_attention_isa)
         self.keyspace = setup.keyspace()

@@ -7,7 +7,7 @@ from dataclasses import fields
 from typing import Any
 
 from connector.metrics import PROM_COUNTERS, TIER_HIT_TOKENS, RequestKVMetrics
-from connector.vllm_api import KVConnectorPromMetrics, KVConnectorStats
+from connector.vllm.api import KVConnectorPromMetrics, KVConnectorStats
 
 LEGACY_NAMES = {field: f"kvtier:{field}" for field in PROM_COUNTERS}
 """The names `vllm serve` used before kvtier serve's were adopted (`kvtier:connector_hit_tokens`

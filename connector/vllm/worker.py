@@ -3,8 +3,8 @@ caches and tiers opened in this process (docs/vllm.md).
 
 vLLM names its per-layer caches (`model.layers.3.self_attn.attn`) and lays them out per
 attention backend; they are ordered by layer and wrapped in that backend's `PagedKVLayout`
-(connector/vllm_layouts.py), each layer in its KV cache group. This process also answers the
-scheduler process's existence questions (connector/lookup_channel.py).
+(connector/vllm/layouts.py), each layer in its KV cache group. This process also answers the
+scheduler process's existence questions (connector/vllm/lookup_channel.py).
 """
 
 from __future__ import annotations
@@ -14,12 +14,10 @@ from typing import Any
 
 import torch
 
-from connector.control_ops import answer_control
 from connector.explain import explain
 from connector.kv_events import TierChangeLog
-from connector.lookup_channel import LookupServer, lookup_socket_path
 from connector.metrics import ConnectorMetrics, RequestKVMetrics
-from connector.vllm_api import (
+from connector.vllm.api import (
     LOGGER,
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -30,11 +28,13 @@ from connector.vllm_api import (
     cpu_attention_isa,
     tensor_parallel_rank,
 )
-from connector.vllm_layouts import NULL_BLOCK, vllm_layout_for
-from connector.vllm_metadata import KVTierVllmMeta, KVTierWorkerMeta
-from connector.vllm_metrics import KVTierVllmStats, stats_delta
-from connector.vllm_roles import WorkerRole
-from connector.vllm_setup import layer_index, vllm_setup
+from connector.vllm.connector import WorkerRole
+from connector.vllm.control_ops import answer_control
+from connector.vllm.layouts import NULL_BLOCK, vllm_layout_for
+from connector.vllm.lookup_channel import LookupServer, lookup_socket_path
+from connector.vllm.metadata import KVTierVllmMeta, KVTierWorkerMeta
+from connector.vllm.setup import layer_index, vllm_setup
+from connector.vllm.stats import KVTierVllmStats, stats_delta
 from connector.worker import KVTierWorker
 from kvstore.deadlines import STORE_FLUSH_TIMEOUT_S, VLLM_IDLE_WAIT_S
 from kvstore.storage_manager import StorageManager
@@ -42,7 +42,7 @@ from kvstore.storage_manager import StorageManager
 log = logging.getLogger(LOGGER)
 
 
-class VllmWorkerConnector(WorkerRole, KVConnectorBase_V1):  # vLLM's class, one per role
+class VllmWorkerConnector(WorkerRole, KVConnectorBase_V1):  # KVTierConnector's worker role
     """The worker role: loads, saves, the tiers and the lookup channel.
 
     Guarantees: the lookup channel answers from this worker's `Presence` (pending stores
@@ -67,9 +67,10 @@ class VllmWorkerConnector(WorkerRole, KVConnectorBase_V1):  # vLLM's class, one 
         self._layers: dict[str, int] = {}
         self._reported = RequestKVMetrics("*")
         path = lookup_socket_path(vllm_config.kv_transfer_config.engine_id, self.rank)
-        clear_shared = self.setup.config.reset_clears_shared_tiers
-        self._server = LookupServer(self.worker.presence, path, clear_shared=clear_shared, explainer=self._explain,
-                                    controller=self._control)
+        local_only = not self.setup.config.reset_clears_shared_tiers
+        self._server = LookupServer(self.worker.presence, path, self.keyspace,
+                                    clear_local=lambda: self.storage.clear(local_only=local_only),
+                                    explainer=self._explain, controller=self._control)
         self._idle = False
         self._reported_pending = False
         self._closed = False
