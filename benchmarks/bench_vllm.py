@@ -20,6 +20,12 @@ token comes through the connector) and the same prompts:
   tensor_parallel_size 1 and 2 (one core per rank): warm over cold TTFT at 2k tokens (TP=2
   target <= 0.15), and load rate per token TP=2 over TP=1 (rank 0's load seconds and loaded
   tokens, vLLM's connector stats)                                       (target >= 0.8)
+- kvtier cpu vs vLLM's hit: vLLM's prefix cache on, in one process, per prompt: its own
+  prefix-cache hit, then (that cache reset) kvtier's cpu tier's, alternating; TTFT of the
+  tier's hit over vLLM's own                                              (target <= 1.05)
+- lookup: the scheduler side's lookup of an 8k-token prompt held in a cpu tier, over the
+  lookup channel to one worker and to two ranks (this process: the planner, a `LookupServer`
+  per rank, real sockets); its latency and round trips per rank, reported
 - stall: p99 of the running decodes' step times while a stored 4k prompt loads (from its
   arrival until its load ended: the step that then computes it with them is reported apart,
   as `joined`), over the same decodes with no load                       (target <= 1.2)
@@ -81,8 +87,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
     kvt = KVTransferConfig(**spec["kv"]) if spec["kv"] else None
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True, max_model_len=4608,
-              enable_prefix_caching=False, kv_transfer_config=kvt, seed=0, disable_log_stats=False,
-              tensor_parallel_size=spec.get("tp", 1))
+              enable_prefix_caching=bool(spec.get("versus_engine_hit")), kv_transfer_config=kvt, seed=0,
+              disable_log_stats=False, tensor_parallel_size=spec.get("tp", 1))
     one = SamplingParams(temperature=0.0, max_tokens=1)
     unstored = SamplingParams(temperature=0.0, max_tokens=1,
                               extra_args={"kv_transfer_params": {"kvtier.skip_save": True}})
@@ -93,6 +99,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         return time.perf_counter() - t0
 
     ttft(token_ids(64, 999))  # warm-up: first-call costs out of the figures
+    if spec.get("versus_engine_hit"):
+        return {"versus": {str(n): versus_engine_hit(llm, ttft, n, spec["reps"]) for n in spec["sizes"]}}
     out: dict[str, Any] = {"ttft": {}}
     for n in spec["sizes"]:
         ttft(token_ids(n, 900 + n))  # and each size's first-shape costs
@@ -116,6 +124,77 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         out["stall"] = stall(llm, spec["stall"], spec["reps"])
     if spec.get("load_rate"):
         out["load"] = kvtier_counters(("load_seconds", "connector_hit_tokens"))
+    return out
+
+
+def versus_engine_hit(llm: Any, ttft: Any, n: int, reps: int) -> dict[str, float]:
+    """Returns the median TTFT of an `n`-token prompt hit in vLLM's own prefix cache and, the
+    same prompt, in kvtier's cpu tier (vLLM's cache reset before), alternating per prompt."""
+    ttft(token_ids(n, 5000 + n))  # this size's first-shape costs
+    engine, tier = [], []
+    for rep in range(reps):
+        ids = token_ids(n, 6000 + n + rep)
+        ttft(ids)  # computed and stored; vLLM's prefix cache keeps its blocks
+        time.sleep(0.5)  # the store lands
+        for _ in range(2):
+            engine.append(ttft(ids))
+            if not llm.reset_prefix_cache():  # vLLM's own only: the connector's tiers stay
+                raise RuntimeError("vLLM did not reset its prefix cache")
+            tier.append(ttft(ids))  # the tier's hit; vLLM's cache holds the blocks again after
+    return {"engine_hit_s": statistics.median(engine), "tier_hit_s": statistics.median(tier)}
+
+
+def lookup_latency(model: str, reps: int) -> dict[str, Any]:
+    """Returns the scheduler side's lookup of an 8192-token prompt held in a cpu tier, asked
+    over the lookup channel of one worker and of two ranks (the default model's KV heads split
+    1 + 2): median milliseconds and round trips per rank per lookup."""
+    import torch
+
+    from connector.connector_config import make_config
+    from connector.metrics import ConnectorMetrics
+    from connector.planner import KVTierPlanner
+    from connector.presence import Presence, RankedPresence
+    from connector.vllm.lookup_channel import LookupServer, RemotePresence
+    from engine.model_config import ModelConfig
+    from engine.sampling_params import SamplingParams
+    from engine.sequence import Sequence
+    from kvstore.storage_manager import StorageManager
+    from kvstore.store_config import KVStoreConfig, TierSpec
+
+    mc = ModelConfig.from_pretrained(model)
+    config = make_config(["cpu"], chunk_size=256)
+    ks = config.keyspace(mc, torch.bfloat16).for_heads(0, mc.num_kv_heads)
+    ids = token_ids(8192, 77)
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, heads in (("1 rank", [(0, mc.num_kv_heads)]), ("2 ranks", [(0, 1), (1, mc.num_kv_heads)])):
+            stores = [StorageManager.from_config(KVStoreConfig(tiers=[TierSpec(url="cpu")])) for _ in heads]
+            servers, remotes = [], []
+            for r, (storage, (lo, hi)) in enumerate(zip(stores, heads)):
+                rank_ks = ks.for_heads(lo, hi)
+                value = torch.zeros(1, 2, 1, 1, 1)  # existence is all a lookup asks
+                storage.batched_put([(k, value) for k in rank_ks.stored_keys(rank_ks.spans(ids))])
+                path = Path(tmp) / f"{len(heads)}-{r}.sock"
+                servers.append(LookupServer(Presence(storage), path, rank_ks))
+                remotes.append(RemotePresence(path))
+            planner = KVTierPlanner(config, RankedPresence(remotes, heads), ConnectorMetrics())
+            planner.register_model(mc, torch.bfloat16, 128, ks)
+            times = []
+            for rep in range(max(5, reps * 5)):
+                seq = Sequence(f"r{rep}", ids, SamplingParams(max_tokens=1))
+                t0 = time.perf_counter()
+                hit, _ = planner.get_num_new_matched_tokens(seq, 0)
+                times.append(time.perf_counter() - t0)
+                assert hit == len(ids) - 1, hit
+                planner.request_finished(seq, [])
+            out[label] = {"ms": statistics.median(times) * 1e3,
+                          "round_trips_per_rank": sum(r.questions for r in remotes) / len(times) / len(remotes)}
+            for r in remotes:
+                r.close()
+            for server in servers:
+                server.close()
+            for storage in stores:
+                storage.close()
     return out
 
 
@@ -232,6 +311,7 @@ def main() -> int:
         "none": {**base, "kv": None},
         "kvtier cpu": {**base, "kv": kvtier("cpu?budget=3GiB"), "stall": 512 if args.quick else 4096,
                        "store_overhead": True},
+        "kvtier cpu vs vLLM's hit": {**base, "kv": kvtier("cpu?budget=3GiB"), "versus_engine_hit": True},
         "kvtier disk": {**base, "kv": kvtier(f"disk://{tmp}/kvtier")},
         "kvtier redis": {**base, "kv": kvtier(redis.url)},
         # tensor parallel: a random model SmolLM2's size whose KV heads split over two ranks
@@ -258,18 +338,20 @@ def main() -> int:
                                                                         "VLLM_CPU_KVCACHE_SPACE")}}
     suffix = ("_quick" if args.quick else "") + ("" if args.dtype == "float32" else f"_{args.dtype}")
     if args.only:  # rerun these arms into the last run's results (its sizes and reps)
-        unknown = set(args.only) - set(arms)
+        unknown = set(args.only) - set(arms) - {"lookup"}
         if unknown:
             ap.error(f"--only: no arm {sorted(unknown)}; arms: {', '.join(arms)}")
         res = json.loads((RESULTS / f"vllm{suffix}.json").read_text())
         arms = {n: {**arms[n], "sizes": [n_ for n_ in arms[n]["sizes"] if n_ in res["sizes"]], "reps": res["reps"]}
-                for n in args.only}
+                for n in args.only if n in arms}
     try:
         for name, spec in arms.items():
             print(f"arm {name} ...", file=sys.stderr, flush=True)
             res[name] = run_arm(name, spec, tmp)
     finally:
         redis.stop()
+    if not args.only or "lookup" in args.only:
+        res["lookup"] = lookup_latency(model, reps)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"vllm{suffix}.json").write_text(json.dumps(res, indent=2) + "\n")
     table = render(res)
@@ -311,6 +393,16 @@ def render(res: dict[str, Any]) -> str:
              else "n/a" for n in sizes]
     lines.append("| store overhead: cold TTFT storing / not storing (`kvtier.skip_save`), one process, "
                  "interleaved | " + " | ".join(cells) + " | <= 1.05 |")
+    vs = res.get("kvtier cpu vs vLLM's hit", {}).get("versus", {})
+    if vs:
+        cells = [f"{vs[n]['tier_hit_s'] / vs[n]['engine_hit_s']:.2f}x ({vs[n]['tier_hit_s'] * 1e3:.0f} / "
+                 f"{vs[n]['engine_hit_s'] * 1e3:.0f} ms)" if n in vs else "n/a" for n in sizes]
+        lines.append("| TTFT of a kvtier cpu tier hit / vLLM's own prefix-cache hit, same prompt, one process, "
+                     "alternating | " + " | ".join(cells) + " | <= 1.05x |")
+    for label, lk in res.get("lookup", {}).items():
+        lines.append(f"| scheduler-side lookup of an 8192-token prompt held in a cpu tier, {label} (lookup channel) | "
+                     + " | ".join([""] * (len(sizes) - 1)) + f" | {lk['ms']:.2f} ms, "
+                     f"{lk['round_trips_per_rank']:.0f} round trip(s) per rank | - |")
     st = res.get("kvtier cpu", {}).get("stall")
     if st:
         lines.append(f"| stall: p99 decode step while a {sizes[-1]}-token hit loads / with no load | "
