@@ -53,7 +53,6 @@ import torch
 
 from benchmarks.bench_store import timed, timed_together
 from connector.connector_config import make_config
-from connector.keyspace import Keyspace, Span
 from connector.loader import Loader
 from connector.metadata import LoadSpec
 from connector.metrics import ConnectorMetrics
@@ -61,6 +60,7 @@ from connector.store_queue import StoreQueue
 from connector.vllm.layouts import vllm_layout_for
 from engine.kv_cache import EngineLayout, PagedKVLayout, zeroed_pool
 from engine.model_config import ModelConfig
+from kvkeys.keyspace import Keyspace, Span
 from kvstore import serde
 from kvstore.backends.disk.file_names import key_path
 from kvstore.read_buffers import PAGE, page_aligned

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from connector.keyspace import Keyspace
+from kvkeys.keyspace import Keyspace
 from kvstore import serde
 from kvstore.backend import BytesBackend
 from kvstore.registry import create_backend

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from connector.keyspace import Keyspace
+from kvkeys.keyspace import Keyspace
 from kvstore import serde
 from kvstore.registry import create_backend
 from kvstore.store_config import TierSpec

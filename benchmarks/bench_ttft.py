@@ -43,11 +43,11 @@ import torch
 
 from connector.connector_config import make_config
 from connector.engine_connector import EngineConnector, build_connector
-from connector.keyspace import chunk_key, layer_key
 from connector.loader import FETCH_GROUP
 from engine import LLM, SamplingParams
 from engine.model_config import ModelConfig
 from engine.model_loader import resolve_model_path
+from kvkeys.keyspace import chunk_key, layer_key
 from kvstore.storage_manager import StorageManager
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ unused for a while) and one tier's limits changed at run time (set_budget). The 
 so do the same routes of `vllm serve` through connector/vllm/control_ops.py.
 
 A prompt is taken as the request would take it: its tokens are cut into chunk spans by the
-request's keyspace (its cache_salt's: connector/keyspace.py), and a chunk is held by a tier
+request's keyspace (its cache_salt's: kvkeys/keyspace.py), and a chunk is held by a tier
 when every stored value of it is (its layers, its KV heads). Pins are the tiers' own
 (kvstore/pin_set.py): all of a prefix's values or none.
 """
@@ -17,13 +17,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from connector.key_families import Family, FamilyIndex
-from connector.keyspace import Keyspace, Span, key_family_label
-from engine.cache_salt import tenant_tag
+from connector.key_families import FamilyIndex
+from kvkeys.families import Family
+from kvkeys.keyspace import Keyspace, Span, key_family_label
+from kvkeys.tenants import key_tenant, tenant_prefix, tenant_tag
 from kvstore.backend import EntryInfo
 from kvstore.pin_set import PinError
 from kvstore.storage_manager import LOCAL_TIERS, StorageManager
-from kvstore.tenant_keys import key_tenant, tenant_prefix
 
 
 def merge_figures(infos: Sequence[EntryInfo | None]) -> dict[str, Any] | None:

@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 from connector import lmcache_compat
 from connector.blend.blend_config import BLEND_SETTINGS, BlendConfig
-from connector.keyspace import KeyedModel, Keyspace
-from engine.cache_salt import set_tenant_tag_key, tag_key_bytes
 from engine.engine_config import opt
+from engine.kv_cache import KeyedModel
 from engine.kv_connector import CONFIG_FILE_ENV
+from kvkeys.keyspace import Keyspace
+from kvkeys.tenants import set_tenant_tag_key, tag_key_bytes
 from kvstore.env import Setting, env_bool, env_int, env_str, field_settings, merge, parse_env
 from kvstore.store_config import KVSTORE_SETTINGS, KVStoreConfig, TierSpec, parse_size, read_yaml, unknown_key
 
@@ -119,7 +120,7 @@ class ConnectorConfig:
         "store jobs (one per request and step) waiting for the connector's store thread; beyond it "
         "one is dropped (counted) as `queue_full` says",
         env="KVTIER_STORE_QUEUE_SIZE", parse=env_int, check=_positive_int))
-    # Layer-pipelined loads: chunks stored one value per layer (connector/keyspace.py).
+    # Layer-pipelined loads: chunks stored one value per layer (kvkeys/keyspace.py).
     use_layerwise: bool = field(default=False, metadata=opt(
         "layer-pipelined loads: a hit is scheduled at once and layer i waits only for layer i "
         "(not with CacheBlend)",
@@ -133,7 +134,7 @@ class ConnectorConfig:
         "bfloat16) in the canonical form every vLLM CPU instance shares, and moves any other's (block, KV head) tiles "
         "as their bytes, keyed by their format; 'tiles' moves every kernel's pages as tiles",
         env="KVTIER_CPU_PAGE_FORM", parse=env_str, check=_page_form))
-    # The operator's secret: tenant tags in stored keys are an HMAC of the salt (engine/cache_salt.py).
+    # The operator's secret: tenant tags in stored keys are an HMAC of the salt (kvkeys/tenants.py).
     tenant_tag_key: str | None = field(default=None, repr=False, metadata=opt(
         "shared secret (>= 16 bytes): a cache_salt's tenant tag in stored keys is an HMAC under it, so "
         "a reader of a shared tier cannot confirm a guessed salt; every process sharing a tier needs "

@@ -52,7 +52,9 @@ class EngineConnector(KVConnector):
         self.storage = storage if storage is not None else StorageManager.from_config(self.config.kvstore)
         self.metrics = ConnectorMetrics()
         worker = KVTierWorker(self.config, self.storage, self.metrics, check_budgets=self._owns_storage)
-        super().__init__(KVTierPlanner(self.config, worker.presence, self.metrics), worker)
+        # one keyspace: the worker builds it with the caches, the planner takes that one
+        super().__init__(KVTierPlanner(self.config, worker.presence, self.metrics,
+                                       keyspace_of=lambda: worker.keyspace), worker)
         self._closed = False
         # A script that never calls LLM.shutdown() still gets its queued stores written.
         self._atexit = functools.partial(_shutdown_at_exit, weakref.ref(self))

@@ -26,9 +26,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from connector.key_families import Family, FamilyIndex
-from connector.keyspace import Keyspace
+from connector.key_families import FamilyIndex
 from connector.presence import ChunkPresence, held_tokens
+from kvkeys.families import Family
+from kvkeys.keyspace import Keyspace
 from kvstore.storage_manager import StorageManager
 
 FIELDS = ("model", "engine_tag", "kv_dtype", "layout", "chunk_size", "tenant")

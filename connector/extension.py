@@ -17,9 +17,10 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from connector.keyspace import KeyedModel, Keyspace
     from connector.request_view import RequestView
+    from engine.kv_cache import KeyedModel
     from engine.scheduler_output import SchedulerOutput
+    from kvkeys.keyspace import Keyspace
 
 
 class PlannerExtension(ABC):

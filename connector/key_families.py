@@ -1,11 +1,5 @@
-"""Key families: everything a stored key names but the chunk hash (model fingerprint with its
-engine tag, KV dtype, layout version, chunk size, tenant), and the per-tier index of the
-families stored there, so a miss can be explained (connector/explain.py) across processes
-without listing a tier.
-
-A `Family` carries its chain root too (a salt's root sealed under the tenant tag key,
-engine/cache_salt.py `seal_root`): with it the keys a prompt has in that family are computed
-again, and a tier is asked whether it holds them, by existence alone.
+"""The per-tier index of the key families stored there (kvkeys/families.py), so a miss can be
+explained (connector/explain.py) across processes without listing a tier.
 
 The index of a shared tier (disk, Redis, the cache server) is one value under `INDEX_KEY`: a
 JSON list of at most `MAX_FAMILIES` records (about 250 bytes each), held as a uint8 tensor
@@ -25,76 +19,19 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
-from connector.keyspace import LAYOUT_VERSION, Keyspace, chunk_key, head_key, layer_key
-from engine.cache_salt import seal_root
-from engine.hashing import chain_hash
+from kvkeys.families import Family
+from kvkeys.keyspace import Keyspace
+from kvkeys.tenants import KEY_ROOT
 from kvstore.background_queue import BACKGROUND_NICE, BackgroundQueue
 from kvstore.storage_manager import StorageManager
-from kvstore.tenant_keys import KEY_ROOT
 
 INDEX_KEY = f"{KEY_ROOT}index:families"
 MAX_FAMILIES = 256
 RECHECK_S = 60.0
-
-
-@dataclass(frozen=True)
-class Family:
-    """One key family, as an index record holds it. `values`: how a chunk is stored ("chunk",
-    "layers": one value per layer, "heads": one per KV head)."""
-
-    model: str
-    kv_dtype: str
-    layout: int
-    chunk_size: int
-    tenant: str | None
-    root: str  # hex; a tenant's sealed
-    values: str = "chunk"
-    num_layers: int = 1
-
-    @classmethod
-    def of(cls, ks: Keyspace) -> Family:
-        """Returns the family of `ks`'s keys."""
-        root = ks.root if ks.tenant is None else seal_root(ks.root, ks.tenant)
-        values = "heads" if ks.heads is not None else "layers" if ks.layerwise else "chunk"
-        return cls(ks.model, ks.kv_dtype, LAYOUT_VERSION, ks.chunk_size, ks.tenant, root.hex(), values, ks.num_layers)
-
-    @property
-    def id(self) -> str:
-        """Every key of this family starts with this (its chunk key without the hash)."""
-        return chunk_key(self.model, self.kv_dtype, self.chunk_size, b"", self.layout, self.tenant)
-
-    @property
-    def engine_tag(self) -> str:
-        """The fingerprint's engine tag (`+vllm-cpu`), "" for kvtier's own engine."""
-        return self.model.partition("+")[2]
-
-    def fields(self) -> dict[str, object]:
-        """What tells families apart, as explain names it."""
-        return {"model": self.model.partition("+")[0], "engine_tag": self.engine_tag, "kv_dtype": self.kv_dtype,
-                "layout": self.layout, "chunk_size": self.chunk_size, "tenant": self.tenant}
-
-    def probes(self, tokens: Sequence[int]) -> list[tuple[int, str]]:
-        """Returns per chunk of `tokens` in this family (the last, short one too) its end and
-        one stored key that is there only when the chunk is (its last layer's, its first head's)."""
-        root = bytes.fromhex(self.root)
-        if self.tenant is not None:
-            root = seal_root(root, self.tenant)  # its own inverse
-        out = []
-        chain = root
-        for start in range(0, len(tokens), self.chunk_size):
-            end = min(start + self.chunk_size, len(tokens))
-            chain = chain_hash(chain, tokens[start:end])
-            key = chunk_key(self.model, self.kv_dtype, self.chunk_size, chain, self.layout, self.tenant)
-            if self.values == "layers":
-                key = layer_key(key, self.num_layers - 1)
-            elif self.values == "heads":
-                key = head_key(key, 0)
-            out.append((end, key))
-        return out
 
 
 def encode_index(families: Sequence[Family]) -> torch.Tensor:

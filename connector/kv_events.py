@@ -18,8 +18,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from connector.keyspace import Keyspace
 from connector.metadata import SaveSpec
+from kvkeys.keyspace import Keyspace
 
 TierKey = tuple[str, str]
 """(tier name, stored key)."""
@@ -63,7 +63,7 @@ class TierChangeLog:
 @dataclass(frozen=True)
 class ChunkEvent:
     """A chunk `stored` on, or `removed` from, one tier (`medium`). `chain` is the chunk's
-    chained hash (connector/keyspace.py), `parent` the previous chunk's (None: the first)."""
+    chained hash (kvkeys/keyspace.py), `parent` the previous chunk's (None: the first)."""
 
     kind: str  # "stored" | "removed"
     medium: str

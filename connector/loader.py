@@ -9,10 +9,10 @@ at lookup is not possession); `LoadJob.filled` ends the positions every layer go
   fastest tier reads in place (the disk tier, raw values, blocks in host memory), a fetch
   reads its chunks straight into the blocks: there is nothing left to scatter.
 - layer by layer (`use_layerwise`, the request runs in the step that admitted it): layer i of
-  every chunk (one stored value each, connector/keyspace.py) is fetched and scattered in
+  every chunk (one stored value each, kvkeys/keyspace.py) is fetched and scattered in
   layer order, the next layer fetched while this one is scattered; the forward's layer i
   waits only for it (`wait_layer`). The step reports what did not arrive.
-Split by KV head (vLLM's connector, connector/keyspace.py), a chunk's values are fetched in one
+Split by KV head (vLLM's connector, kvkeys/keyspace.py), a chunk's values are fetched in one
 batch and joined along the head axis before the scatter.
 Hits from slower tiers are queued for promotion through the store queue once the load ended;
 the load never waits for that write. On CUDA the scatter runs on a side stream from pinned
@@ -34,12 +34,12 @@ from typing import Any
 
 import torch
 
-from connector.keyspace import Keyspace, Span, layer_key
 from connector.load_staging import to_device_source
 from connector.metadata import LoadSpec
 from connector.metrics import ConnectorMetrics
 from connector.store_queue import StoreQueue
 from engine.kv_cache import PagedKVLayout
+from kvkeys.keyspace import Keyspace, Span, layer_key
 from kvstore.backend import Destination
 from kvstore.background_queue import BACKGROUND_NICE, BackgroundQueue, lower_thread_priority
 from kvstore.storage_manager import StorageManager

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from connector.keyspace import Span
+from kvkeys.keyspace import Span
 
 
 @dataclass

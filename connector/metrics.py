@@ -49,7 +49,7 @@ class RequestKVMetrics:
     stored_tokens: int = 0  # tokens of chunks put into the tiers (counted once the put ran)
     bytes_stored: int = 0
     dropped_store_bytes: int = 0  # over the pending-store budget: not stored, not waited for
-    tenant: str | None = None  # the tag of the request's cache_salt (kvstore/tenant_keys.py); None: unsalted
+    tenant: str | None = None  # the tag of the request's cache_salt (kvkeys/tenants.py); None: unsalted
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

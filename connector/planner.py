@@ -26,7 +26,7 @@ fresh blocks of a prompt with the identical prefix, so storing it is safe.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,14 +34,15 @@ import torch
 
 from connector.blend.blend_planner import planner_extension
 from connector.connector_config import ConnectorConfig
-from connector.keyspace import KeyedModel, Keyspace, RequestSpans, Span
 from connector.metadata import KVTierMeta, LoadSpec, SaveSpec
 from connector.metrics import ConnectorMetrics, RequestKVMetrics
 from connector.presence import ChunkPresence, Found
 from connector.request_view import BlockIds, RequestView, StepRequest
 from connector.save_plan import SavePlan, SavePolicy
-from engine.cache_salt import tenant_tag
+from engine.kv_cache import KeyedModel
 from engine.kv_connector import KVConnectorOutput, KVConnectorScheduler
+from kvkeys.keyspace import Keyspace, RequestSpans, Span
+from kvkeys.tenants import tenant_tag
 
 if TYPE_CHECKING:
     from engine.scheduler_output import SchedulerOutput
@@ -68,8 +69,9 @@ class KVTierPlanner(KVConnectorScheduler):
     """
 
     def __init__(self, config: ConnectorConfig, presence: ChunkPresence, metrics: ConnectorMetrics,
-                 loads: bool = True, saves: bool = True) -> None:
+                 loads: bool = True, saves: bool = True, keyspace_of: Callable[[], Keyspace] | None = None) -> None:
         self.config = config
+        self._keyspace_of = keyspace_of  # where register_model takes its keyspace (the worker's, in one process)
         self.loads = loads  # False: every lookup misses (a producer-only connector)
         self.saves = saves  # False: nothing is offered for saving (a consumer-only connector)
         self.presence = presence
@@ -96,8 +98,11 @@ class KVTierPlanner(KVConnectorScheduler):
     def register_model(self, model_config: KeyedModel, kv_dtype: torch.dtype | str, block_size: int,
                        keyspace: Keyspace | None = None) -> None:
         """Takes the model, its K/V dtype and block size, and the keyspace chunks are keyed in
-        (default: the model's, whole chunks)."""
-        self._keyspace = keyspace if keyspace is not None else self.config.keyspace(model_config, kv_dtype)
+        (default: `keyspace_of()`'s, the one its worker built, else the model's, whole chunks)."""
+        if keyspace is None:
+            keyspace = self._keyspace_of() if self._keyspace_of is not None else \
+                self.config.keyspace(model_config, kv_dtype)
+        self._keyspace = keyspace
         self.block_size = block_size
         self._save_plan = SavePlan(SavePolicy(self.config.save_decode_tokens, self.config.save_unfull_chunk,
                                               self.saves), self._keyspace, self._spans_of)

@@ -2,7 +2,7 @@
 for the planner's lookup, the saver's skip of stored chunks and `/kv/lookup`.
 
 A chunk is held when some tier holds (or a pending store carries) every stored value of it
-(connector/keyspace.py). One batched existence query per tier per call; no value is read.
+(kvkeys/keyspace.py). One batched existence query per tier per call; no value is read.
 `Presence` lives with the store (the worker side, whose store queue knows what is pending);
 a planner in the same process asks it directly, one in another process (vLLM's scheduler)
 asks it through connector/vllm/lookup_channel.py's `RemotePresence`, one per tensor-parallel
@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from connector.keyspace import Keyspace, Span
+from kvkeys.keyspace import Keyspace, Span
 from kvstore.storage_manager import StorageManager
 
 

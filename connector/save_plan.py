@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from connector.keyspace import Keyspace, RequestSpans, Span
+from kvkeys.keyspace import Keyspace, RequestSpans, Span
 
 if TYPE_CHECKING:
     from connector.request_view import RequestView

@@ -3,7 +3,7 @@ from the paged cache into the buffers every tier's write uses, and queued on the
 (connector/store_queue.py), so serving never waits on a tier (docs/architecture.md,
 "Connector"). In layerwise mode each layer is gathered into its own value, stored under its
 layer key; split by KV head, each head of the gathered chunk is its own value (a view, copied
-out on the store thread) under its head key (connector/keyspace.py).
+out on the store thread) under its head key (kvkeys/keyspace.py).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import functools
 import torch
 
 from connector.key_families import FamilyIndex
-from connector.keyspace import Keyspace, Span, layer_key
 from connector.metadata import SaveSpec
 from connector.metrics import ConnectorMetrics
 from connector.presence import Presence
 from connector.store_queue import StoreQueue
 from engine.kv_cache import PagedKVLayout
+from kvkeys.keyspace import Keyspace, Span, layer_key
 
 
 class Saver:

@@ -28,15 +28,15 @@ from connector.blend.blender import worker_extension
 from connector.connector_config import ConnectorConfig
 from connector.extension import NoWorkerExtension, WorkerExtension
 from connector.key_families import flush_index
-from connector.keyspace import KeyedModel, Keyspace
 from connector.loader import Loader, LoadJob
 from connector.metadata import KVTierMeta, SaveSpec
 from connector.metrics import ConnectorMetrics
 from connector.presence import Presence
 from connector.saver import Saver
 from connector.store_queue import StoreQueue
-from engine.kv_cache import PagedKVLayout, layout_for
+from engine.kv_cache import KeyedModel, PagedKVLayout, layout_for
 from engine.kv_connector import KVConnectorOutput, KVConnectorWorker
+from kvkeys.keyspace import Keyspace
 from kvstore.budget_check import check_tier_budgets
 from kvstore.storage_manager import StorageManager
 
@@ -68,6 +68,7 @@ class KVTierWorker(KVConnectorWorker):
         self.model_config: KeyedModel | None = None
         self._model: torch.nn.Module | None = None
         self.layout: PagedKVLayout | None = None
+        self._keyspace: Keyspace | None = None
         self.loader: Loader | None = None
         self.saver: Saver | None = None
         self.extension: WorkerExtension = NoWorkerExtension()  # the configured one, from register_layout
@@ -117,11 +118,20 @@ class KVTierWorker(KVConnectorWorker):
                                layout.dtype.itemsize)
         if keyspace is None:
             keyspace = self.config.keyspace(mc, layout.dtype)
+        self._keyspace = keyspace
         self.layout = layout
         self.loader = Loader(self.storage, self.stores, layout, keyspace, self.metrics)
         self.saver = Saver(self.stores, self.presence, layout, keyspace, self.metrics)
         self.extension = worker_extension(self.config.blend, self.storage, self.stores, layout, keyspace,
                                           self.metrics, mc, self._model)
+
+    @property
+    def keyspace(self) -> Keyspace:
+        """Returns the keyspace chunks are keyed in, built once at `register_layout` (the
+        planner of the same connector takes this one); RuntimeError before."""
+        if self._keyspace is None:
+            raise RuntimeError("the connector has no KV caches yet (register_kv_caches)")
+        return self._keyspace
 
     def _loader(self) -> Loader:
         if self.loader is None:

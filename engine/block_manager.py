@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceT
 
 from engine.block_pool import NONE_HASH, BlockPool, KVCacheBlock, hash_full_blocks
-from engine.cache_salt import salted_root, tenant_tag
 from engine.sequence import Sequence
+from kvkeys.tenants import salted_root, tenant_tag
 
 
 def cdiv(a: int, b: int) -> int:

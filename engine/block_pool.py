@@ -3,7 +3,7 @@
 Anchored on vLLM v1 `core/block_pool.py` + `kv_cache_utils.py`. A block with `ref_cnt == 0`
 sits in the free queue; if it still carries a block hash its K/V stays reusable until the
 block is handed out again (evicted), oldest-freed first. Block hashes are chained and
-deterministic (engine/hashing.py's `chain_hash` from a fixed root): identical across
+deterministic (kvkeys/chain.py's `chain_hash` from a fixed root): identical across
 processes, machines and PYTHONHASHSEED values.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.hashing import chain_hash, root_hash
+from kvkeys.chain import chain_hash, root_hash
 
 # The parent of the first block: a fixed seed, so chains never depend on process state.
 NONE_HASH: bytes = root_hash(b"kvtier/engine/prefix-cache/v1")
@@ -46,7 +46,7 @@ class KVCacheBlock:
     ref_cnt: int = 0
     # Set once the block is full and registered in the prefix cache; cleared on eviction.
     block_hash: bytes | None = None
-    # The tenant tag (engine/cache_salt.py) of the salted request that registered it, else None.
+    # The tenant tag (kvkeys/tenants.py) of the salted request that registered it, else None.
     tenant: str | None = None
     # Links of the doubly linked free queue (None when not queued or at an end).
     prev_free: KVCacheBlock | None = None

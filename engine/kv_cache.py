@@ -38,6 +38,15 @@ class KVShape(Protocol):
     def head_size(self) -> int: ...
 
 
+class KeyedModel(KVShape, Protocol):
+    """A model's K/V sizes and its identity, what the connector keys its chunks by:
+    engine/model_config.py's `ModelConfig`, or connector/vllm/setup.py's `VllmModel` (any
+    architecture vLLM runs)."""
+
+    @property
+    def fingerprint(self) -> str: ...
+
+
 def kv_bytes_per_block(shape: KVShape, block_size: int, dtype: torch.dtype) -> int:
     """Returns the bytes `block_size` tokens' K/V take across all layers (K and V): with
     `block_size=1`, bytes per token. The one formula, used to size the pool and by layouts."""

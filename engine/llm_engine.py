@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.block_manager import BlockManager
-from engine.cache_salt import tenant_tag, validate_cache_salt
 from engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from engine.engine_config import EngineConfig
 from engine.kv_connector import KVConnector
@@ -21,6 +20,7 @@ from engine.request_log import log_finished
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from kvkeys.tenants import tenant_tag, validate_cache_salt
 
 PromptType = str | list[str] | Mapping[str, Any]  # list[str]: one prompt in segments
 # The longest `step()` blocks when nothing can run until a connector's background load ends.

@@ -79,7 +79,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     # With `sampling_params.prompt_logprobs`: per prompt token (the first None), by position.
     prompt_logprobs: PromptLogprobs | None = None
-    # vLLM's `cache_salt` (engine/cache_salt.py): the request shares cached K/V only with
+    # vLLM's `cache_salt` (kvkeys/tenants.py): the request shares cached K/V only with
     # requests of the same salt (None: only with unsalted ones).
     cache_salt: str | None = None
 

@@ -1,5 +1,5 @@
 """kvstore: codecs, storage tiers, the storage manager and the cache server (keys are opaque
-strings here; the connector's keyspace builds them, connector/keyspace.py).
+strings here; the connector's keyspace builds them, kvkeys/keyspace.py).
 
 Third-party imports: torch, numpy, redis, cramjam (LZ4), xxhash, blake3 (and PyYAML, only to read a YAML
 config); the cache server (`kvstore.server`) uses the standard library alone. Never imports

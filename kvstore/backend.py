@@ -1,7 +1,7 @@
 """The one storage-backend interface every tier implements
 (docs/architecture.md, "Tiers and the storage manager").
 
-Keys are opaque strings (built by connector/keyspace.py), identical across processes and machines. Values are
+Keys are opaque strings (built by kvkeys/keyspace.py), identical across processes and machines. Values are
 KV chunk tensors `(num_layers, 2, num_tokens, num_kv_heads, head_size)`. Memory tiers hold
 tensors; tiers that store bytes (disk, redis, the cache server) derive from `BytesBackend`,
 which frames each chunk as one self-describing value through `kvstore.serde` so that a
@@ -115,7 +115,7 @@ class StorageBackend(ABC):
       the tensors are handed over, so a memory tier may keep them without a copy.
     - `delete(key) -> bool`: removes `key`; whether it was present.
     - `delete_prefix(prefix) -> int`: removes every stored key starting with `prefix`
-      (non-empty; a tenant's keys, kvstore/tenant_keys.py), whoever wrote it; how many.
+      (non-empty; a tenant's keys, kvkeys/tenants.py), whoever wrote it; how many.
     - `clear() -> None`: removes every chunk this tier owns (see each tier).
     - `stats() -> BackendStats`: this tier's counters and usage, as far as it knows them.
 

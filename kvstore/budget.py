@@ -8,10 +8,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvkeys.tenants import key_tenant
 from kvstore.eviction import EvictionPolicy, LRUPolicy
 from kvstore.pin_set import PinSet
 from kvstore.sizes import parse_size
-from kvstore.tenant_keys import key_tenant
 from kvstore.tenant_quota import TenantBytes, never_pinned
 
 

@@ -1,7 +1,7 @@
 """Per-tenant byte quotas inside one tier: the one home of who holds how many bytes and which of
 a tenant's own entries make room when it is at its quota.
 
-A tenant is the tag in a salted key's prefix (kvstore/tenant_keys.py); unsalted keys belong to
+A tenant is the tag in a salted key's prefix (kvkeys/tenants.py); unsalted keys belong to
 no tenant and only the tier's own budget bounds them. The quota is the same for every tenant of
 the tier (`tenant_quota` in its spec). A tenant at its quota evicts its own least recently used
 entries, never another tenant's: the tier's budget (kvstore/budget.py) is applied after this.
@@ -21,7 +21,7 @@ def never_pinned(key: object) -> bool:
 
 class TenantBytes(Generic[K]):
     """Bytes per tenant tag and the quota each may hold (None: no quota). Keys are the tier's
-    own: `tenant_of` reads the tag from one (kvstore/tenant_keys.py `key_tenant`, or
+    own: `tenant_of` reads the tag from one (kvkeys/tenants.py `key_tenant`, or
     `key_tenant_bytes` for the cache server's byte keys).
 
     Not thread-safe on its own: its owner (a ByteBudget under its tier's lock, or the cache

@@ -105,7 +105,7 @@ def writable_dir(path: str, flag: str) -> str:
 def load_tenant_tokens(path: str) -> TenantTokens:
     """Returns the tokens of a --tenant-tokens file: JSON or YAML, one token -> tenant per
     entry, the tenant's tag (16 hex digits, the `kvtier:tenant-<tag>:` of its keys) or
-    `{cache_salt: S}`, tagged as the engines tag it (engine/cache_salt.py, keyed by
+    `{cache_salt: S}`, tagged as the engines tag it (kvkeys/tenants.py, keyed by
     $KVTIER_TENANT_TAG_KEY when that is set):
 
         {"tok-alice-...": "3f2a9c0d1e4b5a67", "tok-bob-...": {"cache_salt": "tenant-bob"}}
@@ -113,7 +113,7 @@ def load_tenant_tokens(path: str) -> TenantTokens:
     ValueError naming the file and the entry's position, never a token (nor a salt)."""
     import yaml
 
-    from engine.cache_salt import tag_key_bytes
+    from kvkeys.tenants import tag_key_bytes
     from kvstore.server.tenant_tokens import TenantTokens
 
     secret = os.environ.get("KVTIER_TENANT_TAG_KEY") or None
@@ -142,8 +142,7 @@ def load_tenant_tokens(path: str) -> TenantTokens:
 
 def _entry_tag(value: Any, where: str, secret: str | None) -> str:
     """Returns the tenant tag of one --tenant-tokens entry (a tag, or {cache_salt: S})."""
-    from engine.cache_salt import tenant_tag, validate_cache_salt
-    from kvstore.tenant_keys import check_tag
+    from kvkeys.tenants import check_tag, tenant_tag, validate_cache_salt
 
     if isinstance(value, dict):
         if set(value) != {"cache_salt"}:

@@ -2,7 +2,7 @@
 (Redis, the cache server, a disk directory) without a running server. A running `kvtier
 serve` also holds the tenant in its own prefix cache and private tiers: use its
 `POST /kv/forget_tenant` (operator key) for those. Tenant tags are keyed by
-$KVTIER_TENANT_TAG_KEY when set, as the engines' (engine/cache_salt.py)."""
+$KVTIER_TENANT_TAG_KEY when set, as the engines' (kvkeys/tenants.py)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,9 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     from connector.key_families import FamilyIndex
-    from engine.cache_salt import tenant_tag, validate_cache_salt
+    from kvkeys.tenants import tenant_prefix, tenant_tag, validate_cache_salt
     from kvstore.storage_manager import StorageManager
     from kvstore.store_config import KVStoreConfig, TierSpec
-    from kvstore.tenant_keys import tenant_prefix
 
     salt = validate_cache_salt(args.cache_salt)
     assert salt is not None  # required by the parser

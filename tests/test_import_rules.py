@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = ("hostmem", "kvstore", "engine", "connector", "kvtier")
+OURS = ("hostmem", "kvkeys", "kvstore", "engine", "connector", "kvtier")
 ALLOWED = {
     "hostmem": set(),
-    "kvstore": {"hostmem"},
-    "engine": {"hostmem"},
-    "connector": {"hostmem", "kvstore", "engine"},
-    "kvtier": {"hostmem", "kvstore", "engine", "connector"},
+    "kvkeys": set(),
+    "kvstore": {"hostmem", "kvkeys"},
+    "engine": {"hostmem", "kvkeys"},
+    "connector": {"hostmem", "kvkeys", "kvstore", "engine"},
+    "kvtier": {"hostmem", "kvkeys", "kvstore", "engine", "connector"},
 }
 VLLM_PACKAGE = "connector/vllm/"
 VLLM_ADAPTER = {

@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from connector.keyspace import SEGMENT_ROOTS, KeyedModel
+from engine.kv_cache import KeyedModel
+from kvkeys.keyspace import SEGMENT_ROOTS
 from kvstore.env import Setting, env_bool, env_float, env_int, env_raw, env_str
 from kvstore.store_config import did_you_mean
 

@@ -21,10 +21,11 @@ from connector.blend.blend_config import BlendConfig, engine_model
 from connector.blend.executor import check_rope_moves
 from connector.blend.segments import BlendSpec, context_segments
 from connector.extension import NoPlannerExtension, PlannerExtension
-from connector.keyspace import KeyedModel, Keyspace
 from connector.metrics import ConnectorMetrics
 from connector.presence import ChunkPresence
+from engine.kv_cache import KeyedModel
 from engine.sequence import Sequence
+from kvkeys.keyspace import Keyspace
 
 if TYPE_CHECKING:
     from connector.request_view import RequestView

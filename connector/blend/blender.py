@@ -3,7 +3,7 @@
 (connector/extension.py) when `blend.enabled`.
 
 For each blend: every context segment's stored K/V (positions 0..n-1, keyed from the segment
-root of `BlendConfig.segment_kv`, connector/keyspace.py) is fetched, its keys re-rotated to
+root of `BlendConfig.segment_kv`, kvkeys/keyspace.py) is fetched, its keys re-rotated to
 the segment's offset in this prompt and scattered into the request's fresh blocks (only
 positions after the engine's hit: those blocks are exact and never rewritten); then
 `blend_recompute` restores cross-segment attention for `ratio` of the tokens. A missing
@@ -31,12 +31,12 @@ from connector.blend.blend_config import BlendConfig, engine_model
 from connector.blend.executor import blend_recompute, check_blendable, compute_segment_kv, layer_inv_freqs, rerotate_kv
 from connector.blend.segments import BlendSpec
 from connector.extension import NoWorkerExtension, WorkerExtension
-from connector.keyspace import KeyedModel, Keyspace, Span
 from connector.loader import chunk_ok
 from connector.metrics import ConnectorMetrics
 from connector.store_queue import StoreQueue
-from engine.kv_cache import PagedKVLayout
+from engine.kv_cache import KeyedModel, PagedKVLayout
 from engine.models.base import CausalLM
+from kvkeys.keyspace import Keyspace, Span
 from kvstore.storage_manager import StorageManager
 
 if TYPE_CHECKING:

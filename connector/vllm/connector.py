@@ -13,11 +13,10 @@ within one engine. Tiers may be shared; the chunks are not mixed.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar
 
 from connector.vllm.api import (
     KVConnectorBase_V1,
-    KVConnectorMetadata,
     KVConnectorPromMetrics,
     KVConnectorRole,
     KVConnectorStats,
@@ -25,7 +24,7 @@ from connector.vllm.api import (
 )
 from connector.vllm.stats import KVTierPromMetrics, KVTierVllmStats
 
-__all__ = ["KVTierConnector", "SchedulerRole", "WorkerRole"]
+__all__ = ["KVTierConnector"]
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
@@ -34,7 +33,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     roles: ClassVar[dict[str, type[KVTierConnector]]] = {}
     """Each role's subclass, by role ("scheduler", "worker"): registered by its definition
-    (connector/vllm/__init__.py imports both before handing out this class)."""
+    (connector/vllm/roles.py; connector/vllm/__init__.py imports both before handing out this
+    class)."""
 
     def __new__(cls, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> KVTierConnector:
         if cls is KVTierConnector:
@@ -56,49 +56,3 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
-def _other_role(hook: str, role: str) -> NoReturn:
-    raise RuntimeError(f"{hook} is a {role}-role hook")
-
-
-class SchedulerRole(KVTierConnector, KVConnectorBase_V1):  # vLLM's abstract base declares both roles' hooks
-    """Base of the scheduler role's connector: the worker role's hooks, which vLLM never calls
-    on it, refuse with the hook's name."""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        KVTierConnector.roles["scheduler"] = cls
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        _other_role("start_load_kv", "worker")
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        _other_role("wait_for_layer_load", "worker")
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        _other_role("save_kv_layer", "worker")
-
-    def wait_for_save(self) -> None:
-        _other_role("wait_for_save", "worker")
-
-
-class WorkerRole(KVTierConnector, KVConnectorBase_V1):
-    """Base of the worker role's connector: the scheduler role's hooks refuse."""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        KVTierConnector.roles["worker"] = cls
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        _other_role("get_num_new_matched_tokens", "scheduler")
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        _other_role("update_state_after_alloc", "scheduler")
-
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        _other_role("build_connector_meta", "scheduler")
-
-    def request_finished_all_groups(self, request: Any,
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        _other_role("request_finished_all_groups", "scheduler")

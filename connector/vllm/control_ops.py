@@ -25,8 +25,8 @@ from connector.cache_control import (
     set_budget,
     unpin,
 )
-from connector.keyspace import Keyspace
-from engine.cache_salt import tenant_tag, validate_cache_salt
+from kvkeys.keyspace import Keyspace
+from kvkeys.tenants import tenant_tag, validate_cache_salt
 from kvstore.backend import EntryInfo
 from kvstore.budget import BudgetError
 from kvstore.pin_set import PinError

@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from connector.keyspace import Keyspace, Span
 from connector.presence import Found, KeyPresence, Presence
+from kvkeys.keyspace import Keyspace, Span
 from kvstore.deadlines import LOOKUP_CHANNEL_ANSWER_S, LOOKUP_CHANNEL_CONNECT_S
 
 log = logging.getLogger(__name__)
@@ -138,13 +138,23 @@ def read_question(sock: socket.socket) -> Question:
         raise ValueError(f"lookup channel: unknown op {op}")
     if count > MAX_KEYS:
         raise ValueError(f"lookup channel: {count} keys in one question, at most {MAX_KEYS}")
-    keys = []
-    for _ in range(count):
-        (n,) = _U32.unpack(_read_exact(sock, 4))
-        if n > MAX_KEY_BYTES:
-            raise ValueError(f"lookup channel: a key of {n} bytes, at most {MAX_KEY_BYTES}")
-        keys.append(_read_exact(sock, n).decode())
-    return Question(op, keys)
+    return Question(op, [_read_text(sock, "a key") for _ in range(count)])
+
+
+def _read_tier_count(sock: socket.socket) -> int:
+    """Returns the next u32 on `sock`, an answer's tier count; ValueError past MAX_TIERS."""
+    (count,) = _U32.unpack(_read_exact(sock, 4))
+    if count > MAX_TIERS:
+        raise ValueError(f"lookup channel: {count} tiers in one answer, at most {MAX_TIERS}")
+    return int(count)
+
+
+def _read_text(sock: socket.socket, what: str) -> str:
+    """Returns the next u32-length-prefixed UTF-8 string on `sock`; ValueError past MAX_KEY_BYTES."""
+    (n,) = _U32.unpack(_read_exact(sock, 4))
+    if n > MAX_KEY_BYTES:
+        raise ValueError(f"lookup channel: {what} of {n} bytes, at most {MAX_KEY_BYTES}")
+    return _read_exact(sock, n).decode()
 
 
 class _Body:
@@ -240,15 +250,8 @@ def read_found(sock: socket.socket, keyspace: Keyspace, spans: Sequence[Span]) -
     partial chunk outside the span it starts)."""
     if _read_exact(sock, 1) == b"\x01":
         return None
-    (count,) = _U32.unpack(_read_exact(sock, 4))
-    if count > MAX_TIERS:
-        raise ValueError(f"lookup channel: {count} tiers in one answer, at most {MAX_TIERS}")
-    names = []
-    for _ in range(count):
-        (n,) = _U32.unpack(_read_exact(sock, 4))
-        if n > MAX_KEY_BYTES:
-            raise ValueError(f"lookup channel: a tier name of {n} bytes, at most {MAX_KEY_BYTES}")
-        names.append(_read_exact(sock, n).decode())
+    count = _read_tier_count(sock)
+    names = [_read_text(sock, "a tier name") for _ in range(count)]
     (run,) = _U32.unpack(_read_exact(sock, 4))
     if run > len(spans):
         raise ValueError(f"lookup channel: a run of {run} chunks in an answer about {len(spans)}")
@@ -267,23 +270,16 @@ def encode_tier_hits(hits: dict[str, int]) -> bytes:
     """Returns the frame answering OP_TIER_PREFIX with `hits` (tier name -> leading keys held)."""
     parts = [_U32.pack(len(hits))]
     for name, n in hits.items():
-        raw = name.encode()
-        parts += (_U32.pack(len(raw)), raw, _U32.pack(n))
+        parts += (_text(name), _U32.pack(n))
     return b"".join(parts)
 
 
 def read_tier_hits(sock: socket.socket, num_keys: int) -> dict[str, int]:
     """Returns the OP_TIER_PREFIX answer to a question of `num_keys` keys; ValueError on a
     malformed frame (past MAX_TIERS tiers or MAX_KEY_BYTES a name, a count over `num_keys`)."""
-    (count,) = _U32.unpack(_read_exact(sock, 4))
-    if count > MAX_TIERS:
-        raise ValueError(f"lookup channel: {count} tiers in one answer, at most {MAX_TIERS}")
     hits: dict[str, int] = {}
-    for _ in range(count):
-        (n,) = _U32.unpack(_read_exact(sock, 4))
-        if n > MAX_KEY_BYTES:
-            raise ValueError(f"lookup channel: a tier name of {n} bytes, at most {MAX_KEY_BYTES}")
-        name = _read_exact(sock, n).decode()
+    for _ in range(_read_tier_count(sock)):
+        name = _read_text(sock, "a tier name")
         (held,) = _U32.unpack(_read_exact(sock, 4))
         if held > num_keys:
             raise ValueError(f"lookup channel: tier {name!r} holds {held} of {num_keys} keys")

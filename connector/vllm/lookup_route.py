@@ -58,7 +58,7 @@ from connector.bearer_auth import bearer_key
 from connector.presence import held_tokens
 from connector.vllm.control_ops import CONTROL_OPS
 from connector.vllm.lookup_channel import RemotePresence, lookup_socket_path, scheduler_socket_path
-from engine.cache_salt import validate_cache_salt
+from kvkeys.tenants import validate_cache_salt
 from kvstore.deadlines import CONTROL_CHANNEL_S, EXPLAIN_CHANNEL_S, LOOKUP_ROUTE_CHANNEL_S
 
 log = logging.getLogger(__name__)

@@ -4,13 +4,13 @@ vLLM's own requests (connector/request_view.py) and block tables (docs/vllm.md).
 The worker's tiers live in the worker process, so the planner's existence questions go
 there (connector/vllm/lookup_channel.py), and so does `reset_cache`. vLLM's own prefix cache lives
 in this process: the scheduler side answers, on its own socket, how much of a prompt it holds
-(`vllm serve`'s /kv/lookup, connector/vllm/lookup_route.py).
+(connector/vllm/engine_prefix.py, for `vllm serve`'s /kv/lookup).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from connector.kv_events import ChunkEventBuilder
@@ -26,12 +26,12 @@ from connector.vllm.api import (
     KVConnectorMetadata,
     attention_backend,
     cpu_attention_isa,
-    prefix_cache_tokens,
     vllm_event,
 )
-from connector.vllm.connector import SchedulerRole
-from connector.vllm.lookup_channel import LookupServer, RemotePresence, scheduler_socket_path
+from connector.vllm.engine_prefix import EnginePrefixServer
+from connector.vllm.lookup_channel import RemotePresence
 from connector.vllm.metadata import KVTierVllmMeta, KVTierWorkerMeta
+from connector.vllm.roles import SchedulerRole
 from connector.vllm.setup import hit_sources, vllm_setup
 from engine.kv_connector import KVConnectorOutput
 
@@ -64,7 +64,7 @@ class VllmSchedulerConnector(SchedulerRole, KVConnectorBase_V1):  # KVTierConnec
         self._stores_pending = False  # the worker's last report
         self._engine_id = kvt.engine_id
         self._hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
-        self._server: LookupServer | None = None
+        self._prefix_server: EnginePrefixServer | None = None
         policy = kvt.kv_load_failure_policy
         if setup.loads and policy != "recompute":
             log.warning("KVTierConnector: kv_load_failure_policy=%r: a request whose stored K/V turns out lost or "
@@ -72,28 +72,17 @@ class VllmSchedulerConnector(SchedulerRole, KVConnectorBase_V1):  # KVTierConnec
                         "--kv-transfer-config to recompute it instead", policy)
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        """Takes vLLM's cache manager and starts answering how much of a prompt its prefix
-        cache holds (OP_ENGINE_PREFIX on `scheduler_socket_path`) until `shutdown()`."""
+        """Takes vLLM's cache manager and answers how much of a prompt its prefix cache holds
+        (connector/vllm/engine_prefix.py) until `shutdown()`."""
         super().bind_kv_cache_manager(kv_cache_manager)
-        if self._server is None:
-            self._server = LookupServer(None, scheduler_socket_path(self._engine_id),
-                                        engine_prefix=self.engine_prefix_tokens)
-
-    def engine_prefix_tokens(self, token_ids: Sequence[int], cache_salt: str | None) -> int:
-        """Returns how many leading tokens of the prompt vLLM's own prefix cache holds for
-        requests of `cache_salt`; 0 if it cannot tell (logged). Asked only once vLLM bound its
-        cache manager (the server answering it starts then)."""
-        try:
-            return prefix_cache_tokens(self._kv_cache_manager, self._hash_algo, token_ids, cache_salt)
-        except Exception:  # a read racing vLLM's own step, or a vLLM whose internals moved: a miss
-            log.warning("KVTierConnector: could not read vLLM's prefix cache for a lookup", exc_info=True)
-            return 0
+        if self._prefix_server is None:
+            self._prefix_server = EnginePrefixServer(kv_cache_manager, self._hash_algo, self._engine_id)
 
     def shutdown(self) -> None:
-        """Stops answering prefix-cache questions and removes the socket."""
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        """Stops answering prefix-cache questions."""
+        if self._prefix_server is not None:
+            self._prefix_server.close()
+            self._prefix_server = None
 
     @property
     def requires_kv_delivery(self) -> bool:

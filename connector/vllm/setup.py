@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from connector.connector_config import ConnectorConfig
-from connector.keyspace import Keyspace, dtype_name
 from connector.presence import RankedPresence
 from connector.vllm.layouts import cpu_page_decoder
 from connector.vllm.lookup_channel import RemotePresence, lookup_socket_path
 from engine.model_config import ModelConfig, weights_identity
+from kvkeys.keyspace import Keyspace, dtype_name
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -121,6 +121,23 @@ class VllmSetup:
     def rank_heads(self, rank: int) -> tuple[int, int]:
         """Returns the KV heads [lo, hi) tensor-parallel rank `rank` holds."""
         return rank_heads(self.model.num_kv_heads, self.tp_size, rank)
+
+    def ordered_caches(self, kv_caches: dict[str, torch.Tensor],
+                       backend: str) -> tuple[list[str], list[torch.Tensor], list[int] | None]:
+        """Returns vLLM's named per-layer caches in layer order: their names, the caches and
+        each one's KV cache group (None with one group); ValueError unless they are layers
+        0..L-1, or for CPU caches whose block size is not the cache config's (the kernels, the
+        keys and the block tables were all taken from it)."""
+        names = sorted(kv_caches, key=layer_index)
+        indices = [layer_index(n) for n in names]
+        if indices != list(range(len(names))):
+            raise ValueError(f"KV caches must be layers 0..{len(names) - 1}, got {indices}")
+        caches = [kv_caches[n] for n in names]
+        if caches and caches[0].dim() == 4 and backend == "cpu" and caches[0].shape[2] != self.block_size:
+            raise ValueError(f"KVTierConnector: vLLM's CPU caches hold blocks of {caches[0].shape[2]} tokens, its "
+                             f"cache config says {self.block_size}")
+        groups = self.layer_groups
+        return names, caches, [groups.get(n, 0) for n in names] if groups else None
 
     def worker_presence(self, instance_id: str, **timeouts: float) -> RankedPresence:
         """Returns the presence of the worker side's tiers, every rank's asked over its lookup

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from connector.metrics import PROM_COUNTERS, TIER_HIT_TOKENS, RequestKVMetrics
+from connector.metrics import PROM_COUNTERS, TIER_HIT_TOKENS, ConnectorMetrics, RequestKVMetrics
 from connector.vllm.api import KVConnectorPromMetrics, KVConnectorStats
 
 LEGACY_NAMES = {field: f"kvtier:{field}" for field in PROM_COUNTERS}
@@ -39,6 +39,26 @@ class KVTierVllmStats(KVConnectorStats):
     def of(cls, data: dict[str, Any] | None) -> KVTierVllmStats:
         """Returns the stats of `data`'s known keys (vLLM hands them over as a plain dict)."""
         return cls(data={k: v for k, v in (data or {}).items() if k in PROM_COUNTERS or k.startswith(PER_TIER)})
+
+
+class StatsReports:
+    """The worker role's figures since its last report (`report`)."""
+
+    def __init__(self, metrics: ConnectorMetrics, rank: int) -> None:
+        self.metrics = metrics
+        self.rank = rank
+        self._reported = RequestKVMetrics("*")
+
+    def report(self) -> KVTierVllmStats | None:
+        """Returns what moved since the last report, rank 0's only (every rank loads and stores
+        the same tokens, its own heads of them, and vLLM adds up what ranks report); None when
+        nothing moved."""
+        if self.rank:
+            return None
+        now = self.metrics.totals_now()
+        delta = stats_delta(now, self._reported)
+        self._reported = now
+        return KVTierVllmStats(data=delta) if delta else None
 
 
 def stats_delta(now: RequestKVMetrics, before: RequestKVMetrics) -> dict[str, float]:

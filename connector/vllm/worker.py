@@ -16,7 +16,7 @@ import torch
 
 from connector.explain import explain
 from connector.kv_events import TierChangeLog
-from connector.metrics import ConnectorMetrics, RequestKVMetrics
+from connector.metrics import ConnectorMetrics
 from connector.vllm.api import (
     LOGGER,
     KVConnectorBase_V1,
@@ -28,13 +28,13 @@ from connector.vllm.api import (
     cpu_attention_isa,
     tensor_parallel_rank,
 )
-from connector.vllm.connector import WorkerRole
 from connector.vllm.control_ops import answer_control
 from connector.vllm.layouts import NULL_BLOCK, vllm_layout_for
 from connector.vllm.lookup_channel import LookupServer, lookup_socket_path
-from connector.vllm.metadata import KVTierVllmMeta, KVTierWorkerMeta
-from connector.vllm.setup import layer_index, vllm_setup
-from connector.vllm.stats import KVTierVllmStats, stats_delta
+from connector.vllm.metadata import KVTierVllmMeta, WorkerReports
+from connector.vllm.roles import WorkerRole
+from connector.vllm.setup import vllm_setup
+from connector.vllm.stats import StatsReports
 from connector.worker import KVTierWorker
 from kvstore.deadlines import STORE_FLUSH_TIMEOUT_S, VLLM_IDLE_WAIT_S
 from kvstore.storage_manager import StorageManager
@@ -55,24 +55,23 @@ class VllmWorkerConnector(WorkerRole, KVConnectorBase_V1):  # KVTierConnector's 
         self.backend = attention_backend()
         self.setup = vllm_setup(vllm_config, kv_cache_config, self.backend, cpu_attention_isa)
         self.storage = StorageManager.from_config(self.setup.config.kvstore)
-        # events: what the tiers stored and removed, reported to the scheduler role each step
-        self.changes = TierChangeLog() if self.setup.events else None
-        if self.changes is not None:
-            self.storage.set_listener(self.changes)
+        changes = TierChangeLog() if self.setup.events else None  # what the tiers stored and removed (KV events)
+        if changes is not None:
+            self.storage.set_listener(changes)
+        self.reports = WorkerReports(changes)
         self.metrics = ConnectorMetrics()
         self.worker = KVTierWorker(self.setup.config, self.storage, self.metrics)
         self.worker.register_model(self.setup.model)
         self.rank = tensor_parallel_rank() if self.setup.tp_size > 1 else 0
         self.keyspace = self.setup.rank_keyspace(self.rank)
+        self.stats = StatsReports(self.metrics, self.rank)
         self._layers: dict[str, int] = {}
-        self._reported = RequestKVMetrics("*")
         path = lookup_socket_path(vllm_config.kv_transfer_config.engine_id, self.rank)
         local_only = not self.setup.config.reset_clears_shared_tiers
         self._server = LookupServer(self.worker.presence, path, self.keyspace,
                                     clear_local=lambda: self.storage.clear(local_only=local_only),
                                     explainer=self._explain, controller=self._control)
         self._idle = False
-        self._reported_pending = False
         self._closed = False
 
     def _explain(self, token_ids: list[int], cache_salt: str | None, other_tenants: bool) -> dict[str, Any]:
@@ -89,17 +88,7 @@ class VllmWorkerConnector(WorkerRole, KVConnectorBase_V1):  # KVTierConnector's 
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Takes vLLM's named per-layer caches (layers 0..L-1, in one or more KV cache groups)."""
-        names = sorted(kv_caches, key=layer_index)
-        indices = [layer_index(n) for n in names]
-        if indices != list(range(len(names))):
-            raise ValueError(f"KV caches must be layers 0..{len(names) - 1}, got {indices}")
-        caches = [kv_caches[n] for n in names]
-        if caches and caches[0].dim() == 4 and self.backend == "cpu" and caches[0].shape[2] != self.setup.block_size:
-            # the kernels, the keys and the block tables were all taken from vLLM's block size
-            raise ValueError(f"KVTierConnector: vLLM's CPU caches hold blocks of {caches[0].shape[2]} tokens, its "
-                             f"cache config says {self.setup.block_size}")
-        groups = self.setup.layer_groups
-        layer_groups = [groups.get(n, 0) for n in names] if groups else None
+        names, caches, layer_groups = self.setup.ordered_caches(kv_caches, self.backend)
         self._layers = {n: i for i, n in enumerate(names)}
         layout = vllm_layout_for(caches, self.backend, layer_groups, self.setup.page_decoder)
         self.worker.register_layout(layout, self.keyspace)
@@ -157,28 +146,10 @@ class VllmWorkerConnector(WorkerRole, KVConnectorBase_V1):  # KVTierConnector's 
         return errors if self.setup.num_groups == 1 else set()  # reported per request instead
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Returns this step's figures, rank 0's only: every rank loads and stores the same
-        tokens (its own heads of them), and vLLM adds up what ranks report."""
-        if self.rank:
-            return None
-        now = self.metrics.totals_now()
-        delta = stats_delta(now, self._reported)
-        self._reported = now
-        return KVTierVllmStats(data=delta) if delta else None
+        return self.stats.report()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        """Returns the report the scheduler role needs after this step (stores pending, every
-        step while they are and once when they no longer are; the tiers' changes), or None when
-        there is no news."""
-        pending = self.worker.stores_pending()
-        stored, removed = self.changes.drain() if self.changes is not None else ([], [])
-        # vLLM merges one step's reports of all ranks, starting from the first that is not None:
-        # a rank still storing must say so every step, or another rank's "done" would stand
-        # alone and the engine would stop stepping before this rank's stores (and figures) land.
-        if not pending and not self._reported_pending and not stored and not removed:
-            return None
-        self._reported_pending = pending
-        return KVTierWorkerMeta(pending, stored, removed)
+        return self.reports.report(self.worker.stores_pending())
 
     def shutdown(self) -> None:
         """Stops the lookup channel, lets queued stores finish, closes the tiers."""

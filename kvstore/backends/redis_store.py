@@ -41,6 +41,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
+from kvkeys.tenants import KEY_ROOT
 from kvstore import serde
 from kvstore.backend import BackendError, BytesBackend, ReadValue, StoredValue
 from kvstore.backends.redis_wire import SplitValuePacker, get_on_nodes, get_pipelined
@@ -49,11 +50,10 @@ from kvstore.codecs import Codec
 from kvstore.deadlines import OPTIONS, CallKind, RemoteDeadlines
 from kvstore.eviction import make_policy
 from kvstore.store_config import TierSpec
-from kvstore.tenant_keys import KEY_ROOT
 from kvstore.tenant_quota import never_pinned
 
 CHUNK_KEY_PATTERN = KEY_ROOT + "*"
-"""Every chunk key (connector/keyspace.py) matches this; `wipe_all_chunks()` removes them."""
+"""Every chunk key (kvkeys/keyspace.py) matches this; `wipe_all_chunks()` removes them."""
 
 def _check_redis_py() -> None:
     """Raises ImportError naming the version if redis-py lacks the internals used here."""

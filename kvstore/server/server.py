@@ -21,11 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hostmem import ResidentGuard
+from kvkeys.tenants import tenant_prefix
 from kvstore.server import protocol as P
 from kvstore.server.connection import PER_CONNECTION_BYTES, PER_TLS_CONNECTION_BYTES, Connection
 from kvstore.server.store import ByteStore
 from kvstore.server.tenant_tokens import TenantTokens
-from kvstore.tenant_keys import tenant_prefix
 
 log = logging.getLogger(__name__)
 

@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from kvkeys.tenants import key_tenant_bytes
 from kvstore.pin_file import PIN_FILE, PinFile
 from kvstore.pin_set import PinSet
 from kvstore.server import spillfile as F
 from kvstore.server.io_worker import IOWorker
 from kvstore.server.protocol import Buffer
-from kvstore.tenant_keys import key_tenant_bytes
 from kvstore.tenant_quota import TenantBytes
 
 log = logging.getLogger(__name__)

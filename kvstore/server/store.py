@@ -16,7 +16,7 @@ covers every large buffer the server holds, and is never exceeded:
 
 Making room evicts least recently used entries (to the disk spill when there is one); a
 value that cannot fit at all is refused. With a `tenant_quota`, no tenant (the tag of a salted
-key, kvstore/tenant_keys.py) holds more than that many bytes of stored entries: a tenant at
+key, kvkeys/tenants.py) holds more than that many bytes of stored entries: a tenant at
 its quota evicts its own least recently used entries first, never another tenant's (the disk
 spill applies the same quota to its files). Memory and disk hold disjoint sets of keys: a GET
 that finds its key on disk reads it back into memory (`load`, off the event loop).
@@ -36,12 +36,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from kvkeys.tenants import key_tenant_bytes
 from kvstore.pin_set import PinInfo, PinSet, default_pin_budget
 from kvstore.server.protocol import Buffer
 from kvstore.server.spill import DiskSpill, pin_name
 from kvstore.server.store_stats import StoreStats, read_stats
 from kvstore.sizes import parse_size
-from kvstore.tenant_keys import key_tenant_bytes
 from kvstore.tenant_quota import TenantBytes
 
 

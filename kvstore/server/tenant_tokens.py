@@ -1,6 +1,6 @@
 """The cache server's per-tenant tokens (`kvtier cache-server --tenant-tokens FILE`, read by
 kvtier/cmd_cache_server.py): a token that binds its connection to one tenant's keys
-(kvstore/tenant_keys.py), beside the operator's `--auth-token`, which may do anything.
+(kvkeys/tenants.py), beside the operator's `--auth-token`, which may do anything.
 
 Tokens are secrets: they are kept only as SHA-256 digests, and no error or log line names one.
 """
@@ -11,7 +11,7 @@ import hashlib
 import hmac
 from collections.abc import Mapping
 
-from kvstore.tenant_keys import check_tag
+from kvkeys.tenants import check_tag
 
 
 def _digest(token: bytes) -> bytes:

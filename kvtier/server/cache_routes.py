@@ -29,8 +29,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from connector.engine_connector import EngineConnector
-from engine.cache_salt import tenant_tag
 from engine.sampling_params import SamplingParams
+from kvkeys.tenants import tenant_tag
 from kvstore.budget import BudgetError
 from kvstore.pin_set import PinError
 from kvtier.server.engine_loop import EngineLoop

@@ -19,9 +19,9 @@ from prometheus_client.registry import Collector
 
 from connector.engine_connector import EngineConnector
 from connector.metrics import PROM_COUNTERS, TIER_HIT_TOKENS
-from engine.cache_salt import tenant_tag
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from kvkeys.tenants import tenant_tag
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from engine.cache_salt import validate_cache_salt
+from kvkeys.tenants import validate_cache_salt
 from kvstore.sizes import parse_size
 
 

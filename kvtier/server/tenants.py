@@ -26,7 +26,7 @@ from typing import Any
 from fastapi import Depends, Request
 
 from connector.bearer_auth import bearer_key
-from engine.cache_salt import validate_cache_salt
+from kvkeys.tenants import validate_cache_salt
 from kvstore.store_config import read_yaml
 from kvtier.server.http_edge import unauthorized
 from kvtier.server.openai_protocol import APIError

@@ -7,10 +7,9 @@ import pytest
 
 from connector.connector_config import ConnectorConfig
 from connector.engine_connector import EngineConnector, build_connector
-from connector.keyspace import Keyspace
 from engine import SamplingParams
-from engine.cache_salt import tenant_tag
-from kvstore.tenant_keys import key_tenant, tenant_prefix
+from kvkeys.keyspace import Keyspace
+from kvkeys.tenants import key_tenant, tenant_prefix, tenant_tag
 from tests.fixtures.connector import CHUNK, GREEDY, assert_idle, engine
 from tests.fixtures.text import PARAGRAPHS
 

@@ -12,7 +12,7 @@ import pytest
 
 from connector.cache_control import clear_model
 from connector.key_families import INDEX_KEY, decode_index
-from connector.keyspace import Keyspace
+from kvkeys.keyspace import Keyspace
 from tests.connector.test_explain import manager, prompt, store
 from tests.fixtures.connector import tier_url
 

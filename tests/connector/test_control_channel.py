@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from connector import cache_control
-from connector.keyspace import Keyspace
 from connector.presence import Presence
 from connector.vllm.control_ops import CONTROL_OPS, answer_control
 from connector.vllm.lookup_channel import LookupServer, RemotePresence
+from kvkeys.keyspace import Keyspace
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import KVStoreConfig, TierSpec
 

@@ -15,9 +15,9 @@ import torch
 from connector.engine_connector import build_connector
 from connector.explain import explain
 from connector.key_families import INDEX_KEY, FamilyIndex, _publisher, decode_index
-from connector.keyspace import Keyspace
 from connector.presence import Presence
 from connector.vllm.lookup_channel import LookupServer, RemotePresence
+from kvkeys.keyspace import Keyspace
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import KVStoreConfig, TierSpec
 from tests.fixtures.connector import tier_url

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.keyspace import Keyspace, head_key
 from connector.presence import Presence, RankedPresence, held_tokens
 from connector.vllm.setup import rank_heads
+from kvkeys.keyspace import Keyspace, head_key
 from kvstore.backends.memory import CPUBackend
 from kvstore.storage_manager import StorageManager
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from connector.keyspace import Keyspace
 from connector.kv_events import ChunkEvent, ChunkEventBuilder, TierChangeLog
 from connector.metadata import SaveSpec
+from kvkeys.keyspace import Keyspace
 
 TOKENS = list(range(1000, 1000 + 40))  # 2 full chunks of 16 and a partial one of 8
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from connector.engine_connector import build_connector
-from connector.keyspace import layer_key
 from engine import SamplingParams
 from engine.kv_cache import layout_for
+from kvkeys.keyspace import layer_key
 from kvstore.backends.memory import CPUBackend
 from kvstore.storage_manager import StorageManager
 from tests.fixtures.connector import CHUNK, assert_idle, engine, run, tier_url

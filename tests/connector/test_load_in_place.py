@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from connector.connector_config import make_config
-from connector.keyspace import Keyspace, Span
 from connector.loader import Loader
 from connector.metadata import LoadSpec
 from connector.metrics import ConnectorMetrics
 from connector.store_queue import StoreQueue
 from engine.kv_cache import EngineLayout
+from kvkeys.keyspace import Keyspace, Span
 from kvstore.backends.disk import DiskBackend
 from kvstore.storage_manager import StorageManager
 

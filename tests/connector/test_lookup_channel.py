@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector.keyspace import Keyspace
 from connector.presence import Found, Presence
 from connector.vllm.lookup_channel import (
     MAX_KEYS,
@@ -21,6 +20,7 @@ from connector.vllm.lookup_channel import (
     lookup_socket_path,
     scheduler_socket_path,
 )
+from kvkeys.keyspace import Keyspace
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import KVStoreConfig, TierSpec
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 
-from connector import keyspace as keyspace_module
 from connector.connector_config import make_config
 from connector.metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
@@ -20,6 +19,7 @@ from engine.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.sequence import Sequence
+from kvkeys import keyspace as keyspace_module
 from kvstore.backends.memory import CPUBackend
 from kvstore.storage_manager import StorageManager
 

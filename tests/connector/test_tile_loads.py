@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch
 
 from connector.connector_config import make_config
-from connector.keyspace import Keyspace, layer_key
 from connector.loader import Loader
 from connector.metadata import LoadSpec
 from connector.metrics import ConnectorMetrics
 from connector.store_queue import StoreQueue
 from connector.vllm.layouts import VllmTileLayout
+from kvkeys.keyspace import Keyspace, layer_key
 from kvstore.storage_manager import StorageManager
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK, CHUNK, NUM_BLOCKS = 2, 2, 8, 4, 16, 16

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from connector.keyspace import Keyspace
 from connector.presence import Found, KeyPresence, held_tokens
 from connector.vllm.control_ops import CONTROL_OPS
 from connector.vllm.lookup_route import KvLookupRoute, Message, Rejected, Scope, lookup_form
+from kvkeys.keyspace import Keyspace
 
 
 @pytest.mark.parametrize(("body", "form"), [

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_metadata_pickles_whole(prompt_ids: list[int]) -> None:
-    from connector.keyspace import Keyspace
+    from kvkeys.keyspace import Keyspace
 
     spans = Keyspace("m", "float32", CHUNK, 30).spans(prompt_ids)
     meta = KVTierMeta(loads=[LoadSpec("r", 10, spans[2].end, spans[:3], [[1, 2, 3, 4, 5]], layerwise=True)],

@@ -8,15 +8,15 @@ import pytest
 
 from engine.block_manager import BlockManager
 from engine.block_pool import hash_full_blocks
-from engine.cache_salt import (
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from kvkeys.tenants import (
     salted_root,
     set_tenant_tag_key,
     tenant_tag,
     tenant_tag_keyed,
     validate_cache_salt,
 )
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 
 PROMPT = list(range(100, 150))  # 50 tokens: 3 full blocks of 16, the last token recomputed
 

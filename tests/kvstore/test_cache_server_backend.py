@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from connector.keyspace import Keyspace
+from kvkeys.keyspace import Keyspace
 from kvstore import serde
 from kvstore.backend import BackendError
 from kvstore.backends.cache_server import CacheServerBackend

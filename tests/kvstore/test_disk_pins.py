@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from kvkeys.tenants import tenant_prefix
 from kvstore.backends.disk import STATE_BYTES, DiskBackend
 from kvstore.pin_file import PIN_FILE
 from kvstore.pin_set import PinError
-from kvstore.tenant_keys import tenant_prefix
 from tests.fixtures.process import repo_env
 from tests.fixtures.tiers import chunk, ckey, disk_file_bytes
 

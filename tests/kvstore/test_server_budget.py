@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from kvkeys.tenants import tenant_prefix
 from kvstore.budget import BudgetError
 from kvstore.server.client import CacheServerClient, ServerReplyError
 from kvstore.server.protocol import Status
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import KVStoreConfig, TierSpec
-from kvstore.tenant_keys import tenant_prefix
 from tests.fixtures.cache_server import CacheServerProcess, settled
 
 OPERATOR, TOKEN_A = "operator-token", "token-of-tenant-a"

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvkeys.tenants import tenant_prefix
 from kvstore.backends.cache_server import CacheServerBackend
 from kvstore.backends.memory import CPUBackend
 from kvstore.pin_set import PinError
 from kvstore.server.client import CacheServerClient, ServerReplyError
 from kvstore.server.protocol import Status
 from kvstore.storage_manager import StorageManager
-from kvstore.tenant_keys import tenant_prefix
 from tests.fixtures.cache_server import CacheServerProcess
 from tests.fixtures.tiers import chunk, ckey
 

@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cache_salt import tenant_tag
+from kvkeys.tenants import tenant_prefix, tenant_tag
 from kvstore.backends.cache_server import CacheServerBackend
 from kvstore.registry import create_backend
 from kvstore.server import protocol as P
 from kvstore.server.client import CacheServerClient, ServerReplyError
 from kvstore.server.protocol import Op, Status
 from kvstore.store_config import TierSpec
-from kvstore.tenant_keys import tenant_prefix
 from kvtier.cmd_cache_server import load_tenant_tokens
 from tests.fixtures.cache_server import CacheServerProcess, raw_exchange
 

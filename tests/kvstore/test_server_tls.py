@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector.keyspace import Keyspace
+from kvkeys.keyspace import Keyspace
 from kvstore.backend import BackendError
 from kvstore.backends.cache_server import CacheServerBackend, client_tls_context
 from kvstore.registry import create_backend

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvkeys.tenants import key_tenant, tenant_prefix
 from kvstore.backend import StorageBackend
 from kvstore.backends.disk import DiskBackend
 from kvstore.backends.disk.file_names import key_path, keys_with_prefix
@@ -24,7 +25,6 @@ from kvstore.budget import ByteBudget
 from kvstore.budget_check import check_tier_budgets
 from kvstore.registry import create_backend
 from kvstore.store_config import KVStoreConfig, TierSpec
-from kvstore.tenant_keys import key_tenant, tenant_prefix
 from tests.fixtures.redis_server import RedisServer
 
 TAGS = ("a1" * 8, "b2" * 8, "c3" * 8)

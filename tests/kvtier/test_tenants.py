@@ -18,8 +18,7 @@ import pytest
 from scipy.stats import mannwhitneyu
 
 from connector.key_families import INDEX_KEY
-from engine.cache_salt import tenant_tag
-from kvstore.tenant_keys import key_tenant
+from kvkeys.tenants import key_tenant, tenant_tag
 from tests.fixtures.cache_server import CacheServerProcess
 from tests.fixtures.polling import wait_until
 from tests.fixtures.redis_server import RedisServer
@@ -185,9 +184,9 @@ def test_cli_forgets_a_tenant_in_a_disk_directory(tmp_path) -> None:
 
     import torch
 
+    from kvkeys.tenants import tenant_prefix
     from kvstore.storage_manager import StorageManager
     from kvstore.store_config import KVStoreConfig, TierSpec
-    from kvstore.tenant_keys import tenant_prefix
 
     url = f"disk://{tmp_path / 'kv'}"
     storage = StorageManager.from_config(KVStoreConfig(tiers=[TierSpec.from_url(url, "t")]))

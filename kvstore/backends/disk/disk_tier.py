@@ -41,6 +41,7 @@ from urllib.parse import unquote, urlsplit
 
 import torch
 
+from kvkeys.tenants import key_tenant, tenant_prefix
 from kvstore import serde
 from kvstore.backend import BackendError, BackendStats, BytesBackend, Destination, EntryInfo, ReadValue, StoredValue
 from kvstore.backends.disk.dir_account import STATE_BYTES, STATE_FILE, DirAccount, DirState
@@ -62,7 +63,6 @@ from kvstore.pin_file import PIN_FILE, PinFile
 from kvstore.pin_set import PinError, default_pin_budget
 from kvstore.read_buffers import ReadBufferPool
 from kvstore.store_config import TierSpec
-from kvstore.tenant_keys import key_tenant, tenant_prefix
 
 __all__ = ["DiskBackend"]
 

@@ -1,7 +1,7 @@
 """The one chained-hash primitive: `h_i = blake2b-128(h_{i-1} || int64-le(tokens_i))`.
 
 The engine's prefix cache (engine/block_pool.py) chains it over blocks from its own root, the
-connector's keyspace (connector/keyspace.py) over chunks from the chunk root. Python's `hash()`
+connector's keyspace (kvkeys/keyspace.py) over chunks from the chunk root. Python's `hash()`
 is never used, so hashes are identical across processes, machines and PYTHONHASHSEED values.
 """
 

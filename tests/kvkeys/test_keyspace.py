@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from connector.keyspace import LAYOUT_VERSION, ROOT_HASH, Keyspace, chunk_key, head_key, key_family_label, layer_key
-from engine.hashing import chain_hash
+from kvkeys.chain import chain_hash
+from kvkeys.keyspace import LAYOUT_VERSION, ROOT_HASH, Keyspace, chunk_key, head_key, key_family_label, layer_key
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENS = list(range(1000, 1700)) + [49151, 0, 7]
 
 _SCRIPT = """
 import json
-from connector.keyspace import Keyspace
+from kvkeys.keyspace import Keyspace
 tokens = list(range(1000, 1700)) + [49151, 0, 7]
 print(json.dumps([[s.start, s.end, s.key] for s in Keyspace("m0", "float16", 256, 30).spans(tokens)]))
 """

@@ -1,4 +1,5 @@
-"""`cache_salt`: per-request cache isolation (vLLM's answer to CVE-2025-46570).
+"""`cache_salt`: per-request cache isolation (vLLM's answer to CVE-2025-46570), and where a
+stored key names its tenant.
 
 A request's salt is mixed into the root its block chain starts from (vLLM mixes it into the
 first block's hash: the same thing), so every block hash, and every chunk key the connector
@@ -11,14 +12,19 @@ hash of it, so the salt itself is never stored in clear. With a tag key (the ope
 `set_tenant_tag_key`: the connector's `tenant_tag_key`, $KVTIER_TENANT_TAG_KEY) the tag is an
 HMAC of the salt under it, so a reader of a shared tier cannot confirm a guessed salt; without
 one it is the unkeyed hash it always was (stored keys stay valid).
+
+A salted request's chunk keys (kvkeys/keyspace.py) start `kvtier:tenant-<tag>:`, so the tiers
+can find, count and remove one tenant's entries without knowing the rest of the key; unsalted
+keys (`kvtier:<model>:...`) carry no tenant and are unchanged.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 
-from engine.hashing import HASH_BYTES
+from kvkeys.chain import HASH_BYTES
 
 MAX_CACHE_SALT_LENGTH = 128
 FORBIDDEN_CHARS = frozenset("@/\\\x00")
@@ -96,3 +102,45 @@ def seal_root(root: bytes, tag: str) -> bytes:
         return root
     mask = hmac.new(_tag_key, b"kvtier-root-seal\x00" + tag.encode(), hashlib.sha256).digest()
     return bytes(a ^ b for a, b in zip(root, mask))
+
+
+# ---- where a stored key names its tenant --------------------------------------------
+KEY_ROOT = "kvtier:"
+TENANT_FIELD = "tenant-"
+_TAG = re.compile(r"[0-9a-f]{16}")
+
+
+def check_tag(tag: str) -> str:
+    """Returns `tag`; ValueError unless it is 16 lowercase hex digits (a tenant tag)."""
+    if not isinstance(tag, str) or not _TAG.fullmatch(tag):
+        raise ValueError(f"a tenant tag is 16 lowercase hex digits, got {tag!r}")
+    return tag
+
+
+def tenant_prefix(tag: str) -> str:
+    """Returns the prefix every stored key of tenant `tag` starts with."""
+    return f"{KEY_ROOT}{TENANT_FIELD}{check_tag(tag)}:"
+
+
+_START = len(KEY_ROOT) + len(TENANT_FIELD)
+
+
+def key_tenant(key: str) -> str | None:
+    """Returns the tenant tag a stored key names, or None for an unsalted key."""
+    if not key.startswith(KEY_ROOT + TENANT_FIELD):
+        return None
+    tag = key[_START:_START + 16]
+    return tag if key[_START + 16:_START + 17] == ":" else None
+
+
+_BYTES_PREFIX = (KEY_ROOT + TENANT_FIELD).encode()
+
+
+def key_tenant_bytes(key: bytes) -> str | None:
+    """Returns the tenant tag a stored key in bytes names (the cache server's keys), or None."""
+    if not key.startswith(_BYTES_PREFIX):
+        return None
+    try:
+        return key_tenant(key[:_START + 17].decode("ascii"))
+    except UnicodeDecodeError:
+        return None

@@ -1,16 +1,16 @@
-"""The connector's keyspace: tokens in, chunk spans that carry their stored keys out
-(docs/architecture.md, "Chunks, keys and codecs"; LMCache's token database plays this part).
+"""The keyspace: tokens in, chunk spans that carry their stored keys out (docs/architecture.md,
+"Chunks, keys and codecs"; LMCache's token database plays this part).
 
 A key names everything that makes stored K/V incompatible: model fingerprint, KV dtype,
 layout version, chunk size, and the chained hash of the tokens up to and including the chunk,
-`h_i = chain_hash(h_{i-1}, tokens_i)` from a fixed root (engine/hashing.py, the primitive the
+`h_i = chain_hash(h_{i-1}, tokens_i)` from a fixed root (kvkeys/chain.py, the primitive the
 engine's prefix cache chains too). A `Keyspace` is configured once per connector; every span
 it returns carries its key and its chain hash, so nothing is ever parsed back from a key.
 
-A request's `cache_salt` (engine/cache_salt.py) gives it its own keyspace (`for_salt`): its
+A request's `cache_salt` (kvkeys/tenants.py) gives it its own keyspace (`for_salt`): its
 chains start from a salted root (prefix and CacheBlend segment chains alike), so no key is
-shared across salts, and its keys start `kvtier:tenant-<tag>:` (kvstore/tenant_keys.py) so
-every tier can find one tenant's entries. Unsalted keys are unchanged.
+shared across salts, and its keys start `kvtier:tenant-<tag>:` so every tier can find one
+tenant's entries. Unsalted keys are unchanged.
 
 In layerwise mode (`use_layerwise`) each layer of a chunk is its own stored value
 `(1, 2, tokens, kv_heads, head_size)` under `<chunk key>@L<layer>` (LMCache's layerwise mode
@@ -34,14 +34,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from engine.cache_salt import salted_root, tenant_tag
-from engine.hashing import chain_hash, chain_prefixes, root_hash
-from engine.kv_cache import KVShape
-from kvstore.tenant_keys import KEY_ROOT, TENANT_FIELD, tenant_prefix
+from kvkeys.chain import chain_hash, chain_prefixes, root_hash
+from kvkeys.tenants import KEY_ROOT, TENANT_FIELD, salted_root, tenant_prefix, tenant_tag
 
 LAYOUT_VERSION = 1
 """Bumped whenever the chunk tensor layout `(layers, 2, tokens, kv_heads, head_size)` changes."""
@@ -56,15 +54,6 @@ SEGMENT_ROOTS = {
 """CacheBlend: the root a segment's chain starts from, per way of computing it
 (`BlendConfig.segment_kv`). A segment is keyed by its own tokens only, whatever precedes it in
 a prompt, and can never share a key with a prefix chain."""
-
-
-class KeyedModel(KVShape, Protocol):
-    """What a keyspace and a chunk's shape need of a model, its K/V sizes and its identity:
-    engine/model_config.py's `ModelConfig`, or connector/vllm/setup.py's `VllmModel` (any
-    architecture vLLM runs)."""
-
-    @property
-    def fingerprint(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -182,6 +171,7 @@ class Keyspace:
         self.cache_salt = cache_salt  # hashed, never put in a key: any string is safe here
         self.tenant = tenant_tag(cache_salt) if cache_salt is not None else None
         self.root = salted_root(ROOT_HASH, cache_salt)
+        self.layout_version = LAYOUT_VERSION
         self._segment_roots = {kind: salted_root(r, cache_salt) for kind, r in SEGMENT_ROOTS.items()}
         self._salted: dict[str, Keyspace] = {}
 
@@ -214,12 +204,20 @@ class Keyspace:
         heads aside: two roles (or processes) whose identities differ must not trust each
         other's answers about keys."""
         split = "layers" if self.layerwise else "heads" if self.heads is not None else "chunks"
-        return (f"{self.model}:{self.kv_dtype}:v{LAYOUT_VERSION}:c{self.chunk_size}:t{self.token_multiple}:"
+        return (f"{self.model}:{self.kv_dtype}:v{self.layout_version}:c{self.chunk_size}:t{self.token_multiple}:"
                 f"L{self.num_layers}:{split}")
+
+    def rooted(self, root: bytes, tenant: str | None, layout_version: int = LAYOUT_VERSION) -> Keyspace:
+        """Returns this keyspace with its chains from `root`, its keys `tenant`'s (a tag) and of
+        `layout_version`: a salt's keyspace known only by its root and tag, as a key family's
+        index record keeps it (connector/key_families.py)."""
+        ks = self._like(None, self.heads)
+        ks.root, ks.tenant, ks.layout_version = root, tenant, layout_version
+        return ks
 
     def key(self, chain: bytes) -> str:
         """Returns the stored key of the chunk whose chain hash is `chain`."""
-        return chunk_key(self.model, self.kv_dtype, self.chunk_size, chain, tenant=self.tenant)
+        return chunk_key(self.model, self.kv_dtype, self.chunk_size, chain, self.layout_version, self.tenant)
 
     def spans(self, tokens: Sequence[int] | Any, unfull: bool = True, parent: bytes | None = None,
               start: int = 0) -> list[Span]:
