@@ -209,18 +209,28 @@ def _held_tokens(storage: StorageManager, keyspace: Keyspace, spans: Sequence[Sp
     return spans[held - 1].end if held else 0
 
 
+class NoSuchModel(LookupError):
+    """A clear by model that matches no stored key family: nothing was removed."""
+
+
 def clear_model(storage: StorageManager, model: str) -> tuple[dict[str, int], dict[str, str]]:
     """Removes from every tier the values of each key family of model `model` (its key's model
     field, or that field's name before the `+engine` tag) that some tier's families index
     lists (connector/key_families.py: a shared tier's index, this process's own for the cpu and
     device tiers), and drops those families from the indexes. Returns (per tier the values
-    removed, per tier that failed its error)."""
+    removed, per tier that failed its error); NoSuchModel, naming the models stored, when no
+    family is of `model`."""
     index = FamilyIndex.of(storage)
 
     def match(f: Family) -> bool:
         return model in (f.model, f.model.partition("+")[0])
 
-    prefixes = sorted({f.id for name in storage.names for f in index.listed(name) if match(f)})
+    listed = [f for name in storage.names for f in index.listed(name)]
+    prefixes = sorted({f.id for f in listed if match(f)})
+    if not prefixes:
+        stored = sorted({f.model for f in listed})
+        raise NoSuchModel(f"no tier holds chunks of model {model!r} (a key's model field, as inspect's by_model "
+                          f"names it); stored: {', '.join(stored) or 'none'}")
     removed: dict[str, int] = dict.fromkeys(storage.names, 0)
     errors: dict[str, str] = {}
     for prefix in prefixes:

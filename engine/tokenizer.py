@@ -101,6 +101,18 @@ def _content(token: Any) -> str | None:
     return token if isinstance(token, str) else None
 
 
+class Encoding(dict[str, Any]):
+    """A tokenizer call's answer, as transformers' `BatchEncoding` reads: by key or attribute."""
+
+    @property
+    def input_ids(self) -> Any:
+        return self["input_ids"]
+
+    @property
+    def attention_mask(self) -> Any:
+        return self["attention_mask"]
+
+
 class Tokenizer:
     """A plain checkpoint's tokenizer (see the module docstring). Thread-safe for reading."""
 
@@ -146,6 +158,22 @@ class Tokenizer:
         """Returns the text of `token_ids` (special tokens left out if asked)."""
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
         return str(self._backend.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> Encoding:
+        """Returns `text`'s ids as transformers' tokenizers do (what vLLM's `get_tokenizer()`
+        gives): `{"input_ids": ids, "attention_mask": ones}`, one list per text for a batch;
+        also as attributes (`.input_ids`)."""
+        if isinstance(text, str):
+            ids: list[int] | list[list[int]] = self.encode(text, add_special_tokens)
+            mask: list[int] | list[list[int]] = [1] * len(ids)
+        else:
+            batch = [self.encode(t, add_special_tokens) for t in text]
+            ids, mask = batch, [[1] * len(b) for b in batch]
+        return Encoding(input_ids=ids, attention_mask=mask)
+
+    def batch_decode(self, sequences: Iterable[Sequence[int]], skip_special_tokens: bool = False) -> list[str]:
+        """Returns the text of each id sequence (`decode`)."""
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
 
     def convert_ids_to_tokens(self, token_ids: Iterable[int]) -> list[str | None]:
         """Returns each id's token string (None for an id outside the vocabulary)."""

@@ -130,6 +130,12 @@ def key_family_label(key: str) -> str | None:
     return ":".join(fields[:4])
 
 
+def is_chunk_key(key: str) -> bool:
+    """Returns whether `key` names a stored chunk's value (any tenant's, layer's or head's),
+    not a tier's own bookkeeping (the key families' index, connector/key_families.py)."""
+    return key_family_label(key) is not None
+
+
 def layer_key(key: str, layer: int) -> str:
     """Returns the stored key of layer `layer` of the chunk stored as `key`."""
     return f"{key}@L{layer}"

@@ -261,8 +261,9 @@ class StorageBackend(ABC):
                           "(the cpu, device, disk and cache server tiers can)")
 
     def delete_idle(self, older_than_s: float) -> int:
-        """Removes every stored value not used for `older_than_s` seconds (never a pinned one);
-        returns how many. NotImplementedError when this tier does not know last uses."""
+        """Removes every stored chunk value not used for `older_than_s` seconds (never a pinned
+        one, nor the tier's own bookkeeping: `kvkeys.keyspace.is_chunk_key`); returns how many.
+        NotImplementedError when this tier does not know last uses."""
         raise NotImplementedError(f"tier {self.name} does not know when its chunks were last used")
 
     def prefix_hits(self, keys: Sequence[str]) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from connector.cache_control import (
+    NoSuchModel,
     clear_model,
     clear_tiers,
     drop,
@@ -111,7 +112,10 @@ def _run_clear(storage: StorageManager, keyspace: Keyspace, q: Question) -> Answ
     if [salt is not None, q.get("all", False), older is not None, model is not None].count(True) != 1:
         raise Refused(400, "give exactly one of cache_salt, all (true), older_than_s or stored_model", "all")
     if model is not None:
-        removed, errors = clear_model(storage, model)
+        try:
+            removed, errors = clear_model(storage, model)
+        except NoSuchModel as e:
+            raise Refused(404, str(e), "stored_model") from None
         return {"cleared": "model", "stored_model": model, "tiers": removed, "errors": errors}
     if salt is not None:
         removed, errors = forget_tenant(storage, salt)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvkeys.keyspace import is_chunk_key
 from kvstore import serde
 from kvstore.backend import BackendStats, EntryInfo, StorageBackend
 from kvstore.budget import ByteBudget
@@ -214,7 +215,7 @@ class MemoryBackend(StorageBackend):
         cutoff = time.time() - older_than_s
         with self._lock:
             idle = [k for k, (_, used) in self._budget.times.items()
-                    if used <= cutoff and not self._budget.protected(k)]
+                    if used <= cutoff and is_chunk_key(k) and not self._budget.protected(k)]
             for key in idle:
                 self._budget.remove(key)
                 del self._store[key]

@@ -28,6 +28,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from connector.cache_control import NoSuchModel
 from connector.engine_connector import EngineConnector
 from engine.sampling_params import SamplingParams
 from kvkeys.tenants import tenant_tag
@@ -147,8 +148,14 @@ def add_cache_routes(app: FastAPI, ctx: ServingContext, tenancy: Tenancy) -> Non
         if body.all:
             return {"cleared": "all", **await front.clear_all(body.local_only)}
         if body.stored_model is not None:
-            removed, errors = await asyncio.to_thread(_connector(front).clear_model, body.stored_model)
-            return {"cleared": "model", "stored_model": body.stored_model, "tiers": removed, "errors": errors}
+            connector = _connector(front)
+            # the served name means the served model: its chunks are keyed by its fingerprint
+            model = connector.scheduler.keyspace.model if body.stored_model == ctx.model_name else body.stored_model
+            try:
+                removed, errors = await asyncio.to_thread(connector.clear_model, model)
+            except NoSuchModel as e:
+                raise APIError(404, str(e), param="stored_model") from None
+            return {"cleared": "model", "stored_model": model, "tiers": removed, "errors": errors}
         assert body.older_than_s is not None
         removed, errors = await asyncio.to_thread(_connector(front).clear_idle, body.older_than_s)
         return {"cleared": "idle", "older_than_s": body.older_than_s, "tiers": removed, "errors": errors}

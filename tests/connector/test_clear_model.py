@@ -2,7 +2,9 @@
 `clear_model`, issue #50): over a real shared tier, a writer with its own storage manager (as
 another process) stores prompts of several models and tenants; another manager clears one
 model by name or by its exact engine-tagged field, every tenant's, and leaves the other models'
-chunks and index records alone. No model runs: keys come from the keyspace."""
+chunks and index records alone; a model nothing is stored of is refused by name. Clearing idle
+chunks leaves the tier's own bookkeeping (the families' index) alone. No model runs: keys come
+from the keyspace."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.cache_control import clear_model
+from connector.cache_control import NoSuchModel, clear_model
 from connector.key_families import INDEX_KEY, decode_index
 from kvkeys.keyspace import Keyspace
 from tests.connector.test_explain import manager, prompt, store
@@ -51,6 +53,26 @@ def test_clear_one_model_every_tenant_others_intact(tier: str, tmp_path: Path, r
         assert [held(label) for label in FAMILIES] == [0, 0, 0, 2]
         listed = decode_index(other.tier_get(name, INDEX_KEY))
         assert [f.model for f in listed] == ["m2"]
-        assert clear_model(other, "m3") == ({name: 0}, {})
+        with pytest.raises(NoSuchModel, match="no tier holds chunks of model 'm3'.*stored: m2"):
+            clear_model(other, "m3")  # says so, naming what is stored, rather than "cleared"
+    finally:
+        other.close()
+
+
+def test_clearing_idle_chunks_keeps_the_families_index(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    url = tier_url("disk", tmp_path, request)
+    writer = manager(url)
+    try:
+        for i, ks in enumerate(FAMILIES.values()):
+            store(writer, ks, prompt(i, 64))
+    finally:
+        writer.close()
+    other = manager(url)
+    name = other.names[0]
+    try:
+        before = decode_index(other.tier_get(name, INDEX_KEY))
+        removed, errors = other.delete_idle(1e-9)  # every chunk is idle that long
+        assert removed == {name: 2 * len(FAMILIES)} and not errors
+        assert decode_index(other.tier_get(name, INDEX_KEY)) == before != []  # explain still names families
     finally:
         other.close()

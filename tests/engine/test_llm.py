@@ -159,3 +159,18 @@ def test_last_layer_runs_only_the_sampling_rows(llm: LLM, prompts: list, oracle:
     finally:
         for h in hooks:
             h.remove()
+
+
+def test_a_script_written_for_vllm_runs_with_its_tokenizer(llm: LLM, oracle: list[list[int]], prompts: list) -> None:
+    """vLLM's tokenizer idioms on `LLM.get_tokenizer()`: chat template to text, `tok(text)`,
+    generation from ids, `decode`/`batch_decode` of what came out."""
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == tok(text, add_special_tokens=False).input_ids == tok.encode(text, add_special_tokens=False)
+    (out,) = llm.generate([{"prompt_token_ids": ids}], greedy())
+    assert list(out.outputs[0].token_ids) == oracle[2]  # the same prompt as the oracle's chat one
+    assert tok.decode(out.outputs[0].token_ids, skip_special_tokens=True) == out.outputs[0].text
+    assert tok.batch_decode([out.outputs[0].token_ids], skip_special_tokens=True) == [out.outputs[0].text]
+    assert tok.eos_token_id is not None

@@ -47,6 +47,14 @@ def _same_as_transformers(got: Tokenizer, ref: Any) -> None:
                 for b in range(a, min(len(ids), a + 6) + 1):
                     assert (got.decode(ids[a:b], skip_special_tokens=skip)
                             == ref.decode(ids[a:b], skip_special_tokens=skip)), (text, a, b, skip)
+    for special in (True, False):  # called as vLLM users call the tokenizer `LLM.get_tokenizer()` gives
+        want = ref(TEXTS, add_special_tokens=special)
+        got_batch = got(TEXTS, add_special_tokens=special)
+        assert got_batch["input_ids"] == want["input_ids"] and got_batch.attention_mask == want["attention_mask"]
+        one = TEXTS[0]
+        assert got(one, add_special_tokens=special).input_ids == ref(one, add_special_tokens=special).input_ids
+        assert got.batch_decode(want["input_ids"], skip_special_tokens=special) == \
+            ref.batch_decode(want["input_ids"], skip_special_tokens=special)
     for chat in CHATS:
         for gen in (True, False):
             want = ref.apply_chat_template(chat, add_generation_prompt=gen, tokenize=False)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvkeys.keyspace import chunk_key
 from kvstore.backend import StorageBackend
 from kvstore.backends.disk import STATE_BYTES, DiskBackend
 from kvstore.backends.memory import CPUBackend
@@ -110,17 +111,20 @@ def test_pin_budget_is_checked_in_the_spec() -> None:
 
 @pytest.mark.parametrize("kind", [0, 1], ids=["cpu", "disk"])
 def test_delete_idle_removes_what_was_not_used_and_keeps_pins(tmp_path: Path, kind: int) -> None:
-    tier = tiers(tmp_path)[kind]
-    tier.batched_put([("o00", CHUNK), ("o01", CHUNK)])
-    tier.pin(["o01"])
+    """Idle chunks go, pinned ones and the tier's own bookkeeping (not a chunk key) stay."""
+    tier = [CPUBackend(), DiskBackend(tmp_path / "idle")][kind]  # room for the long keys' files
+    old, pinned, new = (chunk_key("m", "float16", 4, bytes([i]) * 16) for i in range(3))
+    book = "kvtier:index:families"  # a key families index: bookkeeping, not a chunk
+    tier.batched_put([(old, CHUNK), (pinned, CHUNK), (book, CHUNK)])
+    tier.pin([pinned])
     if isinstance(tier, DiskBackend):  # its last use is the file's mtime
-        for key in ("o00", "o01"):
+        for key in (old, pinned, book):
             os.utime(tier._path(key), (time.time() - 60, time.time() - 60))
     else:
         time.sleep(0.06)
-    tier.batched_put([("n00", CHUNK)])
+    tier.batched_put([(new, CHUNK)])
     assert tier.delete_idle(0.05 if kind == 0 else 30) == 1
-    assert tier.batched_contains(["o00", "o01", "n00"]) == [False, True, True]
+    assert tier.batched_contains([old, pinned, new, book]) == [False, True, True, True]
     tier.close()
 
 

@@ -191,6 +191,23 @@ def test_the_command_line_and_clear_all(server: ServeProcess) -> None:
     assert holders(server, ids) == [set()]
 
 
+def test_clear_by_the_served_name_and_a_model_not_stored(server: ServeProcess) -> None:
+    """The served name clears the served model's chunks; a model nothing is stored of is an
+    error naming what is stored (the CLI exits non-zero), and removes nothing."""
+    ids = prompt(48)
+    run(server, ids)
+    stored(server, ids, {CPU, DISK})
+    cmd = [sys.executable, "-m", "kvtier", "cache", "clear", "--url", server.url, "--api-key", ADMIN,
+           "--stored-model", "no-such-model"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "no tier holds chunks of model 'no-such-model'" in r.stderr, r.stderr
+    before = holders(server, ids)
+    assert before and all(h == {CPU, DISK} for h in before)  # nothing removed
+    cleared = post(server, "/kv/clear", {"stored_model": NAME})
+    assert cleared.status_code == 200 and cleared.json()["tiers"]["0:cpu"] >= len(before), cleared.text
+    assert holders(server, ids) == [set()] * len(before)
+
+
 def tier_hits(server: ServeProcess) -> dict[str, float]:
     """Returns per tier kind the tokens requests loaded from it (`/metrics`)."""
     text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).text

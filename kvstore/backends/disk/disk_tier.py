@@ -41,6 +41,7 @@ from urllib.parse import unquote, urlsplit
 
 import torch
 
+from kvkeys.keyspace import is_chunk_key
 from kvkeys.tenants import key_tenant, tenant_prefix
 from kvstore import serde
 from kvstore.backend import BackendError, BackendStats, BytesBackend, Destination, EntryInfo, ReadValue, StoredValue
@@ -557,8 +558,9 @@ class DiskBackend(BytesBackend):
             self._evicted(limits.victims)
 
     def delete_idle(self, older_than_s: float) -> int:
-        """Removes the files this process knows whose last use (mtime) is `older_than_s`
-        seconds ago or more, never a pinned one; one stat per file known."""
+        """Removes the chunk files this process knows whose last use (mtime) is `older_than_s`
+        seconds ago or more, never a pinned one nor the tier's own bookkeeping (the key
+        families' index); one stat per file known."""
         self._writable()
         cutoff = time.time() - older_than_s
         removed = 0
@@ -569,7 +571,7 @@ class DiskBackend(BytesBackend):
                 except FileNotFoundError:
                     self._index.remove(key)
                     continue
-                if idle and not self._index.protected(key):
+                if idle and is_chunk_key(key) and not self._index.protected(key):
                     freed = self._unlink(key)
                     state.used -= freed
                     removed += freed > 0
