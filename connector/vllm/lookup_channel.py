@@ -11,8 +11,8 @@ Frames, no pickle. A question is a u32 header, its op in the top byte and a coun
   one byte, 0 or 1, per key), `OP_TIER_PREFIX` (how many leading keys each tier holds by
   itself, for `vllm serve`'s /kv/lookup: a u32 tier count, then per tier, fastest first, a u32
   name length, the name and a u32 count) and `OP_CLEAR_LOCAL` (no keys: vLLM's `reset_cache`;
-  one byte 1 once the process-local tiers, with the server's `clear_shared` every tier, are
-  empty);
+  one byte 1 once the server's `clear_local` ran: the process-local tiers, or every tier with
+  `reset_clears_shared_tiers`, are empty);
 - body ops carry one body, a u32 length and its bytes (count 0):
   - `OP_FIND`, the planner's lookup (`encode_find`: the asker's keyspace identity, salt,
     position, chain and spans, and the tokens they cover), answered by `encode_found`: a
