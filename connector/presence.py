@@ -69,6 +69,8 @@ def find_held(where: Callable[[list[str]], list[int | None]], tier_names: Sequen
     # lengths that would end at or before `after` load nothing
     probe = [sp for sp in keyspace.partial_spans(tokens[span.start - base:span.end - base], span.start, chain)
              if sp.end > after]
+    if not probe:
+        return found
     probed = where(keyspace.probe_keys(probe))
     held = [i for i, t in enumerate(probed) if t is not None]
     if not held:
