@@ -54,8 +54,8 @@ class Family:
                 "layout": self.layout, "chunk_size": self.chunk_size, "tenant": self.tenant}
 
     def keyspace(self) -> Keyspace:
-        """Returns the keyspace this family's keys are made in: split by head, covering head 0
-        alone (every tensor-parallel size stores it), so its probes are head 0's."""
+        """Returns the keyspace this family's keys are made in; for a family stored per KV head,
+        covering head 0 alone (every tensor-parallel size stores it), so its probes are head 0's."""
         root = bytes.fromhex(self.root)
         if self.tenant is not None:
             root = seal_root(root, self.tenant)  # its own inverse
