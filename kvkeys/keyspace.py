@@ -180,6 +180,7 @@ class Keyspace:
         self.layout_version = LAYOUT_VERSION
         self._segment_roots = {kind: salted_root(r, cache_salt) for kind, r in SEGMENT_ROOTS.items()}
         self._salted: dict[str, Keyspace] = {}
+        self._ranges: dict[tuple[int, int], Keyspace] = {}  # for_heads' answers (a few TP ranks)
 
     def for_salt(self, cache_salt: str | None) -> Keyspace:
         """Returns the keyspace of requests with `cache_salt` (None: unsalted), otherwise
@@ -197,8 +198,12 @@ class Keyspace:
 
     def for_heads(self, lo: int, hi: int) -> Keyspace:
         """Returns this keyspace covering KV heads [lo, hi) (a tensor-parallel rank's), split
-        by head; otherwise configured as this one."""
-        return self._like(self.cache_salt, (lo, hi))
+        by head; otherwise configured as this one. Built once per range: the scheduler asks
+        it of every rank at every lookup."""
+        ks = self._ranges.get((lo, hi))
+        if ks is None:
+            ks = self._ranges[(lo, hi)] = self._like(self.cache_salt, (lo, hi))
+        return ks
 
     def _like(self, cache_salt: str | None, heads: tuple[int, int] | None) -> Keyspace:
         return Keyspace(self.model, self.kv_dtype, self.chunk_size, self.num_layers, self.layerwise, cache_salt, heads,

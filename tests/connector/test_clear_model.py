@@ -15,6 +15,7 @@ import pytest
 from connector.cache_control import NoSuchModel, clear_model
 from connector.key_families import INDEX_KEY, decode_index
 from kvkeys.keyspace import Keyspace
+from kvstore.storage_manager import StorageManager
 from tests.connector.test_explain import manager, prompt, store
 from tests.fixtures.connector import tier_url
 
@@ -26,16 +27,22 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("tier", ["disk", "redis"])
-def test_clear_one_model_every_tenant_others_intact(tier: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    url = tier_url(tier, tmp_path, request)
+def stored_by_a_writer(url: str) -> StorageManager:
+    """Stores a prompt of each of FAMILIES into the tier at `url` through a writer's own
+    manager, then returns another manager over it: its own (empty) family index, as another
+    process."""
     writer = manager(url)
     try:
         for i, ks in enumerate(FAMILIES.values()):
             store(writer, ks, prompt(i, 64))
     finally:
         writer.close()
-    other = manager(url)  # its own (empty) family index: as another process
+    return manager(url)
+
+
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_clear_one_model_every_tenant_others_intact(tier: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    other = stored_by_a_writer(tier_url(tier, tmp_path, request))
     name = other.names[0]
 
     def held(label: str) -> int:
@@ -60,14 +67,7 @@ def test_clear_one_model_every_tenant_others_intact(tier: str, tmp_path: Path, r
 
 
 def test_clearing_idle_chunks_keeps_the_families_index(tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    url = tier_url("disk", tmp_path, request)
-    writer = manager(url)
-    try:
-        for i, ks in enumerate(FAMILIES.values()):
-            store(writer, ks, prompt(i, 64))
-    finally:
-        writer.close()
-    other = manager(url)
+    other = stored_by_a_writer(tier_url("disk", tmp_path, request))
     name = other.names[0]
     try:
         before = decode_index(other.tier_get(name, INDEX_KEY))

@@ -20,6 +20,7 @@ def test_each_head_of_a_chunk_is_its_own_value_and_a_rank_covers_its_heads() -> 
     spans = KS.spans(list(range(8)))
     assert KS.stored_keys(spans) == [head_key(sp.key, h) for sp in spans for h in range(4)]
     rank1 = KS.for_heads(2, 4)
+    assert KS.for_heads(2, 4) is rank1  # built once per range: every lookup asks it of every rank
     assert rank1.values_per_chunk == 2 and rank1.spans(list(range(8))) == spans  # the same chunk keys
     assert rank1.probe_keys(spans) == [head_key(sp.key, 3) for sp in spans]
     salted = rank1.for_salt("tenant")
