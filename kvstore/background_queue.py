@@ -16,13 +16,11 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+from kvstore.deadlines import FLUSH_TIMEOUT_S
+
 logger = logging.getLogger("kvtier.kvstore")
 
 Job = Callable[[], None]
-
-FLUSH_TIMEOUT_S = 5.0
-"""Default bound of a shutdown's flush of queued writes (config `flush_timeout_s`): a tier that
-never answers cannot hold a shutdown longer; what is still queued then is dropped."""
 
 BACKGROUND_NICE = 10
 """Niceness added to threads that work in the background of serving (slower tiers' writes,

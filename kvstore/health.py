@@ -23,12 +23,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from kvstore.deadlines import BACKOFF_INITIAL_S, BACKOFF_MAX_S
+
 logger = logging.getLogger("kvtier.kvstore")
 
-BACKOFF_INITIAL_S = 0.25
-"""Default cool-down after the breaker opens."""
-BACKOFF_MAX_S = 1.0
-"""Default cap of the cool-down: a tier that is back is used again within about this long."""
 BREAKER_FAILURES = 1
 """Default consecutive failures that open a breaker: one, since each failure of a frozen
 remote tier costs the serving path a whole deadline."""

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from kvstore.background_queue import FLUSH_TIMEOUT_S
 from kvstore.codecs import CODEC_NAMES
+from kvstore.deadlines import BACKOFF_INITIAL_S, BACKOFF_MAX_S, FLUSH_TIMEOUT_S
 from kvstore.env import Setting, env_float, env_int, env_str, parse_env
 from kvstore.eviction import POLICIES
-from kvstore.health import BACKOFF_INITIAL_S, BACKOFF_MAX_S, BREAKER_FAILURES
+from kvstore.health import BREAKER_FAILURES
 from kvstore.schemes import TIER_SCHEMES
 from kvstore.sizes import parse_size
 

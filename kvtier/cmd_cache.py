@@ -19,11 +19,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from kvstore.deadlines import CACHE_CLI_TIMEOUT_S
+
 HELP = "operate a running server's KV cache: inspect, pin, unpin, prefetch, move, drop, clear, budget, explain a miss"
 DEFAULT_LOG_LEVEL = "warning"
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-TIMEOUT_S = 60.0
 
 
 # ---- shared flags and the one HTTP call ---------------------------------------------------
@@ -98,7 +99,7 @@ def _answer(args: argparse.Namespace, route: str, body: dict[str, Any]) -> dict[
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     name = f"kvtier cache {args.cache_command}"
     try:
-        r = httpx.post(args.url.rstrip("/") + route, json=body, headers=headers, timeout=TIMEOUT_S)
+        r = httpx.post(args.url.rstrip("/") + route, json=body, headers=headers, timeout=CACHE_CLI_TIMEOUT_S)
     except httpx.HTTPError as exc:
         print(f"{name}: error: cannot reach {args.url}: {exc}", file=sys.stderr)
         return None

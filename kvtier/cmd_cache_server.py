@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from hostmem import keep_freed_memory
 from kvstore import sizes
-from kvstore.server.protocol import DEFAULT_CLIENT_TIMEOUT_S, DEFAULT_FRAME_TIMEOUT_S
+from kvstore.deadlines import CACHE_SERVER_CLIENT_TIMEOUT_S, CACHE_SERVER_FRAME_TIMEOUT_S, CACHE_SERVER_IDLE_TIMEOUT_S
 
 if TYPE_CHECKING:
     from kvstore.server.tenant_tokens import TenantTokens
@@ -77,12 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "may touch only that tenant's keys (--auth-token stays the operator's, allowed "
                              "everything); see docs/security.md")
     parser.add_argument("--max-payload", default="512MiB", metavar="SIZE", help="largest payload one frame may carry")
-    parser.add_argument("--idle-timeout", type=float, default=300.0, metavar="SECONDS",
+    parser.add_argument("--idle-timeout", type=float, default=CACHE_SERVER_IDLE_TIMEOUT_S, metavar="SECONDS",
                         help="close connections that send nothing for this long")
-    parser.add_argument("--frame-timeout", type=float, default=DEFAULT_FRAME_TIMEOUT_S, metavar="SECONDS",
+    parser.add_argument("--frame-timeout", type=float, default=CACHE_SERVER_FRAME_TIMEOUT_S, metavar="SECONDS",
                         help="each request frame must arrive whole, and each reply piece be read, "
                              "within this long; also the TLS handshake limit and the longest a body waits "
-                             f"for memory or a GET for the disk (kvtier clients wait {DEFAULT_CLIENT_TIMEOUT_S:g} s)")
+                             "for memory or a GET for the disk "
+                             f"(kvtier clients wait {CACHE_SERVER_CLIENT_TIMEOUT_S:g} s)")
     parser.add_argument("--max-connections", type=int, default=256, metavar="N",
                         help="connections served at once; more are refused with TOO_MANY_CONNECTIONS")
     parser.add_argument("--tls-cert", default=None, metavar="FILE",

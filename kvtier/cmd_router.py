@@ -9,6 +9,12 @@ import argparse
 import logging
 from typing import Any
 
+from kvstore.deadlines import (
+    ROUTER_HEALTH_INTERVAL_S,
+    ROUTER_LOOKUP_TIMEOUT_S,
+    ROUTER_REQUEST_TIMEOUT_S,
+    SHUTDOWN_GRACE_S,
+)
 from kvtier.http_server import bind_socket, resolve_api_key, serve_app, socket_url
 from kvtier.router import POLICIES
 
@@ -25,15 +31,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a `kvtier serve --kv-role consumer` URL (repeatable; needs --prefill)")
     g.add_argument("--policy", default="kv-aware", choices=POLICIES,
                    help="how a backend is picked per request (default: kv-aware)")
-    g.add_argument("--lookup-timeout", type=float, default=0.5, metavar="SECONDS",
-                   help="kv-aware: seconds to wait for each backend's /kv/lookup; late = no hit (default: 0.5)")
+    g.add_argument("--lookup-timeout", type=float, default=ROUTER_LOOKUP_TIMEOUT_S, metavar="SECONDS",
+                   help="kv-aware: seconds to wait for each backend's /kv/lookup; late = no hit "
+                        f"(default: {ROUTER_LOOKUP_TIMEOUT_S})")
     g.add_argument("--balance-threshold", type=int, default=16, metavar="N",
                    help="kv-aware: a backend with more than N requests (running + waiting) above the least loaded "
                         "one ranks last, whatever it holds (default: 16)")
-    g.add_argument("--health-interval", type=float, default=1.0, metavar="SECONDS",
-                   help="seconds between health checks of each backend (default: 1.0)")
-    g.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="seconds a backend may take to answer or between stream chunks (default: 600)")
+    g.add_argument("--health-interval", type=float, default=ROUTER_HEALTH_INTERVAL_S, metavar="SECONDS",
+                   help=f"seconds between health checks of each backend (default: {ROUTER_HEALTH_INTERVAL_S})")
+    g.add_argument("--request-timeout", type=float, default=ROUTER_REQUEST_TIMEOUT_S, metavar="SECONDS",
+                   help="seconds a backend may take to answer or between stream chunks "
+                        f"(default: {ROUTER_REQUEST_TIMEOUT_S:g})")
     g.add_argument("--backend-api-key", default=None, metavar="KEY",
                    help="API key sent to the backends (default: forward the client's Authorization header)")
     s = parser.add_argument_group("server")
@@ -72,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     api_key = resolve_api_key(args.api_key)
     sock = bind_socket(args.host, args.port)
     app = build(args, pairs, disaggregated, api_key)
-    serve_app(app, sock, f"kvtier router listening on {socket_url(sock)}", args.log_level, 5.0, lifespan=True)
+    serve_app(app, sock, f"kvtier router listening on {socket_url(sock)}", args.log_level, SHUTDOWN_GRACE_S,
+              lifespan=True)
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvstore.deadlines import SHUTDOWN_GRACE_S
 from kvtier.http_server import bind_socket, resolve_api_key, serve_app, socket_url
 from kvtier.log_setup import ENGINE_LOG_HELP
 
@@ -29,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "clients choose cache_salt as in vLLM)")
     g.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="requests admitted beyond one batch (--max-num-seqs); more get 429 (default: 256)")
-    g.add_argument("--shutdown-grace", type=float, default=5.0, metavar="SECONDS",
-                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default: 5)")
+    g.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S, metavar="SECONDS",
+                   help=f"seconds in-flight requests get to finish on SIGINT/SIGTERM (default: {SHUTDOWN_GRACE_S:g})")
     g.add_argument("--kv-role", default="both", choices=["both", "producer", "consumer"],
                    help="disaggregated prefill: a producer answers one token and returns once the prompt's K/V is "
                         "in its tiers; a consumer loads it from the shared tier and decodes; both = a plain server "

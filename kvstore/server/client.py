@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvstore.deadlines import CACHE_SERVER_CLIENT_TIMEOUT_S, CACHE_SERVER_CONNECT_TIMEOUT_S
 from kvstore.server import protocol as P
 from kvstore.server.client_connection import (
     CLOSING,
@@ -67,8 +68,8 @@ class CacheServerClient:
         port: int,
         *,
         auth_token: str | None = None,
-        connect_timeout: float = 2.0,
-        timeout: float = P.DEFAULT_CLIENT_TIMEOUT_S,
+        connect_timeout: float = CACHE_SERVER_CONNECT_TIMEOUT_S,
+        timeout: float = CACHE_SERVER_CLIENT_TIMEOUT_S,
         pool_size: int = 8,
         tls: ssl.SSLContext | None = None,
     ) -> None:

@@ -17,6 +17,7 @@ import socket
 from collections import deque
 from typing import Protocol
 
+from kvstore.deadlines import CACHE_SERVER_REFUSED_ABORT_S
 from kvstore.server import protocol as P
 from kvstore.server.handlers import HandlerServer, ParkedGet, dispatch, early_refusal
 from kvstore.server.protocol import Op, Status
@@ -119,9 +120,10 @@ class Connection(asyncio.BufferedProtocol):
                                            payload=f"too many connections (limit {limit})".encode()))
             if transport.can_write_eof():
                 # Half-close and drop what the client already sent: closing with unread bytes
-                # would reset the connection and could lose the refusal. Bounded: 1 s at most.
+                # would reset the connection and could lose the refusal. Bounded: aborted after
+                # CACHE_SERVER_REFUSED_ABORT_S.
                 transport.write_eof()
-                self.loop.call_later(1.0, transport.abort)
+                self.loop.call_later(CACHE_SERVER_REFUSED_ABORT_S, transport.abort)
             else:
                 transport.close()
             return

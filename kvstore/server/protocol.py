@@ -27,13 +27,6 @@ MAX_REQUEST_BODY = 16 << 20
 # Keys one PREFIX_HITS may carry: the work of one request on the server's event loop is
 # bounded (4096 chunks of 256 tokens cover a 1M-token prompt; the client splits longer lists).
 MAX_KEYS_PER_REQUEST = 4096
-# The server answers every request within this long (--frame-timeout): at worst BUSY for a
-# body that waited for memory, or a miss for a value the disk could not read in time.
-DEFAULT_FRAME_TIMEOUT_S = 30.0
-# A client waits a little longer than that for a reply, so that a live server's own answer
-# (BUSY, a miss) always arrives first; the client's timeout only fires for a server that is
-# stopped, frozen or unreachable.
-DEFAULT_CLIENT_TIMEOUT_S = DEFAULT_FRAME_TIMEOUT_S + 5.0
 Buffer = bytes | bytearray | memoryview
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from hostmem import ResidentGuard
 from kvkeys.tenants import tenant_prefix
+from kvstore.deadlines import CACHE_SERVER_FRAME_TIMEOUT_S, CACHE_SERVER_IDLE_TIMEOUT_S, CACHE_SERVER_SWEEP_S
 from kvstore.server import protocol as P
 from kvstore.server.connection import PER_CONNECTION_BYTES, PER_TLS_CONNECTION_BYTES, Connection
 from kvstore.server.store import ByteStore
@@ -42,10 +43,10 @@ class ServerConfig:
     auth_token: str | None = field(default=None, repr=False)  # the operator's: may do anything
     # --tenant-tokens: each binds its connections to one tenant's keys (kvstore/server/tenant_tokens.py)
     tenant_tokens: TenantTokens | None = field(default=None, repr=False)
-    idle_timeout: float = 300.0  # a connection that sends nothing for this long is closed
+    idle_timeout: float = CACHE_SERVER_IDLE_TIMEOUT_S  # a connection that sends nothing for this long is closed
     # Every frame must arrive whole (header and body) within this many seconds of its first
     # byte, and every reply piece must drain within it; also the TLS handshake's limit.
-    frame_timeout: float = P.DEFAULT_FRAME_TIMEOUT_S
+    frame_timeout: float = CACHE_SERVER_FRAME_TIMEOUT_S
     max_connections: int = 256
     tls_cert: str | None = None  # PEM certificate chain; with tls_key, clients must use TLS
     tls_key: str | None = None
@@ -135,7 +136,7 @@ class CacheServer:
 
     @property
     def _sweep_period(self) -> float:
-        return min(1.0, self.config.frame_timeout / 4, self.config.idle_timeout / 4)
+        return min(CACHE_SERVER_SWEEP_S, self.config.frame_timeout / 4, self.config.idle_timeout / 4)
 
     def _sweep(self) -> None:
         # One timer for the whole server: deadlines are checked a few times per timeout.

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvstore.deadlines import ROUTER_MODELS_TIMEOUT_S
 from kvtier import __version__
 from kvtier.router.backends import BackendPool
 from kvtier.router.disagg import prefill_then_decode
@@ -63,7 +64,7 @@ def build_app(proxy: Proxy, pool: BackendPool, metrics: RouterMetrics, disaggreg
         for backend in pool.available(serving_role):
             try:
                 r = await proxy.client.get(backend.url + "/v1/models", headers=proxy.headers(dict(request.headers)),
-                                           timeout=5.0)
+                                           timeout=ROUTER_MODELS_TIMEOUT_S)
             except httpx.HTTPError:
                 continue
             return Response(r.content, status_code=r.status_code, media_type="application/json")

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from kvstore.deadlines import ROUTER_HEALTH_INTERVAL_S, ROUTER_HEALTH_TIMEOUT_S
+
 logger = logging.getLogger("kvtier.router")
 
 
@@ -33,8 +35,8 @@ class Backend:
 class BackendPool:
     """The backends and their health; health checks run as one asyncio task."""
 
-    def __init__(self, backends: list[Backend], client: httpx.AsyncClient, interval_s: float = 1.0,
-                 timeout_s: float = 1.0) -> None:
+    def __init__(self, backends: list[Backend], client: httpx.AsyncClient,
+                 interval_s: float = ROUTER_HEALTH_INTERVAL_S, timeout_s: float = ROUTER_HEALTH_TIMEOUT_S) -> None:
         if not backends:
             raise ValueError("the router needs at least one backend")
         urls = [b.url for b in backends]

@@ -24,6 +24,7 @@ from typing import Protocol
 
 import httpx
 
+from kvstore.deadlines import ROUTER_LOOKUP_TIMEOUT_S
 from kvtier.router import POLICIES
 from kvtier.router.backends import Backend, BackendPool
 from kvtier.router.metrics import RouterMetrics
@@ -74,7 +75,7 @@ class PrefixHash:
 class KvAware:
     name = "kv-aware"
 
-    def __init__(self, pool: BackendPool, metrics: RouterMetrics, timeout_s: float = 0.5,
+    def __init__(self, pool: BackendPool, metrics: RouterMetrics, timeout_s: float = ROUTER_LOOKUP_TIMEOUT_S,
                  balance_threshold: int = 16) -> None:
         self.pool, self.metrics, self.timeout_s = pool, metrics, timeout_s
         self.balance_threshold = balance_threshold

@@ -20,6 +20,7 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from kvstore.deadlines import ROUTER_CONNECT_TIMEOUT_S
 from kvtier.router.backends import Backend, BackendPool
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policy import Policy
@@ -61,7 +62,7 @@ class Proxy:
                  backend_api_key: str | None = None) -> None:
         self.pool, self.policy, self.metrics = pool, policy, metrics
         self.client = pool.client
-        self.timeout = httpx.Timeout(request_timeout_s, connect=2.0)
+        self.timeout = httpx.Timeout(request_timeout_s, connect=ROUTER_CONNECT_TIMEOUT_S)
         self.backend_api_key = backend_api_key
 
     def headers(self, client_headers: dict[str, str]) -> dict[str, str]:

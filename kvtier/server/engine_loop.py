@@ -28,12 +28,10 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from hostmem import trim_heap
+from kvstore.deadlines import SERVE_IDLE_POLL_S, SERVE_IDLE_TRIM_INTERVAL_S, SERVE_STEP_KV_WAIT_S, SERVE_STOP_TIMEOUT_S
 
 logger = logging.getLogger("kvtier.server")
 T = TypeVar("T")
-
-# At most one heap trim per this many seconds, when the engine goes idle after steps.
-IDLE_TRIM_INTERVAL_S = 5.0
 
 
 class EngineDeadError(RuntimeError):
@@ -147,7 +145,7 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None and not self._stop.is_set()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = SERVE_STOP_TIMEOUT_S) -> None:
         """Aborts every unfinished request and ends the thread (waits up to `timeout` s)."""
         if self._thread.is_alive():
             self._commands.put(self._abort_all)
@@ -319,13 +317,13 @@ class EngineLoop:
                     break
                 if engine.has_unfinished_requests():
                     # A short wait for loads keeps new requests and aborts from waiting behind it.
-                    outputs = engine.step(kv_wait_s=0.005)
+                    outputs = engine.step(kv_wait_s=SERVE_STEP_KV_WAIT_S)
                     stepped_since_trim = True
                 else:
                     outputs = []
                     # Idle: the steps' freed activations go back to the OS, so a server's RSS
                     # is what it holds, not the heap's high-water mark (benchmarks/soak.py).
-                    if stepped_since_trim and time.monotonic() - last_trim >= IDLE_TRIM_INTERVAL_S:
+                    if stepped_since_trim and time.monotonic() - last_trim >= SERVE_IDLE_TRIM_INTERVAL_S:
                         trim_heap()
                         stepped_since_trim, last_trim = False, time.monotonic()
                 if self._on_step is not None:
@@ -350,7 +348,7 @@ class EngineLoop:
 
     def _run_commands(self, block: bool) -> None:
         try:
-            cmd = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+            cmd = self._commands.get(timeout=SERVE_IDLE_POLL_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:

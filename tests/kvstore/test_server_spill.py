@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvstore.server import protocol as P
+from kvstore.deadlines import CACHE_SERVER_CLIENT_TIMEOUT_S, CACHE_SERVER_FRAME_TIMEOUT_S
 from kvstore.server.client import CacheServerClient, ServerUnavailable
 from kvstore.server.server import ServerConfig
 from tests.fixtures.cache_server import CacheServerProcess, live_dir, settled
@@ -266,7 +266,7 @@ def test_the_server_answers_before_its_clients_give_up(
     frame_timeout = 1.0
     server = cache_server_factory("--max-bytes", "2MiB", "--disk", str(tmp_path),
                                   "--frame-timeout", str(frame_timeout))
-    timeout = frame_timeout + (P.DEFAULT_CLIENT_TIMEOUT_S - P.DEFAULT_FRAME_TIMEOUT_S)
+    timeout = frame_timeout + (CACHE_SERVER_CLIENT_TIMEOUT_S - CACHE_SERVER_FRAME_TIMEOUT_S)
     c = CacheServerClient("127.0.0.1", server.port, timeout=timeout)
     vd, v0 = os.urandom(MIB), os.urandom(MIB)
     assert c.put(b"d", vd) and c.put(b"k0", v0)  # d spills to disk
@@ -292,5 +292,5 @@ def test_client_timeout_outlasts_the_server_deadline() -> None:
     parser = argparse.ArgumentParser()
     cmd_cache_server.add_arguments(parser)
     server_default = parser.parse_args([]).frame_timeout
-    assert server_default == ServerConfig().frame_timeout == P.DEFAULT_FRAME_TIMEOUT_S
-    assert CacheServerClient("127.0.0.1", 1).timeout == P.DEFAULT_CLIENT_TIMEOUT_S > server_default
+    assert server_default == ServerConfig().frame_timeout == CACHE_SERVER_FRAME_TIMEOUT_S
+    assert CacheServerClient("127.0.0.1", 1).timeout == CACHE_SERVER_CLIENT_TIMEOUT_S > server_default

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from connector.key_families import INDEX_KEY
-from kvstore.health import BACKOFF_MAX_S
+from kvstore.deadlines import BACKOFF_MAX_S
 from tests.fixtures.fault_proxy import FaultProxy
 from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.vllm import VllmLLM
