@@ -22,8 +22,9 @@ from kvkeys.families import Family
 from kvkeys.keyspace import Keyspace, Span, key_family_label
 from kvkeys.tenants import key_tenant, tenant_prefix, tenant_tag
 from kvstore.backend import EntryInfo
+from kvstore.capabilities import LOCAL_TIERS
 from kvstore.pin_set import PinError
-from kvstore.storage_manager import LOCAL_TIERS, StorageManager
+from kvstore.storage_manager import StorageManager
 
 
 def merge_figures(infos: Sequence[EntryInfo | None]) -> dict[str, Any] | None:
@@ -52,7 +53,7 @@ def inspect(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int
     the tier can tell (`tenants`: True every tenant, False none, a tag only that one)."""
     spans = keyspace.spans(token_ids)
     per_value = keyspace.values_per_chunk
-    described = storage.describe(keyspace.stored_keys(spans))
+    described = storage.operations.describe(keyspace.stored_keys(spans))
     chunks = []
     for c, span in enumerate(spans):
         where = {name: merge_figures(infos[c * per_value:(c + 1) * per_value]) for name, infos in described.items()}
@@ -66,8 +67,9 @@ def tier_totals(storage: StorageManager, tenants: str | None | bool = True) -> d
     """Returns per tier name its entries, bytes, budget, pins, `by_tenant` (tag -> entries,
     bytes) filtered as `inspect` says, and with every tenant's usage `by_model` (key family:
     model, dtype, layout, chunk size -> entries, bytes); None where the tier cannot tell."""
-    usage = storage.usage_by(key_tenant) if tenants is not False else {}
-    families = storage.usage_by(key_family_label) if tenants is True else {}
+    ops = storage.operations
+    usage = ops.usage_by(key_tenant) if tenants is not False else {}
+    families = ops.usage_by(key_family_label) if tenants is True else {}
     out: dict[str, dict[str, Any]] = {}
     for name, stats in storage.stats().items():
         b = stats.backend
@@ -86,9 +88,9 @@ def _counts(usage: dict[str, tuple[int, int]] | None) -> dict[str, dict[str, int
     return None if usage is None else {k: {"entries": n, "bytes": b} for k, (n, b) in sorted(usage.items())}
 
 
-def _leading_held(storage: StorageManager, keyspace: Keyspace, spans: Sequence[Span], tier: int) -> int:
+def _leading_held(storage: StorageManager, keyspace: Keyspace, spans: Sequence[Span], tier: str) -> int:
     """Returns how many of `spans`, from the start, tier `tier` holds whole."""
-    return storage.held_prefix(tier, keyspace.stored_keys(spans)) // keyspace.values_per_chunk
+    return storage.operations.held_prefix(tier, keyspace.stored_keys(spans)) // keyspace.values_per_chunk
 
 
 def pin(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int], tier: str | None = None,
@@ -97,48 +99,46 @@ def pin(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int], t
     or none; returns what was pinned and the tier's pins now. PinError (nothing pinned) when
     the tier holds none of them, cannot pin, or the pins would pass its pin budget; ValueError
     for an unknown tier."""
-    i = storage.tier_named(tier)
-    name = storage.names[i]
+    name = storage.operations.name(tier)
     storage.flush()  # chunks queued for a slower tier land first
     spans = keyspace.spans(token_ids)
-    held = _leading_held(storage, keyspace, spans, i)
+    held = _leading_held(storage, keyspace, spans, name)
     if not held:
         raise PinError(f"tier {name} holds none of this prompt's {len(spans)} chunk(s) (for its cache_salt); "
                        "nothing was pinned (run the prompt first)")
-    new_bytes = storage.pin_tier(i, keyspace.stored_keys(spans[:held]), ttl_s)
+    new_bytes = storage.operations.pin(name, keyspace.stored_keys(spans[:held]), ttl_s)
     return {"tier": name, "chunks": held, "of_chunks": len(spans), "tokens": spans[held - 1].end,
-            "new_bytes": new_bytes, "ttl_s": ttl_s, **_pins_now(storage, i)}
+            "new_bytes": new_bytes, "ttl_s": ttl_s, **_pins_now(storage, name)}
 
 
 def unpin(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int], tier: str | None = None
           ) -> dict[str, Any]:
     """Releases the pins of every chunk of the prompt in tier `tier` (None: the fastest);
     returns how many chunk values were pinned and the tier's pins now."""
-    i = storage.tier_named(tier)
-    spans = keyspace.spans(token_ids)
-    released = storage.unpin_tier(i, keyspace.stored_keys(spans))
-    return {"tier": storage.names[i], "released": released, **_pins_now(storage, i)}
+    name = storage.operations.name(tier)
+    released = storage.operations.unpin(name, keyspace.stored_keys(keyspace.spans(token_ids)))
+    return {"tier": name, "released": released, **_pins_now(storage, name)}
 
 
 def set_budget(storage: StorageManager, tier: str | None = None, byte_budget: int | None = None,
                pin_budget: int | None = None, tenant_quota: int | None = None) -> dict[str, Any]:
     """Returns tier `tier`'s (None: the fastest) name and figures once it met the limits given
-    (None: unchanged); BudgetError or ValueError (`StorageManager.set_tier_budget`) otherwise."""
-    name = storage.set_tier_budget(tier, byte_budget, pin_budget, tenant_quota)
+    (None: unchanged); BudgetError or ValueError (`TierOperations.set_budget`) otherwise."""
+    name = storage.operations.set_budget(tier, byte_budget, pin_budget, tenant_quota)
     return {"tier": name, **tier_totals(storage)[name]}
 
 
-def _pins_now(storage: StorageManager, tier: int) -> dict[str, Any]:
-    b = storage.stats()[storage.names[tier]].backend
+def _pins_now(storage: StorageManager, tier: str) -> dict[str, Any]:
+    b = storage.stats()[tier].backend
     return {"pinned_entries": b.pinned_entries, "pinned_bytes": b.pinned_bytes, "pin_budget": b.pin_budget}
 
 
-def _held_chunks(storage: StorageManager, keyspace: Keyspace, spans: Sequence[Span]) -> list[list[bool]]:
-    """Returns per tier (fastest first) per chunk whether the tier holds every value of it."""
+def _held_chunks(storage: StorageManager, keyspace: Keyspace, spans: Sequence[Span]) -> dict[str, list[bool]]:
+    """Returns per tier name (fastest first) per chunk whether the tier holds every value of it."""
     per_value = keyspace.values_per_chunk
-    described = storage.describe(keyspace.stored_keys(spans))
-    return [[all(i is not None for i in infos[c * per_value:(c + 1) * per_value]) for c in range(len(spans))]
-            for infos in described.values()]
+    described = storage.operations.describe(keyspace.stored_keys(spans))
+    return {name: [all(i is not None for i in infos[c * per_value:(c + 1) * per_value]) for c in range(len(spans))]
+            for name, infos in described.items()}
 
 
 def prefetch(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int], tier: str | None = None
@@ -147,7 +147,8 @@ def prefetch(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[in
     from the fastest other tier holding it; stops at the first chunk no tier holds (a later
     chunk is of no use without it). Returns the chunks copied per source tier, those the target
     held already, and the leading tokens the target holds now. ValueError for an unknown tier."""
-    t = storage.tier_named(tier)
+    ops = storage.operations
+    t = ops.name(tier)
     storage.flush()
     spans = keyspace.spans(token_ids)
     held = _held_chunks(storage, keyspace, spans)
@@ -157,14 +158,14 @@ def prefetch(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[in
         if held[t][c]:
             already += 1
             continue
-        source = next((i for i in range(len(held)) if i != t and held[i][c]), None)
+        source = next((name for name in held if name != t and held[name][c]), None)
         if source is None:
             break
         keys = keyspace.stored_keys([span])
-        if storage.copy_between(source, t, keys) < len(keys):
+        if ops.copy(source, t, keys) < len(keys):
             break  # the source lost it meanwhile, or the target refused it
-        copied[storage.names[source]] = copied.get(storage.names[source], 0) + 1
-    return {"tier": storage.names[t], "of_chunks": len(spans), "held_before": already, "copied": copied,
+        copied[source] = copied.get(source, 0) + 1
+    return {"tier": t, "of_chunks": len(spans), "held_before": already, "copied": copied,
             "held_tokens": _held_tokens(storage, keyspace, spans, t)}
 
 
@@ -174,9 +175,10 @@ def move(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int], 
     from `src` (a chunk `dst` already holds is only removed from `src`; one `dst` refuses stays
     where it is). Returns the chunks moved and refused, and the leading tokens each tier holds
     now. ValueError for an unknown tier or `src` equal to `dst`."""
-    s, d = storage.tier_named(src), storage.tier_named(dst)
+    ops = storage.operations
+    s, d = ops.name(src), ops.name(dst)
     if s == d:
-        raise ValueError(f"move: source and target are the same tier ({storage.names[s]})")
+        raise ValueError(f"move: source and target are the same tier ({s})")
     storage.flush()
     spans = keyspace.spans(token_ids)
     held = _held_chunks(storage, keyspace, spans)
@@ -185,25 +187,25 @@ def move(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int], 
         if not held[s][c]:
             continue
         keys = keyspace.stored_keys([span])
-        if not held[d][c] and storage.copy_between(s, d, keys) < len(keys):
+        if not held[d][c] and ops.copy(s, d, keys) < len(keys):
             refused += 1
             continue
-        storage.delete_from_tier(s, keys)
+        ops.delete(s, keys)
         moved += 1
-    return {"from": storage.names[s], "to": storage.names[d], "moved": moved, "refused": refused,
-            "held_tokens": {storage.names[i]: _held_tokens(storage, keyspace, spans, i) for i in (s, d)}}
+    return {"from": s, "to": d, "moved": moved, "refused": refused,
+            "held_tokens": {name: _held_tokens(storage, keyspace, spans, name) for name in (s, d)}}
 
 
 def drop(storage: StorageManager, keyspace: Keyspace, token_ids: Sequence[int], tier: str | None = None
          ) -> dict[str, Any]:
     """Removes every chunk of the prompt from tier `tier` (None: the fastest), pinned or not;
     returns how many stored values it held. ValueError for an unknown tier."""
-    t = storage.tier_named(tier)
-    removed = storage.delete_from_tier(t, keyspace.stored_keys(keyspace.spans(token_ids)))
-    return {"tier": storage.names[t], "removed": removed}
+    t = storage.operations.name(tier)
+    removed = storage.operations.delete(t, keyspace.stored_keys(keyspace.spans(token_ids)))
+    return {"tier": t, "removed": removed}
 
 
-def _held_tokens(storage: StorageManager, keyspace: Keyspace, spans: Sequence[Span], tier: int) -> int:
+def _held_tokens(storage: StorageManager, keyspace: Keyspace, spans: Sequence[Span], tier: str) -> int:
     """Returns the leading tokens tier `tier` holds whole chunks of."""
     held = _leading_held(storage, keyspace, spans, tier)
     return spans[held - 1].end if held else 0
@@ -234,7 +236,7 @@ def clear_model(storage: StorageManager, model: str) -> tuple[dict[str, int], di
     removed: dict[str, int] = dict.fromkeys(storage.names, 0)
     errors: dict[str, str] = {}
     for prefix in prefixes:
-        got, failed = storage.delete_prefix(prefix)
+        got, failed = storage.operations.delete_prefix(prefix)
         for name, n in got.items():
             removed[name] += n
         errors.update(failed)
@@ -246,7 +248,7 @@ def forget_tenant(storage: StorageManager, cache_salt: str) -> tuple[dict[str, i
     from the shared tiers' family index); returns (per tier removed, per tier that failed)."""
     tag = tenant_tag(cache_salt)
     FamilyIndex.of(storage).forget_tenant(tag)
-    return storage.delete_prefix(tenant_prefix(tag))
+    return storage.operations.delete_prefix(tenant_prefix(tag))
 
 
 def clear_tiers(storage: StorageManager, local_only: bool = False) -> dict[str, int]:

@@ -175,7 +175,7 @@ class EngineConnector(KVConnector):
         """Removes the chunks no request used for `older_than_s` seconds (not pinned ones)
         from the tiers that know last uses; returns (per tier removed, per tier why not)."""
         self.flush()
-        return self.storage.delete_idle(older_than_s)
+        return self.storage.operations.delete_idle(older_than_s)
 
     def _blender(self) -> Blender:
         """Returns the worker's extension as CacheBlend's; ValueError when it is not that."""

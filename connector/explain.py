@@ -56,10 +56,10 @@ def explain(storage: StorageManager, keyspace: Keyspace, presence: ChunkPresence
                 families.setdefault(f.id, f)
     probes = {fid: f.probes(tokens) for fid, f in families.items()}
     keys = [k for p in probes.values() for _, k in p]
-    found = storage.tier_contains(keys)
+    found = storage.operations.contains(keys)
     missing_keys = [keyspace.probe_keys([spans[_chunks(spans, held.get(n, 0))]])[0] for n in storage.names] \
         if spans else []
-    evicted = storage.tier_evicted(missing_keys)
+    evicted = storage.operations.evicted(missing_keys)
     tiers: dict[str, Any] = {}
     for i, name in enumerate(storage.names):
         have = held.get(name, 0)

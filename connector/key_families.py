@@ -5,7 +5,7 @@ The index of a shared tier (disk, Redis, the cache server) is one value under `I
 JSON list of at most `MAX_FAMILIES` records (about 250 bytes each), held as a uint8 tensor
 `(1, 2, n, 1, 1)` so any exact tier stores it. A process adds a family it stores the first time
 it stores it (read, merge, write on the store thread, after the chunk's own put) and checks
-again every `RECHECK_S` (one read), so a record lost to a concurrent writer or to eviction is
+again every `FAMILY_RECHECK_S` (one read), so a record lost to a concurrent writer or to eviction is
 back within that time. A process-local tier (cpu, device) needs no index: its families are
 this process's own. Tiers with a lossy codec keep none; a cache server client bound to one
 tenant may not write it (its families are not listed there).
@@ -27,11 +27,11 @@ from kvkeys.families import Family
 from kvkeys.keyspace import Keyspace
 from kvkeys.tenants import KEY_ROOT
 from kvstore.background_queue import BACKGROUND_NICE, BackgroundQueue
+from kvstore.deadlines import FAMILY_RECHECK_S
 from kvstore.storage_manager import StorageManager
 
 INDEX_KEY = f"{KEY_ROOT}index:families"
 MAX_FAMILIES = 256
-RECHECK_S = 60.0
 
 
 def encode_index(families: Sequence[Family]) -> torch.Tensor:
@@ -78,7 +78,7 @@ class FamilyIndex:
         fid = family.id
         with self._lock:
             self._mine.setdefault(fid, family)
-            if time.monotonic() - self._checked.get(fid, float("-inf")) < RECHECK_S:
+            if time.monotonic() - self._checked.get(fid, float("-inf")) < FAMILY_RECHECK_S:
                 return None
             self._checked[fid] = time.monotonic()  # one check at a time
         return family
@@ -98,7 +98,7 @@ class FamilyIndex:
     def publish_later(self, family: Family) -> None:
         """Queues `publish(family)` on the process's one index thread, so a shared tier that
         hangs never holds up the caller (the store thread); a full queue drops it, and the
-        family's next check (`RECHECK_S`) tries again."""
+        family's next check (`FAMILY_RECHECK_S`) tries again."""
         _publisher().submit(functools.partial(self.publish, family))
 
     def forget_tenant(self, tenant: str) -> None:

@@ -94,7 +94,7 @@ def join_heads(pieces: Sequence[tuple[torch.Tensor | Destination | None, int]],
 
 class Loader:
     """Runs loads on one thread, in submission order. Guarantees: every submitted job ends
-    exactly once (unpinned, `filled` set); a cancelled job writes no further chunk."""
+    exactly once (released, `filled` set); a cancelled job writes no further chunk."""
 
     def __init__(self, storage: StorageManager, stores: StoreQueue, layout: PagedKVLayout, keyspace: Keyspace,
                  metrics: ConnectorMetrics) -> None:
@@ -116,21 +116,21 @@ class Loader:
         self._loading: dict[str, LoadJob] = {}
         self._done: dict[str, set[int]] = {}  # ended whole-chunk (or cancelled) loads, unreported
 
-    def _pinned_keys(self, job: LoadJob) -> list[str]:
+    def _held_keys(self, job: LoadJob) -> list[str]:
         return self.keyspace.stored_keys(job.spans)
 
     def _shape(self, layers: int, num_tokens: int, heads: int | None = None) -> tuple[int, ...]:
         return (layers, 2, num_tokens, self.layout.num_kv_heads if heads is None else heads, self.layout.head_size)
 
     def submit(self, spec: LoadSpec) -> LoadJob:
-        """Pins the load's stored values and queues it (refused: it ends at once, nothing
+        """Holds the load's stored values (no tier evicts them) and queues it (refused: it ends at once, nothing
         filled); returns the running job."""
         if spec.layerwise != self.keyspace.layerwise:
             raise ValueError("a layerwise load needs a layerwise keyspace (use_layerwise) and the reverse")
         job = LoadJob(**{f.name: getattr(spec, f.name) for f in fields(LoadSpec)})
         step = self.layout.tokens_per_move
         job.move_end = min(-(-job.end // step) * step, job.spans[-1].end) if job.spans else job.end
-        self.storage.pin(self._pinned_keys(job))  # no local tier evicts them before they are read
+        self.storage.hold(self._held_keys(job))  # no tier evicts them before they are read
         if self._stream is not None:
             job.ready = torch.cuda.Event()
             job.ready.record()
@@ -195,7 +195,7 @@ class Loader:
         promote: list[tuple[str, torch.Tensor, int]] = []
         try:
             if not job.cancelled:
-                self.stores.wait_for(self._pinned_keys(job))  # read-your-writes, on this thread
+                self.stores.wait_for(self._held_keys(job))  # read-your-writes, on this thread
                 stream = self._stream
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     if stream is not None and job.ready is not None:
@@ -264,7 +264,7 @@ class Loader:
         `slots` are the job's, positions [start, end)."""
         if not self._in_place:  # only scattered
             ks = self.keyspace
-            values = self.storage.fetch(ks.stored_keys(group), read_only=True)
+            values = self.storage.fetch(ks.stored_keys(group), read_only=True, held=True)
             n = ks.values_per_chunk
             if n == 1:
                 return values
@@ -276,7 +276,7 @@ class Loader:
             lo, hi = job.bounds(sp)
             views = self.layout.chunk_views(slots[..., lo - job.start:hi - job.start], lo - sp.start, sp.end - hi)
             into.append(Destination(self._shape(self.num_layers, sp.num_tokens), self.layout.dtype, views))
-        return self.storage.fetch(keys, read_only=True, into=into)
+        return self.storage.fetch(keys, read_only=True, into=into, held=True)
 
     def _load_layers(self, job: LoadJob, nbytes: list[int], promote: list[tuple[str, torch.Tensor, int]]) -> int:
         """Scatters layer by layer, marking each layer done; returns the end of what arrived
@@ -292,7 +292,7 @@ class Loader:
         def fetch(layer: int, upto: int) -> Future[tuple[list[int], Fetched]]:
             wanted = [i for i, sp in enumerate(job.spans) if sp.start < upto]
             keys = [layer_key(job.spans[i].key, layer) for i in wanted]
-            return self._prefetch.submit(lambda: (wanted, self.storage.fetch(keys, read_only=True)))
+            return self._prefetch.submit(lambda: (wanted, self.storage.fetch(keys, read_only=True, held=True)))
 
         pending = fetch(0, filled)
         for layer in range(self.num_layers):
@@ -328,9 +328,9 @@ class Loader:
             self._cond.notify_all()
 
     def _end(self, job: LoadJob, filled: int) -> None:
-        """Unpins the job's values, records `filled` and queues a whole-chunk (or cancelled)
+        """Releases the job's values, records `filled` and queues a whole-chunk (or cancelled)
         job's report."""
-        self.storage.unpin(self._pinned_keys(job))
+        self.storage.release(self._held_keys(job))
         job.filled = filled
         rid = job.request_id
         if not job.cancelled:
@@ -350,6 +350,6 @@ class Loader:
             self._cond.notify_all()
 
     def close(self) -> None:
-        """Lets queued loads end (and unpin), then stops the threads."""
+        """Lets queued loads end (and release their holds), then stops the threads."""
         self.jobs.close(timeout=None)
         self._prefetch.shutdown()

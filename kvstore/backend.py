@@ -12,20 +12,15 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import final
 
 import torch
 
 from kvstore import serde
-from kvstore.budget import BudgetError
 from kvstore.codecs import Buffer, Codec, QuantCodec, get_codec
-from kvstore.pin_set import PinError, PinInfo
-
-if TYPE_CHECKING:
-    from kvstore.deadlines import RemoteDeadlines
-    from kvstore.store_config import TierSpec
+from kvstore.pin_set import PinInfo
 
 # What a BytesBackend's `_encode` returns and its `_batched_put_bytes` stores: one buffer, or
 # header and payload unjoined for tiers that write the two parts separately.
@@ -50,6 +45,11 @@ class Destination:
     @property
     def nbytes(self) -> int:
         return sum(v.nbytes for v in self.views)
+
+
+def leading_run(held: Sequence[bool]) -> int:
+    """Returns how many of `held`, counted from the start, are true (the prefix a tier holds)."""
+    return next((n for n, h in enumerate(held) if not h), len(held))
 
 
 class BackendError(RuntimeError):
@@ -96,98 +96,42 @@ class EntryInfo:
 
 
 class StorageBackend(ABC):
-    """A tier: the storage contract. The storage manager calls a tier through nothing else.
+    """A tier: the chunk-store contract, all a new backend must write (six methods, and `close`
+    where it holds connections or files). The storage manager calls a tier through nothing
+    else, and through the capabilities it declares (kvstore/capabilities.py).
 
     Keys are non-empty str; values are chunk tensors `(num_layers, 2, num_tokens,
     num_kv_heads, head_size)`. Batched forms are the primitives: one round trip where the tier
     can batch, results in the order of the keys. Any method may raise BackendError on an I/O
     failure; none returns wrong data (a corrupt, truncated or foreign value is a miss).
 
-    Primitives (every tier implements them):
     - `batched_contains(keys) -> list[bool]`: per key, whether it is stored now (a later read
       may still miss: it can be evicted in between).
     - `batched_get(keys, read_only=False) -> list[Tensor | None]`: per key its chunk, or None
       on a miss. The caller owns each tensor; with `read_only` it may be the tier's own stored
       tensor (memory tiers skip the copy), which the caller must never modify.
     - `batched_put(items, owned=False) -> list[bool]`: stores each `(key, chunk)`, replacing an
-      earlier value and evicting (never a pinned key) to stay within the byte budget; per item
+      earlier value and evicting (never a held key) to stay within the byte budget; per item
       whether it was accepted (False: it cannot fit, counted in `stats().rejected`). `owned`:
       the tensors are handed over, so a memory tier may keep them without a copy.
     - `delete(key) -> bool`: removes `key`; whether it was present.
-    - `delete_prefix(prefix) -> int`: removes every stored key starting with `prefix`
-      (non-empty; a tenant's keys, kvkeys/tenants.py), whoever wrote it; how many.
     - `clear() -> None`: removes every chunk this tier owns (see each tier).
     - `stats() -> BackendStats`: this tier's counters and usage, as far as it knows them.
+    - `close() -> None`: releases connections and files.
 
-    Optional (defaults here):
-    - `reads_in_place` and `batched_read_into(keys, dests)`: reads chunks straight into the
-      caller's memory; the default reads as `batched_get(read_only=True)` does.
-    - `prefix_hits(keys) -> int`: how many of `keys`, from the start, are stored; derived
-      from `batched_contains` unless the tier answers it in one cheaper request.
-    - `batched_evicted(keys) -> list[bool] | None`: per key whether this tier evicted it
-      lately (a miss explained, connector/explain.py); None (the default): it cannot tell.
-    - `check()`, `close()`; `set_pin_check` and `set_eviction_listener` (the manager's wiring);
-      `from_spec` (construction by `kvstore.registry`).
-    - Operating the cache (`/kv/inspect`, `/kv/pin`, `/kv/clear`): `describe(keys)` (what the
-      tier knows of each stored value; default: existence only), `usage_by(label)` (entries
-      and bytes per label of its keys, such as their tenant or key family; default None:
-      unknown), `pin(keys, ttl_s)` / `unpin(keys)` (operator pins, kvstore/pin_set.py; default:
-      PinError naming the tier, which cannot pin), `delete_idle(older_than_s)` (default:
-      NotImplementedError naming the tier), and `set_budget(byte_budget, pin_budget,
-      tenant_quota)` (`/kv/budget`: limits changed at run time, evicting at once to meet them;
-      default: BudgetError naming the tier).
-
-    Conveniences defined here once, never per tier: `contains`, `get`, `put` (the batched
-    form with one key).
+    `contains`, `get` and `put` are the batched forms with one key, defined here once and never
+    overridden (tests/kvstore/test_backend_contract.py). Construction is each class's
+    `from_spec(spec)`, which `kvstore.registry` calls.
     """
 
     name: str = "backend"
     # Where this tier keeps chunks: puts of chunks elsewhere are staged there once for all
     # tiers on that device (memory tiers on a GPU say so; byte tiers read host memory).
     device: torch.device = torch.device("cpu")
-    # Remote tiers (redis, the cache server): how long each kind of call may wait on the server
-    # (kvstore/deadlines.py); the storage manager counts calls past them. None: a local tier.
-    deadlines: RemoteDeadlines | None = None
-    # Whether `batched_read_into` fills memory straight from this tier's stored values.
-    reads_in_place: bool = False
+    # Whether every value reads back bit for bit (no lossy codec), so the tier may hold values
+    # that are not K/V (connector/key_families.py's index).
+    exact: bool = True
 
-    @classmethod
-    def from_spec(cls, spec: TierSpec) -> StorageBackend:
-        """Returns a backend built from one configured tier (URL, byte budget, codec, options).
-
-        This is the one construction signature every tier implements; `kvstore.registry`
-        picks the class by the URL's scheme and calls it.
-        """
-        raise NotImplementedError(f"{cls.__name__} cannot be built from a TierSpec")
-
-    def set_pin_check(self, is_pinned: Callable[[str], bool]) -> None:
-        """Installs the storage manager's pin predicate: pinned keys are never evicted.
-        Tiers without eviction ignore it."""
-
-    _on_evict: Callable[[list[str]], None] | None = None
-
-    def set_eviction_listener(self, on_evict: Callable[[list[str]], None]) -> None:
-        """Installs the callback told the keys this tier evicted to make room (never keys a
-        caller deleted). It may run under the tier's lock: it must be quick and must not call
-        the tier. A tier that cannot see its evictions (a server evicting by itself) never
-        calls it."""
-        self._on_evict = on_evict
-
-    def _evicted(self, keys: list[str]) -> None:
-        if keys and self._on_evict is not None:
-            self._on_evict(keys)
-
-    @property
-    def exact(self) -> bool:
-        """Whether every value reads back bit for bit (no lossy codec), so it may hold values
-        that are not K/V (connector/key_families.py's index)."""
-        return True
-
-    def check(self) -> None:
-        """Returns when the tier answers now; raises BackendError when it cannot be reached.
-        Local tiers always answer; network tiers make one round trip."""
-
-    # -- primitives ------------------------------------------------------------------------
     @abstractmethod
     def batched_contains(self, keys: Sequence[str]) -> list[bool]:
         """Returns, per key, whether it is stored (one query where the tier can batch)."""
@@ -207,11 +151,6 @@ class StorageBackend(ABC):
         """Removes `key`; returns whether it was present."""
 
     @abstractmethod
-    def delete_prefix(self, prefix: str) -> int:
-        """Removes every stored key starting with `prefix` (non-empty), whoever wrote it;
-        returns how many."""
-
-    @abstractmethod
     def clear(self) -> None:
         """Removes every chunk this backend owns."""
 
@@ -222,73 +161,18 @@ class StorageBackend(ABC):
     def close(self) -> None:
         """Releases connections and files; the backend is unusable afterwards."""
 
-    # -- optional, with defaults -------------------------------------------------------------
-    def batched_read_into(self, keys: Sequence[str], dests: Sequence[Destination]
-                          ) -> list[torch.Tensor | Destination | None]:
-        """Returns per key its destination once the chunk was read straight into it and
-        checked; else the chunk as `batched_get(read_only=True)` returns it (a value this tier
-        cannot read in place), or None on a miss (a destination may then hold anything)."""
-        if len(keys) != len(dests):
-            raise ValueError(f"one destination per key: {len(keys)} keys, {len(dests)} destinations")
-        return [*self.batched_get(keys, read_only=True)]
-
-    def describe(self, keys: Sequence[str]) -> list[EntryInfo | None]:
-        """Returns per key what this tier knows of its stored value, or None when it is not
-        stored (by default existence alone: one `batched_contains`)."""
-        return [EntryInfo() if held else None for held in self.batched_contains(keys)] if keys else []
-
-    def usage_by(self, label: Callable[[str], str | None]) -> dict[str, tuple[int, int]] | None:
-        """Returns per label of its keys (`label(key)`, e.g. a tenant tag; None: not counted)
-        the (entries, bytes) this tier holds, or None when it cannot tell without a scan of a
-        shared store."""
-        return None
-
-    def pin(self, keys: Sequence[str], ttl_s: float | None = None) -> int:
-        """Pins every stored key against eviction (for `ttl_s` seconds; None: until unpinned),
-        all or none; returns the bytes newly pinned. PinError (nothing pinned) when a key is
-        not stored here, the pins would pass this tier's pin budget, or the tier cannot pin."""
-        raise PinError(f"tier {self.name} cannot pin chunks (the cpu, device, disk and cache server tiers can)")
-
-    def unpin(self, keys: Sequence[str]) -> int:
-        """Releases the operator pins of `keys`; returns how many were pinned."""
-        raise PinError(f"tier {self.name} cannot pin chunks (the cpu, device, disk and cache server tiers can)")
-
-    def set_budget(self, byte_budget: int | None = None, pin_budget: int | None = None,
-                   tenant_quota: int | None = None) -> None:
-        """Changes the limits given (None: unchanged), evicting LRU chunks (never pinned) to meet them
-        before it returns; BudgetError or ValueError: nothing changed (this default: BudgetError)."""
-        raise BudgetError(f"tier {self.name} cannot change its limits at run time "
-                          "(the cpu, device, disk and cache server tiers can)")
-
-    def delete_idle(self, older_than_s: float) -> int:
-        """Removes every stored chunk value not used for `older_than_s` seconds (never a pinned
-        one, nor the tier's own bookkeeping: `kvkeys.keyspace.is_chunk_key`); returns how many.
-        NotImplementedError when this tier does not know last uses."""
-        raise NotImplementedError(f"tier {self.name} does not know when its chunks were last used")
-
-    def prefix_hits(self, keys: Sequence[str]) -> int:
-        """Returns how many of `keys`, counted from the start, are stored."""
-        n = 0
-        for present in self.batched_contains(keys) if keys else []:
-            if not present:
-                break
-            n += 1
-        return n
-
-    def batched_evicted(self, keys: Sequence[str]) -> list[bool] | None:
-        """Returns per key whether this tier evicted it lately (and holds no newer value);
-        None when this tier cannot tell (it keeps no record of its evictions)."""
-        return None
-
     # -- conveniences: the batched forms with one key --------------------------------------
+    @final
     def contains(self, key: str) -> bool:
         """Returns whether `key` is stored (`batched_contains` of one key)."""
         return self.batched_contains([key])[0]
 
+    @final
     def get(self, key: str) -> torch.Tensor | None:
         """Returns the caller's own copy of the chunk stored under `key`, or None (`batched_get`)."""
         return self.batched_get([key])[0]
 
+    @final
     def put(self, key: str, kv: torch.Tensor) -> bool:
         """Stores a copy of `kv` under `key`; returns whether it was accepted (`batched_put`)."""
         return self.batched_put([(key, kv)])[0]
@@ -306,12 +190,9 @@ class BytesBackend(StorageBackend):
 
     def __init__(self, codec: Codec | str = "raw") -> None:
         self.codec = get_codec(codec) if isinstance(codec, str) else codec
+        self.exact = not isinstance(self.codec, QuantCodec)
         self._stats_lock = threading.Lock()
         self._hits = self._misses = self._puts = self._corrupt = self._rejected = 0
-
-    @property
-    def exact(self) -> bool:
-        return not isinstance(self.codec, QuantCodec)
 
     # -- byte-level hooks ---------------------------------------------------------------
     @abstractmethod

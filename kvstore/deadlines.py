@@ -38,6 +38,11 @@ OPTIONS: dict[str, str] = {
 LOOKUP_CHANNEL_ANSWER_S = 10.0
 # A vLLM scheduler's connect to a worker's lookup channel (the worker may still be starting).
 LOOKUP_CHANNEL_CONNECT_S = 30.0
+# The pause between those connects while the worker side starts its server (loading the model).
+LOOKUP_CHANNEL_RETRY_S = 0.05
+# How often a process re-reads a shared tier's key-family record it already published: a record
+# lost to a concurrent writer or to eviction is written again within this.
+FAMILY_RECHECK_S = 60.0
 # The vLLM `/kv/lookup` route's channel questions and connects (a router waits less: ROUTER_LOOKUP_TIMEOUT_S).
 LOOKUP_ROUTE_CHANNEL_S = 2.0
 # The vLLM `/kv/lookup` route's explain of a miss (one index read and one existence query per tier).

@@ -7,13 +7,22 @@ server's client tier is loaded only when a `kvtier://` (or TLS `kvtiers://`) URL
 from __future__ import annotations
 
 import importlib
+from typing import Protocol
 
 from kvstore.backend import StorageBackend
 from kvstore.schemes import TIER_SCHEMES
 from kvstore.store_config import TierSpec
 
 
-def backend_class(scheme: str) -> type[StorageBackend]:
+class TierClass(Protocol):
+    """A backend class as the registry builds it: one construction signature for every tier."""
+
+    def from_spec(self, spec: TierSpec) -> StorageBackend:
+        """Returns a backend built from one configured tier (URL, byte budget, codec, options)."""
+        ...
+
+
+def backend_class(scheme: str) -> TierClass:
     """Returns the backend class for `scheme`; raises ValueError for an unknown scheme."""
     try:
         target = TIER_SCHEMES[scheme.lower()]

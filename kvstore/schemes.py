@@ -15,4 +15,4 @@ TIER_SCHEMES: dict[str, str] = {
     "kvtier": "kvstore.backends.cache_server:CacheServerBackend",
     "kvtiers": "kvstore.backends.cache_server:CacheServerBackend",
 }
-"""scheme -> "module:Class"; every class implements `StorageBackend.from_spec(spec)`."""
+"""scheme -> "module:Class"; every class has a `from_spec(spec)` classmethod (kvstore.registry.TierClass)."""

@@ -9,19 +9,15 @@
 - Existence: `batched_where` (the fastest tier holding each key), `batched_contains` and
   `tier_prefix_hits` (what each tier holds from the start), one batched query per tier, no
   data read.
-- Each tier evicts by its own policy within its byte budget; keys pinned here (chunks being
-  loaded) are never evicted. Pin counts cannot go negative.
+- Each tier evicts by its own policy within its byte budget; keys held here for a load
+  (kvstore/load_holds.py) are never evicted. Hold counts cannot go negative.
 - A tier that raises is backed off by a circuit breaker (kvstore/health.py) and probed again
   after a cool-down; the caller only ever sees a miss (recompute), never the exception. Reads
   and writes have separate breakers: a tier refusing writes (a full Redis, a read-only
   directory) keeps serving reads. Remote tiers bound each call by a deadline
   (kvstore/deadlines.py); calls that fail or end past it are counted (`TierStats.timeouts`).
-- Operating the cache: `describe` (what each tier knows of some keys), `usage_by`, and
-  the operator's pins of one tier (`tier_named`, `pin_tier`, `unpin_tier`: kvstore/pin_set.py), which
-  sit beside the load pins above (each tier keeps its own, within its own pin budget); one
-  tier's limits changed at run time (`set_tier_budget`), met at once; values copied from one
-  tier into another (`copy_between`, load-pinned meanwhile) and removed from one tier alone
-  (`delete_from_tier`).
+- Operating the cache (describe, pins, budgets, copies, removals) is `operations`, one service
+  over the same guards (kvstore/tier_operations.py).
 - `close` writes what is queued for at most `flush_timeout_s`, then drops the rest and logs how
   much, so a tier that never answers cannot hold a shutdown.
 """
@@ -33,21 +29,22 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import Any, Protocol, TypeVar, overload
+from typing import Any, TypeVar, overload
 
 import torch
 
 from kvstore import serde
-from kvstore.backend import BackendError, Destination, EntryInfo, StorageBackend
-from kvstore.background_queue import BACKGROUND_NICE, FLUSH_TIMEOUT_S, BackgroundQueue
-from kvstore.budget import BudgetError
-from kvstore.deadlines import CallKind
+from kvstore.backend import Destination, StorageBackend, leading_run
+from kvstore.background_queue import BACKGROUND_NICE, BackgroundQueue
+from kvstore.capabilities import LOCAL_TIERS, EvictingTier, ReadsInPlace, RemoteTier
+from kvstore.deadlines import BACKOFF_INITIAL_S, BACKOFF_MAX_S, FLUSH_TIMEOUT_S, CallKind
 from kvstore.device_staging import stage
-from kvstore.health import BACKOFF_INITIAL_S, BACKOFF_MAX_S, BREAKER_FAILURES
-from kvstore.pin_set import PinError
-from kvstore.pins import PinTable
+from kvstore.health import BREAKER_FAILURES
+from kvstore.load_holds import LoadHolds
 from kvstore.store_config import KVStoreConfig
+from kvstore.tier_events import TierEvents, TierListener
 from kvstore.tier_guard import SKIPPED, Skipped, TierGuard
+from kvstore.tier_operations import TierOperations
 from kvstore.tier_stats import TierStats
 
 logger = logging.getLogger("kvtier.kvstore")
@@ -64,16 +61,6 @@ def _check_chunk(key: str, kv: Any) -> None:
         raise ValueError(f"chunk for {key!r} must be (layers, 2, tokens, kv_heads, head_size), got {tuple(kv.shape)}")
 
 
-class TierListener(Protocol):
-    """Told what each tier (by its `name`: "cpu", "disk", "redis", ...) now holds or lost."""
-
-    def stored(self, tier: str, keys: list[str]) -> None: ...
-
-    def removed(self, tier: str, keys: list[str]) -> None: ...
-
-
-LOCAL_TIERS = frozenset({"cpu", "device"})
-"""Tiers that live in one process's memory: nothing outside it reads their chunks."""
 
 
 class StorageManager:
@@ -90,17 +77,20 @@ class StorageManager:
         if len(names) != len(self.tiers):
             raise ValueError("names: one name per tier is needed")
         self.names = names
-        self.pins = PinTable()
-        for tier in self.tiers:
-            tier.set_pin_check(self.pins.is_pinned)
+        self.holds = LoadHolds()
+        self._events = TierEvents([t.name for t in self.tiers])
+        for i, tier in enumerate(self.tiers):
+            if isinstance(tier, EvictingTier):
+                tier.set_hold_check(self.holds.is_held)
+                tier.set_eviction_listener(partial(self._events.evicted, i))
         self._stats_lock = threading.Lock()
         self._guards = [TierGuard(t, n, self._stats_lock, backoff_initial_s, backoff_max_s, breaker_failures)
                         for t, n in zip(self.tiers, names)]
         self._stats = [g.counters for g in self._guards]
+        self.operations = TierOperations(self._guards, self.holds, self._events, self.flush)
         self.flush_timeout_s = flush_timeout_s
         self._writer = BackgroundQueue(queue_size, queue_full, nice=BACKGROUND_NICE) if len(self.tiers) > 1 else None
         self.staging_copies = 0  # chunks copied to another device by `batched_put` (once per device)
-        self._listener: TierListener | None = None
         self._closed = False
 
     @classmethod
@@ -131,9 +121,7 @@ class StorageManager:
         """Tells `listener` the keys each tier stored (after the write), evicted, or deleted
         through `delete`; it runs on the writing thread, sometimes under a tier's lock, so it
         must be quick and must not call the tiers."""
-        self._listener = listener
-        for tier in self.tiers:
-            tier.set_eviction_listener(partial(listener.removed, tier.name))
+        self._events.listener = listener
 
     def _check_tiers(self) -> list[str]:
         """Asks every tier once whether it answers; returns the names of those that do not.
@@ -141,6 +129,8 @@ class StorageManager:
         and writes are misses until a retry reaches it), so requests do not warn again."""
         down = []
         for i, tier in enumerate(self.tiers):
+            if not isinstance(tier, RemoteTier):
+                continue  # a local tier answers whenever its process runs
             try:
                 tier.check()
             except Exception as exc:
@@ -165,8 +155,7 @@ class StorageManager:
             with self._stats_lock:
                 self._stats[i].bytes_stored += sum(kv.nbytes for (_, kv), ok in zip(items, accepted) if ok)
                 self._stats[i].store_seconds += time.perf_counter() - t0
-            if self._listener is not None:
-                self._listener.stored(tier.name, [k for (k, _), ok in zip(items, accepted) if ok])
+            self._events.stored(i, [k for (k, _), ok in zip(items, accepted) if ok])
 
     def _store_slow(self, tiers: Sequence[int], items: Sequence[tuple[str, torch.Tensor]]) -> None:
         if not tiers or self._writer is None:
@@ -210,8 +199,8 @@ class StorageManager:
         keys = list(keys)
         hits: dict[str, int] = {}
         for i, tier in enumerate(self.tiers):
-            got = self._call(i, partial(tier.prefix_hits, keys), "lookup") if keys else 0
-            hits[self.names[i]] = 0 if got is SKIPPED else got
+            got = self._call(i, partial(tier.batched_contains, keys), "lookup") if keys else []
+            hits[self.names[i]] = 0 if got is SKIPPED else leading_run(got)
         return hits
 
     def batched_where(self, keys: Sequence[str]) -> list[int | None]:
@@ -234,25 +223,6 @@ class StorageManager:
     def batched_contains(self, keys: Sequence[str]) -> list[bool]:
         """Returns, per key, whether some tier holds it (`batched_where`)."""
         return [w is not None for w in self.batched_where(keys)]
-
-    def tier_contains(self, keys: Sequence[str]) -> dict[str, list[bool] | None]:
-        """Returns, per tier name (fastest first), per key whether that tier holds it, or None
-        for a tier backing off or failing: one batched existence query per tier."""
-        keys = list(keys)
-        out: dict[str, list[bool] | None] = {}
-        for i, tier in enumerate(self.tiers):
-            got = self._call(i, partial(tier.batched_contains, keys), "lookup") if keys else []
-            out[self.names[i]] = None if got is SKIPPED else [bool(h) for h in got]
-        return out
-
-    def tier_evicted(self, keys: Sequence[str]) -> dict[str, list[bool] | None]:
-        """Returns, per tier name, per key whether that tier evicted it lately, or None for a
-        tier that cannot tell (`StorageBackend.batched_evicted`)."""
-        out: dict[str, list[bool] | None] = {}
-        for i, tier in enumerate(self.tiers):
-            got = self._call(i, partial(tier.batched_evicted, list(keys)), "lookup")
-            out[self.names[i]] = None if got is SKIPPED else got
-        return out
 
     def is_local(self, name: str) -> bool:
         """Returns whether the tier named `name` lives in this process's memory (`LOCAL_TIERS`)."""
@@ -279,19 +249,22 @@ class StorageManager:
     def reads_in_place(self) -> bool:
         """Whether `fetch(into=...)` can read chunks straight into memory: the fastest tier
         can, and only from it (a hit below it is promoted, so it is read into memory it keeps)."""
-        return self.tiers[0].reads_in_place
+        first = self.tiers[0]
+        return isinstance(first, ReadsInPlace) and first.reads_in_place
 
     @overload
     def fetch(self, keys: Sequence[str], *, read_only: bool = ...,
-              into: None = ...) -> list[tuple[torch.Tensor | None, int]]: ...
+              into: None = ..., held: bool = ...) -> list[tuple[torch.Tensor | None, int]]: ...
     @overload
     def fetch(self, keys: Sequence[str], *, read_only: bool = ...,
-              into: Sequence[Destination]) -> list[tuple[torch.Tensor | Destination | None, int]]: ...
+              into: Sequence[Destination], held: bool = ...) -> list[tuple[torch.Tensor | Destination | None, int]]: ...
 
-    def fetch(self, keys: Sequence[str], *, read_only: bool = False, into: Sequence[Destination] | None = None
+    def fetch(self, keys: Sequence[str], *, read_only: bool = False, into: Sequence[Destination] | None = None,
+              held: bool = False
               ) -> list[tuple[torch.Tensor | Destination | None, int]] | list[tuple[torch.Tensor | None, int]]:
         """Returns per key (the chunk from the fastest tier holding it, that tier's index) or
-        (None, -1); promotes nothing (see `promote`). Keys are pinned while they load. A chunk
+        (None, -1); promotes nothing (see `promote`). Keys are held while they load (`held`:
+        the caller holds them already, `hold`, for longer). A chunk
         lives where its tier keeps chunks (GPU for `device`, else CPU) and is the caller's own
         (a copy, or a fresh decode), unless `read_only`: the caller never modifies the results,
         so memory tiers return their tensors without copying them. `into` (one per key): the
@@ -299,7 +272,8 @@ class StorageManager:
         as its destination."""
         keys = list(keys)
         out: list[tuple[torch.Tensor | Destination | None, int]] = [(None, -1)] * len(keys)
-        self.pins.pin(keys)
+        if not held:
+            self.holds.hold(keys)
         try:
             missing = list(range(len(keys)))
             for i, tier in enumerate(self.tiers):
@@ -308,7 +282,7 @@ class StorageManager:
                 want = [keys[j] for j in missing]
                 t0 = time.perf_counter()
                 got: Sequence[torch.Tensor | Destination | None] | Skipped
-                if i == 0 and into is not None and tier.reads_in_place:
+                if i == 0 and into is not None and isinstance(tier, ReadsInPlace) and tier.reads_in_place:
                     got = self._call(i, partial(tier.batched_read_into, want, [into[j] for j in missing]), "load")
                 else:
                     got = self._call(i, partial(tier.batched_get, want, read_only=read_only), "load")
@@ -331,7 +305,8 @@ class StorageManager:
                     s.load_seconds += elapsed
                 missing = still
         finally:
-            self.pins.unpin(keys)
+            if not held:
+                self.holds.release(keys)
         return out
 
     def promote(self, items: Sequence[tuple[str, torch.Tensor, int]], *, owned: bool = True) -> None:
@@ -345,161 +320,21 @@ class StorageManager:
                 self._store(0, found, owned=owned)
                 self._store_slow(range(1, tier), found)
 
-    def pin(self, keys: Iterable[str]) -> None:
-        """Pins chunks (e.g. between a prefix lookup and their load) so no tier evicts them."""
-        self.pins.pin(keys)
+    def hold(self, keys: Iterable[str]) -> None:
+        """Holds chunks for a load (e.g. between a prefix lookup and their load): no tier evicts
+        them until they are released."""
+        self.holds.hold(keys)
 
-    def unpin(self, keys: Iterable[str]) -> None:
-        """Releases pins; raises ValueError if a key is not pinned (counts never go negative)."""
-        self.pins.unpin(keys)
-
-    # -- operating the cache ---------------------------------------------------------------
-    def tier_named(self, name: str | None) -> int:
-        """Returns the index of the tier `name` names: its full name ("0:cpu"), its URL, or its
-        kind ("cpu", "disk") when one tier is of that kind; None: the fastest. ValueError
-        listing the names otherwise."""
-        if name is None:
-            return 0
-        for i, full in enumerate(self.names):
-            if name in (full, full.split(":", 1)[-1]):
-                return i
-        kinds = [i for i, t in enumerate(self.tiers) if t.name == name]
-        if len(kinds) == 1:
-            return kinds[0]
-        raise ValueError(f"tier {name!r}: no such tier (or more than one of that kind); "
-                         f"this server's tiers are {', '.join(self.names)}")
-
-    def describe(self, keys: Sequence[str]) -> dict[str, list[EntryInfo | None]]:
-        """Returns per tier name (fastest first) what it knows of each key's stored value
-        (None: not stored there); a tier backing off answers all None."""
-        keys = list(keys)
-        out: dict[str, list[EntryInfo | None]] = {}
-        for i, tier in enumerate(self.tiers):
-            got = self._call(i, partial(tier.describe, keys), "lookup") if keys else []
-            out[self.names[i]] = [None] * len(keys) if got is SKIPPED else list(got)
-        return out
-
-    def usage_by(self, label: Callable[[str], str | None]) -> dict[str, dict[str, tuple[int, int]] | None]:
-        """Returns per tier name its (entries, bytes) per label of its keys (`label(key)`;
-        None: not counted), None where the tier cannot tell."""
-        out: dict[str, dict[str, tuple[int, int]] | None] = {}
-        for i, tier in enumerate(self.tiers):
-            got = self._call(i, partial(tier.usage_by, label), "lookup")
-            out[self.names[i]] = None if got is SKIPPED else got
-        return out
-
-    def held_prefix(self, tier: int, keys: Sequence[str]) -> int:
-        """Returns how many of `keys` from the start tier `tier` holds (0 while it backs off)."""
-        got = self._call(tier, partial(self.tiers[tier].prefix_hits, list(keys)), "lookup") if keys else 0
-        return 0 if got is SKIPPED else got
-
-    def pin_tier(self, tier: int, keys: Sequence[str], ttl_s: float | None = None) -> int:
-        """Pins `keys` in tier `tier` against eviction, all or none (for `ttl_s` seconds; None:
-        until unpinned); returns the bytes newly pinned. PinError (nothing pinned) names why."""
-        try:
-            return self.tiers[tier].pin(list(keys), ttl_s)
-        except BackendError as exc:
-            raise PinError(f"tier {self.names[tier]} failed: {exc}") from exc
-
-    def set_tier_budget(self, name: str | None, byte_budget: int | None = None, pin_budget: int | None = None,
-                        tenant_quota: int | None = None) -> str:
-        """Returns the full name of the tier `name` names once it met the limits given (None: unchanged);
-        ValueError (unknown tier, no or bad limit) or BudgetError (refused): nothing changed."""
-        i = self.tier_named(name)
-        if byte_budget is None and pin_budget is None and tenant_quota is None:
-            raise ValueError("give at least one of byte_budget, pin_budget and tenant_quota")
-        try:
-            self.tiers[i].set_budget(byte_budget, pin_budget, tenant_quota)
-        except BackendError as exc:
-            raise BudgetError(f"tier {self.names[i]} failed: {exc}") from exc
-        return self.names[i]
-
-    def unpin_tier(self, tier: int, keys: Sequence[str]) -> int:
-        """Releases the operator pins of `keys` in tier `tier`; returns how many were pinned.
-        PinError names a tier that failed (nothing released there)."""
-        try:
-            return self.tiers[tier].unpin(list(keys))
-        except BackendError as exc:
-            raise PinError(f"tier {self.names[tier]} failed: {exc}") from exc
-
-    def copy_between(self, src: int, dst: int, keys: Sequence[str]) -> int:
-        """Copies the values of `keys` from tier `src` into tier `dst`, in order, now; returns
-        how many were copied: it stops at the first value the source no longer holds or the
-        target refuses (a tier backing off copies nothing). The keys are load-pinned meanwhile,
-        so no tier evicts them mid-copy."""
-        keys = list(keys)
-        if not keys or src == dst:
-            return 0
-        self.pins.pin(keys)
-        try:
-            got = self._call(src, partial(self.tiers[src].batched_get, keys), "load")
-            if got is SKIPPED:
-                return 0
-            found: list[tuple[str, torch.Tensor]] = []
-            for key, kv in zip(keys, got):
-                if kv is None:
-                    break
-                found.append((key, kv))
-            if not self.tiers[dst].exact:  # a lossy codec takes floating-point K/V only
-                floating = [kv.is_floating_point() for _, kv in found]
-                found = found[:floating.index(False) if False in floating else len(found)]
-            if not found:
-                return 0
-            device = self.tiers[dst].device
-            items = stage(found, {device})[0][device]
-            accepted = self._call(dst, partial(self.tiers[dst].batched_put, items, owned=True), "write")
-            if accepted is SKIPPED:
-                return 0
-            n = next((i for i, ok in enumerate(accepted) if not ok), len(accepted))
-            with self._stats_lock:
-                self._stats[dst].bytes_stored += sum(kv.nbytes for _, kv in items[:n])
-            if self._listener is not None and n:
-                self._listener.stored(self.tiers[dst].name, [k for k, _ in items[:n]])
-            return n
-        finally:
-            self.pins.unpin(keys)
-
-    def delete_from_tier(self, tier: int, keys: Sequence[str]) -> int:
-        """Removes `keys` from tier `tier` alone, pinned or not (an explicit removal beats a
-        pin), after queued writes; returns how many it held. The tier's error is raised."""
-        self.flush()
-        removed = [k for k in keys if self.tiers[tier].delete(k)]
-        if removed and self._listener is not None:
-            self._listener.removed(self.tiers[tier].name, removed)
-        return len(removed)
-
-    def delete_idle(self, older_than_s: float) -> tuple[dict[str, int], dict[str, str]]:
-        """Removes from every tier the chunks not used for `older_than_s` seconds (never a
-        pinned one), after queued writes. Returns (per tier the values removed, per tier that
-        could not its reason)."""
-        self.flush()
-        return self._remove_from_each_tier(lambda tier: tier.delete_idle(older_than_s))
+    def release(self, keys: Iterable[str]) -> None:
+        """Releases load holds; raises ValueError if a key is not held (counts never go negative)."""
+        self.holds.release(keys)
 
     def delete(self, key: str) -> None:
         """Removes `key` from every healthy tier (slow tiers after queued writes)."""
         self.flush()
         for i, tier in enumerate(self.tiers):
-            if self._call(i, partial(tier.delete, key), "write") is True and self._listener is not None:
-                self._listener.removed(tier.name, [key])
-
-    def delete_prefix(self, prefix: str) -> tuple[dict[str, int], dict[str, str]]:
-        """Removes every key starting with `prefix` from every tier, after queued writes, even
-        a tier marked unhealthy (it is tried). Returns (per tier name the keys removed, per tier
-        that failed its error): a tier in the second may still hold some."""
-        self.flush()
-        return self._remove_from_each_tier(lambda tier: tier.delete_prefix(prefix))
-
-    def _remove_from_each_tier(self, remove: Callable[[StorageBackend], int]) -> tuple[dict[str, int], dict[str, str]]:
-        """Runs `remove` on every tier, even one marked unhealthy; returns (per tier name its
-        count, per tier that raised its error), one tier's failure never stopping the others."""
-        removed: dict[str, int] = {}
-        errors: dict[str, str] = {}
-        for name, tier in zip(self.names, self.tiers):
-            try:
-                removed[name] = remove(tier)
-            except Exception as exc:  # noqa: BLE001 - reported per tier, never raised past the others
-                errors[name] = f"{type(exc).__name__}: {exc}"
-        return removed, errors
+            if self._call(i, partial(tier.delete, key), "write") is True:
+                self._events.removed(i, [key])
 
     def clear(self, local_only: bool = False) -> None:
         """Removes every chunk each healthy tier owns (see each tier's `clear`); with
@@ -508,7 +343,8 @@ class StorageManager:
         self.flush()
         for i, tier in enumerate(self.tiers):
             if not local_only or tier.name in LOCAL_TIERS:
-                self._call(i, tier.clear, "write")
+                if self._call(i, tier.clear, "write") is not SKIPPED:
+                    self._events.cleared(i)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until background writes are done; returns False on timeout."""

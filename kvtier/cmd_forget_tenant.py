@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         tag = tenant_tag(salt, os.environ.get("KVTIER_TENANT_TAG_KEY") or None)  # the engines' key, if any
         FamilyIndex.of(storage).forget_tenant(tag)  # its key families, from each tier's index
-        removed, errors = storage.delete_prefix(tenant_prefix(tag))
+        removed, errors = storage.operations.delete_prefix(tenant_prefix(tag))
     finally:
         storage.close()
     print(json.dumps({"tiers": removed, "errors": errors}))

@@ -30,11 +30,6 @@ HOME = "kvstore/deadlines.py"
 # entry is "file: what" as the test reports it, without the line (so edits around it keep it
 # allowed); one that no longer matches fails the test, so this list only shrinks.
 ALLOWED: dict[str, str] = {
-    # connector/ is being reworked by the storage refactor, which moves these next:
-    "connector/key_families.py: module constant RECHECK_S = 60.0":  # a family record's re-check period
-        "owned by the storage refactor, moved next",
-    "connector/vllm/lookup_channel.py: time.sleep(0.05)":  # the pause between connects to a starting worker
-        "owned by the storage refactor, moved next",
 }
 
 CONSTANT_NAME = re.compile(r"(_S|_TIMEOUT|_TIMEOUT_S|_WAIT)$|TIMEOUT|BACKOFF|DEADLINE")

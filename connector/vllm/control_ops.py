@@ -122,7 +122,7 @@ def _run_clear(storage: StorageManager, keyspace: Keyspace, q: Question) -> Answ
         return {"cleared": "tenant", "tiers": removed, "errors": errors}
     if older is None:
         return {"cleared": "all", "tiers": clear_tiers(storage, bool(q.get("local_only", False)))}
-    removed, errors = storage.delete_idle(older)
+    removed, errors = storage.operations.delete_idle(older)
     return {"cleared": "idle", "older_than_s": older, "tiers": removed, "errors": errors}
 
 

@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 
 from connector.presence import Found, KeyPresence, Presence
 from kvkeys.keyspace import Keyspace, Span
-from kvstore.deadlines import LOOKUP_CHANNEL_ANSWER_S, LOOKUP_CHANNEL_CONNECT_S
+from kvstore.deadlines import LOOKUP_CHANNEL_ANSWER_S, LOOKUP_CHANNEL_CONNECT_S, LOOKUP_CHANNEL_RETRY_S
 
 log = logging.getLogger(__name__)
 
@@ -465,7 +465,7 @@ class RemotePresence(KeyPresence):
                 sock.close()
                 if time.monotonic() >= deadline:
                     raise
-                time.sleep(0.05)  # the worker side starts its server while loading the model
+                time.sleep(LOOKUP_CHANNEL_RETRY_S)
 
     def find(self, keyspace: Keyspace, tokens: Sequence[int], base: int, spans: Sequence[Span], parent: bytes,
              after: int) -> Found:

@@ -33,6 +33,7 @@ import torch
 from kvstore import serde
 from kvstore.backend import BackendError, BackendStats, BytesBackend, EntryInfo, ReadValue, StoredValue
 from kvstore.budget import BudgetError
+from kvstore.capabilities import OperatedTier, PrefixDeletable, RemoteTier
 from kvstore.codecs import Codec
 from kvstore.deadlines import OPTIONS, CallKind, RemoteDeadlines
 from kvstore.pin_set import PinError
@@ -54,7 +55,7 @@ T = TypeVar("T")
 _DEADLINE_ALIASES = {"timeout_s": ("load_s", "write_s")}
 
 
-class CacheServerBackend(BytesBackend):
+class CacheServerBackend(BytesBackend, RemoteTier, OperatedTier, PrefixDeletable):
     """A tier backed by one cache server; thread-safe (a pooled client underneath)."""
 
     name = "kvtier"
@@ -169,11 +170,6 @@ class CacheServerBackend(BytesBackend):
     def batched_contains(self, keys: Sequence[str]) -> list[bool]:
         """Returns, per key, whether the server holds it (pipelined EXISTS, one round trip)."""
         return self._io(self.lookup_client.exists_many, [k.encode() for k in keys]) if keys else []
-
-    def prefix_hits(self, keys: Sequence[str]) -> int:
-        """Returns how many of `keys`, from the start, the server holds: one round trip,
-        within the lookup deadline."""
-        return self._io(self.lookup_client.prefix_hits, [k.encode() for k in keys])
 
     def delete(self, key: str) -> bool:
         return self._io(self.client.delete, key.encode())

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -18,6 +17,7 @@ from kvkeys.keyspace import is_chunk_key
 from kvstore import serde
 from kvstore.backend import BackendStats, EntryInfo, StorageBackend
 from kvstore.budget import ByteBudget
+from kvstore.capabilities import EvictingTier, IndexedTier, OperatedTier, PrefixDeletable
 from kvstore.codecs import Buffer, Codec, QuantCodec, get_codec, host_copy
 from kvstore.eviction import make_policy
 from kvstore.pin_set import default_pin_budget
@@ -37,15 +37,9 @@ def _whole_tensor(kv: torch.Tensor, device: torch.device) -> bool:
             and kv.untyped_storage().nbytes() == kv.numel() * kv.element_size())
 
 
-EVICTIONS_REMEMBERED = 16384
-"""How many of its latest evicted keys a memory tier remembers, so a miss can be explained as
-an eviction (`batched_evicted`): about 200 bytes each, some 3 MiB at most."""
-
-
-class MemoryBackend(StorageBackend):
+class MemoryBackend(StorageBackend, EvictingTier, OperatedTier, IndexedTier, PrefixDeletable):
     """Chunks held in this process's memory on `device`, within a hard byte budget; the
-    operator's pins within `pin_budget` (None: half the byte budget, kvstore/pin_set.py); it
-    remembers its latest `EVICTIONS_REMEMBERED` evicted keys (`batched_evicted`)."""
+    operator's pins within `pin_budget` (None: half the byte budget, kvstore/pin_set.py)."""
 
     name = "memory"
 
@@ -54,20 +48,16 @@ class MemoryBackend(StorageBackend):
                  tenant_quota: int | None = None, pin_budget: int | None = None) -> None:
         self.device = torch.device(device)
         self.codec = get_codec(codec) if isinstance(codec, str) else codec
+        self.exact = not isinstance(self.codec, QuantCodec)
         self.pin_memory = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
         self._budget = ByteBudget(byte_budget, make_policy(eviction), tenant_quota,
                                   pin_budget if pin_budget is not None else default_pin_budget(byte_budget))
         self._store: dict[str, torch.Tensor | Buffer] = {}
         self._lock = threading.Lock()
         self._stats = BackendStats(byte_budget=byte_budget)
-        self._evictions: OrderedDict[str, None] = OrderedDict()
 
-    @property
-    def exact(self) -> bool:
-        return not isinstance(self.codec, QuantCodec)
-
-    def set_pin_check(self, is_pinned: Callable[[str], bool]) -> None:
-        self._budget.is_pinned = is_pinned
+    def set_hold_check(self, is_held: Callable[[str], bool]) -> None:
+        self._budget.is_pinned = is_held
 
     def _copy(self, kv: torch.Tensor) -> torch.Tensor:
         """Returns a contiguous copy of `kv` on this tier's device."""
@@ -130,7 +120,6 @@ class MemoryBackend(StorageBackend):
                 self._stats.rejected += 1
                 return False
             self._evict(victims)
-            self._evictions.pop(key, None)
             self._store[key] = stored
             self._budget.add(key, nbytes)
             self._stats.puts += 1
@@ -138,19 +127,11 @@ class MemoryBackend(StorageBackend):
         return True
 
     def _evict(self, victims: list[str]) -> None:
-        """Removes `victims` as evicted (counted, remembered); the caller holds the lock."""
+        """Removes `victims` as evicted (counted); the caller holds the lock."""
         for victim in victims:
             self._store.pop(victim, None)
             self._budget.remove(victim)
             self._stats.evictions += 1
-            self._evictions[victim] = None
-        while len(self._evictions) > EVICTIONS_REMEMBERED:
-            self._evictions.popitem(last=False)
-
-    def batched_evicted(self, keys: Sequence[str]) -> list[bool]:
-        """Returns per key whether it is among the latest keys this tier evicted (and not stored since)."""
-        with self._lock:
-            return [key in self._evictions for key in keys]
 
     def delete(self, key: str) -> bool:
         with self._lock:
@@ -161,7 +142,6 @@ class MemoryBackend(StorageBackend):
         with self._lock:
             self._store.clear()
             self._budget.clear()
-            self._evictions.clear()
 
     def delete_prefix(self, prefix: str) -> int:
         if not prefix:

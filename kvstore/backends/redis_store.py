@@ -45,7 +45,8 @@ from kvkeys.tenants import KEY_ROOT
 from kvstore import serde
 from kvstore.backend import BackendError, BytesBackend, ReadValue, StoredValue
 from kvstore.backends.redis_wire import SplitValuePacker, get_on_nodes, get_pipelined
-from kvstore.budget import BudgetError, ByteBudget
+from kvstore.budget import ByteBudget
+from kvstore.capabilities import EvictingTier, PrefixDeletable, RemoteTier
 from kvstore.codecs import Codec
 from kvstore.deadlines import OPTIONS, CallKind, RemoteDeadlines
 from kvstore.eviction import make_policy
@@ -100,7 +101,7 @@ def _chunk_or_not(reply: Any) -> Any:
     return NOT_A_CHUNK if isinstance(reply, redis.ResponseError) else reply
 
 
-class RedisBackend(BytesBackend):
+class RedisBackend(BytesBackend, RemoteTier, EvictingTier, PrefixDeletable):
     """Chunks in Redis (single node or cluster)."""
 
     name = "redis"
@@ -148,8 +149,8 @@ class RedisBackend(BytesBackend):
         return cls(spec.url, byte_budget=spec.budget, codec=spec.codec, eviction=spec.eviction, ttl_s=ttl,
                    tenant_quota=spec.tenant_quota, **opts)
 
-    def set_pin_check(self, is_pinned: Callable[[str], bool]) -> None:
-        self._pinned = is_pinned
+    def set_hold_check(self, is_held: Callable[[str], bool]) -> None:
+        self._pinned = is_held
 
     def _unevictable(self, key: str) -> bool:
         return key in self._writing or self._pinned(key)
@@ -350,12 +351,6 @@ class RedisBackend(BytesBackend):
     def _usage(self) -> tuple[int, int, int | None, int]:
         with self._lock:
             return len(self._budget), self._budget.used, self._budget.budget, self._evictions
-
-    def set_budget(self, byte_budget: int | None = None, pin_budget: int | None = None,
-                   tenant_quota: int | None = None) -> None:
-        """Always refused (BudgetError, nothing changed): a Redis server's memory is its own."""
-        raise BudgetError(f"tier {self.name} cannot change its limits at run time: its memory is the Redis "
-                          "server's (set its maxmemory and an LRU maxmemory-policy, e.g. CONFIG SET maxmemory 4gb)")
 
     def close(self) -> None:
         for client in (self.client, self.reader, self.lookups):

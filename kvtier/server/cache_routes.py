@@ -113,7 +113,7 @@ def add_cache_routes(app: FastAPI, ctx: ServingContext, tenancy: Tenancy) -> Non
     async def prefetch(body: PrefetchRequest, request: Request) -> dict[str, Any]:
         """Fills the tier with the prompt's held prefix; with `compute`, runs the prompt first."""
         ids, connector = asked(body)
-        await _control(connector.storage.tier_named, body.tier)  # an unknown tier is a 400 before any work
+        await _control(connector.storage.operations.name, body.tier)  # an unknown tier is a 400 before any work
         ran: dict[str, Any] | None = None
         if body.compute:
             seq = front.make_sequence(_salted(ids, body.cache_salt), SamplingParams(max_tokens=1), new_id("kv") + "-0")

@@ -194,7 +194,8 @@ class ConnectorCollector(Collector):
         gauges = (
             ("kvtier:kv_slow_tier_writes_pending", "Background writes to the slower tiers queued or running.",
              storage.writer_stats()["pending"]),
-            ("kvtier:kv_pinned_chunks", "Pins on stored chunks (loads in flight); 0 when idle.", storage.pins.total()),
+            ("kvtier:kv_pinned_chunks", "Load holds on stored chunks (loads in flight); 0 when idle.",
+             storage.holds.total()),
             ("kvtier:kv_loads_in_flight", "1 while a background load has not ended; 0 when idle.",
              int(self.connector.worker.loads_in_flight())),
         )

@@ -131,7 +131,7 @@ def test_abort_while_the_load_is_in_flight_leaks_nothing(when, default_model_pat
         blocks = list(seq.block_table)
         if when == "reading":
             assert tier.reading.wait(60)  # the loader is inside the tier's read, chunks pinned
-            assert conn.storage.pins.total() > 0
+            assert conn.storage.holds.total() > 0
         engine.abort_request(rid)
         # Finished, but its blocks stay with it until the loader let go of them.
         assert seq.status is SequenceStatus.FINISHED_ABORTED and rid in engine.scheduler.delayed_free

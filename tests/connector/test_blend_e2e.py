@@ -55,7 +55,7 @@ def assert_idle(llm: LLM, conn: EngineConnector) -> None:
     assert conn.flush(timeout=60)
     stats = llm.get_stats()
     assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
-    assert conn.storage.pins.total() == 0
+    assert conn.storage.holds.total() == 0
     assert isinstance(conn.scheduler.extension, BlendPlanner) and conn.scheduler.extension.num_live() == 0
 
 

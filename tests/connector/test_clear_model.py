@@ -48,7 +48,7 @@ def test_clear_one_model_every_tenant_others_intact(tier: str, tmp_path: Path, r
     def held(label: str) -> int:
         ks = FAMILIES[label]
         i = list(FAMILIES).index(label)
-        return other.held_prefix(0, ks.stored_keys(ks.spans(prompt(i, 64))))
+        return other.operations.held_prefix(None, ks.stored_keys(ks.spans(prompt(i, 64))))
 
     try:
         assert [held(label) for label in FAMILIES] == [2, 2, 2, 2]
@@ -71,7 +71,7 @@ def test_clearing_idle_chunks_keeps_the_families_index(tmp_path: Path, request: 
     name = other.names[0]
     try:
         before = decode_index(other.tier_get(name, INDEX_KEY))
-        removed, errors = other.delete_idle(1e-9)  # every chunk is idle that long
+        removed, errors = other.operations.delete_idle(1e-9)  # every chunk is idle that long
         assert removed == {name: 2 * len(FAMILIES)} and not errors
         assert decode_index(other.tier_get(name, INDEX_KEY)) == before != []  # explain still names families
     finally:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvstore import serde
-from kvstore.backend import BackendError
+from kvstore.backend import BackendError, leading_run
 from kvstore.backends.disk import STATE_BYTES, DiskBackend
 from tests.fixtures.tiers import chunk, ckey, disk_file_bytes
 
@@ -58,7 +58,7 @@ def test_lowered_budget_trims_on_start(tmp_path: Path) -> None:
 def test_another_process_files_are_found(tmp_path: Path) -> None:
     a, b = DiskBackend(tmp_path), DiskBackend(tmp_path)
     a.put(ckey(5), chunk(5))
-    assert b.prefix_hits([ckey(5)]) == 1 and torch.equal(b.get(ckey(5)), chunk(5))
+    assert leading_run(b.batched_contains([ckey(5)])) == 1 and torch.equal(b.get(ckey(5)), chunk(5))
 
 
 @pytest.mark.parametrize("codec", ["raw", "lz4", "int8"])

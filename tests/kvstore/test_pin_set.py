@@ -18,6 +18,7 @@ from kvstore.backends.memory import CPUBackend
 from kvstore.pin_set import PinError, PinSet
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import TierSpec
+from tests.fixtures.tiers import ckey
 
 CHUNK = torch.ones(1, 2, 4, 1, 2)  # 64 bytes
 N = CHUNK.nbytes
@@ -85,19 +86,20 @@ def test_pin_set_is_exact_and_all_or_nothing() -> None:
         pins.pin([("a", 1)], ttl_s=0)
 
 
-def test_operator_pins_sit_beside_load_pins(tmp_path: Path) -> None:
+def test_operator_pins_sit_beside_load_holds(tmp_path: Path) -> None:
     manager = StorageManager(tiers(tmp_path), names=["0:cpu", "1:disk"])
-    manager.batched_put([("a", CHUNK)])
+    ops = manager.operations
+    manager.batched_put([(ckey(0), CHUNK)])
     manager.flush()
-    assert manager.tier_named("disk") == 1 and manager.tier_named(None) == 0
+    assert ops.index("disk") == 1 and ops.index(None) == 0 and ops.name("cpu") == "0:cpu"
     with pytest.raises(ValueError, match="0:cpu, 1:disk"):
-        manager.tier_named("redis")
-    manager.pin_tier(manager.tier_named("cpu"), ["a"])
-    manager.pin_tier(manager.tier_named("1:disk"), ["a"], ttl_s=60)
-    assert [kv is not None for kv, _ in manager.fetch(["a"])] == [True]
-    assert manager.pins.total() == 0  # the load's pins are back to zero; the operator's hold
+        ops.index("redis")
+    ops.pin("cpu", [ckey(0)])
+    ops.pin("1:disk", [ckey(0)], ttl_s=60)
+    assert [kv is not None for kv, _ in manager.fetch([ckey(0)])] == [True]
+    assert manager.holds.total() == 0  # the load's holds are back to zero; the operator's pins stay
     assert {n: s.backend.pinned_entries for n, s in manager.stats().items()} == {"0:cpu": 1, "1:disk": 1}
-    assert manager.unpin_tier(0, ["a"]) == 1 and manager.unpin_tier(1, ["a"]) == 1
+    assert ops.unpin("0:cpu", [ckey(0)]) == 1 and ops.unpin("disk", [ckey(0)]) == 1
     manager.close()
 
 

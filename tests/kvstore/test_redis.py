@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvstore import serde
-from kvstore.backend import BackendError
+from kvstore.backend import BackendError, leading_run
 from kvstore.backends.redis_store import RedisBackend
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
@@ -59,9 +59,9 @@ def test_ttl_and_prefix_hits_in_one_round_trip(redis_server) -> None:
     tier.batched_put([(ckey(i), chunk(i)) for i in range(5)])
     client = redis_server.client()
     assert 0 < client.pttl(ckey(0)) <= 30_000
-    tier.prefix_hits([ckey(0)])  # the serving pool connects (and introduces itself) once
+    leading_run(tier.batched_contains([ckey(0)]))  # the serving pool connects (and introduces itself) once
     before = client.info("stats")["total_commands_processed"]
-    assert tier.prefix_hits([ckey(0), ckey(1), ckey(2), ckey(7), ckey(3)]) == 3
+    assert leading_run(tier.batched_contains([ckey(0), ckey(1), ckey(2), ckey(7), ckey(3)])) == 3
     after = client.info("stats")["total_commands_processed"]
     assert after - before <= 5 + 1  # five pipelined GETRANGEs (+ the INFO itself); no per-key chatter beyond that
 
@@ -71,7 +71,7 @@ def test_connection_failure_is_a_backend_error(redis_server) -> None:
     tier.put(ckey(0), chunk(0))
     redis_server.kill()
     for call in (lambda: tier.get(ckey(0)), lambda: tier.put(ckey(1), chunk(1)),
-                 lambda: tier.prefix_hits([ckey(0)]), lambda: tier.batched_get([ckey(0)])):
+                 lambda: leading_run(tier.batched_contains([ckey(0)])), lambda: tier.batched_get([ckey(0)])):
         with pytest.raises(BackendError, match="redis tier"):
             call()
     redis_server.restart()
@@ -135,7 +135,7 @@ def test_redis_killed_mid_workload_manager_recovers(redis_server, caplog: pytest
     # one log line per outage and direction, not per call
     assert sum("redis: writes failing" in m for m in messages) == 1
     assert sum("redis: reads failing" in m for m in messages) == 1
-    assert mgr.pins.total() == 0
+    assert mgr.holds.total() == 0
     mgr.close()
 
 
@@ -182,7 +182,7 @@ def test_cluster_round_trip(redis_cluster, codec: str) -> None:
     tier.batched_put([(k, chunk(i)) for i, k in enumerate(keys)])
     sizes = [node.client().dbsize() for node in redis_cluster.nodes]
     assert sum(sizes) == 30 and all(n > 0 for n in sizes)  # spread over all three masters
-    assert tier.prefix_hits(keys + [ckey(99)]) == 30
+    assert leading_run(tier.batched_contains(keys + [ckey(99)])) == 30
     got = tier.batched_get(keys[::-1])
     assert all(torch.equal(kv, chunk(29 - i)) for i, kv in enumerate(got))
     tier.clear()

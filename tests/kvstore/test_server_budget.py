@@ -2,7 +2,7 @@
 operator lowers the memory budget at run time and STATS shows it met at once (least recently
 used entries evicted, or spilled to disk), later PUTs never pass it; a lowered tenant quota
 evicts only that tenant's oldest entries; a tenant token and a malformed change are refused and
-change nothing; the `kvtier://` tier passes the change through `StorageManager.set_tier_budget`."""
+change nothing; the `kvtier://` tier passes the change through `TierOperations.set_budget`."""
 
 from __future__ import annotations
 
@@ -72,15 +72,15 @@ def test_the_operator_lowers_the_budget_and_quota_at_run_time(
     # the kvtier:// tier passes a change through; it has no pin budget
     config = KVStoreConfig(tiers=[TierSpec.from_url(f"{server.url}?auth_token={OPERATOR}")])
     with StorageManager.from_config(config) as manager:
-        manager.set_tier_budget("kvtier", byte_budget=budget // 2)
+        manager.operations.set_budget("kvtier", byte_budget=budget // 2)
         b = next(iter(manager.stats().values())).backend
         assert b.byte_budget == budget // 2 and 0 < b.bytes_used <= budget // 2
         with pytest.raises(BudgetError, match="pin budget is the server.s own"):
-            manager.set_tier_budget("kvtier", pin_budget=1)
+            manager.operations.set_budget("kvtier", pin_budget=1)
     tenant = KVStoreConfig(tiers=[TierSpec.from_url(f"{server.url}?auth_token={TOKEN_A}")])
     with StorageManager.from_config(tenant) as manager:
         with pytest.raises(BudgetError, match="operator"):
-            manager.set_tier_budget("kvtier", byte_budget=budget)
+            manager.operations.set_budget("kvtier", byte_budget=budget)
     assert op.stats()["max_bytes"] == budget // 2
     for c in (op, a):
         c.close()

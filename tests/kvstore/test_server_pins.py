@@ -107,15 +107,16 @@ def test_the_storage_manager_pins_in_the_cache_server_tier(cache_server_factory:
                              names=["0:cpu", "1:kvtier"])
     manager.batched_put([(ckey(0), chunk(0))])
     manager.flush()
-    tier = manager.tier_named("kvtier")  # `tier: "kvtier"` in POST /kv/pin
-    assert tier == 1 and manager.pin_tier(tier, [ckey(0)], ttl_s=60) > 0
-    info = manager.describe([ckey(0)])["1:kvtier"][0]
+    ops = manager.operations
+    tier = "kvtier"  # `tier: "kvtier"` in POST /kv/pin
+    assert ops.index(tier) == 1 and ops.pin(tier, [ckey(0)], ttl_s=60) > 0
+    info = ops.describe([ckey(0)])["1:kvtier"][0]
     assert info is not None and info.pinned and info.pin_expires_in_s is not None and info.pin_expires_in_s <= 60
     b = manager.stats()["1:kvtier"].backend
     assert b.can_pin and b.pinned_entries == 1 and b.pin_budget == 4 << 20
     with pytest.raises(PinError, match="not stored"):
-        manager.pin_tier(tier, [ckey(5)])
-    assert manager.unpin_tier(tier, [ckey(0)]) == 1
+        ops.pin(tier, [ckey(5)])
+    assert ops.unpin(tier, [ckey(0)]) == 1
     b = manager.stats()["1:kvtier"].backend
     assert (b.pinned_entries, b.pinned_bytes) == (0, 0)
     manager.close()

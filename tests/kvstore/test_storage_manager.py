@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvstore.backend import leading_run
 from kvstore.backends.disk import DiskBackend
 from kvstore.backends.memory import CPUBackend
 from kvstore.storage_manager import StorageManager
@@ -46,9 +47,9 @@ def test_write_through_and_promotion(tmp_path: Path) -> None:
     cpu, disk = CPUBackend(byte_budget=10 * _chunk_bytes()), DiskBackend(tmp_path, codec="lz4")
     with StorageManager([cpu, disk], names=["cpu", "disk"]) as mgr:
         mgr.batched_put([(ckey(i), chunk(i)) for i in range(3)])
-        assert cpu.prefix_hits([ckey(0), ckey(1), ckey(2)]) == 3  # fastest tier: synchronous
+        assert leading_run(cpu.batched_contains([ckey(0), ckey(1), ckey(2)])) == 3  # fastest tier: synchronous
         assert mgr.flush(timeout=10)
-        assert disk.prefix_hits([ckey(0), ckey(1), ckey(2)]) == 3
+        assert leading_run(disk.batched_contains([ckey(0), ckey(1), ckey(2)])) == 3
         cpu.clear()
         assert mgr.batched_contains([ckey(0), ckey(1), ckey(2), ckey(3)]) == [True, True, True, False]
         keys = [ckey(1), ckey(5), ckey(2)]
@@ -64,7 +65,7 @@ def test_write_through_and_promotion(tmp_path: Path) -> None:
         assert (s["disk"].hits, s["cpu"].hits) == (2, 1)
         assert s["disk"].bytes_loaded == 2 * _chunk_bytes() and s["disk"].load_seconds > 0
         assert s["cpu"].bytes_stored >= 3 * _chunk_bytes()
-        assert mgr.pins.total() == 0
+        assert mgr.holds.total() == 0
 
 
 def test_read_only_gets_and_owned_puts_skip_copies_but_keep_the_tier_intact(tmp_path: Path) -> None:
@@ -98,7 +99,7 @@ def test_read_only_gets_and_owned_puts_skip_copies_but_keep_the_tier_intact(tmp_
         [(got, tier)] = mgr.fetch([ckey(1)])  # the caller's own: promoted, the tier keeps a copy
         mgr.promote([(ckey(1), got, tier)], owned=False)
         assert cpu.batched_get([ckey(1)], read_only=True)[0].data_ptr() != got.data_ptr()
-        assert mgr.pins.total() == 0
+        assert mgr.holds.total() == 0
 
 
 def test_slow_tier_writes_run_at_lower_priority(tmp_path: Path) -> None:
@@ -126,23 +127,23 @@ def test_existence_combines_tiers(tmp_path: Path) -> None:
         assert mgr.batched_contains([ckey(4), ckey(1), ckey(3), ckey(9)]) == [False, True, True, False]
 
 
-def test_pins_protect_and_never_go_negative(tmp_path: Path) -> None:
+def test_load_holds_protect_and_never_go_negative(tmp_path: Path) -> None:
     cpu = CPUBackend(byte_budget=2 * _chunk_bytes())
     with StorageManager([cpu]) as mgr:
         mgr.batched_put([(ckey(0), chunk(0))])
-        mgr.pin([ckey(0)])
+        mgr.hold([ckey(0)])
         mgr.batched_put([(ckey(1), chunk(1))])
-        mgr.batched_put([(ckey(2), chunk(2))])  # evicts 1, not the pinned 0
+        mgr.batched_put([(ckey(2), chunk(2))])  # evicts 1, not the held 0
         assert _read(mgr, ckey(0)) is not None and _read(mgr, ckey(1)) is None
-        mgr.unpin([ckey(0)])
-        with pytest.raises(ValueError, match="not pinned"):
-            mgr.unpin([ckey(0)])
-        mgr.pin([ckey(5)])
-        with pytest.raises(ValueError, match="not pinned"):
-            mgr.unpin([ckey(5), ckey(5)])  # all-or-nothing: the single pin stays
-        assert mgr.pins.count(ckey(5)) == 1
-        mgr.unpin([ckey(5)])
-        assert mgr.pins.total() == 0
+        mgr.release([ckey(0)])
+        with pytest.raises(ValueError, match="not held"):
+            mgr.release([ckey(0)])
+        mgr.hold([ckey(5)])
+        with pytest.raises(ValueError, match="not held"):
+            mgr.release([ckey(5), ckey(5)])  # all-or-nothing: the single hold stays
+        assert mgr.holds.count(ckey(5)) == 1
+        mgr.release([ckey(5)])
+        assert mgr.holds.total() == 0
 
 
 def test_copy_between_tiers_stops_at_a_gap_and_delete_from_one_tier_beats_a_pin(tmp_path: Path) -> None:
@@ -152,13 +153,14 @@ def test_copy_between_tiers_stops_at_a_gap_and_delete_from_one_tier_beats_a_pin(
         assert mgr.flush(timeout=10)
         for i in (0, 1, 3):
             assert cpu.delete(ckey(i))
-        assert mgr.copy_between(1, 0, [ckey(i) for i in range(4)]) == 2  # ckey(2) is a gap: 3 is not copied
-        assert cpu.prefix_hits([ckey(i) for i in range(4)]) == 2 and not cpu.contains(ckey(3))
-        assert torch.equal(cpu.get(ckey(1)), chunk(1)) and mgr.copy_between(0, 0, [ckey(0)]) == 0
-        assert not mgr.pins.is_pinned(ckey(0))  # the copy's load pins are released
+        ops = mgr.operations
+        assert ops.copy("disk", "cpu", [ckey(i) for i in range(4)]) == 2  # ckey(2) is a gap: 3 is not copied
+        assert leading_run(cpu.batched_contains([ckey(i) for i in range(4)])) == 2 and not cpu.contains(ckey(3))
+        assert torch.equal(cpu.get(ckey(1)), chunk(1)) and ops.copy("cpu", "cpu", [ckey(0)]) == 0
+        assert not mgr.holds.is_held(ckey(0))  # the copy's load holds are released
 
-        assert mgr.pin_tier(0, [ckey(0)]) > 0
-        assert mgr.delete_from_tier(0, [ckey(0), ckey(2)]) == 1  # pinned, removed all the same
+        assert ops.pin("cpu", [ckey(0)]) > 0
+        assert ops.delete("cpu", [ckey(0), ckey(2)]) == 1  # pinned, removed all the same
         assert not cpu.contains(ckey(0)) and disk.contains(ckey(0)) and cpu.stats().pinned_entries == 0
 
 
@@ -252,16 +254,16 @@ def test_budgets_never_exceeded_under_random_workload(tmp_path: Path) -> None:
                 for k, (kv, _) in zip(keys, mgr.fetch(keys)):
                     assert kv is None or torch.equal(kv, chunk(int(k[-8:], 16)))
             elif r < 0.9:
-                mgr.pin(keys)
+                mgr.hold(keys)
                 mgr.batched_contains(keys)
-                mgr.unpin(keys)
+                mgr.release(keys)
             else:
                 mgr.delete(keys[0])
             for (name, s), budget in zip(mgr.stats().items(), budgets):
                 assert s.backend.bytes_used <= budget, name
             assert _dir_bytes(tmp_path) <= budgets[1]
         mgr.flush()
-        assert mgr.pins.total() == 0
+        assert mgr.holds.total() == 0
         assert sum(s.backend.evictions for s in mgr.stats().values()) > 0
 
 
@@ -299,6 +301,6 @@ def test_concurrent_threads_never_see_a_torn_value(kind: str, tmp_path: Path, re
         t.join()
     if kind == "manager":
         store.flush()
-        assert store.pins.total() == 0
+        assert store.holds.total() == 0
     assert errors == []
     store.close()

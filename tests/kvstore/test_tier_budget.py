@@ -1,5 +1,5 @@
 """Tier limits changed at run time (issue #50, "Operating the cache"): on a real cpu tier and a
-real disk directory, a budget lowered through `StorageManager.set_tier_budget` is met before the
+real disk directory, a budget lowered through `TierOperations.set_budget` is met before the
 call returns (least recently used chunks evicted, pinned ones kept) and never passed by the puts
 after it; a change the pins cannot allow is refused whole; a lowered tenant quota evicts only
 the oldest chunks of the tenants past it; a Redis tier refuses by name.
@@ -69,7 +69,7 @@ def test_a_lowered_budget_is_met_at_once_and_never_passed(tiers: tuple[StorageMa
     size = tier.describe(keys[:1])[0].nbytes  # a disk file is the chunk plus its header
     assert size is not None
     budget = 5 * size + size // 2
-    assert manager.set_tier_budget(kind, byte_budget=budget) == manager.names[0]
+    assert manager.operations.set_budget(kind, byte_budget=budget) == manager.names[0]
     assert _used(manager, keys, root) <= budget
     entries, used, byte_budget, pinned, pin_budget = _figures(manager)
     assert used <= budget and byte_budget == budget and entries == 5
@@ -86,19 +86,19 @@ def test_a_lowered_budget_is_met_at_once_and_never_passed(tiers: tuple[StorageMa
     for change, says in (({"byte_budget": 2 * size - 1}, "cannot be evicted"),
                          ({"pin_budget": size}, "pinned, more than the pin budget")):
         with pytest.raises(BudgetError, match=says):
-            manager.set_tier_budget(kind, **change)
+            manager.operations.set_budget(kind, **change)
     for change in ({"byte_budget": -1}, {"pin_budget": budget + 1}, {}):
         with pytest.raises(ValueError):
-            manager.set_tier_budget(kind, **change)
+            manager.operations.set_budget(kind, **change)
     with pytest.raises(ValueError, match="no such tier"):
-        manager.set_tier_budget("redis", byte_budget=budget)
+        manager.operations.set_budget("redis", byte_budget=budget)
     assert (_figures(manager), tier.batched_contains(keys)) == before
 
     # a budget raised and a pin budget lowered to what is pinned, then the pins released
-    manager.set_tier_budget(None, byte_budget=budget + 10 * size, pin_budget=2 * size)
+    manager.operations.set_budget(None, byte_budget=budget + 10 * size, pin_budget=2 * size)
     assert _figures(manager)[2:] == (budget + 10 * size, 2 * size, 2 * size)
     assert tier.unpin(keys[:2]) == 2
-    manager.set_tier_budget(kind, byte_budget=size + size // 2)
+    manager.operations.set_budget(kind, byte_budget=size + size // 2)
     assert _used(manager, keys, root) <= size + size // 2 and tier.batched_contains(keys[-1:]) == [True]
     assert _figures(manager)[0] == 1 and _figures(manager)[4] == size + size // 2  # the pin budget follows
 
@@ -114,7 +114,7 @@ def test_a_lowered_tenant_quota_evicts_only_the_tenants_past_it(
     tier.pin(a[:1])
     size = tier.describe(a[:1])[0].nbytes
     assert size is not None
-    manager.set_tier_budget(kind, tenant_quota=3 * size)
+    manager.operations.set_budget(kind, tenant_quota=3 * size)
     # A keeps its pinned oldest and its two newest; B (within the quota) and unsalted keep all
     assert tier.batched_contains(a) == [True, False, False, False, True, True]
     assert tier.batched_contains(b + plain) == [True] * 5
@@ -125,12 +125,12 @@ def test_a_lowered_tenant_quota_evicts_only_the_tenants_past_it(
         assert (tier.usage_by(key_tenant) or {})[A] == (3, 3 * size)
     assert tier.batched_contains(b + plain) == [True] * 5
     with pytest.raises(BudgetError, match="tenant_quota"):
-        manager.set_tier_budget(kind, tenant_quota=size - 1)  # below A's pinned chunk
+        manager.operations.set_budget(kind, tenant_quota=size - 1)  # below A's pinned chunk
     assert (tier.usage_by(key_tenant) or {})[A] == (3, 3 * size)
 
 
 def test_a_redis_tier_refuses_by_name(redis_server: RedisServer) -> None:
     with StorageManager.from_config(KVStoreConfig(tiers=[TierSpec(redis_server.url, budget=1 << 20)])) as manager:
         with pytest.raises(BudgetError, match="maxmemory"):
-            manager.set_tier_budget("redis", byte_budget=1 << 10)
+            manager.operations.set_budget("redis", byte_budget=1 << 10)
         assert _figures(manager)[2] == 1 << 20

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.backend import StorageBackend
+from kvstore.backend import StorageBackend, leading_run
 from tests.fixtures.tiers import TIER_KINDS, chunk, ckey, make_tier
 
 
@@ -45,12 +45,12 @@ def test_round_trip_exact(kind: str, codec: str, dtype: torch.dtype, tmp_path: P
         assert out is not None and out.dtype == dtype and torch.equal(out.cpu(), kv)
     got = tier.batched_get([ckey(2), ckey(99), ckey(0)])
     assert got[1] is None and torch.equal(got[0].cpu(), kvs[ckey(2)]) and torch.equal(got[2].cpu(), kvs[ckey(0)])
-    assert tier.prefix_hits([ckey(0), ckey(1), ckey(99), ckey(2)]) == 2
+    assert leading_run(tier.batched_contains([ckey(0), ckey(1), ckey(99), ckey(2)])) == 2
     assert tier.contains(ckey(3)) and not tier.contains(ckey(99))
     assert tier.delete(ckey(3)) and not tier.delete(ckey(3))
     assert tier.get(ckey(3)) is None
     tier.clear()
-    assert tier.prefix_hits(list(kvs)) == 0
+    assert leading_run(tier.batched_contains(list(kvs))) == 0
     tier.close()
 
 
@@ -120,7 +120,7 @@ def test_pinned_chunks_are_not_evicted(kind: str, tmp_path: Path, request: pytes
     size = probe.stats().bytes_used + (200 if kind in ("disk", "redis") else 0)
     tier = make_tier(kind, tmp_path, _redis_url(kind, request), budget=2 * size + size // 2)
     pinned = {ckey(0)}
-    tier.set_pin_check(lambda k: k in pinned)
+    tier.set_hold_check(lambda k: k in pinned)
     tier.put(ckey(0), chunk(0))
     tier.put(ckey(1), chunk(1))
     tier.put(ckey(2), chunk(2))  # evicts 1, not the pinned (and older) 0

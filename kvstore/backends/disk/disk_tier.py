@@ -58,6 +58,7 @@ from kvstore.backends.disk.file_names import (
     temp_path,
 )
 from kvstore.budget import ByteBudget
+from kvstore.capabilities import EvictingTier, IndexedTier, OperatedTier, PrefixDeletable, ReadsInPlace
 from kvstore.codecs import Codec
 from kvstore.eviction import make_policy
 from kvstore.pin_file import PIN_FILE, PinFile
@@ -70,7 +71,7 @@ __all__ = ["DiskBackend"]
 log = logging.getLogger(__name__)
 
 
-class DiskBackend(BytesBackend):
+class DiskBackend(BytesBackend, EvictingTier, ReadsInPlace, OperatedTier, IndexedTier, PrefixDeletable):
     """Chunks as files in `root`, within a hard byte budget shared by every process using it."""
 
     name = "disk"
@@ -125,9 +126,9 @@ class DiskBackend(BytesBackend):
                    fsync=bool(spec.options.get("fsync", False)), tenant_quota=spec.tenant_quota,
                    pin_budget=spec.pin_budget)
 
-    def set_pin_check(self, is_pinned: Callable[[str], bool]) -> None:
-        """Makes eviction skip every key for which `is_pinned` returns True."""
-        self._index.is_pinned = is_pinned
+    def set_hold_check(self, is_held: Callable[[str], bool]) -> None:
+        """Makes eviction skip every key for which `is_held` returns True."""
+        self._index.is_pinned = is_held
 
     # -- files and accounting (callers hold self._lock, and the dir lock to change anything) --
     def _path(self, key: str) -> Path:
