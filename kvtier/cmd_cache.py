@@ -80,14 +80,30 @@ def _prompt_body(args: argparse.Namespace) -> dict[str, Any]:
     return body
 
 
-def _post(args: argparse.Namespace, route: str, body: dict[str, Any]) -> int:
-    """POSTs `body` to the server's `route`, prints the JSON answer; returns 0, or 1 (the
-    server's error message on one line) for an HTTP error or no answer."""
+NOTHING_MATCHED = 3
+"""The exit code of an operation that removed, released or moved nothing (as grep's "no match"):
+a wrong tier, prompt or cache_salt reads differently from a done job."""
+
+
+def _post(args: argparse.Namespace, route: str, body: dict[str, Any],
+          matched: Callable[[dict[str, Any]], int] | None = None) -> int:
+    """POSTs `body` to the server's `route`, prints the JSON answer; returns 0, 1 (the
+    server's error message on one line) for an HTTP error or no answer, or NOTHING_MATCHED
+    (said on stderr) when `matched(answer)` counts nothing."""
     answer = _answer(args, route, body)
     if answer is None:
         return 1
     print(json.dumps(answer, indent=2))
+    if matched is not None and matched(answer) == 0:
+        print(f"kvtier cache {args.cache_command}: nothing matched: no stored value was changed", file=sys.stderr)
+        return NOTHING_MATCHED
     return 0
+
+
+def _removed(answer: dict[str, Any]) -> int:
+    """Returns the values a clear removed: per tier, and the engine's blocks for a tenant."""
+    tiers = answer.get("tiers") or {}
+    return sum(int(n) for n in tiers.values()) + int(answer.get("engine_blocks") or 0)
 
 
 def _answer(args: argparse.Namespace, route: str, body: dict[str, Any]) -> dict[str, Any] | None:
@@ -143,7 +159,7 @@ def _tier_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _unpin(args: argparse.Namespace) -> int:
-    return _post(args, "/kv/unpin", _prompt_body(args) | {"tier": args.tier})
+    return _post(args, "/kv/unpin", _prompt_body(args) | {"tier": args.tier}, lambda a: int(a.get("released", 0)))
 
 
 def _prefetch_flags(parser: argparse.ArgumentParser) -> None:
@@ -164,11 +180,12 @@ def _move_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _move(args: argparse.Namespace) -> int:
-    return _post(args, "/kv/move", _prompt_body(args) | {"from_tier": args.from_tier, "to_tier": args.to_tier})
+    return _post(args, "/kv/move", _prompt_body(args) | {"from_tier": args.from_tier, "to_tier": args.to_tier},
+                 lambda a: int(a.get("moved", 0)) + int(a.get("refused", 0)))
 
 
 def _drop(args: argparse.Namespace) -> int:
-    return _post(args, "/kv/drop", _prompt_body(args) | {"tier": args.tier})
+    return _post(args, "/kv/drop", _prompt_body(args) | {"tier": args.tier}, lambda a: int(a.get("removed", 0)))
 
 
 def _clear_flags(parser: argparse.ArgumentParser) -> None:
@@ -193,7 +210,7 @@ def _clear(args: argparse.Namespace) -> int:
         body["stored_model"] = args.stored_model
     else:
         body["older_than_s"] = args.older_than
-    return _post(args, "/kv/clear", body)
+    return _post(args, "/kv/clear", body, None if args.all else _removed)
 
 
 def _budget_flags(parser: argparse.ArgumentParser) -> None:

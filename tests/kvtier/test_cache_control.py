@@ -23,6 +23,8 @@ import httpx
 import openai
 import pytest
 
+from kvtier.cli import main as cli_main
+from kvtier.cmd_cache import NOTHING_MATCHED
 from tests.fixtures.polling import wait_until
 from tests.fixtures.serve import NAME, REPO, ServeProcess
 
@@ -219,7 +221,7 @@ def tier_hits(server: ServeProcess) -> dict[str, float]:
     return out
 
 
-def test_prefetch_move_drop(server: ServeProcess) -> None:
+def test_prefetch_move_drop(server: ServeProcess, capsys: pytest.CaptureFixture[str]) -> None:
     a = prompt(64)
     run(server, a)
     stored(server, a, {CPU, DISK})
@@ -266,6 +268,9 @@ def test_prefetch_move_drop(server: ServeProcess) -> None:
     r2 = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r2.returncode == 0 and json.loads(r2.stdout)["removed"] == 2, r2.stderr
     assert holders(server, b) == [{CPU}] * 2
+    # the same drop again matches nothing: it says so and exits 3, not 0 (the command line, in process)
+    assert cli_main(cmd[3:]) == NOTHING_MATCHED
+    assert "nothing matched" in capsys.readouterr().err
 
 
 def test_a_budget_lowered_at_run_time_is_met_at_once(server: ServeProcess) -> None:
