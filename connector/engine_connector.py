@@ -42,7 +42,7 @@ class EngineConnector(KVConnector):
     the tiers this connector opened, once.
     """
 
-    scheduler: KVTierPlanner
+    planner: KVTierPlanner
     worker: KVTierWorker
 
     def __init__(self, config: ConnectorConfig | None = None, storage: StorageManager | None = None) -> None:
@@ -76,7 +76,7 @@ class EngineConnector(KVConnector):
     def request_metrics(self, request_id: str) -> RequestKVMetrics:
         """Returns a request's connector figures (live or recently finished; all zero for a
         request the connector never saw or has forgotten)."""
-        return self.scheduler.request_metrics(request_id)
+        return self.planner.request_metrics(request_id)
 
     def tier_metrics(self) -> list[TierKVMetrics]:
         """Returns per-tier totals, fastest tier first (token counts once the caches are known)."""
@@ -95,7 +95,7 @@ class EngineConnector(KVConnector):
         always computed). Existence only; nothing is read or loaded."""
         if len(token_ids) < 2:
             return {name: 0 for name in self.storage.names}
-        ks = self.scheduler.keyspace.for_salt(cache_salt)
+        ks = self.planner.keyspace.for_salt(cache_salt)
         spans = ks.spans(token_ids)
         return held_tokens(spans, self.worker.presence.tier_prefix_chunks(ks, spans), len(token_ids))
 
@@ -105,7 +105,7 @@ class EngineConnector(KVConnector):
         and why not more (connector/explain.py: another model, engine tag, dtype, layout, chunk
         size or tenant holds it, or evicted, or never stored); existence only. With
         `other_tenants` False, other tenants' entries are not considered."""
-        ks = self.scheduler.keyspace.for_salt(cache_salt)
+        ks = self.planner.keyspace.for_salt(cache_salt)
         return explain(self.storage, ks, self.worker.presence, token_ids, other_tenants)
 
     def forget_tenant(self, cache_salt: str) -> tuple[dict[str, int], dict[str, str]]:
@@ -120,37 +120,37 @@ class EngineConnector(KVConnector):
                 tenants: str | None | bool = True) -> dict[str, Any]:
         """Returns what each tier holds of the prompt's chunks for `cache_salt`, and per tier
         its totals (`tenants`: which tenants' usage to include: True all, a tag only it)."""
-        return cache_control.inspect(self.storage, self.scheduler.keyspace.for_salt(cache_salt), token_ids, tenants)
+        return cache_control.inspect(self.storage, self.planner.keyspace.for_salt(cache_salt), token_ids, tenants)
 
     def pin(self, token_ids: Sequence[int], cache_salt: str | None = None, tier: str | None = None,
             ttl_s: float | None = None) -> dict[str, Any]:
         """Pins the prompt's held prefix in `tier` (None: the fastest) after queued stores
         landed; PinError (nothing pinned) or ValueError (unknown tier) otherwise."""
         self.flush()
-        return cache_control.pin(self.storage, self.scheduler.keyspace.for_salt(cache_salt), token_ids, tier, ttl_s)
+        return cache_control.pin(self.storage, self.planner.keyspace.for_salt(cache_salt), token_ids, tier, ttl_s)
 
     def unpin(self, token_ids: Sequence[int], cache_salt: str | None = None, tier: str | None = None
               ) -> dict[str, Any]:
         """Releases the pins of the prompt's chunks in `tier` (None: the fastest)."""
-        return cache_control.unpin(self.storage, self.scheduler.keyspace.for_salt(cache_salt), token_ids, tier)
+        return cache_control.unpin(self.storage, self.planner.keyspace.for_salt(cache_salt), token_ids, tier)
 
     def prefetch(self, token_ids: Sequence[int], cache_salt: str | None = None, tier: str | None = None
                  ) -> dict[str, Any]:
         """Copies the prompt's leading chunks `tier` (None: the fastest) lacks into it from the
         other tiers, after queued stores landed (cache_control.prefetch)."""
         self.flush()
-        return cache_control.prefetch(self.storage, self.scheduler.keyspace.for_salt(cache_salt), token_ids, tier)
+        return cache_control.prefetch(self.storage, self.planner.keyspace.for_salt(cache_salt), token_ids, tier)
 
     def move(self, token_ids: Sequence[int], cache_salt: str | None, src: str, dst: str) -> dict[str, Any]:
         """Moves the prompt's chunks from tier `src` into tier `dst`, after queued stores landed."""
         self.flush()
-        return cache_control.move(self.storage, self.scheduler.keyspace.for_salt(cache_salt), token_ids, src, dst)
+        return cache_control.move(self.storage, self.planner.keyspace.for_salt(cache_salt), token_ids, src, dst)
 
     def drop(self, token_ids: Sequence[int], cache_salt: str | None = None, tier: str | None = None
              ) -> dict[str, Any]:
         """Removes the prompt's chunks from `tier` (None: the fastest), after queued stores landed."""
         self.flush()
-        return cache_control.drop(self.storage, self.scheduler.keyspace.for_salt(cache_salt), token_ids, tier)
+        return cache_control.drop(self.storage, self.planner.keyspace.for_salt(cache_salt), token_ids, tier)
 
     def clear_model(self, model: str) -> tuple[dict[str, int], dict[str, str]]:
         """Removes every stored value of model `model` (a key's model field, or its name
@@ -204,8 +204,8 @@ class EngineConnector(KVConnector):
             layout.num_layers if layout is not None else None)
         self.config.blend = blend
         self._blender().config = blend
-        if isinstance(self.scheduler.extension, BlendPlanner):
-            self.scheduler.extension.config = blend
+        if isinstance(self.planner.extension, BlendPlanner):
+            self.planner.extension.config = blend
 
 
 def _shutdown_at_exit(ref: weakref.ref[EngineConnector]) -> None:

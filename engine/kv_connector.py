@@ -209,7 +209,7 @@ class KVConnectorWorker(ABC):
 class KVConnector:
     """One connector's two halves, as `LLM(kv_connector=...)` takes them."""
 
-    scheduler: KVConnectorScheduler
+    planner: KVConnectorScheduler  # the scheduler side
     worker: KVConnectorWorker
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -221,7 +221,7 @@ class KVConnector:
         try:
             self.worker.shutdown()
         finally:
-            self.scheduler.shutdown()
+            self.planner.shutdown()
 
 
 CONFIG_FILE_ENV = ("KVTIER_CONFIG", "LMCACHE_CONFIG_FILE")

@@ -39,7 +39,7 @@ class LLMEngine:
         mc = self.runner.model_config
         self.model_config = mc
         if kv_connector is not None:
-            kv_connector.scheduler.register_model(mc, self.runner.dtype, config.block_size)
+            kv_connector.planner.register_model(mc, self.runner.dtype, config.block_size)
         if config.max_model_len is not None and config.max_model_len > mc.max_model_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit {mc.max_model_len}")
         self.max_model_len = config.max_model_len or mc.max_model_len
@@ -52,7 +52,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=set(mc.eos_token_ids),
-            kv_connector=kv_connector.scheduler if kv_connector is not None else None,
+            kv_connector=kv_connector.planner if kv_connector is not None else None,
         )
         self._ids = itertools.count()
         self._decode = TokenDecoder(self.tokenizer)  # logprobs' decoded tokens
@@ -77,7 +77,7 @@ class LLMEngine:
                                  "(the engine runs text-only prompts)")
             if "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), (str, list)):
                 prompt = prompt["prompt"]
-        sep = self.kv_connector.scheduler.segment_separator if self.kv_connector is not None else None
+        sep = self.kv_connector.planner.segment_separator if self.kv_connector is not None else None
         if isinstance(prompt, str) and sep and sep in prompt:
             prompt = prompt.split(sep)
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
@@ -186,7 +186,7 @@ class LLMEngine:
         for seq in progressed:
             self._detokenize(seq)
             if seq.is_finished:
-                log_finished(seq, self.kv_connector.scheduler if self.kv_connector is not None else None)
+                log_finished(seq, self.kv_connector.planner if self.kv_connector is not None else None)
         outputs = {o.request_id: o for o in map(self.make_output, progressed)}  # one per n > 1 parent
         for rid, o in outputs.items():
             if o.finished:

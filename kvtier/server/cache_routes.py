@@ -150,7 +150,7 @@ def add_cache_routes(app: FastAPI, ctx: ServingContext, tenancy: Tenancy) -> Non
         if body.stored_model is not None:
             connector = _connector(front)
             # the served name means the served model: its chunks are keyed by its fingerprint
-            model = connector.scheduler.keyspace.model if body.stored_model == ctx.model_name else body.stored_model
+            model = connector.planner.keyspace.model if body.stored_model == ctx.model_name else body.stored_model
             try:
                 removed, errors = await asyncio.to_thread(connector.clear_model, model)
             except NoSuchModel as e:

@@ -90,7 +90,7 @@ def test_a_warm_request_is_parked_while_its_load_runs(default_model_path, prompt
 def test_chunks_lost_between_lookup_and_fetch_are_recomputed(fault, default_model_path, prompt_ids, reference,
                                                              redis_server):
     with warm_engine(default_model_path, prompt_ids, redis_server.url) as (conn, llm):
-        keys = [sp.key for sp in conn.scheduler.keyspace.spans(prompt_ids)]
+        keys = [sp.key for sp in conn.planner.keyspace.spans(prompt_ids)]
         client = redis_server.client()
         release = hold_loader(conn)
         rid = llm.engine.add_request({"prompt_token_ids": prompt_ids}, GREEDY)

@@ -56,7 +56,7 @@ def assert_idle(llm: LLM, conn: EngineConnector) -> None:
     stats = llm.get_stats()
     assert stats["num_free_blocks"] == stats["num_gpu_blocks"]
     assert conn.storage.holds.total() == 0
-    assert isinstance(conn.scheduler.extension, BlendPlanner) and conn.scheduler.extension.num_live() == 0
+    assert isinstance(conn.planner.extension, BlendPlanner) and conn.planner.extension.num_live() == 0
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +283,7 @@ def test_segments_hit_in_any_order_and_missing_ones_are_computed(default_model_p
 
         # One chunk of a document evicted, one replaced by a foreign-shaped value: both segments are
         # computed again (a miss, never an error or wrong K/V) and their chunks stored again.
-        ks = conn.scheduler.keyspace
+        ks = conn.planner.keyspace
         evicted = ks.segment_spans(segments["docs"][0], "in_context")[1].key
         corrupt = ks.segment_spans(segments["docs"][1], "in_context")[0].key
         assert conn.flush(timeout=60)
@@ -330,7 +330,7 @@ def test_blended_kv_never_enters_the_prefix_cache_or_prefix_tiers(default_model_
         blended = tokens(llm.generate([p], GREEDY)[0])
         assert blended != reference  # otherwise this test could not tell poisoned from clean
         ids = p["prompt_token_ids"]
-        prefix_keys = [sp.key for sp in conn.scheduler.keyspace.spans(ids)]
+        prefix_keys = [sp.key for sp in conn.planner.keyspace.spans(ids)]
         assert conn.flush(timeout=60)
         assert not any(conn.storage.batched_contains(prefix_keys[:1]))  # no prefix chunk of the blended request
         exact = len(segments["system"]) // 16 * 16  # the standalone system prompt is exact
@@ -344,7 +344,7 @@ def test_blended_kv_never_enters_the_prefix_cache_or_prefix_tiers(default_model_
 
 def test_segmented_prompt_forms(default_model_path, segments):
     with blend_engine(default_model_path, 0.15) as (llm, conn):
-        sep = conn.scheduler.segment_separator
+        sep = conn.planner.segment_separator
         eng = llm.engine
         seq = eng.make_sequence(SYSTEM + sep + DOCS[0] + sep + QUERY, GREEDY)
         assert seq.segment_lens == [len(segments["system"]), len(segments["docs"][0]), len(segments["query"])]

@@ -178,14 +178,14 @@ def test_blend_from_connector_config_and_cli_flags():
     cfg = ConnectorConfig.from_dict({"tiers": ["cpu"], "blend": {"enabled": True, "ratio": 0.3}})
     conn = build_connector(cfg)
     try:
-        assert isinstance(conn.scheduler.extension, BlendPlanner) and conn.scheduler.extension.config.ratio == 0.3
-        assert conn.scheduler.segment_separator == " # # "
+        assert isinstance(conn.planner.extension, BlendPlanner) and conn.planner.extension.config.ratio == 0.3
+        assert conn.planner.segment_separator == " # # "
     finally:
         conn.shutdown()
     plain = build_connector("cpu")
     try:
-        assert type(plain) is EngineConnector and isinstance(plain.scheduler.extension, NoPlannerExtension)
-        assert plain.scheduler.segment_separator is None
+        assert type(plain) is EngineConnector and isinstance(plain.planner.extension, NoPlannerExtension)
+        assert plain.planner.segment_separator is None
     finally:
         plain.shutdown()
     with pytest.raises(ValueError, match="blend.check_layer"):
@@ -196,7 +196,7 @@ def test_blend_from_connector_config_and_cli_flags():
     conn = connector_from_args(ap.parse_args(["--blend", "--blend-ratio", "0.05", "--blend-check-layer", "2"]))
     try:
         assert (conn.config.blend.ratio, conn.config.blend.check_layer) == (0.05, 2)
-        ext = conn.scheduler.extension
+        ext = conn.planner.extension
         assert isinstance(ext, BlendPlanner) and ext.config is conn.config.blend
     finally:
         conn.shutdown()

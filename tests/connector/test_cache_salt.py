@@ -63,7 +63,7 @@ def test_tenants_share_only_within_their_salt(default_model_path, prompt_ids, re
         for salt in ("tenant-a", "tenant-b", "tenant-c", None):
             assert conn.lookup(prompt_ids, salt)["0:cpu"] == n - 1
         assert conn.lookup(prompt_ids, "tenant-d")["0:cpu"] == 0
-        ks = conn.scheduler.keyspace
+        ks = conn.planner.keyspace
         for salt in ("tenant-a", "tenant-b"):
             keys = ks.stored_keys(ks.for_salt(salt).spans(prompt_ids))
             assert all(k.startswith(tenant_prefix(tenant_tag(salt))) for k in keys)

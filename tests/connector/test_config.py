@@ -64,7 +64,7 @@ def test_build_connector_passes_instances_through_and_needs_an_engine():
         with pytest.raises(RuntimeError, match="register_model"):
             conn.worker.register_kv_caches([])
         with pytest.raises(RuntimeError, match="register_model"):
-            _ = conn.scheduler.keyspace
+            _ = conn.planner.keyspace
     finally:
         conn.shutdown()
 

@@ -162,7 +162,7 @@ def test_corrupted_chunk_in_redis_is_recomputed(default_model_path, prompt_ids, 
     with engine(default_model_path, conn, enable_prefix_caching=False) as llm:
         run(llm, prompt_ids)
         assert conn.flush(timeout=60)
-        keys = [sp.key for sp in conn.scheduler.keyspace.spans(prompt_ids)]
+        keys = [sp.key for sp in conn.planner.keyspace.spans(prompt_ids)]
         client = redis_server.client()
         assert all(client.exists(k) for k in keys)
         value = bytearray(client.get(keys[2]))

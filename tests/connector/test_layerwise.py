@@ -67,7 +67,7 @@ def test_layerwise_cache_is_bit_identical_to_whole_chunk_loads(tier, default_mod
                                                                whole_chunk_cache, tmp_path, request):
     with layerwise_engine(default_model_path, prompt_ids, [tier_url(tier, tmp_path, request)]) as (conn, llm):
         n = len(prompt_ids)
-        spans = conn.scheduler.keyspace.spans(prompt_ids)
+        spans = conn.planner.keyspace.spans(prompt_ids)
         assert conn.storage.batched_contains([layer_key(spans[0].key, llm.model_config.num_layers - 1)])[0]
         assert list(conn.lookup(prompt_ids).values()) == [n - 1]  # /kv/lookup counts layered chunks
         kv, cached = warm_cache(llm, prompt_ids)
@@ -87,7 +87,7 @@ def test_a_corrupted_layer_is_a_miss_recomputed_exactly(where, default_model_pat
     with layerwise_engine(default_model_path, prompt_ids, [redis_server.url]) as (conn, llm):
         layers = llm.model_config.num_layers
         layer = {"first_layer": 0, "middle_layer": layers // 2, "last_layer": layers - 1}[where]
-        key = layer_key(conn.scheduler.keyspace.spans(prompt_ids)[2].key, layer)
+        key = layer_key(conn.planner.keyspace.spans(prompt_ids)[2].key, layer)
         client = redis_server.client()
         value = bytearray(client.get(key))
         value[-10] ^= 0xFF  # the payload: only its checksum can tell

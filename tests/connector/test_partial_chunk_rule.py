@@ -25,7 +25,7 @@ def test_load_straddling_the_engine_hit_is_sliced(tmp_path: Path, default_model_
         assert conn.flush(timeout=60)
 
         # Poison the stored partial chunk: wherever it lands, it shows.
-        key = conn.scheduler.keyspace.spans(ids)[2].key
+        key = conn.planner.keyspace.spans(ids)[2].key
         tier = conn.storage.tiers[0]
         poisoned = tier.get(key) + 1000.0
         tier.put(key, poisoned)

@@ -66,7 +66,7 @@ def test_a_slow_tier_hit_is_promoted_by_the_store_queue_after_the_load(default_m
     with engine(default_model_path, conn, enable_prefix_caching=False) as llm:
         run(llm, prompt_ids)
         assert conn.flush(timeout=60)
-        keys = [sp.key for sp in conn.scheduler.keyspace.spans(prompt_ids)]
+        keys = [sp.key for sp in conn.planner.keyspace.spans(prompt_ids)]
         fast.clear()  # only the disk tier holds the prefix now
         gate = threading.Event()
         conn.worker.stores._writer.submit(lambda: gate.wait(60))  # the store queue is busy meanwhile
