@@ -1,5 +1,5 @@
 """The tables of docs/configuration.md, rendered from the code's tables (`ALL_SETTINGS`,
-`LMCACHE_KEYS`), so the reference cannot drift: a test compares them with the file, and
+`PROCESS_SETTINGS`, `LMCACHE_KEYS`), so the reference cannot drift: a test compares them with the file, and
 `python -m connector.config_reference docs/configuration.md` rewrites them in place.
 """
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 from connector.connector_config import ALL_SETTINGS
 from connector.lmcache_compat import IGNORE, LMCACHE_KEYS, MAP
+from kvsettings import PROCESS_SETTINGS
 
 
 def settings_table() -> str:
@@ -19,6 +20,14 @@ def settings_table() -> str:
     for s in ALL_SETTINGS:
         env = f"`{s.env}`" + "".join(f" (or `{a}`)" for a in s.aliases)
         rows.append(f"| `{s.key}` | {env} | `{s.default}` | {s.meaning} |")
+    return "\n".join(rows)
+
+
+def process_table() -> str:
+    """Returns the markdown table of the `KVTIER_*` variables that set no config key (`kvsettings.ProcessEnv`)."""
+    rows = ["| environment variable | default | meaning |", "|---|---|---|"]
+    for s in PROCESS_SETTINGS:
+        rows.append(f"| `{s.env}` | `{s.default}` | {s.meaning} |")
     return "\n".join(rows)
 
 
@@ -31,7 +40,7 @@ def lmcache_table() -> str:
     return "\n".join(rows)
 
 
-BLOCKS = {"settings": settings_table, "lmcache": lmcache_table}
+BLOCKS = {"settings": settings_table, "process": process_table, "lmcache": lmcache_table}
 
 
 def _block(name: str) -> re.Pattern[str]:

@@ -1,5 +1,7 @@
 """Engine configuration: one validated dataclass whose fields carry their help (the CLI's
-flags are built from it); every error names the offending key.
+flags are built from it); every error names the offending key. Each field is declared with
+`kvsettings.opt`, the one mechanism every config uses; its flag spelling is read by
+kvtier/engine_args.py.
 
 Only the standard library is imported here: the CLI reads this table on start-up."""
 
@@ -8,18 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvsettings import opt
+
 _DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KERNELS = ("auto", "torch")
-
-
-def opt(help: str, metavar: str | None = None, **extra: Any) -> dict[str, Any]:
-    """Returns a setting's dataclass field metadata, so a config declares each key once, in its
-    field: its help, plus what the readers of the field need. `EngineConfig`'s fields carry
-    their flag spelling for `kvtier generate/serve` (kvtier/engine_args.py builds the flags from
-    them); the connector's (connector/connector_config.py) carry their `KVTIER_*` variable (`env`,
-    `parse`; kvstore.env.field_settings reads them)."""
-    return {"help": help, "metavar": metavar, **extra}
 
 
 @dataclass

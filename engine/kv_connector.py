@@ -66,6 +66,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvsettings import ProcessEnv, variable
+
 if TYPE_CHECKING:
     from engine.attention_metadata import AttentionMetadata
     from engine.model_config import ModelConfig
@@ -224,10 +226,11 @@ class KVConnector:
             self.planner.shutdown()
 
 
-CONFIG_FILE_ENV = ("KVTIER_CONFIG", "LMCACHE_CONFIG_FILE")
+CONFIG_FILE_ENV = (variable(ProcessEnv, "config"), "LMCACHE_CONFIG_FILE")
 """Variables naming a connector config file, first one set wins (LMCache's name reads an LMCache YAML)."""
-CONNECTOR_ENV = ("KVTIER_CONFIG", "KVTIER_TIERS", "LMCACHE_CONFIG_FILE")
-"""Variables that alone enable the KV connector, as LMCACHE_CONFIG_FILE does for LMCache."""
+CONNECTOR_ENV = (CONFIG_FILE_ENV[0], "KVTIER_TIERS", "LMCACHE_CONFIG_FILE")
+"""Variables that alone enable the KV connector, as LMCACHE_CONFIG_FILE does for LMCache. KVTIER_TIERS is
+kvstore's `tiers` key (declared in KVStoreConfig, which the engine may not import): named here only."""
 
 
 def connector_env(env: Mapping[str, str] | None = None) -> str | None:

@@ -16,12 +16,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kvsettings import ProcessEnv
+
 
 def kvtier_home(home: Path | None = None) -> Path:
-    """Returns `home`, else `$KVTIER_HOME`, else `~/.cache/kvtier` (not created)."""
+    """Returns `home`, else `$KVTIER_HOME`, else `~/.cache/kvtier` (not created; `kvsettings.ProcessEnv.home`)."""
     if home is not None:
         return Path(home).expanduser()
-    return Path(os.environ.get("KVTIER_HOME") or "~/.cache/kvtier").expanduser()
+    return Path(ProcessEnv.read().home).expanduser()
 
 
 def build_once(final: Path, build: Callable[[Path], None]) -> Path:

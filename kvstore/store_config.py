@@ -7,9 +7,9 @@ YAML:
       - {url: "disk:///var/cache/kvtier", budget: 50GiB, codec: lz4}
       - {url: "redis://localhost:6379/0", budget: 20GiB, options: {ttl_s: 3600}}
 
-Environment (overrides YAML): KVTIER_CONFIG (path to the YAML) and one `KVTIER_<KEY>` per key
-(`KVSTORE_SETTINGS`, listed in docs/configuration.md); KVTIER_TIERS is comma-separated tier URLs
-whose query string carries budget/codec/eviction and options, e.g.
+Environment (overrides YAML): KVTIER_CONFIG (path to the YAML, `kvsettings.ProcessEnv`) and one
+`KVTIER_<KEY>` per key, declared in its field (`KVSTORE_SETTINGS`, listed in docs/configuration.md);
+KVTIER_TIERS is comma-separated tier URLs whose query string carries budget/codec/eviction and options, e.g.
 `cpu?budget=4GiB,redis://h:6379/0?codec=lz4&ttl_s=60`.
 Every validation error is a ValueError that names the offending key (or file and line).
 """
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from kvsettings import ProcessEnv, Setting, env_float, env_int, env_str, field_settings, opt, parse_env
 from kvstore.codecs import CODEC_NAMES
 from kvstore.deadlines import BACKOFF_INITIAL_S, BACKOFF_MAX_S, FLUSH_TIMEOUT_S
-from kvstore.env import Setting, env_float, env_int, env_str, parse_env
 from kvstore.eviction import POLICIES
 from kvstore.health import BREAKER_FAILURES
 from kvstore.schemes import TIER_SCHEMES
@@ -129,23 +129,50 @@ def _scalar(text: str) -> Any:
     return text
 
 
+def _env_tiers(var: str, text: str) -> list[TierSpec]:
+    urls = [u.strip() for u in text.split(",") if u.strip()]
+    if not urls:
+        raise ValueError(f"{var}: expected comma-separated tier URLs, got {text!r}")
+    return [TierSpec.from_url(u, f"{var}[{i}]") for i, u in enumerate(urls)]
+
+
 def _default_tiers() -> list[TierSpec]:
     return [TierSpec(url="cpu", budget=4 * 2**30)]
 
 
 @dataclass
 class KVStoreConfig:
-    """Everything the storage manager needs. Tiers are ordered fast to slow."""
+    """Everything the storage manager needs. Tiers are ordered fast to slow. Each key is declared
+    once, in its field: its default, and in the metadata (`kvsettings.opt`) its meaning and its
+    `KVTIER_*` variable (`env`, parsed by `parse`); `KVSTORE_SETTINGS` is read from these fields."""
 
-    tiers: list[TierSpec] = field(default_factory=_default_tiers)
-    queue_size: int = 64
-    queue_full: str = "drop_oldest"
-    backoff_initial_s: float = BACKOFF_INITIAL_S
-    backoff_max_s: float = BACKOFF_MAX_S
-    breaker_failures: int = BREAKER_FAILURES
-    flush_timeout_s: float = FLUSH_TIMEOUT_S
+    tiers: list[TierSpec] = field(default_factory=_default_tiers, metadata=opt(
+        "storage tiers, fastest first: `cpu`, `device`, `disk:///path`, `redis://host:port/db`, "
+        "`kvtier://host:port`; each with `budget`, `tenant_quota` (bytes per cache_salt), `pin_budget` "
+        "(cpu, device, disk: bytes the operator may pin; default half the budget), `codec` "
+        "(raw, lz4, int8, int4), `eviction` (lru, fifo) and backend options "
+        "(env: comma-separated URLs, `?budget=4GiB&codec=lz4`)",
+        env="KVTIER_TIERS", parse=_env_tiers, shown="cpu?budget=4GiB"))
+    queue_size: int = field(default=64, metadata=opt(
+        "background writes to the slower tiers that may wait; beyond it one is dropped (counted)",
+        env="KVTIER_QUEUE_SIZE", parse=env_int))
+    queue_full: str = field(default="drop_oldest", metadata=opt(
+        "which write a full queue drops: drop_oldest or drop_new", env="KVTIER_QUEUE_FULL", parse=env_str))
+    backoff_initial_s: float = field(default=BACKOFF_INITIAL_S, metadata=opt(
+        "a failing tier's circuit breaker: cool-down before the first probe (seconds)",
+        env="KVTIER_BACKOFF_INITIAL_S", parse=env_float))
+    backoff_max_s: float = field(default=BACKOFF_MAX_S, metadata=opt(
+        "longest cool-down between probes of a failing tier (seconds)", env="KVTIER_BACKOFF_MAX_S", parse=env_float))
+    breaker_failures: int = field(default=BREAKER_FAILURES, metadata=opt(
+        "consecutive failed calls (errors, or a remote tier's missed deadline) that open a tier's breaker",
+        env="KVTIER_BREAKER_FAILURES", parse=env_int))
+    flush_timeout_s: float = field(default=FLUSH_TIMEOUT_S, metadata=opt(
+        "on shutdown, how long queued K/V stores may take; what is left is dropped (logged) (seconds)",
+        env="KVTIER_FLUSH_TIMEOUT_S", parse=env_float))
     # shared secret: stored K/V carries a keyed MAC and unverified values are misses (kvstore.serde)
-    integrity_key: str | None = field(default=None, repr=False)
+    integrity_key: str | None = field(default=None, repr=False, metadata=opt(
+        "shared secret (>= 16 bytes): stored K/V carries a keyed MAC, unverified values are misses",
+        env="KVTIER_INTEGRITY_KEY", parse=env_str, shown="unset", aliases=("KVTIER_KV_KEY",)))
 
     def validate(self) -> KVStoreConfig:
         """Returns self after checking every field; raises ValueError naming the key."""
@@ -200,7 +227,7 @@ class KVStoreConfig:
         """Returns the config from YAML (`path`, else $KVTIER_CONFIG, else defaults) with
         `KVTIER_*` environment overrides applied on top, validated."""
         env = os.environ if env is None else env
-        path = path or env.get("KVTIER_CONFIG")
+        path = path or ProcessEnv.read(env).config
         cfg = cls.from_yaml(path) if path else cls()
         return cls.from_dict({**dataclasses.asdict(cfg) | {"tiers": cfg.tiers}, **env_overrides(env)})
 
@@ -237,37 +264,9 @@ def did_you_mean(key: Any, known: Iterable[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def _env_tiers(var: str, text: str) -> list[TierSpec]:
-    urls = [u.strip() for u in text.split(",") if u.strip()]
-    if not urls:
-        raise ValueError(f"{var}: expected comma-separated tier URLs, got {text!r}")
-    return [TierSpec.from_url(u, f"{var}[{i}]") for i, u in enumerate(urls)]
-
-
-KVSTORE_SETTINGS: tuple[Setting, ...] = (
-    Setting("tiers", "KVTIER_TIERS", _env_tiers, "cpu?budget=4GiB",
-            "storage tiers, fastest first: `cpu`, `device`, `disk:///path`, `redis://host:port/db`, "
-            "`kvtier://host:port`; each with `budget`, `tenant_quota` (bytes per cache_salt), `pin_budget` "
-            "(cpu, device, disk: bytes the operator may pin; default half the budget), `codec` "
-            "(raw, lz4, int8, int4), `eviction` (lru, fifo) and backend options "
-            "(env: comma-separated URLs, `?budget=4GiB&codec=lz4`)"),
-    Setting("queue_size", "KVTIER_QUEUE_SIZE", env_int, "64",
-            "background writes to the slower tiers that may wait; beyond it one is dropped (counted)"),
-    Setting("queue_full", "KVTIER_QUEUE_FULL", env_str, "drop_oldest",
-            "which write a full queue drops: drop_oldest or drop_new"),
-    Setting("backoff_initial_s", "KVTIER_BACKOFF_INITIAL_S", env_float, str(BACKOFF_INITIAL_S),
-            "a failing tier's circuit breaker: cool-down before the first probe (seconds)"),
-    Setting("backoff_max_s", "KVTIER_BACKOFF_MAX_S", env_float, str(BACKOFF_MAX_S),
-            "longest cool-down between probes of a failing tier (seconds)"),
-    Setting("breaker_failures", "KVTIER_BREAKER_FAILURES", env_int, str(BREAKER_FAILURES),
-            "consecutive failed calls (errors, or a remote tier's missed deadline) that open a tier's breaker"),
-    Setting("flush_timeout_s", "KVTIER_FLUSH_TIMEOUT_S", env_float, str(FLUSH_TIMEOUT_S),
-            "on shutdown, how long queued K/V stores may take; what is left is dropped (logged) (seconds)"),
-    Setting("integrity_key", "KVTIER_INTEGRITY_KEY", env_str, "unset",
-            "shared secret (>= 16 bytes): stored K/V carries a keyed MAC, unverified values are misses",
-            aliases=("KVTIER_KV_KEY",)),
-)
-"""kvstore's keys, one row each: the YAML key, its `KVTIER_*` variable, default and meaning."""
+KVSTORE_SETTINGS: tuple[Setting, ...] = field_settings(KVStoreConfig)
+"""kvstore's keys, one row each, read from `KVStoreConfig`'s fields: the YAML key, its `KVTIER_*`
+variable, default and meaning."""
 
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from kvsettings import ProcessEnv
 from kvstore.deadlines import CACHE_CLI_TIMEOUT_S
 
 HELP = "operate a running server's KV cache: inspect, pin, unpin, prefetch, move, drop, clear, budget, explain a miss"
@@ -111,7 +111,7 @@ def _answer(args: argparse.Namespace, route: str, body: dict[str, Any]) -> dict[
     on one line) for an HTTP error or no answer."""
     import httpx
 
-    key = args.api_key or os.environ.get("KVTIER_API_KEY")
+    key = args.api_key or ProcessEnv.read().api_key
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     name = f"kvtier cache {args.cache_command}"
     try:

@@ -20,10 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Prints `{"tiers": {name: removed}, "errors": {name: error}}`; exit code 1 if a tier failed."""
-    import os
-
     from connector.key_families import FamilyIndex
     from kvkeys.tenants import tenant_prefix, tenant_tag, validate_cache_salt
+    from kvsettings import ProcessEnv
     from kvstore.storage_manager import StorageManager
     from kvstore.store_config import KVStoreConfig, TierSpec
 
@@ -32,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     config = KVStoreConfig(tiers=[TierSpec.from_url(u, f"--kv-tier[{i}]") for i, u in enumerate(args.kv_tier)])
     storage = StorageManager.from_config(config)
     try:
-        tag = tenant_tag(salt, os.environ.get("KVTIER_TENANT_TAG_KEY") or None)  # the engines' key, if any
+        tag = tenant_tag(salt, ProcessEnv.read().tenant_tag_key)  # the engines' key, if any
         FamilyIndex.of(storage).forget_tenant(tag)  # its key families, from each tier's index
         removed, errors = storage.operations.delete_prefix(tenant_prefix(tag))
     finally:

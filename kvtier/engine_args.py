@@ -1,39 +1,23 @@
 """Engine flags shared by `kvtier generate` and `kvtier serve` (vLLM's names and meanings),
 built from `EngineConfig`'s fields (engine/engine_config.py holds each setting's default and help).
 
-Only argparse and engine/engine_config.py (standard library only) are imported here: the CLI builds
+Only argparse, engine/engine_config.py and kvtier/cli_help.py (standard library only) are imported here: the CLI builds
 every subcommand's parser on start-up.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import Field, fields
 from typing import Any
 
 from engine.engine_config import EngineConfig
-from kvtier.cli_help import KV_CODECS, device_arg, restrict_choices
-
-
-def _engine_flags() -> list[tuple[str, str, Field[Any]]]:
-    """Returns (flag, EngineConfig field name, field) for every engine setting with a flag."""
-    out = [(f.metadata.get("flag", "--" + f.name.replace("_", "-")), f.name, f) for f in fields(EngineConfig)]
-    return [row for row in out if row[0] is not None]
+from kvtier.cli_help import KV_CODECS, add_config_arguments, config_flags, device_arg, restrict_choices
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds one flag per `EngineConfig` field to `parser` (one argument group): its help,
     default and choices come from the field."""
-    g = parser.add_argument_group("engine")
-    for flag, name, f in _engine_flags():
-        meta = f.metadata
-        if isinstance(f.default, bool):  # a switch turns the default off
-            g.add_argument(flag, dest=name, action="store_false" if f.default else "store_true", help=meta["help"])
-            continue
-        kind = {"int": int, "float": float}.get(str(f.type).split(" | ")[0], str)
-        choices = list(meta["choices"]) if "choices" in meta else None
-        g.add_argument(flag, dest=name, default=f.default, metavar=meta["metavar"], choices=choices,
-                       type=device_arg if name == "device" else kind, help=meta["help"])
+    add_config_arguments(parser.add_argument_group("engine"), EngineConfig, types={"device": device_arg})
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +32,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Returns `LLM(...)` keyword arguments (model first) for the engine flags in `args`."""
-    return {name: getattr(args, name) for _, name, _ in _engine_flags()}
+    return {f.name: getattr(args, f.name) for _, f in config_flags(EngineConfig)}
 
 
 def build_llm(args: argparse.Namespace) -> Any:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import signal
 import socket
 from collections.abc import Iterator
 from typing import Any
 
+from kvsettings import ProcessEnv
 from kvstore.deadlines import KEEP_ALIVE_S
 
 
@@ -34,7 +34,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def resolve_api_key(flag: str | None) -> str | None:
     """Returns `--api-key`, else $KVTIER_API_KEY, else None; raises ValueError if it is empty."""
-    key = flag if flag is not None else os.environ.get("KVTIER_API_KEY")
+    key = flag if flag is not None else ProcessEnv.read().api_key
     if key is not None and not key.strip():
         raise ValueError("--api-key / $KVTIER_API_KEY is empty: give a key or unset it")
     return key

@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = ("hostmem", "kvkeys", "kvstore", "engine", "connector", "kvtier")
+OURS = ("hostmem", "kvkeys", "kvsettings", "kvstore", "engine", "connector", "kvtier")
 ALLOWED = {
     "hostmem": set(),
     "kvkeys": set(),
-    "kvstore": {"hostmem", "kvkeys"},
-    "engine": {"hostmem", "kvkeys"},
-    "connector": {"hostmem", "kvkeys", "kvstore", "engine"},
-    "kvtier": {"hostmem", "kvkeys", "kvstore", "engine", "connector"},
+    "kvsettings": set(),
+    "kvstore": {"hostmem", "kvkeys", "kvsettings"},
+    "engine": {"hostmem", "kvkeys", "kvsettings"},
+    "connector": {"hostmem", "kvkeys", "kvsettings", "kvstore", "engine"},
+    "kvtier": {"hostmem", "kvkeys", "kvsettings", "kvstore", "engine", "connector"},
 }
 VLLM_PACKAGE = "connector/vllm/"
 VLLM_ADAPTER = {

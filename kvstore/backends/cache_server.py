@@ -22,7 +22,6 @@ budget and tenant quota at run time.
 
 from __future__ import annotations
 
-import os
 import ssl
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
@@ -30,6 +29,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from kvsettings import ProcessEnv
 from kvstore import serde
 from kvstore.backend import BackendError, BackendStats, BytesBackend, EntryInfo, ReadValue, StoredValue
 from kvstore.budget import BudgetError
@@ -111,7 +111,7 @@ class CacheServerBackend(BytesBackend, RemoteTier, OperatedTier, PrefixDeletable
             tls = client_tls_context(opts.get("ca_file"), spec.url)
         elif "ca_file" in opts:
             raise ValueError(f"{spec.url}: ca_file is for TLS; use kvtiers://")
-        token = opts.get("auth_token", os.environ.get("KVTIER_AUTH_TOKEN"))
+        token = opts.get("auth_token", ProcessEnv.read().auth_token)
         return cls(parts.hostname or "", parts.port or DEFAULT_PORT, spec.codec,
                    auth_token=str(token) if token else None, deadlines=deadlines,
                    pool_size=int(opts.get("pool_size", 8)), tls=tls)

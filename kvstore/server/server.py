@@ -17,59 +17,143 @@ import logging
 import signal
 import ssl
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from hostmem import ResidentGuard
 from kvkeys.tenants import tenant_prefix
-from kvstore.deadlines import CACHE_SERVER_FRAME_TIMEOUT_S, CACHE_SERVER_IDLE_TIMEOUT_S, CACHE_SERVER_SWEEP_S
+from kvsettings import flag_name, opt
+from kvstore.deadlines import (
+    CACHE_SERVER_CLIENT_TIMEOUT_S,
+    CACHE_SERVER_FRAME_TIMEOUT_S,
+    CACHE_SERVER_IDLE_TIMEOUT_S,
+    CACHE_SERVER_SWEEP_S,
+)
 from kvstore.server import protocol as P
 from kvstore.server.connection import PER_CONNECTION_BYTES, PER_TLS_CONNECTION_BYTES, Connection
 from kvstore.server.store import ByteStore
 from kvstore.server.tenant_tokens import TenantTokens
+from kvstore.sizes import parse_size
 
 log = logging.getLogger(__name__)
 
 HEAP_SLACK_BYTES = 16 << 20  # allocator slack allowed above the budget (docs/protocol.md)
 
 
+def _size(flag: str, text: str) -> int:
+    """Returns the byte count of a size flag's text ('4GiB', '512MiB', '65536'); ValueError naming `flag`."""
+    return parse_size(text, flag) or 0
+
+
+@dataclass
+class StoreBudgets:
+    """The budgets of the cache server's store (`kvtier cache-server` builds its ByteStore and
+    DiskSpill from them). Each is declared once, in its field: its default, and in the metadata
+    (`kvsettings.opt`) its help, metavar and how its flag's text parses; the command line's flags
+    are built from these fields and checked by `validate` alone."""
+
+    max_bytes: int = field(default=4 << 30, metadata=opt(
+        "memory budget: key + value bytes of all entries", "SIZE", parse=_size, shown="4GiB"))
+    disk: str | None = field(default=None, metadata=opt(
+        "spill evicted entries to this directory, created if absent (default: none, evicted entries are dropped)",
+        "DIR"))
+    max_disk_bytes: int = field(default=16 << 30, metadata=opt(
+        "budget of the disk spill (file sizes)", "SIZE", parse=_size, shown="16GiB"))
+    tenant_quota: int | None = field(default=None, metadata=opt(
+        "most bytes one tenant (cache_salt) may hold, in memory and on the disk spill each; a tenant at its "
+        "quota evicts its own least recently used entries (default: no quota)", "SIZE", parse=_size))
+    pin_budget: int | None = field(default=None, metadata=opt(
+        "most bytes operator pins (PIN, POST /kv/pin) may hold; pinned entries are never evicted, and with "
+        "--disk their pins are kept across a restart (default: half of --max-bytes, at most --max-disk-bytes)",
+        "SIZE", parse=_size))
+
+    def validate(self) -> StoreBudgets:
+        """Returns self; raises ValueError naming the first invalid field by its flag."""
+        for name in ("max_bytes", "max_disk_bytes", "tenant_quota"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{flag_name(self, name)}: size {value} must be positive")
+        if self.pin_budget is not None and not 0 <= self.pin_budget <= self.max_bytes:
+            raise ValueError(f"--pin-budget must be 0..--max-bytes ({self.max_bytes}), got {self.pin_budget}")
+        if self.disk and self.pin_budget is not None and self.pin_budget > self.max_disk_bytes:
+            raise ValueError(f"--pin-budget must not pass --max-disk-bytes ({self.max_disk_bytes}): pinned "
+                             "entries must fit on the disk spill at shutdown")
+        return self
+
+    def store_pin_budget(self) -> int | None:
+        """Returns the pin budget the store gets: the given one; with a disk spill and none given,
+        half of the memory budget at most the spill's (pinned entries fit on it at shutdown);
+        else None (the store's default)."""
+        if self.pin_budget is None and self.disk:
+            return min(self.max_bytes // 2, self.max_disk_bytes)
+        return self.pin_budget
+
+
 @dataclass
 class ServerConfig:
-    """What `kvtier cache-server` takes besides the store's budgets."""
+    """What `kvtier cache-server` takes besides the store's budgets (`StoreBudgets`). Each setting
+    is declared once, in its field: its default, and in the metadata (`kvsettings.opt`) its help
+    and metavar; the command line's flags are built from these fields, and `validate` alone
+    checks them (its errors name the flag)."""
 
-    host: str = "127.0.0.1"
-    port: int = 65432
-    max_payload: int = P.DEFAULT_MAX_PAYLOAD
-    auth_token: str | None = field(default=None, repr=False)  # the operator's: may do anything
-    # --tenant-tokens: each binds its connections to one tenant's keys (kvstore/server/tenant_tokens.py)
-    tenant_tokens: TenantTokens | None = field(default=None, repr=False)
-    idle_timeout: float = CACHE_SERVER_IDLE_TIMEOUT_S  # a connection that sends nothing for this long is closed
+    host: str = field(default="127.0.0.1", metadata=opt(
+        "address to bind; the default is loopback: use 0.0.0.0 explicitly to serve the network", "HOST"))
+    port: int = field(default=65432, metadata=opt("TCP port; 0 picks a free one and prints it", "N"))
+    max_payload: int = field(default=P.DEFAULT_MAX_PAYLOAD, metadata=opt(
+        "largest payload one frame may carry", "SIZE", parse=_size, shown="512MiB"))
+    # the operator's: may do anything
+    auth_token: str | None = field(default=None, repr=False, metadata=opt(
+        "require clients to send this token first (default: $KVTIER_AUTH_TOKEN, else none)", "TOKEN"))
+    # --tenant-tokens: each binds its connections to one tenant's keys (kvstore/server/tenant_tokens.py);
+    # the flag names the file kvtier/cmd_cache_server.py reads them from
+    tenant_tokens: TenantTokens | None = field(default=None, repr=False, metadata=opt(
+        "JSON/YAML file of per-tenant tokens: token -> tenant tag (16 hex) or {cache_salt: S} "
+        "(tagged with $KVTIER_TENANT_TAG_KEY when set); a client that authenticates with one "
+        "may touch only that tenant's keys (--auth-token stays the operator's, allowed "
+        "everything); see docs/security.md", "FILE"))
+    # a connection that sends nothing for this long is closed
+    idle_timeout: float = field(default=CACHE_SERVER_IDLE_TIMEOUT_S, metadata=opt(
+        "close connections that send nothing for this long", "SECONDS"))
     # Every frame must arrive whole (header and body) within this many seconds of its first
     # byte, and every reply piece must drain within it; also the TLS handshake's limit.
-    frame_timeout: float = CACHE_SERVER_FRAME_TIMEOUT_S
-    max_connections: int = 256
-    tls_cert: str | None = None  # PEM certificate chain; with tls_key, clients must use TLS
-    tls_key: str | None = None
+    frame_timeout: float = field(default=CACHE_SERVER_FRAME_TIMEOUT_S, metadata=opt(
+        "each request frame must arrive whole, and each reply piece be read, within this long; also the TLS "
+        "handshake limit and the longest a body waits for memory or a GET for the disk "
+        f"(kvtier clients wait {CACHE_SERVER_CLIENT_TIMEOUT_S:g} s)", "SECONDS"))
+    max_connections: int = field(default=256, metadata=opt(
+        "connections served at once; more are refused with TOO_MANY_CONNECTIONS", "N"))
+    # PEM certificate chain; with tls_key, clients must use TLS
+    tls_cert: str | None = field(default=None, metadata=opt(
+        "serve TLS with this PEM certificate chain (needs --tls-key; clients use kvtiers://)", "FILE"))
+    tls_key: str | None = field(default=None, metadata=opt("PEM private key of --tls-cert", "FILE"))
 
-    def validate(self) -> None:
-        """Raises ValueError naming the first invalid field."""
+    def validate(self, names: Mapping[str, str] | None = None) -> ServerConfig:
+        """Returns self; raises ValueError naming the first invalid field by its flag, or by
+        `names[field]` when the value came from elsewhere (e.g. "$KVTIER_AUTH_TOKEN")."""
+        def name(key: str) -> str:
+            return (names or {}).get(key) or flag_name(self, key) or key
+
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"{name('port')} must be in 0..65535, got {self.port}")
         if self.max_payload <= 0:
-            raise ValueError(f"max_payload must be positive, got {self.max_payload}")
-        if self.idle_timeout <= 0:
-            raise ValueError(f"idle_timeout must be positive, got {self.idle_timeout}")
-        if self.frame_timeout <= 0:
-            raise ValueError(f"frame_timeout must be positive, got {self.frame_timeout}")
+            raise ValueError(f"{name('max_payload')} must be positive, got {self.max_payload}")
+        for key in ("idle_timeout", "frame_timeout"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{name(key)} must be positive, got {getattr(self, key)}")
         if self.max_connections < 1:
-            raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
+            raise ValueError(f"{name('max_connections')} must be at least 1, got {self.max_connections}")
         if self.auth_token is not None and not self.auth_token:
-            raise ValueError("auth_token must not be empty (leave it unset to disable auth)")
+            # An empty token would silently mean "no auth": refuse it rather than guess.
+            raise ValueError(f"{name('auth_token')} is empty; give a non-empty token, or leave --auth-token "
+                             "and $KVTIER_AUTH_TOKEN unset to run without auth")
         if self.tenant_tokens is not None:
             if not len(self.tenant_tokens):
-                raise ValueError("tenant_tokens must hold at least one token (leave it unset for none)")
+                raise ValueError(f"{name('tenant_tokens')} must hold at least one token (leave it unset for none)")
             if self.auth_token is not None and self.tenant_tokens.holds(self.auth_token):
                 raise ValueError("a tenant token equals the operator's --auth-token")
         if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
+            raise ValueError("--tls-cert and --tls-key go together")
+        return self
 
 
 def server_tls_context(cert: str, key: str) -> ssl.SSLContext:

@@ -24,11 +24,11 @@ from typing import Protocol
 
 import httpx
 
-from kvstore.deadlines import ROUTER_LOOKUP_TIMEOUT_S
 from kvtier.router import POLICIES
 from kvtier.router.backends import Backend, BackendPool
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.prompt_view import PromptView
+from kvtier.router.router_config import RouterConfig
 
 logger = logging.getLogger("kvtier.router")
 
@@ -75,8 +75,8 @@ class PrefixHash:
 class KvAware:
     name = "kv-aware"
 
-    def __init__(self, pool: BackendPool, metrics: RouterMetrics, timeout_s: float = ROUTER_LOOKUP_TIMEOUT_S,
-                 balance_threshold: int = 16) -> None:
+    def __init__(self, pool: BackendPool, metrics: RouterMetrics, timeout_s: float = RouterConfig.lookup_timeout,
+                 balance_threshold: int = RouterConfig.balance_threshold) -> None:
         self.pool, self.metrics, self.timeout_s = pool, metrics, timeout_s
         self.balance_threshold = balance_threshold
 
@@ -126,7 +126,7 @@ class KvAware:
 
 
 def make_policy(name: str, pool: BackendPool, metrics: RouterMetrics, lookup_timeout_s: float,
-                balance_threshold: int = 16) -> Policy:
+                balance_threshold: int = RouterConfig.balance_threshold) -> Policy:
     """Returns the policy called `name` (one of POLICIES); raises ValueError otherwise."""
     if name == "round-robin":
         return RoundRobin()

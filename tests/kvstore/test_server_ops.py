@@ -14,6 +14,7 @@ import pytest
 from kvstore.server import protocol as P
 from kvstore.server.client import CacheServerClient, ServerUnavailable
 from kvstore.server.protocol import Op, Status
+from kvstore.server.server import ServerConfig, StoreBudgets
 from tests.fixtures.cache_server import CacheServerProcess, raw_exchange
 
 
@@ -183,12 +184,13 @@ def test_cache_server_subcommand_contract() -> None:
     assert cli.SUBCOMMANDS["cache-server"] == "kvtier.cmd_cache_server"
     parser = argparse.ArgumentParser()
     cmd_cache_server.add_arguments(parser)
-    args = parser.parse_args(["--port", "0", "--max-bytes", "1GiB"])
+    args = parser.parse_args(["--port", "0", "--max-bytes", "1GiB", "--max-payload", "1.5GB"])
     assert args.host == "127.0.0.1" and callable(cmd_cache_server.run) and cmd_cache_server.HELP
-    assert cmd_cache_server.parse_size(args.max_bytes, "--max-bytes") == 1 << 30
-    assert cmd_cache_server.parse_size("1.5GB", "x") == 1_500_000_000
-    with pytest.raises(ValueError, match="--max-payload: size '0' must be positive"):
-        cmd_cache_server.parse_size("0", "--max-payload")
+    assert args.max_bytes == 1 << 30 and args.max_payload == 1_500_000_000  # sizes parse as the flag is read
+    with pytest.raises(ValueError, match="--max-payload must be positive, got 0"):
+        ServerConfig(max_payload=0).validate()
+    with pytest.raises(ValueError, match="--max-bytes: size 0 must be positive"):
+        StoreBudgets(max_bytes=0).validate()
     if platform.libc_ver()[0] == "glibc":
         assert cmd_cache_server.keep_freed_memory()
 

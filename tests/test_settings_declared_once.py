@@ -1,0 +1,186 @@
+"""Each setting is declared once: its type, default, `KVTIER_*` variable, flag and help in one
+dataclass field (`kvsettings.opt`), and every reader, table and parser takes them from there.
+
+- No module of kvstore/, connector/, kvtier/ or engine/ reads a `KVTIER_*` variable by name: the
+  variables are read through their declarations (`kvsettings.ProcessEnv`, the configs' fields and
+  the rows `field_settings` makes of them), in kvsettings/.
+- kvstore's table of keys is read from `KVStoreConfig`'s fields, not written beside them.
+- The cache server's and the router's flags are built from `ServerConfig`/`StoreBudgets` and
+  `RouterConfig`: no flag default is written in their command modules, and each parser's
+  defaults are the dataclass fields' defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from kvsettings import PROCESS_SETTINGS, ProcessEnv, field_default, field_settings, flag_of
+
+REPO = Path(__file__).resolve().parent.parent
+SCANNED = ("kvstore", "connector", "kvtier", "engine")
+"""Where no `KVTIER_*` variable may be read by name: the settings' home, kvsettings/, is not scanned."""
+
+
+def _modules(*packages: str) -> list[Path]:
+    return sorted(p for pkg in packages for p in (REPO / pkg).rglob("*.py"))
+
+
+def _is_var(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("KVTIER_")
+
+
+def env_reads(tree: ast.AST) -> list[int]:
+    """Returns the lines that read a `KVTIER_*` variable by name: `os.getenv("KVTIER_X")`,
+    `<mapping>.get/pop/setdefault("KVTIER_X")`, `<mapping>["KVTIER_X"]`, `"KVTIER_X" in <mapping>`."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and _is_var(node.args[0]):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if name in ("getenv", "get", "pop", "setdefault", "getenvb"):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Subscript) and _is_var(node.slice):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Compare) and _is_var(node.left) and any(
+                isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_scan_sees_each_form_of_read() -> None:
+    source = """
+import os
+a = os.environ.get("KVTIER_A")
+b = os.getenv("KVTIER_B", "x")
+c = env["KVTIER_C"]
+d = "KVTIER_D" in os.environ
+e = os.environ.get("HOME")
+f = help_text("KVTIER_F is named, not read")
+"""
+    assert env_reads(ast.parse(source)) == [3, 4, 5, 6]
+
+
+def test_no_module_reads_a_kvtier_variable_by_name() -> None:
+    found = [f"{p.relative_to(REPO)}:{line}" for p in _modules(*SCANNED)
+             for line in env_reads(ast.parse(p.read_text(encoding="utf-8")))]
+    assert found == [], ("read these through their declaration (kvsettings.ProcessEnv.read(), or the "
+                         f"config field that declares the variable), not by name: {found}")
+
+
+def test_each_process_variable_is_declared_once() -> None:
+    names = [s.env for s in PROCESS_SETTINGS]
+    assert len(names) == len(set(names))
+    assert {"KVTIER_API_KEY", "KVTIER_AUTH_TOKEN", "KVTIER_TENANT_TAG_KEY", "KVTIER_CONFIG",
+            "KVTIER_HOME"} <= set(names)
+    assert ProcessEnv.read({}) == ProcessEnv()
+    env = {"KVTIER_API_KEY": "", "KVTIER_CONFIG": " ", "KVTIER_HOME": "/h", "KVTIER_TENANT_TAG_KEY": " k "}
+    read = ProcessEnv.read(env)
+    # a blank secret is kept for its reader to refuse; a blank path or tag key is unset
+    assert (read.api_key, read.config, read.home, read.tenant_tag_key) == ("", None, "/h", "k")
+
+
+def test_config_variables_are_declared_once() -> None:
+    from connector.connector_config import CONNECTOR_SETTINGS
+    from kvstore.store_config import KVSTORE_SETTINGS
+
+    rows = [*KVSTORE_SETTINGS, *CONNECTOR_SETTINGS, *PROCESS_SETTINGS]
+    seen: dict[str, str] = {}
+    twice = set()
+    for row in rows:
+        for var in (row.env, *row.aliases):
+            if var in seen:
+                twice.add(var)
+            seen[var] = row.key
+    # The one exception: the connector's `tenant_tag_key` field (connector/connector_config.py) names
+    # the variable ProcessEnv declares for the processes that run no connector (cache server,
+    # forget-tenant); both must keep naming the same variable.
+    assert twice <= {variable_of("tenant_tag_key")}, twice
+
+
+def variable_of(name: str) -> str:
+    return next(s.env for s in PROCESS_SETTINGS if s.key == name)
+
+
+def test_kvstore_table_is_read_from_the_fields() -> None:
+    from kvstore.store_config import KVSTORE_SETTINGS, KVStoreConfig
+
+    assert KVSTORE_SETTINGS == field_settings(KVStoreConfig)
+    assert [s.key for s in KVSTORE_SETTINGS] == [f.name for f in fields(KVStoreConfig)]
+    tree = ast.parse((REPO / "kvstore/store_config.py").read_text(encoding="utf-8"))
+    rows = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+            and n.func.id == "Setting"]
+    assert rows == [], f"kvstore/store_config.py writes Setting rows by hand (lines {rows}); declare them in the fields"
+    defaults = {s.key: s.default for s in KVSTORE_SETTINGS}
+    config = KVStoreConfig()
+    for key in ("queue_size", "queue_full", "backoff_initial_s", "backoff_max_s", "breaker_failures",
+                "flush_timeout_s"):
+        assert defaults[key] == str(getattr(config, key))
+
+
+def literal_defaults(path: Path) -> list[int]:
+    """Returns the lines of `path` whose `add_argument(...)` writes a literal `default=`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
+            for kw in node.keywords:
+                if kw.arg == "default" and not isinstance(kw.value, (ast.Name, ast.Attribute, ast.Call)):
+                    lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize("module", ["kvtier/cmd_cache_server.py", "kvtier/cmd_router.py"])
+def test_no_flag_default_is_written_in_the_command(module: str) -> None:
+    assert literal_defaults(REPO / module) == [], f"{module}: take the flag's default from its config field"
+
+
+def _parser_defaults_match(add_arguments, *configs: type) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([])
+    flags = 0
+    for config in configs:
+        for f in fields(config):
+            flag = flag_of(f)
+            if flag is None:
+                continue
+            flags += 1
+            assert flag in parser._option_string_actions, f"{config.__name__}.{f.name}: {flag} missing"
+            assert getattr(args, f.name) == field_default(f), f"{flag}: the parser's default is not the field's"
+    assert flags
+
+
+def test_cache_server_flags_are_built_from_the_config() -> None:
+    from kvstore.server.server import ServerConfig, StoreBudgets
+    from kvtier import cmd_cache_server
+
+    _parser_defaults_match(cmd_cache_server.add_arguments, ServerConfig, StoreBudgets)
+    # the values the CLI parses are the ones the config checks, once, naming the flag
+    parser = argparse.ArgumentParser()
+    cmd_cache_server.add_arguments(parser)
+    args = parser.parse_args(["--max-payload", "1MiB", "--idle-timeout", "0"])
+    values = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
+    assert values["max_payload"] == 1 << 20
+    with pytest.raises(ValueError, match="--idle-timeout must be positive, got 0.0"):
+        ServerConfig(**values).validate()
+
+
+def test_router_flags_are_built_from_the_config() -> None:
+    from kvtier import cmd_router
+    from kvtier.router.policy import KvAware
+    from kvtier.router.router_config import RouterConfig
+
+    _parser_defaults_match(cmd_router.add_arguments, RouterConfig)
+    assert KvAware.__init__.__defaults__ == (RouterConfig.lookup_timeout, RouterConfig.balance_threshold)
+
+
+def test_engine_flags_are_built_from_the_config() -> None:
+    from engine.engine_config import EngineConfig
+    from kvtier.engine_args import add_engine_arguments
+
+    _parser_defaults_match(add_engine_arguments, EngineConfig)
