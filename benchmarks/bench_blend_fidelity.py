@@ -21,7 +21,7 @@ selection by deviation would help.
     .venv/bin/python -m benchmarks.bench_blend_fidelity [--num-questions 10] [--quick] [--family qwen3]
 
 Writes benchmarks/results/blend_fidelity.json and .md and prints the table. `--family NAME`
-runs a random-weight checkpoint of that family instead (tests/fixtures/families.py's shapes,
+runs a random-weight checkpoint of that family instead (harness/families.py's shapes,
 with the bundled tokenizer's vocabulary; written to blend_fidelity_<NAME>.*): its figures
 show that blending works on the family's layers (KL 0 at ratio 1, the selection's effect),
 not a trained model's quality.
@@ -48,8 +48,8 @@ from engine.kv_cache import layout_for
 from engine.model_loader import load_tokenizer
 from examples.blend_kv.eval_blend import token_f1
 from examples.blend_kv.qa_dataset import chat_segments, make_documents, make_questions
-from tests.fixtures.families import FAMILIES
-from tests.fixtures.model import FAMILY_TINY, make_tiny_checkpoint
+from harness.families import FAMILIES
+from harness.model import FAMILY_TINY, make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """Low-precision agreement of each model family: kvtier's engine and transformers, each in
 float16 and bfloat16, against transformers in float32 (the reference), on the tiny random
-checkpoints of the family tests (tests/fixtures/families.py). Reported, not asserted: low
+checkpoints of the family tests (harness/families.py). Reported, not asserted: low
 precision need not give the reference's tokens.
 
 Per family, engine and dtype: the largest logit difference from the fp32 reference over a
@@ -23,9 +23,9 @@ import torch
 
 from engine.default_model import ensure_default_model
 from engine.model_loader import load_model
-from tests.fixtures.families import FAMILIES, prompt_ids
-from tests.fixtures.model import FAMILY_TINY, make_tiny_checkpoint
-from tests.fixtures.paged import PagedDriver, hf_greedy, hf_logits
+from harness.families import FAMILIES, prompt_ids
+from harness.model import FAMILY_TINY, make_tiny_checkpoint
+from harness.paged import PagedDriver, hf_greedy, hf_logits
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -73,9 +73,9 @@ import httpx
 from benchmarks.bench_router import ONE_THREAD, served_counts, start_servers
 from benchmarks.bench_serving import QUESTIONS, chat_stream, context_text, pct, ratio_rows
 from engine.default_model import ensure_default_model
-from tests.fixtures.cache_server import CacheServerProcess
-from tests.fixtures.redis_server import RedisServer, start_redis
-from tests.fixtures.serve import RouterProcess, ServeProcess
+from harness.cache_server import CacheServerProcess
+from harness.redis import RedisServer, start_redis
+from harness.serve import RouterProcess, ServeProcess
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -227,7 +227,7 @@ def kvtier_fleet(model: str, docs: list[str], plan: list[int], args: argparse.Na
 def vllm_fleet(model: str, docs: list[str], plan: list[int], args: argparse.Namespace,
                per_doc: int, blocks: int, logs: Path) -> dict[str, Any]:
     from benchmarks.bench_serving_vs_vllm import NAME, vllm_serve
-    from tests.fixtures.vllm import close_together, start_together
+    from harness.vllm import close_together, start_together
 
     flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "4096", "--enable-prompt-tokens-details",
              "--num-gpu-blocks-override", str(max(4096 // VLLM_BLOCK, blocks * 16 // VLLM_BLOCK))]

@@ -468,13 +468,13 @@ def main() -> int:
             elif name == "disk":
                 tiers[name] = f"disk://{work / 'disk'}?budget=4GiB"
             elif name == "redis":
-                from tests.fixtures.redis_server import start_redis
+                from harness.redis import start_redis
 
                 server = start_redis()
                 procs.append(server)
                 tiers[name] = server.url
             else:
-                from tests.fixtures.cache_server import CacheServerProcess
+                from harness.cache_server import CacheServerProcess
 
                 cs = CacheServerProcess("--max-bytes", "4GiB")
                 procs.append(cs)

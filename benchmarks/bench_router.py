@@ -39,8 +39,8 @@ import httpx
 
 from benchmarks.bench_serving import chat_stream, context_text, pct, qa_arguments, ratio_rows, run_arm
 from engine.default_model import ensure_default_model
-from tests.fixtures.cache_server import CacheServerProcess
-from tests.fixtures.serve import RouterProcess, ServeProcess
+from harness.cache_server import CacheServerProcess
+from harness.serve import RouterProcess, ServeProcess
 
 REPO = Path(__file__).resolve().parents[1]
 

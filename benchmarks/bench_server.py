@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 
+from harness.cache_server import CacheServerProcess
+from harness.redis import start_redis
 from kvkeys.keyspace import Keyspace
 from kvstore import serde
 from kvstore.backend import BytesBackend, leading_run
 from kvstore.registry import create_backend
 from kvstore.store_config import TierSpec
-from tests.fixtures.cache_server import CacheServerProcess
-from tests.fixtures.redis_server import start_redis
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -35,8 +35,8 @@ from typing import Any
 import httpx
 
 from engine.default_model import ensure_default_model
-from tests.fixtures.serve import ServeProcess
-from tests.fixtures.text import PARAGRAPHS
+from harness.serve import ServeProcess
+from harness.text import PARAGRAPHS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -213,7 +213,7 @@ def main() -> int:
     redis = None
     arms_flags: dict[str, list[str]] = {"(a) prefix cache only": [], "(b) + cpu tier": ["--kv-tier", "cpu"]}
     if not args.no_redis:
-        from tests.fixtures.redis_server import start_redis
+        from harness.redis import start_redis
 
         redis = start_redis()
         arms_flags["(c) + redis tier"] = ["--kv-tier", redis.url]

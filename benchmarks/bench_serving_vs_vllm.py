@@ -44,8 +44,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.default_model import ensure_default_model
-from tests.fixtures.serve import ServeProcess
-from tests.fixtures.vllm import VllmServer, vllm_env
+from harness.serve import ServeProcess
+from harness.vllm import VllmServer, vllm_env
 
 REPO = Path(__file__).resolve().parents[1]
 

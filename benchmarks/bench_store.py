@@ -35,11 +35,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from harness.redis import start_redis
 from kvkeys.keyspace import Keyspace
 from kvstore import serde
 from kvstore.registry import create_backend
 from kvstore.store_config import TierSpec
-from tests.fixtures.redis_server import start_redis
 
 REPO = Path(__file__).resolve().parents[1]
 

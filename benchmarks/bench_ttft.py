@@ -375,7 +375,7 @@ def main() -> int:
     redis_url = args.redis_url
     if not redis_url and not args.no_redis:
         try:
-            from tests.fixtures.redis_server import start_redis
+            from harness.redis import start_redis
 
             server = start_redis()
             redis_url = server.url

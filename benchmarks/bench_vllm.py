@@ -297,8 +297,8 @@ def main() -> int:
         return 0
 
     from engine.default_model import ensure_default_model
-    from tests.fixtures.model import make_checkpoint
-    from tests.fixtures.redis_server import start_redis
+    from harness.model import make_checkpoint
+    from harness.redis import start_redis
 
     model = str(ensure_default_model())
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))

@@ -1,9 +1,9 @@
 """lm-eval-harness against `kvtier serve`: accuracy and time per cache configuration.
 
-lm-eval's `local-completions` model runs two tasks on local data (tests/fixtures/lm_eval_tasks):
+lm-eval's `local-completions` model runs two tasks on local data (harness/lm_eval_tasks):
 kvtier_mc (20 questions, 4 choices, scored by loglikelihood: acc, acc_norm) and kvtier_gen
 (20 questions after a shared 3-example instruction, greedy generate_until: exact_match). The
-configurations (tests/fixtures/lm_eval_tasks/configurations.py): cold; warm from the engine's
+configurations (harness/lm_eval_tasks/configurations.py): cold; warm from the engine's
 prefix cache; warm from the `cpu` tier (engine cache reset); warm from Redis (a fresh server
 with the Redis tier alone, a private redis-server). Then lm-eval's own command line
 (`lm_eval run --model local-completions ...`) once against a fresh server, as a user runs it.
@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.default_model import ensure_default_model
-from tests.fixtures.lm_eval_tasks.configurations import CONFIGS, ConfigRun, run_configurations
-from tests.fixtures.lm_eval_tasks.runner import OFFLINE_ENV, TASKS, cli_command
-from tests.fixtures.redis_server import start_redis
-from tests.fixtures.serve import ServeProcess
+from harness.lm_eval_tasks.configurations import CONFIGS, ConfigRun, run_configurations
+from harness.lm_eval_tasks.runner import OFFLINE_ENV, TASKS, cli_command
+from harness.redis import start_redis
+from harness.serve import ServeProcess
 
 REPO = Path(__file__).resolve().parents[1]
 

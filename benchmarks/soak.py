@@ -48,8 +48,8 @@ from benchmarks import soak_parts as P
 from benchmarks.soak_engines import VLLM_CHUNK_SIZE, Server, figures, start_server, unavailable
 from benchmarks.soak_report import write_report
 from engine.default_model import ensure_default_model
-from tests.fixtures.cache_server import CacheServerProcess
-from tests.fixtures.redis_server import free_port, start_redis
+from harness.cache_server import CacheServerProcess
+from harness.redis import free_port, start_redis
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,7 @@ from typing import Protocol
 import psutil
 
 from benchmarks.bench_serving_vs_vllm import VLLM_VENV, vllm_serve
-from tests.fixtures.serve import ServeProcess
+from harness.serve import ServeProcess
 
 # kvtier serve: a small engine prefix cache (--num-gpu-blocks of 16 tokens) so the tiers are used
 KVTIER_ARGS = ["--device", "cpu", "--dtype", "float32", "--max-num-seqs", "8"]

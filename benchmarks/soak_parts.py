@@ -1,6 +1,6 @@
 """The soak's parts (benchmarks/soak.py): the workload mix, one streamed request through the
 openai client, the faults, and what is read from a server (/metrics, RSS); the cache server
-is tests/fixtures/cache_server.py's."""
+is harness/cache_server.py's."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fixtures.cache_server import CacheServerProcess
-from tests.fixtures.text import PARAGRAPHS
+from harness.cache_server import CacheServerProcess
+from harness.text import PARAGRAPHS
 
 REPO = Path(__file__).resolve().parents[1]
 

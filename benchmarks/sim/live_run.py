@@ -16,8 +16,8 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.sim.trace import Request
-from tests.fixtures.cache_server import CacheServerProcess
-from tests.fixtures.serve import RouterProcess, ServeProcess
+from harness.cache_server import CacheServerProcess
+from harness.serve import RouterProcess, ServeProcess
 
 VOCAB = (1000, 40000)  # plain token ids of the default model: no special tokens
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.text import long_text
 from tests.fixtures.connector import CHUNK, engine, run
-from tests.fixtures.text import long_text
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,9 @@ from connector.metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
 from connector.presence import Presence
 from engine import LLM, SamplingParams
+from harness.text import PARAGRAPHS
 from kvstore.storage_manager import StorageManager
 from tests.fixtures.connector import engine
-from tests.fixtures.text import PARAGRAPHS
 
 pytestmark = pytest.mark.slow
 
@@ -367,8 +367,8 @@ def test_longrope_models_are_refused_by_the_scheduler_side(tmp_path):
     """Keys under longrope cannot be moved by a rotation (tests/connector/test_blend_families.py
     covers every family CacheBlend serves, sliding windows included)."""
     from engine.model_config import ModelConfig
-    from tests.fixtures.families import FAMILIES
-    from tests.fixtures.model import FAMILY_TINY, make_tiny_checkpoint
+    from harness.families import FAMILIES
+    from harness.model import FAMILY_TINY, make_tiny_checkpoint
 
     cfg = ModelConfig.from_pretrained(make_tiny_checkpoint(tmp_path, **{**FAMILY_TINY, **FAMILIES["phi3"]}))
     config = make_config({"tiers": ["cpu"], "chunk_size": CHUNK, "blend": {"enabled": True}})

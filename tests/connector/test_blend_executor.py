@@ -9,8 +9,8 @@ import torch
 from connector.blend.blend_config import BlendConfig
 from connector.blend.executor import compute_segment_kv, rerotate_kv
 from connector.blend.segments import context_segments
+from harness.text import long_text
 from kvkeys.keyspace import ROOT_HASH, SEGMENT_ROOTS, Keyspace
-from tests.fixtures.text import long_text
 
 pytestmark = pytest.mark.slow
 

@@ -20,10 +20,10 @@ from connector.engine_connector import build_connector
 from engine import SamplingParams
 from engine.kv_cache import layout_for, request_slots
 from engine.model_loader import load_model
+from harness.families import FAMILIES
+from harness.model import FAMILY_TINY, make_tiny_checkpoint
+from harness.paged import PagedDriver
 from tests.fixtures.connector import engine
-from tests.fixtures.families import FAMILIES
-from tests.fixtures.model import FAMILY_TINY, make_tiny_checkpoint
-from tests.fixtures.paged import PagedDriver
 
 BLENDABLE = sorted(set(FAMILIES) - {"phi3"})
 SEGMENT_LENS = (40, 150, 170, 12)  # system, two documents, query: windows of 128 bite

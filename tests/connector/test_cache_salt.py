@@ -8,10 +8,10 @@ import pytest
 from connector.connector_config import ConnectorConfig
 from connector.engine_connector import EngineConnector, build_connector
 from engine import SamplingParams
+from harness.text import PARAGRAPHS
 from kvkeys.keyspace import Keyspace
 from kvkeys.tenants import key_tenant, tenant_prefix, tenant_tag
 from tests.fixtures.connector import CHUNK, GREEDY, assert_idle, engine
-from tests.fixtures.text import PARAGRAPHS
 
 # Computed by the code before salts existed (commit e936ad1): stored chunks stay valid.
 GOLDEN_KEYS = ["kvtier:m0:float16:v1:c4:474f1c555bbe772003f20a71e1e2902a",

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.text import long_text
 from kvtier.cli import main
-from tests.fixtures.text import long_text
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,9 +14,9 @@ import pytest
 from connector.connector_config import make_config
 from connector.engine_connector import EngineConnector, build_connector
 from engine import LLM, SamplingParams
+from harness.model import make_tiny_checkpoint
 from kvstore.storage_manager import StorageManager
 from tests.fixtures.connector import CHUNK, assert_idle, engine, run, tier_url
-from tests.fixtures.model import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.fixtures.redis_server import free_port
-from tests.fixtures.text import long_text
+from harness.redis import free_port
+from harness.text import long_text
 
 pytestmark = pytest.mark.slow
 

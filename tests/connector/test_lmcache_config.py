@@ -12,7 +12,7 @@ import pytest
 from connector.connector_config import ConnectorConfig, make_config
 from connector.lmcache_compat import LMCACHE_KEYS, is_lmcache, lookup
 from engine import LLM, SamplingParams
-from tests.fixtures.text import long_text
+from harness.text import long_text
 
 GIB = 2**30
 

@@ -19,8 +19,8 @@ import torch
 from connector.engine_connector import build_connector
 from engine import RequestOutput, SamplingParams
 from engine.model_loader import load_tokenizer
+from harness.text import PARAGRAPHS, long_text
 from tests.fixtures.connector import CHUNK, assert_idle, engine, tier_url
-from tests.fixtures.text import PARAGRAPHS, long_text
 
 pytestmark = pytest.mark.slow
 K = 5

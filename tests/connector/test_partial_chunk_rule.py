@@ -11,7 +11,7 @@ import torch
 from connector.engine_connector import build_connector
 from engine import LLM, SamplingParams
 from engine.kv_cache import layout_for
-from tests.fixtures.model import make_tiny_checkpoint
+from harness.model import make_tiny_checkpoint
 
 
 def test_load_straddling_the_engine_hit_is_sliced(tmp_path: Path, default_model_path: Path):

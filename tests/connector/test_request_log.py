@@ -11,7 +11,7 @@ import pytest
 
 from connector.engine_connector import build_connector
 from engine import LLM, SamplingParams
-from tests.fixtures.text import long_text
+from harness.text import long_text
 
 pytestmark = pytest.mark.slow
 

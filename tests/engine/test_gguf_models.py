@@ -21,10 +21,10 @@ from engine import LLM, SamplingParams
 from engine.gguf_checkpoint import gguf_checkpoint
 from engine.model_config import ModelConfig
 from engine.model_loader import load_model
+from harness.model import FAMILY_TINY, make_tiny_checkpoint
+from harness.paged import PagedDriver
 from kvtier.cli import main
 from tests.fixtures.gguf import gguf_tensor_types, tiny_tokenizer_dir, write_gguf  # noqa: F401
-from tests.fixtures.model import FAMILY_TINY, make_tiny_checkpoint
-from tests.fixtures.paged import PagedDriver
 
 # Gemma: a 16-token window the 50-token prompt exceeds; the attention scale llama.cpp assumes
 # (head_dim, as query_pre_attn_scalar); Gemma 3 with six layers, so its default pattern has a

@@ -21,7 +21,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.kv_cache import request_slots
 from engine.kv_connector import KVConnector, KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker
-from tests.fixtures.text import long_text
+from harness.text import long_text
 
 pytestmark = pytest.mark.slow
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.fixtures.model import make_tiny_checkpoint
-from tests.fixtures.text import long_text
+from harness.model import make_tiny_checkpoint
+from harness.text import long_text
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 16

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, RequestOutput, SamplingParams
-from tests.fixtures.text import long_text
+from harness.text import long_text
 
 pytestmark = pytest.mark.slow
 K = 5

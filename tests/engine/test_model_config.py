@@ -14,7 +14,7 @@ import torch
 
 from engine.model_config import ModelConfig
 from engine.rotary import compute_inv_freq
-from tests.fixtures.model import make_tiny_checkpoint
+from harness.model import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 

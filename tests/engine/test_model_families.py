@@ -8,17 +8,16 @@ from typing import Any
 
 import torch
 
+from harness.families import FAMILIES, prompt_ids
+from harness.model import FAMILY_TINY
+from harness.paged import PagedDriver, load_tiny_pair
 from tests.fixtures.families import (  # noqa: F401 - the shared tests and fixture, collected here
-    FAMILIES,
     family_engine,
     make_family_fixture,
-    prompt_ids,
     test_engine_greedy_tokens_match_transformers,
     test_logits_match_transformers,
     test_switching_a_feature_off_fails_the_comparison,
 )
-from tests.fixtures.model import FAMILY_TINY
-from tests.fixtures.paged import PagedDriver, load_tiny_pair
 
 family = make_family_fixture(["qwen3", "phi3", "olmo2", "llama_yarn", "granite"])
 

@@ -12,8 +12,8 @@ from engine.attention_metadata import AttentionMetadata
 from engine.model_loader import load_model
 from engine.paged_attention import build_plan
 from engine.rotary import apply_rotary, build_cos_sin_cache, compute_inv_freq, rerotate
-from tests.fixtures.model import make_tiny_checkpoint
-from tests.fixtures.paged import BLOCK, PagedDriver, hf_logits, load_tiny_pair
+from harness.model import make_tiny_checkpoint
+from harness.paged import BLOCK, PagedDriver, hf_logits, load_tiny_pair
 
 pytestmark = pytest.mark.slow  # the real default model against transformers
 

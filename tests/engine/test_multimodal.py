@@ -19,8 +19,8 @@ from engine import LLM, SamplingParams
 from engine.model_config import ModelConfig
 from engine.model_loader import iter_safetensors, load_model
 from engine.models.multimodal import GEMMA3, checkpoint_names
-from tests.fixtures.model import make_checkpoint
-from tests.fixtures.paged import PagedDriver, hf_logits
+from harness.model import make_checkpoint
+from harness.paged import PagedDriver, hf_logits
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "real_configs"
 IMAGE = 999  # the tiny checkpoint's image placeholder, inside its 1000-token vocabulary

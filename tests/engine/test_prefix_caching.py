@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.fixtures.text import long_text
+from harness.text import long_text
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.text import long_text
+from harness.text import long_text
 from tests.fixtures.tty import run_on_tty
 
 REPO = Path(__file__).resolve().parents[2]

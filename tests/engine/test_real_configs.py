@@ -19,9 +19,10 @@ from connector.engine_connector import build_connector
 from engine import LLM
 from engine.model_config import ModelConfig
 from engine.model_loader import load_model
-from tests.fixtures.families import GREEDY, greedy_run, prompt_ids
-from tests.fixtures.model import make_checkpoint
-from tests.fixtures.paged import PagedDriver, hf_greedy, hf_logits
+from harness.families import prompt_ids
+from harness.model import make_checkpoint
+from harness.paged import PagedDriver, hf_greedy, hf_logits
+from tests.fixtures.families import GREEDY, greedy_run
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.fixtures.paged import PagedDriver, hf_logits, load_tiny_pair
+from harness.paged import PagedDriver, hf_logits, load_tiny_pair
 
 WINDOW = 8
 WINDOW_VARIANTS = {

@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.cache_server import CacheServerProcess
+from harness.polling import wait_until
+from harness.redis import RedisServer, start_cluster
 from kvstore.backend import BackendError
 from kvstore.backends.disk import DiskBackend
 from kvstore.backends.memory import CPUBackend
@@ -26,9 +29,6 @@ from kvstore.health import BreakerState, CircuitBreaker
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import TierSpec
-from tests.fixtures.cache_server import CacheServerProcess
-from tests.fixtures.polling import wait_until
-from tests.fixtures.redis_server import RedisServer, start_cluster
 from tests.fixtures.tiers import chunk, ckey, hold_dir_lock
 
 LOOKUP_S, LOAD_S = 0.3, 0.6

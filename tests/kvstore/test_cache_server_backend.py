@@ -7,6 +7,8 @@ import threading
 import pytest
 import torch
 
+from harness.cache_server import CacheServerProcess
+from harness.polling import wait_until
 from kvkeys.keyspace import Keyspace
 from kvstore import serde
 from kvstore.backend import BackendError, leading_run
@@ -15,8 +17,6 @@ from kvstore.backends.memory import CPUBackend
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import KVStoreConfig, TierSpec
-from tests.fixtures.cache_server import CacheServerProcess
-from tests.fixtures.polling import wait_until
 from tests.fixtures.tiers import longest_calls_while_frozen
 
 SHAPE = (30, 2, 256, 3, 64)  # one 256-token chunk of the default model

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from harness.process import repo_env
 from kvkeys.tenants import tenant_prefix
 from kvstore.backends.disk import STATE_BYTES, DiskBackend
 from kvstore.pin_file import PIN_FILE
 from kvstore.pin_set import PinError
-from tests.fixtures.process import repo_env
 from tests.fixtures.tiers import chunk, ckey, disk_file_bytes
 
 REPO = Path(__file__).resolve().parents[2]

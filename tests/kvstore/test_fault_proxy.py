@@ -13,10 +13,10 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from harness.redis import RedisServer
 from kvstore.backend import BackendError
 from kvstore.backends.redis_store import RedisBackend
 from tests.fixtures.fault_proxy import FaultProxy, RespCommandScanner
-from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.tiers import chunk, ckey
 
 SEGMENTS = [(b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$10\r\n0123456789\r\n", "SET"),

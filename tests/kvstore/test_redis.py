@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.polling import wait_until
 from kvstore import serde
 from kvstore.backend import BackendError, leading_run
 from kvstore.backends.redis_store import RedisBackend
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import TierSpec
-from tests.fixtures.polling import wait_until
 from tests.fixtures.tiers import chunk, ckey
 
 

@@ -8,11 +8,11 @@ import redis
 import redis.cluster
 import torch
 
+from harness.redis import RedisClusterNodes
 from kvstore import serde
 from kvstore.backends.redis_store import RedisBackend
 from kvstore.registry import create_backend
 from kvstore.store_config import TierSpec
-from tests.fixtures.redis_server import RedisClusterNodes
 from tests.fixtures.tiers import chunk, ckey
 
 

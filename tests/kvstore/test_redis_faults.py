@@ -10,13 +10,13 @@ import time
 import pytest
 import torch
 
+from harness.polling import wait_until
+from harness.redis import RedisServer
 from kvstore.backends.memory import CPUBackend
 from kvstore.backends.redis_store import RedisBackend
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import TierSpec
-from tests.fixtures.polling import wait_until
-from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.tiers import chunk, ckey, longest_calls_while_frozen
 
 

@@ -6,10 +6,11 @@ import os
 
 import pytest
 
+from harness.cache_server import CacheServerProcess
 from kvstore.server import protocol as P
 from kvstore.server.client import CacheServerClient, ServerReplyError
 from kvstore.server.protocol import Op, Status
-from tests.fixtures.cache_server import CacheServerProcess, raw_exchange
+from tests.fixtures.cache_server import raw_exchange
 
 TOKEN = "s3cret-token"
 

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from harness.cache_server import CacheServerProcess
 from kvkeys.tenants import tenant_prefix
 from kvstore.budget import BudgetError
 from kvstore.server.client import CacheServerClient, ServerReplyError
 from kvstore.server.protocol import Status
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import KVStoreConfig, TierSpec
-from tests.fixtures.cache_server import CacheServerProcess, settled
+from tests.fixtures.cache_server import settled
 
 OPERATOR, TOKEN_A = "operator-token", "token-of-tenant-a"
 TAG_A = "0123456789abcdef"

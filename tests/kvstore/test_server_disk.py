@@ -8,8 +8,9 @@ import signal
 
 import pytest
 
+from harness.cache_server import CacheServerProcess
 from kvstore.server.client import CacheServerClient
-from tests.fixtures.cache_server import CacheServerProcess, live_dir, settled
+from tests.fixtures.cache_server import live_dir, settled
 
 MIB = 1 << 20
 

@@ -11,10 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from harness.cache_server import CacheServerProcess
 from kvstore.server import protocol as P
 from kvstore.server.client import CacheServerClient
 from kvstore.server.protocol import Op, Status
-from tests.fixtures.cache_server import CacheServerProcess, raw_exchange
+from tests.fixtures.cache_server import raw_exchange
 
 MAX_PAYLOAD = 1 << 20
 VALUE = os.urandom(200_000)

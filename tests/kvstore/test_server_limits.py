@@ -8,11 +8,12 @@ import time
 
 import pytest
 
+from harness.cache_server import CacheServerProcess
+from harness.polling import wait_until
 from kvstore.server import protocol as P
 from kvstore.server.client import CacheServerClient, ServerReplyError
 from kvstore.server.protocol import Op, Status
-from tests.fixtures.cache_server import CacheServerProcess, raw_exchange
-from tests.fixtures.polling import wait_until
+from tests.fixtures.cache_server import raw_exchange
 
 
 def test_connections_past_the_limit_are_refused(cache_server_factory: type[CacheServerProcess]) -> None:

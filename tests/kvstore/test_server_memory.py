@@ -14,12 +14,12 @@ from contextlib import ExitStack, contextmanager
 
 import pytest
 
+from harness.cache_server import CacheServerProcess
+from harness.polling import wait_until
 from kvstore.server import protocol as P
 from kvstore.server.client import CacheServerClient
 from kvstore.server.protocol import Op, Status
 from kvstore.server.server import HEAP_SLACK_BYTES, PER_CONNECTION_BYTES
-from tests.fixtures.cache_server import CacheServerProcess
-from tests.fixtures.polling import wait_until
 
 MIB = 1 << 20
 # Measurement tolerance on top of the documented overhead (Python objects, page rounding).

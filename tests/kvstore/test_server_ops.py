@@ -11,11 +11,12 @@ import time
 
 import pytest
 
+from harness.cache_server import CacheServerProcess
 from kvstore.server import protocol as P
 from kvstore.server.client import CacheServerClient, ServerUnavailable
 from kvstore.server.protocol import Op, Status
 from kvstore.server.server import ServerConfig, StoreBudgets
-from tests.fixtures.cache_server import CacheServerProcess, raw_exchange
+from tests.fixtures.cache_server import raw_exchange
 
 
 def _client(server: CacheServerProcess, **kw: object) -> CacheServerClient:

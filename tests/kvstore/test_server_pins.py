@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.cache_server import CacheServerProcess
 from kvkeys.tenants import tenant_prefix
 from kvstore.backends.cache_server import CacheServerBackend
 from kvstore.backends.memory import CPUBackend
@@ -19,7 +20,6 @@ from kvstore.pin_set import PinError
 from kvstore.server.client import CacheServerClient, ServerReplyError
 from kvstore.server.protocol import Status
 from kvstore.storage_manager import StorageManager
-from tests.fixtures.cache_server import CacheServerProcess
 from tests.fixtures.tiers import chunk, ckey
 
 TOKENS = 64  # a chunk of 96 KiB

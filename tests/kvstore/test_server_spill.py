@@ -19,11 +19,12 @@ import threading
 import time
 from pathlib import Path
 
+from harness.cache_server import CacheServerProcess
+from harness.polling import wait_until
 from kvstore.deadlines import CACHE_SERVER_CLIENT_TIMEOUT_S, CACHE_SERVER_FRAME_TIMEOUT_S
 from kvstore.server.client import CacheServerClient, ServerUnavailable
 from kvstore.server.server import ServerConfig
-from tests.fixtures.cache_server import CacheServerProcess, live_dir, settled
-from tests.fixtures.polling import wait_until
+from tests.fixtures.cache_server import live_dir, settled
 
 MIB = 1 << 20
 _TIMEOUT = 5.0  # client timeout: a blocked event loop fails the test instead of hanging it

@@ -10,11 +10,12 @@ import os
 import random
 from collections import OrderedDict
 
+from harness.cache_server import CacheServerProcess
 from kvkeys.tenants import key_tenant_bytes, tenant_prefix
 from kvstore.server import spillfile as F
 from kvstore.server.client import CacheServerClient
 from kvstore.server.store import ByteStore
-from tests.fixtures.cache_server import CacheServerProcess, live_dir, settled
+from tests.fixtures.cache_server import live_dir, settled
 
 TAGS = ("a1" * 8, "b2" * 8, "c3" * 8)
 KIB = 1 << 10

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.cache_server import CacheServerProcess
 from kvkeys.tenants import tenant_prefix, tenant_tag
 from kvstore.backend import leading_run
 from kvstore.backends.cache_server import CacheServerBackend
@@ -20,7 +21,7 @@ from kvstore.server.client import CacheServerClient, ServerReplyError
 from kvstore.server.protocol import Op, Status
 from kvstore.store_config import TierSpec
 from kvtier.cmd_cache_server import load_tenant_tokens
-from tests.fixtures.cache_server import CacheServerProcess, raw_exchange
+from tests.fixtures.cache_server import raw_exchange
 
 OPERATOR, TOKEN_A, TOKEN_B = "operator-token", "token-of-tenant-a", "token-of-tenant-b"
 TAG_KEY = "operator secret, 32 bytes long.."

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.cache_server import CacheServerProcess
+from harness.polling import wait_until
 from kvkeys.keyspace import Keyspace
 from kvstore.backend import BackendError, leading_run
 from kvstore.backends.cache_server import CacheServerBackend, client_tls_context
@@ -22,8 +24,7 @@ from kvstore.server.client import CacheServerClient, ServerUnavailable
 from kvstore.server.protocol import Op
 from kvstore.server.server import HEAP_SLACK_BYTES, PER_TLS_CONNECTION_BYTES
 from kvstore.store_config import TierSpec
-from tests.fixtures.cache_server import CacheServerProcess, raw_exchange
-from tests.fixtures.polling import wait_until
+from tests.fixtures.cache_server import raw_exchange
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 TOKEN = "tls-token"

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.redis import RedisServer
 from kvkeys.tenants import key_tenant, tenant_prefix
 from kvstore.backend import StorageBackend
 from kvstore.backends.disk import DiskBackend
@@ -25,7 +26,6 @@ from kvstore.budget import ByteBudget
 from kvstore.budget_check import check_tier_budgets
 from kvstore.registry import create_backend
 from kvstore.store_config import KVStoreConfig, TierSpec
-from tests.fixtures.redis_server import RedisServer
 
 TAGS = ("a1" * 8, "b2" * 8, "c3" * 8)
 QUOTA = 6 * 2 * 2 * 16 * 2 * 8 * 4  # six chunks of 16 tokens (float32)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.redis import free_port
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import KVStoreConfig, TierSpec
-from tests.fixtures.redis_server import free_port
 
 
 def _chunk(tokens: int = 8) -> torch.Tensor:

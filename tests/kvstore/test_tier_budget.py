@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.redis import RedisServer
 from kvkeys.tenants import key_tenant, tenant_prefix
 from kvstore.budget import BudgetError
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import KVStoreConfig, TierSpec
-from tests.fixtures.redis_server import RedisServer
 
 A, B = "a1" * 8, "b2" * 8
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.redis import RedisServer
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import TierSpec
-from tests.fixtures.redis_server import RedisServer
 from tests.fixtures.tiers import TIER_KINDS, chunk, ckey, tier_spec
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.redis import RedisServer, free_port
 from kvstore.backends.disk import DiskBackend
 from kvstore.backends.memory import CPUBackend
 from kvstore.budget import BudgetError
@@ -16,7 +17,6 @@ from kvstore.pin_set import PinError
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import KVStoreConfig, TierSpec
-from tests.fixtures.redis_server import RedisServer, free_port
 from tests.fixtures.tiers import chunk, ckey
 
 BOOKKEEPING = "kvtier:index:families"  # connector/key_families.py's index: a tier's own value

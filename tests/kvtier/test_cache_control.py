@@ -23,10 +23,10 @@ import httpx
 import openai
 import pytest
 
+from harness.polling import wait_until
+from harness.serve import NAME, REPO, ServeProcess
 from kvtier.cli import main as cli_main
 from kvtier.cmd_cache import NOTHING_MATCHED
-from tests.fixtures.polling import wait_until
-from tests.fixtures.serve import NAME, REPO, ServeProcess
 
 pytestmark = pytest.mark.slow
 ADMIN, TENANT = "sk-operator", "sk-tenant-t"

@@ -17,9 +17,9 @@ import openai
 
 from connector.engine_connector import build_connector
 from engine import LLM, SamplingParams
-from tests.fixtures.model import make_tiny_checkpoint
-from tests.fixtures.process import repo_env
-from tests.fixtures.serve import ServeProcess
+from harness.model import make_tiny_checkpoint
+from harness.process import repo_env
+from harness.serve import ServeProcess
 
 PROMPT_IDS = list(range(100, 180))  # 80 tokens: two full 32-token chunks and a short one
 ARGS = ["--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "64", "--max-num-seqs", "2",

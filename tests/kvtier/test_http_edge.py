@@ -13,6 +13,7 @@ import pytest
 from fastapi import FastAPI
 
 from engine import LLM
+from harness.model import make_tiny_checkpoint
 from kvtier.router.app import build_app as build_router
 from kvtier.router.backends import Backend, BackendPool
 from kvtier.router.metrics import RouterMetrics
@@ -22,7 +23,6 @@ from kvtier.server.app import build_app as build_server
 from kvtier.server.engine_loop import EngineLoop
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.serving import ServingContext
-from tests.fixtures.model import make_tiny_checkpoint
 
 KEY = "s3cret"
 LIMIT = 4096  # bytes

@@ -1,6 +1,6 @@
 """lm-eval-harness, a client nobody here wrote, against a real `kvtier serve`: its
 `local-completions` model on a multiple-choice task (loglikelihoods: echo + logprobs) and a
-generate_until task (greedy), both on local data (tests/fixtures/lm_eval_tasks). The scores
+generate_until task (greedy), both on local data (harness/lm_eval_tasks). The scores
 and every document's responses are the same with the cache cold, warm from the engine's
 prefix cache, warm from the `cpu` tier and warm from Redis; the warm runs are checked to have
 reused every generate_until prompt but its last token, so the comparison means something.
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.lm_eval_tasks.configurations import run_configurations
-from tests.fixtures.redis_server import RedisServer
-from tests.fixtures.serve import ENGINE_ARGS, NAME
+from harness.lm_eval_tasks.configurations import run_configurations
+from harness.redis import RedisServer
+from harness.serve import ENGINE_ARGS, NAME
 
 pytestmark = pytest.mark.slow
-# Each task's first 6 documents (of 20: tests/fixtures/lm_eval_tasks/data): one generate_until
+# Each task's first 6 documents (of 20: harness/lm_eval_tasks/data): one generate_until
 # batch of 6 prompts, 24 scored continuations; the benchmark evaluates all 20.
 DOCS_PER_TASK = 6
 

@@ -14,12 +14,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.cache_server import CacheServerProcess
+from harness.polling import wait_until
+from harness.redis import free_port
+from harness.serve import RouterProcess, ServeProcess
+from harness.text import long_text
 from kvstore.server.client import CacheServerClient
-from tests.fixtures.cache_server import CacheServerProcess
-from tests.fixtures.polling import wait_until
-from tests.fixtures.redis_server import free_port
-from tests.fixtures.serve import RouterProcess, ServeProcess
-from tests.fixtures.text import long_text
 
 pytestmark = pytest.mark.slow
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "384", "--max-num-seqs", "8"]

@@ -16,9 +16,9 @@ import pytest
 
 from connector.metrics import PROM_COUNTERS
 from engine import LLM, SamplingParams
-from tests.fixtures.polling import wait_until
-from tests.fixtures.serve import ENGINE_ARGS, NAME, ServeProcess, metrics
-from tests.fixtures.text import long_text
+from harness.polling import wait_until
+from harness.serve import ENGINE_ARGS, NAME, ServeProcess, metrics
+from harness.text import long_text
 
 pytestmark = pytest.mark.slow
 

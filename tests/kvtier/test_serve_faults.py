@@ -15,10 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.fixtures.cache_server import CacheServerProcess
-from tests.fixtures.polling import wait_until
-from tests.fixtures.serve import ENGINE_ARGS, ServeProcess, metrics
-from tests.fixtures.text import long_text
+from harness.cache_server import CacheServerProcess
+from harness.polling import wait_until
+from harness.serve import ENGINE_ARGS, ServeProcess, metrics
+from harness.text import long_text
 from tests.fixtures.tiers import hold_dir_lock
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.fixtures.serve import ENGINE_ARGS, NAME, ServeProcess, metrics
+from harness.serve import ENGINE_ARGS, NAME, ServeProcess, metrics
 
 pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"

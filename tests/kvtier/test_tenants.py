@@ -18,12 +18,12 @@ import pytest
 from scipy.stats import mannwhitneyu
 
 from connector.key_families import INDEX_KEY
+from harness.cache_server import CacheServerProcess
+from harness.polling import wait_until
+from harness.redis import RedisServer
+from harness.serve import ServeProcess, metrics
+from harness.text import long_text
 from kvkeys.tenants import key_tenant, tenant_tag
-from tests.fixtures.cache_server import CacheServerProcess
-from tests.fixtures.polling import wait_until
-from tests.fixtures.redis_server import RedisServer
-from tests.fixtures.serve import ServeProcess, metrics
-from tests.fixtures.text import long_text
 
 pytestmark = pytest.mark.slow
 ADMIN = "sk-operator"

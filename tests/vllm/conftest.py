@@ -1,5 +1,5 @@
 """Fixtures for the vLLM tests: they run in vLLM's virtualenv (`make test-vllm`), on real vLLM
-processes with the bundled model (tests/fixtures/vllm.py)."""
+processes with the bundled model (harness/vllm.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from tests.fixtures.text import long_text
+from harness.text import long_text
 
 
 @pytest.fixture(scope="session")

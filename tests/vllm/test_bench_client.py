@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fixtures.serve import REPO, ServeProcess
+from harness.serve import REPO, ServeProcess
 
 NAME = "SmolLM2-135M-Instruct"
 NUM_PROMPTS = 8

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from connector.key_families import INDEX_KEY
+from harness.redis import RedisServer
+from harness.vllm import VllmLLM
 from kvstore.deadlines import BACKOFF_MAX_S
 from tests.fixtures.fault_proxy import FaultProxy
-from tests.fixtures.redis_server import RedisServer
-from tests.fixtures.vllm import VllmLLM
 
 TOKENS = 768  # three chunks: what a fault does to a load needs several chunks, not a long prompt
 CHUNKS = TOKENS // 256

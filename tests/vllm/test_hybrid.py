@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures.model import make_tiny_checkpoint
-from tests.fixtures.vllm import VllmLLM, close_together, start_together
+from harness.model import make_tiny_checkpoint
+from harness.vllm import VllmLLM, close_together, start_together
 
 PROMPT = 1500
 WINDOW = 256  # a sliding window the prompt exceeds: its groups load only the window's blocks

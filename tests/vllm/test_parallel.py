@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 from vllm.distributed.kv_events import BlockStored
 
-from tests.fixtures.model import make_tiny_checkpoint
-from tests.fixtures.polling import wait_until
-from tests.fixtures.redis_server import RedisServer
-from tests.fixtures.vllm import VllmLLM, close_together, collect_kv_events, start_together
+from harness.model import make_tiny_checkpoint
+from harness.polling import wait_until
+from harness.redis import RedisServer
+from harness.vllm import VllmLLM, close_together, start_together
+from tests.fixtures.vllm import collect_kv_events
 
 PROMPT = 1500
 CHUNK = 256

@@ -28,14 +28,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
+from harness.process import repo_env
+from harness.serve import RouterProcess
+from harness.text import long_text
+from harness.vllm import VllmServer, close_together, start_together
 from kvtier.router.backends import Backend
 from kvtier.router.policy import PrefixHash
 from kvtier.router.prompt_view import view_request
 from kvtier.vllm_cli import LOOKUP_MIDDLEWARE
-from tests.fixtures.process import repo_env
-from tests.fixtures.serve import RouterProcess
-from tests.fixtures.text import long_text
-from tests.fixtures.vllm import VllmServer, close_together, start_together
 
 CONFIG = {"tiers": ["cpu?budget=1GiB"], "chunk_size": 256}
 HIT = "kvtier:kv_connector_hit_tokens_total"

@@ -7,7 +7,7 @@ vLLM counts the loaded tokens as from an unspecified external source (a shared t
 servers run one tiny StableLM (4 KV heads: two per producer rank). A fourth vLLM (an `LLM`,
 one process, the same model) publishes the KV events of its tier. The four start side by
 side; the loaders run vLLM's worker in their engine core's process (one process import less to
-start: tests/fixtures/vllm.py), the producer vLLM's default layout with two workers."""
+start: harness/vllm.py), the producer vLLM's default layout with two workers."""
 
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ import vllm
 from packaging.version import Version
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-from tests.fixtures.cache_server import CacheServerProcess
-from tests.fixtures.model import make_tiny_checkpoint
-from tests.fixtures.redis_server import RedisServer
-from tests.fixtures.vllm import VllmLLM, VllmServer, close_together, collect_kv_events, start_together
+from harness.cache_server import CacheServerProcess
+from harness.model import make_tiny_checkpoint
+from harness.redis import RedisServer
+from harness.vllm import VllmLLM, VllmServer, close_together, start_together
+from tests.fixtures.vllm import collect_kv_events
 
 CHUNK = 256
 SHARED = 1024  # the prompt's tokens the producer stores for the fresh servers: four chunks

@@ -17,7 +17,8 @@ import vllm
 from packaging.version import Version
 
 from connector.metrics import PROM_COUNTERS
-from tests.fixtures.vllm import VllmLLM, close_together, needs_fp8_kv, start_together
+from harness.vllm import VllmLLM, close_together, start_together
+from tests.fixtures.vllm import needs_fp8_kv
 
 # The vLLM each case starts: (its tier, more connector config, more VllmLLM keywords; the
 # model's dtype, float32 unless given, is its K/V's; a 16-bit case runs a 257-token prompt,
