@@ -44,6 +44,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.default_model import ensure_default_model
+from harness import process
 from harness.serve import ServeProcess
 from harness.vllm import VllmServer, vllm_env
 
@@ -123,8 +124,8 @@ def bench(url: str, model: Path, dataset: list[str], args: argparse.Namespace, o
            "--result-filename", f"{label}.json"]
     log = out_dir / f"{label}.log"
     with log.open("w") as f:
-        proc = subprocess.run(cmd, cwd=REPO, env=vllm_env(VLLM_CPU_KVCACHE_SPACE=str(KV_GIB)), stdout=f,
-                              stderr=subprocess.STDOUT, timeout=1800)
+        proc = process.run(cmd, cwd=REPO, env=vllm_env(VLLM_CPU_KVCACHE_SPACE=str(KV_GIB)), stdout=f,
+                           stderr=subprocess.STDOUT, timeout=1800)
     result = out_dir / f"{label}.json"
     if proc.returncode or not result.exists():
         tail = [ln for ln in log.read_text(errors="replace").splitlines() if "nanobind" not in ln and

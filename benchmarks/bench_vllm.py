@@ -55,6 +55,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import process
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -260,9 +262,9 @@ def run_arm(name: str, spec: dict[str, Any], log_dir: Path) -> dict[str, Any]:
     result = log.with_suffix(".json")
     t0 = time.perf_counter()
     with log.open("w") as f:
-        proc = subprocess.run([spec.get("python", sys.executable), __file__, "--child",
-                               json.dumps({**spec, "out": str(result)})],
-                              cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=3600)
+        proc = process.run([spec.get("python", sys.executable), __file__, "--child",
+                            json.dumps({**spec, "out": str(result)})],
+                           cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=3600)
     if proc.returncode or not result.exists():
         text = log.read_text(errors="replace").splitlines()
         errors = [ln.strip() for ln in text if "Error" in ln and "Traceback" not in ln] or text[-1:]

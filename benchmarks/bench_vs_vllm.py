@@ -55,6 +55,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import process
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 NEW_TOKENS = 32  # decode steps timed per cell
@@ -220,9 +222,9 @@ def run_arm(name: str, spec: dict[str, Any], log_dir: Path) -> dict[str, Any]:
     result = log.with_suffix(".json")
     t0 = time.perf_counter()
     with log.open("w") as f:
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_vs_vllm", "--child",
-                               json.dumps({**spec, "out": str(result)})],
-                              cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=5400)
+        proc = process.run([sys.executable, "-m", "benchmarks.bench_vs_vllm", "--child",
+                            json.dumps({**spec, "out": str(result)})],
+                           cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=5400)
     if proc.returncode or not result.exists():
         tail = log.read_text(errors="replace").splitlines()[-5:]
         raise SystemExit(f"arm {name} failed (exit {proc.returncode}); log {log}:\n" + "\n".join(tail))

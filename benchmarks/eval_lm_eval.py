@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.default_model import ensure_default_model
+from harness import process
 from harness.lm_eval_tasks.configurations import CONFIGS, ConfigRun, run_configurations
 from harness.lm_eval_tasks.runner import OFFLINE_ENV, TASKS, cli_command
 from harness.redis import start_redis
@@ -53,8 +53,8 @@ def run_cli(model_dir: Path, model_name: str, batch_size: int) -> dict[str, Any]
             cmd = cli_command(server.url, model_name, model_dir, batch_size)
             cmd = [str(Path(sys.executable).parent / cmd[0]), *cmd[1:], "--output_path", tmp]
             t0 = time.perf_counter()
-            proc = subprocess.run(cmd, env=dict(os.environ, **OFFLINE_ENV), capture_output=True, text=True,
-                                  timeout=900)
+            proc = process.run(cmd, env=dict(os.environ, **OFFLINE_ENV), capture_output=True, text=True,
+                               timeout=900)
             seconds = time.perf_counter() - t0
             if proc.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")

@@ -8,7 +8,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness import process
 from harness.cache_server import CacheServerProcess
 from harness.text import PARAGRAPHS
 
@@ -229,8 +229,8 @@ print(tier.stats().bytes_used, flush=True)
 def fill_disk(root: Path, budget: int) -> str:
     """Fills the disk tier's directory to its budget from another process (chunks of the same
     size as the server's); returns the bytes the directory then held."""
-    out = subprocess.run([sys.executable, "-c", _FILL.format(root=str(root), budget=budget)], cwd=REPO,
-                         capture_output=True, text=True, timeout=600)
+    out = process.run([sys.executable, "-c", _FILL.format(root=str(root), budget=budget)], cwd=REPO,
+                      capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         return f"filler failed: {out.stderr[-500:]}"
     return f"directory filled by another process: {int(out.stdout.strip()) / 2**20:.0f} MiB"

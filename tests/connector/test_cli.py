@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from harness import process
 from harness.text import long_text
 from kvtier.cli import main
 
@@ -51,7 +51,7 @@ def test_second_cli_run_reuses_the_first_runs_disk_tier(tmp_path, default_model_
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
     def once() -> dict:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+        proc = process.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])
 

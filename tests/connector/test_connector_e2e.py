@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 from connector.connector_config import make_config
 from connector.engine_connector import EngineConnector, build_connector
 from engine import LLM, SamplingParams
+from harness import process
 from harness.model import make_tiny_checkpoint
 from kvstore.storage_manager import StorageManager
 from tests.fixtures.connector import CHUNK, assert_idle, engine, run, tier_url
@@ -213,9 +213,9 @@ def test_a_second_process_reuses_prefix_through_each_shared_tier(default_model_p
 
     def child(seed: str, urls: list[str]) -> dict:
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO)}
-        proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(urls), str(CHUNK),
-                               str(default_model_path), json.dumps(prompt_ids)],
-                              capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+        proc = process.run([sys.executable, "-c", _CHILD, json.dumps(urls), str(CHUNK),
+                            str(default_model_path), json.dumps(prompt_ids)],
+                           capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])
 

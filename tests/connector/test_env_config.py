@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from engine import LLM, SamplingParams
+from harness import process
 from harness.redis import free_port
 from harness.text import long_text
 
@@ -71,7 +71,7 @@ def test_unreachable_redis_is_one_warning_and_generation_works(default_model_pat
 def _generate(env: dict[str, str], prompt: Path) -> dict:
     cmd = [sys.executable, "-m", "kvtier", "generate", "--prompt-file", str(prompt), "--json", "--device", "cpu",
            "--max-tokens", "2", "--no-prefix-caching"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    proc = process.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

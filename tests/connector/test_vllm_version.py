@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from connector.vllm.version import SUPPORTED_VLLM, check_vllm_version
+from harness import process
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_VLLM = importlib.util.find_spec("vllm") is None
@@ -22,8 +23,8 @@ def run_python(code: str, pythonpath: Path | None = None) -> subprocess.Complete
     env = dict(os.environ)
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=60)
+    return process.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
 
 
 @pytest.mark.parametrize("version", ["0.30.0", "0.31.0+cpu", "0.32.0", "0.32.7", "0.33.0", "0.33.1+cu130"])

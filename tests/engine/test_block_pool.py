@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 
 from engine.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, hash_block_tokens, hash_full_blocks
+from harness import process
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,8 +32,8 @@ def test_hash_identical_across_processes_and_hashseeds() -> None:
     for seed in ("0", "1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": REPO}
         outs.add(
-            subprocess.run(
-                [sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True
+            process.run(
+                [sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True, timeout=120
             ).stdout.strip()
         )
     assert outs == {hash_full_blocks(list(range(64)), 16)[-1].hex()}

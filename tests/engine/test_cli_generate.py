@@ -10,14 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from harness import process
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
 def kvtier(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "kvtier", "generate", *args], cwd=REPO, env=env,
-                          input=stdin, capture_output=True, text=True, timeout=600)
+    return process.run([sys.executable, "-m", "kvtier", "generate", *args], cwd=REPO, env=env,
+                       input=stdin, capture_output=True, text=True, timeout=600)
 
 
 def test_json_output_per_prompt_and_prefix_reuse(tmp_path: Path, default_model_path: Path) -> None:

@@ -4,7 +4,6 @@ attention (engine/cpu_ops.py) against the gather + SDPA path, and whole generati
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from engine.layers import mlp as mlp_module
 from engine.linear_backend import PanelLinear
 from engine.model_loader import load_model
 from engine.paged_attention import build_plan, paged_attention
+from harness import process
 
 CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parents[2]
@@ -247,8 +247,8 @@ def test_a_build_killed_mid_way_leaves_no_load_waiting(ops) -> None:
     baton = Path(ops.__file__).parent / "lock"
     baton.touch()
     try:
-        done = subprocess.run([sys.executable, "-c", "from engine import cpu_ops; assert cpu_ops.load()"],
-                              cwd=REPO, timeout=120)
+        done = process.run([sys.executable, "-c", "from engine import cpu_ops; assert cpu_ops.load()"],
+                           cwd=REPO, timeout=120)
     finally:
         stale = baton.exists()
         baton.unlink(missing_ok=True)

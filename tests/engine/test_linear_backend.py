@@ -5,7 +5,6 @@ oneDNN's bounded GEMM caches."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -26,6 +25,7 @@ from engine.linear_backend import (
     padded_rows,
     to_panels,
 )
+from harness import process
 
 CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parents[2]
@@ -170,7 +170,7 @@ def test_gemm_caches_are_bounded_in_a_fresh_process() -> None:
     their default 1024 entries all fit): `pack_linears` caps both caches, which only works
     before the process's first oneDNN op, so the probe is a new process."""
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
-    out = subprocess.run([sys.executable, "-c", _CACHE_PROBE], env={**env, "PYTHONPATH": str(REPO)},
-                         capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    out = process.run([sys.executable, "-c", _CACHE_PROBE], env={**env, "PYTHONPATH": str(REPO)},
+                      capture_output=True, text=True, timeout=120, check=True).stdout.split()
     assert out[:2] == [str(GEMM_CACHE_CAPACITY)] * 2
     assert float(out[2]) < 150, f"{out[2]} MiB held after 576 GEMM shapes: the caches are not capped"

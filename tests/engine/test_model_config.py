@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 
 from engine.model_config import ModelConfig
 from engine.rotary import compute_inv_freq
+from harness import process
 from harness.model import make_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,8 +121,8 @@ def _fingerprint_in_subprocess(path: Path, hashseed: str) -> str:
     code = ("import sys; from engine.model_config import ModelConfig; "
             "print(ModelConfig.from_pretrained(sys.argv[1]).fingerprint)")
     env = {**os.environ, "PYTHONHASHSEED": hashseed, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", code, str(path)], env=env, cwd=REPO,
-                         capture_output=True, text=True, check=True)
+    out = process.run([sys.executable, "-c", code, str(path)], env=env, cwd=REPO,
+                      capture_output=True, text=True, check=True, timeout=120)
     return out.stdout.strip()
 
 

@@ -4,12 +4,12 @@ long prefill, one bar at a time; none at --log-level warning or when stderr is n
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from harness import process
 from harness.text import long_text
 from tests.fixtures.tty import run_on_tty
 
@@ -49,8 +49,8 @@ def test_quiet_at_warning_or_off_a_terminal(default_model_path: Path, prompt_fil
         out, err = r.stdout, r.tty
         assert r.returncode == 0
     else:
-        p = subprocess.run(generate_args(default_model_path, prompt_file), env=ENV, cwd=REPO, capture_output=True,
-                           text=True, timeout=300)
+        p = process.run(generate_args(default_model_path, prompt_file), env=ENV, cwd=REPO, capture_output=True,
+                        text=True, timeout=300)
         out, err = p.stdout, p.stderr
         assert p.returncode == 0, err
         assert "kvtier.request: request 0-0 finished" in err  # logging stays on: only bars are off

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import pytest
 
 from engine.model_loader import _is_plain_tokenizers_backend, load_tokenizer, tokenizer_mapped_model_types
 from engine.tokenizer import Tokenizer
+from harness import process
 
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = ["Hello <|im_start|> world \U0001f642\n\n  tabs\t", "", "The capital of France is",
@@ -74,7 +74,7 @@ def test_loading_the_default_tokenizer_does_not_import_transformers(default_mode
             f"tok = load_tokenizer({str(default_model_path)!r}); "
             "tok.apply_chat_template([dict(role='user', content='x')]); "
             "print(type(tok).__name__, 'transformers' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    out = process.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.stdout.split() == ["Tokenizer", "False"], out.stderr[-2000:]
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from harness import process
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,8 +35,8 @@ print(json.dumps({"kept": kept, "mapped": mapped, "heap_grew": libc.mallinfo2().
 
 
 def _run(mode: str, **env: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", _STEP, mode], cwd=REPO, capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), **env}, check=True)
+    out = process.run([sys.executable, "-c", _STEP, mode], cwd=REPO, capture_output=True, text=True,
+                      timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), **env}, check=True)
     return json.loads(out.stdout.splitlines()[-1])
 
 

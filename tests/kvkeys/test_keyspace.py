@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from harness import process
 from kvkeys.chain import chain_hash
 from kvkeys.keyspace import LAYOUT_VERSION, ROOT_HASH, Keyspace, chunk_key, head_key, key_family_label, layer_key
 
@@ -44,7 +44,8 @@ def test_keys_identical_across_pythonhashseed() -> None:
     outs = []
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO)}
-        res = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, check=True)
+        res = process.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, check=True,
+                          timeout=120)
         outs.append(json.loads(res.stdout))
     assert outs[0] == outs[1]
     assert [(s, e) for s, e, _ in outs[0]] == [(0, 256), (256, 512), (512, 703)]

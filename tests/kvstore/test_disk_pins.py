@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import process
 from harness.process import repo_env
 from kvkeys.tenants import tenant_prefix
 from kvstore.backends.disk import STATE_BYTES, DiskBackend
@@ -95,7 +96,7 @@ def test_a_second_process_never_evicts_a_chunk_pinned_by_the_first(tmp_path: Pat
     root = tmp_path / "shared"
     here = DiskBackend(root, byte_budget=budget, pin_budget=pin_budget)
     here.batched_put([(ckey(0), chunk(0)), (ckey(1), chunk(1))])
-    other = subprocess.Popen(
+    other = process.popen(
         [sys.executable, "-c", _OTHER.format(repo=str(REPO), root=str(root), budget=budget, pin_budget=pin_budget)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=repo_env())
     assert other.stdin is not None and other.stdout is not None

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness import process
 from kvstore.backends.disk import STATE_BYTES, STATE_FILE, DiskBackend
 from kvstore.storage_manager import StorageManager
 from tests.fixtures.tiers import chunk, ckey, disk_file_bytes
@@ -28,15 +28,15 @@ def read_only_mount(src: Path, dst: Path) -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.skip("a read-only bind mount needs root")
     dst.mkdir()
-    done = subprocess.run(
-        ["mount", "--bind", "-o", "ro", str(src), str(dst)], check=False, capture_output=True, text=True
+    done = process.run(
+        ["mount", "--bind", "-o", "ro", str(src), str(dst)], check=False, capture_output=True, text=True, timeout=60
     )
     if done.returncode != 0:
         pytest.skip(f"cannot bind-mount read-only here: {done.stderr.strip()}")
     try:
         yield dst
     finally:
-        subprocess.run(["umount", str(dst)], check=True)
+        process.run(["umount", str(dst)], check=True, timeout=60)
 
 
 def test_a_read_only_directory_serves_reads_and_refuses_writes_clearly(tmp_path: Path) -> None:
@@ -93,21 +93,23 @@ def test_processes_sharing_a_directory_stay_within_one_budget(tmp_path: Path) ->
     one = disk_file_bytes(tmp_path / "probe", chunk(0, tokens=64))
     budget = 10 * one + STATE_BYTES  # the state file counts too
     DiskBackend(root, byte_budget=budget).close()
-    writers = [subprocess.Popen([sys.executable, "-c", _WRITER.format(repo=str(REPO), root=str(root), budget=budget,
-                                                                        n=150, seed=s)])
+    writers = [process.start([sys.executable, "-c", _WRITER.format(repo=str(REPO), root=str(root), budget=budget,
+                                                                   n=150, seed=s)], name=f"disk writer {s}")
                for s in (1, 2)]
     peak, samples = 0, 0
     deadline = time.monotonic() + 120
     try:
-        while any(w.poll() is None for w in writers) and time.monotonic() < deadline:
+        while any(w.alive() for w in writers) and time.monotonic() < deadline:
             peak = max(peak, _dir_bytes_locked(root))
             samples += 1
     finally:
         for w in writers:
-            if w.poll() is None:
+            if w.alive():
                 w.kill()
-            w.wait()
-    assert [w.returncode for w in writers] == [0, 0]
+    logs = [w.tail() for w in writers]
+    for w in writers:
+        w.close()
+    assert [w.proc.returncode for w in writers] == [0, 0], logs
     assert samples > 0
     # before: each process kept its own 10-chunk budget (the directory held ~2x), plus temp files
     assert peak <= budget, f"directory peaked at {peak} bytes, budget {budget}"

@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from harness import process
 from harness.cache_server import CacheServerProcess
 from harness.polling import wait_until
 from kvkeys.keyspace import Keyspace
@@ -31,7 +31,7 @@ TOKEN = "tls-token"
 
 
 def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+    process.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
 
 
 @pytest.fixture(scope="module")

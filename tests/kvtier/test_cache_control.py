@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from harness import process
 from harness.polling import wait_until
 from harness.serve import NAME, REPO, ServeProcess
 from kvtier.cli import main as cli_main
@@ -181,7 +181,7 @@ def test_the_command_line_and_clear_all(server: ServeProcess) -> None:
     stored(server, ids, {CPU, DISK})
     cmd = [sys.executable, "-m", "kvtier", "cache", "inspect", "--url", server.url, "--api-key", ADMIN,
            "--token-ids", ",".join(map(str, ids))]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = process.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert {kind(n) for n in json.loads(r.stdout)["chunks"][0]["tiers"]} == {CPU, DISK}
 
@@ -201,7 +201,7 @@ def test_clear_by_the_served_name_and_a_model_not_stored(server: ServeProcess) -
     stored(server, ids, {CPU, DISK})
     cmd = [sys.executable, "-m", "kvtier", "cache", "clear", "--url", server.url, "--api-key", ADMIN,
            "--stored-model", "no-such-model"]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = process.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "no tier holds chunks of model 'no-such-model'" in r.stderr, r.stderr
     before = holders(server, ids)
     assert before and all(h == {CPU, DISK} for h in before)  # nothing removed
@@ -265,7 +265,7 @@ def test_prefetch_move_drop(server: ServeProcess, capsys: pytest.CaptureFixture[
         assert post(server, route, body, key=TENANT).status_code == 403, route
     cmd = [sys.executable, "-m", "kvtier", "cache", "drop", "--url", server.url, "--api-key", ADMIN,
            "--tier", "disk", "--token-ids", ",".join(map(str, b))]
-    r2 = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    r2 = process.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r2.returncode == 0 and json.loads(r2.stdout)["removed"] == 2, r2.stderr
     assert holders(server, b) == [{CPU}] * 2
     # the same drop again matches nothing: it says so and exits 3, not 0 (the command line, in process)
@@ -308,7 +308,7 @@ def test_a_budget_lowered_at_run_time_is_met_at_once(server: ServeProcess) -> No
     assert restored % 1024 == 0
     cmd = [sys.executable, "-m", "kvtier", "cache", "budget", "--url", server.url, "--api-key", ADMIN,
            "--tier", "cpu", "--budget", f"{restored // 1024}KiB"]
-    r2 = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    r2 = process.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r2.returncode == 0, r2.stderr
     assert json.loads(r2.stdout)["byte_budget"] == restored
     assert post(server, "/kv/unpin", {"prompt_token_ids": first[0], "tier": "cpu"}).json()["released"] == 1

@@ -17,6 +17,7 @@ import openai
 
 from connector.engine_connector import build_connector
 from engine import LLM, SamplingParams
+from harness import process
 from harness.model import make_tiny_checkpoint
 from harness.process import repo_env
 from harness.serve import ServeProcess
@@ -27,8 +28,8 @@ ARGS = ["--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "64", "--ma
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvtier", "cache", "explain", *args], capture_output=True,
-                          text=True, timeout=120, env=repo_env(None))
+    return process.run([sys.executable, "-m", "kvtier", "cache", "explain", *args], capture_output=True,
+                       text=True, timeout=120, env=repo_env(None))
 
 
 def test_explain_model_and_tenant_over_http(tmp_path: Path) -> None:

@@ -8,13 +8,13 @@ import argparse
 import logging
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from engine import SamplingParams
+from harness import process
 from kvstore.codecs import CODEC_NAMES
 from kvtier import __version__
 from kvtier.cli import build_parser, main
@@ -122,8 +122,8 @@ except SystemExit as e:
     (["cache-server", "--log-level", "verbose"], "argument --log-level: invalid choice: 'verbose'"),
 ])
 def test_a_bad_choice_fails_fast_with_the_subcommand_usage(argv: list[str], bad: str) -> None:
-    r = subprocess.run([sys.executable, "-c", FAIL_FAST, *argv], cwd=REPO, capture_output=True, text=True,
-                       timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    r = process.run([sys.executable, "-c", FAIL_FAST, *argv], cwd=REPO, capture_output=True, text=True,
+                    timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.stdout.split() == ["exit", "2", "False"]  # rejected before torch was imported
     assert f"usage: kvtier {argv[0]}" in r.stderr and bad in r.stderr
 
@@ -147,8 +147,8 @@ def test_unwritable_cache_server_disk_is_one_line_naming_the_path(tmp_path: Path
     blocker.write_text("x")
     for entry in (["-m", "kvtier"], ["-m", "kvtier.cmd_cache_server"]):  # the CLI and the light entry point
         args = entry + (["cache-server"] if entry[-1] == "kvtier" else [])
-        r = subprocess.run([sys.executable, *args, "--port", "0", "--disk", str(blocker / "spill")], cwd=REPO,
-                           capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+        r = process.run([sys.executable, *args, "--port", "0", "--disk", str(blocker / "spill")], cwd=REPO,
+                        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
         err = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(err) == 1, r.stderr
         want = f"--disk {blocker / 'spill'}: not a writable directory (Not a directory)"

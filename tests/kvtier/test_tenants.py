@@ -18,6 +18,7 @@ import pytest
 from scipy.stats import mannwhitneyu
 
 from connector.key_families import INDEX_KEY
+from harness import process
 from harness.cache_server import CacheServerProcess
 from harness.polling import wait_until
 from harness.redis import RedisServer
@@ -179,7 +180,6 @@ def test_forgetting_a_tenant_leaves_no_key_and_others_hits_unchanged(servers, st
 
 
 def test_cli_forgets_a_tenant_in_a_disk_directory(tmp_path) -> None:
-    import subprocess
     import sys
 
     import torch
@@ -195,8 +195,8 @@ def test_cli_forgets_a_tenant_in_a_disk_directory(tmp_path) -> None:
         storage.batched_put([(f"{tenant_prefix(tenant_tag(salt))}m:float16:v1:c4:{i:032x}", kv) for i in range(3)])
     storage.batched_put([("kvtier:m:float16:v1:c4:" + "0" * 32, kv)])
     storage.close()
-    out = subprocess.run([sys.executable, "-m", "kvtier", "forget-tenant", "--cache-salt", "tenant-x",
-                          "--kv-tier", url], capture_output=True, text=True, timeout=120)
+    out = process.run([sys.executable, "-m", "kvtier", "forget-tenant", "--cache-salt", "tenant-x",
+                       "--kv-tier", url], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["errors"] == {} and list(report["tiers"].values()) == [3]

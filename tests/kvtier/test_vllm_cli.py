@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import process
 from kvtier.vllm_cli import LOOKUP_MIDDLEWARE, with_lookup_route
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +69,7 @@ def dist_info(site: Path, name: str, version: str) -> None:
 
 def run(args: list[str], site: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    return process.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
 
 
 @no_vllm

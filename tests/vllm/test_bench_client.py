@@ -17,6 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness import process
 from harness.serve import REPO, ServeProcess
 
 NAME = "SmolLM2-135M-Instruct"
@@ -69,8 +70,8 @@ def bench_runs(server: ServeProcess, default_model_path: Path, tmp_path_factory:
                "--tokenizer", str(default_model_path), *args, "--num-prompts", str(NUM_PROMPTS),
                "--request-rate", "inf", "--max-concurrency", "4", "--seed", "0", "--temperature", "0",
                "--disable-tqdm", "--save-result", "--result-dir", str(out), "--result-filename", "out.json"]
-        procs[dataset] = (subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                           text=True), out)
+        procs[dataset] = (process.popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True), out)
     runs: dict[str, tuple[int, str, dict[str, Any]]] = {}
     for dataset, (proc, out) in procs.items():
         try:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
+from harness import process
 from harness.process import repo_env
 from harness.serve import RouterProcess
 from harness.text import long_text
@@ -406,7 +406,7 @@ def test_inspect_pin_clear_unpin_on_vllm_serve(backends: list[VllmServer], token
 
     cmd = [sys.executable, "-m", "kvtier", "cache", "inspect", "--url", server.url, "--api-key", KEY,
            "--token-ids", ",".join(map(str, kept))]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=repo_env())
+    r = process.run(cmd, capture_output=True, text=True, timeout=120, env=repo_env())
     assert r.returncode == 0, r.stderr
     assert [set(c["tiers"]) for c in json.loads(r.stdout)["chunks"]] == [{CPU}] * 4
 
