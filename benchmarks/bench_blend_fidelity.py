@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from connector.blend.api import stored_segment
 from connector.blend.executor import blend_recompute, compute_segment_kv, layer_inv_freqs, rerotate_kv
 from connector.engine_connector import build_connector
 from engine import LLM, SamplingParams
@@ -213,7 +214,7 @@ def run_bench(args: argparse.Namespace, out_name: str, t_start: float, model_pat
                     if kv is None:
                         kv = standalone[tuple(seg)] = compute_segment_kv(model, seg)
                 else:
-                    kv = conn.stored_segment(seg, "in_context")
+                    kv = stored_segment(conn, seg, "in_context")
                     if kv is None:
                         raise RuntimeError(f"q{qi}: a document was not stored by the warm-up")
                 pieces.append(rerotate_kv(kv.to(run.device), a, inv_freq))

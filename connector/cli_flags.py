@@ -1,8 +1,9 @@
 """Command-line flags that enable the connector (`kvtier generate`, examples, benchmarks).
 
 `--kv-tier URL` (repeatable, fastest first), `--chunk-size`, `--kv-codec`, `--config FILE`;
-CacheBlend: `--blend`, `--blend-ratio R`, `--blend-check-layer L`.
-With neither `--kv-tier`, `--config` nor `--blend`, there is a connector only when the
+and each registered extension's own (connector/extension.py; CacheBlend: `--blend`,
+`--blend-ratio R`, `--blend-check-layer L`). With neither `--kv-tier`, `--config` nor an
+extension's flag, there is a connector only when the
 environment names one (KVTIER_CONFIG, KVTIER_TIERS or LMCACHE_CONFIG_FILE, as `LLM()` reads
 it); every `KVTIER_*` variable applies on top of `--config`. Only argparse is imported at
 module level: the CLI builds every subcommand's parser on start-up.
@@ -11,7 +12,8 @@ module level: the CLI builds every subcommand's parser on start-up.
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from connector.engine_connector import EngineConnector
@@ -30,27 +32,26 @@ def add_connector_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--config", default=None, metavar="FILE",
                    help="connector YAML, kvtier's keys or an LMCache config (default: $KVTIER_CONFIG, "
                         "else $LMCACHE_CONFIG_FILE); --kv-tier replaces its tiers. See docs/configuration.md")
-    b = parser.add_argument_group("CacheBlend (reuse documents' KV in any position; prompt segments "
-                                  "separated by ' # # ')")
-    b.add_argument("--blend", action="store_true",
-                   help="blend segmented prompts (default tiers when no --kv-tier/--config)")
-    b.add_argument("--blend-ratio", type=float, default=None, metavar="R",
-                   help="fraction of segment tokens recomputed (default 0.15; 0 = plain reuse, 1 = full prefill)")
-    b.add_argument("--blend-check-layer", type=int, default=None, metavar="L",
-                   help="layer at which the recomputed tokens are selected (default 1)")
+    from connector.extension import extensions
+
+    for ext in extensions().values():
+        if ext.add_flags is not None:
+            ext.add_flags(parser)
 
 
 def connector_from_args(args: argparse.Namespace) -> EngineConnector | None:
     """Returns the connector the flags describe (or the environment names), or None when
     neither gives a tier or config. Raises ValueError naming the bad flag or config key."""
-    blend = getattr(args, "blend", False)
-    blend_knobs = {k: v for k, v in (("ratio", getattr(args, "blend_ratio", None)),
-                                      ("check_layer", getattr(args, "blend_check_layer", None))) if v is not None}
-    if blend_knobs and not blend:
-        raise ValueError("--blend-ratio/--blend-check-layer need --blend")
+    from connector.extension import extensions
     from engine.kv_connector import connector_env
 
-    if not args.kv_tier and not args.config and not blend and not connector_env():
+    registry = extensions()
+    asked: dict[str, Mapping[str, Any]] = {}  # per extension section: the keys its flags set
+    for name, ext in registry.items():
+        changes = ext.flag_changes(args) if ext.flag_changes is not None else None
+        if changes is not None:
+            asked[name] = changes
+    if not args.kv_tier and not args.config and not asked and not connector_env():
         if args.chunk_size is not None or args.kv_codec is not None:
             raise ValueError("--chunk-size/--kv-codec need a --kv-tier or --config (or KVTIER_TIERS/KVTIER_CONFIG)")
         return None
@@ -67,11 +68,12 @@ def connector_from_args(args: argparse.Namespace) -> EngineConnector | None:
         base.kvstore.tiers = [TierSpec.from_url(u, f"--kv-tier[{i}]") for i, u in enumerate(args.kv_tier)]
     if args.chunk_size is not None and args.chunk_size <= 0:
         raise ValueError(f"--chunk-size must be > 0, got {args.chunk_size}")
-    if blend or base.blend.enabled:
+    for name, changes in asked.items():
         import dataclasses
 
+        section: Any = base.extensions.get(name) or registry[name].parse(None)  # a dataclass, as parsed
         try:
-            base.blend = dataclasses.replace(base.blend, enabled=True, **blend_knobs).validate()
+            base.extensions[name] = dataclasses.replace(section, enabled=True, **changes).validate()
         except ValueError as exc:
-            raise ValueError(f"--blend: {exc}") from None
+            raise ValueError(f"--{name}: {exc}") from None
     return EngineConnector(make_config(base, chunk_size=args.chunk_size, codec=args.kv_codec))

@@ -1,4 +1,4 @@
-"""The tables of docs/configuration.md, rendered from the code's tables (`ALL_SETTINGS`,
+"""The tables of docs/configuration.md, rendered from the code's tables (`all_settings()`,
 `PROCESS_SETTINGS`, `LMCACHE_KEYS`), so the reference cannot drift: a test compares them with the file, and
 `python -m connector.config_reference docs/configuration.md` rewrites them in place.
 """
@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from connector.connector_config import ALL_SETTINGS
+from connector.connector_config import all_settings
 from connector.lmcache_compat import IGNORE, LMCACHE_KEYS, MAP
 from kvsettings import PROCESS_SETTINGS
 
@@ -17,7 +17,7 @@ from kvsettings import PROCESS_SETTINGS
 def settings_table() -> str:
     """Returns the markdown table of every config key: key, variable, default, meaning."""
     rows = ["| key | environment variable | default | meaning |", "|---|---|---|---|"]
-    for s in ALL_SETTINGS:
+    for s in all_settings():
         env = f"`{s.env}`" + "".join(f" (or `{a}`)" for a in s.aliases)
         rows.append(f"| `{s.key}` | {env} | `{s.default}` | {s.meaning} |")
     return "\n".join(rows)

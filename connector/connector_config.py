@@ -1,7 +1,7 @@
 """Connector configuration: the kvstore config (tiers, codecs, the slower tiers' writer) plus
-what the connector decides (chunk size, what is stored, its store queue, layerwise loads,
-CacheBlend). One YAML file holds both, every key at the top level; errors are ValueErrors
-naming the key.
+what the connector decides (chunk size, what is stored, its store queue, layerwise loads),
+and one section per registered extension (connector/extension.py: `blend:`, CacheBlend's). One
+YAML file holds them all, every key at the top level; errors are ValueErrors naming the key.
 
     chunk_size: 256                  # connector
     save_unfull_chunk: true          # connector
@@ -9,7 +9,7 @@ naming the key.
     tiers: [cpu, "disk:///var/cache/kvtier"]   # kvstore
 
 An LMCache config (a mapping with LMCache's keys) is translated by `connector.lmcache_compat`.
-Every key has a `KVTIER_*` variable (`ALL_SETTINGS`, listed in docs/configuration.md).
+Every key has a `KVTIER_*` variable (`all_settings()`, listed in docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -23,13 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from connector import lmcache_compat
-from connector.blend.blend_config import BLEND_SETTINGS, BlendConfig
-from engine.engine_config import opt
+from connector.extension import enabled_extension, extensions
 from engine.kv_cache import KeyedModel
 from engine.kv_connector import CONFIG_FILE_ENV
 from kvkeys.keyspace import Keyspace
 from kvkeys.tenants import set_tenant_tag_key, tag_key_bytes
-from kvstore.env import Setting, env_bool, env_int, env_str, field_settings, merge, parse_env
+from kvsettings import ProcessEnv, Setting, env_bool, env_int, env_str, field_settings, merge, opt, parse_env, variable
 from kvstore.store_config import KVSTORE_SETTINGS, KVStoreConfig, TierSpec, parse_size, read_yaml, unknown_key
 
 if TYPE_CHECKING:
@@ -43,8 +42,9 @@ PAGE_FORMS = ("auto", "tiles")
 
 
 def valid_keys() -> frozenset[str]:
-    """Returns every top-level key a kvtier config may have (kvstore's and the connector's)."""
-    return frozenset({f.name for f in dataclasses.fields(KVStoreConfig)} | set(_CONNECTOR_KEYS))
+    """Returns every top-level key a kvtier config may have (kvstore's, the connector's and each
+    registered extension's section)."""
+    return frozenset({f.name for f in dataclasses.fields(KVStoreConfig)} | set(_CONNECTOR_KEYS) | set(extensions()))
 
 
 def translate(data: Mapping[str, Any], source: str = "config") -> Mapping[str, Any]:
@@ -139,9 +139,10 @@ class ConnectorConfig:
         "shared secret (>= 16 bytes): a cache_salt's tenant tag in stored keys is an HMAC under it, so "
         "a reader of a shared tier cannot confirm a guessed salt; every process sharing a tier needs "
         "the same one (unset: the unkeyed tags of before)",
-        env="KVTIER_TENANT_TAG_KEY", parse=env_str, check=_tag_key, shown="unset"))
-    # CacheBlend (`blend: {enabled: true, ratio: 0.15, check_layer: 1, ...}`, see BlendConfig).
-    blend: BlendConfig = field(default_factory=BlendConfig)
+        env=variable(ProcessEnv, "tenant_tag_key"), parse=env_str, check=_tag_key, shown="unset"))
+    # Registered extensions' sections given, by section (`blend: {enabled: true, ratio: 0.15}` is
+    # CacheBlend's): each as that extension's `parse` returns it (connector/extension.py).
+    extensions: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> ConnectorConfig:
         """Returns self after checking every field; raises ValueError naming the key."""
@@ -151,11 +152,16 @@ class ConnectorConfig:
         for f in dataclasses.fields(self):
             if "check" in f.metadata:
                 setattr(self, f.name, f.metadata["check"](f.name, getattr(self, f.name)))
-        if not isinstance(self.blend, BlendConfig):
-            raise ValueError(f"blend: expected a BlendConfig, got {type(self.blend).__name__}")
-        self.blend.validate()
-        if self.use_layerwise and self.blend.enabled:
-            raise ValueError("use_layerwise: CacheBlend (blend.enabled) loads whole chunks; turn one of them off")
+        registry = extensions()
+        for name, section in self.extensions.items():
+            if name not in registry:
+                raise ValueError(f"{name}: no extension of that name is installed "
+                                 f"(installed: {', '.join(sorted(registry)) or 'none'})")
+            section.validate()
+        on = enabled_extension(self.extensions)
+        if on is not None and self.use_layerwise and on[0].whole_chunks:
+            raise ValueError(f"use_layerwise: {on[0].title} ({on[0].section}.enabled) loads whole chunks; "
+                             "turn one of them off")
         return self
 
     def apply_tenant_tag_key(self) -> None:
@@ -182,11 +188,11 @@ class ConnectorConfig:
         for key in data:
             if key not in known:
                 raise unknown_key(key, known)
-        rest = {k: v for k, v in data.items() if k not in _CONNECTOR_KEYS}
+        registry = extensions()
+        rest = {k: v for k, v in data.items() if k not in _CONNECTOR_KEYS and k not in registry}
         own = {k: data[k] for k in _CONNECTOR_KEYS if k in data}
-        if "blend" in own:
-            own["blend"] = BlendConfig.from_dict(own["blend"])
-        return cls(kvstore=KVStoreConfig.from_dict(rest), **own).validate()
+        sections = {name: ext.parse(data[name]) for name, ext in registry.items() if name in data}
+        return cls(kvstore=KVStoreConfig.from_dict(rest), extensions=sections, **own).validate()
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None,
@@ -208,7 +214,7 @@ class ConnectorConfig:
             if not isinstance(data, Mapping):
                 raise ValueError(f"config: {os.fspath(path)} must hold a mapping, got {type(data).__name__}")
             data = translate(data, os.fspath(path))
-        data = merge(data, parse_env(ALL_SETTINGS, env))
+        data = merge(data, parse_env(all_settings(), env))
         if overrides:
             if not isinstance(overrides, Mapping):
                 raise ValueError(f"config: overrides must be a mapping, got {type(overrides).__name__}")
@@ -216,11 +222,15 @@ class ConnectorConfig:
         return cls.from_dict(data)
 
 
-_CONNECTOR_KEYS = tuple(f.name for f in dataclasses.fields(ConnectorConfig) if f.name != "kvstore")
-"""The connector's top-level keys (its settings and the `blend:` section); the rest are kvstore's."""
+_CONNECTOR_KEYS = tuple(f.name for f in dataclasses.fields(ConnectorConfig) if f.name not in ("kvstore", "extensions"))
+"""The connector's own top-level keys; extensions' sections and kvstore's keys are the rest."""
 CONNECTOR_SETTINGS: tuple[Setting, ...] = field_settings(ConnectorConfig)
-ALL_SETTINGS: tuple[Setting, ...] = KVSTORE_SETTINGS + CONNECTOR_SETTINGS + BLEND_SETTINGS
-"""Every config key, one row each (kvstore's, the connector's, CacheBlend's)."""
+
+
+def all_settings() -> tuple[Setting, ...]:
+    """Returns every config key, one row each: kvstore's, the connector's, then each registered
+    extension's (CacheBlend's `blend.*`)."""
+    return KVSTORE_SETTINGS + CONNECTOR_SETTINGS + tuple(s for ext in extensions().values() for s in ext.settings)
 
 
 def make_config(
@@ -246,7 +256,7 @@ def make_config(
         cfg = ConnectorConfig.load()
     elif isinstance(source, ConnectorConfig):
         cfg = dataclasses.replace(source, kvstore=dataclasses.replace(source.kvstore),
-                                  blend=dataclasses.replace(source.blend))
+                                  extensions={k: dataclasses.replace(v) for k, v in source.extensions.items()})
     elif isinstance(source, KVStoreConfig):
         cfg = ConnectorConfig(kvstore=dataclasses.replace(source))
     elif isinstance(source, Mapping):

@@ -13,17 +13,12 @@ connector as a whole (flush, shutdown, figures, what the tiers hold).
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import functools
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from connector import cache_control
-from connector.blend.blend_planner import BlendPlanner
-from connector.blend.blender import Blender
 from connector.connector_config import ConnectorConfig, make_config
 from connector.explain import explain
 from connector.metrics import ConnectorMetrics, RequestKVMetrics, TierKVMetrics
@@ -177,36 +172,6 @@ class EngineConnector(KVConnector):
         self.flush()
         return self.storage.operations.delete_idle(older_than_s)
 
-    def _blender(self) -> Blender:
-        """Returns the worker's extension as CacheBlend's; ValueError when it is not that."""
-        if not isinstance(self.worker.extension, Blender):
-            raise ValueError("CacheBlend is not configured (blend.enabled) or has no engine yet")
-        return self.worker.extension
-
-    def blend_stats(self) -> dict[str, Any]:
-        """Returns CacheBlend's totals since start-up; ValueError when it is not configured."""
-        return self._blender().stats.to_dict()
-
-    def stored_segment(self, token_ids: Sequence[int], segment_kv: str | None = None,
-                       cache_salt: str | None = None) -> torch.Tensor | None:
-        """Returns the stored K/V `(L, 2, n, H, D)` of a CacheBlend segment at positions 0.. of
-        kind `segment_kv` (default: the config's) stored for requests of `cache_salt`, or None
-        unless all of it is stored and well-formed. Read only (it may be a tier's own tensor)."""
-        blender = self._blender()
-        spans = blender.keyspace.for_salt(cache_salt).segment_spans(token_ids, segment_kv or blender.config.segment_kv)
-        return blender.fetch_segment(spans)[0]
-
-    def set_blend(self, **changes: Any) -> None:
-        """Changes CacheBlend's knobs (ratio, segment_kv, check_layer, ...) on both halves,
-        validated; for experiments between requests."""
-        layout = self.worker.layout
-        blend = dataclasses.replace(self._blender().config, **changes).validate(
-            layout.num_layers if layout is not None else None)
-        self.config.blend = blend
-        self._blender().config = blend
-        if isinstance(self.planner.extension, BlendPlanner):
-            self.planner.extension.config = blend
-
 
 def _shutdown_at_exit(ref: weakref.ref[EngineConnector]) -> None:
     conn = ref()
@@ -219,7 +184,7 @@ def build_connector(config_or_urls: Any = None, *, storage: StorageManager | Non
     """Returns a connector for `LLM(kv_connector=...)` from a ConnectorConfig, KVStoreConfig,
     mapping, YAML path, tier URL or list of tier URLs (fastest first); `overrides` are
     `make_config` keywords (chunk_size, codec, save_decode_tokens, save_unfull_chunk,
-    use_layerwise). CacheBlend is on when the config's `blend.enabled` is."""
+    use_layerwise). An extension (CacheBlend) is on when its config section says `enabled`."""
     if isinstance(config_or_urls, EngineConnector):
         if overrides or storage is not None:
             raise ValueError("a ready connector takes no overrides")

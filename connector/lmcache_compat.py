@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvsettings import did_you_mean
 from kvstore.codecs import CODEC_NAMES
 from kvstore.eviction import POLICIES
-from kvstore.store_config import did_you_mean
 
 logger = logging.getLogger("kvtier.connector")
 

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from connector.blend.blend_planner import planner_extension
 from connector.connector_config import ConnectorConfig
+from connector.extension import planner_extension
 from connector.metadata import KVTierMeta, LoadSpec, SaveSpec
 from connector.metrics import ConnectorMetrics, RequestKVMetrics
 from connector.presence import ChunkPresence, Found
@@ -77,7 +77,7 @@ class KVTierPlanner(KVConnectorScheduler):
         self.presence = presence
         self.metrics = metrics
         self.layerwise = config.use_layerwise
-        self.extension = planner_extension(config.blend, presence, metrics)
+        self.extension = planner_extension(config.extensions, presence, metrics)
         self.segment_separator = self.extension.segment_separator
         self._keyspace: Keyspace | None = None
         self._save_plan: SavePlan | None = None

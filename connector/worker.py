@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from connector.blend.blender import worker_extension
 from connector.connector_config import ConnectorConfig
-from connector.extension import NoWorkerExtension, WorkerExtension
+from connector.extension import NoWorkerExtension, WorkerExtension, worker_extension
 from connector.key_families import flush_index
 from connector.loader import Loader, LoadJob
 from connector.metadata import KVTierMeta, SaveSpec
@@ -122,7 +121,7 @@ class KVTierWorker(KVConnectorWorker):
         self.layout = layout
         self.loader = Loader(self.storage, self.stores, layout, keyspace, self.metrics)
         self.saver = Saver(self.stores, self.presence, layout, keyspace, self.metrics)
-        self.extension = worker_extension(self.config.blend, self.storage, self.stores, layout, keyspace,
+        self.extension = worker_extension(self.config.extensions, self.storage, self.stores, layout, keyspace,
                                           self.metrics, mc, self._model)
 
     @property

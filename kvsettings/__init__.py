@@ -16,8 +16,9 @@ own): every such `KVTIER_*` variable is read through it, nowhere else.
 
 from __future__ import annotations
 
+import difflib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
@@ -94,11 +95,12 @@ def field_default(f: Field[Any]) -> Any:
     return MISSING
 
 
-def field_settings(config: Any) -> tuple[Setting, ...]:
+def field_settings(config: Any, prefix: str = "") -> tuple[Setting, ...]:
     """Returns one row per field of the dataclass `config` whose metadata names its variable, in
-    field order. The metadata (`opt`) gives `env`, `parse` and `help` (the meaning), `aliases`
-    (older variable names) when there are any, and `shown` when the reference shows the default
-    otherwise than the field's default does (booleans show as true/false)."""
+    field order, each key `prefix` + the field's name (a section's: "blend."). The metadata
+    (`opt`) gives `env`, `parse` and `help` (the meaning), `aliases` (older variable names) when
+    there are any, and `shown` when the reference shows the default otherwise than the field's
+    default does (booleans show as true/false)."""
     rows = []
     for f in fields(config):
         meta = f.metadata
@@ -110,7 +112,8 @@ def field_settings(config: Any) -> tuple[Setting, ...]:
             raise ValueError(f"{f.name}: a setting without a plain default needs metadata `shown`")
         else:
             shown = str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
-        rows.append(Setting(f.name, meta["env"], meta["parse"], shown, meta["help"], tuple(meta.get("aliases", ()))))
+        rows.append(Setting(prefix + f.name, meta["env"], meta["parse"], shown, meta["help"],
+                            tuple(meta.get("aliases", ()))))
     return tuple(rows)
 
 
@@ -203,3 +206,9 @@ class ProcessEnv:
 
 PROCESS_SETTINGS: tuple[Setting, ...] = field_settings(ProcessEnv)
 """`ProcessEnv`'s variables, one row each (docs/configuration.md lists them)."""
+
+
+def did_you_mean(key: Any, known: Iterable[str]) -> str:
+    """Returns " (did you mean X?)" for the closest of `known` to `key`, or "" when none is close."""
+    close = difflib.get_close_matches(str(key), list(known), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""

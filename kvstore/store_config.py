@@ -17,14 +17,13 @@ Every validation error is a ValueError that names the offending key (or file and
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from kvsettings import ProcessEnv, Setting, env_float, env_int, env_str, field_settings, opt, parse_env
+from kvsettings import ProcessEnv, Setting, did_you_mean, env_float, env_int, env_str, field_settings, opt, parse_env
 from kvstore.codecs import CODEC_NAMES
 from kvstore.deadlines import BACKOFF_INITIAL_S, BACKOFF_MAX_S, FLUSH_TIMEOUT_S
 from kvstore.eviction import POLICIES
@@ -256,12 +255,6 @@ def unknown_key(key: Any, known: Iterable[str], where: str = "") -> ValueError:
     every valid key."""
     known = sorted(known)
     return ValueError(f"{where}{key}: unknown config key{did_you_mean(key, known)}; valid keys: {', '.join(known)}")
-
-
-def did_you_mean(key: Any, known: Iterable[str]) -> str:
-    """Returns " (did you mean X?)" for the closest of `known` to `key`, or "" when none is close."""
-    close = difflib.get_close_matches(str(key), list(known), n=1)
-    return f" (did you mean {close[0]}?)" if close else ""
 
 
 KVSTORE_SETTINGS: tuple[Setting, ...] = field_settings(KVStoreConfig)

@@ -77,6 +77,14 @@ def test_only_the_vllm_package_knows_vllm() -> None:
     assert not broken, "\n".join(broken)
 
 
+def test_no_core_module_imports_cacheblend() -> None:
+    """CacheBlend is a plug-in (connector/extension.py): pyproject.toml registers it, and no
+    shipped module outside connector/blend/ imports it, not even inside a function."""
+    broken = [f"{rel}:{line} imports {dotted}" for rel, path in shipped() if not rel.startswith("connector/blend/")
+              for line, dotted in imported(path) if dotted.split(".")[:2] == ["connector", "blend"]]
+    assert not broken, "only connector/blend/ imports connector.blend:\n" + "\n".join(broken)
+
+
 def test_the_module_map_names_every_shipped_module() -> None:
     """docs/architecture.md's module map names each shipped module by its path, and names no
     module that is gone."""

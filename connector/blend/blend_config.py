@@ -1,4 +1,6 @@
-"""CacheBlend settings (the `blend:` section of the connector config)."""
+"""CacheBlend settings (the `blend:` section of the connector config), each key declared once in
+its field: type, default, meaning and `KVTIER_BLEND_*` variable. Light (the standard library and
+kvsettings): the command line reads these while it builds its parsers."""
 
 from __future__ import annotations
 
@@ -6,15 +8,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from engine.kv_cache import KeyedModel
-from kvkeys.keyspace import SEGMENT_ROOTS
-from kvstore.env import Setting, env_bool, env_float, env_int, env_raw, env_str
-from kvstore.store_config import did_you_mean
+from kvsettings import Setting, did_you_mean, env_bool, env_float, env_int, env_raw, env_str, field_settings, opt
 
 if TYPE_CHECKING:
+    from engine.kv_cache import KeyedModel
     from engine.model_config import ModelConfig
 
 DEFAULT_SEPARATOR = " # # "  # LMCache's blend_special_str
+
+
+def _env_narrowing(var: str, text: str) -> list[tuple[int, float]]:
+    steps = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        layer, sep, ratio = item.partition(":")
+        if not sep:
+            raise ValueError(f"{var}: expected layer:ratio pairs like 8:0.1,16:0.05, got {text!r}")
+        steps.append((env_int(var, layer), env_float(var, ratio)))
+    return steps
 
 
 @dataclass
@@ -30,15 +40,28 @@ class BlendConfig:
     blend far closer to a full prefill (docs/results.md, "CacheBlend quality and speed"); the
     two are stored under different keys."""
 
-    enabled: bool = False
-    ratio: float = 0.15
-    check_layer: int = 1
-    separator: str | None = DEFAULT_SEPARATOR
-    narrowing: list[tuple[int, float]] = field(default_factory=list)
-    segment_kv: str = "in_context"
+    enabled: bool = field(default=False, metadata=opt(
+        "CacheBlend: reuse each prompt segment's K/V wherever it appears, recomputing a few tokens",
+        env="KVTIER_BLEND_ENABLED", parse=env_bool))
+    ratio: float = field(default=0.15, metadata=opt(
+        "fraction of blended tokens recomputed past `check_layer` (0 = plain reuse, 1 = full prefill)",
+        env="KVTIER_BLEND_RATIO", parse=env_float))
+    check_layer: int = field(default=1, metadata=opt(
+        "layer at which the tokens to recompute are selected", env="KVTIER_BLEND_CHECK_LAYER", parse=env_int))
+    separator: str | None = field(default=DEFAULT_SEPARATOR, metadata=opt(
+        "string prompts are split into segments on it", env="KVTIER_BLEND_SEPARATOR", parse=env_raw,
+        shown=repr(DEFAULT_SEPARATOR)))
+    narrowing: list[tuple[int, float]] = field(default_factory=list, metadata=opt(
+        "later `[layer, ratio]` steps that shrink the recomputed set (env: `8:0.1,16:0.05`)",
+        env="KVTIER_BLEND_NARROWING", parse=_env_narrowing, shown="[]"))
+    segment_kv: str = field(default="in_context", metadata=opt(
+        "how an uncached segment's K/V is made: in_context or standalone", env="KVTIER_BLEND_SEGMENT_KV",
+        parse=env_str))
 
     def validate(self, num_layers: int | None = None) -> BlendConfig:
         """Returns self after checking every field; raises ValueError naming the key."""
+        from kvkeys.keyspace import SEGMENT_ROOTS  # the segment kinds' home (it imports torch)
+
         if not isinstance(self.enabled, bool):
             raise ValueError(f"blend.enabled: expected bool, got {self.enabled!r}")
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0.0 <= self.ratio <= 1.0:
@@ -87,31 +110,8 @@ class BlendConfig:
         return cls(**dict(data)).validate()
 
 
-def _env_narrowing(var: str, text: str) -> list[tuple[int, float]]:
-    steps = []
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        layer, sep, ratio = item.partition(":")
-        if not sep:
-            raise ValueError(f"{var}: expected layer:ratio pairs like 8:0.1,16:0.05, got {text!r}")
-        steps.append((env_int(var, layer), env_float(var, ratio)))
-    return steps
-
-
-BLEND_SETTINGS: tuple[Setting, ...] = (
-    Setting("blend.enabled", "KVTIER_BLEND_ENABLED", env_bool, "false",
-            "CacheBlend: reuse each prompt segment's K/V wherever it appears, recomputing a few tokens"),
-    Setting("blend.ratio", "KVTIER_BLEND_RATIO", env_float, "0.15",
-            "fraction of blended tokens recomputed past `check_layer` (0 = plain reuse, 1 = full prefill)"),
-    Setting("blend.check_layer", "KVTIER_BLEND_CHECK_LAYER", env_int, "1",
-            "layer at which the tokens to recompute are selected"),
-    Setting("blend.narrowing", "KVTIER_BLEND_NARROWING", _env_narrowing, "[]",
-            "later `[layer, ratio]` steps that shrink the recomputed set (env: `8:0.1,16:0.05`)"),
-    Setting("blend.separator", "KVTIER_BLEND_SEPARATOR", env_raw, repr(DEFAULT_SEPARATOR),
-            "string prompts are split into segments on it"),
-    Setting("blend.segment_kv", "KVTIER_BLEND_SEGMENT_KV", env_str, "in_context",
-            "how an uncached segment's K/V is made: in_context or standalone"),
-)
-"""CacheBlend's keys (the `blend:` section), one row each."""
+BLEND_SETTINGS: tuple[Setting, ...] = field_settings(BlendConfig, prefix="blend.")
+"""CacheBlend's keys (the `blend:` section), one row each, read from `BlendConfig`'s fields."""
 
 
 def engine_model(model: KeyedModel) -> ModelConfig:

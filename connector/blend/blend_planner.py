@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from connector.blend.blend_config import BlendConfig, engine_model
 from connector.blend.executor import check_rope_moves
 from connector.blend.segments import BlendSpec, context_segments
-from connector.extension import NoPlannerExtension, PlannerExtension
+from connector.extension import PlannerExtension
 from connector.metrics import ConnectorMetrics
 from connector.presence import ChunkPresence
 from engine.kv_cache import KeyedModel
@@ -30,12 +30,6 @@ from kvkeys.keyspace import Keyspace
 if TYPE_CHECKING:
     from connector.request_view import RequestView
     from engine.scheduler_output import SchedulerOutput
-
-
-def planner_extension(config: BlendConfig, presence: ChunkPresence, metrics: ConnectorMetrics) -> PlannerExtension:
-    """Returns the scheduler side's extension `config` asks for: a `BlendPlanner` when
-    `blend.enabled`, else none."""
-    return BlendPlanner(config, presence, metrics) if config.enabled else NoPlannerExtension()
 
 
 class BlendPlanner(PlannerExtension):

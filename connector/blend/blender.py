@@ -30,7 +30,7 @@ import torch
 from connector.blend.blend_config import BlendConfig, engine_model
 from connector.blend.executor import blend_recompute, check_blendable, compute_segment_kv, layer_inv_freqs, rerotate_kv
 from connector.blend.segments import BlendSpec
-from connector.extension import NoWorkerExtension, WorkerExtension
+from connector.extension import WorkerExtension
 from connector.loader import chunk_ok
 from connector.metrics import ConnectorMetrics
 from connector.store_queue import StoreQueue
@@ -43,14 +43,11 @@ if TYPE_CHECKING:
     from engine.model_config import ModelConfig
 
 
-def worker_extension(config: BlendConfig, storage: StorageManager, stores: StoreQueue, layout: PagedKVLayout,
-                     keyspace: Keyspace, metrics: ConnectorMetrics, model_config: KeyedModel,
-                     model: torch.nn.Module | None) -> WorkerExtension:
-    """Returns the worker side's extension `config` asks for over the engine's paged caches:
-    a `Blender` of `model` when `blend.enabled` (ValueError/TypeError if it cannot run it),
-    else none."""
-    if not config.enabled:
-        return NoWorkerExtension()
+def new_blender(config: BlendConfig, storage: StorageManager, stores: StoreQueue, layout: PagedKVLayout,
+                keyspace: Keyspace, metrics: ConnectorMetrics, model_config: KeyedModel,
+                model: torch.nn.Module | None) -> Blender:
+    """Returns the worker side's CacheBlend over the engine's paged caches, blending with
+    `model` (ValueError/TypeError if it cannot run it)."""
     blender = Blender(config, storage, stores, layout, keyspace, metrics)
     blender.register_model(engine_model(model_config), model)
     return blender

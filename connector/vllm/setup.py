@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from connector.connector_config import ConnectorConfig
+from connector.extension import enabled_extension
 from connector.presence import RankedPresence
 from connector.vllm.layouts import cpu_page_decoder
 from connector.vllm.lookup_channel import RemotePresence, lookup_socket_path
@@ -179,9 +180,10 @@ def vllm_setup(vllm_config: Any, kv_cache_config: Any, backend: str,
         raise ValueError("KVTierConnector: use_layerwise needs tensor_parallel_size=1 (a layerwise value holds "
                          "every KV head of its layer; tensor-parallel ranks store their own heads)")
     cache_dtype = kv_cache_dtype(vllm_config.cache_config, backend)
-    if config.blend.enabled:
-        raise ValueError("CacheBlend (blend.enabled) is not supported inside vLLM yet; "
-                         "use kvtier's engine for blended prompts")
+    on = enabled_extension(config.extensions)
+    if on is not None and not on[0].in_vllm:
+        raise ValueError(f"{on[0].title} ({on[0].section}.enabled) is not supported inside vLLM yet; "
+                         "use kvtier's engine for it")
     groups = kv_cache_groups(kv_cache_config)
     for g in getattr(kv_cache_config, "kv_cache_groups", None) or ():
         spec = type(g.kv_cache_spec)

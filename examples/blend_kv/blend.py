@@ -16,6 +16,8 @@ import itertools
 import sys
 from pathlib import Path
 
+from connector.blend.api import blend_stats
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -57,7 +59,7 @@ def main() -> None:
 
     warm = blend.generate([chat_segments(tok, docs, question((0, 1, 2)))], params)[0]
     print(f"warm-up (segments computed in the prompt and stored): {len(warm.prompt_token_ids)} prompt tokens, "
-          f"TTFT {ttft(warm):.3f}s, segment stats {conn.blend_stats()}")
+          f"TTFT {ttft(warm):.3f}s, segment stats {blend_stats(conn)}")
     print(f"question: {question((0, 1, 2)).question}  expected answer: {docs[1].value}\n")
     print(f"{'order':<10} {'blend TTFT':>11} {'full TTFT':>10} {'speed-up':>9}  answers (blend | full)")
     for order in itertools.islice(itertools.permutations(range(3)), 1, 5):
@@ -67,7 +69,7 @@ def main() -> None:
         f = full.generate([{"prompt_token_ids": b.prompt_token_ids}], params)[0]
         print(f"{str(order):<10} {ttft(b):>10.3f}s {ttft(f):>9.3f}s {ttft(f) / ttft(b):>8.2f}x  "
               f"{b.outputs[0].text.strip()!r} | {f.outputs[0].text.strip()!r}")
-    print(f"\nsegment stats: {conn.blend_stats()}")
+    print(f"\nsegment stats: {blend_stats(conn)}")
     blend.shutdown()
     full.shutdown()
 

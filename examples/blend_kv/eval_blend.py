@@ -31,6 +31,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from connector.blend.api import blend_stats, set_blend
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -154,15 +156,15 @@ def main() -> None:
 
     warmed = set()
     for name, (segment_kv, ratio) in BLEND_MODES.items():
-        conn.set_blend(ratio=ratio, segment_kv=segment_kv)
+        set_blend(conn, ratio=ratio, segment_kv=segment_kv)
         if segment_kv not in warmed:  # each kind of segment K/V has its own keys
             print(f"warming {args.pool} documents' K/V ({segment_kv}) ...", flush=True)
             run_mode(blend, warm_prompts, params)
             warmed.add(segment_kv)
         print(f"{name} ...", flush=True)
-        before = conn.blend_stats()
+        before = blend_stats(conn)
         outs = run_mode(blend, seg_prompts, params)
-        after = conn.blend_stats()
+        after = blend_stats(conn)
         blended = after["blended_tokens"] - before["blended_tokens"]
         results.append(summarise(name, outs, ref, answers, {
             "segment_kv": segment_kv, "ratio": ratio,

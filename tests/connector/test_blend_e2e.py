@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from connector.blend.api import blend_stats, stored_segment
 from connector.blend.blend_planner import BlendPlanner
 from connector.connector_config import make_config
 from connector.engine_connector import EngineConnector, build_connector
@@ -151,7 +152,7 @@ def test_ratio_one_gives_full_prefill_tokens(default_model_path, segments, refer
     with blend_engine(default_model_path, 1.0) as (llm, conn):
         out = llm.generate([prompt(segments)], GREEDY)[0]
         assert tokens(out) == reference
-        st = conn.blend_stats()
+        st = blend_stats(conn)
         assert st["requests"] == 1 and st["recomputed_tokens"] == st["blended_tokens"] > 0
         # Cold: the connector computed every segment inside the prompt; nothing was cached or loaded.
         assert out.num_cached_tokens == 0
@@ -166,7 +167,7 @@ def test_ratio_zero_gives_full_reuse_tokens(default_model_path, segments, hf_def
     with blend_engine(default_model_path, 0.0, enable_prefix_caching=False) as (llm, conn):
         assert tokens(llm.generate([prompt(segments, (0, 1, 2))], GREEDY)[0]) == reference
         out = tokens(llm.generate([prompt(segments, (2, 0, 1))], GREEDY)[0])
-        st = conn.blend_stats()
+        st = blend_stats(conn)
         assert (st["segment_hits"], st["segment_misses"]) == (4, 4)
         assert st["recomputed_tokens"] == st["blended_tokens"] // 2  # the cold prompt only
         assert out == hf_in_context_reuse(hf_default_model, segments, (0, 1, 2), (2, 0, 1), GREEDY.max_tokens)
@@ -175,7 +176,7 @@ def test_ratio_zero_gives_full_reuse_tokens(default_model_path, segments, hf_def
     # Standalone (LMCache's precompute): each segment's K/V is computed on its own.
     with blend_engine(default_model_path, 0.0, "standalone", enable_prefix_caching=False) as (llm, conn):
         out = tokens(llm.generate([prompt(segments)], GREEDY)[0])
-        assert conn.blend_stats()["recomputed_tokens"] == 0
+        assert blend_stats(conn)["recomputed_tokens"] == 0
         assert out == hf_full_reuse(hf_default_model, segments, GREEDY.max_tokens)
         assert_idle(llm, conn)
 
@@ -248,10 +249,10 @@ def test_a_missing_segment_is_stored_as_its_prompt_computed_it(default_model_pat
         for d in (1, 2, 0):
             ids = segments["docs"][d]
             want = rerotate_kv(full[:, :, offset:offset + len(ids)], -offset, model.model.rotary.inv_freq)
-            torch.testing.assert_close(conn.stored_segment(ids), want, atol=1e-4, rtol=1e-4)
-            assert conn.stored_segment(ids, "standalone") is None
+            torch.testing.assert_close(stored_segment(conn, ids), want, atol=1e-4, rtol=1e-4)
+            assert stored_segment(conn, ids, "standalone") is None
             offset += len(ids)
-        torch.testing.assert_close(conn.stored_segment(segments["system"], "standalone"),
+        torch.testing.assert_close(stored_segment(conn, segments["system"], "standalone"),
                                    compute_segment_kv(model, segments["system"]), atol=1e-4, rtol=1e-4)
         assert_idle(llm, conn)
 
@@ -259,7 +260,7 @@ def test_a_missing_segment_is_stored_as_its_prompt_computed_it(default_model_pat
 def test_segments_hit_in_any_order_and_missing_ones_are_computed(default_model_path, segments, reference):
     with blend_engine(default_model_path, 0.15) as (llm, conn):
         first = llm.generate([prompt(segments, (0, 1, 2))], GREEDY)[0]  # cold: every segment computed
-        st = conn.blend_stats()
+        st = blend_stats(conn)
         assert (st["segment_hits"], st["segment_misses"]) == (0, 4)
         context = sum(prompt(segments)["segment_lens"][:-1])
         assert first.num_cached_tokens == 0  # computed, not cached
@@ -269,12 +270,12 @@ def test_segments_hit_in_any_order_and_missing_ones_are_computed(default_model_p
         assert llm.get_stats()["num_cached_blocks"] == context // 16
         repeat = llm.generate([prompt(segments, (0, 1, 2))], GREEDY)[0]
         assert tokens(repeat) == reference
-        assert conn.blend_stats()["blended_tokens"] - st["blended_tokens"] == context % 16
+        assert blend_stats(conn)["blended_tokens"] - st["blended_tokens"] == context % 16
         llm.reset_prefix_cache()
 
         for order in [(2, 0, 1), (1, 2, 0)]:
             llm.generate([prompt(segments, order)], GREEDY)
-        st = conn.blend_stats()
+        st = blend_stats(conn)
         assert st["segment_misses"] == 4  # nothing computed again: all hits
         # The repeat's last document, then per order 3 documents + the system prompt (its tail past
         # the engine's hit once the first order has cached it).
@@ -290,9 +291,9 @@ def test_segments_hit_in_any_order_and_missing_ones_are_computed(default_model_p
         conn.storage.delete(evicted)
         [(good, _)] = conn.storage.fetch([corrupt])
         conn.storage.batched_put([(corrupt, good[:, :, :3].clone())])
-        assert conn.stored_segment(segments["docs"][0]) is None and conn.stored_segment(segments["docs"][1]) is None
+        assert stored_segment(conn, segments["docs"][0]) is None and stored_segment(conn, segments["docs"][1]) is None
         again = llm.generate([prompt(segments, (0, 1, 2))], GREEDY)[0]
-        st = conn.blend_stats()
+        st = blend_stats(conn)
         assert st["segment_misses"] == 6
         assert tokens(again) == tokens(first)  # recomputed in the first prompt's order: the same K/V
         assert conn.flush(timeout=60)  # segment stores go through the background queue
@@ -310,7 +311,7 @@ def test_segments_promised_exact_are_computed_even_if_stored_meanwhile(default_m
                                      GREEDY)[0])
     with blend_engine(default_model_path, 0.15) as (llm, conn):
         first, second = llm.generate([prompt(segments, (0, 1, 2)), prompt(segments, (0, 2, 1))], GREEDY)
-        st = conn.blend_stats()
+        st = blend_stats(conn)
         assert st["requests"] == 2
         # The first: all 4 computed. The second: the system prompt loaded (exact at position 0),
         # its 3 documents computed again in its own order.
@@ -318,7 +319,7 @@ def test_segments_promised_exact_are_computed_even_if_stored_meanwhile(default_m
         assert tokens(second) == want
         context = sum(prompt(segments)["segment_lens"][:-1])
         again = llm.generate([prompt(segments, (0, 2, 1))], GREEDY)[0]
-        assert conn.blend_stats()["blended_tokens"] - st["blended_tokens"] == context % 16  # an exact prefix hit
+        assert blend_stats(conn)["blended_tokens"] - st["blended_tokens"] == context % 16  # an exact prefix hit
         assert tokens(again) == want
         assert_idle(llm, conn)
 
@@ -359,7 +360,7 @@ def test_segmented_prompt_forms(default_model_path, segments):
             eng.make_sequence({"prompt_token_ids": [1, 2, 3], "segment_lens": [3, 0]}, GREEDY)
         # A segmented prompt with one segment, or a plain one, takes the prefix path: no blend.
         llm.generate([{"prompt_token_ids": seq.prompt_token_ids, "segment_lens": [len(seq.prompt_token_ids)]}], GREEDY)
-        assert conn.blend_stats()["requests"] == 0
+        assert blend_stats(conn)["requests"] == 0
         assert_idle(llm, conn)
 
 

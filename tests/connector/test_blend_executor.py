@@ -195,9 +195,9 @@ def test_blend_from_connector_config_and_cli_flags():
     add_connector_arguments(ap)
     conn = connector_from_args(ap.parse_args(["--blend", "--blend-ratio", "0.05", "--blend-check-layer", "2"]))
     try:
-        assert (conn.config.blend.ratio, conn.config.blend.check_layer) == (0.05, 2)
+        assert (conn.config.extensions["blend"].ratio, conn.config.extensions["blend"].check_layer) == (0.05, 2)
         ext = conn.planner.extension
-        assert isinstance(ext, BlendPlanner) and ext.config is conn.config.blend
+        assert isinstance(ext, BlendPlanner) and ext.config is conn.config.extensions["blend"]
     finally:
         conn.shutdown()
     with pytest.raises(ValueError, match="--blend-ratio"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from connector.blend.api import blend_stats, stored_segment
 from connector.connector_config import ConnectorConfig
 from connector.engine_connector import EngineConnector, build_connector
 from engine import SamplingParams
@@ -86,19 +87,19 @@ def test_blend_segments_are_keyed_per_salt(default_model_path) -> None:
     conn = build_connector({"tiers": ["cpu"], "chunk_size": 32, "blend": {"enabled": True, "ratio": 0.15}})
     with engine(default_model_path, conn, enable_prefix_caching=False, num_gpu_blocks=48) as llm:
         def hits(salt: str | None) -> int:
-            before = conn.blend_stats()["segment_hits"]
+            before = blend_stats(conn)["segment_hits"]
             prompt = {"prompt_token_ids": ids, "segment_lens": [len(p) for p in parts], "cache_salt": salt}
             llm.generate(prompt, params)
             assert conn.flush(timeout=60)
-            return int(conn.blend_stats()["segment_hits"] - before)
+            return int(blend_stats(conn)["segment_hits"] - before)
 
         assert hits("tenant-a") == 0
         assert hits("tenant-b") == 0
         assert hits(None) == 0
         assert hits("tenant-a") > 0 and hits("tenant-b") > 0 and hits(None) > 0
         for salt in ("tenant-a", None):
-            assert conn.stored_segment(parts[1], "in_context", cache_salt=salt) is not None
-        assert conn.stored_segment(parts[1], "in_context", cache_salt="tenant-c") is None
+            assert stored_segment(conn, parts[1], "in_context", cache_salt=salt) is not None
+        assert stored_segment(conn, parts[1], "in_context", cache_salt="tenant-c") is None
 
 
 def test_tenant_tag_key_keys_the_tags_in_stored_keys() -> None:

@@ -73,13 +73,13 @@ def test_every_key_has_a_kvtier_variable():
     from dataclasses import fields
 
     from connector.blend.blend_config import BlendConfig
-    from connector.connector_config import ALL_SETTINGS
+    from connector.connector_config import all_settings
 
-    keys = {s.key for s in ALL_SETTINGS}
-    want = ({f.name for f in fields(KVStoreConfig)} | {f.name for f in fields(ConnectorConfig)} - {"kvstore", "blend"}
-            | {f"blend.{f.name}" for f in fields(BlendConfig)})
+    keys = {s.key for s in all_settings()}
+    own = {f.name for f in fields(ConnectorConfig)} - {"kvstore", "extensions"}
+    want = {f.name for f in fields(KVStoreConfig)} | own | {f"blend.{f.name}" for f in fields(BlendConfig)}
     assert keys == want
-    assert all(s.env == "KVTIER_" + s.key.replace(".", "_").upper() for s in ALL_SETTINGS)
+    assert all(s.env == "KVTIER_" + s.key.replace(".", "_").upper() for s in all_settings())
     env = {"KVTIER_TIERS": "cpu", "KVTIER_SAVE_UNFULL_CHUNK": "false", "KVTIER_MAX_PENDING_STORE_BYTES": "64MiB",
            "KVTIER_CHUNK_SIZE": "64", "KVTIER_SAVE_DECODE_TOKENS": "yes", "KVTIER_STORE_QUEUE_SIZE": "7",
            "KVTIER_QUEUE_SIZE": "9", "KVTIER_USE_LAYERWISE": "0", "KVTIER_BLEND_ENABLED": "1",
@@ -91,7 +91,7 @@ def test_every_key_has_a_kvtier_variable():
     assert (cfg.chunk_size, cfg.save_decode_tokens) == (64, True)
     # Two queues, two keys: the connector's store queue and the storage manager's writer.
     assert (cfg.store_queue_size, cfg.kvstore.queue_size) == (7, 9)
-    b = cfg.blend
+    b = cfg.extensions["blend"]
     assert (b.enabled, b.ratio, b.check_layer, b.narrowing, b.separator, b.segment_kv) == (
         True, 0.3, 2, [(8, 0.1), (12, 0.05)], " || ", "standalone")
 
@@ -100,9 +100,10 @@ def test_env_blend_keys_merge_into_the_yaml_section(tmp_path):
     path = tmp_path / "kv.yaml"
     path.write_text("tiers: [cpu]\nblend: {enabled: true, ratio: 0.5}\n")
     cfg = ConnectorConfig.load(path, env={"KVTIER_BLEND_CHECK_LAYER": "3"})
-    assert (cfg.blend.enabled, cfg.blend.ratio, cfg.blend.check_layer) == (True, 0.5, 3)
+    b = cfg.extensions["blend"]
+    assert (b.enabled, b.ratio, b.check_layer) == (True, 0.5, 3)
     path.write_text("tiers: [cpu]\nblend: true\n")
-    assert ConnectorConfig.load(path, env={"KVTIER_BLEND_RATIO": "0.25"}).blend.ratio == 0.25
+    assert ConnectorConfig.load(path, env={"KVTIER_BLEND_RATIO": "0.25"}).extensions["blend"].ratio == 0.25
     with pytest.raises(ValueError, match="^KVTIER_BLEND_NARROWING: expected layer:ratio"):
         ConnectorConfig.load(env={"KVTIER_BLEND_NARROWING": "8"})
 

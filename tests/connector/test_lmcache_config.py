@@ -47,7 +47,7 @@ lmcache_instance_id: "lmcache_default_instance"
         ("redis://127.0.0.1:6379", None, "raw", "fifo"),
     ]
     assert (cfg.chunk_size, cfg.save_decode_tokens, cfg.save_unfull_chunk) == (64, True, False)
-    b = cfg.blend
+    b = cfg.extensions["blend"]
     assert (b.enabled, b.ratio, b.check_layer, b.narrowing, b.separator) == (True, 0.2, 1, [(4, 0.1)], " ## ")
     assert cfg.use_layerwise is False  # kvtier's CacheBlend loads whole chunks: ignored, with a warning
     notices = [r.getMessage() for r in caplog.records]

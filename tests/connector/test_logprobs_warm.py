@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from connector.blend.api import blend_stats
 from connector.engine_connector import build_connector
 from engine import RequestOutput, SamplingParams
 from engine.model_loader import load_tokenizer
@@ -84,16 +85,16 @@ def test_warm_logprobs_blended_at_ratio_one_equal_cold(default_model_path: Path)
     with engine(default_model_path, conn, enable_prefix_caching=False, num_gpu_blocks=48) as llm:
         cold = llm.generate(p, SAMPLE)[0]  # no segment stored: each computed in context, stored
         assert conn.flush(timeout=60)
-        assert conn.blend_stats()["segment_hits"] == 0
+        assert blend_stats(conn)["segment_hits"] == 0
         warm = llm.generate(p, SAMPLE)[0]  # blended from the stored segments, all recomputed
-        st = conn.blend_stats()
+        st = blend_stats(conn)
         assert st["requests"] == 2 and st["segment_hits"] > 0
         assert max_diff(warm, cold) <= 1e-5
         plain = llm.generate(p, SCORE)[0]  # prompt logprobs: never blended, a plain prefill
-        assert conn.blend_stats()["requests"] == 2 and plain.num_cached_tokens == 0
+        assert blend_stats(conn)["requests"] == 2 and plain.num_cached_tokens == 0
         # the blend's own forward (the executor's layer loop) sums in another order
         assert max_diff(warm, plain, prompt=False) <= 1e-4
         again = llm.generate(p, SCORE)[0]
-        assert conn.blend_stats()["requests"] == 2 and again.num_cached_tokens == 0
+        assert blend_stats(conn)["requests"] == 2 and again.num_cached_tokens == 0
         assert max_diff(again, plain) <= 1e-5
         assert_idle(llm, conn)
