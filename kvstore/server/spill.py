@@ -1,5 +1,9 @@
 """The cache server's disk spill: one file per entry, LRU within its own byte budget.
 
+The index (which keys have a file, their sizes, the eviction order, the disk budget and tenant
+quota) is a `ByteBudget` (kvstore/budget.py) over the files, like the tiers'; what only the spill
+has (writes pending, reads under way, detached keys) stays beside it here.
+
 The index (which keys are on disk, and the disk budget) lives on the event loop's thread;
 every file operation runs on one worker thread (`io_worker.IOWorker`), in the order the loop
 issued them, so a slow or stalled disk never stalls a client. Files and directories:
@@ -32,13 +36,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 from kvkeys.tenants import key_tenant_bytes
+from kvstore.budget import ByteBudget
+from kvstore.eviction import make_policy
 from kvstore.pin_file import PIN_FILE, PinFile
 from kvstore.pin_set import PinSet
 from kvstore.server import spillfile as F
@@ -83,17 +88,16 @@ class DiskSpill:
     def __init__(self, directory: str | os.PathLike[str], max_bytes: int, tenant_quota: int | None = None) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_disk_bytes must be positive, got {max_bytes}")
-        self.tenants: TenantBytes[bytes] = TenantBytes(tenant_quota, key_tenant_bytes)
         self.tenant_evictions = 0
         self.root = Path(directory)
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
-        self.bytes_used = 0  # file sizes of the entries in the index (written or being written)
+        # the files (written or being written): their sizes, LRU first; the disk budget, the tenant quota
+        self.index = self._new_index(tenant_quota)
         self.evictions = 0
         self.corrupt = 0
         self.write_failures = 0
         self._failing = False  # the last write or removal failed (logged once per episode)
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, LRU first
         self._writing: dict[bytes, _Write] = {}
         self._reading: dict[bytes, _Read] = {}
         self._detached: dict[bytes, int] = {}  # key -> file size: out of the budget, read next
@@ -115,9 +119,24 @@ class DiskSpill:
         self._evict_to(self.max_bytes)
         self._evict_over_quota()  # a restart with a smaller quota
 
+    def _new_index(self, tenant_quota: int | None) -> ByteBudget[bytes]:
+        index: ByteBudget[bytes] = ByteBudget(self.max_bytes, make_policy("lru"), tenant_quota,
+                                              tenant_of=key_tenant_bytes, pin_name=pin_name)
+        index.is_pinned = self.protected  # the server's pins (`pins`), which span memory and disk
+        return index
+
+    @property
+    def bytes_used(self) -> int:
+        """File sizes of the entries in the index (written or being written)."""
+        return self.index.used
+
+    @property
+    def tenants(self) -> TenantBytes[bytes]:
+        return self.index.tenants
+
     def _on_disk(self, name: str) -> bool:
         try:
-            return name.encode("latin-1") in self._index
+            return name.encode("latin-1") in self.index
         except UnicodeEncodeError:  # no key of ours (a foreign pin file's)
             return False
 
@@ -142,10 +161,10 @@ class DiskSpill:
         self.worker.run_completions()
 
     def __len__(self) -> int:
-        return len(self._index) + len(self._reading) + len(self._detached)
+        return len(self.index) + len(self._reading) + len(self._detached)
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._index or key in self._reading or key in self._detached
+        return key in self.index or key in self._reading or key in self._detached
 
     def _path(self, key: bytes) -> Path:
         return self.dir / F.file_name(key)
@@ -197,7 +216,7 @@ class DiskSpill:
         size = self._detached.get(key)
         if size is not None:
             return size
-        if key in self._reading or key in self._writing or key not in self._index:
+        if key in self._reading or key in self._writing or key not in self.index:
             return 0
         size = self._take_out(key)
         self._detached[key] = size
@@ -221,7 +240,7 @@ class DiskSpill:
     def size_of(self, key: bytes) -> int | None:
         """Returns the file size of `key` if this spill holds it (written, being written or
         read, detached), else None."""
-        size = self._index.get(key) or self._detached.get(key)
+        size = self.index.sizes.get(key) or self._detached.get(key)
         if size is None and key in self._reading:
             size = self._reading[key].size
         return size
@@ -258,7 +277,7 @@ class DiskSpill:
     def keys_with_prefix(self, prefix: bytes) -> list[bytes]:
         """Returns the keys starting with `prefix` this spill holds (written, being written or
         read, detached)."""
-        keys = self._index.keys() | self._writing.keys() | self._reading.keys() | self._detached.keys()
+        keys = self.index.sizes.keys() | self._writing.keys() | self._reading.keys() | self._detached.keys()
         return [k for k in keys if k.startswith(prefix)]
 
     def delete(self, key: bytes) -> bool:
@@ -270,7 +289,7 @@ class DiskSpill:
         write = self._writing.pop(key, None)
         if write is not None:
             write.cancelled = True
-        size = self._take_out(key) if key in self._index else None
+        size = self._take_out(key) if key in self.index else None
         detached = self._detached.pop(key, None) is not None
         if size is None and not detached:
             return read is not None
@@ -291,12 +310,10 @@ class DiskSpill:
         for write in self._writing.values():
             write.cancelled = True
         # Hand the index over whole (O(1)): only a fallback on the worker walks it.
-        forgotten = (self._index, self._detached)
-        self._index, self._detached = OrderedDict(), {}
+        forgotten = (self.index.sizes, self._detached)
+        self.index, self._detached = self._new_index(self.index.tenants.quota), {}
         self._reading.clear()
         self._writing.clear()
-        self.bytes_used = 0
-        self.tenants.used.clear()
         old, new = self.dir, F.generation_dir(self.root, self.generation + 1)
         try:
             new.mkdir(exist_ok=True)
@@ -336,21 +353,16 @@ class DiskSpill:
                       "memory keeps serving", self.root, exc)
 
     def _add(self, key: bytes, size: int) -> None:
-        self._index[key] = size
-        self.bytes_used += size
-        self.tenants.record(key, size)
+        self.index.add(key, size)
 
     def _take_out(self, key: bytes) -> int:
         """Removes `key` from the index (not its file); returns its size."""
-        size = self._index.pop(key)
-        self.bytes_used -= size
-        self.tenants.record(key, -size)
-        return size
+        return self.index.remove(key)
 
     def _make_tenant_room(self, key: bytes, size: int) -> bool:
         """Evicts `key`'s tenant's own least recently used files until `size` more bytes fit
         in its quota; returns False (evicting nothing) when they cannot."""
-        victims = self.tenants.own_victims(key, size, self._index, lambda: iter(self._index), self.protected)
+        victims = self.index.tenant_victims(key, size)
         if victims is None:
             return False
         for victim in victims:
@@ -371,7 +383,7 @@ class DiskSpill:
         quota = self.tenants.quota
         if quota is None:
             return
-        for key in self.tenants.trim_victims(quota, self._index, lambda: iter(self._index), self.protected) or []:
+        for key in self.index.quota_victims(quota) or []:
             self.delete(key)
             self.evictions += 1
             self.tenant_evictions += 1
@@ -379,13 +391,8 @@ class DiskSpill:
     def _evict_to(self, limit: int) -> bool:
         """Evicts least recently used files, never a pinned one, until `limit` bytes hold the
         rest; returns whether they do."""
-        skipped = 0
-        while self.bytes_used > limit and len(self._index) > skipped:
-            key = next(iter(self._index))
-            if self.protected(key):
-                self._index.move_to_end(key)
-                skipped += 1
-                continue
+        victims, _ = self.index.pick(self.bytes_used - limit)
+        for key in victims:
             self.delete(key)
             self.evictions += 1
         return self.bytes_used <= limit
