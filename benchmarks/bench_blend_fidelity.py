@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from connector.blend.api import stored_segment
+from connector.blend.blend_api import stored_segment
 from connector.blend.executor import blend_recompute, compute_segment_kv, layer_inv_freqs, rerotate_kv
 from connector.engine_connector import build_connector
 from engine import LLM, SamplingParams

@@ -53,9 +53,9 @@ import torch
 
 from benchmarks.bench_store import timed, timed_together
 from connector.connector_config import make_config
+from connector.connector_metrics import ConnectorMetrics
 from connector.loader import Loader
 from connector.metadata import LoadSpec
-from connector.metrics import ConnectorMetrics
 from connector.store_queue import StoreQueue
 from connector.vllm.layouts import vllm_layout_for
 from engine.kv_cache import EngineLayout, PagedKVLayout, zeroed_pool

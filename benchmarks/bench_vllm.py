@@ -153,7 +153,7 @@ def lookup_latency(model: str, reps: int) -> dict[str, Any]:
     import torch
 
     from connector.connector_config import make_config
-    from connector.metrics import ConnectorMetrics
+    from connector.connector_metrics import ConnectorMetrics
     from connector.planner import KVTierPlanner
     from connector.presence import Presence, RankedPresence
     from connector.vllm.lookup_channel import LookupServer, RemotePresence

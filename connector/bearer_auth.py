@@ -1,5 +1,5 @@
 """The one check of an `Authorization` header against API keys, for every HTTP route that takes
-them: `kvtier serve` and `kvtier router` (kvtier/server/http_edge.py, kvtier/server/tenants.py)
+them: `kvtier serve` and `kvtier router` (kvtier/server/http_edge.py, kvtier/server/tenant_auth.py)
 and vLLM's `/kv/lookup` route (connector/vllm/lookup_route.py). Here, not in kvtier, because that
 route runs inside vLLM's server and may not import kvtier; each caller answers a failure its own way.
 """

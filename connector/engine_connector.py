@@ -20,8 +20,8 @@ from typing import Any
 
 from connector import cache_control
 from connector.connector_config import ConnectorConfig, make_config
+from connector.connector_metrics import ConnectorMetrics, RequestKVMetrics, TierKVMetrics
 from connector.explain import explain
-from connector.metrics import ConnectorMetrics, RequestKVMetrics, TierKVMetrics
 from connector.planner import KVTierPlanner
 from connector.presence import held_tokens
 from connector.worker import KVTierWorker

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from connector.metrics import ConnectorMetrics
+    from connector.connector_metrics import ConnectorMetrics
     from connector.presence import ChunkPresence
     from connector.request_view import RequestView
     from connector.store_queue import StoreQueue

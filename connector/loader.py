@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
+from connector.connector_metrics import ConnectorMetrics
 from connector.load_staging import to_device_source
 from connector.metadata import LoadSpec
-from connector.metrics import ConnectorMetrics
 from connector.store_queue import StoreQueue
 from engine.kv_cache import PagedKVLayout
 from kvkeys.keyspace import Keyspace, Span, layer_key

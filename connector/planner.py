@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from connector.connector_config import ConnectorConfig
+from connector.connector_metrics import ConnectorMetrics, RequestKVMetrics
 from connector.extension import planner_extension
 from connector.metadata import KVTierMeta, LoadSpec, SaveSpec
-from connector.metrics import ConnectorMetrics, RequestKVMetrics
 from connector.presence import ChunkPresence, Found
 from connector.request_view import BlockIds, RequestView, StepRequest
 from connector.save_plan import SavePlan, SavePolicy

@@ -12,9 +12,9 @@ import functools
 
 import torch
 
+from connector.connector_metrics import ConnectorMetrics
 from connector.key_families import FamilyIndex
 from connector.metadata import SaveSpec
-from connector.metrics import ConnectorMetrics
 from connector.presence import Presence
 from connector.store_queue import StoreQueue
 from engine.kv_cache import PagedKVLayout

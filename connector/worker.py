@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from connector.connector_config import ConnectorConfig
+from connector.connector_metrics import ConnectorMetrics
 from connector.extension import NoWorkerExtension, WorkerExtension, worker_extension
 from connector.key_families import flush_index
 from connector.loader import Loader, LoadJob
 from connector.metadata import KVTierMeta, SaveSpec
-from connector.metrics import ConnectorMetrics
 from connector.presence import Presence
 from connector.saver import Saver
 from connector.store_queue import StoreQueue

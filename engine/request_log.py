@@ -17,7 +17,7 @@ request_logger = logging.getLogger("kvtier.request")
 
 def log_finished(seq: Sequence, connector: KVConnectorScheduler | None) -> None:
     """Logs the line for finished `seq`; the connector part when `connector` keeps request
-    figures (`request_metrics`, connector/metrics.py's RequestKVMetrics). Stores still queued
+    figures (`request_metrics`, connector/connector_metrics.py's RequestKVMetrics). Stores still queued
     when the request finished are not in it (they show in `request_metrics` later)."""
     if not request_logger.isEnabledFor(logging.INFO):
         return

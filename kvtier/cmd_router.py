@@ -47,11 +47,11 @@ def build(config: RouterConfig, api_key: str | None) -> Any:
     import httpx
     from fastapi import FastAPI
 
-    from kvtier.router.app import build_app
     from kvtier.router.backends import Backend, BackendPool
-    from kvtier.router.metrics import RouterMetrics
     from kvtier.router.policy import make_policy
     from kvtier.router.proxy import Proxy
+    from kvtier.router.router_app import build_app
+    from kvtier.router.router_metrics import RouterMetrics
 
     client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
     metrics = RouterMetrics()

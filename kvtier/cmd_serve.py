@@ -60,15 +60,15 @@ def run(args: argparse.Namespace) -> int:
     api_key = resolve_api_key(args.api_key)
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
-    from kvtier.server.tenants import TenantKeys
+    from kvtier.server.tenant_auth import TenantKeys
 
     tenants = TenantKeys.load(args.tenants, api_key) if args.tenants else None  # before the model loads
     sock = bind_socket(args.host, args.port)  # before the model loads: a taken port fails fast
 
     from kvtier.engine_args import build_llm
-    from kvtier.server.app import build_app
     from kvtier.server.engine_loop import EngineLoop
-    from kvtier.server.metrics import ServerMetrics
+    from kvtier.server.server_app import build_app
+    from kvtier.server.server_metrics import ServerMetrics
     from kvtier.server.serving import ServingContext
 
     llm = build_llm(args)

@@ -23,7 +23,7 @@ ALLOWED = {
 }
 VLLM_PACKAGE = "connector/vllm/"
 VLLM_ADAPTER = {
-    "connector/vllm/api.py",  # every vLLM name the connector uses, after the version check
+    "connector/vllm/vllm_api.py",  # every vLLM name the connector uses, after the version check
     "connector/vllm/version.py",  # the version check itself
     "kvtier/vllm_cli.py",  # `kvtier-vllm serve`: vLLM's own command line, after that check
 }
@@ -83,6 +83,18 @@ def test_no_core_module_imports_cacheblend() -> None:
     broken = [f"{rel}:{line} imports {dotted}" for rel, path in shipped() if not rel.startswith("connector/blend/")
               for line, dotted in imported(path) if dotted.split(".")[:2] == ["connector", "blend"]]
     assert not broken, "only connector/blend/ imports connector.blend:\n" + "\n".join(broken)
+
+
+def test_no_two_shipped_modules_share_a_name() -> None:
+    """A module's file name says what it holds, once: a reader who meets `metrics.py` or `app.py`
+    never has to ask which one (package `__init__.py` files aside)."""
+    by_name: dict[str, list[str]] = {}
+    for rel, _ in shipped():
+        name = rel.rsplit("/", 1)[-1]
+        if name != "__init__.py":
+            by_name.setdefault(name, []).append(rel)
+    clashes = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert not clashes, "modules sharing a file name: " + "; ".join(f"{', '.join(p)}" for p in clashes.values())
 
 
 def test_the_module_map_names_every_shipped_module() -> None:

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 from connector.blend.blend_config import BlendConfig, engine_model
 from connector.blend.executor import check_rope_moves
 from connector.blend.segments import BlendSpec, context_segments
+from connector.connector_metrics import ConnectorMetrics
 from connector.extension import PlannerExtension
-from connector.metrics import ConnectorMetrics
 from connector.presence import ChunkPresence
 from engine.kv_cache import KeyedModel
 from engine.sequence import Sequence

@@ -30,9 +30,9 @@ import torch
 from connector.blend.blend_config import BlendConfig, engine_model
 from connector.blend.executor import blend_recompute, check_blendable, compute_segment_kv, layer_inv_freqs, rerotate_kv
 from connector.blend.segments import BlendSpec
+from connector.connector_metrics import ConnectorMetrics
 from connector.extension import WorkerExtension
 from connector.loader import chunk_ok
-from connector.metrics import ConnectorMetrics
 from connector.store_queue import StoreQueue
 from engine.kv_cache import KeyedModel, PagedKVLayout
 from engine.models.base import CausalLM

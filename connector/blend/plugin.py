@@ -15,8 +15,8 @@ from connector.extension import Extension
 if TYPE_CHECKING:
     import torch
 
+    from connector.connector_metrics import ConnectorMetrics
     from connector.extension import PlannerExtension, WorkerExtension
-    from connector.metrics import ConnectorMetrics
     from connector.presence import ChunkPresence
     from connector.store_queue import StoreQueue
     from engine.kv_cache import KeyedModel, PagedKVLayout

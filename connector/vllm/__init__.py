@@ -21,8 +21,8 @@ __all__ = ["KVTierConnector"]
 
 def __getattr__(name: str) -> Any:
     if name == "KVTierConnector":  # imports vllm: only where vLLM asks for the class
-        import connector.vllm.scheduler  # noqa: F401  (each role's subclass registers itself)
-        import connector.vllm.worker  # noqa: F401
+        import connector.vllm.scheduler_role  # noqa: F401  (each role's subclass registers itself)
+        import connector.vllm.worker_role  # noqa: F401
         from connector.vllm.connector import KVTierConnector
 
         return KVTierConnector

@@ -1,10 +1,10 @@
 """`KVTierConnector`, the class vLLM's KV connector v1 is configured with, and its two roles.
 
 vLLM builds one instance per role, in different processes; constructing `KVTierConnector`
-gives that role's own subclass: `VllmSchedulerConnector` (connector/vllm/scheduler.py: owns
-the planner) in the scheduler process, `VllmWorkerConnector` (connector/vllm/worker.py: owns
+gives that role's own subclass: `VllmSchedulerConnector` (connector/vllm/scheduler_role.py: owns
+the planner) in the scheduler process, `VllmWorkerConnector` (connector/vllm/worker_role.py: owns
 the worker and the tiers) in each worker. What crosses between them each step is one
-picklable `KVTierVllmMeta` and, back, vLLM's `KVConnectorOutput` (connector/vllm/metadata.py).
+picklable `KVTierVllmMeta` and, back, vLLM's `KVConnectorOutput` (connector/vllm/vllm_meta.py).
 
 Keys: chunks computed by vLLM are keyed apart from chunks computed by kvtier's engine (and
 by each vLLM backend): numerics differ at rounding level, so identical tokens hold only
@@ -15,14 +15,14 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from connector.vllm.api import (
+from connector.vllm.stats import KVTierPromMetrics, KVTierVllmStats
+from connector.vllm.vllm_api import (
     KVConnectorBase_V1,
     KVConnectorPromMetrics,
     KVConnectorRole,
     KVConnectorStats,
     SupportsHMA,
 )
-from connector.vllm.stats import KVTierPromMetrics, KVTierVllmStats
 
 __all__ = ["KVTierConnector"]
 

@@ -8,8 +8,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from connector.vllm.api import LOGGER, prefix_cache_tokens
 from connector.vllm.lookup_channel import LookupServer, scheduler_socket_path
+from connector.vllm.vllm_api import LOGGER, prefix_cache_tokens
 
 log = logging.getLogger(LOGGER)
 

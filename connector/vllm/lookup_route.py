@@ -1,5 +1,5 @@
 """`POST /kv/lookup` for `vllm serve` with KVTierConnector: what `kvtier router --policy
-kv-aware` asks each backend (kvtier serve answers the same question, kvtier/server/app.py);
+kv-aware` asks each backend (kvtier serve answers the same question, kvtier/server/server_app.py);
 and the cache-control routes `POST /kv/inspect`, `/kv/pin`, `/kv/unpin`, `/kv/clear` with kvtier
 serve's bodies and answers (docs/serving.md, "Operating the cache"; docs/vllm.md).
 
@@ -121,8 +121,11 @@ class _Tiers:
     (every tensor-parallel rank's), and vLLM's own prefix cache, asked of the scheduler side."""
 
     def __init__(self, vllm_config: Any) -> None:
-        from connector.vllm.api import attention_backend, cpu_attention_isa  # imports vllm: only inside vLLM's server
         from connector.vllm.setup import vllm_setup
+        from connector.vllm.vllm_api import (  # imports vllm: only inside vLLM's server
+            attention_backend,
+            cpu_attention_isa,
+        )
 
         setup = vllm_setup(vllm_config, None, attention_backend(), cpu_attention_isa)
         self.keyspace = setup.keyspace()

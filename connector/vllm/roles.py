@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from connector.vllm.api import KVConnectorBase_V1, KVConnectorMetadata
 from connector.vllm.connector import KVTierConnector
+from connector.vllm.vllm_api import KVConnectorBase_V1, KVConnectorMetadata
 
 
 def _other_role(hook: str, role: str) -> NoReturn:

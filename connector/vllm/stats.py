@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from connector.metrics import PROM_COUNTERS, TIER_HIT_TOKENS, ConnectorMetrics, RequestKVMetrics
-from connector.vllm.api import KVConnectorPromMetrics, KVConnectorStats
+from connector.connector_metrics import PROM_COUNTERS, TIER_HIT_TOKENS, ConnectorMetrics, RequestKVMetrics
+from connector.vllm.vllm_api import KVConnectorPromMetrics, KVConnectorStats
 
 LEGACY_NAMES = {field: f"kvtier:{field}" for field in PROM_COUNTERS}
 """The names `vllm serve` used before kvtier serve's were adopted (`kvtier:connector_hit_tokens`
@@ -79,7 +79,7 @@ def stats_delta(now: RequestKVMetrics, before: RequestKVMetrics) -> dict[str, fl
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
     """kvtier's figures on `vllm serve`'s /metrics, per engine, under the names `kvtier serve`
-    uses (connector/metrics.py's PROM_COUNTERS, TIER_HIT_TOKENS per tier), and for one more
+    uses (connector/connector_metrics.py's PROM_COUNTERS, TIER_HIT_TOKENS per tier), and for one more
     release under their old names too (LEGACY_NAMES, `kvtier:loaded_tokens`)."""
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],

@@ -16,7 +16,7 @@ import itertools
 import sys
 from pathlib import Path
 
-from connector.blend.api import blend_stats
+from connector.blend.blend_api import blend_stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -31,7 +31,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from connector.blend.api import blend_stats, set_blend
+from connector.blend.blend_api import blend_stats, set_blend
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run from a checkout

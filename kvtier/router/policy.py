@@ -26,9 +26,9 @@ import httpx
 
 from kvtier.router import POLICIES
 from kvtier.router.backends import Backend, BackendPool
-from kvtier.router.metrics import RouterMetrics
 from kvtier.router.prompt_view import PromptView
 from kvtier.router.router_config import RouterConfig
+from kvtier.router.router_metrics import RouterMetrics
 
 logger = logging.getLogger("kvtier.router")
 

@@ -22,9 +22,9 @@ from starlette.types import Receive, Scope, Send
 
 from kvstore.deadlines import ROUTER_CONNECT_TIMEOUT_S
 from kvtier.router.backends import Backend, BackendPool
-from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policy import Policy
 from kvtier.router.prompt_view import view_request
+from kvtier.router.router_metrics import RouterMetrics
 from kvtier.server.openai_protocol import APIError
 
 logger = logging.getLogger("kvtier.router")

@@ -47,7 +47,7 @@ from kvtier.server.openai_protocol import (
     new_id,
 )
 from kvtier.server.serving import ServingContext, check_model, collect_finals, render_chat, submit
-from kvtier.server.tenants import Tenancy
+from kvtier.server.tenant_auth import Tenancy
 
 
 def prompt_ids(front: EngineLoop, body: LookupRequest) -> list[int]:

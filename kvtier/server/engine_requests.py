@@ -125,7 +125,7 @@ def render_chat(engine_loop: EngineLoop, messages: list[ChatMessage], add_genera
 def make_sequences(ctx: ServingContext, prompts: list[Any], req: SamplingRequest, max_tokens: int | None,
                    default_max_tokens: int | None, rid: str, ask: EngineAsk = EngineAsk()) -> list[Sequence]:
     """Returns one validated engine request per prompt (each with `ask.n` samples), under
-    `req.cache_salt` (the caller has settled it: kvtier/server/tenants.py).
+    `req.cache_salt` (the caller has settled it: kvtier/server/tenant_auth.py).
     `max_tokens` None takes `default_max_tokens` (None: up to the context length). Raises a
     400 APIError naming the problem (prompt too long, bad sampling field)."""
     front = ctx.engine_loop

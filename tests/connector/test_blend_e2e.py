@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector.blend.api import blend_stats, stored_segment
+from connector.blend.blend_api import blend_stats, stored_segment
 from connector.blend.blend_planner import BlendPlanner
 from connector.connector_config import make_config
+from connector.connector_metrics import ConnectorMetrics
 from connector.engine_connector import EngineConnector, build_connector
-from connector.metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
 from connector.presence import Presence
 from engine import LLM, SamplingParams

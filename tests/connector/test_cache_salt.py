@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.blend.api import blend_stats, stored_segment
+from connector.blend.blend_api import blend_stats, stored_segment
 from connector.connector_config import ConnectorConfig
 from connector.engine_connector import EngineConnector, build_connector
 from engine import SamplingParams

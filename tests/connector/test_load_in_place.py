@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from connector.connector_config import make_config
+from connector.connector_metrics import ConnectorMetrics
 from connector.loader import Loader
 from connector.metadata import LoadSpec
-from connector.metrics import ConnectorMetrics
 from connector.store_queue import StoreQueue
 from engine.kv_cache import EngineLayout
 from kvkeys.keyspace import Keyspace, Span

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector.blend.api import blend_stats
+from connector.blend.blend_api import blend_stats
 from connector.engine_connector import build_connector
 from engine import RequestOutput, SamplingParams
 from engine.model_loader import load_tokenizer

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from connector.connector_config import make_config
-from connector.metrics import ConnectorMetrics
+from connector.connector_metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
 from connector.presence import Presence, RankedPresence
 from connector.vllm.lookup_channel import LookupServer, RemotePresence

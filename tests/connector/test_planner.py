@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from connector.connector_config import make_config
-from connector.metrics import ConnectorMetrics
+from connector.connector_metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
 from connector.presence import Presence
 from connector.request_view import StepRequest

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from connector.connector_config import make_config
+from connector.connector_metrics import ConnectorMetrics
 from connector.loader import Loader
 from connector.metadata import LoadSpec
-from connector.metrics import ConnectorMetrics
 from connector.store_queue import StoreQueue
 from connector.vllm.layouts import VllmTileLayout
 from kvkeys.keyspace import Keyspace, layer_key

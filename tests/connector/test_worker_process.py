@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from connector.connector_config import make_config
+from connector.connector_metrics import ConnectorMetrics
 from connector.metadata import KVTierMeta, LoadSpec, SaveSpec
-from connector.metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
 from connector.presence import Presence
 from engine.kv_connector import KVConnector

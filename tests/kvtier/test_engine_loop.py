@@ -14,9 +14,9 @@ import pytest
 
 from engine import LLM, SamplingParams
 from harness.model import make_tiny_checkpoint
-from kvtier.server.app import build_app
 from kvtier.server.engine_loop import EngineLoop, QueueFullError
-from kvtier.server.metrics import ServerMetrics
+from kvtier.server.server_app import build_app
+from kvtier.server.server_metrics import ServerMetrics
 from kvtier.server.serving import ServingContext
 
 

@@ -14,14 +14,14 @@ from fastapi import FastAPI
 
 from engine import LLM
 from harness.model import make_tiny_checkpoint
-from kvtier.router.app import build_app as build_router
 from kvtier.router.backends import Backend, BackendPool
-from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policy import make_policy
 from kvtier.router.proxy import Proxy
-from kvtier.server.app import build_app as build_server
+from kvtier.router.router_app import build_app as build_router
+from kvtier.router.router_metrics import RouterMetrics
 from kvtier.server.engine_loop import EngineLoop
-from kvtier.server.metrics import ServerMetrics
+from kvtier.server.server_app import build_app as build_server
+from kvtier.server.server_metrics import ServerMetrics
 from kvtier.server.serving import ServingContext
 
 KEY = "s3cret"

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from connector.metrics import PROM_COUNTERS
+from connector.connector_metrics import PROM_COUNTERS
 from engine import LLM, SamplingParams
 from harness.polling import wait_until
 from harness.serve import ENGINE_ARGS, NAME, ServeProcess, metrics

@@ -279,7 +279,7 @@ def test_timing_probe_learns_nothing_across_tenants(servers) -> None:
 
 def test_router_lookup_carries_the_salt_and_tenant_files_are_checked(tmp_path) -> None:
     from kvtier.router.prompt_view import view_request
-    from kvtier.server.tenants import TenantKeys
+    from kvtier.server.tenant_auth import TenantKeys
 
     view = view_request({"prompt": "some document", "cache_salt": "tenant-x"})
     assert view.lookup == {"prompt": "some document", "cache_salt": "tenant-x"}

@@ -8,9 +8,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from connector.vllm import KVTierConnector  # noqa: E402
-from connector.vllm.api import KVConnectorRole, SupportsHMA  # noqa: E402
-from connector.vllm.scheduler import VllmSchedulerConnector  # noqa: E402
-from connector.vllm.worker import VllmWorkerConnector  # noqa: E402
+from connector.vllm.scheduler_role import VllmSchedulerConnector  # noqa: E402
+from connector.vllm.vllm_api import KVConnectorRole, SupportsHMA  # noqa: E402
+from connector.vllm.worker_role import VllmWorkerConnector  # noqa: E402
 
 
 @pytest.mark.parametrize(("role", "kind"), [(KVConnectorRole.SCHEDULER, VllmSchedulerConnector),

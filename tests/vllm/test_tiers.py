@@ -16,7 +16,7 @@ import pytest
 import vllm
 from packaging.version import Version
 
-from connector.metrics import PROM_COUNTERS
+from connector.connector_metrics import PROM_COUNTERS
 from harness.vllm import VllmLLM, close_together, start_together
 from tests.fixtures.vllm import needs_fp8_kv
 

@@ -13,11 +13,15 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from connector.connector_metrics import ConnectorMetrics
 from connector.kv_events import ChunkEventBuilder
-from connector.metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
 from connector.request_view import StepRequest
-from connector.vllm.api import (
+from connector.vllm.engine_prefix import EnginePrefixServer
+from connector.vllm.lookup_channel import RemotePresence
+from connector.vllm.roles import SchedulerRole
+from connector.vllm.setup import hit_sources, vllm_setup
+from connector.vllm.vllm_api import (
     LOGGER,
     BlockRemoved,
     BlockStored,
@@ -28,11 +32,7 @@ from connector.vllm.api import (
     cpu_attention_isa,
     vllm_event,
 )
-from connector.vllm.engine_prefix import EnginePrefixServer
-from connector.vllm.lookup_channel import RemotePresence
-from connector.vllm.metadata import KVTierVllmMeta, KVTierWorkerMeta
-from connector.vllm.roles import SchedulerRole
-from connector.vllm.setup import hit_sources, vllm_setup
+from connector.vllm.vllm_meta import KVTierVllmMeta, KVTierWorkerMeta
 from engine.kv_connector import KVConnectorOutput
 
 log = logging.getLogger(LOGGER)

@@ -3,7 +3,7 @@ routes, health, version, metrics.
 
 `/v1/*`, `/tokenize`, `/detokenize` and `/kv/*` need `Authorization: Bearer <api key>` when
 the server has one (with `--tenants`, a tenant's key too, which fixes the request's
-`cache_salt`: kvtier/server/tenants.py; `/kv/forget_tenant`, `/kv/reset_prefix_cache`, and of
+`cache_salt`: kvtier/server/tenant_auth.py; `/kv/forget_tenant`, `/kv/reset_prefix_cache`, and of
 the cache's operation routes (kvtier/server/cache_routes.py) all but `/kv/inspect` take the
 operator's key only);
 `/health`, `/version` and `/metrics` are open (as in vLLM). Every error is OpenAI's shape
@@ -23,7 +23,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvtier import __version__
 from kvtier.server.cache_routes import add_cache_routes, prompt_ids
 from kvtier.server.http_edge import MAX_BODY_BYTES, install_edge
-from kvtier.server.metrics import ServerMetrics
 from kvtier.server.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -34,8 +33,9 @@ from kvtier.server.openai_protocol import (
     TokenizeRequest,
     now,
 )
+from kvtier.server.server_metrics import ServerMetrics
 from kvtier.server.serving import ServingContext, check_model, create_chat_completion, create_completion, render_chat
-from kvtier.server.tenants import Tenancy, TenantKeys
+from kvtier.server.tenant_auth import Tenancy, TenantKeys
 
 logger = logging.getLogger("kvtier.server")
 

@@ -2,7 +2,7 @@
 the version check, with the differences between supported releases resolved here and
 nowhere else (docs/vllm.md, "Releases").
 
-Modules of the adapter import vLLM through this one (`from connector.vllm.api import ...`),
+Modules of the adapter import vLLM through this one (`from connector.vllm.vllm_api import ...`),
 so an unsupported vLLM fails with one clear message before any of its names is touched.
 """
 

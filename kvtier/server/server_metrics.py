@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from connector.connector_metrics import PROM_COUNTERS, TIER_HIT_TOKENS
 from connector.engine_connector import EngineConnector
-from connector.metrics import PROM_COUNTERS, TIER_HIT_TOKENS
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from kvkeys.tenants import tenant_tag
@@ -207,7 +207,7 @@ class ConnectorCollector(Collector):
 
     def _tenant_families(self) -> Iterator[Any]:
         """Hit, load and store figures per tenant label (bounded: configured names, "other",
-        "none" for unsalted requests; connector/metrics.py)."""
+        "none" for unsalted requests; connector/connector_metrics.py)."""
         totals = self.connector.metrics.tenant_totals()
         for attr, name, doc in (
             ("connector_hit_tokens", "kv_tenant_hit_tokens", "Prompt tokens loaded by the KV connector, per tenant."),

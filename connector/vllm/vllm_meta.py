@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from connector.kv_events import TierChangeLog, TierKey
 from connector.metadata import KVTierMeta
-from connector.vllm.api import KVConnectorMetadata, KVConnectorWorkerMetadata
+from connector.vllm.vllm_api import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass

@@ -19,8 +19,8 @@ from kvstore.deadlines import ROUTER_MODELS_TIMEOUT_S
 from kvtier import __version__
 from kvtier.router.backends import BackendPool
 from kvtier.router.disagg import prefill_then_decode
-from kvtier.router.metrics import RouterMetrics
 from kvtier.router.proxy import Proxy
+from kvtier.router.router_metrics import RouterMetrics
 from kvtier.server.http_edge import MAX_BODY_BYTES, install_edge
 from kvtier.server.openai_protocol import APIError
 

@@ -14,10 +14,16 @@ from typing import Any
 
 import torch
 
+from connector.connector_metrics import ConnectorMetrics
 from connector.explain import explain
 from connector.kv_events import TierChangeLog
-from connector.metrics import ConnectorMetrics
-from connector.vllm.api import (
+from connector.vllm.control_ops import answer_control
+from connector.vllm.layouts import NULL_BLOCK, vllm_layout_for
+from connector.vllm.lookup_channel import LookupServer, lookup_socket_path
+from connector.vllm.roles import WorkerRole
+from connector.vllm.setup import vllm_setup
+from connector.vllm.stats import StatsReports
+from connector.vllm.vllm_api import (
     LOGGER,
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -28,13 +34,7 @@ from connector.vllm.api import (
     cpu_attention_isa,
     tensor_parallel_rank,
 )
-from connector.vllm.control_ops import answer_control
-from connector.vllm.layouts import NULL_BLOCK, vllm_layout_for
-from connector.vllm.lookup_channel import LookupServer, lookup_socket_path
-from connector.vllm.metadata import KVTierVllmMeta, WorkerReports
-from connector.vllm.roles import WorkerRole
-from connector.vllm.setup import vllm_setup
-from connector.vllm.stats import StatsReports
+from connector.vllm.vllm_meta import KVTierVllmMeta, WorkerReports
 from connector.worker import KVTierWorker
 from kvstore.deadlines import STORE_FLUSH_TIMEOUT_S, VLLM_IDLE_WAIT_S
 from kvstore.storage_manager import StorageManager
