@@ -14,12 +14,16 @@ covers every large buffer the server holds, and is never exceeded:
   `spilling`) until the spill's worker thread has written it; a GET meanwhile takes it
   straight back into memory.
 
-Making room evicts least recently used entries (to the disk spill when there is one); a
-value that cannot fit at all is refused. With a `tenant_quota`, no tenant (the tag of a salted
-key, kvkeys/tenants.py) holds more than that many bytes of stored entries: a tenant at
-its quota evicts its own least recently used entries first, never another tenant's (the disk
-spill applies the same quota to its files). Memory and disk hold disjoint sets of keys: a GET
-that finds its key on disk reads it back into memory (`load`, off the event loop).
+Which entries are held, their bytes, their eviction order (`eviction`: "lru", the default, or
+"fifo"), which are protected and which make room is the store's `ByteBudget` (kvstore/budget.py,
+as a tier's); the other bytes above (reserved, retired, spilling, replies' holds) are the
+store's own counters beside it. Making room evicts least recently used entries (to the disk
+spill when there is one); a value that cannot fit at all is refused. With a `tenant_quota`,
+no tenant (the tag of a salted key, kvkeys/tenants.py) holds more than that many bytes of
+stored entries: a tenant at its quota evicts its own least recently used entries first,
+never another tenant's (the disk spill applies the same quota to its files). Memory and disk
+hold disjoint sets of keys: a GET that finds its key on disk reads it back into memory
+(`load`, off the event loop).
 
 Operator pins (PIN/UNPIN, `pins`: kvstore/pin_set.py, within `pin_budget` bytes): a pinned
 entry is never evicted, neither from memory nor from the disk spill, while its pin holds;
@@ -33,10 +37,11 @@ restart the pinned entries are on disk, never evicted there, and back in memory 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from kvkeys.tenants import key_tenant_bytes
+from kvstore.budget import ByteBudget
+from kvstore.eviction import make_policy
 from kvstore.pin_set import PinInfo, PinSet, default_pin_budget
 from kvstore.server.protocol import Buffer
 from kvstore.server.spill import DiskSpill, pin_name
@@ -46,11 +51,12 @@ from kvstore.tenant_quota import TenantBytes
 
 
 class ByteStore:
-    """LRU map of byte keys to byte values within `max_bytes`. Not thread-safe: the server
-    touches it only from its event loop thread (the spill's completions run there too)."""
+    """LRU (or `eviction` "fifo") map of byte keys to byte values within `max_bytes`. Not
+    thread-safe: the server touches it only from its event loop thread (the spill's completions
+    run there too)."""
 
     def __init__(self, max_bytes: int, spill: DiskSpill | None = None, tenant_quota: int | None = None,
-                 pin_budget: int | None = None) -> None:
+                 pin_budget: int | None = None, eviction: str = "lru") -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         budget = default_pin_budget(max_bytes) if pin_budget is None else pin_budget
@@ -61,9 +67,13 @@ class ByteStore:
                              f"memory's ({tenant_quota})")
         self.max_bytes = max_bytes
         self.spill = spill
-        self.tenants: TenantBytes[bytes] = TenantBytes(tenant_quota, key_tenant_bytes)
+        # The stored entries' bytes (key + value, or the whole file buffer of one read from
+        # disk), their eviction order, tenants and victims; the bound is max_bytes over more
+        # than these (`committed`), so the budget itself is unbounded.
+        self.budget: ByteBudget[bytes] = ByteBudget(None, make_policy(eviction), tenant_quota,
+                                                    tenant_of=key_tenant_bytes, pin_name=pin_name)
+        self.budget.is_pinned = self._pinned
         self.tenant_evictions = 0
-        self.bytes_used = 0
         self.hits = self.misses = self.puts = self.evictions = self.rejected = 0
         self.disk_hits = 0
         self.reserved = 0  # bytes committed to bodies being received
@@ -74,9 +84,7 @@ class ByteStore:
         self.on_freed: Callable[[], None] | None = None  # told when spill completions free budget
         # Disk reads waiting for memory: key -> (file size, callbacks of the GETs asking)
         self._loads: dict[bytes, tuple[int, list[Callable[[Buffer | None], None]]]] = {}
-        self._lru: OrderedDict[bytes, Buffer] = OrderedDict()  # least recently used first
-        # Bytes each entry holds: key + value, or the whole file buffer of one read from disk.
-        self._sizes: dict[bytes, int] = {}
+        self._values: dict[bytes, Buffer] = {}  # the stored entries (their order: `budget`)
         # id(value) -> [replies (and spill writes) holding it, bytes it holds, whether it has left the store]
         self._pins: dict[int, list[int]] = {}
         # The operator's pins (names: spill.pin_name), the spill's when there is one (loaded
@@ -90,10 +98,19 @@ class ByteStore:
     @property
     def memory_entries(self) -> int:
         """Entries held in memory (not on the disk spill)."""
-        return len(self._lru)
+        return len(self._values)
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes of the stored entries."""
+        return self.budget.used
+
+    @property
+    def tenants(self) -> TenantBytes[bytes]:
+        return self.budget.tenants
 
     def __len__(self) -> int:
-        return len(self._lru) + (len(self.spill) if self.spill is not None else 0)
+        return len(self._values) + (len(self.spill) if self.spill is not None else 0)
 
     def fits(self, key_len: int, value_len: int) -> bool:
         """Returns whether an entry of these sizes can be stored in memory at all."""
@@ -144,7 +161,7 @@ class ByteStore:
         if entry is not None:
             entry[0] += 1
             return
-        size = self._sizes[key]
+        size = self.budget.sizes[key]
         self._pins[id(value)] = [1, size, 0]
         self.pinned_stored += size
 
@@ -186,9 +203,9 @@ class ByteStore:
         """Returns the value held in memory (promoted to most recently used; a value still
         being written to the disk spill is taken back), or None: then it may be on disk
         (`load`, which counts the hit or miss)."""
-        value = self._lru.get(key)
+        value = self._values.get(key)
         if value is not None:
-            self._lru.move_to_end(key)
+            self.budget.touch(key)
             self.hits += 1
             return value
         if self.spill is not None:
@@ -279,7 +296,7 @@ class ByteStore:
 
     def contains(self, key: bytes) -> bool:
         """Returns whether `key` is held in memory or on disk (touches no LRU order)."""
-        return key in self._lru or (self.spill is not None and key in self.spill)
+        return key in self._values or (self.spill is not None and key in self.spill)
 
     def prefix_hits(self, keys: Sequence[bytes]) -> int:
         """Returns how many of `keys`, counted from the start, are held."""
@@ -305,7 +322,7 @@ class ByteStore:
     def delete_prefix(self, prefix: bytes) -> int:
         """Removes every key starting with `prefix` from memory and disk, with their pins;
         returns how many."""
-        keys = {k for k in self._lru if k.startswith(prefix)}
+        keys = {k for k in self._values if k.startswith(prefix)}
         if self.spill is not None:
             keys.update(self.spill.keys_with_prefix(prefix))
         removed = sum(self._delete(k) for k in keys)
@@ -315,7 +332,7 @@ class ByteStore:
     def clear(self) -> None:
         """Empties memory now, and the disk spill (its files are removed in the background);
         every pin is released."""
-        for key in list(self._lru):
+        for key in list(self._values):
             self._remove(key)
         if self.spill is not None:
             self.spill.clear()
@@ -330,7 +347,7 @@ class ByteStore:
         self._drop_lost_pins()
         held: dict[str, int] = {}
         for key in keys:
-            size = self._sizes.get(key) or (self.spill.size_of(key) if self.spill is not None else None)
+            size = self.budget.sizes.get(key) or (self.spill.size_of(key) if self.spill is not None else None)
             if size:
                 held[pin_name(key)] = size
         added = self.pins.pin_held([pin_name(k) for k in keys], held, ttl_s, "cache server")
@@ -348,7 +365,7 @@ class ByteStore:
         when it is not held."""
         out: list[tuple[int, PinInfo | None] | None] = []
         for key in keys:
-            size = self._sizes.get(key) or (self.spill.size_of(key) if self.spill is not None else None)
+            size = self.budget.sizes.get(key) or (self.spill.size_of(key) if self.spill is not None else None)
             out.append(None if not size else (size, self.pins.info(pin_name(key))))
         return out
 
@@ -380,8 +397,8 @@ class ByteStore:
         if self.spill is None:
             return 0
         written: list[bool] = []
-        for key, value in self._lru.items():
-            self.spill.put(key, value, written.append)
+        for key in self.budget.policy.order():
+            self.spill.put(key, self._values[key], written.append)
         self._drop_lost_pins()  # and saves what changed unsaved (expiries, sizes), after the writes
         self.spill.close(stall_timeout)
         return sum(written)
@@ -401,9 +418,9 @@ class ByteStore:
             self.tenants.quota = tenant_quota
             if self.spill is not None:
                 self.spill.set_tenant_quota(tenant_quota)
-            for victim in self.tenants.trim_victims(tenant_quota, self._sizes, lambda: iter(self._lru)) or []:
+            for victim in self.budget.quota_victims(tenant_quota, protect=False) or []:
                 self.tenant_evictions += 1
-                self._evict(victim, self._lru.pop(victim))
+                self._evict(victim, self._values.pop(victim))
         if max_bytes is not None:
             self.max_bytes = max_bytes
             self._make_room(0)
@@ -418,10 +435,8 @@ class ByteStore:
         return dict(self.tenants.used)
 
     def _hold(self, key: bytes, value: Buffer, size: int) -> None:
-        self._lru[key] = value
-        self._sizes[key] = size
-        self.bytes_used += size
-        self.tenants.record(key, size)
+        self._values[key] = value
+        self.budget.add(key, size)
         self.pins.resize(pin_name(key), size)  # a pinned entry stored again, or read back from disk
 
     def _pinned(self, key: bytes) -> bool:
@@ -430,25 +445,23 @@ class ByteStore:
     def _make_tenant_room(self, key: bytes, size: int) -> bool:
         """Evicts `key`'s tenant's own least recently used entries (never pinned ones) until
         `size` more bytes fit in its quota; returns False (evicting nothing) when they cannot."""
-        victims = self.tenants.own_victims(key, size, self._sizes, lambda: iter(self._lru), self._pinned)
+        victims = self.budget.tenant_victims(key, size)
         if victims is None:
             return False
         for victim in victims:
             self.tenant_evictions += 1
-            self._evict(victim, self._lru.pop(victim))
+            self._evict(victim, self._values.pop(victim))
         return True
 
     def _remove(self, key: bytes) -> bool:
-        value = self._lru.pop(key, None)
+        value = self._values.pop(key, None)
         if value is None:
             return False
         self._forget(key, value)
         return True
 
     def _forget(self, key: bytes, value: Buffer) -> None:
-        size = self._sizes.pop(key)
-        self.bytes_used -= size
-        self.tenants.record(key, -size)
+        self.budget.remove(key)
         entry = self._pins.get(id(value))
         if entry is not None:  # still being sent: its bytes stay counted until then
             entry[2] = 1
@@ -456,17 +469,18 @@ class ByteStore:
             self.retired += entry[1]
 
     def _make_room(self, n: int) -> None:
-        """Evicts LRU entries until `n` more bytes fit once queued spill writes finish
-        (callers check _room() first, so the entries that replies are sending, which free
-        nothing, never leave it short)."""
-        skipped = 0  # pinned entries met, each moved to the end (never evicted)
-        while len(self._lru) > skipped and self.committed - self.spilling + n > self.max_bytes:
-            key = next(iter(self._lru))
-            if self._pinned(key):
-                self._lru.move_to_end(key)
-                skipped += 1
-                continue
-            self._evict(key, self._lru.pop(key))
+        """Evicts entries (in the budget's order, never pinned ones) until `n` more bytes fit
+        once queued spill writes finish (callers check _room() first, so the entries that
+        replies are sending, which free nothing, never leave it short)."""
+        while (over := self.committed - self.spilling + n - self.max_bytes) > 0:
+            # an entry a reply is sending frees nothing until written (without a spill): ask again
+            victims, _ = self.budget.pick(over)
+            if not victims:
+                return
+            for key in victims:
+                value = self._values.pop(key, None)
+                if value is not None:  # (not gone meanwhile through a completion run inline)
+                    self._evict(key, value)
 
     def _evict(self, key: bytes, value: Buffer) -> None:
         """Evicts an entry just taken out of the LRU: to the disk spill, else dropped."""
@@ -478,7 +492,7 @@ class ByteStore:
 
     def _spill(self, key: bytes, value: Buffer) -> None:
         # The write holds the buffer like a reply does: its bytes stay counted until written.
-        size = self._sizes[key]
+        size = self.budget.sizes[key]
         self.pin(key, value)
         self._forget(key, value)
         token = object()

@@ -15,8 +15,6 @@ class _Counted(Protocol):
 
     spill: DiskSpill | None
     pins: PinSet
-    tenants: TenantBytes[bytes]
-    bytes_used: int
     max_bytes: int
     hits: int
     misses: int
@@ -31,6 +29,12 @@ class _Counted(Protocol):
 
     @property
     def memory_entries(self) -> int: ...
+
+    @property
+    def bytes_used(self) -> int: ...
+
+    @property
+    def tenants(self) -> TenantBytes[bytes]: ...
 
 
 @dataclass

@@ -77,7 +77,7 @@ def test_store_never_exceeds_budget_and_evicts_lru() -> None:
     s = store.stats()
     assert s.entries == 4 and s.bytes == 4 * 202 + 1 and s.evictions == 7
     assert not store.put(b"huge", bytes(1000)) and store.stats().rejected == 1
-    assert store.bytes_used == sum(len(k) + len(v) for k, v in store._lru.items())
+    assert store.bytes_used == sum(len(k) + len(v) for k, v in store._values.items())
 
 
 def test_store_replacing_a_key_accounts_bytes_once() -> None:
