@@ -271,7 +271,7 @@ class Soak:
                         or m.get("kvtier:kv_loads_in_flight", 0)):
                     break
                 await asyncio.sleep(0.2)
-            names = ("kvtier:kv_blocks_in_use", "kvtier:kv_block_refs", "kvtier:kv_pinned_chunks",
+            names = ("kvtier:kv_blocks_in_use", "kvtier:kv_block_refs", "kvtier:kv_load_holds",
                      "kvtier:kv_loads_in_flight", "kvtier:kv_pending_stores", "kvtier:kv_slow_tier_writes_pending",
                      "kvtier:num_requests_running", "kvtier:num_requests_waiting")
             missing = unavailable(self.cfg.engine)

@@ -33,12 +33,11 @@ VLLM_NAMES = {"vllm:prompt_tokens_total": "kvtier:prompt_tokens_total",
               "vllm:prefix_cache_hits_total": "kvtier:prefix_cache_hits_total",
               "vllm:num_requests_running": "kvtier:num_requests_running",
               "vllm:num_requests_waiting": "kvtier:num_requests_waiting",
-              "vllm:kv_cache_usage_perc": "kvtier:kv_blocks_in_use",
-              "kvtier:load_error_tokens_total": "kvtier:kv_load_error_tokens_total",
-              "kvtier:dropped_store_bytes_total": "kvtier:kv_dropped_store_bytes_total",
-              "kvtier:stored_tokens_total": "kvtier:kv_stored_tokens_total",
-              "kvtier:connector_hit_tokens_total": "kvtier:kv_connector_hit_tokens_total"}
-UNAVAILABLE_VLLM = ["kv_block_refs", "kv_pinned_chunks", "kv_loads_in_flight", "kv_pending_stores",
+              "vllm:kv_cache_usage_perc": "kvtier:kv_blocks_in_use"}
+# kvtier's own figures on vllm serve: the metric table's names (connector/metric_table.py), kept as they are
+SHARED = ("kvtier:kv_load_error_tokens_total", "kvtier:kv_dropped_store_bytes_total", "kvtier:kv_stored_tokens_total",
+          "kvtier:kv_connector_hit_tokens_total", "kvtier:kv_tier_hit_tokens_total")
+UNAVAILABLE_VLLM = ["kv_block_refs", "kv_load_holds", "kv_loads_in_flight", "kv_pending_stores",
                     "kv_slow_tier_writes_pending", "kv_tier_breaker_state", "kv_tier_timeouts_total",
                     "kv_tier_breaker_opens_total", "kv_tier_dropped_writes_total"]
 
@@ -132,8 +131,8 @@ def figures(engine: str, metrics: dict[str, float]) -> dict[str, float]:
     for k, v in metrics.items():
         if k in VLLM_NAMES:
             out[VLLM_NAMES[k]] = v
-        elif k.startswith("kvtier:loaded_tokens_total["):  # per tier, as kvtier serve's tier hit tokens
-            out["kvtier:kv_tier_hit_tokens_total" + k[len("kvtier:loaded_tokens_total"):]] = v
+        elif k.startswith(SHARED):
+            out[k] = v
     return out
 
 

@@ -79,7 +79,7 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
     # back when it goes idle, so RSS is a sawtooth and two samples measure its phase.
     growth, slope = _fitted_growth(rss) if len(rss) >= 2 else (float("nan"), float("nan"))
     missing = out["config"].get("unavailable_figures", [])  # not on this engine's /metrics (vllm serve)
-    leak_keys = [k for k in ("kv_blocks_in_use", "kv_block_refs", "kv_pinned_chunks", "kv_loads_in_flight")
+    leak_keys = [k for k in ("kv_blocks_in_use", "kv_block_refs", "kv_load_holds", "kv_loads_in_flight")
                  if k not in missing]
     idle_bad = [p for p in out["idle_points"] if any(p.get(k, -1) != 0 for k in leak_keys)]
     win = _windows(out)
@@ -189,7 +189,7 @@ def _plot(out: dict[str, Any], path: Path) -> None:
     axes[0].plot(xs, [s["rss_cache_server"] / 2**20 for s in out["samples"]], label="cache server")
     axes[0].set_ylabel("RSS (MiB)")
     ix = [minutes(p["t"]) for p in out["idle_points"]]
-    for key in ("kv_blocks_in_use", "kv_block_refs", "kv_pinned_chunks", "kv_loads_in_flight"):
+    for key in ("kv_blocks_in_use", "kv_block_refs", "kv_load_holds", "kv_loads_in_flight"):
         if key in missing:
             continue
         axes[1].plot(ix, [p.get(key, -1) for p in out["idle_points"]], "o-", label=key)

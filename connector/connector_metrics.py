@@ -8,26 +8,18 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from connector.metric_table import METRICS, Metric
 from kvstore.tier_stats import TierStats
 
-PROM_COUNTERS: dict[str, tuple[str, str]] = {
-    "connector_hit_tokens": ("kvtier:kv_connector_hit_tokens", "Prompt tokens loaded by the KV connector instead of "
-                             "computed."),
-    "load_error_tokens": ("kvtier:kv_load_error_tokens", "Tokens a lookup promised that could not be loaded "
-                          "(recomputed)."),
-    "bytes_loaded": ("kvtier:kv_loaded_bytes", "Bytes of K/V loaded from the tiers."),
-    "load_seconds": ("kvtier:kv_load_seconds", "Seconds spent loading: fetching from the tiers and writing into "
-                     "the engine's blocks."),
-    "stored_tokens": ("kvtier:kv_stored_tokens", "Tokens of chunks stored into the tiers."),
-    "bytes_stored": ("kvtier:kv_stored_bytes", "Bytes of chunks stored into the tiers."),
-    "dropped_store_bytes": ("kvtier:kv_dropped_store_bytes", "Chunk bytes not stored: the pending-store budget "
-                            "was full."),
-}
-"""The connector's totals on /metrics, one name set for `kvtier serve` and `vllm serve`:
-`RequestKVMetrics` field -> (counter name, exposed with `_total`; its help)."""
+PROM_COUNTERS: dict[str, Metric] = {field: METRICS[f"kv_{name}"] for field, name in (
+    ("connector_hit_tokens", "connector_hit_tokens"), ("load_error_tokens", "load_error_tokens"),
+    ("bytes_loaded", "loaded_bytes"), ("load_seconds", "load_seconds"), ("stored_tokens", "stored_tokens"),
+    ("bytes_stored", "stored_bytes"), ("dropped_store_bytes", "dropped_store_bytes"))}
+"""The connector's totals on /metrics, the same on `kvtier serve` and `vllm serve`:
+`RequestKVMetrics` field -> its row of the metric table (connector/metric_table.py)."""
 
-TIER_HIT_TOKENS = ("kvtier:kv_tier_hit_tokens", "Tokens loaded from the tier.")
-"""The per-tier counter (label `tier`) of tokens loaded, on both servers."""
+TIER_HIT_TOKENS = METRICS["kv_tier_hit_tokens"]
+"""The per-tier counter (label `tier`) of prompt tokens loaded, on both servers: `loaded_tokens_by_tier`."""
 
 
 @dataclass
@@ -57,7 +49,8 @@ class RequestKVMetrics:
 
 @dataclass
 class TierKVMetrics:
-    """One tier's totals as the storage manager saw them; `tokens_hit` from loaded bytes."""
+    """One tier's totals as the storage manager saw them, and `tokens_hit`: the prompt tokens
+    the connector loaded from it (`RequestKVMetrics.loaded_tokens_by_tier`, as on vllm serve)."""
 
     name: str
     healthy: bool
@@ -75,11 +68,9 @@ class TierKVMetrics:
     write_breaker: int = 0
 
     @classmethod
-    def from_stats(cls, s: TierStats, bytes_per_token: int) -> TierKVMetrics:
-        """Returns the metrics for one tier's stats; loaded chunks are raw tensors, so their
-        bytes divide exactly into tokens."""
-        return cls(name=s.name, healthy=s.healthy, chunks_hit=s.hits,
-                   tokens_hit=s.bytes_loaded // max(bytes_per_token, 1),
+    def from_stats(cls, s: TierStats, tokens_hit: int) -> TierKVMetrics:
+        """Returns the metrics for one tier's stats and the prompt tokens loaded from it."""
+        return cls(name=s.name, healthy=s.healthy, chunks_hit=s.hits, tokens_hit=tokens_hit,
                    bytes_loaded=s.bytes_loaded, bytes_stored=s.bytes_stored,
                    load_seconds=s.load_seconds, errors=s.errors, dropped_writes=s.dropped_writes,
                    timeouts=s.timeouts, skipped=s.skipped, breaker_opens=s.breaker_opens,

@@ -74,10 +74,9 @@ class EngineConnector(KVConnector):
         return self.planner.request_metrics(request_id)
 
     def tier_metrics(self) -> list[TierKVMetrics]:
-        """Returns per-tier totals, fastest tier first (token counts once the caches are known)."""
-        layout = self.worker.layout
-        per_token = layout.bytes_per_token() if layout is not None else 0
-        return [TierKVMetrics.from_stats(s, per_token) for s in self.storage.stats().values()]
+        """Returns per-tier totals, fastest tier first."""
+        loaded = self.metrics.totals_now().loaded_tokens_by_tier
+        return [TierKVMetrics.from_stats(s, loaded.get(name, 0)) for name, s in self.storage.stats().items()]
 
     def pending_stores(self) -> int:
         """Returns how many gathered chunks wait for the store thread."""

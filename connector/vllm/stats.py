@@ -9,11 +9,6 @@ from typing import Any
 from connector.connector_metrics import PROM_COUNTERS, TIER_HIT_TOKENS, ConnectorMetrics, RequestKVMetrics
 from connector.vllm.vllm_api import KVConnectorPromMetrics, KVConnectorStats
 
-LEGACY_NAMES = {field: f"kvtier:{field}" for field in PROM_COUNTERS}
-"""The names `vllm serve` used before kvtier serve's were adopted (`kvtier:connector_hit_tokens`
-...; `kvtier:loaded_tokens` per tier): still exposed, with the same values, until the next
-release (docs/vllm.md, "Metrics")."""
-
 PER_TIER = "loaded_tokens."
 """A stats key `loaded_tokens.<tier>`: tokens loaded from that tier."""
 
@@ -78,27 +73,23 @@ def stats_delta(now: RequestKVMetrics, before: RequestKVMetrics) -> dict[str, fl
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
-    """kvtier's figures on `vllm serve`'s /metrics, per engine, under the names `kvtier serve`
-    uses (connector/connector_metrics.py's PROM_COUNTERS, TIER_HIT_TOKENS per tier), and for one more
-    release under their old names too (LEGACY_NAMES, `kvtier:loaded_tokens`)."""
+    """kvtier's figures on `vllm serve`'s /metrics, per engine: the metric table's rows this
+    deployment computes (connector/metric_table.py, `on` "vllm": PROM_COUNTERS and
+    TIER_HIT_TOKENS per tier), under the same names and meanings as on `kvtier serve`."""
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._values = per_engine_labelvalues
-        self._counters = {field: [self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
-                                  for name in (prom, LEGACY_NAMES[field])]
-                          for field, (prom, doc) in PROM_COUNTERS.items()}
-        name, doc = TIER_HIT_TOKENS
-        self._by_tier = [self._counter_cls(name=n, documentation=doc, labelnames=[*labelnames, "tier"])
-                         for n in (name, "kvtier:loaded_tokens")]
+        self._counters = {field: self._counter_cls(name=m.name, documentation=m.doc, labelnames=labelnames)
+                          for field, m in PROM_COUNTERS.items()}
+        self._by_tier = self._counter_cls(name=TIER_HIT_TOKENS.name, documentation=TIER_HIT_TOKENS.doc,
+                                          labelnames=[*labelnames, *TIER_HIT_TOKENS.labels])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         values = self._values[engine_idx]
         for key, delta in transfer_stats_data.items():
             if key in self._counters:
-                for counter in self._counters[key]:
-                    counter.labels(*values).inc(delta)
+                self._counters[key].labels(*values).inc(delta)
             elif key.startswith(PER_TIER):
-                for counter in self._by_tier:
-                    counter.labels(*values, key.removeprefix(PER_TIER)).inc(delta)
+                self._by_tier.labels(*values, key.removeprefix(PER_TIER)).inc(delta)

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from connector.connector_metrics import PROM_COUNTERS, TIER_HIT_TOKENS
 from connector.engine_connector import EngineConnector
+from connector.metric_table import METRICS, Metric
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from kvkeys.tenants import tenant_tag
@@ -36,32 +37,31 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
 
-        def gauge(name: str, doc: str) -> Any:
-            return Gauge(f"kvtier:{name}", doc, labels, registry=r).labels(model_name)
+        def gauge(short: str) -> Any:
+            return Gauge(METRICS[short].name, METRICS[short].doc, labels, registry=r).labels(model_name)
 
-        def counter(name: str, doc: str) -> Any:
-            return Counter(f"kvtier:{name}", doc, labels, registry=r).labels(model_name)
+        def counter(short: str) -> Any:
+            return Counter(METRICS[short].name, METRICS[short].doc, labels, registry=r).labels(model_name)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-            return Histogram(f"kvtier:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+        def histogram(short: str, buckets: tuple[float, ...]) -> Any:
+            m = METRICS[short]
+            return Histogram(m.name, m.doc, labels, buckets=buckets, registry=r).labels(model_name)
 
-        self.running = gauge("num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).")
-        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between a request's tokens.", _ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced output "
-                                     "(a token, or a scored prompt).")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self.prefix_queries = counter("prefix_cache_queries", "Tokens looked up in the engine's prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits", "Tokens found in the engine's prefix cache.")
-        self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
-        name, doc = PROM_COUNTERS["connector_hit_tokens"]
-        self.external_hits = counter(name.removeprefix("kvtier:"), doc)
-        self._finished = Counter("kvtier:request_success", "Finished requests (each sample of an n > 1 "
-                                 "request) by finish reason.",
-                                 ["model_name", "finished_reason"], registry=r)
+        self.running = gauge("num_requests_running")
+        self.waiting = gauge("num_requests_waiting")
+        self.kv_usage = gauge("kv_cache_usage_perc")
+        self.ttft = histogram("time_to_first_token_seconds", _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", _E2E_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens")
+        self.generation_tokens = counter("generation_tokens")
+        self.prefix_queries = counter("prefix_cache_queries")
+        self.prefix_hits = counter("prefix_cache_hits")
+        self.preemptions = counter("num_preemptions")
+        hits = PROM_COUNTERS["connector_hit_tokens"]
+        self.external_hits = Counter(hits.name, hits.doc, labels, registry=r).labels(model_name)
+        done = METRICS["request_success"]
+        self._finished = Counter(done.name, done.doc, [*labels, *done.labels], registry=r)
         self._model_name = model_name
         self._last: dict[str, int] = {}
         # request -> sample index -> (tokens, last token time); samples already counted finished
@@ -137,40 +137,15 @@ class ConnectorCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         tiers = self.connector.tier_metrics()
-        families = {
-            "tokens_hit": CounterMetricFamily(*TIER_HIT_TOKENS, labels=["tier"]),
-            "bytes_loaded": CounterMetricFamily(
-                "kvtier:kv_tier_loaded_bytes", "Bytes loaded from the tier.", labels=["tier"]
-            ),
-            "bytes_stored": CounterMetricFamily(
-                "kvtier:kv_tier_stored_bytes", "Bytes the tier accepted.", labels=["tier"]
-            ),
-            "load_seconds": CounterMetricFamily(
-                "kvtier:kv_tier_load_seconds", "Seconds spent loading from the tier.", labels=["tier"]
-            ),
-            "errors": CounterMetricFamily("kvtier:kv_tier_errors", "Failed calls to the tier.", labels=["tier"]),
-            "timeouts": CounterMetricFamily(
-                "kvtier:kv_tier_timeouts", "Remote calls that failed or ended past their deadline.", labels=["tier"]
-            ),
-            "skipped": CounterMetricFamily(
-                "kvtier:kv_tier_skipped_calls", "Calls not made: the tier's circuit breaker was open (a miss).",
-                labels=["tier"]
-            ),
-            "breaker_opens": CounterMetricFamily(
-                "kvtier:kv_tier_breaker_opens", "Times the tier's circuit breaker (reads or writes) opened.",
-                labels=["tier"]
-            ),
-            "dropped_writes": CounterMetricFamily(
-                "kvtier:kv_tier_dropped_writes", "Background writes dropped (queue full).", labels=["tier"]
-            ),
+        per_tier = {  # TierKVMetrics field -> its metric
+            "tokens_hit": TIER_HIT_TOKENS, "bytes_loaded": METRICS["kv_tier_loaded_bytes"],
+            "bytes_stored": METRICS["kv_tier_stored_bytes"], "load_seconds": METRICS["kv_tier_load_seconds"],
+            "errors": METRICS["kv_tier_errors"], "timeouts": METRICS["kv_tier_timeouts"],
+            "skipped": METRICS["kv_tier_skipped_calls"], "breaker_opens": METRICS["kv_tier_breaker_opens"],
+            "dropped_writes": METRICS["kv_tier_dropped_writes"],
         }
-        healthy = GaugeMetricFamily(
-            "kvtier:kv_tier_healthy", "1 while the tier is in use, 0 while it backs off.", labels=["tier"]
-        )
-        breaker = GaugeMetricFamily(
-            "kvtier:kv_tier_breaker_state", "The tier's circuit breaker: 0 closed, 1 open, 2 half-open.",
-            labels=["tier", "calls"]
-        )
+        families = {attr: _family(m) for attr, m in per_tier.items()}
+        healthy, breaker = _family(METRICS["kv_tier_healthy"]), _family(METRICS["kv_tier_breaker_state"])
         for t in tiers:
             for attr, fam in families.items():
                 fam.add_metric([t.name], float(getattr(t, attr)))
@@ -182,44 +157,37 @@ class ConnectorCollector(Collector):
         yield breaker
         yield from self._tenant_families()
         totals = self.connector.metrics.totals
-        for field, (name, doc) in PROM_COUNTERS.items():
-            if field != "connector_hit_tokens":  # the engine's own count, kvtier:kv_connector_hit_tokens above
-                counter = CounterMetricFamily(name, doc)
+        for field, m in PROM_COUNTERS.items():
+            if field != "connector_hit_tokens":  # the engine's own count, ServerMetrics.external_hits
+                counter = _family(m)
                 counter.add_metric([], float(getattr(totals, field)))
                 yield counter
-        pending = GaugeMetricFamily("kvtier:kv_pending_stores", "Gathered chunks waiting for the store thread.")
-        pending.add_metric([], float(self.connector.pending_stores()))
-        yield pending
         storage = self.connector.storage
-        gauges = (
-            ("kvtier:kv_slow_tier_writes_pending", "Background writes to the slower tiers queued or running.",
-             storage.writer_stats()["pending"]),
-            ("kvtier:kv_pinned_chunks", "Load holds on stored chunks (loads in flight); 0 when idle.",
-             storage.holds.total()),
-            ("kvtier:kv_loads_in_flight", "1 while a background load has not ended; 0 when idle.",
-             int(self.connector.worker.loads_in_flight())),
-        )
-        for name, doc, value in gauges:
-            g = GaugeMetricFamily(name, doc)
+        for short, value in (("kv_pending_stores", self.connector.pending_stores()),
+                             ("kv_slow_tier_writes_pending", storage.writer_stats()["pending"]),
+                             ("kv_load_holds", storage.holds.total()),
+                             ("kv_loads_in_flight", int(self.connector.worker.loads_in_flight()))):
+            g = _family(METRICS[short])
             g.add_metric([], float(value))
             yield g
-
 
     def _tenant_families(self) -> Iterator[Any]:
         """Hit, load and store figures per tenant label (bounded: configured names, "other",
         "none" for unsalted requests; connector/connector_metrics.py)."""
         totals = self.connector.metrics.tenant_totals()
-        for attr, name, doc in (
-            ("connector_hit_tokens", "kv_tenant_hit_tokens", "Prompt tokens loaded by the KV connector, per tenant."),
-            ("bytes_loaded", "kv_tenant_loaded_bytes", "Bytes loaded from the tiers, per tenant."),
-            ("load_seconds", "kv_tenant_load_seconds", "Seconds spent loading from the tiers, per tenant."),
-            ("stored_tokens", "kv_tenant_stored_tokens", "Tokens of chunks stored into the tiers, per tenant."),
-            ("bytes_stored", "kv_tenant_stored_bytes", "Bytes of chunks stored into the tiers, per tenant."),
-        ):
-            fam = CounterMetricFamily(f"kvtier:{name}", doc, labels=["tenant"])
+        for attr, short in (("connector_hit_tokens", "kv_tenant_hit_tokens"),
+                            ("bytes_loaded", "kv_tenant_loaded_bytes"), ("load_seconds", "kv_tenant_load_seconds"),
+                            ("stored_tokens", "kv_tenant_stored_tokens"), ("bytes_stored", "kv_tenant_stored_bytes")):
+            fam = _family(METRICS[short])
             for label, figures in totals.items():
                 fam.add_metric([label], float(figures[attr]))
             yield fam
+
+
+def _family(m: Metric) -> Any:
+    """Returns an empty scrape-time family of metric `m` (a counter or a gauge), with its labels."""
+    cls = CounterMetricFamily if m.kind == "counter" else GaugeMetricFamily
+    return cls(m.name, m.doc, labels=list(m.labels))
 
 
 class EngineCollector(Collector):
@@ -234,11 +202,7 @@ class EngineCollector(Collector):
         # len() and the ref_cnt ints are read atomically under the GIL, never torn.
         blocks = self.engine.block_manager
         refs = blocks.ref_counts()
-        for name, doc, value in (
-            ("kvtier:kv_blocks_in_use", "KV blocks with a ref count above 0 (0 when idle).",
-             sum(1 for r in refs if r)),
-            ("kvtier:kv_block_refs", "Sum of the KV blocks' ref counts (0 when idle).", sum(refs)),
-        ):
-            g = GaugeMetricFamily(name, doc)
+        for short, value in (("kv_blocks_in_use", sum(1 for r in refs if r)), ("kv_block_refs", sum(refs))):
+            g = _family(METRICS[short])
             g.add_metric([], float(value))
             yield g

@@ -254,7 +254,8 @@ def test_sigterm_flushes_stores_for_the_next_server(default_model_path: Path, tm
         assert second["choices"][0]["text"] == first["choices"][0]["text"]
         m = metrics(s2.url)
         assert m["kvtier:kv_connector_hit_tokens_total"] == n - 1
-        assert all(f"{name}_total" in m for name, _ in PROM_COUNTERS.values())  # vllm serve's names too
+        assert all(f"{c.name}_total" in m for c in PROM_COUNTERS.values())  # vllm serve's names too
+        assert m[f"kvtier:kv_tier_hit_tokens_total[{next(iter(look['tiers']))}]"] == n - 1  # as on vllm serve
         assert m["kvtier:kv_loaded_bytes_total"] > 0 and m["kvtier:kv_load_error_tokens_total"] == 0
         tier_name = next(iter(look["tiers"]))
         assert m[f"kvtier:kv_tier_loaded_bytes_total[{tier_name}]"] > 0

@@ -30,7 +30,7 @@ BOUND_MINUTES = 10.0  # a run that stalls ends here (a `deadline_passed` event f
 # the disk filler ~6 s); after the plan the load goes on to REQUESTS and at least one request
 # per client more, so the disk full meets load too.
 PLAN = list(zip((0.12, 0.3, 0.45, 0.5, 0.55, 0.65), (kind for _, kind in SHORT_PLAN), strict=True))
-LEAKS = ("kv_blocks_in_use", "kv_block_refs", "kv_pinned_chunks", "kv_loads_in_flight", "kv_pending_stores",
+LEAKS = ("kv_blocks_in_use", "kv_block_refs", "kv_load_holds", "kv_loads_in_flight", "kv_pending_stores",
          "kv_slow_tier_writes_pending", "num_requests_running", "num_requests_waiting")
 
 
