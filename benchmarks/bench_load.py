@@ -237,7 +237,7 @@ def transport_fetch(url: str, keys: list[str]) -> Callable[[], int]:
     parts = urlsplit(url)
     if parts.scheme == "redis":
         return redis_raw_fetch(parts.hostname or "127.0.0.1", parts.port or 6379, keys)
-    from kvstore.server.client import CacheServerClient
+    from kvstore.backends.server_client import CacheServerClient
 
     cs = CacheServerClient(parts.hostname or "127.0.0.1", parts.port or 0)
     raw = [k.encode() for k in keys]

@@ -2,7 +2,7 @@
 strings here; the connector's keyspace builds them, kvkeys/keyspace.py).
 
 Third-party imports: torch, numpy, redis, cramjam (LZ4), xxhash, blake3 (and PyYAML, only to read a YAML
-config); the cache server (`kvstore.server`) uses the standard library alone. Never imports
+config); the cache server (`kvstore.cache_server`) never imports torch (tests/test_import_rules.py). Never imports
 `engine` or `connector`.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# public names -> defining module; imported on first use so `kvstore.server` stays torch-free
+# public names -> defining module; imported on first use so `kvstore.cache_server` stays torch-free
 _EXPORTS = {
     "KVStoreConfig": "kvstore.store_config",
     "TierSpec": "kvstore.store_config",

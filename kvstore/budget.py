@@ -5,7 +5,7 @@ operator's pins (kvstore/pin_set.py) with their own budget. The limits may chang
 The one home of which keys are held, how many bytes each, in what eviction order, which are
 protected, who is over its tenant quota and which victims make room: the cpu and device tiers
 (kvstore/backends/memory.py), the disk tier, the redis tier, and the cache server's memory
-(kvstore/server/store.py) and disk spill (kvstore/server/spill.py) each hold one. The cache
+(kvstore/cache_server/store.py) and disk spill (kvstore/cache_server/spill.py) each hold one. The cache
 server's keys are bytes (`tenant_of`, `pin_name`); what else an owner counts (bodies in flight,
 values being sent or spilled, files being read) stays with that owner."""
 

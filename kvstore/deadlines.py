@@ -13,7 +13,7 @@ The fixed waits of the connector, the storage manager, the cache server, `kvtier
 router and the CLI are named here too (the constants below), so every bound on a wait has one
 home; tests/test_wait_bounds.py fails on one written anywhere else under kvstore/, kvtier/ and
 connector/. The engine's own (engine/llm_engine.py `KV_WAIT_S`) stays in the engine, which never
-imports kvstore. Standard library only: the cache server (kvstore/server/) imports this module.
+imports kvstore. Standard library only: the cache server (kvstore/cache_server/) imports this module.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ BACKOFF_INITIAL_S = 0.25
 # The cap of that cool-down (config backoff_max_s): a tier that is back is used again within about this long.
 BACKOFF_MAX_S = 1.0
 
-# ---- the cache server (kvstore/server/, kvtier cache-server) ----
+# ---- the cache server (kvstore/cache_server/, kvtier cache-server) ----
 # The server answers every request within this long (--frame-timeout): at worst BUSY for a body
 # that waited for memory, or a miss for a value the disk could not read in time.
 CACHE_SERVER_FRAME_TIMEOUT_S = 30.0

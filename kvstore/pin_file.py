@@ -1,7 +1,7 @@
 """A pin set's copy on disk (kvstore/pin_set.py), for the tiers whose operator pins survive a
 restart and are seen by every process using their directory: the disk tier
 (`<dir>/.kvtier-pins`, kvstore/backends/disk/) and the cache server's spill
-(`<spill dir>/.kvtier-pins`, kvstore/server/store.py).
+(`<spill dir>/.kvtier-pins`, kvstore/cache_server/store.py).
 
 One small JSON file (`PinSet.to_json`: a kind, a version, the pin budget, and per key its
 bytes and its wall-clock expiry or null), replaced atomically (written and fsync'd under a

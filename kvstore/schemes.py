@@ -12,7 +12,7 @@ TIER_SCHEMES: dict[str, str] = {
     "rediss": "kvstore.backends.redis_store:RedisBackend",
     "redis+cluster": "kvstore.backends.redis_store:RedisBackend",
     "rediss+cluster": "kvstore.backends.redis_store:RedisBackend",
-    "kvtier": "kvstore.backends.cache_server:CacheServerBackend",
-    "kvtiers": "kvstore.backends.cache_server:CacheServerBackend",
+    "kvtier": "kvstore.backends.cache_server_tier:CacheServerBackend",
+    "kvtiers": "kvstore.backends.cache_server_tier:CacheServerBackend",
 }
 """scheme -> "module:Class"; every class has a `from_spec(spec)` classmethod (kvstore.registry.TierClass)."""

@@ -16,7 +16,7 @@ from kvsettings import ProcessEnv, variable
 from kvtier.cli_help import add_config_arguments
 
 if TYPE_CHECKING:
-    from kvstore.server.tenant_tokens import TenantTokens
+    from kvstore.cache_server.tenant_tokens import TenantTokens
 
 HELP = "run the standalone KV cache server that engines on one or many machines share"
 
@@ -41,9 +41,9 @@ DEFAULT_LOG_LEVEL = "warning"  # a server: quiet unless asked
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the cache server's flags, each built from its field in kvstore/server/server.py
+    """Adds the cache server's flags, each built from its field in kvstore/cache_server/server.py
     (`ServerConfig`, `StoreBudgets`: its default, metavar and help are declared there, once)."""
-    from kvstore.server.server import ServerConfig, StoreBudgets
+    from kvstore.cache_server.server import ServerConfig, StoreBudgets
 
     add_config_arguments(parser, ServerConfig, ("host", "port"))
     add_config_arguments(parser, StoreBudgets)
@@ -75,7 +75,7 @@ def load_tenant_tokens(path: str) -> TenantTokens:
     import yaml
 
     from kvkeys.tenants import tag_key_bytes
-    from kvstore.server.tenant_tokens import TenantTokens
+    from kvstore.cache_server.tenant_tokens import TenantTokens
 
     secret = ProcessEnv.read().tenant_tag_key
     if secret is not None:
@@ -123,9 +123,9 @@ def _entry_tag(value: Any, where: str, secret: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstore.server.server import ServerConfig, StoreBudgets, serve
-    from kvstore.server.spill import DiskSpill
-    from kvstore.server.store import ByteStore
+    from kvstore.cache_server.server import ServerConfig, StoreBudgets, serve
+    from kvstore.cache_server.spill import DiskSpill
+    from kvstore.cache_server.store import ByteStore
 
     budgets = StoreBudgets(**{f.name: getattr(args, f.name) for f in fields(StoreBudgets)}).validate()
     values = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         spill = DiskSpill(writable_dir(budgets.disk, "--disk"), budgets.max_disk_bytes, budgets.tenant_quota)
     store = ByteStore(budgets.max_bytes, spill, budgets.tenant_quota, budgets.store_pin_budget())
     if config.tls_cert is not None and config.tls_key is not None:
-        from kvstore.server.server import server_tls_context
+        from kvstore.cache_server.server import server_tls_context
 
         server_tls_context(config.tls_cert, config.tls_key)  # a bad file fails here, named
     raise_fd_limit(config.max_connections)

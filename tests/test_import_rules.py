@@ -6,9 +6,12 @@ a cycle waiting for the next refactor. And its module map names every shipped mo
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
+
+from harness.process import run
 
 REPO = Path(__file__).resolve().parents[1]
 OURS = ("hostmem", "kvkeys", "kvsettings", "kvstore", "engine", "connector", "kvtier")
@@ -83,6 +86,17 @@ def test_no_core_module_imports_cacheblend() -> None:
     broken = [f"{rel}:{line} imports {dotted}" for rel, path in shipped() if not rel.startswith("connector/blend/")
               for line, dotted in imported(path) if dotted.split(".")[:2] == ["connector", "blend"]]
     assert not broken, "only connector/blend/ imports connector.blend:\n" + "\n".join(broken)
+
+
+def test_the_cache_server_package_never_imports_torch() -> None:
+    """`kvtier cache-server` runs on machines without torch: importing every module of its
+    package (kvstore/cache_server/) in a fresh interpreter loads no torch. Its client is the
+    tier's (kvstore/backends/server_client.py), which checks K/V values."""
+    modules = sorted(f"kvstore.cache_server.{p.stem}" for p in (REPO / "kvstore" / "cache_server").glob("*.py"))
+    code = f"import sys, importlib; [importlib.import_module(m) for m in {modules!r}]; " \
+           "print(sorted(m for m in ('torch',) if m in sys.modules))"
+    out = run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_no_two_shipped_modules_share_a_name() -> None:

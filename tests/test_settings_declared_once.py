@@ -156,7 +156,7 @@ def _parser_defaults_match(add_arguments, *configs: type) -> None:
 
 
 def test_cache_server_flags_are_built_from_the_config() -> None:
-    from kvstore.server.server import ServerConfig, StoreBudgets
+    from kvstore.cache_server.server import ServerConfig, StoreBudgets
     from kvtier import cmd_cache_server
 
     _parser_defaults_match(cmd_cache_server.add_arguments, ServerConfig, StoreBudgets)

@@ -12,7 +12,7 @@ from harness.polling import wait_until
 from kvkeys.keyspace import Keyspace
 from kvstore import serde
 from kvstore.backend import BackendError, leading_run
-from kvstore.backends.cache_server import CacheServerBackend
+from kvstore.backends.cache_server_tier import CacheServerBackend
 from kvstore.backends.memory import CPUBackend
 from kvstore.registry import create_backend
 from kvstore.storage_manager import StorageManager

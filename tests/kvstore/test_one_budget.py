@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvstore.budget import ByteBudget
-from kvstore.server.spill import DiskSpill
-from kvstore.server.store import ByteStore
+from kvstore.cache_server.spill import DiskSpill
+from kvstore.cache_server.store import ByteStore
 
 KVSTORE = Path(__file__).resolve().parents[2] / "kvstore"
 
@@ -39,7 +39,7 @@ def _lru_calls(path: Path) -> list[str]:
 
 def test_no_eviction_order_outside_eviction_py() -> None:
     paths = sorted(KVSTORE.rglob("*.py"))
-    assert any(p.parts[-2:] == ("server", "store.py") for p in paths)  # the walk sees the server
+    assert any(p.parts[-2:] == ("cache_server", "store.py") for p in paths)  # the walk sees the server
     found = [call for p in paths if str(p.relative_to(KVSTORE)) not in ALLOWED for call in _lru_calls(p)]
     assert found == [], "an eviction order belongs in kvstore/eviction.py (a ByteBudget's policy)"
     assert _lru_calls(KVSTORE / "eviction.py")  # the check finds the real one

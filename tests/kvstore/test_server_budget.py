@@ -13,9 +13,9 @@ import pytest
 
 from harness.cache_server import CacheServerProcess
 from kvkeys.tenants import tenant_prefix
+from kvstore.backends.server_client import CacheServerClient, ServerReplyError
 from kvstore.budget import BudgetError
-from kvstore.server.client import CacheServerClient, ServerReplyError
-from kvstore.server.protocol import Status
+from kvstore.cache_server.protocol import Status
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import KVStoreConfig, TierSpec
 from tests.fixtures.cache_server import settled

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from harness.cache_server import CacheServerProcess
-from kvstore.server.client import CacheServerClient
+from kvstore.backends.server_client import CacheServerClient
 from tests.fixtures.cache_server import live_dir, settled
 
 MIB = 1 << 20

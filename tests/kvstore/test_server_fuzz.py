@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harness.cache_server import CacheServerProcess
-from kvstore.server import protocol as P
-from kvstore.server.client import CacheServerClient
-from kvstore.server.protocol import Op, Status
+from kvstore.backends.server_client import CacheServerClient
+from kvstore.cache_server import protocol as P
+from kvstore.cache_server.protocol import Op, Status
 from tests.fixtures.cache_server import raw_exchange
 
 MAX_PAYLOAD = 1 << 20

@@ -10,9 +10,9 @@ import pytest
 
 from harness.cache_server import CacheServerProcess
 from harness.polling import wait_until
-from kvstore.server import protocol as P
-from kvstore.server.client import CacheServerClient, ServerReplyError
-from kvstore.server.protocol import Op, Status
+from kvstore.backends.server_client import CacheServerClient, ServerReplyError
+from kvstore.cache_server import protocol as P
+from kvstore.cache_server.protocol import Op, Status
 from tests.fixtures.cache_server import raw_exchange
 
 

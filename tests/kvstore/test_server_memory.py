@@ -16,10 +16,10 @@ import pytest
 
 from harness.cache_server import CacheServerProcess
 from harness.polling import wait_until
-from kvstore.server import protocol as P
-from kvstore.server.client import CacheServerClient
-from kvstore.server.protocol import Op, Status
-from kvstore.server.server import HEAP_SLACK_BYTES, PER_CONNECTION_BYTES
+from kvstore.backends.server_client import CacheServerClient
+from kvstore.cache_server import protocol as P
+from kvstore.cache_server.protocol import Op, Status
+from kvstore.cache_server.server import HEAP_SLACK_BYTES, PER_CONNECTION_BYTES
 
 MIB = 1 << 20
 # Measurement tolerance on top of the documented overhead (Python objects, page rounding).

@@ -12,10 +12,10 @@ import time
 import pytest
 
 from harness.cache_server import CacheServerProcess
-from kvstore.server import protocol as P
-from kvstore.server.client import CacheServerClient, ServerUnavailable
-from kvstore.server.protocol import Op, Status
-from kvstore.server.server import ServerConfig, StoreBudgets
+from kvstore.backends.server_client import CacheServerClient, ServerUnavailable
+from kvstore.cache_server import protocol as P
+from kvstore.cache_server.protocol import Op, Status
+from kvstore.cache_server.server import ServerConfig, StoreBudgets
 from tests.fixtures.cache_server import raw_exchange
 
 
@@ -226,7 +226,7 @@ def test_a_client_that_reads_late_gets_every_reply(cache_server: CacheServerProc
 def test_mixed_pipelines_of_large_gets_and_puts(cache_server: CacheServerProcess) -> None:
     """Large GETs and large PUTs in one call: the client must not send a large payload while
     a large reply it has not read yet holds the server back."""
-    from kvstore.server.client import Request
+    from kvstore.backends.server_client import Request
 
     c = _client(cache_server, timeout=20)
     values = [os.urandom(4 << 20) for _ in range(6)]

@@ -14,11 +14,11 @@ import torch
 
 from harness.cache_server import CacheServerProcess
 from kvkeys.tenants import tenant_prefix
-from kvstore.backends.cache_server import CacheServerBackend
+from kvstore.backends.cache_server_tier import CacheServerBackend
 from kvstore.backends.memory import CPUBackend
+from kvstore.backends.server_client import CacheServerClient, ServerReplyError
+from kvstore.cache_server.protocol import Status
 from kvstore.pin_set import PinError
-from kvstore.server.client import CacheServerClient, ServerReplyError
-from kvstore.server.protocol import Status
 from kvstore.storage_manager import StorageManager
 from tests.fixtures.tiers import chunk, ckey
 

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore.server import protocol as P
-from kvstore.server import spillfile as F
-from kvstore.server.protocol import Op
-from kvstore.server.spill import DiskSpill
-from kvstore.server.store import ByteStore
+from kvstore.cache_server import protocol as P
+from kvstore.cache_server import spillfile as F
+from kvstore.cache_server.protocol import Op
+from kvstore.cache_server.spill import DiskSpill
+from kvstore.cache_server.store import ByteStore
 
 
 @pytest.fixture

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from harness.cache_server import CacheServerProcess
 from harness.polling import wait_until
+from kvstore.backends.server_client import CacheServerClient, ServerUnavailable
+from kvstore.cache_server.server import ServerConfig
 from kvstore.deadlines import CACHE_SERVER_CLIENT_TIMEOUT_S, CACHE_SERVER_FRAME_TIMEOUT_S
-from kvstore.server.client import CacheServerClient, ServerUnavailable
-from kvstore.server.server import ServerConfig
 from tests.fixtures.cache_server import live_dir, settled
 
 MIB = 1 << 20

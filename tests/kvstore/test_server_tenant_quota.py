@@ -12,9 +12,9 @@ from collections import OrderedDict
 
 from harness.cache_server import CacheServerProcess
 from kvkeys.tenants import key_tenant_bytes, tenant_prefix
-from kvstore.server import spillfile as F
-from kvstore.server.client import CacheServerClient
-from kvstore.server.store import ByteStore
+from kvstore.backends.server_client import CacheServerClient
+from kvstore.cache_server import spillfile as F
+from kvstore.cache_server.store import ByteStore
 from tests.fixtures.cache_server import live_dir, settled
 
 TAGS = ("a1" * 8, "b2" * 8, "c3" * 8)

@@ -14,11 +14,11 @@ import torch
 from harness.cache_server import CacheServerProcess
 from kvkeys.tenants import tenant_prefix, tenant_tag
 from kvstore.backend import leading_run
-from kvstore.backends.cache_server import CacheServerBackend
+from kvstore.backends.cache_server_tier import CacheServerBackend
+from kvstore.backends.server_client import CacheServerClient, ServerReplyError
+from kvstore.cache_server import protocol as P
+from kvstore.cache_server.protocol import Op, Status
 from kvstore.registry import create_backend
-from kvstore.server import protocol as P
-from kvstore.server.client import CacheServerClient, ServerReplyError
-from kvstore.server.protocol import Op, Status
 from kvstore.store_config import TierSpec
 from kvtier.cmd_cache_server import load_tenant_tokens
 from tests.fixtures.cache_server import raw_exchange

@@ -17,12 +17,12 @@ from harness.cache_server import CacheServerProcess
 from harness.polling import wait_until
 from kvkeys.keyspace import Keyspace
 from kvstore.backend import BackendError, leading_run
-from kvstore.backends.cache_server import CacheServerBackend, client_tls_context
+from kvstore.backends.cache_server_tier import CacheServerBackend, client_tls_context
+from kvstore.backends.server_client import CacheServerClient, ServerUnavailable
+from kvstore.cache_server import protocol as P
+from kvstore.cache_server.protocol import Op
+from kvstore.cache_server.server import HEAP_SLACK_BYTES, PER_TLS_CONNECTION_BYTES
 from kvstore.registry import create_backend
-from kvstore.server import protocol as P
-from kvstore.server.client import CacheServerClient, ServerUnavailable
-from kvstore.server.protocol import Op
-from kvstore.server.server import HEAP_SLACK_BYTES, PER_TLS_CONNECTION_BYTES
 from kvstore.store_config import TierSpec
 from tests.fixtures.cache_server import raw_exchange
 

@@ -19,7 +19,7 @@ from harness.polling import wait_until
 from harness.redis import free_port
 from harness.serve import RouterProcess, ServeProcess
 from harness.text import long_text
-from kvstore.server.client import CacheServerClient
+from kvstore.backends.server_client import CacheServerClient
 
 pytestmark = pytest.mark.slow
 ENGINE = ["--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", "384", "--max-num-seqs", "8"]

@@ -102,7 +102,7 @@ def test_two_tenants_one_document_across_processes(servers, stores) -> None:
     keys = [k.decode() for k in redis.client().scan_iter(count=1000) if k.decode() != INDEX_KEY]
     assert keys and {key_tenant(k) for k in keys} == {tenant_tag(SALTS["alice"])}
     assert not any(SALTS["alice"] in k for k in keys)
-    from kvstore.server.client import CacheServerClient
+    from kvstore.backends.server_client import CacheServerClient
 
     cs = CacheServerClient("127.0.0.1", cache.port, connect_timeout=5, timeout=30)
     try:
@@ -167,7 +167,7 @@ def test_forgetting_a_tenant_leaves_no_key_and_others_hits_unchanged(servers, st
     alice_prefix = f"kvtier:tenant-{tenant_tag(SALTS['alice'])}:"
     assert not list(redis.client().scan_iter(match=alice_prefix + "*"))
     assert any(key_tenant(k.decode()) == tenant_tag(SALTS["bob"]) for k in redis.client().scan_iter())
-    from kvstore.server.client import CacheServerClient
+    from kvstore.backends.server_client import CacheServerClient
 
     cs = CacheServerClient("127.0.0.1", cache.port, connect_timeout=5, timeout=30)
     try:

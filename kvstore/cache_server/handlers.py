@@ -17,10 +17,10 @@ import json
 from collections.abc import Callable
 from typing import Protocol
 
+from kvstore.cache_server import protocol as P
+from kvstore.cache_server.protocol import Op, Status
+from kvstore.cache_server.store import ByteStore
 from kvstore.pin_set import PinError
-from kvstore.server import protocol as P
-from kvstore.server.protocol import Op, Status
-from kvstore.server.store import ByteStore
 
 INLINE_REPLY = 4096  # values up to this size are copied into their reply; larger ones are pinned
 _OPS = frozenset(int(op) for op in Op)

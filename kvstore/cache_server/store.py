@@ -30,7 +30,7 @@ entry is never evicted, neither from memory nor from the disk spill, while its p
 memory keeps the pinned bytes back from the room it makes for others (so they are always
 room for the pinned entries, wherever they are). An explicit removal (DELETE, DELETE_PREFIX,
 CLEAR) beats a pin; an entry lost otherwise (a damaged file) loses its pin with it. With a
-spill, the pins are kept in its directory across a restart (kvstore/server/spill.py); after a
+spill, the pins are kept in its directory across a restart (kvstore/cache_server/spill.py); after a
 restart the pinned entries are on disk, never evicted there, and back in memory at their first GET.
 """
 
@@ -41,11 +41,11 @@ from collections.abc import Callable, Sequence
 
 from kvkeys.tenants import key_tenant_bytes
 from kvstore.budget import ByteBudget
+from kvstore.cache_server.protocol import Buffer
+from kvstore.cache_server.spill import DiskSpill, pin_name
+from kvstore.cache_server.store_stats import StoreStats, read_stats
 from kvstore.eviction import make_policy
 from kvstore.pin_set import PinInfo, PinSet, default_pin_budget
-from kvstore.server.protocol import Buffer
-from kvstore.server.spill import DiskSpill, pin_name
-from kvstore.server.store_stats import StoreStats, read_stats
 from kvstore.sizes import parse_size
 from kvstore.tenant_quota import TenantBytes
 

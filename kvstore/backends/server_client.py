@@ -22,9 +22,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvstore.deadlines import CACHE_SERVER_CLIENT_TIMEOUT_S, CACHE_SERVER_CONNECT_TIMEOUT_S
-from kvstore.server import protocol as P
-from kvstore.server.client_connection import (
+from kvstore.backends.server_connection import (
     CLOSING,
     INLINE,
     ClientConnection,
@@ -36,7 +34,9 @@ from kvstore.server.client_connection import (
     ServerTimeout,
     ServerUnavailable,
 )
-from kvstore.server.protocol import Op, Status
+from kvstore.cache_server import protocol as P
+from kvstore.cache_server.protocol import Op, Status
+from kvstore.deadlines import CACHE_SERVER_CLIENT_TIMEOUT_S, CACHE_SERVER_CONNECT_TIMEOUT_S
 
 __all__ = ["CacheServerClient", "Observer", "Payload", "Reply", "Request", "ServerReplyError",
            "ServerTimeout", "ServerUnavailable"]

@@ -1,4 +1,4 @@
-"""One connection of the cache server's client (kvstore/server/client.py): requests sent
+"""One connection of the cache server's client (kvstore/backends/server_client.py): requests sent
 back to back, replies read in order into buffers of their exact size, and the types both
 sides of that exchange use (docs/protocol.md)."""
 
@@ -14,8 +14,8 @@ from itertools import count
 from typing import cast
 
 from kvstore import serde
-from kvstore.server import protocol as P
-from kvstore.server.protocol import Op, Status
+from kvstore.cache_server import protocol as P
+from kvstore.cache_server.protocol import Op, Status
 
 INLINE = 64 << 10  # payloads up to this size are coalesced with their header in one send
 # A reply claiming more than this is treated as a garbled stream rather than allocated.

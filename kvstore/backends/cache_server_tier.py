@@ -32,19 +32,19 @@ import torch
 from kvsettings import ProcessEnv
 from kvstore import serde
 from kvstore.backend import BackendError, BackendStats, BytesBackend, EntryInfo, ReadValue, StoredValue
-from kvstore.budget import BudgetError
-from kvstore.capabilities import OperatedTier, PrefixDeletable, RemoteTier
-from kvstore.codecs import Codec
-from kvstore.deadlines import OPTIONS, CallKind, RemoteDeadlines
-from kvstore.pin_set import PinError
-from kvstore.server.client import (
+from kvstore.backends.server_client import (
     CacheServerClient,
     Observer,
     Payload,
     ServerReplyError,
     ServerUnavailable,
 )
-from kvstore.server.protocol import Status
+from kvstore.budget import BudgetError
+from kvstore.cache_server.protocol import Status
+from kvstore.capabilities import OperatedTier, PrefixDeletable, RemoteTier
+from kvstore.codecs import Codec
+from kvstore.deadlines import OPTIONS, CallKind, RemoteDeadlines
+from kvstore.pin_set import PinError
 
 if TYPE_CHECKING:
     from kvstore.store_config import TierSpec

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
+from kvstore.cache_server.spill import DiskSpill
 from kvstore.pin_set import PinSet
-from kvstore.server.spill import DiskSpill
 from kvstore.tenant_quota import TenantBytes
 
 
 class _Counted(Protocol):
-    """What STATS reads of the store (kvstore/server/store.py `ByteStore`)."""
+    """What STATS reads of the store (kvstore/cache_server/store.py `ByteStore`)."""
 
     spill: DiskSpill | None
     pins: PinSet

@@ -43,12 +43,12 @@ from pathlib import Path
 
 from kvkeys.tenants import key_tenant_bytes
 from kvstore.budget import ByteBudget
+from kvstore.cache_server import spillfile as F
+from kvstore.cache_server.io_worker import IOWorker
+from kvstore.cache_server.protocol import Buffer
 from kvstore.eviction import make_policy
 from kvstore.pin_file import PIN_FILE, PinFile
 from kvstore.pin_set import PinSet
-from kvstore.server import spillfile as F
-from kvstore.server.io_worker import IOWorker
-from kvstore.server.protocol import Buffer
 from kvstore.tenant_quota import TenantBytes
 
 log = logging.getLogger(__name__)

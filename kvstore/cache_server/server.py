@@ -23,16 +23,16 @@ from dataclasses import dataclass, field
 from hostmem import ResidentGuard
 from kvkeys.tenants import tenant_prefix
 from kvsettings import flag_name, opt
+from kvstore.cache_server import protocol as P
+from kvstore.cache_server.connection import PER_CONNECTION_BYTES, PER_TLS_CONNECTION_BYTES, Connection
+from kvstore.cache_server.store import ByteStore
+from kvstore.cache_server.tenant_tokens import TenantTokens
 from kvstore.deadlines import (
     CACHE_SERVER_CLIENT_TIMEOUT_S,
     CACHE_SERVER_FRAME_TIMEOUT_S,
     CACHE_SERVER_IDLE_TIMEOUT_S,
     CACHE_SERVER_SWEEP_S,
 )
-from kvstore.server import protocol as P
-from kvstore.server.connection import PER_CONNECTION_BYTES, PER_TLS_CONNECTION_BYTES, Connection
-from kvstore.server.store import ByteStore
-from kvstore.server.tenant_tokens import TenantTokens
 from kvstore.sizes import parse_size
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class ServerConfig:
     # the operator's: may do anything
     auth_token: str | None = field(default=None, repr=False, metadata=opt(
         "require clients to send this token first (default: $KVTIER_AUTH_TOKEN, else none)", "TOKEN"))
-    # --tenant-tokens: each binds its connections to one tenant's keys (kvstore/server/tenant_tokens.py);
+    # --tenant-tokens: each binds its connections to one tenant's keys (kvstore/cache_server/tenant_tokens.py);
     # the flag names the file kvtier/cmd_cache_server.py reads them from
     tenant_tokens: TenantTokens | None = field(default=None, repr=False, metadata=opt(
         "JSON/YAML file of per-tenant tokens: token -> tenant tag (16 hex) or {cache_salt: S} "

@@ -17,11 +17,11 @@ import socket
 from collections import deque
 from typing import Protocol
 
+from kvstore.cache_server import protocol as P
+from kvstore.cache_server.handlers import HandlerServer, ParkedGet, dispatch, early_refusal
+from kvstore.cache_server.protocol import Op, Status
+from kvstore.cache_server.store import ByteStore
 from kvstore.deadlines import CACHE_SERVER_REFUSED_ABORT_S
-from kvstore.server import protocol as P
-from kvstore.server.handlers import HandlerServer, ParkedGet, dispatch, early_refusal
-from kvstore.server.protocol import Op, Status
-from kvstore.server.store import ByteStore
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.server.protocol import Buffer, empty_buffer
+from kvstore.cache_server.protocol import Buffer, empty_buffer
 
 log = logging.getLogger(__name__)
 
