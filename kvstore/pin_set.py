@@ -1,10 +1,10 @@
 """Operator pins of one tier: chunks an operator keeps from eviction (`POST /kv/pin`,
 `kvtier cache pin`), within the tier's own pin budget, optionally until an expiry.
 
-They sit beside the storage manager's load pins (kvstore/pins.py), which are counts held for
-the length of one load and shared by every tier: an operator pin belongs to one tier, is set
-and released by an operator, is bounded in bytes and may expire. A tier's eviction skips a key
-pinned either way (`ByteBudget.protected`).
+They are not the storage manager's load holds (kvstore/load_holds.py), which are counts held
+for the length of one load and shared by every tier: an operator pin belongs to one tier, is
+set and released by an operator, is bounded in bytes and may expire. A tier's eviction skips a
+key held or pinned (`ByteBudget.protected`).
 
 A pin is per stored key and idempotent: pinning a pinned key sets its expiry anew, unpinning
 it once releases it (two pinned prompts sharing a prefix share its chunks' pins). A key
