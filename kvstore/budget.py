@@ -182,12 +182,10 @@ class ByteBudget(Generic[K]):
         for key in list(self.sizes):
             self.remove(key)
 
-    def quota_victims(self, quota: int, protect: bool = True) -> list[K] | None:
+    def quota_victims(self, quota: int) -> list[K] | None:
         """Returns the entries to evict, in eviction order, so every tenant holds at most `quota`
-        bytes (`TenantBytes.trim_victims`; with `protect`, never protected ones: None when they
-        alone hold more)."""
-        return self.tenants.trim_victims(quota, self.sizes, self.policy.order,
-                                         self.protected if protect else never_pinned)
+        bytes (`TenantBytes.trim_victims`), never protected ones: None when they alone hold more."""
+        return self.tenants.trim_victims(quota, self.sizes, self.policy.order, self.protected)
 
     def plan_limits(self, budget: int | None = None, pin_budget: int | None = None,
                     tenant_quota: int | None = None, *, account: tuple[int, int | None] | None = None,

@@ -405,7 +405,8 @@ class ByteStore:
 
     def set_limits(self, max_bytes: int | None = None, tenant_quota: int | None = None) -> None:
         """Sets the memory budget and/or tenant quota (None: unchanged) and evicts (LRU, spilled if
-        a spill) to meet them now; ValueError, nothing changed, if malformed or below what is in flight."""
+        a spill) to meet them now, never a pinned entry; ValueError, nothing changed, if malformed, below
+        what is in flight, or a quota below what one tenant's pinned entries hold."""
         # A lowered quota evicts each tenant's own entries past it, in memory and on the spill;
         # an entry being spilled stays counted until written, as after any eviction.
         max_bytes, tenant_quota = parse_size(max_bytes, "max_bytes"), parse_size(tenant_quota, "tenant_quota")
@@ -415,10 +416,14 @@ class ByteStore:
                 raise ValueError(f"max_bytes {max_bytes}: must be > 0 and at least the {held} bytes bodies in "
                                  "flight and replies being sent hold now; nothing was changed")
         if tenant_quota is not None:
+            victims = self.budget.quota_victims(tenant_quota)  # never a pinned entry
+            if victims is None:
+                raise ValueError(f"tenant_quota {tenant_quota}: a tenant's pinned entries hold more than that; "
+                                 "nothing was changed (unpin them first)")
             self.tenants.quota = tenant_quota
             if self.spill is not None:
                 self.spill.set_tenant_quota(tenant_quota)
-            for victim in self.budget.quota_victims(tenant_quota, protect=False) or []:
+            for victim in victims:
                 self.tenant_evictions += 1
                 self._evict(victim, self._values.pop(victim))
         if max_bytes is not None:

@@ -10,6 +10,8 @@ import os
 import random
 from collections import OrderedDict
 
+import pytest
+
 from harness.cache_server import CacheServerProcess
 from kvkeys.tenants import key_tenant_bytes, tenant_prefix
 from kvstore.backends.server_client import CacheServerClient
@@ -61,6 +63,18 @@ def test_an_entry_larger_than_the_quota_is_refused_and_evicts_nothing() -> None:
     assert store.contains(_key(TAGS[0], 0)) and store.stats().rejected == 1
     assert store.put(_key(None, 0), b"x" * (100 * KIB))  # unsalted: only the memory budget applies
     assert key_tenant_bytes(_key(TAGS[0], 0)) == TAGS[0] and key_tenant_bytes(b"kvtier:tenant-\xff") is None
+
+
+def test_a_quota_below_a_tenants_pinned_entries_is_refused_and_a_pin_outlives_a_lower_one() -> None:
+    store = ByteStore(1 << 20)
+    pinned, other = _key(TAGS[0], 0), _key(TAGS[0], 1)
+    assert store.put(pinned, b"x" * (6 * KIB)) and store.put(other, b"x" * (6 * KIB))
+    assert store.pin_keys([pinned]) > 0
+    with pytest.raises(ValueError, match="pinned"):
+        store.set_limits(tenant_quota=4 * KIB)  # the pinned entry alone is over it: nothing changes
+    assert store.tenants.quota is None and store.contains(pinned) and store.contains(other)
+    store.set_limits(tenant_quota=8 * KIB)  # the unpinned entry goes, the pinned one stays (no spill)
+    assert store.contains(pinned) and not store.contains(other) and store.tenants.quota == 8 * KIB
 
 
 def _files_per_tenant(root) -> dict[str | None, int]:
