@@ -1,6 +1,6 @@
 """Operating the cache: one service over a storage manager's tiers (`StorageManager.operations`),
 for `/kv/inspect`, `/kv/pin`, `/kv/budget`, `/kv/clear`, `kvtier cache` and forgetting a tenant
-(docs/architecture.md, "Operating the cache").
+(docs/architecture.md, "Tiers and the storage manager"; docs/serving.md, "Operating the cache").
 
 - A tier is addressed one way: by name (`tier`): its full name ("0:cpu"), its URL, or its kind
   ("cpu", "disk") when one tier is of that kind; None, where one tier is meant, is the fastest.
