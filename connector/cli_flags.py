@@ -68,9 +68,9 @@ def connector_from_args(args: argparse.Namespace) -> EngineConnector | None:
         base.kvstore.tiers = [TierSpec.from_url(u, f"--kv-tier[{i}]") for i, u in enumerate(args.kv_tier)]
     if args.chunk_size is not None and args.chunk_size <= 0:
         raise ValueError(f"--chunk-size must be > 0, got {args.chunk_size}")
-    for name, changes in asked.items():
-        import dataclasses
+    import dataclasses
 
+    for name, changes in asked.items():
         section: Any = base.extensions.get(name) or registry[name].parse(None)  # a dataclass, as parsed
         try:
             base.extensions[name] = dataclasses.replace(section, enabled=True, **changes).validate()
