@@ -147,14 +147,8 @@ class StorageManager:
         return self._guards[i].call(fn, kind)
 
     def _store(self, i: int, items: Sequence[tuple[str, torch.Tensor]], owned: bool = False) -> None:
-        t0 = time.perf_counter()
-        tier = self.tiers[i]
-        accepted = self._call(i, partial(tier.batched_put, items, owned=owned), "write")
+        accepted = self._guards[i].store(items, owned)
         if accepted is not SKIPPED:
-            # only what the tier accepted (a chunk larger than its budget is refused, not stored)
-            with self._stats_lock:
-                self._stats[i].bytes_stored += sum(kv.nbytes for (_, kv), ok in zip(items, accepted) if ok)
-                self._stats[i].store_seconds += time.perf_counter() - t0
             self._events.stored(i, [k for (k, _), ok in zip(items, accepted) if ok])
 
     def _store_slow(self, tiers: Sequence[int], items: Sequence[tuple[str, torch.Tensor]]) -> None:

@@ -9,8 +9,11 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Final, Literal, TypeVar
+
+import torch
 
 from kvstore.backend import BackendError, BackendStats, StorageBackend
 from kvstore.capabilities import RemoteTier
@@ -89,6 +92,18 @@ class TierGuard:
             with self.lock:
                 self.counters.timeouts += 1
         return result
+
+    def store(self, items: Sequence[tuple[str, torch.Tensor]], owned: bool = False) -> list[bool] | Skipped:
+        """Returns per item whether the tier accepted it (`batched_put` through the write breaker),
+        or SKIPPED; counts the bytes it accepted (a chunk larger than its budget is refused, not
+        stored) and the time the put took."""
+        t0 = time.perf_counter()
+        accepted = self.call(partial(self.tier.batched_put, items, owned=owned), "write")
+        if accepted is not SKIPPED:
+            with self.lock:
+                self.counters.bytes_stored += sum(kv.nbytes for (_, kv), ok in zip(items, accepted) if ok)
+                self.counters.store_seconds += time.perf_counter() - t0
+        return accepted
 
     def _late(self, kind: CallKind, started: float) -> bool:
         tier = self.tier

@@ -18,7 +18,6 @@ for `/kv/inspect`, `/kv/pin`, `/kv/budget`, `/kv/clear`, `kvtier cache` and forg
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TypeVar
@@ -201,15 +200,11 @@ class TierOperations:
             if not found:
                 return 0
             items = stage(found, {target.device})[0][target.device]
-            t0 = time.perf_counter()
-            accepted = self._read(d, partial(target.batched_put, items, owned=True), "write")
-            n = next((j for j, ok in enumerate(accepted or []) if not ok), len(accepted or []))
-            guard = self._guards[d]
-            with guard.lock:
-                guard.counters.bytes_stored += sum(kv.nbytes for _, kv in items[:n])
-                guard.counters.store_seconds += time.perf_counter() - t0
-            self._events.stored(d, [k for k, _ in items[:n]])
-            return n
+            accepted = self._guards[d].store(items, owned=True)
+            if accepted is SKIPPED:
+                return 0
+            self._events.stored(d, [k for (k, _), ok in zip(items, accepted) if ok])
+            return leading_run(accepted)
         finally:
             self._holds.release(keys)
 
