@@ -7,14 +7,22 @@ holds when it arrives, as kvtier's connector looks a prompt up. The replay asks 
 run (existence, one batched query), reads it (a hit touches its blocks), then stores the blocks
 the tier lacked, as the connector stores a prompt's chunks after its prefill. Payloads are tiny
 (the budget is counted in blocks of equal size), so what is measured is the policy, through the
-real code: the cpu tier (`CPUBackend`: its ByteBudget and eviction policy), the cache server's
-store (`ByteStore`), and, on one trace at one capacity (a file per block), the disk tier
-(`DiskBackend`).
+real code: the cpu tier (`CPUBackend`: its ByteBudget and each eviction policy of
+kvstore/eviction.py), the cache server's store (`ByteStore`), and, on one trace at one capacity (a
+file per block), the disk tier (`DiskBackend`).
 
 References, computed here on the same block stream:
 - unlimited: every block ever stored stays (the most any cache can hit);
 - offline optimum: Belady's rule at block granularity (evict, or do not admit, the block whose
-  next use is farthest away), the usual upper reference for a replacement policy.
+  next use is farthest away), the usual upper reference for a replacement policy;
+- chain-aware LRU (a block-level simulation: a tier is not told which chunk a chunk extends):
+  a request's blocks are touched tail first, so a chain's tail leaves before its head, and a
+  block whose parent left is evicted next;
+- LRU with a reuse oracle (a simulation): told whether each block will be used again, it stores
+  and keeps only those; the most a predictor of reuse could add to LRU.
+
+Each policy's hit rate is also given as a ratio to LRU's at the same capacity; the target for
+the default policy is at least 1.10x averaged over 2-20% capacity and never below 0.98x.
 
 kvtier's own generated workload (multi-round QA on shared documents, benchmarks/sim/trace.py) is
 replayed the same way, as the trace `generated`. The token hit rate is the hit tokens over all
@@ -33,6 +41,8 @@ import heapq
 import json
 import tempfile
 import time
+from functools import partial
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +53,7 @@ from kvstore.backend import StorageBackend, leading_run
 from kvstore.backends.disk import DiskBackend
 from kvstore.backends.memory import CPUBackend
 from kvstore.cache_server.store import ByteStore
+from kvstore.eviction import DEFAULT_POLICY, POLICIES
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = Path(__file__).resolve().parent / "traces" / "mooncake"
@@ -194,6 +205,51 @@ def replay_optimum(requests: Sequence[Request], capacity: int, nexts: list[list[
     return tally
 
 
+def replay_chain_lru(requests: Sequence[Request], capacity: int) -> Tally:
+    """Chain-aware LRU over `capacity` blocks: each request touches its blocks tail first (its
+    head most recent), and a block whose parent is evicted goes first in line (without its
+    parent it can never be part of a hit)."""
+    order: OrderedDict[int, None] = OrderedDict()
+    children: dict[int, set[int]] = {}
+    tally = Tally()
+    for r in requests:
+        tally.add(r, leading_run([b in order for b in r.blocks]))
+        for j in range(len(r.blocks) - 1, -1, -1):
+            b = r.blocks[j]
+            if b in order:
+                order.move_to_end(b)
+                continue
+            order[b] = None
+            if j:
+                children.setdefault(r.blocks[j - 1], set()).add(b)
+        while len(order) > capacity:
+            gone, _ = order.popitem(last=False)
+            for child in children.pop(gone, ()):
+                if child in order:
+                    order.move_to_end(child, last=False)
+    return tally
+
+
+def replay_reuse_oracle(requests: Sequence[Request], capacity: int, nexts: list[list[int]]) -> Tally:
+    """LRU over `capacity` blocks told one bit per block that no online policy has: whether the
+    block will be used again. Blocks that will not are neither stored nor kept; the rest is
+    LRU's. What a predictor of reuse could at most add to LRU."""
+    order: OrderedDict[int, None] = OrderedDict()
+    tally = Tally()
+    for i, r in enumerate(requests):
+        tally.add(r, leading_run([b in order for b in r.blocks]))
+        for b, nxt in zip(r.blocks, nexts[i]):
+            if nxt >= len(requests):
+                order.pop(b, None)
+            elif b in order:
+                order.move_to_end(b)
+            else:
+                order[b] = None
+        while len(order) > capacity:
+            order.popitem(last=False)
+    return tally
+
+
 # ---- the run --------------------------------------------------------------------------------------
 def run_trace(name: str, requests: list[Request], quick: bool) -> dict:
     """Returns one trace's figures: per capacity share, each replay's token hit rate."""
@@ -226,12 +282,15 @@ def run_trace(name: str, requests: list[Request], quick: bool) -> dict:
 def _replays(requests: list[Request], blocks: int, nexts: list[list[int]]) -> dict[str, Callable[[], Tally]]:
     """Returns each replay of `requests` over `blocks` blocks of capacity, by its label."""
     item = PAYLOAD.numel() * PAYLOAD.element_size()
-    return {
-        "optimum": lambda: replay_optimum(requests, blocks, nexts),
-        "cpu lru": lambda: replay_tier(requests, CPUBackend(byte_budget=blocks * item, eviction="lru")),
-        "cpu fifo": lambda: replay_tier(requests, CPUBackend(byte_budget=blocks * item, eviction="fifo")),
-        "cache server lru": lambda: replay_server(requests, ByteStore(blocks * (len(_key(0)) + item), pin_budget=0)),
-    }
+    replays: dict[str, Callable[[], Tally]] = {"optimum": lambda: replay_optimum(requests, blocks, nexts)}
+    for policy in POLICIES:
+        replays[f"cpu {policy}"] = partial(replay_tier, requests, CPUBackend(byte_budget=blocks * item, eviction=policy))
+    replays["chain lru (sim)"] = lambda: replay_chain_lru(requests, blocks)
+    replays["lru + reuse oracle (sim)"] = lambda: replay_reuse_oracle(requests, blocks, nexts)
+    for policy in sorted({"lru", DEFAULT_POLICY}):
+        store = ByteStore(blocks * (len(_key(0)) + item), pin_budget=0, eviction=policy)
+        replays[f"cache server {policy}"] = partial(replay_server, requests, store)
+    return replays
 
 
 def _disk_file_bytes(probe: Path) -> int:
@@ -243,12 +302,34 @@ def _disk_file_bytes(probe: Path) -> int:
     return size
 
 
+TARGET_SHARES = (0.02, 0.05, 0.10, 0.20)  # where the default policy's target is set
+
+
+def against_lru(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Returns per policy (each "cpu ..." replay and the chain-aware simulation) its hit rate over
+    LRU's at each capacity of `TARGET_SHARES`, their mean ("mean") and their least ("min")."""
+    rows = [r for r in rows if r["share"] in TARGET_SHARES]
+    out: dict[str, dict[str, float]] = {}
+    for label in rows[0] if rows else ():
+        if not label.startswith(("cpu ", "chain ", "lru + ")) or label.endswith(" s"):
+            continue
+        ratios = {f"{r['share']:.0%}": r[label] / r["cpu lru"] if r["cpu lru"] else 0.0 for r in rows}
+        out[label] = {**ratios, "mean": sum(ratios.values()) / len(ratios), "min": min(ratios.values())}
+    return out
+
+
+def meets_target(ratios: dict[str, float]) -> bool:
+    """Returns whether a policy's ratios to LRU meet the default's target: mean >= 1.10, min >= 0.98."""
+    return ratios["mean"] >= 1.10 and ratios["min"] >= 0.98
+
+
 def render(results: dict) -> str:
     lines = ["# Hit rates on production traces", "",
              "Mooncake's FAST'25 traces (benchmarks/traces/mooncake/SOURCE.md) replayed through kvtier's tier code "
              "(`make bench-trace`, benchmarks/bench_trace.py): token hit rate per capacity (a share of the trace's "
-             "distinct 512-token blocks), against Belady's offline optimum and the unlimited bound. One run: "
-             f"{results['date']}.", ""]
+             "distinct 512-token blocks), against Belady's offline optimum and the unlimited bound. `cpu <policy>` is "
+             "the cpu tier with that eviction policy (kvstore/eviction.py); `chain lru (sim)` a block-level simulation "
+             "of chain-aware LRU; `lru + reuse oracle (sim)` LRU told which blocks will be used again. The default policy is `{DEFAULT_POLICY}`. One run: {results['date']}.", ""]
     for name, t in results["traces"].items():
         lines += [f"## {name}: {t['requests']} requests, {t['distinct_blocks']} distinct blocks, "
                   f"unlimited {t['unlimited']:.3f}", ""]
@@ -261,6 +342,15 @@ def render(results: dict) -> str:
             cells = [f"{r[k]:.3f}" if k in r else "-" for k in labels]
             ratio = r["cpu lru"] / r["optimum"] if r["optimum"] else 0.0
             lines.append(f"| {r['share']:.0%} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+        ratios = against_lru(t["rows"])
+        if ratios:
+            shares = [k for k in next(iter(ratios.values())) if k.endswith("%")]
+            lines += ["", "Hit rate over LRU's (target for the default: mean >= 1.10, min >= 0.98):", "",
+                      "| policy | " + " | ".join(shares) + " | mean | min | meets target |",
+                      "|---|" + "---:|" * (len(shares) + 2) + "---|"]
+            for label, rr in ratios.items():
+                lines.append(f"| {label} | " + " | ".join(f"{rr[k]:.2f}" for k in shares)
+                             + f" | {rr['mean']:.2f} | {rr['min']:.2f} | {'yes' if meets_target(rr) else 'no'} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -272,17 +362,20 @@ def plot(results: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     traces = results["traces"]
-    fig, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 4.5), squeeze=False)
     for ax, (name, t) in zip(axes[0], traces.items()):
         shares = [r["share"] * 100 for r in t["rows"]]
-        for label, style in (("optimum", "k-"), ("cpu lru", "o-"), ("cpu fifo", "s--"), ("cache server lru", "x:")):
-            ax.plot(shares, [r[label] for r in t["rows"]], style, label=label)
+        labels = [k for k in t["rows"][0] if k == "optimum" or k.startswith(("cpu ", "chain ", "lru + "))]
+        for label in labels:
+            if not label.endswith(" s"):
+                ax.plot(shares, [r[label] for r in t["rows"]], "k-" if label == "optimum" else "o-", label=label,
+                        markersize=3)
         ax.axhline(t["unlimited"], color="grey", linestyle="--", label="unlimited")
         ax.set_xscale("log")
         ax.set_xlabel("capacity, % of distinct blocks")
         ax.set_ylabel("token hit rate")
         ax.set_title(name)
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, overload
 
 from kvkeys.tenants import key_tenant
-from kvstore.eviction import EvictionPolicy, K, LRUPolicy
+from kvstore.eviction import EvictionPolicy, K, make_policy
 from kvstore.pin_set import PinSet
 from kvstore.sizes import parse_size
 from kvstore.tenant_quota import TenantBytes, never_pinned
@@ -80,7 +80,7 @@ class ByteBudget(Generic[K]):
         if budget is not None and budget < 0:
             raise ValueError(f"byte budget must be >= 0, got {budget}")
         self.budget = budget
-        self.policy: EvictionPolicy[K] = policy if policy is not None else LRUPolicy()
+        self.policy: EvictionPolicy[K] = policy if policy is not None else make_policy()
         self.sizes: dict[K, int] = {}
         self.used = 0
         self.is_pinned: Callable[[K], bool] = never_pinned
@@ -123,23 +123,27 @@ class ByteBudget(Generic[K]):
 
     def plan(self, key: K, nbytes: int) -> list[K] | None:
         """Returns the keys to evict so that `key` (of `nbytes`) fits, or None if it cannot fit
-        (larger than the budget or its tenant's quota, or only pinned keys are left to evict).
+        (larger than the budget or its tenant's quota, or only pinned keys are left to evict) or
+        the policy does not admit it in their place (`EvictionPolicy.admit`).
         A salted key's own tenant's entries go first, down to its quota; then the tier's
         order, down to the budget. Changes nothing (but releases operator pins found expired)."""
         victims = self.tenant_victims(key, nbytes)
         if victims is None:
             return None
-        if self.budget is None:
-            return victims
-        if nbytes > self.budget:
+        if self.budget is not None:
+            if nbytes > self.budget:
+                return None
+            free = self.budget - self.used + self.sizes.get(key, 0) + sum(self.sizes[v] for v in victims)
+            if free < nbytes:
+                skip = set(victims)
+                skip.add(key)
+                more, found = self.pick(nbytes - free, skip)
+                if free + found < nbytes:
+                    return None
+                victims = victims + more
+        if victims and key not in self.sizes and not self.policy.admit(key):
             return None
-        free = self.budget - self.used + self.sizes.get(key, 0) + sum(self.sizes[v] for v in victims)
-        if free >= nbytes:
-            return victims
-        skip = set(victims)
-        skip.add(key)
-        more, found = self.pick(nbytes - free, skip)
-        return victims + more if free + found >= nbytes else None
+        return victims
 
     def add(self, key: K, nbytes: int) -> None:
         """Records `key` as stored with `nbytes` (replacing an earlier size)."""

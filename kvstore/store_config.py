@@ -26,7 +26,7 @@ from urllib.parse import parse_qsl, urlsplit
 from kvsettings import ProcessEnv, Setting, did_you_mean, env_float, env_int, env_str, field_settings, opt, parse_env
 from kvstore.codecs import CODEC_NAMES
 from kvstore.deadlines import BACKOFF_INITIAL_S, BACKOFF_MAX_S, FLUSH_TIMEOUT_S
-from kvstore.eviction import POLICIES
+from kvstore.eviction import DEFAULT_POLICY, POLICIES
 from kvstore.health import BREAKER_FAILURES
 from kvstore.schemes import TIER_SCHEMES
 from kvstore.sizes import parse_size
@@ -50,7 +50,7 @@ class TierSpec:
     url: str
     budget: int | None = None
     codec: str = "raw"
-    eviction: str = "lru"
+    eviction: str = DEFAULT_POLICY
     options: dict[str, Any] = field(default_factory=dict)
     tenant_quota: int | None = None
     pin_budget: int | None = None
@@ -149,7 +149,7 @@ class KVStoreConfig:
         "storage tiers, fastest first: `cpu`, `device`, `disk:///path`, `redis://host:port/db`, "
         "`kvtier://host:port`; each with `budget`, `tenant_quota` (bytes per cache_salt), `pin_budget` "
         "(cpu, device, disk: bytes the operator may pin; default half the budget), `codec` "
-        "(raw, lz4, int8, int4), `eviction` (lru, fifo) and backend options "
+        "(raw, lz4, int8, int4), `eviction` (" + ", ".join(POLICIES) + ") and backend options "
         "(env: comma-separated URLs, `?budget=4GiB&codec=lz4`)",
         env="KVTIER_TIERS", parse=_env_tiers, shown="cpu?budget=4GiB"))
     queue_size: int = field(default=64, metadata=opt(

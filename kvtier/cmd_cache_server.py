@@ -139,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
     spill = None
     if budgets.disk:
         spill = DiskSpill(writable_dir(budgets.disk, "--disk"), budgets.max_disk_bytes, budgets.tenant_quota)
-    store = ByteStore(budgets.max_bytes, spill, budgets.tenant_quota, budgets.store_pin_budget())
+    store = ByteStore(budgets.max_bytes, spill, budgets.tenant_quota, budgets.store_pin_budget(),
+                      eviction=budgets.eviction)
     if config.tls_cert is not None and config.tls_key is not None:
         from kvstore.cache_server.server import server_tls_context
 

@@ -44,6 +44,7 @@ from kvstore.cache_server.protocol import Status
 from kvstore.capabilities import OperatedTier, PrefixDeletable, RemoteTier
 from kvstore.codecs import Codec
 from kvstore.deadlines import OPTIONS, CallKind, RemoteDeadlines
+from kvstore.eviction import DEFAULT_POLICY
 from kvstore.pin_set import PinError
 
 if TYPE_CHECKING:
@@ -98,9 +99,9 @@ class CacheServerBackend(BytesBackend, RemoteTier, OperatedTier, PrefixDeletable
             raise ValueError(f"{spec.url}: a cache server tier has no client-side tenant_quota; "
                              "set it on the server, which counts every client's entries "
                              "(kvtier cache-server --tenant-quota)")
-        if spec.eviction != "lru":
-            raise ValueError(f"{spec.url}: the cache server always evicts LRU; eviction={spec.eviction!r} "
-                             "cannot be honoured")
+        if spec.eviction != DEFAULT_POLICY:
+            raise ValueError(f"{spec.url}: a cache server tier has no client-side eviction policy; "
+                             "set it on the server (kvtier cache-server --eviction)")
         opts = dict(spec.options)
         unknown = set(opts) - {"auth_token", "pool_size", "ca_file", *OPTIONS, *_DEADLINE_ALIASES}
         if unknown:

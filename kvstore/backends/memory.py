@@ -19,7 +19,7 @@ from kvstore.backend import BackendStats, EntryInfo, StorageBackend
 from kvstore.budget import ByteBudget
 from kvstore.capabilities import EvictingTier, IndexedTier, OperatedTier, PrefixDeletable
 from kvstore.codecs import Buffer, Codec, QuantCodec, get_codec, host_copy
-from kvstore.eviction import make_policy
+from kvstore.eviction import DEFAULT_POLICY, make_policy
 from kvstore.pin_set import default_pin_budget
 from kvstore.store_config import TierSpec
 
@@ -44,7 +44,7 @@ class MemoryBackend(StorageBackend, EvictingTier, OperatedTier, IndexedTier, Pre
     name = "memory"
 
     def __init__(self, device: torch.device | str = "cpu", byte_budget: int | None = None,
-                 codec: Codec | str = "raw", eviction: str = "lru", pin_memory: bool = False,
+                 codec: Codec | str = "raw", eviction: str = DEFAULT_POLICY, pin_memory: bool = False,
                  tenant_quota: int | None = None, pin_budget: int | None = None) -> None:
         self.device = torch.device(device)
         self.codec = get_codec(codec) if isinstance(codec, str) else codec

@@ -49,7 +49,7 @@ from kvstore.budget import ByteBudget
 from kvstore.capabilities import EvictingTier, PrefixDeletable, RemoteTier
 from kvstore.codecs import Codec
 from kvstore.deadlines import OPTIONS, CallKind, RemoteDeadlines
-from kvstore.eviction import make_policy
+from kvstore.eviction import DEFAULT_POLICY, make_policy
 from kvstore.store_config import TierSpec
 from kvstore.tenant_quota import never_pinned
 
@@ -107,7 +107,7 @@ class RedisBackend(BytesBackend, RemoteTier, EvictingTier, PrefixDeletable):
     name = "redis"
 
     def __init__(self, url: str, byte_budget: int | None = None, codec: Codec | str = "raw",
-                 eviction: str = "lru", ttl_s: float | None = None, tenant_quota: int | None = None,
+                 eviction: str = DEFAULT_POLICY, ttl_s: float | None = None, tenant_quota: int | None = None,
                  **client_options: Any) -> None:
         super().__init__(codec)
         parts = urlsplit(url)

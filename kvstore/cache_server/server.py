@@ -33,6 +33,7 @@ from kvstore.deadlines import (
     CACHE_SERVER_IDLE_TIMEOUT_S,
     CACHE_SERVER_SWEEP_S,
 )
+from kvstore.eviction import DEFAULT_POLICY, POLICIES
 from kvstore.sizes import parse_size
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,9 @@ class StoreBudgets:
         "most bytes operator pins (PIN, POST /kv/pin) may hold; pinned entries are never evicted, and with "
         "--disk their pins are kept across a restart (default: half of --max-bytes, at most --max-disk-bytes)",
         "SIZE", parse=_size))
+    eviction: str = field(default=DEFAULT_POLICY, metadata=opt(
+        f"eviction policy of the memory store: one of {', '.join(POLICIES)} (kvstore/eviction.py; "
+        "benchmarks/results/trace_replay.md compares them on production traces)", "POLICY"))
 
     def validate(self) -> StoreBudgets:
         """Returns self; raises ValueError naming the first invalid field by its flag."""
@@ -73,6 +77,9 @@ class StoreBudgets:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{flag_name(self, name)}: size {value} must be positive")
+        if self.eviction not in POLICIES:
+            raise ValueError(f"{flag_name(self, 'eviction')}: unknown policy {self.eviction!r}; "
+                             f"choose one of {sorted(POLICIES)}")
         if self.pin_budget is not None and not 0 <= self.pin_budget <= self.max_bytes:
             raise ValueError(f"--pin-budget must be 0..--max-bytes ({self.max_bytes}), got {self.pin_budget}")
         if self.disk and self.pin_budget is not None and self.pin_budget > self.max_disk_bytes:

@@ -120,7 +120,7 @@ class DiskSpill:
         self._evict_over_quota()  # a restart with a smaller quota
 
     def _new_index(self, tenant_quota: int | None) -> ByteBudget[bytes]:
-        index: ByteBudget[bytes] = ByteBudget(self.max_bytes, make_policy("lru"), tenant_quota,
+        index: ByteBudget[bytes] = ByteBudget(self.max_bytes, make_policy(), tenant_quota,
                                               tenant_of=key_tenant_bytes, pin_name=pin_name)
         index.is_pinned = self.protected  # the server's pins (`pins`), which span memory and disk
         return index

@@ -14,11 +14,12 @@ covers every large buffer the server holds, and is never exceeded:
   `spilling`) until the spill's worker thread has written it; a GET meanwhile takes it
   straight back into memory.
 
-Which entries are held, their bytes, their eviction order (`eviction`: "lru", the default, or
-"fifo"), which are protected and which make room is the store's `ByteBudget` (kvstore/budget.py,
-as a tier's); the other bytes above (reserved, retired, spilling, replies' holds) are the
-store's own counters beside it. Making room evicts least recently used entries (to the disk
-spill when there is one); a value that cannot fit at all is refused. With a `tenant_quota`,
+Which entries are held, their bytes, their eviction order (`eviction`, a policy of
+kvstore/eviction.py), which are protected and which make room is the store's `ByteBudget`
+(kvstore/budget.py, as a tier's); the other bytes above (reserved, retired, spilling, replies'
+holds) are the store's own counters beside it. Making room evicts in the policy's order (to the
+disk spill when there is one); a value that cannot fit at all, or that the policy does not
+admit in place of others, is refused. With a `tenant_quota`,
 no tenant (the tag of a salted key, kvkeys/tenants.py) holds more than that many bytes of
 stored entries: a tenant at its quota evicts its own least recently used entries first,
 never another tenant's (the disk spill applies the same quota to its files). Memory and disk
@@ -44,19 +45,20 @@ from kvstore.budget import ByteBudget
 from kvstore.cache_server.protocol import Buffer
 from kvstore.cache_server.spill import DiskSpill, pin_name
 from kvstore.cache_server.store_stats import StoreStats, read_stats
-from kvstore.eviction import make_policy
+from kvstore.eviction import DEFAULT_POLICY, make_policy
 from kvstore.pin_set import PinInfo, PinSet, default_pin_budget
 from kvstore.sizes import parse_size
 from kvstore.tenant_quota import TenantBytes
 
 
 class ByteStore:
-    """LRU (or `eviction` "fifo") map of byte keys to byte values within `max_bytes`. Not
+    """Map of byte keys to byte values within `max_bytes`, evicted in the order of the policy
+    `eviction` (kvstore/eviction.py), which may also refuse a new key in place of others. Not
     thread-safe: the server touches it only from its event loop thread (the spill's completions
     run there too)."""
 
     def __init__(self, max_bytes: int, spill: DiskSpill | None = None, tenant_quota: int | None = None,
-                 pin_budget: int | None = None, eviction: str = "lru") -> None:
+                 pin_budget: int | None = None, eviction: str = DEFAULT_POLICY) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         budget = default_pin_budget(max_bytes) if pin_budget is None else pin_budget
@@ -186,11 +188,15 @@ class ByteStore:
         size = len(key) + len(value)
         self.reserved -= reserved
         own_pin = self._pin_bytes(key)  # a pinned key stored again keeps its pin, at its new size
+        new = key not in self.budget
         self._remove(key)
         if self.spill is not None:
             self.spill.delete(key)  # memory and disk hold disjoint keys
         if size > self._room() + own_pin or not self._make_tenant_room(key, size):
             self.rejected += 1
+            return False
+        if new and self.committed - self.spilling + size > self.max_bytes and not self.budget.policy.admit(key):
+            self.rejected += 1  # the policy keeps what it holds (an admission filter)
             return False
         self._make_room(size)
         if self.committed + size > self.max_bytes:

@@ -60,7 +60,7 @@ from kvstore.backends.disk.file_names import (
 from kvstore.budget import ByteBudget
 from kvstore.capabilities import EvictingTier, IndexedTier, OperatedTier, PrefixDeletable, ReadsInPlace
 from kvstore.codecs import Codec
-from kvstore.eviction import make_policy
+from kvstore.eviction import DEFAULT_POLICY, make_policy
 from kvstore.pin_file import PIN_FILE, PinFile
 from kvstore.pin_set import PinError, default_pin_budget
 from kvstore.read_buffers import ReadBufferPool
@@ -77,7 +77,7 @@ class DiskBackend(BytesBackend, EvictingTier, ReadsInPlace, OperatedTier, Indexe
     name = "disk"
 
     def __init__(self, root: str | os.PathLike[str], byte_budget: int | None = None,
-                 codec: Codec | str = "raw", eviction: str = "lru", fsync: bool = False,
+                 codec: Codec | str = "raw", eviction: str = DEFAULT_POLICY, fsync: bool = False,
                  tenant_quota: int | None = None, pin_budget: int | None = None) -> None:
         super().__init__(codec)
         self.reads_in_place = self.codec.name == "raw"  # what it writes, it can read in place
