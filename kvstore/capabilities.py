@@ -8,6 +8,8 @@ Wiring, read by the storage manager:
 - `EvictingTier`: the tier evicts by itself within a byte budget; it asks the manager which keys
   are held for a load (never evicted) and tells it what it evicted.
 - `ReadsInPlace`: the tier reads chunks straight into the caller's memory.
+- `HandsOverEvictions`: the tier gives the chunks it evicts to the manager, which demotes them
+  to the tier below (`TierSpec.fill`, "demote").
 
 Operations, reached only through `kvstore.tier_operations.TierOperations`:
 - `OperatedTier`: describe stored values, operator pins, limits changed at run time.
@@ -63,6 +65,16 @@ class EvictingTier(ABC):
     def _evicted(self, keys: list[str]) -> None:
         if keys and self._on_evict is not None:
             self._on_evict(keys)
+
+
+class HandsOverEvictions(ABC):
+    """A tier that gives each chunk it evicts to make room to a callback (the storage manager
+    demotes it to the tier below)."""
+
+    @abstractmethod
+    def set_hand_over(self, on_evict: Callable[[list[tuple[str, torch.Tensor]]], None]) -> None:
+        """Installs the callback given the evicted chunks, (key, K/V) each, once the tier has let
+        go of them and outside its lock; it must be quick (it queues the writes)."""
 
 
 class ReadsInPlace(ABC):

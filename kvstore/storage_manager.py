@@ -3,6 +3,8 @@
 
 - `batched_put` writes the fastest tier synchronously and the slower tiers through a background
   writer with a bounded queue (full queue: a write is dropped and counted, never waited for).
+  A tier whose `fill` is "demote" is not written then: it gets what the tier above it (cpu or
+  device) evicts, through the same writer, unless it holds it already; tiers as a hierarchy.
 - `fetch` reads from the fastest tier holding a chunk and says which tier that was (it never
   promotes); `promote` writes such hits into the faster tiers (the connector does it through
   its store queue, off the load path).
@@ -36,12 +38,12 @@ import torch
 from kvstore import serde
 from kvstore.backend import Destination, StorageBackend, leading_run
 from kvstore.background_queue import BACKGROUND_NICE, BackgroundQueue
-from kvstore.capabilities import LOCAL_TIERS, EvictingTier, ReadsInPlace, RemoteTier
+from kvstore.capabilities import LOCAL_TIERS, EvictingTier, HandsOverEvictions, ReadsInPlace, RemoteTier
 from kvstore.deadlines import BACKOFF_INITIAL_S, BACKOFF_MAX_S, FLUSH_TIMEOUT_S, CallKind
 from kvstore.device_staging import stage
 from kvstore.health import BREAKER_FAILURES
 from kvstore.load_holds import LoadHolds
-from kvstore.store_config import KVStoreConfig
+from kvstore.store_config import FILLS, KVStoreConfig
 from kvstore.tier_events import TierEvents, TierListener
 from kvstore.tier_guard import SKIPPED, Skipped, TierGuard
 from kvstore.tier_operations import TierOperations
@@ -64,12 +66,14 @@ def _check_chunk(key: str, kv: Any) -> None:
 
 
 class StorageManager:
-    """Tiers fast to slow; thread-safe. `batched_put` takes ownership of the tensor (do not mutate it later)."""
+    """Tiers fast to slow; thread-safe. `batched_put` takes ownership of the tensor (do not mutate it later).
+    `fills`: per tier, how chunks reach it (`TierSpec.fill`; default "write" for all)."""
 
     def __init__(self, tiers: Sequence[StorageBackend], names: Sequence[str] | None = None,
                  queue_size: int = 64, queue_full: str = "drop_oldest",
                  backoff_initial_s: float = BACKOFF_INITIAL_S, backoff_max_s: float = BACKOFF_MAX_S,
-                 breaker_failures: int = BREAKER_FAILURES, flush_timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+                 breaker_failures: int = BREAKER_FAILURES, flush_timeout_s: float = FLUSH_TIMEOUT_S,
+                 fills: Sequence[str] | None = None) -> None:
         if not tiers:
             raise ValueError("tiers: a storage manager needs at least one tier")
         self.tiers = list(tiers)
@@ -77,6 +81,7 @@ class StorageManager:
         if len(names) != len(self.tiers):
             raise ValueError("names: one name per tier is needed")
         self.names = names
+        self.fills = self._check_fills(list(fills) if fills is not None else ["write"] * len(self.tiers))
         self.holds = LoadHolds()
         self._events = TierEvents([t.name for t in self.tiers])
         for i, tier in enumerate(self.tiers):
@@ -92,6 +97,45 @@ class StorageManager:
         self._writer = BackgroundQueue(queue_size, queue_full, nice=BACKGROUND_NICE) if len(self.tiers) > 1 else None
         self.staging_copies = 0  # chunks copied to another device by `batched_put` (once per device)
         self._closed = False
+        for i, fill in enumerate(self.fills):
+            if fill == "demote":
+                above = self.tiers[i - 1]
+                assert isinstance(above, HandsOverEvictions)  # _check_fills
+                above.set_hand_over(partial(self._demote, i))
+
+    def _check_fills(self, fills: list[str]) -> list[str]:
+        """Returns `fills` once each is known and every "demote" tier sits below one that hands
+        over its evictions; raises ValueError naming the tier."""
+        if len(fills) != len(self.tiers):
+            raise ValueError("fills: one fill per tier is needed")
+        for i, fill in enumerate(fills):
+            if fill not in FILLS:
+                raise ValueError(f"{self.names[i]}: unknown fill {fill!r}; choose one of {list(FILLS)}")
+            if fill == "demote" and (i == 0 or not isinstance(self.tiers[i - 1], HandsOverEvictions)):
+                above = "no tier is above it" if i == 0 else f"the tier above, {self.names[i - 1]}, cannot"
+                raise ValueError(f"{self.names[i]}: fill=demote takes the chunks the tier above evicts, and "
+                                 f"{above} (a cpu or device tier can)")
+        return fills
+
+    def _written(self, tiers: Iterable[int]) -> list[int]:
+        """Returns those of `tiers` that every stored chunk is written to (fill "write")."""
+        return [i for i in tiers if self.fills[i] == "write"]
+
+    def _demote(self, i: int, items: list[tuple[str, torch.Tensor]]) -> None:
+        """Queues the chunks the tier above `i` evicted for tier `i`, which stores those it does
+        not hold yet (it may still hold a chunk promoted from it)."""
+        if self._writer is None:
+            return
+
+        def job() -> None:
+            held = self._call(i, partial(self.tiers[i].batched_contains, [k for k, _ in items]), "lookup")
+            todo = items if held is SKIPPED else [item for item, h in zip(items, held) if not h]
+            if todo:
+                self._store(i, todo, owned=True)
+
+        if not self._writer.submit(job):
+            with self._stats_lock:
+                self._stats[i].dropped_writes += 1
 
     @classmethod
     def from_config(cls, config: KVStoreConfig) -> StorageManager:
@@ -110,10 +154,16 @@ class StorageManager:
             for tier in tiers:
                 tier.close()
             raise
-        manager = cls(tiers, names=[f"{i}:{s.url}" for i, s in enumerate(config.tiers)],
-                      queue_size=config.queue_size, queue_full=config.queue_full,
-                      backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s,
-                      breaker_failures=config.breaker_failures, flush_timeout_s=config.flush_timeout_s)
+        try:
+            manager = cls(tiers, names=[f"{i}:{s.url}" for i, s in enumerate(config.tiers)],
+                          queue_size=config.queue_size, queue_full=config.queue_full,
+                          backoff_initial_s=config.backoff_initial_s, backoff_max_s=config.backoff_max_s,
+                          breaker_failures=config.breaker_failures, flush_timeout_s=config.flush_timeout_s,
+                          fills=[s.fill for s in config.tiers])
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
         manager._check_tiers()
         return manager
 
@@ -166,7 +216,8 @@ class StorageManager:
 
     # -- public interface ----------------------------------------------------------------
     def batched_put(self, items: Sequence[tuple[str, torch.Tensor]], *, owned: bool = False) -> None:
-        """Stores every chunk in every tier: the fastest now, the rest in the background.
+        """Stores every chunk in every tier it is written to (not those filled by demotion): the
+        fastest now, the rest in the background.
         Raises ValueError for a malformed chunk (storing nothing).
         `owned`: the tensors are handed over (never modified again), so a memory tier may keep
         them without a copy. A chunk on another device than a tier's (a GPU gather, host tiers)
@@ -182,7 +233,7 @@ class StorageManager:
                 self.staging_copies += copies
         first = staged[self.tiers[0].device]
         self._store(0, first, owned or first is not items)
-        slow = range(1, len(self.tiers))
+        slow = self._written(range(1, len(self.tiers)))
         for device in {self.tiers[i].device for i in slow}:
             self._store_slow([i for i in slow if self.tiers[i].device == device], staged[device])
 
@@ -304,15 +355,16 @@ class StorageManager:
         return out
 
     def promote(self, items: Sequence[tuple[str, torch.Tensor, int]], *, owned: bool = True) -> None:
-        """Writes each `(key, chunk, tier)` from `fetch` into the tiers faster than `tier`: the
-        fastest now, the others through the background writer. `owned` as in `batched_put`."""
+        """Writes each `(key, chunk, tier)` from `fetch` into the tiers faster than `tier` it would
+        have been written to: the fastest now, the others through the background writer (a
+        tier filled by demotion gets it when the tier above evicts it). `owned` as in `batched_put`."""
         by_tier: dict[int, list[tuple[str, torch.Tensor]]] = {}
         for key, kv, tier in items:
             by_tier.setdefault(tier, []).append((key, kv))
         for tier, found in sorted(by_tier.items()):
             if tier > 0:
                 self._store(0, found, owned=owned)
-                self._store_slow(range(1, tier), found)
+                self._store_slow(self._written(range(1, tier)), found)
 
     def hold(self, keys: Iterable[str]) -> None:
         """Holds chunks for a load (e.g. between a prefix lookup and their load): no tier evicts

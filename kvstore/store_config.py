@@ -35,6 +35,9 @@ QUEUE_FULL_POLICIES = ("drop_oldest", "drop_new")
 PINNING_SCHEMES = ("cpu", "device", "disk")
 """The tiers that keep operator pins (`pin_budget`, `POST /kv/pin`)."""
 
+FILLS = ("write", "demote")
+"""How chunks reach a tier (`TierSpec.fill`): every chunk stored, or the tier above's evictions."""
+
 
 @dataclass
 class TierSpec:
@@ -43,6 +46,9 @@ class TierSpec:
     `tenant_quota` caps the bytes of each tenant (cache_salt) in this tier (None = no cap;
     kvstore/tenant_quota.py). `pin_budget` bounds the bytes the operator may pin in this tier
     (`POST /kv/pin`; None = half of `budget`; only tiers that pin take it: kvstore/pin_set.py).
+    `fill` says how chunks reach the tier: "write" (every chunk stored is written to it, the
+    slower tiers in the background) or "demote" (only what the tier above evicts: the storage
+    manager's hierarchy, kvstore/storage_manager.py; the tier above must be cpu or device).
     `options` carries backend-specific settings (redis: ttl_s, socket_timeout_s, ssl_* ...;
     disk: fsync). Backends receive the whole spec through `StorageBackend.from_spec`.
     """
@@ -54,6 +60,7 @@ class TierSpec:
     options: dict[str, Any] = field(default_factory=dict)
     tenant_quota: int | None = None
     pin_budget: int | None = None
+    fill: str = "write"
 
     @property
     def scheme(self) -> str:
@@ -93,6 +100,8 @@ class TierSpec:
             raise ValueError(f"{where}.codec: unknown codec {self.codec!r}; choose one of {list(CODEC_NAMES)}")
         if self.eviction not in POLICIES:
             raise ValueError(f"{where}.eviction: unknown policy {self.eviction!r}; choose one of {sorted(POLICIES)}")
+        if self.fill not in FILLS:
+            raise ValueError(f"{where}.fill: unknown fill {self.fill!r}; choose one of {list(FILLS)}")
         if not isinstance(self.options, dict):
             raise ValueError(f"{where}.options: expected a mapping, got {type(self.options).__name__}")
         return self
@@ -103,7 +112,7 @@ class TierSpec:
         base, _, query = url.partition("?")
         kw: dict[str, Any] = {"url": base, "options": {}}
         for name, value in parse_qsl(query, keep_blank_values=True):
-            if name in ("budget", "codec", "eviction", "tenant_quota", "pin_budget"):
+            if name in ("budget", "codec", "eviction", "tenant_quota", "pin_budget", "fill"):
                 kw[name] = value
             else:
                 kw["options"][name] = _scalar(value)
@@ -149,7 +158,8 @@ class KVStoreConfig:
         "storage tiers, fastest first: `cpu`, `device`, `disk:///path`, `redis://host:port/db`, "
         "`kvtier://host:port`; each with `budget`, `tenant_quota` (bytes per cache_salt), `pin_budget` "
         "(cpu, device, disk: bytes the operator may pin; default half the budget), `codec` "
-        "(raw, lz4, int8, int4), `eviction` (" + ", ".join(POLICIES) + ") and backend options "
+        "(raw, lz4, int8, int4), `eviction` (" + ", ".join(POLICIES) + "), `fill` (write: every chunk; "
+        "demote: what the cpu or device tier above evicts) and backend options "
         "(env: comma-separated URLs, `?budget=4GiB&codec=lz4`)",
         env="KVTIER_TIERS", parse=_env_tiers, shown="cpu?budget=4GiB"))
     queue_size: int = field(default=64, metadata=opt(
@@ -199,6 +209,9 @@ class KVStoreConfig:
             if not isinstance(tier, TierSpec):
                 raise ValueError(f"tiers[{i}]: expected a tier, got {type(tier).__name__}")
             tier.validate(f"tiers[{i}]")
+            if tier.fill == "demote" and i == 0:
+                raise ValueError("tiers[0].fill: demote takes what the tier above evicts, and no tier is above "
+                                 "the first")
         return self
 
     @classmethod

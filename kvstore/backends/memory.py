@@ -17,7 +17,7 @@ from kvkeys.keyspace import is_chunk_key
 from kvstore import serde
 from kvstore.backend import BackendStats, EntryInfo, StorageBackend
 from kvstore.budget import ByteBudget
-from kvstore.capabilities import EvictingTier, IndexedTier, OperatedTier, PrefixDeletable
+from kvstore.capabilities import EvictingTier, HandsOverEvictions, IndexedTier, OperatedTier, PrefixDeletable
 from kvstore.codecs import Buffer, Codec, QuantCodec, get_codec, host_copy
 from kvstore.eviction import DEFAULT_POLICY, make_policy
 from kvstore.pin_set import default_pin_budget
@@ -37,7 +37,7 @@ def _whole_tensor(kv: torch.Tensor, device: torch.device) -> bool:
             and kv.untyped_storage().nbytes() == kv.numel() * kv.element_size())
 
 
-class MemoryBackend(StorageBackend, EvictingTier, OperatedTier, IndexedTier, PrefixDeletable):
+class MemoryBackend(StorageBackend, EvictingTier, HandsOverEvictions, OperatedTier, IndexedTier, PrefixDeletable):
     """Chunks held in this process's memory on `device`, within a hard byte budget; the
     operator's pins within `pin_budget` (None: half the byte budget, kvstore/pin_set.py)."""
 
@@ -55,6 +55,10 @@ class MemoryBackend(StorageBackend, EvictingTier, OperatedTier, IndexedTier, Pre
         self._store: dict[str, torch.Tensor | Buffer] = {}
         self._lock = threading.Lock()
         self._stats = BackendStats(byte_budget=byte_budget)
+        self._on_hand_over: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None
+
+    def set_hand_over(self, on_evict: Callable[[list[tuple[str, torch.Tensor]]], None]) -> None:
+        self._on_hand_over = on_evict
 
     def set_hold_check(self, is_held: Callable[[str], bool]) -> None:
         self._budget.is_pinned = is_held
@@ -119,19 +123,32 @@ class MemoryBackend(StorageBackend, EvictingTier, OperatedTier, IndexedTier, Pre
             if victims is None:
                 self._stats.rejected += 1
                 return False
-            self._evict(victims)
+            gone = self._evict(victims)
             self._store[key] = stored
             self._budget.add(key, nbytes)
             self._stats.puts += 1
-        self._evicted(victims)
+        self._let_go(gone)
         return True
 
-    def _evict(self, victims: list[str]) -> None:
-        """Removes `victims` as evicted (counted); the caller holds the lock."""
+    def _evict(self, victims: list[str]) -> list[tuple[str, torch.Tensor | Buffer]]:
+        """Removes `victims` as evicted (counted) and returns them with their stored values; the
+        caller holds the lock, then calls `_let_go` outside it."""
+        gone = []
         for victim in victims:
-            self._store.pop(victim, None)
+            value = self._store.pop(victim, None)
             self._budget.remove(victim)
             self._stats.evictions += 1
+            if value is not None:
+                gone.append((victim, value))
+        return gone
+
+    def _let_go(self, gone: list[tuple[str, torch.Tensor | Buffer]]) -> None:
+        """Tells the eviction listener the keys evicted and hands their chunks over (decoded, for
+        codecs other than raw) when a callback takes them (`HandsOverEvictions`)."""
+        self._evicted([key for key, _ in gone])
+        if gone and self._on_hand_over is not None:
+            self._on_hand_over([(key, value if isinstance(value, torch.Tensor) else serde.decode(key, value))
+                                for key, value in gone])
 
     def delete(self, key: str) -> bool:
         with self._lock:
@@ -188,8 +205,8 @@ class MemoryBackend(StorageBackend, EvictingTier, OperatedTier, IndexedTier, Pre
             limits = self._budget.plan_limits(byte_budget, pin_budget, tenant_quota, tier=self.name)
             self._budget.apply_limits(limits)
             self._stats.byte_budget = limits.budget
-            self._evict(limits.victims)
-        self._evicted(limits.victims)
+            gone = self._evict(limits.victims)
+        self._let_go(gone)
 
     def delete_idle(self, older_than_s: float) -> int:
         cutoff = time.time() - older_than_s
