@@ -36,43 +36,40 @@ docs/trace_hit_rates.png.
 from __future__ import annotations
 
 import argparse
-import gzip
 import heapq
 import json
 import tempfile
 import time
-from functools import partial
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-import torch
-
-from kvstore.backend import StorageBackend, leading_run
+from kvstore.backend import leading_run
 from kvstore.backends.disk import DiskBackend
 from kvstore.backends.memory import CPUBackend
 from kvstore.cache_server.store import ByteStore
 from kvstore.eviction import DEFAULT_POLICY, POLICIES
+from kvstore.storage_manager import StorageManager
+from kvstore.trace_replay import (
+    BLOCK_TOKENS,
+    PAYLOAD,
+    PAYLOAD_BYTES,
+    Request,
+    Tally,
+    read_trace,
+    replay_manager,
+    replay_tier,
+    trace_key,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = Path(__file__).resolve().parent / "traces" / "mooncake"
-BLOCK_TOKENS = 512  # one hash id per 512 prompt tokens (SOURCE.md)
 SHARES = (0.01, 0.02, 0.05, 0.10, 0.20, 0.50)
 DISK_RUN = ("generated", 0.20)  # a file per block: the disk tier replays one trace at one capacity
-PAYLOAD = torch.zeros(1, 2, 1, 1, 8, dtype=torch.float16)  # 32 bytes: every block the same size
-
-
-@dataclass(frozen=True)
-class Request:
-    """One request of a trace: its prompt length and one block id per 512 tokens of it."""
-
-    input_length: int
-    blocks: tuple[int, ...]
-
-    def block_tokens(self, i: int) -> int:
-        """Returns the prompt tokens block `i` covers (the last block may be short)."""
-        return max(0, min(BLOCK_TOKENS, self.input_length - i * BLOCK_TOKENS))
+HIERARCHY = ((0.02, 0.10), (0.05, 0.20))  # (cpu, disk) capacities of the two-tier replays
+HIERARCHY_TRACE = "conversation"  # the two-tier replays' trace (a file per block: minutes per replay)
+FILLS = ("write", "demote")
 
 
 GENERATED = "generated"
@@ -84,11 +81,7 @@ def load_trace(name: str) -> list[Request]:
     `GENERATED`), in arrival order."""
     if name == GENERATED:
         return generated_trace()
-    path = TRACES / f"{name}_trace.jsonl.gz"
-    with gzip.open(path, "rt") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    rows.sort(key=lambda r: r["timestamp"])  # arrival order (a stable sort keeps each timestamp's order)
-    return [Request(int(r["input_length"]), tuple(int(h) for h in r["hash_ids"])) for r in rows]
+    return read_trace(TRACES / f"{name}_trace.jsonl.gz")
 
 
 def generated_trace() -> list[Request]:
@@ -104,51 +97,13 @@ def generated_trace() -> list[Request]:
     return out
 
 
-@dataclass
-class Tally:
-    """Hit and prompt tokens of one replay."""
-
-    hit_tokens: int = 0
-    prompt_tokens: int = 0
-
-    def add(self, request: Request, run: int) -> None:
-        self.hit_tokens += sum(request.block_tokens(i) for i in range(run))
-        self.prompt_tokens += request.input_length
-
-    @property
-    def rate(self) -> float:
-        return self.hit_tokens / max(self.prompt_tokens, 1)
-
-
-# ---- replays through the real code ---------------------------------------------------------------
-def _key(block: int) -> str:
-    return f"kvtier:trace:float16:v1:c{BLOCK_TOKENS}:{block:032x}"
-
-
-def replay_tier(requests: Sequence[Request], tier: StorageBackend) -> Tally:
-    """Replays `requests` through a tier: lookup (batched_contains), read the held run
-    (batched_get: a hit is a use), store what it lacked (batched_put)."""
-    tally = Tally()
-    for r in requests:
-        keys = [_key(b) for b in r.blocks]
-        held = tier.batched_contains(keys)
-        run = leading_run(held)
-        if run:
-            tier.batched_get(keys[:run], read_only=True)
-        tally.add(r, run)
-        missing = [(k, PAYLOAD) for k, h in zip(keys, held) if not h]
-        if missing:
-            tier.batched_put(missing)
-    return tally
-
-
 def replay_server(requests: Sequence[Request], store: ByteStore) -> Tally:
     """Replays `requests` through the cache server's store, as its handlers call it: EXISTS per
     key, GET of the held run, PUT of what it lacked."""
     tally = Tally()
-    value = bytes(PAYLOAD.numel() * PAYLOAD.element_size())
+    value = bytes(PAYLOAD_BYTES)
     for r in requests:
-        keys = [_key(b).encode() for b in r.blocks]
+        keys = [trace_key(b).encode() for b in r.blocks]
         held = [store.contains(k) for k in keys]
         run = leading_run(held)
         for k in keys[:run]:
@@ -279,16 +234,44 @@ def run_trace(name: str, requests: list[Request], quick: bool) -> dict:
             "prompt_tokens": sum(r.input_length for r in requests), "unlimited": round(unlimited, 4), "rows": rows}
 
 
+def run_hierarchy(requests: list[Request], distinct: int) -> list[dict]:
+    """Returns per (cpu, disk) capacity of `HIERARCHY` and per fill of the disk tier (write-
+    through, or demotion of what the cpu tier evicts) the token hit rate and the bytes each tier
+    stored, through a storage manager over a cpu tier and a disk tier."""
+    item = PAYLOAD_BYTES
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        file_bytes = _disk_file_bytes(Path(tmp) / "probe")
+        for cpu_share, disk_share in HIERARCHY:
+            row: dict[str, float] = {"cpu share": cpu_share, "disk share": disk_share}
+            for fill in FILLS:
+                cpu = CPUBackend(byte_budget=int(distinct * cpu_share) * item)
+                disk = DiskBackend(Path(tmp) / f"{fill}-{cpu_share}",
+                                   byte_budget=int(distinct * disk_share) * file_bytes)
+                t0 = time.perf_counter()
+                with StorageManager([cpu, disk], names=["cpu", "disk"], fills=["write", fill], queue_size=4096) as sm:
+                    seen = replay_manager(requests, sm)
+                row[f"{fill} hit rate"] = round(seen.tally.rate, 4)
+                row[f"{fill} cpu bytes"] = seen.blocks_stored["cpu"] * item
+                row[f"{fill} disk bytes"] = seen.blocks_stored["disk"] * item
+                row[f"{fill} s"] = round(time.perf_counter() - t0, 1)
+            print(f"hierarchy cpu {cpu_share:.0%} + disk {disk_share:.0%}: "
+                  + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+            rows.append(row)
+    return rows
+
+
 def _replays(requests: list[Request], blocks: int, nexts: list[list[int]]) -> dict[str, Callable[[], Tally]]:
     """Returns each replay of `requests` over `blocks` blocks of capacity, by its label."""
-    item = PAYLOAD.numel() * PAYLOAD.element_size()
+    item = PAYLOAD_BYTES
     replays: dict[str, Callable[[], Tally]] = {"optimum": lambda: replay_optimum(requests, blocks, nexts)}
     for policy in POLICIES:
-        replays[f"cpu {policy}"] = partial(replay_tier, requests, CPUBackend(byte_budget=blocks * item, eviction=policy))
+        tier = CPUBackend(byte_budget=blocks * item, eviction=policy)
+        replays[f"cpu {policy}"] = partial(replay_tier, requests, tier)
     replays["chain lru (sim)"] = lambda: replay_chain_lru(requests, blocks)
     replays["lru + reuse oracle (sim)"] = lambda: replay_reuse_oracle(requests, blocks, nexts)
     for policy in sorted({"lru", DEFAULT_POLICY}):
-        store = ByteStore(blocks * (len(_key(0)) + item), pin_budget=0, eviction=policy)
+        store = ByteStore(blocks * (len(trace_key(0)) + item), pin_budget=0, eviction=policy)
         replays[f"cache server {policy}"] = partial(replay_server, requests, store)
     return replays
 
@@ -296,7 +279,7 @@ def _replays(requests: list[Request], blocks: int, nexts: list[list[int]]) -> di
 def _disk_file_bytes(probe: Path) -> int:
     """Returns the bytes one block's file takes in the disk tier (header and payload)."""
     tier = DiskBackend(probe)
-    tier.batched_put([(_key(0), PAYLOAD)])
+    tier.batched_put([(trace_key(0), PAYLOAD)])
     size = sum(p.stat().st_size for p in probe.rglob("*") if p.is_file() and not p.name.startswith("."))
     tier.close()
     return size
@@ -329,7 +312,8 @@ def render(results: dict) -> str:
              "(`make bench-trace`, benchmarks/bench_trace.py): token hit rate per capacity (a share of the trace's "
              "distinct 512-token blocks), against Belady's offline optimum and the unlimited bound. `cpu <policy>` is "
              "the cpu tier with that eviction policy (kvstore/eviction.py); `chain lru (sim)` a block-level simulation "
-             "of chain-aware LRU; `lru + reuse oracle (sim)` LRU told which blocks will be used again. The default policy is `{DEFAULT_POLICY}`. One run: {results['date']}.", ""]
+             "of chain-aware LRU; `lru + reuse oracle (sim)` LRU told which blocks will be used again. "
+             f"The default policy is `{DEFAULT_POLICY}`. One run: {results['date']}.", ""]
     for name, t in results["traces"].items():
         lines += [f"## {name}: {t['requests']} requests, {t['distinct_blocks']} distinct blocks, "
                   f"unlimited {t['unlimited']:.3f}", ""]
@@ -351,6 +335,24 @@ def render(results: dict) -> str:
             for label, rr in ratios.items():
                 lines.append(f"| {label} | " + " | ".join(f"{rr[k]:.2f}" for k in shares)
                              + f" | {rr['mean']:.2f} | {rr['min']:.2f} | {'yes' if meets_target(rr) else 'no'} |")
+        lines.append("")
+    if "hierarchy" in results:
+        h = results["hierarchy"]
+        lines += [f"## Tiers as a hierarchy: {h['trace']}, a cpu tier over a disk tier", "",
+                  "Through a storage manager (benchmarks/bench_trace.py `replay_hierarchy`): the disk tier written "
+                  "every chunk stored (write-through, `fill=write`) or only what the cpu tier evicts "
+                  "(`fill=demote`); a disk hit is promoted to cpu. Bytes are the chunks' bytes each tier stored.", "",
+                  "| cpu + disk capacity | hit rate, write / demote | demote / write | disk bytes, write / demote "
+                  "| write / demote | cpu bytes, write / demote |",
+                  "|---|---|---:|---|---:|---|"]
+        for r in h["rows"]:
+            lines.append(
+                f"| {r['cpu share']:.0%} + {r['disk share']:.0%} "
+                f"| {r['write hit rate']:.3f} / {r['demote hit rate']:.3f} "
+                f"| {r['demote hit rate'] / r['write hit rate']:.3f} "
+                f"| {r['write disk bytes']:,} / {r['demote disk bytes']:,} "
+                f"| {r['write disk bytes'] / max(r['demote disk bytes'], 1):.2f}x "
+                f"| {r['write cpu bytes']:,} / {r['demote cpu bytes']:,} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -384,12 +386,16 @@ def plot(results: dict, out: Path) -> None:
 def main(argv: Iterable[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", default=f"conversation,synthetic,{GENERATED}")
-    ap.add_argument("--quick", action="store_true", help="every other capacity, no disk tier")
+    ap.add_argument("--quick", action="store_true", help="every other capacity, no disk tier, no two-tier replays")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "trace_replay"))
     args = ap.parse_args(None if argv is None else list(argv))
     results = {"date": time.strftime("%Y-%m-%d"), "quick": args.quick, "traces": {}}
     for name in args.traces.split(","):
-        results["traces"][name] = run_trace(name, load_trace(name), args.quick)
+        requests = load_trace(name)
+        results["traces"][name] = run_trace(name, requests, args.quick)
+        if name == HIERARCHY_TRACE and not args.quick:
+            rows = run_hierarchy(requests, results["traces"][name]["distinct_blocks"])
+            results["hierarchy"] = {"trace": name, "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")

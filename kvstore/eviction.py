@@ -124,23 +124,32 @@ class _Sightings(Generic[K]):
         return key in self._seen
 
 
-class AdmitOnSecondPolicy(LRUPolicy[K]):
+class AdmitOnSecondPolicy(EvictionPolicy[K]):
     """LRU whose new keys displace held ones only when seen before (a doorkeeper over the last
     four times as many keys as are held); while there is room every key is stored."""
 
     name = "admit2"
 
     def __init__(self) -> None:
-        super().__init__()
+        self._lru: LRUPolicy[K] = LRUPolicy()
         self._seen: _Sightings[K] = _Sightings(factor=4)
 
     def on_insert(self, key: K) -> None:
-        super().on_insert(key)
+        self._lru.on_insert(key)
         self._seen.record(key, len(self))
 
     def on_access(self, key: K) -> None:
-        super().on_access(key)
+        self._lru.on_access(key)
         self._seen.record(key, len(self))
+
+    def on_remove(self, key: K) -> None:
+        self._lru.on_remove(key)
+
+    def order(self) -> Iterator[K]:
+        return self._lru.order()
+
+    def __len__(self) -> int:
+        return len(self._lru)
 
     def admit(self, key: K) -> bool:
         if key in self._seen:
@@ -236,16 +245,17 @@ class ReusePolicy(EvictionPolicy[K]):
             self._uses = {u: n // 2 for u, n in self._uses.items()}
             self._reused = {u: n // 2 for u, n in self._reused.items()}
         self._drop(key)
-        entry = (self._clock + self._value(uses), next(self._seq))
-        self._entry[key] = entry
-        self._sorted.add((*entry, key))
+        priority, seq = self._clock + self._value(uses), next(self._seq)
+        self._entry[key] = (priority, seq)
+        self._sorted.add((priority, seq, key))
 
     def _drop(self, key: K) -> float | None:
         entry = self._entry.pop(key, None)
         if entry is None:
             return None
-        self._sorted.remove((*entry, key))
-        return entry[0]
+        priority, seq = entry
+        self._sorted.remove((priority, seq, key))
+        return priority
 
     def on_insert(self, key: K) -> None:
         self._use(key)

@@ -2,7 +2,9 @@
 (kvtier/server/cache_routes.py; docs/serving.md, "Operating the cache"; the same routes on
 `vllm serve` with kvtier's connector: connector/vllm/lookup_route.py), and explain a miss
 (`explain`: `/kv/lookup` with `"explain": true`, also on `vllm serve` with kvtier's connector;
-docs/serving.md, "Explain a miss"). An HTTP client only: it loads no model and no torch.
+docs/serving.md, "Explain a miss"). An HTTP client only: it loads no model and no torch; except
+`plan`, which asks no server: it replays a request trace through the tiers given
+(kvstore/trace_replay.py) to size them for that traffic.
 
 Each subcommand is one entry of `COMMANDS`: its help, a function adding its flags and a
 function running it (returning the exit code). Prompts are given as text (the positional
@@ -21,7 +23,8 @@ from typing import Any
 from kvsettings import ProcessEnv
 from kvstore.deadlines import CACHE_CLI_TIMEOUT_S
 
-HELP = "operate a running server's KV cache: inspect, pin, unpin, prefetch, move, drop, clear, budget, explain a miss"
+HELP = ("operate a running server's KV cache: inspect, pin, unpin, prefetch, move, drop, clear, budget, explain a "
+        "miss; size the tiers for a trace (plan)")
 DEFAULT_LOG_LEVEL = "warning"
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -260,6 +263,66 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, metavar="FILE",
+                        help="requests as JSON Lines (.gz too), Mooncake's format: input_length and hash_ids, one id "
+                             "per --block-tokens tokens, equal where prompts share those tokens from the start; "
+                             "timestamp orders them (docs/serving.md, \"Size the tiers for a trace\")")
+    parser.add_argument("--tier", action="append", required=True, metavar="URL",
+                        help="a tier, fastest first, as in KVTIER_TIERS: its kind with budget, eviction and fill, "
+                             "e.g. --tier 'cpu?budget=8GiB' --tier 'disk:///d?budget=200GiB&fill=demote' (repeat)")
+    parser.add_argument("--kv-bytes-per-token", default=str(DEFAULT_KV_BYTES_PER_TOKEN), metavar="SIZE",
+                        help="the model's K/V bytes per token: layers x 2 x KV heads x head size x dtype bytes "
+                             f"(default: {DEFAULT_KV_BYTES_PER_TOKEN}, SmolLM2-135M-Instruct in float32)")
+    parser.add_argument("--block-tokens", type=int, default=512, metavar="N",
+                        help="prompt tokens per hash id (default: 512, as in Mooncake's traces)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Prints the hit rate, prefill saved and bytes written per tier that the trace would see."""
+    from dataclasses import asdict
+
+    from kvstore.sizes import parse_size
+    from kvstore.store_config import TierSpec
+    from kvstore.trace_replay import plan, read_trace
+
+    per_token = parse_size(args.kv_bytes_per_token, "--kv-bytes-per-token")
+    if per_token is None or per_token <= 0:
+        raise ValueError(f"--kv-bytes-per-token: must be a positive size, got {args.kv_bytes_per_token!r}")
+    if args.block_tokens <= 0:
+        raise ValueError(f"--block-tokens: must be positive, got {args.block_tokens}")
+    specs = [TierSpec.from_url(url, f"--tier[{i}]") for i, url in enumerate(args.tier)]
+    try:
+        requests = read_trace(args.trace, args.block_tokens)
+    except OSError as exc:
+        raise ValueError(f"--trace: cannot read {args.trace}: {exc.strerror or exc}") from None
+    if not requests:
+        raise ValueError(f"--trace: {args.trace} holds no requests")
+    result = plan(requests, specs, per_token)
+    if args.json:
+        print(json.dumps(asdict(result) | {"hit_rate": result.hit_rate}, indent=2))
+        return 0
+    print(f"{result.requests} requests, {result.prompt_tokens:,} prompt tokens; hit rate {result.hit_rate:.3f}: "
+          f"{result.hit_tokens:,} prompt tokens not computed again")
+    for tier in result.tiers:
+        capacity = "unbounded" if tier.capacity_blocks is None else f"{tier.capacity_blocks:,} blocks"
+        print(f"{tier.url}: {capacity}; served {tier.hit_tokens:,} tokens "
+              f"({tier.hit_tokens / max(result.prompt_tokens, 1):.3f} of the prompts); "
+              f"wrote {_gib(tier.bytes_written)}")
+    return 0
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB"
+
+
+DEFAULT_KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
+"""SmolLM2-135M-Instruct's K/V per token in float32: 30 layers x K and V x 3 KV heads x 64 x 4 bytes."""
+
+OFFLINE = {"plan"}
+"""Subcommands that ask no server (no --url, no --api-key)."""
+
 Adder = Callable[[argparse.ArgumentParser], None]
 Runner = Callable[[argparse.Namespace], int]
 
@@ -278,6 +341,8 @@ COMMANDS: dict[str, tuple[str, Adder, Runner]] = {
                "(operator key)", _budget_flags, _budget),
     "explain": ("say per tier why a prompt's hit is shorter than its chunks (another model, engine tag, dtype, "
                 "layout, chunk size or tenant holds it; evicted; never stored)", _explain_flags, _explain),
+    "plan": ("size the tiers for a request trace: the hit rate, prefill saved and bytes written per tier it would "
+             "see with the budgets, eviction policies and fills given (offline: asks no server)", _plan_flags, _plan),
 }
 
 
@@ -288,7 +353,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, (help_text, add, runner) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         add(p)
-        _server_flags(p)
+        if name not in OFFLINE:
+            _server_flags(p)
         p.set_defaults(_cache_run=runner)
 
 

@@ -2,29 +2,27 @@
 optimum never loses to a real tier's LRU at the same capacity, reaches the unlimited bound once
 everything fits, and LRU, the cpu tier and the cache server's store agree block for block;
 chain-aware LRU keeps a chain's head where LRU keeps its tail; every policy is replayed and
-compared with LRU."""
+compared with LRU. The replays through the tiers themselves are kvstore/trace_replay.py's
+(tests/kvstore/test_trace_replay.py)."""
 
 from __future__ import annotations
 
 from benchmarks.bench_trace import (
-    PAYLOAD,
-    Request,
     against_lru,
-    meets_target,
     load_trace,
+    meets_target,
     next_uses,
     replay_chain_lru,
-    replay_reuse_oracle,
     replay_optimum,
+    replay_reuse_oracle,
     replay_server,
-    replay_tier,
     replay_unlimited,
 )
 from kvstore.backends.memory import CPUBackend
 from kvstore.cache_server.store import ByteStore
 from kvstore.eviction import POLICIES
-
-ITEM = PAYLOAD.numel() * PAYLOAD.element_size()
+from kvstore.trace_replay import PAYLOAD_BYTES as ITEM
+from kvstore.trace_replay import Request, replay_tier
 
 
 def _req(*blocks: int) -> Request:

@@ -73,7 +73,8 @@ def test_lz4_codec_and_url_options(cache_server_factory: type[CacheServerProcess
         TierSpec.from_url("kvtier://:65432")
     with pytest.raises(ValueError, match="set it on the server"):
         create_backend(TierSpec.from_url(f"{server.url}?budget=1GiB"))
-    with pytest.raises(ValueError, match=r"no client-side eviction policy; set it on the server \(kvtier cache-server --eviction\)"):
+    with pytest.raises(ValueError, match=r"no client-side eviction policy; set it on the server "
+                                         r"\(kvtier cache-server --eviction\)"):
         create_backend(TierSpec.from_url(f"{server.url}?eviction=fifo"))
     with pytest.raises(ValueError, match="lookup_timeout_s must be positive"):
         create_backend(TierSpec.from_url(f"{server.url}?lookup_timeout_s=0"))

@@ -62,7 +62,8 @@ def test_an_encoded_cpu_tier_demotes_decoded_chunks(tmp_path: Path) -> None:
                         names=["cpu", "disk"], fills=["write", "demote"]) as sm:
         sm.batched_put([(f"k{i}", _kv(i)) for i in range(4)])
         assert sm.flush(10)
-        on_disk = [k for k, h in zip(["k0", "k1", "k2", "k3"], sm.tiers[1].batched_contains(["k0", "k1", "k2", "k3"])) if h]
+        keys = ["k0", "k1", "k2", "k3"]
+        on_disk = [k for k, h in zip(keys, sm.tiers[1].batched_contains(keys)) if h]
         assert on_disk, "the lz4 tier of 3000 bytes cannot hold four chunks"
         for key in on_disk:
             assert torch.equal(sm.tiers[1].batched_get([key])[0], _kv(int(key[1:])))

@@ -1,0 +1,219 @@
+"""Request traces replayed through kvtier's tiers: the hit rate, prefill saved and bytes written
+per tier that a trace would see with given tiers (`kvtier cache plan`, `make bench-trace`).
+
+A trace is JSON Lines (optionally gzip-compressed), one request per line, in Mooncake's format
+(kvcache-ai/Mooncake, FAST25-release/traces), taken as is:
+
+    {"timestamp": 0, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, 2, ...]}
+
+`hash_ids` holds one id per `block_tokens` (512 in Mooncake's traces) prompt tokens, equal where
+two prompts share the same tokens from the start up to the end of that block; `input_length`
+is the prompt's length in tokens; `timestamp` (optional) orders arrivals; other fields are
+ignored. A request's reusable prefix is the run of its blocks, from the first, that the tiers
+hold when it arrives, as kvtier's connector looks a prompt up.
+
+Each block is stored as a tiny chunk; a tier's budget counts blocks of `block_tokens` tokens
+at the K/V bytes per token given, so the replay is the tiers' own bookkeeping (budget, eviction
+policy, admission, the storage manager's write-through or demotion, promotion of hits), not
+their I/O.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvstore.backend import StorageBackend, leading_run
+from kvstore.backends.memory import CPUBackend
+from kvstore.capabilities import LOCAL_TIERS
+from kvstore.storage_manager import StorageManager
+from kvstore.store_config import TierSpec
+
+BLOCK_TOKENS = 512
+"""Tokens per hash id in Mooncake's traces."""
+
+PAYLOAD = torch.zeros(1, 2, 1, 1, 8, dtype=torch.float16)
+"""The chunk every block is stored as: 32 bytes, so a budget counts blocks."""
+
+PAYLOAD_BYTES = PAYLOAD.numel() * PAYLOAD.element_size()
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of a trace: its prompt length and one block id per `block_size` tokens of it."""
+
+    input_length: int
+    blocks: tuple[int, ...]
+    block_size: int = BLOCK_TOKENS
+
+    def block_tokens(self, i: int) -> int:
+        """Returns the prompt tokens block `i` covers (the last block may be short)."""
+        return max(0, min(self.block_size, self.input_length - i * self.block_size))
+
+
+def read_trace(path: str | Path, block_tokens: int = BLOCK_TOKENS) -> list[Request]:
+    """Returns the requests of the trace at `path` (JSON Lines, gzip if it ends in .gz), in
+    arrival order (by `timestamp` where given; a stable sort). Raises ValueError naming the line
+    and the field of the first malformed request."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows: list[tuple[float, Request]] = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
+            rows.append((_timestamp(row, path, n), _request(row, path, n, block_tokens)))
+    rows.sort(key=lambda r: r[0])
+    return [r for _, r in rows]
+
+
+def _timestamp(row: object, path: Path, n: int) -> float:
+    stamp = row.get("timestamp", 0) if isinstance(row, dict) else 0
+    if isinstance(stamp, bool) or not isinstance(stamp, (int, float)):
+        raise ValueError(f"{path}:{n}: timestamp must be a number, got {stamp!r}")
+    return float(stamp)
+
+
+def _request(row: object, path: Path, n: int, block_tokens: int) -> Request:
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{n}: expected a JSON object with input_length and hash_ids")
+    length, ids = row.get("input_length"), row.get("hash_ids")
+    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+        raise ValueError(f"{path}:{n}: input_length must be a token count (an int >= 0), got {length!r}")
+    if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
+        raise ValueError(f"{path}:{n}: hash_ids must be a list of ints (one per {block_tokens} tokens)")
+    if len(ids) * block_tokens < length or (ids and (len(ids) - 1) * block_tokens >= length):
+        raise ValueError(f"{path}:{n}: {len(ids)} hash_ids do not cover input_length {length} in blocks of "
+                         f"{block_tokens} tokens (--block-tokens)")
+    return Request(length, tuple(ids), block_tokens)
+
+
+@dataclass
+class Tally:
+    """Hit and prompt tokens of one replay."""
+
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+
+    def add(self, request: Request, run: int) -> None:
+        self.hit_tokens += sum(request.block_tokens(i) for i in range(run))
+        self.prompt_tokens += request.input_length
+
+    @property
+    def rate(self) -> float:
+        return self.hit_tokens / max(self.prompt_tokens, 1)
+
+
+def trace_key(block: int) -> str:
+    """Returns the chunk key a block is stored under (shaped as kvtier's chunk keys)."""
+    return f"kvtier:trace:float16:v1:c{BLOCK_TOKENS}:{block:032x}"
+
+
+def replay_tier(requests: Sequence[Request], tier: StorageBackend) -> Tally:
+    """Replays `requests` through one tier: lookup (batched_contains), read the held run
+    (batched_get: a hit is a use), store what it lacked (batched_put)."""
+    tally = Tally()
+    for r in requests:
+        keys = [trace_key(b) for b in r.blocks]
+        held = tier.batched_contains(keys)
+        run = leading_run(held)
+        if run:
+            tier.batched_get(keys[:run], read_only=True)
+        tally.add(r, run)
+        missing = [(k, PAYLOAD) for k, h in zip(keys, held) if not h]
+        if missing:
+            tier.batched_put(missing)
+    return tally
+
+
+@dataclass
+class ManagerReplay:
+    """What a replay through a storage manager saw: the tally, and per tier (by name) the prompt
+    tokens it served and the blocks it stored."""
+
+    tally: Tally
+    hit_tokens: dict[str, int]
+    blocks_stored: dict[str, int]
+
+
+def replay_manager(requests: Sequence[Request], manager: StorageManager) -> ManagerReplay:
+    """Replays `requests` through a storage manager as the connector uses it: where each block
+    is (one query per tier), fetch of the held run, promotion of what came from a slower tier,
+    store of what no tier held; waits for the background writer after each request, so the
+    replay does not depend on its speed."""
+    tally = Tally()
+    served = dict.fromkeys(manager.names, 0)
+    for r in requests:
+        keys = [trace_key(b) for b in r.blocks]
+        where = manager.batched_where(keys)
+        got = manager.fetch(keys[:leading_run([w is not None for w in where])], read_only=True)
+        run = leading_run([kv is not None for kv, _ in got])  # (a chunk may leave in between)
+        tally.add(r, run)
+        for i, (_, tier) in enumerate(got[:run]):
+            served[manager.names[tier]] += r.block_tokens(i)
+        manager.promote([(k, kv, t) for k, (kv, t) in zip(keys[:run], got[:run]) if kv is not None and t > 0],
+                        owned=False)
+        missing = [(k, PAYLOAD) for k, w in zip(keys, where) if w is None]
+        if missing:
+            manager.batched_put(missing)
+        manager.flush()
+    stored = {name: s.bytes_stored // PAYLOAD_BYTES for name, s in manager.stats().items()}
+    return ManagerReplay(tally, served, stored)
+
+
+@dataclass
+class TierPlan:
+    """One tier's figures in a plan."""
+
+    url: str
+    capacity_blocks: int | None  # None: unbounded
+    hit_tokens: int
+    bytes_written: int
+
+
+@dataclass
+class Plan:
+    """What a trace would see with given tiers (`plan`)."""
+
+    requests: int
+    prompt_tokens: int
+    hit_tokens: int
+    tiers: list[TierPlan] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / max(self.prompt_tokens, 1)
+
+
+def plan(requests: Sequence[Request], specs: Sequence[TierSpec], kv_bytes_per_token: int) -> Plan:
+    """Returns the hit rate, prefill saved and bytes written per tier that `requests` would see
+    with the tiers `specs` (fastest first: each one's budget, eviction policy and fill), a block
+    of a trace holding `block_size` tokens of `kv_bytes_per_token` bytes each. Every tier is
+    modelled by what decides its contents, its budget and policy (the same code each kind
+    evicts with); it raises ValueError naming a tier whose fill cannot work."""
+    if kv_bytes_per_token <= 0:
+        raise ValueError(f"kv bytes per token must be positive, got {kv_bytes_per_token}")
+    block_size = requests[0].block_size if requests else BLOCK_TOKENS
+    block_bytes = block_size * kv_bytes_per_token
+    for i, spec in enumerate(specs):
+        if spec.fill == "demote" and (i == 0 or specs[i - 1].scheme not in LOCAL_TIERS):
+            above = "no tier is above it" if i == 0 else f"the tier above is {specs[i - 1].scheme}"
+            raise ValueError(f"tier {spec.url}: fill=demote takes what a cpu or device tier above it evicts; {above}")
+    capacities = [None if s.budget is None else s.budget // block_bytes for s in specs]
+    tiers = [CPUBackend(byte_budget=None if c is None else c * PAYLOAD_BYTES, eviction=s.eviction)
+             for s, c in zip(specs, capacities)]
+    names = [f"{i}:{s.url}" for i, s in enumerate(specs)]
+    with StorageManager(tiers, names=names, fills=[s.fill for s in specs], queue_size=1 << 16) as manager:
+        seen = replay_manager(requests, manager)
+    return Plan(len(requests), seen.tally.prompt_tokens, seen.tally.hit_tokens,
+                [TierPlan(s.url, c, seen.hit_tokens[n], seen.blocks_stored[n] * block_bytes)
+                 for s, c, n in zip(specs, capacities, names)])
