@@ -36,16 +36,16 @@ from benchmarks.bench_fleet import kv_bytes_per_token
 from benchmarks.bench_router import served_counts, start_servers
 from benchmarks.bench_serving import pct
 from benchmarks.bench_trace import TRACES
+from benchmarks.sim.live_run import VOCAB, complete
 from engine.default_model import ensure_default_model
 from harness.cache_server import CacheServerProcess
-from harness.serve import NAME, RouterProcess
+from harness.serve import RouterProcess
 from kvstore.eviction import POLICIES
 from kvstore.store_config import TierSpec
 from kvstore.trace_replay import Request, plan, read_trace
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-VOCAB = (100, 49000)  # token ids drawn from here (SmolLM2's vocabulary has 49,152)
 CHUNK_OVERHEAD = 1024  # a stored chunk's key, header and checksum, above its K/V (an upper bound)
 
 
@@ -68,43 +68,20 @@ def prompt_ids(request: Request) -> list[int]:
     return ids
 
 
-async def completion_stream(client: httpx.AsyncClient, ids: list[int], max_tokens: int) -> dict[str, Any]:
-    """Returns the TTFT and usage of one streamed completion of the token ids `ids`."""
-    body = {"model": NAME, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    ttft: float | None = None
-    usage: dict[str, Any] = {}
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk.get("choices") and ttft is None:
-                ttft = time.perf_counter() - t0
-    return {"ttft": ttft, "usage": usage}
-
-
 async def send(url: str, prompts: list[list[int]], concurrency: int, answer_tokens: int) -> dict[str, Any]:
     """Sends every prompt in order through `concurrency` clients; returns the arm's figures."""
     records: list[dict[str, Any]] = []
     todo = list(enumerate(prompts))
-    async with httpx.AsyncClient(base_url=url, timeout=1200) as client:
+    async with httpx.AsyncClient(timeout=1200) as client:
         async def worker() -> None:
             while todo:
                 i, ids = todo.pop(0)
-                res = await completion_stream(client, ids, answer_tokens)
-                cached = int((res["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-                records.append({"request": i, "ttft": res["ttft"], "prompt_tokens": res["usage"]["prompt_tokens"],
-                                "cached_tokens": cached})
+                records.append({"request": i, **await complete(client, url, ids, answer_tokens)})
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-    ttfts = [r["ttft"] for r in records]
+    ttfts = [r["ttft_s"] for r in records]
     prompt = sum(r["prompt_tokens"] for r in records)
     cached = sum(r["cached_tokens"] for r in records)
     return {"requests": len(records), "wall_s": wall, "requests_per_s": len(records) / wall,

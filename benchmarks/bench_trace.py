@@ -24,6 +24,11 @@ References, computed here on the same block stream:
 Each policy's hit rate is also given as a ratio to LRU's at the same capacity; the target for
 the default policy is at least 1.10x averaged over 2-20% capacity and never below 0.98x.
 
+Tiers as a hierarchy, on the conversation trace: a cpu tier over a disk tier, the disk written
+every chunk (write-through) or only what the cpu tier evicts (`fill=demote`), through the storage
+manager (kvstore/trace_replay.py `plan`, the tiers modelled by their budgets and LRU): hit rate
+and bytes written per tier.
+
 kvtier's own generated workload (multi-round QA on shared documents, benchmarks/sim/trace.py) is
 replayed the same way, as the trace `generated`. The token hit rate is the hit tokens over all
 prompt tokens. Capacities are shares of the
@@ -50,15 +55,15 @@ from kvstore.backends.disk import DiskBackend
 from kvstore.backends.memory import CPUBackend
 from kvstore.cache_server.store import ByteStore
 from kvstore.eviction import DEFAULT_POLICY, POLICIES
-from kvstore.storage_manager import StorageManager
+from kvstore.store_config import TierSpec
 from kvstore.trace_replay import (
     BLOCK_TOKENS,
     PAYLOAD,
     PAYLOAD_BYTES,
     Request,
     Tally,
+    plan,
     read_trace,
-    replay_manager,
     replay_tier,
     trace_key,
 )
@@ -68,7 +73,7 @@ TRACES = Path(__file__).resolve().parent / "traces" / "mooncake"
 SHARES = (0.01, 0.02, 0.05, 0.10, 0.20, 0.50)
 DISK_RUN = ("generated", 0.20)  # a file per block: the disk tier replays one trace at one capacity
 HIERARCHY = ((0.02, 0.10), (0.05, 0.20))  # (cpu, disk) capacities of the two-tier replays
-HIERARCHY_TRACE = "conversation"  # the two-tier replays' trace (a file per block: minutes per replay)
+HIERARCHY_TRACE = "conversation"  # the two-tier replays' trace
 FILLS = ("write", "demote")
 
 
@@ -237,27 +242,23 @@ def run_trace(name: str, requests: list[Request], quick: bool) -> dict:
 def run_hierarchy(requests: list[Request], distinct: int) -> list[dict]:
     """Returns per (cpu, disk) capacity of `HIERARCHY` and per fill of the disk tier (write-
     through, or demotion of what the cpu tier evicts) the token hit rate and the bytes each tier
-    stored, through a storage manager over a cpu tier and a disk tier."""
-    item = PAYLOAD_BYTES
+    was written (a block counted as 512 bytes), through the storage manager over two tiers
+    modelled by their budgets and policies (`kvtier cache plan`'s replay)."""
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        file_bytes = _disk_file_bytes(Path(tmp) / "probe")
-        for cpu_share, disk_share in HIERARCHY:
-            row: dict[str, float] = {"cpu share": cpu_share, "disk share": disk_share}
-            for fill in FILLS:
-                cpu = CPUBackend(byte_budget=int(distinct * cpu_share) * item)
-                disk = DiskBackend(Path(tmp) / f"{fill}-{cpu_share}",
-                                   byte_budget=int(distinct * disk_share) * file_bytes)
-                t0 = time.perf_counter()
-                with StorageManager([cpu, disk], names=["cpu", "disk"], fills=["write", fill], queue_size=4096) as sm:
-                    seen = replay_manager(requests, sm)
-                row[f"{fill} hit rate"] = round(seen.tally.rate, 4)
-                row[f"{fill} cpu bytes"] = seen.blocks_stored["cpu"] * item
-                row[f"{fill} disk bytes"] = seen.blocks_stored["disk"] * item
-                row[f"{fill} s"] = round(time.perf_counter() - t0, 1)
-            print(f"hierarchy cpu {cpu_share:.0%} + disk {disk_share:.0%}: "
-                  + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
-            rows.append(row)
+    for cpu_share, disk_share in HIERARCHY:
+        row: dict[str, float] = {"cpu share": cpu_share, "disk share": disk_share}
+        for fill in FILLS:
+            tiers = [TierSpec(url="cpu", budget=int(distinct * cpu_share) * BLOCK_TOKENS),
+                     TierSpec(url="disk:///trace", budget=int(distinct * disk_share) * BLOCK_TOKENS, fill=fill)]
+            t0 = time.perf_counter()
+            seen = plan(requests, tiers, kv_bytes_per_token=1)
+            row[f"{fill} hit rate"] = round(seen.hit_rate, 4)
+            row[f"{fill} cpu bytes"] = seen.tiers[0].bytes_written
+            row[f"{fill} disk bytes"] = seen.tiers[1].bytes_written
+            row[f"{fill} s"] = round(time.perf_counter() - t0, 1)
+        print(f"hierarchy cpu {cpu_share:.0%} + disk {disk_share:.0%}: "
+              + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+        rows.append(row)
     return rows
 
 
@@ -339,9 +340,10 @@ def render(results: dict) -> str:
     if "hierarchy" in results:
         h = results["hierarchy"]
         lines += [f"## Tiers as a hierarchy: {h['trace']}, a cpu tier over a disk tier", "",
-                  "Through a storage manager (benchmarks/bench_trace.py `replay_hierarchy`): the disk tier written "
-                  "every chunk stored (write-through, `fill=write`) or only what the cpu tier evicts "
-                  "(`fill=demote`); a disk hit is promoted to cpu. Bytes are the chunks' bytes each tier stored.", "",
+                  "Through a storage manager over the two tiers, each modelled by its budget and LRU (`kvtier cache "
+                  "plan`'s replay, kvstore/trace_replay.py): the disk tier written every chunk stored (write-through, "
+                  "`fill=write`) or only what the cpu tier evicts (`fill=demote`); a disk hit is promoted to cpu. "
+                  "Bytes: each block written counted as 512 bytes (one per token).", "",
                   "| cpu + disk capacity | hit rate, write / demote | demote / write | disk bytes, write / demote "
                   "| write / demote | cpu bytes, write / demote |",
                   "|---|---|---:|---|---:|---|"]

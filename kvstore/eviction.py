@@ -7,13 +7,14 @@ disk spill all keep theirs here, through a `ByteBudget` (kvstore/budget.py). Key
 owner's: `str` for the tiers, `bytes` for the cache server.
 
 The policies, measured on production traces by `make bench-trace` (benchmarks/results/trace_replay.md):
-- `lru`: least recently used first;
+- `lru`: least recently used first, the default (`DEFAULT_POLICY`): no other policy beat it on
+  both of Mooncake's traces;
 - `fifo`: oldest insert first;
 - `arc`: Adaptive Replacement Cache (Megiddo and Modha): recency and frequency lists whose
   balance follows hits on the keys each recently lost;
 - `admit2`: LRU that lets a new key displace others only on its second sighting (a doorkeeper);
 - `reuse`: predicts a key's reuse from how often it was used lately (GreedyDual over a learned
-  value), the default: see `DEFAULT_POLICY`.
+  value); the best on the conversation trace.
 """
 
 from __future__ import annotations
