@@ -209,9 +209,6 @@ class KVStoreConfig:
             if not isinstance(tier, TierSpec):
                 raise ValueError(f"tiers[{i}]: expected a tier, got {type(tier).__name__}")
             tier.validate(f"tiers[{i}]")
-            if tier.fill == "demote" and i == 0:
-                raise ValueError("tiers[0].fill: demote takes what the tier above evicts, and no tier is above "
-                                 "the first")
         return self
 
     @classmethod

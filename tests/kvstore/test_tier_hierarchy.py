@@ -91,8 +91,9 @@ def test_fill_is_a_tier_setting_checked_by_name(tmp_path: Path) -> None:
     assert [t.fill for t in config.tiers] == ["write", "demote"]
     with StorageManager.from_config(config) as sm:
         assert sm.fills == ["write", "demote"]
-    with pytest.raises(ValueError, match=r"tiers\[0\].fill: demote takes what the tier above evicts"):
-        KVStoreConfig.from_dict({"tiers": ["cpu?fill=demote"]})
+    with pytest.raises(ValueError, match=r"0:cpu: fill=demote takes the chunks the tier above evicts, and no tier "
+                                         r"is above it"):
+        StorageManager.from_config(KVStoreConfig.from_dict({"tiers": ["cpu?fill=demote"]}))
     with pytest.raises(ValueError, match=r"fill: unknown fill 'lazy'; choose one of \['write', 'demote'\]"):
         TierSpec.from_url("cpu?fill=lazy")
     below_disk = KVStoreConfig.from_dict({"tiers": ["cpu", f"disk://{tmp_path}/d", f"disk://{tmp_path}/e?fill=demote"]})
