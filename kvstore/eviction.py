@@ -218,7 +218,8 @@ class ReusePolicy(EvictionPolicy[K]):
     """Predicts reuse: GreedyDual (Cao and Irani) with a learned value. Each use of a key gives it
     the priority `clock + value`, where value is the share of keys used as often lately (0, 1,
     2, 3+ times within the last four times as many keys as are held) that were used again; the
-    lowest priority leaves first, and each removal raises the clock to its priority, so keys not
+    lowest priority leaves first, and each removal raises the clock to its priority, at most to
+    the lowest one still held (a deletion, or a key stored again, ages nothing), so keys not
     used for long age out as under LRU while keys whose kind tends to come back stay longer.
     It learns from the keys stored and read, and needs nothing else from a request."""
 
@@ -267,8 +268,9 @@ class ReusePolicy(EvictionPolicy[K]):
 
     def on_remove(self, key: K) -> None:
         priority = self._drop(key)
-        if priority is not None:
-            self._clock = max(self._clock, priority)
+        if priority is not None:  # an eviction takes the lowest: the clock becomes its priority
+            lowest = self._sorted[0][0] if self._sorted else priority
+            self._clock = max(self._clock, min(priority, lowest))
 
     def order(self) -> Iterator[K]:
         return (key for _, _, key in self._sorted)

@@ -113,3 +113,23 @@ def test_reuse_policy_keeps_the_keys_that_come_back_where_lru_loses_them() -> No
     lru, reuse = _hits("lru"), _hits("reuse")
     assert lru == 0  # 15 keys a round through 10 places: LRU evicts each hot key before its next use
     assert reuse >= 0.8 * 5 * 59, (lru, reuse)  # it learns that keys used before come back
+
+
+def test_reuse_policy_clock_never_passes_the_lowest_priority_held() -> None:
+    """GreedyDual's clock is the priority of the last eviction, the lowest held: a deletion of a
+    key used often (or a key stored again) must not age every other key past newcomers."""
+    policy = make_policy("reuse")
+    rng = random.Random(3)
+    for _ in range(3000):
+        key = f"k{rng.randrange(40)}"
+        op = rng.random()
+        if op < 0.4:
+            policy.on_insert(key)
+        elif op < 0.8:
+            policy.on_access(key)
+        else:
+            policy.on_remove(key)
+        held = list(policy.order())
+        if held:
+            lowest = policy._sorted[0][0]
+            assert policy._clock <= lowest
