@@ -124,8 +124,6 @@ class StorageManager:
     def _demote(self, i: int, items: list[tuple[str, torch.Tensor]]) -> None:
         """Queues the chunks the tier above `i` evicted for tier `i`, which stores those it does
         not hold yet (it may still hold a chunk promoted from it)."""
-        if self._writer is None:
-            return
 
         def job() -> None:
             held = self._call(i, partial(self.tiers[i].batched_contains, [k for k, _ in items]), "lookup")
@@ -133,9 +131,7 @@ class StorageManager:
             if todo:
                 self._store(i, todo, owned=True)
 
-        if not self._writer.submit(job):
-            with self._stats_lock:
-                self._stats[i].dropped_writes += 1
+        self._in_background([i], job)
 
     @classmethod
     def from_config(cls, config: KVStoreConfig) -> StorageManager:
@@ -202,13 +198,19 @@ class StorageManager:
             self._events.stored(i, [k for (k, _), ok in zip(items, accepted) if ok])
 
     def _store_slow(self, tiers: Sequence[int], items: Sequence[tuple[str, torch.Tensor]]) -> None:
-        if not tiers or self._writer is None:
+        if not tiers:
             return
 
         def job() -> None:
             for i in tiers:
                 self._store(i, items)
 
+        self._in_background(tiers, job)
+
+    def _in_background(self, tiers: Sequence[int], job: Callable[[], None]) -> None:
+        """Queues `job`, writes to `tiers` (never the fastest: there is a writer), on the background
+        writer; a job the full queue drops is counted against each of them."""
+        assert self._writer is not None
         if not self._writer.submit(job):
             with self._stats_lock:
                 for i in tiers:

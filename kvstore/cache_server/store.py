@@ -195,7 +195,7 @@ class ByteStore:
         if size > self._room() + own_pin or not self._make_tenant_room(key, size):
             self.rejected += 1
             return False
-        if new and self.committed - self.spilling + size > self.max_bytes and not self.budget.policy.admit(key):
+        if new and self._over(size) > 0 and not self.budget.policy.admit(key):
             self.rejected += 1  # the policy keeps what it holds (an admission filter)
             return False
         self._make_room(size)
@@ -410,9 +410,10 @@ class ByteStore:
         return sum(written)
 
     def set_limits(self, max_bytes: int | None = None, tenant_quota: int | None = None) -> None:
-        """Sets the memory budget and/or tenant quota (None: unchanged) and evicts (LRU, spilled if
-        a spill) to meet them now, never a pinned entry; ValueError, nothing changed, if malformed, below
-        what is in flight, or a quota below what one tenant's pinned entries hold."""
+        """Sets the memory budget and/or tenant quota (None: unchanged) and evicts (in the policy's
+        order, spilled if a spill) to meet them now, never a pinned entry; ValueError, nothing
+        changed, if malformed, below what is in flight, or a quota below what one tenant's pinned
+        entries hold."""
         # A lowered quota evicts each tenant's own entries past it, in memory and on the spill;
         # an entry being spilled stays counted until written, as after any eviction.
         max_bytes, tenant_quota = parse_size(max_bytes, "max_bytes"), parse_size(tenant_quota, "tenant_quota")
@@ -479,11 +480,15 @@ class ByteStore:
             self.pinned_stored -= entry[1]
             self.retired += entry[1]
 
+    def _over(self, n: int) -> int:
+        """Returns the bytes to evict before `n` more fit once queued spill writes finish (<= 0: none)."""
+        return self.committed - self.spilling + n - self.max_bytes
+
     def _make_room(self, n: int) -> None:
         """Evicts entries (in the budget's order, never pinned ones) until `n` more bytes fit
         once queued spill writes finish (callers check _room() first, so the entries that
         replies are sending, which free nothing, never leave it short)."""
-        while (over := self.committed - self.spilling + n - self.max_bytes) > 0:
+        while (over := self._over(n)) > 0:
             # an entry a reply is sending frees nothing until written (without a spill): ask again
             victims, _ = self.budget.pick(over)
             if not victims:
