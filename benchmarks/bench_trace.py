@@ -55,7 +55,7 @@ from kvstore.backends.disk import DiskBackend
 from kvstore.backends.memory import CPUBackend
 from kvstore.cache_server.store import ByteStore
 from kvstore.eviction import DEFAULT_POLICY, POLICIES
-from kvstore.store_config import TierSpec
+from kvstore.store_config import FILLS, TierSpec
 from kvstore.trace_replay import (
     BLOCK_TOKENS,
     PAYLOAD,
@@ -74,7 +74,6 @@ SHARES = (0.01, 0.02, 0.05, 0.10, 0.20, 0.50)
 DISK_RUN = ("generated", 0.20)  # a file per block: the disk tier replays one trace at one capacity
 HIERARCHY = ((0.02, 0.10), (0.05, 0.20))  # (cpu, disk) capacities of the two-tier replays
 HIERARCHY_TRACE = "conversation"  # the two-tier replays' trace
-FILLS = ("write", "demote")
 
 
 GENERATED = "generated"
