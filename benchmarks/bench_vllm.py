@@ -155,8 +155,8 @@ def lookup_latency(model: str, reps: int) -> dict[str, Any]:
     from connector.connector_config import make_config
     from connector.connector_metrics import ConnectorMetrics
     from connector.planner import KVTierPlanner
-    from connector.presence import Presence, RankedPresence
-    from connector.vllm.lookup_channel import LookupServer, RemotePresence
+    from connector.presence import LocalHeldKeys, Presence
+    from connector.vllm.lookup_channel import LookupClient, LookupServer
     from engine.model_config import ModelConfig
     from engine.sampling_params import SamplingParams
     from engine.sequence import Sequence
@@ -177,9 +177,9 @@ def lookup_latency(model: str, reps: int) -> dict[str, Any]:
                 value = torch.zeros(1, 2, 1, 1, 1)  # existence is all a lookup asks
                 storage.batched_put([(k, value) for k in rank_ks.stored_keys(rank_ks.spans(ids))])
                 path = Path(tmp) / f"{len(heads)}-{r}.sock"
-                servers.append(LookupServer(Presence(storage), path, rank_ks))
-                remotes.append(RemotePresence(path))
-            planner = KVTierPlanner(config, RankedPresence(remotes, heads), ConnectorMetrics())
+                servers.append(LookupServer(LocalHeldKeys(storage), path, rank_ks))
+                remotes.append(LookupClient(path))
+            planner = KVTierPlanner(config, Presence(remotes, heads), ConnectorMetrics())
             planner.register_model(mc, torch.bfloat16, 128, ks)
             times = []
             for rep in range(max(5, reps * 5)):

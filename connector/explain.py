@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from connector.key_families import FamilyIndex
-from connector.presence import ChunkPresence, held_tokens
+from connector.presence import Presence, held_tokens
 from kvkeys.families import Family
 from kvkeys.keyspace import Keyspace
 from kvstore.storage_manager import StorageManager
@@ -38,7 +38,7 @@ LABELS = {"model": "model", "engine_tag": "engine tag", "kv_dtype": "KV dtype", 
           "chunk_size": "chunk size", "tenant": "tenant (cache_salt tag)"}
 
 
-def explain(storage: StorageManager, keyspace: Keyspace, presence: ChunkPresence, token_ids: Sequence[int],
+def explain(storage: StorageManager, keyspace: Keyspace, presence: Presence, token_ids: Sequence[int],
             other_tenants: bool = True) -> dict[str, Any]:
     """Returns, for `token_ids` asked in `keyspace` (a request's, salted or not), per tier its
     leading tokens held and why not more (module docstring)."""

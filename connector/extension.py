@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     import torch
 
     from connector.connector_metrics import ConnectorMetrics
-    from connector.presence import ChunkPresence
+    from connector.presence import Presence
     from connector.request_view import RequestView
     from connector.store_queue import StoreQueue
     from engine.kv_cache import KeyedModel, PagedKVLayout
@@ -146,7 +146,7 @@ class Extension:
     title: str
     settings: tuple[Setting, ...]
     parse: Callable[[Any], ExtensionConfig]
-    planner: Callable[[Any, ChunkPresence, ConnectorMetrics], PlannerExtension]
+    planner: Callable[[Any, Presence, ConnectorMetrics], PlannerExtension]
     worker: Callable[[Any, StorageManager, StoreQueue, PagedKVLayout, Keyspace, ConnectorMetrics, KeyedModel,
                       torch.nn.Module | None], WorkerExtension]
     whole_chunks: bool = False
@@ -184,7 +184,7 @@ def extensions() -> dict[str, Extension]:
     return dict(_registered)
 
 
-def planner_extension(sections: Mapping[str, Any], presence: ChunkPresence,
+def planner_extension(sections: Mapping[str, Any], presence: Presence,
                       metrics: ConnectorMetrics) -> PlannerExtension:
     """Returns the scheduler side of the extension `sections` enable (at most one), else none."""
     on = enabled_extension(sections)

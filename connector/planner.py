@@ -5,7 +5,7 @@
   pending store) is taken, capped so the last token is computed; where that run stops, the
   longest stored partial chunk starting there is taken too (a prompt that grew, a chat's next
   round, finds the partial tail its last round stored). Existence only: one question
-  (`ChunkPresence.find`), which also says which tier holds each chunk (the load's hit
+  (`Presence.find`), which also says which tier holds each chunk (the load's hit
   sources); never a read of K/V.
 - Plans (`update_state_after_alloc`, `build_connector_meta`): a hit becomes a `LoadSpec` for
   the worker side, in the background (the request waits for it) or, with `use_layerwise`, in
@@ -36,7 +36,7 @@ from connector.connector_config import ConnectorConfig
 from connector.connector_metrics import ConnectorMetrics, RequestKVMetrics
 from connector.extension import planner_extension
 from connector.metadata import KVTierMeta, LoadSpec, SaveSpec
-from connector.presence import ChunkPresence, Found
+from connector.presence import Found, Presence
 from connector.request_view import BlockIds, RequestView, StepRequest
 from connector.save_plan import SavePlan, SavePolicy
 from engine.kv_cache import KeyedModel
@@ -68,7 +68,7 @@ class KVTierPlanner(KVConnectorScheduler):
     whose tail is still to be saved, keeps its blocks until the worker side reports it.
     """
 
-    def __init__(self, config: ConnectorConfig, presence: ChunkPresence, metrics: ConnectorMetrics,
+    def __init__(self, config: ConnectorConfig, presence: Presence, metrics: ConnectorMetrics,
                  loads: bool = True, saves: bool = True, keyspace_of: Callable[[], Keyspace] | None = None) -> None:
         self.config = config
         self._keyspace_of = keyspace_of  # where register_model takes its keyspace (the worker's, in one process)

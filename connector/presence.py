@@ -1,17 +1,18 @@
-"""What the tiers hold, by existence only: the one place that asks "is this chunk held?"
-for the planner's lookup, the saver's skip of stored chunks and `/kv/lookup`.
+"""What the tiers hold, by existence only: `Presence`, the one place that asks "is this chunk
+held?" for the planner's lookup, the saver's skip of stored chunks, explain and `/kv/lookup`.
 
 A chunk is held when some tier holds (or a pending store carries) every stored value of it
 (kvkeys/keyspace.py). One batched existence query per tier per call; no value is read.
-`Presence` lives with the store (the worker side, whose store queue knows what is pending);
-a planner in the same process asks it directly, one in another process (vLLM's scheduler)
-asks it through connector/vllm/lookup_channel.py's `RemotePresence`, one per tensor-parallel
-rank under a `RankedPresence`.
+A `Presence` asks, per tensor-parallel rank, one `HeldKeys` source, over that rank's KV heads:
+`LocalHeldKeys` answers from this process's tiers and the keys its store queue still carries
+(the worker side's; a planner in the same process asks a `Presence` over it), and
+connector/vllm/lookup_channel.py's `LookupClient` asks another process's (vLLM's scheduler asks
+each rank's worker over its lookup channel).
 
-The planner's lookup is one question, `ChunkPresence.find`: how long a run of a request's
-chunks is held, in which tier each is (so a load's hit sources need no second question), and
-the longest partial chunk stored where the run stops. Asked of another process it is one
-round trip per rank.
+The planner's lookup is one question, `Presence.find`: how long a run of a request's chunks is
+held, in which tier each is (so a load's hit sources need no second question), and the
+longest partial chunk stored where the run stops. Asked of another process it is one round
+trip per rank.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kvstore.storage_manager import StorageManager
 
 @dataclass(frozen=True)
 class Found:
-    """The answer to a lookup (`ChunkPresence.find`) over a request's candidate spans: the
+    """The answer to a lookup (`Presence.find`) over a request's candidate spans: the
     leading run of them held, as the index of the tier a load reads each from (`tiers[i]` for
     span i; a pending store counts as the fastest tier, where it lands first), then, where that
     run stops short, the longest partial chunk stored there, with its tier."""
@@ -81,8 +82,10 @@ def find_held(where: Callable[[list[str]], list[int | None]], tier_names: Sequen
     return found if tier is None else Found(found.tiers, found.tier_names, best, tier)
 
 
-class ChunkPresence(ABC):
-    """Answers "which of these chunks are held?" from existence alone."""
+class HeldKeys(ABC):
+    """Answers which stored keys one process's tiers hold: the source a `Presence` asks, one per
+    tensor-parallel rank. `LocalHeldKeys` asks this process's tiers; connector/vllm/
+    lookup_channel.py's `LookupClient` asks another process's, over the lookup channel."""
 
     @abstractmethod
     def find(self, keyspace: Keyspace, tokens: Sequence[int], base: int, spans: Sequence[Span], parent: bytes,
@@ -93,37 +96,18 @@ class ChunkPresence(ABC):
         the first span. Nothing held (or no answer): an empty `Found`."""
 
     @abstractmethod
-    def chunks_held(self, keyspace: Keyspace, spans: Sequence[Span]) -> list[bool]:
-        """Returns per span whether its chunk is held: every stored value of it."""
-
-    @abstractmethod
-    def tier_prefix_chunks(self, keyspace: Keyspace, spans: Sequence[Span]) -> dict[str, int]:
-        """Returns, per tier name (fastest first), how many leading spans that tier holds whole
-        by itself (pending stores not counted: they are in no tier yet); {} when unknown."""
-
-
-class KeyPresence(ChunkPresence):
-    """A `ChunkPresence` that answers per stored key, over one process's tiers."""
-
-    @abstractmethod
     def held(self, keys: Sequence[str]) -> list[bool]:
         """Returns per stored key whether it is held (stored, or carried by a pending store)."""
 
     @abstractmethod
     def tier_prefix_hits(self, keys: Sequence[str]) -> dict[str, int]:
         """Returns, per tier name (fastest first), how many of `keys` from the start that tier
-        holds by itself (pending stores not counted: they are in no tier yet)."""
-
-    def tier_prefix_chunks(self, keyspace: Keyspace, spans: Sequence[Span]) -> dict[str, int]:
-        hits = self.tier_prefix_hits(keyspace.stored_keys(spans))
-        return {name: n // keyspace.values_per_chunk for name, n in hits.items()}
-
-    def chunks_held(self, keyspace: Keyspace, spans: Sequence[Span]) -> list[bool]:
-        return keyspace.chunks_held(self.held(keyspace.stored_keys(spans)))
+        holds by itself (pending stores not counted: they are in no tier yet); {} when unknown."""
 
 
-class Presence(KeyPresence):
-    """Existence answers over a storage manager and the keys a store queue still carries."""
+class LocalHeldKeys(HeldKeys):
+    """The held keys of this process's tiers: a storage manager and the keys a store queue
+    still carries (`pending`)."""
 
     def __init__(self, storage: StorageManager, pending: Callable[[str], bool] | None = None) -> None:
         self.storage = storage
@@ -158,32 +142,30 @@ class Presence(KeyPresence):
         return self.storage.tier_prefix_hits(keys)
 
 
-class RankedPresence(ChunkPresence):
-    """The presence of chunks split over tensor-parallel ranks: rank r holds the KV heads
-    `heads[r]` of every chunk, and answers through `ranks[r]`. A chunk is held when every rank
-    holds its heads of it (so every rank can load it); a tier's run is the shortest rank's."""
+class Presence:
+    """Which chunks are held, by existence alone: what the planner, the saver, explain and
+    `/kv/lookup` ask. Rank r's chunks are asked of `ranks[r]`, a `HeldKeys`, keyed in the
+    asker's keyspace narrowed to its KV heads `heads[r]` (no `heads`, or a keyspace not split
+    by head: the asker's keyspace as is). A chunk is held when every rank holds its heads of it
+    (so every rank can load it); a tier's run is the shortest rank's. One rank: its answers as
+    they are."""
 
-    def __init__(self, ranks: Sequence[ChunkPresence], heads: Sequence[tuple[int, int]]) -> None:
-        if len(ranks) != len(heads) or not ranks:
-            raise ValueError(f"one head range per rank: {len(ranks)} ranks, {len(heads)} ranges")
+    def __init__(self, ranks: Sequence[HeldKeys], heads: Sequence[tuple[int, int]] | None = None) -> None:
+        if not ranks or (heads is not None and len(ranks) != len(heads)):
+            raise ValueError(f"one head range per rank: {len(ranks)} ranks, "
+                             f"{len(ranks) if heads is None else len(heads)} ranges")
         self.ranks = list(ranks)
-        self.heads = list(heads)
-
-    def chunks_held(self, keyspace: Keyspace, spans: Sequence[Span]) -> list[bool]:
-        held = [True] * len(spans)
-        for rank, heads in zip(self.ranks, self.heads):
-            if any(held):
-                answer = rank.chunks_held(self._covering(keyspace, heads), spans)
-                held = [h and r for h, r in zip(held, answer)]
-        return held
+        self.heads: list[tuple[int, int] | None] = [None] * len(ranks) if heads is None else list(heads)
 
     def find(self, keyspace: Keyspace, tokens: Sequence[int], base: int, spans: Sequence[Span], parent: bytes,
              after: int) -> Found:
-        """Each rank's `find` over its heads (one question each): the run all of them hold, each
-        chunk in the slowest rank's tier, and a partial chunk only where every rank stops at
-        the same span and holds the same one."""
+        """The lookup (`HeldKeys.find`), one question per rank over its heads: the run all of
+        them hold, each chunk in the slowest rank's tier, and a partial chunk only where every
+        rank stops at the same span and holds the same one."""
         answers = [rank.find(self._covering(keyspace, heads), tokens, base, spans, parent, after)
                    for rank, heads in zip(self.ranks, self.heads)]
+        if len(answers) == 1:
+            return answers[0]
         run = min(len(a.tiers) for a in answers)
         tiers = [max(a.tiers[i] for a in answers) for i in range(run)]
         first = answers[0]
@@ -191,17 +173,34 @@ class RankedPresence(ChunkPresence):
             return Found(tiers, first.tier_names, first.partial, max(a.partial_tier for a in answers))
         return Found(tiers, first.tier_names)
 
+    def chunks_held(self, keyspace: Keyspace, spans: Sequence[Span]) -> list[bool]:
+        """Returns per span whether its chunk is held: every stored value of it, on every rank
+        (a rank is not asked once no chunk is left)."""
+        held = [True] * len(spans)
+        for rank, heads in zip(self.ranks, self.heads):
+            if any(held):
+                ks = self._covering(keyspace, heads)
+                answer = ks.chunks_held(rank.held(ks.stored_keys(spans)))
+                held = [h and r for h, r in zip(held, answer)]
+        return held
+
     def tier_prefix_chunks(self, keyspace: Keyspace, spans: Sequence[Span]) -> dict[str, int]:
-        runs = [rank.tier_prefix_chunks(self._covering(keyspace, heads), spans)
-                for rank, heads in zip(self.ranks, self.heads)]
+        """Returns, per tier name (fastest first), how many leading spans that tier holds whole
+        by itself on every rank (pending stores not counted: they are in no tier yet); {} when
+        a rank does not answer."""
+        runs = []
+        for rank, heads in zip(self.ranks, self.heads):
+            ks = self._covering(keyspace, heads)
+            hits = rank.tier_prefix_hits(ks.stored_keys(spans))
+            runs.append({name: n // ks.values_per_chunk for name, n in hits.items()})
         if not all(runs):
             return {}  # a rank did not answer: nothing is known
         return {name: min(r.get(name, 0) for r in runs) for name in runs[0]}
 
     @staticmethod
-    def _covering(keyspace: Keyspace, heads: tuple[int, int]) -> Keyspace:
+    def _covering(keyspace: Keyspace, heads: tuple[int, int] | None) -> Keyspace:
         """Returns `keyspace` narrowed to a rank's heads (unsplit keyspaces: every value has all)."""
-        return keyspace if keyspace.heads is None else keyspace.for_heads(*heads)
+        return keyspace if keyspace.heads is None or heads is None else keyspace.for_heads(*heads)
 
 
 def held_tokens(spans: Sequence[Span], chunks: dict[str, int], num_tokens: int) -> dict[str, int]:

@@ -32,7 +32,7 @@ class Saver:
         self.layout = layout
         self.keyspace = keyspace
         self.metrics = metrics
-        self.families = FamilyIndex.of(presence.storage)
+        self.families = FamilyIndex.of(stores.storage)
 
     def store(self, saves: list[SaveSpec]) -> None:
         """Stores the chunks of `saves` that are not held (one existence query for all)."""

@@ -30,7 +30,7 @@ from connector.extension import NoWorkerExtension, WorkerExtension, worker_exten
 from connector.key_families import flush_index
 from connector.loader import Loader, LoadJob
 from connector.metadata import KVTierMeta, SaveSpec
-from connector.presence import Presence
+from connector.presence import LocalHeldKeys, Presence
 from connector.saver import Saver
 from connector.store_queue import StoreQueue
 from engine.kv_cache import KeyedModel, PagedKVLayout, layout_for
@@ -63,7 +63,8 @@ class KVTierWorker(KVConnectorWorker):
         self._check_budgets = check_budgets
         self.stores = StoreQueue(storage, config.store_queue_size, config.max_pending_store_bytes,
                                  config.kvstore.queue_full)
-        self.presence = Presence(storage, self.stores.is_pending)
+        self.held_keys = LocalHeldKeys(storage, self.stores.is_pending)  # what the lookup channel serves
+        self.presence = Presence([self.held_keys])
         self.model_config: KeyedModel | None = None
         self._model: torch.nn.Module | None = None
         self.layout: PagedKVLayout | None = None

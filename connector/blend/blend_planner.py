@@ -22,7 +22,7 @@ from connector.blend.executor import check_rope_moves
 from connector.blend.segments import BlendSpec, context_segments
 from connector.connector_metrics import ConnectorMetrics
 from connector.extension import PlannerExtension
-from connector.presence import ChunkPresence
+from connector.presence import Presence
 from engine.kv_cache import KeyedModel
 from engine.sequence import Sequence
 from kvkeys.keyspace import Keyspace
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 class BlendPlanner(PlannerExtension):
     """Per request: looked up, admitted (blended in the coming step), live and blended."""
 
-    def __init__(self, config: BlendConfig, presence: ChunkPresence, metrics: ConnectorMetrics) -> None:
+    def __init__(self, config: BlendConfig, presence: Presence, metrics: ConnectorMetrics) -> None:
         self.config = config
         self.presence = presence
         self.metrics = metrics

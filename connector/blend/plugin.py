@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from connector.connector_metrics import ConnectorMetrics
     from connector.extension import PlannerExtension, WorkerExtension
-    from connector.presence import ChunkPresence
+    from connector.presence import Presence
     from connector.store_queue import StoreQueue
     from engine.kv_cache import KeyedModel, PagedKVLayout
     from kvkeys.keyspace import Keyspace
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 SECTION = "blend"
 
 
-def _planner(config: Any, presence: ChunkPresence, metrics: ConnectorMetrics) -> PlannerExtension:
+def _planner(config: Any, presence: Presence, metrics: ConnectorMetrics) -> PlannerExtension:
     from connector.blend.blend_planner import BlendPlanner
 
     return BlendPlanner(config, presence, metrics)

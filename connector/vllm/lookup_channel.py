@@ -2,9 +2,10 @@
 
 vLLM runs a connector's two roles in two processes, and what the worker side holds (its `cpu`
 tier, the stores its queue still carries) lives only in the worker's. `LookupServer` is a
-thread in the worker process that answers from the `Presence` it owns; `RemotePresence` is
-the planner's `ChunkPresence` that asks it over a Unix socket (LMCache's lookup server plays
-this part). One round trip per question; no value is read.
+thread in the worker process that answers from the `LocalHeldKeys` it owns (its tiers and
+pending stores); `LookupClient` asks it over a Unix socket, the `HeldKeys` of that worker's
+rank in the planner's `Presence` (LMCache's lookup server plays this part). One round trip per
+question; no value is read.
 
 Frames, no pickle. A question is a u32 header, its op in the top byte and a count below:
 - key ops carry `count` keys, each a u32 length and its UTF-8 bytes: `OP_HELD` (answered with
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from connector.presence import Found, KeyPresence, Presence
+from connector.presence import Found, HeldKeys
 from kvkeys.keyspace import Keyspace, Span
 from kvstore.deadlines import LOOKUP_CHANNEL_ANSWER_S, LOOKUP_CHANNEL_CONNECT_S, LOOKUP_CHANNEL_RETRY_S
 
@@ -194,7 +195,7 @@ def _text(value: str | None) -> bytes:
 
 @dataclass(frozen=True)
 class FindQuestion:
-    """`ChunkPresence.find`'s arguments on the wire: spans as (start, end, chain), keyed again by
+    """`HeldKeys.find`'s arguments on the wire: spans as (start, end, chain), keyed again by
     the worker in its own keyspace, which must have the asker's `identity`."""
 
     identity: str
@@ -332,8 +333,8 @@ def read_json(sock: socket.socket) -> dict[str, Any]:
 
 
 class LookupServer:
-    """Answers existence questions about `presence` (its chunks keyed in `keyspace`) on a Unix
-    socket, from daemon threads (without `presence`, as the scheduler side serves, only
+    """Answers existence questions about `held_keys` (its chunks keyed in `keyspace`) on a Unix
+    socket, from daemon threads (without `held_keys`, as the scheduler side serves, only
     OP_ENGINE_PREFIX).
 
     Guarantees: the socket file is created owner-only and removed by `close()`, which also
@@ -341,10 +342,10 @@ class LookupServer:
     keyspace of another identity is refused (a miss), never answered with other keys.
     """
 
-    def __init__(self, presence: Presence | None, path: Path, keyspace: Keyspace | None = None,
+    def __init__(self, held_keys: HeldKeys | None, path: Path, keyspace: Keyspace | None = None,
                  clear_local: Callable[[], None] | None = None, explainer: Explainer | None = None,
                  controller: Controller | None = None, engine_prefix: EnginePrefix | None = None) -> None:
-        self.presence = presence
+        self.held_keys = held_keys
         self.keyspace = keyspace
         self.clear_local = clear_local  # OP_CLEAR_LOCAL (vLLM's reset_cache)
         self.explainer = explainer
@@ -380,14 +381,14 @@ class LookupServer:
                     sock.sendall(encode_json({} if self.engine_prefix is None
                                              else {"tokens": self.engine_prefix(ids, salt)}))
                     continue
-                if self.presence is None:
+                if self.held_keys is None:
                     raise ValueError(f"lookup channel: op {q.op} asked of a server without tiers")
                 if q.op == OP_FIND:
                     sock.sendall(encode_found(self._find(decode_find(q.body))))
                 elif q.op == OP_HELD:
-                    sock.sendall(bytes(self.presence.held(q.keys)) if q.keys else b"")
+                    sock.sendall(bytes(self.held_keys.held(q.keys)) if q.keys else b"")
                 elif q.op == OP_TIER_PREFIX:
-                    sock.sendall(encode_tier_hits(self.presence.tier_prefix_hits(q.keys)))
+                    sock.sendall(encode_tier_hits(self.held_keys.tier_prefix_hits(q.keys)))
                 elif q.op == OP_EXPLAIN:
                     sock.sendall(encode_json(self._explain(decode_json_question(q.body))))
                 elif q.op == OP_CONTROL:
@@ -407,15 +408,15 @@ class LookupServer:
                 self._open.discard(sock)
 
     def _find(self, q: FindQuestion) -> Found | None:
-        """Returns the presence's `find` for question `q`, its spans keyed in this server's
+        """Returns the held keys' `find` for question `q`, its spans keyed in this server's
         keyspace; None (refused) when that keyspace's identity is not the asker's."""
-        if self.presence is None or self.keyspace is None or q.identity != self.keyspace.identity:
+        if self.held_keys is None or self.keyspace is None or q.identity != self.keyspace.identity:
             log.warning("lookup channel: a find from keyspace %r, this worker keys %r: refused (a miss)",
                         q.identity, None if self.keyspace is None else self.keyspace.identity)
             return None
         ks = self.keyspace.for_salt(q.cache_salt)
         spans = [Span(start, end, ks.key(chain), chain) for start, end, chain in q.spans]
-        return self.presence.find(ks, q.tokens, q.base, spans, q.parent, q.after)
+        return self.held_keys.find(ks, q.tokens, q.base, spans, q.parent, q.after)
 
     def _explain(self, q: dict[str, Any]) -> dict[str, Any]:
         """Returns the explainer's answer to an OP_EXPLAIN question; ValueError if malformed."""
@@ -435,8 +436,10 @@ class LookupServer:
         self.path.unlink(missing_ok=True)
 
 
-class RemotePresence(KeyPresence):
-    """The planner's presence in a process without the tiers: asks the worker's LookupServer.
+class LookupClient(HeldKeys):
+    """Asks a LookupServer in another process: the held keys of a worker's tiers (for a
+    `Presence` in a process without them), and its explain, control ops, engine prefix and
+    clear.
 
     Guarantees: never raises for a channel failure; a question that gets no answer within
     `timeout` seconds (or no connection within `connect_timeout`) is answered "not held",

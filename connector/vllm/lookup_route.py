@@ -57,7 +57,7 @@ from typing import Any
 from connector.bearer_auth import bearer_key
 from connector.presence import held_tokens
 from connector.vllm.control_ops import CONTROL_OPS
-from connector.vllm.lookup_channel import RemotePresence, lookup_socket_path, scheduler_socket_path
+from connector.vllm.lookup_channel import LookupClient, lookup_socket_path, scheduler_socket_path
 from kvkeys.tenants import validate_cache_salt
 from kvstore.deadlines import CONTROL_CHANNEL_S, EXPLAIN_CHANNEL_S, LOOKUP_ROUTE_CHANNEL_S
 
@@ -132,12 +132,12 @@ class _Tiers:
         engine_id = vllm_config.kv_transfer_config.engine_id
         self.presence = setup.worker_presence(engine_id, timeout=LOOKUP_ROUTE_CHANNEL_S,
                                               connect_timeout=LOOKUP_ROUTE_CHANNEL_S)
-        self.explainer = RemotePresence(lookup_socket_path(engine_id, 0), timeout=EXPLAIN_CHANNEL_S,
+        self.explainer = LookupClient(lookup_socket_path(engine_id, 0), timeout=EXPLAIN_CHANNEL_S,
                                         connect_timeout=LOOKUP_ROUTE_CHANNEL_S)
-        self.scheduler = RemotePresence(scheduler_socket_path(engine_id), timeout=LOOKUP_ROUTE_CHANNEL_S,
+        self.scheduler = LookupClient(scheduler_socket_path(engine_id), timeout=LOOKUP_ROUTE_CHANNEL_S,
                                         connect_timeout=LOOKUP_ROUTE_CHANNEL_S)
         # the control ops' own connections: a slow clear never holds up a lookup
-        self.controls = [RemotePresence(lookup_socket_path(engine_id, r), timeout=CONTROL_CHANNEL_S,
+        self.controls = [LookupClient(lookup_socket_path(engine_id, r), timeout=CONTROL_CHANNEL_S,
                                         connect_timeout=LOOKUP_ROUTE_CHANNEL_S) for r in range(setup.tp_size)]
 
     def held(self, token_ids: Sequence[int], cache_salt: str | None = None) -> dict[str, int]:

@@ -18,7 +18,7 @@ from connector.kv_events import ChunkEventBuilder
 from connector.planner import KVTierPlanner
 from connector.request_view import StepRequest
 from connector.vllm.engine_prefix import EnginePrefixServer
-from connector.vllm.lookup_channel import RemotePresence
+from connector.vllm.lookup_channel import LookupClient
 from connector.vllm.roles import SchedulerRole
 from connector.vllm.setup import hit_sources, vllm_setup
 from connector.vllm.vllm_api import (
@@ -166,4 +166,4 @@ class VllmSchedulerConnector(SchedulerRole, KVConnectorBase_V1):  # KVTierConnec
         """Clears the worker's process-local tiers (cpu, device); shared tiers (disk, Redis, the
         cache server) serve other instances and are left as they are, unless the configuration
         says `reset_clears_shared_tiers`. False if the worker does not answer."""
-        return all([rank.clear_local() for rank in self.presence.ranks if isinstance(rank, RemotePresence)])
+        return all([rank.clear_local() for rank in self.presence.ranks if isinstance(rank, LookupClient)])

@@ -17,9 +17,9 @@ import torch
 
 from connector.connector_config import ConnectorConfig
 from connector.extension import enabled_extension
-from connector.presence import RankedPresence
+from connector.presence import Presence
 from connector.vllm.layouts import cpu_page_decoder
-from connector.vllm.lookup_channel import RemotePresence, lookup_socket_path
+from connector.vllm.lookup_channel import LookupClient, lookup_socket_path
 from engine.model_config import ModelConfig, weights_identity
 from kvkeys.keyspace import Keyspace, dtype_name
 
@@ -140,11 +140,11 @@ class VllmSetup:
         groups = self.layer_groups
         return names, caches, [groups.get(n, 0) for n in names] if groups else None
 
-    def worker_presence(self, instance_id: str, **timeouts: float) -> RankedPresence:
+    def worker_presence(self, instance_id: str, **timeouts: float) -> Presence:
         """Returns the presence of the worker side's tiers, every rank's asked over its lookup
-        channel (`timeouts`: RemotePresence's)."""
-        ranks = [RemotePresence(lookup_socket_path(instance_id, r), **timeouts) for r in range(self.tp_size)]
-        return RankedPresence(ranks, [self.rank_heads(r) for r in range(self.tp_size)])
+        channel (`timeouts`: LookupClient's)."""
+        ranks = [LookupClient(lookup_socket_path(instance_id, r), **timeouts) for r in range(self.tp_size)]
+        return Presence(ranks, [self.rank_heads(r) for r in range(self.tp_size)])
 
 
 def rank_heads(num_kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:

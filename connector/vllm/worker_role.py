@@ -45,7 +45,7 @@ log = logging.getLogger(LOGGER)
 class VllmWorkerConnector(WorkerRole, KVConnectorBase_V1):  # KVTierConnector's worker role
     """The worker role: loads, saves, the tiers and the lookup channel.
 
-    Guarantees: the lookup channel answers from this worker's `Presence` (pending stores
+    Guarantees: the lookup channel answers from this worker's `LocalHeldKeys` (pending stores
     included) from construction until `shutdown()`; `shutdown()` lets queued stores finish
     and closes the tiers, once.
     """
@@ -68,7 +68,7 @@ class VllmWorkerConnector(WorkerRole, KVConnectorBase_V1):  # KVTierConnector's 
         self._layers: dict[str, int] = {}
         path = lookup_socket_path(vllm_config.kv_transfer_config.engine_id, self.rank)
         local_only = not self.setup.config.reset_clears_shared_tiers
-        self._server = LookupServer(self.worker.presence, path, self.keyspace,
+        self._server = LookupServer(self.worker.held_keys, path, self.keyspace,
                                     clear_local=lambda: self.storage.clear(local_only=local_only),
                                     explainer=self._explain, controller=self._control)
         self._idle = False

@@ -20,7 +20,7 @@ from connector.connector_config import make_config
 from connector.connector_metrics import ConnectorMetrics
 from connector.engine_connector import EngineConnector, build_connector
 from connector.planner import KVTierPlanner
-from connector.presence import Presence
+from connector.presence import LocalHeldKeys, Presence
 from engine import LLM, SamplingParams
 from harness.text import PARAGRAPHS
 from kvstore.storage_manager import StorageManager
@@ -374,4 +374,5 @@ def test_longrope_models_are_refused_by_the_scheduler_side(tmp_path):
     cfg = ModelConfig.from_pretrained(make_tiny_checkpoint(tmp_path, **{**FAMILY_TINY, **FAMILIES["phi3"]}))
     config = make_config({"tiers": ["cpu"], "chunk_size": CHUNK, "blend": {"enabled": True}})
     with StorageManager.from_config(config.kvstore) as storage, pytest.raises(ValueError, match="longrope"):
-        KVTierPlanner(config, Presence(storage), ConnectorMetrics()).register_model(cfg, torch.float32, 16)
+        planner = KVTierPlanner(config, Presence([LocalHeldKeys(storage)]), ConnectorMetrics())
+        planner.register_model(cfg, torch.float32, 16)

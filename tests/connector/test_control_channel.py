@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from connector import cache_control
-from connector.presence import Presence
+from connector.presence import LocalHeldKeys
 from connector.vllm.control_ops import CONTROL_OPS, answer_control
-from connector.vllm.lookup_channel import LookupServer, RemotePresence
+from connector.vllm.lookup_channel import LookupClient, LookupServer
 from kvkeys.keyspace import Keyspace
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import KVStoreConfig, TierSpec
@@ -37,9 +37,9 @@ def _store(storage: StorageManager, keyspace: Keyspace, chunks: int) -> None:
     assert storage.flush(10)
 
 
-def _served(storage: StorageManager, path: Path, keyspace: Keyspace) -> tuple[LookupServer, RemotePresence]:
-    server = LookupServer(Presence(storage), path, controller=lambda q: answer_control(storage, keyspace, q))
-    return server, RemotePresence(path, timeout=10.0, connect_timeout=1.0)
+def _served(storage: StorageManager, path: Path, keyspace: Keyspace) -> tuple[LookupServer, LookupClient]:
+    server = LookupServer(LocalHeldKeys(storage), path, controller=lambda q: answer_control(storage, keyspace, q))
+    return server, LookupClient(path, timeout=10.0, connect_timeout=1.0)
 
 
 def test_a_control_question_is_answered_as_the_local_functions_answer(storage: StorageManager,
@@ -89,8 +89,8 @@ def test_a_refused_question_is_answered_with_its_status_never_raised(storage: St
 
 
 def test_a_worker_without_a_controller_answers_none(storage: StorageManager, tmp_path: Path) -> None:
-    server = LookupServer(Presence(storage), tmp_path / "s.sock")
-    remote = RemotePresence(tmp_path / "s.sock", timeout=10.0, connect_timeout=1.0)
+    server = LookupServer(LocalHeldKeys(storage), tmp_path / "s.sock")
+    remote = LookupClient(tmp_path / "s.sock", timeout=10.0, connect_timeout=1.0)
     try:
         assert remote.control({"op": "inspect", "token_ids": IDS}) is None and remote.failures == 0
     finally:

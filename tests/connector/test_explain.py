@@ -15,8 +15,8 @@ import torch
 from connector.engine_connector import build_connector
 from connector.explain import explain
 from connector.key_families import INDEX_KEY, FamilyIndex, _publisher, decode_index
-from connector.presence import Presence
-from connector.vllm.lookup_channel import LookupServer, RemotePresence
+from connector.presence import LocalHeldKeys, Presence
+from connector.vllm.lookup_channel import LookupClient, LookupServer
 from kvkeys.keyspace import Keyspace
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import KVStoreConfig, TierSpec
@@ -52,7 +52,7 @@ def store(storage: StorageManager, ks: Keyspace, tokens: list[int]) -> None:
 
 
 def causes(storage: StorageManager, ks: Keyspace, tokens: list[int], **kw: bool) -> list[dict]:
-    return list(explain(storage, ks, Presence(storage), tokens, **kw)["tiers"].values())
+    return list(explain(storage, ks, Presence([LocalHeldKeys(storage)]), tokens, **kw)["tiers"].values())
 
 
 @pytest.mark.parametrize("tier", ["disk", "redis", "kvtier"])
@@ -108,10 +108,10 @@ def test_explain_over_the_lookup_channel(tmp_path: Path) -> None:
     path = tmp_path / "lookup.sock"
     tokens = prompt(0, 3000)  # its JSON is longer than one key of the channel
     store(storage, STORED["kv_dtype"], tokens)
-    presence = Presence(storage)
-    server = LookupServer(presence, path, explainer=lambda ids, salt, others: explain(
-        storage, ASKED.for_salt(salt), presence, ids, others))
-    remote = RemotePresence(path)
+    held = LocalHeldKeys(storage)
+    server = LookupServer(held, path, explainer=lambda ids, salt, others: explain(
+        storage, ASKED.for_salt(salt), Presence([held]), ids, others))
+    remote = LookupClient(path)
     try:
         answer = remote.explain(tokens)
         assert answer is not None and [t["cause"] for t in answer["tiers"].values()] == ["kv_dtype"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.presence import Presence, RankedPresence, held_tokens
+from connector.presence import LocalHeldKeys, Presence, held_tokens
 from connector.vllm.setup import rank_heads
 from kvkeys.keyspace import Keyspace, head_key
 from kvstore.backends.memory import CPUBackend
@@ -51,8 +51,8 @@ def test_an_uneven_split_is_refused_by_name() -> None:
 def test_a_chunk_is_held_when_every_rank_holds_its_heads() -> None:
     tiers = [StorageManager([CPUBackend(byte_budget=1 << 20)]) for _ in range(2)]  # each rank's own cpu tier
     spans = KS.spans(list(range(12)))  # three chunks
-    ranks = [Presence(t) for t in tiers]
-    ranked = RankedPresence(ranks, [(0, 2), (2, 4)])
+    ranks = [LocalHeldKeys(t) for t in tiers]
+    ranked = Presence(ranks, [(0, 2), (2, 4)])
     value = torch.zeros(2, 2, 4, 1, 8)
     for r, (lo, hi) in enumerate([(0, 2), (2, 4)]):
         chunks = spans if r == 0 else spans[:2]  # rank 1 stored only the first two chunks

@@ -1,5 +1,5 @@
-"""The scheduler process's existence questions, answered by the worker process's Presence
-over the lookup channel (connector/vllm/lookup_channel.py)."""
+"""The scheduler process's existence questions, answered by the worker process's held keys
+(`LocalHeldKeys`) over the lookup channel (connector/vllm/lookup_channel.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector.presence import Found, Presence
+from connector.presence import Found, LocalHeldKeys, Presence
 from connector.vllm.lookup_channel import (
     MAX_KEYS,
     OP_FIND,
+    LookupClient,
     LookupServer,
-    RemotePresence,
     lookup_socket_path,
     scheduler_socket_path,
 )
@@ -42,11 +42,12 @@ def test_remote_answers_equal_local_ones_pending_stores_included(storage: Storag
     spans = KS.spans(list(range(16)))
     storage.batched_put([(spans[0].key, torch.zeros(2, 2, 4, 1, 8))])
     pending = {spans[2].key}
-    local = Presence(storage, pending.__contains__)
+    local = LocalHeldKeys(storage, pending.__contains__)
     server = LookupServer(local, path)
-    remote = RemotePresence(path)
+    remote = LookupClient(path)
     try:
-        assert remote.chunks_held(KS, spans) == local.chunks_held(KS, spans) == [True, False, True, False]
+        want = [True, False, True, False]
+        assert Presence([remote]).chunks_held(KS, spans) == Presence([local]).chunks_held(KS, spans) == want
         assert remote.held([]) == []
         assert remote.failures == 0
     finally:
@@ -56,8 +57,8 @@ def test_remote_answers_equal_local_ones_pending_stores_included(storage: Storag
 
 
 def test_a_malformed_question_ends_only_its_connection(storage: StorageManager, path: Path) -> None:
-    server = LookupServer(Presence(storage), path)
-    remote = RemotePresence(path)
+    server = LookupServer(LocalHeldKeys(storage), path)
+    remote = LookupClient(path)
     try:
         bad = socket.socket(socket.AF_UNIX)
         bad.connect(str(path))
@@ -85,9 +86,9 @@ def test_per_tier_prefixes_equal_the_local_storage_answer(path: Path) -> None:
         two.tiers[0].put(keys[0], torch.zeros(2, 2, 4, 1, 8))
         for k in keys[:3]:
             two.tiers[1].put(k, torch.zeros(2, 2, 4, 1, 8))
-        local = Presence(two, {keys[3]}.__contains__)
+        local = LocalHeldKeys(two, {keys[3]}.__contains__)
         server = LookupServer(local, path)
-        remote = RemotePresence(path, timeout=2.0, connect_timeout=0.2)
+        remote = LookupClient(path, timeout=2.0, connect_timeout=0.2)
         try:
             assert remote.tier_prefix_hits(keys) == two.tier_prefix_hits(keys) == {fast: 1, slow: 3}
             assert remote.tier_prefix_hits([]) == {fast: 0, slow: 0}
@@ -100,10 +101,10 @@ def test_per_tier_prefixes_equal_the_local_storage_answer(path: Path) -> None:
 
 
 def test_no_server_is_a_miss_and_a_restarted_server_is_found_again(storage: StorageManager, path: Path) -> None:
-    remote = RemotePresence(path, timeout=2.0, connect_timeout=0.2)
+    remote = LookupClient(path, timeout=2.0, connect_timeout=0.2)
     storage.batched_put([("k", torch.zeros(1, 2, 1, 1, 4))])
     assert remote.held(["k"]) == [False] and remote.failures == 1
-    server = LookupServer(Presence(storage), path)
+    server = LookupServer(LocalHeldKeys(storage), path)
     try:
         assert remote.held(["k"]) == [True]
         server.close()
@@ -114,7 +115,7 @@ def test_no_server_is_a_miss_and_a_restarted_server_is_found_again(storage: Stor
 
 
 def test_socket_is_owner_only_and_ids_are_checked(storage: StorageManager, path: Path) -> None:
-    server = LookupServer(Presence(storage), path)
+    server = LookupServer(LocalHeldKeys(storage), path)
     try:
         assert path.stat().st_mode & 0o077 == 0
     finally:
@@ -139,7 +140,7 @@ def test_the_scheduler_side_answers_its_engines_prefix_cache_and_refuses_tier_op
         return 0 if salt else len(ids) // 16 * 16
 
     server = LookupServer(None, path, engine_prefix=engine_prefix)
-    remote = RemotePresence(path, timeout=5.0, connect_timeout=0.2)
+    remote = LookupClient(path, timeout=5.0, connect_timeout=0.2)
     try:
         assert remote.engine_prefix(list(range(40))) == 32
         assert remote.engine_prefix(list(range(40)), "tenant-a") == 0
@@ -152,7 +153,7 @@ def test_the_scheduler_side_answers_its_engines_prefix_cache_and_refuses_tier_op
         server.close()
     lying = LookupServer(None, path, engine_prefix=lambda ids, salt: len(ids) + 1)
     worker = LookupServer(None, path.with_name("w.sock"))  # a server without an engine answers {}
-    asks = [RemotePresence(p, timeout=5.0) for p in (path, worker.path)]
+    asks = [LookupClient(p, timeout=5.0) for p in (path, worker.path)]
     try:
         assert [a.engine_prefix([1, 2, 3]) for a in asks] == [None, None]
     finally:
@@ -174,8 +175,8 @@ def test_a_reset_clears_the_local_tiers_and_the_shared_ones_only_when_asked(path
         assert two.flush(10)
         before = two.tier_prefix_hits(keys)
         assert list(before.values()) == [len(keys), len(keys)]
-        server = LookupServer(Presence(two), path, clear_local=lambda: two.clear(local_only=not clear_shared))
-        remote = RemotePresence(path, timeout=5.0, connect_timeout=0.2)
+        server = LookupServer(LocalHeldKeys(two), path, clear_local=lambda: two.clear(local_only=not clear_shared))
+        remote = LookupClient(path, timeout=5.0, connect_timeout=0.2)
         try:
             assert remote.clear_local()
             cpu, disk = two.tier_prefix_hits(keys).values()
@@ -195,11 +196,11 @@ def test_a_find_is_one_round_trip_and_equals_the_local_find(path: Path) -> None:
         stored = KS.spans(short)
         two.tiers[0].put(stored[0].key, torch.zeros(2, 2, 4, 1, 8))
         two.tiers[1].put(stored[2].key, torch.zeros(2, 2, 2, 1, 8))
-        local = Presence(two, {stored[1].key}.__contains__)  # chunk 1 still queued
+        local = LocalHeldKeys(two, {stored[1].key}.__contains__)  # chunk 1 still queued
         grown = short + [50, 51, 52, 53, 54]
         spans = KS.spans(grown)
         server = LookupServer(local, path, KS)
-        remote = RemotePresence(path, timeout=5.0, connect_timeout=0.2)
+        remote = LookupClient(path, timeout=5.0, connect_timeout=0.2)
         try:
             want = local.find(KS, grown, 0, spans, KS.root, 0)
             assert want == Found([0, 0], tuple(two.names), stored[2], 1)
@@ -220,8 +221,8 @@ def test_a_find_from_another_keyspace_is_refused_and_a_bad_one_dropped(storage: 
                                                                      caplog: pytest.LogCaptureFixture) -> None:
     spans = KS.spans(list(range(8)))
     storage.batched_put([(sp.key, torch.zeros(2, 2, 4, 1, 8)) for sp in spans])
-    server = LookupServer(Presence(storage), path, KS)
-    remote = RemotePresence(path, timeout=5.0, connect_timeout=0.2)
+    server = LookupServer(LocalHeldKeys(storage), path, KS)
+    remote = LookupClient(path, timeout=5.0, connect_timeout=0.2)
     try:
         assert remote.find(KS, list(range(8)), 0, spans, KS.root, 0).tiers == [0, 0]
         other = Keyspace("m", torch.float32, 4, num_layers=3)  # keys alike, but not the same chunks

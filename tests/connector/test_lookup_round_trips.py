@@ -13,8 +13,8 @@ import torch
 from connector.connector_config import make_config
 from connector.connector_metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
-from connector.presence import Presence, RankedPresence
-from connector.vllm.lookup_channel import LookupServer, RemotePresence
+from connector.presence import LocalHeldKeys, Presence
+from connector.vllm.lookup_channel import LookupClient, LookupServer
 from engine.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -40,9 +40,9 @@ def test_an_admitted_request_costs_one_round_trip_per_rank(default_model_path: P
     servers, remotes = [], []
     for r, (storage, heads) in enumerate(zip(ranks, HEADS)):
         path = tmp_path / f"rank{r}.sock"
-        servers.append(LookupServer(Presence(storage), path, ks.for_heads(*heads)))
-        remotes.append(RemotePresence(path, timeout=5.0, connect_timeout=0.5))
-    planner = KVTierPlanner(config, RankedPresence(remotes, HEADS), ConnectorMetrics())
+        servers.append(LookupServer(LocalHeldKeys(storage), path, ks.for_heads(*heads)))
+        remotes.append(LookupClient(path, timeout=5.0, connect_timeout=0.5))
+    planner = KVTierPlanner(config, Presence(remotes, HEADS), ConnectorMetrics())
     planner.register_model(mc, torch.float32, 16, ks)
     short = list(range(100, 156))  # chunks [0,16) [16,32) [32,48) and the partial [48,56) a last round stored
     stored = ks.spans(short)

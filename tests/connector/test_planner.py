@@ -12,7 +12,7 @@ import torch
 from connector.connector_config import make_config
 from connector.connector_metrics import ConnectorMetrics
 from connector.planner import KVTierPlanner
-from connector.presence import Presence
+from connector.presence import LocalHeldKeys, Presence
 from connector.request_view import StepRequest
 from engine.kv_connector import KVConnectorOutput
 from engine.model_config import ModelConfig
@@ -45,7 +45,7 @@ class _CountingTier(CPUBackend):
 def _planner(default_model_path: Path) -> tuple[KVTierPlanner, _CountingTier, ModelConfig]:
     mc = ModelConfig.from_pretrained(default_model_path)
     tier = _CountingTier()
-    planner = KVTierPlanner(make_config(["cpu"], chunk_size=CHUNK), Presence(StorageManager([tier])),
+    planner = KVTierPlanner(make_config(["cpu"], chunk_size=CHUNK), Presence([LocalHeldKeys(StorageManager([tier]))]),
                             ConnectorMetrics())
     planner.register_model(mc, torch.float32, 16)
     return planner, tier, mc
@@ -151,7 +151,7 @@ def test_over_tiles_loads_and_saves_cover_whole_blocks(default_model_path: Path)
     mc = ModelConfig.from_pretrained(default_model_path)
     tier = _CountingTier()
     config = make_config(["cpu"], chunk_size=CHUNK)
-    planner = KVTierPlanner(config, Presence(StorageManager([tier])), ConnectorMetrics())
+    planner = KVTierPlanner(config, Presence([LocalHeldKeys(StorageManager([tier]))]), ConnectorMetrics())
     planner.register_model(mc, torch.float32, 4, config.keyspace(mc, "float32.vec-tiles-b4", token_multiple=4))
     ids = list(range(100, 143))  # two full chunks and an 11-token partial one
     seq = Sequence("t", ids, SamplingParams(max_tokens=1))

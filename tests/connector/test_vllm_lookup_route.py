@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from connector.presence import Found, KeyPresence, held_tokens
+from connector.presence import Found, HeldKeys, Presence, held_tokens
 from connector.vllm.control_ops import CONTROL_OPS
 from connector.vllm.lookup_route import KvLookupRoute, Message, Rejected, Scope, lookup_form
 from kvkeys.keyspace import Keyspace
@@ -54,15 +54,16 @@ def test_tier_answers_become_leading_tokens_never_the_last(split: str) -> None:
     ids = list(range(10))  # chunks [0,4) [4,8) [8,10)
     spans = ks.spans(ids)
     held = {"0:cpu": 2 * per, "1:disk": 3 * per, "2:redis": per - 1}  # redis: one value short of a chunk
-    presence = _Answers(held)
+    presence = Presence([_Answers(held)])
     assert held_tokens(spans, presence.tier_prefix_chunks(ks, spans), len(ids)) == {"0:cpu": 8, "1:disk": 9,
                                                                                   "2:redis": 0}
     short = ks.spans(list(range(8)))
-    assert held_tokens(short, _Answers({"0:cpu": 2 * per}).tier_prefix_chunks(ks, short), 8) == {"0:cpu": 7}
+    one = Presence([_Answers({"0:cpu": 2 * per})])
+    assert held_tokens(short, one.tier_prefix_chunks(ks, short), 8) == {"0:cpu": 7}
     assert held_tokens(spans, {}, len(ids)) == {}
 
 
-class _Answers(KeyPresence):
+class _Answers(HeldKeys):
     """Tiers that hold, each, their first n stored keys of whatever is asked."""
 
     def __init__(self, leading: dict[str, int]) -> None:

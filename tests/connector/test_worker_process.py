@@ -14,7 +14,7 @@ from connector.connector_config import make_config
 from connector.connector_metrics import ConnectorMetrics
 from connector.metadata import KVTierMeta, LoadSpec, SaveSpec
 from connector.planner import KVTierPlanner
-from connector.presence import Presence
+from connector.presence import LocalHeldKeys, Presence
 from engine.kv_connector import KVConnector
 from kvstore.storage_manager import StorageManager
 from tests.fixtures.connector import CHUNK, engine, run
@@ -38,7 +38,7 @@ def test_the_worker_side_in_another_process_loads_from_the_metadata_alone(
     # The scheduler side sees the shared disk tier through its own manager, by existence only.
     storage = StorageManager.from_config(config.kvstore)
     worker = RemoteWorker(config)
-    conn = KVConnector(KVTierPlanner(config, Presence(storage), ConnectorMetrics()), worker)
+    conn = KVConnector(KVTierPlanner(config, Presence([LocalHeldKeys(storage)]), ConnectorMetrics()), worker)
     try:
         with engine(default_model_path, conn, enable_prefix_caching=False) as llm:
             cold = run(llm, prompt_ids)
