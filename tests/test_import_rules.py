@@ -111,6 +111,20 @@ def test_no_two_shipped_modules_share_a_name() -> None:
     assert not clashes, "modules sharing a file name: " + "; ".join(f"{', '.join(p)}" for p in clashes.values())
 
 
+def test_presence_is_one_class() -> None:
+    """"Is this chunk held?" has one name: connector/presence.py's `Presence` is the only class
+    whose name says presence, in the shipped packages, tests, benchmarks and examples. What it
+    asks (its `HeldKeys` sources) is named for where it asks, never as a second presence."""
+    where = [p for package in (*OURS, "tests", "benchmarks", "examples")
+             for p in sorted((REPO / package).rglob("*.py"))]
+    named = [(p.relative_to(REPO).as_posix(), node.lineno, node.name) for p in where
+             for node in ast.walk(ast.parse(p.read_text(), filename=str(p)))
+             if isinstance(node, ast.ClassDef) and "presence" in node.name.lower()]
+    assert [(rel, name) for rel, _, name in named] == [("connector/presence.py", "Presence")], \
+        "one class says presence, connector/presence.py's Presence; found:\n" + \
+        "\n".join(f"{rel}:{line} {name}" for rel, line, name in named)
+
+
 def test_the_module_map_names_every_shipped_module() -> None:
     """docs/architecture.md's module map names each shipped module by its path, and names no
     module that is gone."""
