@@ -5,7 +5,9 @@ restart and are seen by every process using their directory: the disk tier
 
 One small JSON file (`PinSet.to_json`: a kind, a version, the pin budget, and per key its
 bytes and its wall-clock expiry or null), replaced atomically (written and fsync'd under a
-temp name, then renamed), so a reader sees a whole file, the old one or the new one. A reader
+temp name, then renamed, by the file layer the disk tier and the spill write their entries
+through: kvstore/entry_files/atomic_write.py), so a reader sees a whole file, the old one or
+the new one. A reader
 re-reads it only when it changed (its inode, mtime and size: one stat; each save sets an
 mtime past the last one seen). A file that is not such
 a pin set (corrupt, foreign, a later version, too large) is ignored with a warning, as holding
@@ -22,6 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kvstore.entry_files.atomic_write import create_temp, discard, install, write_all
 from kvstore.pin_set import PinSet
 
 log = logging.getLogger(__name__)
@@ -114,11 +117,9 @@ class PinFile:
     def write(self, data: bytes) -> int:
         """Replaces the file with `data` (a `PinSet.to_json`), as `save` does; returns its size."""
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        fd = create_temp(tmp, exclusive=False)  # this process's own name: a leftover is its crash's
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            write_all(fd, [data])
             # mtimes strictly increase from one save to the next, so a coarse clock (or an inode
             # number reused) never makes a changed file look unchanged to a reader's stat
             last = self._seen[1] if self._seen is not None and self._seen != _UNREAD else 0
@@ -128,10 +129,14 @@ class PinFile:
             st = os.fstat(fd)
         except OSError:
             os.close(fd)
-            os.unlink(tmp)
+            discard(tmp)
             raise
         os.close(fd)
-        os.replace(tmp, self.path)
+        try:
+            install(tmp, self.path)
+        except OSError:
+            discard(tmp)
+            raise
         self._seen = (st.st_ino, st.st_mtime_ns, st.st_size)
         return len(data)
 

@@ -7,7 +7,7 @@ has (writes pending, reads under way, detached keys) stays beside it here.
 The index (which keys are on disk, and the disk budget) lives on the event loop's thread;
 every file operation runs on one worker thread (`io_worker.IOWorker`), in the order the loop
 issued them, so a slow or stalled disk never stalls a client. Files and directories:
-`spillfile.py`.
+`spillfile.py`, over the file-per-entry layer the disk tier uses too (kvstore/entry_files/).
 
 - `put` queues a write: the key counts as on disk at once, while the write is pending its
   value is still in memory (`take` hands it back, so a GET of a value being spilled is
@@ -46,6 +46,7 @@ from kvstore.budget import ByteBudget
 from kvstore.cache_server import spillfile as F
 from kvstore.cache_server.io_worker import IOWorker
 from kvstore.cache_server.protocol import Buffer
+from kvstore.entry_files.entry_scan import remove
 from kvstore.eviction import make_policy
 from kvstore.pin_file import PIN_FILE, PinFile
 from kvstore.pin_set import PinSet
@@ -294,7 +295,7 @@ class DiskSpill:
         if size is None and not detached:
             return read is not None
         path = self._path(key)
-        self.worker.submit(lambda: F.unlink(path), self._unlinked)
+        self.worker.submit(lambda: remove(path), self._unlinked)
         return True
 
     def _unlinked(self, error: OSError | None) -> None:
@@ -422,6 +423,6 @@ def _unlink_all(directory: Path, keys: list[bytes]) -> OSError | None:
     """Worker side of a clear that could not switch directories: returns the first error."""
     first = None
     for key in keys:
-        error = F.unlink(directory / F.file_name(key))
+        error = remove(directory / F.file_name(key))
         first = first or error
     return first

@@ -2,19 +2,22 @@
 (and at startup), never on the event loop.
 
 Layout: `DIR/gen-<n>/<sha256(key)>.kvs`. Each file holds a small header (magic, key length,
-value length, CRC-32 of the value), the key and the value; it is written to a temporary
-name and renamed, so a crash never leaves a half-written entry under a real name. CLEAR
-starts generation n+1 and removes generation n in the background; at startup the newest
-generation is reused and older ones (a removal a crash cut short) are removed.
+value length, CRC-32 of the value), the key and the value: the spill's own format, because its
+values are a client's opaque bytes, with no check of their own (the disk tier's are serde
+values, checked by serde). CLEAR starts generation n+1 and removes generation n in the
+background; at startup the newest generation is reused and older ones (a removal a crash cut
+short) are removed.
 
-Entries that are not regular files are skipped with a warning and never opened (a FIFO
-would block); files are opened without following links.
+Every entry file is named, written, opened and listed by the file-per-entry layer the disk tier
+uses too (kvstore/entry_files/): written to `<name>.tmp` and renamed, so a crash never leaves a
+half-written entry under a real name (a leftover temp file is removed at startup); entries that
+are not regular files are skipped with a warning and never opened (a FIFO would block); links
+are never followed. What stays here is the spill's own: its format and its check, the
+generations, and `take` (a read that removes the file).
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
 import logging
 import os
 import re
@@ -25,6 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.cache_server.protocol import Buffer, empty_buffer
+from kvstore.entry_files import entry_scan
+from kvstore.entry_files.atomic_write import write_atomically
+from kvstore.entry_files.entry_names import TEMP_SUFFIX, digest_name, temp_beside
+from kvstore.entry_files.entry_reads import open_regular, read_pieces
+from kvstore.entry_files.entry_scan import remove
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +40,13 @@ MAGIC = b"KVSD"
 # magic, key length, value length, crc32(value)
 HEAD = struct.Struct("<4sIQI")
 SUFFIX = ".kvs"
-TMP_SUFFIX = ".tmp"
 _GENERATION = re.compile(r"gen-(\d{1,18})")
 
 
 def file_name(key: bytes) -> str:
     """Returns the file name of `key`'s entry (keys are arbitrary bytes: a digest names it;
     the key itself is stored inside)."""
-    return hashlib.sha256(key).hexdigest() + SUFFIX
+    return digest_name(key, SUFFIX)
 
 
 def file_size(key_len: int, value_len: int) -> int:
@@ -68,7 +75,7 @@ def remove_tree(path: Path) -> int:
     read-only directory keeps its files, which nothing reads any more)."""
     failures = 0
 
-    def remove(target: Path, is_dir: bool) -> None:
+    def drop(target: Path, is_dir: bool) -> None:
         nonlocal failures
         try:
             if is_dir:
@@ -82,11 +89,11 @@ def remove_tree(path: Path) -> int:
 
     for dirpath, dirnames, filenames in os.walk(path, topdown=False):
         for name in filenames:
-            remove(Path(dirpath, name), False)
+            drop(Path(dirpath, name), False)
         for name in dirnames:  # links to directories are listed here: unlink them, never descend
             sub = Path(dirpath, name)
-            remove(sub, not sub.is_symlink())
-    remove(path, True)
+            drop(sub, not sub.is_symlink())
+    drop(path, True)
     return failures
 
 
@@ -101,74 +108,68 @@ class Entry:
 
 def scan(directory: Path) -> list[Entry]:
     """Returns the valid entries of `directory`, least recently used (oldest mtime) first.
-    Removes interrupted writes and damaged files; skips, with a warning, what is not a
-    regular file."""
+    Removes interrupted writes (temp files) and damaged files; skips, with a warning, what is
+    not a regular file."""
     found: list[Entry] = []
-    for path in directory.iterdir():
-        if not path.name.endswith((TMP_SUFFIX, SUFFIX)):
+    for f in entry_scan.scan(directory, keep=lambda name: name.endswith(SUFFIX),
+                             stray=lambda name: name.endswith(TEMP_SUFFIX), owner="disk spill"):
+        key = _key_of(f.path, f.size)
+        if key is None:
+            remove(f.path)
             continue
-        try:
-            st = path.lstat()
-        except OSError:
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            log.warning("disk spill: skipping %s: not a regular file", path)
-            continue
-        if path.name.endswith(TMP_SUFFIX):
-            unlink(path)  # an interrupted write
-            continue
-        try:
-            with open_regular(path) as f:
-                magic, key_len, value_len, _ = HEAD.unpack(f.read(HEAD.size))
-                key = f.read(key_len)
-        except (OSError, struct.error):
-            unlink(path)
-            continue
-        size = file_size(key_len, value_len)
-        if magic != MAGIC or len(key) != key_len or st.st_size != size or path.name != file_name(key):
-            unlink(path)
-            continue
-        found.append(Entry(key, size, st.st_mtime))
-    found.sort(key=lambda e: e.mtime)
+        found.append(Entry(key, f.size, f.mtime))
     return found
 
 
-def write(path: Path, key: bytes, value: Buffer) -> None:
-    """Writes the entry file `path` (via a temporary name, renamed); raises OSError."""
-    tmp = path.with_name(path.name + TMP_SUFFIX)
+def _key_of(path: Path, size: int) -> bytes | None:
+    """Returns the key in entry file `path` (`size` bytes, as listed) if its header is the
+    spill's, says that size and its name is the key's; else None (the value is checked when read)."""
     try:
-        with open(tmp, "wb") as f:
-            f.write(HEAD.pack(MAGIC, len(key), len(value), zlib.crc32(value)))
-            f.write(key)
-            f.write(value)
-        os.replace(tmp, path)
+        fd = open_regular(path)
     except OSError:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise
+        return None
+    try:
+        head = os.pread(fd, HEAD.size, 0)
+        if len(head) != HEAD.size:
+            return None
+        magic, key_len, value_len, _ = HEAD.unpack(head)
+        if magic != MAGIC or size != file_size(key_len, value_len):
+            return None  # checked before the key is read: a foreign header's length is not allocated
+        key = os.pread(fd, key_len, HEAD.size)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return key if len(key) == key_len and path.name == file_name(key) else None
+
+
+def write(path: Path, key: bytes, value: Buffer) -> None:
+    """Writes the entry file `path` (via its temp name, renamed); raises OSError. The spill is
+    its directory's one writer: a temp file left at the name (an interrupted write's) is reused."""
+    head = HEAD.pack(MAGIC, len(key), len(value), zlib.crc32(value))
+    write_atomically(path, temp_beside(path), [head, key, value], exclusive=False)
 
 
 def take(path: Path, key: bytes, size: int) -> memoryview | None:
     """Reads and removes the entry file `path`; returns its value (a view of one buffer of
     the whole file, `size` bytes), or None if it is missing or fails any check."""
     try:
-        f = open_regular(path)
+        fd = open_regular(path)
     except OSError:
         return None
-    with f:
-        unlink(path)
-        try:
-            return _read(f, key, size)
-        except OSError:
-            return None
-
-
-def _read(f: io.FileIO, key: bytes, size: int) -> memoryview | None:
-    buf = empty_buffer(size)
-    if f.readinto(buf) != size:
+    try:
+        remove(path)
+        return _read(fd, key, size)
+    except OSError:
         return None
+    finally:
+        os.close(fd)
+
+
+def _read(fd: int, key: bytes, size: int) -> memoryview | None:
+    buf = empty_buffer(size)
+    if sum(got for _, got in read_pieces(fd, buf, max(size, 1))) != size:
+        return None  # truncated
     magic, key_len, value_len, crc = HEAD.unpack_from(buf)
     start = HEAD.size + key_len
     value = buf[start:]
@@ -176,25 +177,3 @@ def _read(f: io.FileIO, key: bytes, size: int) -> memoryview | None:
             and len(value) == value_len and zlib.crc32(value) == crc):
         return value
     return None
-
-
-def unlink(path: Path) -> OSError | None:
-    """Removes `path` if present; returns the error if that failed."""
-    try:
-        path.unlink(missing_ok=True)
-    except OSError as exc:
-        return exc
-    return None
-
-
-def open_regular(path: Path) -> io.FileIO:
-    """Returns `path` opened for binary reading; raises OSError unless it is a regular file
-    (not following a symlink, and never blocking on a FIFO)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        return io.FileIO(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise

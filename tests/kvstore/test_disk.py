@@ -91,3 +91,23 @@ def test_unwritable_directory_raises_backend_error(tmp_path: Path) -> None:
     os.unlink(root)
     with pytest.raises(BackendError):
         DiskBackend(Path("/proc/kvtier-cannot-exist"))
+
+
+def test_a_link_fifo_or_directory_at_a_chunk_name_is_a_miss_never_followed(tmp_path: Path) -> None:
+    """Chunk files are opened and listed by the file-per-entry layer (kvstore/entry_files/): what
+    is not a regular file is never read (a FIFO would block the read), followed or indexed."""
+    root = tmp_path / "d"
+    disk = DiskBackend(root)
+    for i in range(4):
+        disk.put(ckey(i), chunk(i))
+    link, fifo, folder = (disk._path(ckey(i)) for i in range(3))
+    link.rename(tmp_path / "elsewhere")
+    link.symlink_to(tmp_path / "elsewhere")  # this key's own valid bytes, behind a link
+    fifo.unlink()
+    os.mkfifo(fifo)
+    folder.unlink()
+    folder.mkdir()
+    assert disk.batched_get([ckey(i) for i in range(3)]) == [None, None, None]
+    assert torch.equal(disk.get(ckey(3)), chunk(3))
+    again = DiskBackend(root)
+    assert again.stats().entries == 1 and again.batched_contains([ckey(i) for i in range(4)]) == [False] * 3 + [True]

@@ -2,7 +2,9 @@
 value placed so its payload is cache-line aligned (file_format.py). It owns this process's
 index of the directory's files (their eviction order) and every change to the directory;
 the names it uses are file_names.py's, the shared account dir_account.py's, and a file's
-bytes are read and written by file_io.py.
+bytes are read by file_io.py. Files are created, written, renamed, opened and listed through
+the file-per-entry layer the cache server's spill uses too (kvstore/entry_files/): a link, a
+FIFO or a directory at a chunk's name is never followed, opened or indexed (a miss).
 
 Writes go to a temporary file, optionally fsync'd, then atomically renamed into place, so a
 reader never sees a partial value and a crash leaves only a stray temp file (removed later).
@@ -47,7 +49,7 @@ from kvstore import serde
 from kvstore.backend import BackendError, BackendStats, BytesBackend, Destination, EntryInfo, ReadValue, StoredValue
 from kvstore.backends.disk.dir_account import STATE_BYTES, STATE_FILE, DirAccount, DirState
 from kvstore.backends.disk.file_format import file_parts
-from kvstore.backends.disk.file_io import read_in_place, read_value, write_file
+from kvstore.backends.disk.file_io import read_in_place, read_value
 from kvstore.backends.disk.file_names import (
     SUFFIX,
     TEMP_PREFIX,
@@ -60,6 +62,9 @@ from kvstore.backends.disk.file_names import (
 from kvstore.budget import ByteBudget
 from kvstore.capabilities import EvictingTier, IndexedTier, OperatedTier, PrefixDeletable, ReadsInPlace
 from kvstore.codecs import Codec
+from kvstore.entry_files import entry_scan
+from kvstore.entry_files.atomic_write import create_temp, discard, install, write_parts
+from kvstore.entry_files.entry_reads import NotRegularFile, open_regular, regular_size
 from kvstore.eviction import DEFAULT_POLICY, make_policy
 from kvstore.pin_file import PIN_FILE, PinFile
 from kvstore.pin_set import PinError, default_pin_budget
@@ -139,37 +144,25 @@ class DiskBackend(BytesBackend, EvictingTier, ReadsInPlace, OperatedTier, Indexe
         dead writers' temp files (unless read-only); returns the bytes in use: chunk files
         plus live writers' reservations."""
         used = 0
-        found: list[tuple[float, str, int]] = []
-        with os.scandir(self.root) as it:
-            for entry in it:
-                if entry.name.startswith(TEMP_PREFIX):
-                    reserved = live_reservation(entry.name)
-                    if reserved is not None:
-                        used += reserved
-                    elif not self.read_only:
-                        try:
-                            os.unlink(entry.path)
-                        except OSError:
-                            pass
-                elif entry.name == PIN_FILE:
-                    try:
-                        used += entry.stat().st_size
-                    except OSError:
-                        pass
-                elif entry.name.endswith(SUFFIX):
-                    try:
-                        if not entry.is_file():
-                            continue
-                        st = entry.stat()
-                    except OSError:
-                        continue
-                    used += st.st_size
-                    found.append((st.st_mtime, file_key(entry.name), st.st_size))
-        found.sort()
-        present = {key for _, key, _ in found}
+        found: list[tuple[str, int]] = []  # (key, size), least recently used first
+
+        def dead_temp(name: str) -> bool:  # a dead writer's temp file: removed, unless read-only
+            return name.startswith(TEMP_PREFIX) and live_reservation(name) is None and not self.read_only
+
+        def listed(name: str) -> bool:
+            return name.startswith(TEMP_PREFIX) or name == PIN_FILE or name.endswith(SUFFIX)
+
+        for f in entry_scan.scan(self.root, keep=listed, stray=dead_temp, owner=f"disk tier {self.root}"):
+            if f.name.startswith(TEMP_PREFIX):
+                used += live_reservation(f.name) or 0  # a live writer's reservation (its file grows to it)
+                continue
+            used += f.size  # a chunk file, or the pin file (the budget counts it too)
+            if f.name != PIN_FILE:
+                found.append((file_key(f.name), f.size))
+        present = {key for key, _ in found}
         for key in [k for k in self._index.sizes if k not in present]:
             self._index.remove(key)
-        for _, key, size in found:
+        for key, size in found:
             if key not in self._index:
                 self._index.add(key, size)
         return used
@@ -308,10 +301,9 @@ class DiskBackend(BytesBackend, EvictingTier, ReadsInPlace, OperatedTier, Indexe
         (other processes' writes and removals)."""
         present = {}
         for key in keys_with_prefix(self.root, prefix):
-            try:
-                present[key] = os.stat(self._path(key)).st_size
-            except FileNotFoundError:
-                continue
+            size = regular_size(self._path(key))  # None: gone meanwhile, or not a regular file
+            if size is not None:
+                present[key] = size
         for key in [k for k in self._index.sizes if k.startswith(prefix) and k not in present]:
             self._index.remove(key)
         for key, size in present.items():
@@ -322,7 +314,7 @@ class DiskBackend(BytesBackend, EvictingTier, ReadsInPlace, OperatedTier, Indexe
         """Removes `key`'s file and index entry; returns the bytes freed (0 if already gone)."""
         path = self._path(key)
         try:
-            size = os.stat(path).st_size
+            size = regular_size(path) or 0  # what the account counted: a regular file's bytes
             os.unlink(path)
         except FileNotFoundError:
             size = 0
@@ -348,11 +340,11 @@ class DiskBackend(BytesBackend, EvictingTier, ReadsInPlace, OperatedTier, Indexe
         The stat happens under the lock: our own renames and unlinks happen under it too."""
         with self._lock:
             try:
-                size = os.stat(self._path(key)).st_size
-            except FileNotFoundError:
-                return False
+                size = regular_size(self._path(key))
             except OSError as exc:
                 raise BackendError(f"disk tier cannot stat {key}: {exc}") from exc
+            if size is None:  # none, or not a regular file: never read as a chunk
+                return False
             if key not in self._index:
                 self._index.add(key, size)  # counted in the directory's state by its writer
         return True
@@ -367,10 +359,10 @@ class DiskBackend(BytesBackend, EvictingTier, ReadsInPlace, OperatedTier, Indexe
         (then forgotten); once the body returned, marks the file recently used."""
         path = self._path(key)
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+            fd = open_regular(path)
+        except (FileNotFoundError, NotRegularFile):  # a link, FIFO or directory is a miss, never read
             with self._lock:  # forget it only if still absent: a writer may have just renamed it in
-                if not path.exists():
+                if self._absent(path):
                     self._index.remove(key)
             yield None
             return
@@ -388,6 +380,14 @@ class DiskBackend(BytesBackend, EvictingTier, ReadsInPlace, OperatedTier, Indexe
             pass  # read-only, another user's file, or replaced since: the value read is whole
         with self._lock:
             self._index.touch(key)
+
+    @staticmethod
+    def _absent(path: Path) -> bool:
+        """Returns whether no regular file is at `path` (False if that cannot be told)."""
+        try:
+            return regular_size(path) is None
+        except OSError:
+            return False
 
     def _batched_get_bytes(self, keys: Sequence[str]) -> list[ReadValue | None]:
         return [self._read(k) for k in keys]
@@ -442,27 +442,21 @@ class DiskBackend(BytesBackend, EvictingTier, ReadsInPlace, OperatedTier, Indexe
                     return False
                 # reserved, and the temp file exists before the lock is released, so a recount
                 # by any process sees the reservation in its name
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = create_temp(tmp)
                 state.used += nbytes
         except OSError as exc:
             raise BackendError(f"disk tier cannot write {key}: {exc}") from exc
         try:
-            write_file(fd, parts, self.fsync)
+            write_parts(fd, parts, self.fsync)
             with self._locked() as state:
-                try:
-                    old = os.stat(path).st_size
-                except FileNotFoundError:
-                    old = 0
-                os.replace(tmp, path)
+                old = regular_size(path) or 0  # a link or FIFO replaced was never counted
+                install(tmp, path)
                 state.used -= old  # the replaced file; the reservation is now this file
                 self._index.add(key, nbytes)
             return True
         except OSError as exc:
             with self._locked() as state:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+                discard(tmp)
                 state.used -= nbytes
             raise BackendError(f"disk tier cannot write {key}: {exc}") from exc
 
@@ -497,14 +491,16 @@ class DiskBackend(BytesBackend, EvictingTier, ReadsInPlace, OperatedTier, Indexe
         with self._lock:
             self._sync_pins()  # once: the pin file's state as of this call
         for key in keys:
+            if not self._adopt(key):  # no file, or not a regular one
+                out.append(None)
+                continue
             try:
                 st = os.stat(self._path(key))
-            except FileNotFoundError:
+            except FileNotFoundError:  # removed meanwhile
                 out.append(None)
                 continue
             except OSError as exc:
                 raise BackendError(f"disk tier cannot stat {key}: {exc}") from exc
-            self._adopt(key)
             with self._lock:
                 pin = self._index.pinned.info(key)
             out.append(EntryInfo.held(st.st_size, None, max(0.0, time.time() - st.st_mtime), pin))

@@ -1,6 +1,8 @@
-"""Reading and writing one chunk file's bytes (their layout: file_format.py). A write fills
-a temp file the tier has reserved room for; a read is checked as it arrives, into a pooled
-buffer or straight into the caller's memory (`Destination`).
+"""Reading one chunk file's bytes (their layout: file_format.py), checked as they arrive, into
+a pooled buffer or straight into the caller's memory (`Destination`). The reads themselves are
+the file-per-entry layer's (kvstore/entry_files/entry_reads.py, which the cache server's spill
+reads through too, as it writes through its atomic_write.py); what is the disk tier's own stays
+here: its values are serde values, checked by serde, and read in place into K/V blocks.
 
 Each piece is hashed (`serde.ValueCheck`) right after it is read, while it is still in the
 CPU's cache, instead of being read back from memory by a second pass. Reading in place skips
@@ -16,22 +18,8 @@ from collections.abc import Iterator, Sequence
 from kvstore import serde
 from kvstore.backend import Destination
 from kvstore.backends.disk.file_format import HEAD_LEN, value_start
-from kvstore.codecs import Buffer
+from kvstore.entry_files.entry_reads import MAX_VIEWS, read_into, read_pieces
 from kvstore.read_buffers import ReadBufferPool
-
-_MAX_VIEWS = 1024  # IOV_MAX on Linux: the most buffers one preadv takes
-
-
-def write_file(fd: int, parts: Sequence[Buffer], fsync: bool) -> None:
-    """Writes `parts` (file_format.file_parts) in order to the new file `fd`, then closes it,
-    fsync'd first if `fsync`. Raises OSError as the writes do; `fd` is closed either way."""
-    with open(fd, "wb", buffering=0) as f:
-        for part in parts:
-            view = memoryview(part).cast("B")
-            while view:  # raw writes may be short
-                view = view[f.write(view):]
-        if fsync:
-            os.fsync(f.fileno())
 
 
 def read_value(fd: int, key: str, pool: ReadBufferPool) -> serde.CheckedValue:
@@ -41,13 +29,13 @@ def read_value(fd: int, key: str, pool: ReadBufferPool) -> serde.CheckedValue:
     size = os.fstat(fd).st_size
     buf = pool.take(size)
     check = serde.ValueCheck(key)
-    n = start = 0
-    while n < size and (got := os.preadv(fd, [buf[n:n + serde.CHECK_PIECE]], n)):
+    end = start = 0
+    for n, got in read_pieces(fd, buf, serde.CHECK_PIECE):
         if not n:
             start = value_start(buf[:got])  # the first piece holds HEAD_LEN bytes, or the whole file
         check.feed(buf[max(n, start):n + got])
-        n += got
-    return serde.CheckedValue(buf[start:n], check)
+        end = n + got
+    return serde.CheckedValue(buf[start:end], check)
 
 
 def read_in_place(fd: int, key: str, dest: Destination) -> bool:
@@ -67,7 +55,10 @@ def read_in_place(fd: int, key: str, dest: Destination) -> bool:
     check.feed(head[start:start + header.header_len])
     offset = start + header.header_len
     for piece in _pieces(dest.views):
-        offset = _preadv_all(fd, piece, offset)
+        expected = offset + sum(view.nbytes for view in piece)
+        offset = read_into(fd, piece, offset)
+        if offset != expected:
+            raise serde.SerdeError("value truncated: the file ended inside its payload")
         for view in piece:
             check.feed(view)
     if offset != size:
@@ -78,7 +69,7 @@ def read_in_place(fd: int, key: str, dest: Destination) -> bool:
 
 def _pieces(views: Sequence[memoryview]) -> Iterator[list[memoryview]]:
     """Yields `views` (byte views) in order, in groups of at most serde.CHECK_PIECE bytes and
-    _MAX_VIEWS views; a longer view is split across groups."""
+    MAX_VIEWS views; a longer view is split across groups."""
     group: list[memoryview] = []
     room = serde.CHECK_PIECE
     for view in views:
@@ -86,24 +77,8 @@ def _pieces(views: Sequence[memoryview]) -> Iterator[list[memoryview]]:
             part, view = view[:room], view[room:]
             group.append(part)
             room -= part.nbytes
-            if not room or len(group) == _MAX_VIEWS:
+            if not room or len(group) == MAX_VIEWS:
                 yield group
                 group, room = [], serde.CHECK_PIECE
     if group:
         yield group
-
-
-def _preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
-    """Fills `views` from file `fd` at `offset`; returns the offset after them. Raises
-    SerdeError if the file ends first."""
-    while views:
-        got = os.preadv(fd, views, offset)
-        if got == 0:
-            raise serde.SerdeError("value truncated: the file ended inside its payload")
-        offset += got
-        while views and got >= views[0].nbytes:
-            got -= views[0].nbytes
-            views = views[1:]
-        if got:
-            views = [views[0][got:], *views[1:]]
-    return offset

@@ -1,6 +1,7 @@
 """What each name in a disk tier directory says; the one owner of those names.
 
-- a chunk file: `<key, percent-quoted>.kvc`, one per stored key;
+- a chunk file: `<key, percent-quoted>.kvc`, one per stored key (named by the file-per-entry
+  layer, kvstore/entry_files/entry_names.py, which names the cache server's spill files too);
 - a temp file: `.tmp-<pid>-<bytes>-<id>[.<tenant tag>]`, a write in progress, its name
   carrying the writer's pid and the bytes it reserved (and, for a salted key, its tenant), so
   that a recount by any process keeps live writers' reservations and spots dead writers' files;
@@ -12,7 +13,8 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
-from urllib.parse import quote, unquote
+
+from kvstore.entry_files.entry_names import quoted_key, quoted_name, quoted_prefix
 
 SUFFIX = ".kvc"
 """A chunk file's name ends so; its key is the rest, percent-unquoted."""
@@ -22,20 +24,17 @@ TEMP_PREFIX = ".tmp-"
 
 def key_path(root: Path, key: str) -> Path:
     """Returns the file that stores `key` under `root`; ValueError if the name is too long."""
-    name = quote(key, safe="") + SUFFIX
-    if len(name) > 255:
-        raise ValueError(f"key too long for a file name ({len(name)} > 255 bytes): {key[:40]}...")
-    return root / name
+    return root / quoted_name(key, SUFFIX)
 
 
 def file_key(name: str) -> str:
     """Returns the key stored in the chunk file called `name` (one ending in SUFFIX)."""
-    return unquote(name[: -len(SUFFIX)])
+    return quoted_key(name, SUFFIX)
 
 
 def keys_with_prefix(root: Path, prefix: str) -> list[str]:
     """Returns the keys of the files under `root` whose key starts with `prefix`."""
-    head = quote(prefix, safe="")
+    head = quoted_prefix(prefix)
     return [file_key(e.name) for e in os.scandir(root)
             if e.name.startswith(head) and e.name.endswith(SUFFIX)]
 
