@@ -28,7 +28,7 @@ from engine.kv_cache import KeyedModel
 from engine.kv_connector import CONFIG_FILE_ENV
 from kvkeys.keyspace import Keyspace
 from kvkeys.tenants import set_tenant_tag_key, tag_key_bytes
-from kvsettings import ProcessEnv, Setting, env_bool, env_int, env_str, field_settings, merge, opt, parse_env, variable
+from kvsettings import TENANT_TAG_KEY, Setting, env_bool, env_int, env_str, field_settings, merge, opt, parse_env
 from kvstore.store_config import KVSTORE_SETTINGS, KVStoreConfig, TierSpec, parse_size, read_yaml, unknown_key
 
 if TYPE_CHECKING:
@@ -134,12 +134,9 @@ class ConnectorConfig:
         "bfloat16) in the canonical form every vLLM CPU instance shares, and moves any other's (block, KV head) tiles "
         "as their bytes, keyed by their format; 'tiles' moves every kernel's pages as tiles",
         env="KVTIER_CPU_PAGE_FORM", parse=env_str, check=_page_form))
-    # The operator's secret: tenant tags in stored keys are an HMAC of the salt (kvkeys/tenants.py).
-    tenant_tag_key: str | None = field(default=None, repr=False, metadata=opt(
-        "shared secret (>= 16 bytes): a cache_salt's tenant tag in stored keys is an HMAC under it, so "
-        "a reader of a shared tier cannot confirm a guessed salt; every process sharing a tier needs "
-        "the same one (unset: the unkeyed tags of before)",
-        env=variable(ProcessEnv, "tenant_tag_key"), parse=env_str, check=_tag_key, shown="unset"))
+    # The operator's secret: tenant tags in stored keys are an HMAC of the salt (kvkeys/tenants.py),
+    # declared once with the processes that read it without a connector (kvsettings.TENANT_TAG_KEY).
+    tenant_tag_key: str | None = field(default=None, repr=False, metadata={**TENANT_TAG_KEY, "check": _tag_key})
     # Registered extensions' sections given, by section (`blend: {enabled: true, ratio: 0.15}` is
     # CacheBlend's): each as that extension's `parse` returns it (connector/extension.py).
     extensions: dict[str, Any] = field(default_factory=dict)

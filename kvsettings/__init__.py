@@ -171,6 +171,17 @@ def variable(config: Any, name: str) -> str:
     return str(next(f for f in fields(config) if f.name == name).metadata["env"])
 
 
+TENANT_TAG_KEY = opt(
+    "shared secret (>= 16 bytes): a cache_salt's tenant tag in stored keys is an HMAC under it, so "
+    "a reader of a shared tier cannot confirm a guessed salt; every process sharing a tier needs "
+    "the same one (unset: the unkeyed tags of before). Read by the connector (its key "
+    "`tenant_tag_key`) and by the processes that tag salts without a connector config: "
+    "`kvtier cache-server --tenant-tokens`, `kvtier forget-tenant`",
+    env="KVTIER_TENANT_TAG_KEY", parse=env_optional, shown="unset")
+"""The tenant tag key's one declaration: `ProcessEnv.tenant_tag_key` and the connector's config
+key `tenant_tag_key` are this same setting, shown in both tables."""
+
+
 @dataclass(frozen=True)
 class ProcessEnv:
     """The `KVTIER_*` variables that set no config key, one field each: read them with
@@ -193,10 +204,7 @@ class ProcessEnv:
         "`kvtier cache-server`: the operator's token when --auth-token is not given; a `kvtier://` "
         "tier: the token it sends when its URL has no `auth_token`",
         env="KVTIER_AUTH_TOKEN", parse=env_raw, shown="unset"))
-    tenant_tag_key: str | None = field(default=None, repr=False, metadata=opt(
-        "the engines' tenant tag key (the connector's `tenant_tag_key`), for the processes that tag "
-        "salts without a connector config: `kvtier cache-server --tenant-tokens`, `kvtier forget-tenant`",
-        env="KVTIER_TENANT_TAG_KEY", parse=env_optional, shown="unset"))
+    tenant_tag_key: str | None = field(default=None, repr=False, metadata=TENANT_TAG_KEY)
 
     @classmethod
     def read(cls, env: Mapping[str, str] | None = None) -> ProcessEnv:

@@ -3,9 +3,10 @@
 
 Both keep each entry in a file of its own, written under a temp name and renamed into place,
 and read back checked; this package is the one implementation of that, and the only code of
-either that creates, writes, renames or opens an entry file. It imports only the standard
-library, because the cache server never imports torch (the disk tier's values are
-torch-backed; their bytes are not).
+either that creates, writes, renames or opens an entry file (tests/test_file_rules.py holds
+both to it, and this package to the standard library). It imports only the standard library,
+because the cache server never imports torch (the disk tier's values are torch-backed; their
+bytes are not).
 
 - entry_names.py: naming an entry's file from its key (percent-quoted, or a digest for keys
   of arbitrary bytes) and a write's temp name beside it;
