@@ -19,8 +19,9 @@ from typing import Any
 
 from connector.key_families import FamilyIndex
 from kvkeys.families import Family
-from kvkeys.keyspace import Keyspace, Span, key_family_label
-from kvkeys.tenants import key_tenant, tenant_prefix, tenant_tag
+from kvkeys.keyspace import Keyspace, Span
+from kvkeys.stored_keys import UsageGroup
+from kvkeys.tenants import tenant_prefix, tenant_tag
 from kvstore.backend import EntryInfo
 from kvstore.capabilities import LOCAL_TIERS
 from kvstore.pin_set import PinError
@@ -68,19 +69,33 @@ def tier_totals(storage: StorageManager, tenants: str | None | bool = True) -> d
     bytes) filtered as `inspect` says, and with every tenant's usage `by_model` (key family:
     model, dtype, layout, chunk size -> entries, bytes); None where the tier cannot tell."""
     ops = storage.operations
-    usage = ops.usage_by(key_tenant) if tenants is not False else {}
-    families = ops.usage_by(key_family_label) if tenants is True else {}
+    usage = ops.usage() if tenants is not False else {}
     out: dict[str, dict[str, Any]] = {}
     for name, stats in storage.stats().items():
         b = stats.backend
-        by_tenant = usage.get(name)
+        groups = usage.get(name)
+        by_tenant = _by(groups, 0)
         if by_tenant is not None and isinstance(tenants, str):
             by_tenant = {tag: v for tag, v in by_tenant.items() if tag == tenants}
         out[name] = {"healthy": stats.healthy, "entries": b.entries, "bytes": b.bytes_used,
                      "byte_budget": b.byte_budget, "can_pin": b.can_pin, "pinned_entries": b.pinned_entries,
                      "pinned_bytes": b.pinned_bytes, "pin_budget": b.pin_budget,
                      "by_tenant": _counts(by_tenant),
-                     "by_model": _counts(families.get(name))}
+                     "by_model": _counts(_by(groups, 1) if tenants is True else None)}
+    return out
+
+
+def _by(groups: dict[UsageGroup, tuple[int, int]] | None, field: int) -> dict[str, tuple[int, int]] | None:
+    """Returns a tier's usage summed per tenant (`field` 0; unsalted keys not counted) or per key
+    family (1), None when the tier cannot tell."""
+    if groups is None:
+        return None
+    out: dict[str, tuple[int, int]] = {}
+    for group, (n, b) in groups.items():
+        label = group[field]
+        if label is not None:
+            n0, b0 = out.get(label, (0, 0))
+            out[label] = (n0 + n, b0 + b)
     return out
 
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from kvkeys.chain import chain_hash, chain_prefixes, root_hash
-from kvkeys.tenants import KEY_ROOT, TENANT_FIELD, salted_root, tenant_prefix, tenant_tag
+from kvkeys.tenants import KEY_ROOT, salted_root, tenant_prefix, tenant_tag
 
 LAYOUT_VERSION = 1
 """Bumped whenever the chunk tensor layout `(layers, 2, tokens, kv_heads, head_size)` changes."""
@@ -115,25 +115,6 @@ def chunk_key(model: str, kv_dtype: str, chunk_size: int, chain: bytes,
     for a tenant `kvtier:tenant-<tag>:<model>:...`."""
     head = tenant_prefix(tenant) if tenant is not None else KEY_ROOT
     return f"{head}{model}:{kv_dtype}:v{layout_version}:c{chunk_size}:{chain.hex()}"
-
-
-def key_family_label(key: str) -> str | None:
-    """Returns `<model>:<dtype>:v<layout>:c<chunk_size>`, what a stored chunk key (any tenant's,
-    any layer's or head's value) names besides its tenant and hash; None for another key."""
-    if not key.startswith(KEY_ROOT):
-        return None
-    fields = key[len(KEY_ROOT):].split(":")
-    if fields and fields[0].startswith(TENANT_FIELD):
-        fields = fields[1:]
-    if len(fields) != 5 or not fields[2].startswith("v") or not fields[3].startswith("c"):
-        return None
-    return ":".join(fields[:4])
-
-
-def is_chunk_key(key: str) -> bool:
-    """Returns whether `key` names a stored chunk's value (any tenant's, layer's or head's),
-    not a tier's own bookkeeping (the key families' index, connector/key_families.py)."""
-    return key_family_label(key) is not None
 
 
 def layer_key(key: str, layer: int) -> str:

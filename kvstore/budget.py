@@ -12,15 +12,17 @@ values being sent or spilled, files being read) stays with that owner."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Generic, overload
+from typing import Any, Generic, TypeVar, overload
 
 from kvkeys.tenants import key_tenant
 from kvstore.eviction import EvictionPolicy, K, make_policy
 from kvstore.pin_set import PinSet
 from kvstore.sizes import parse_size
 from kvstore.tenant_quota import TenantBytes, never_pinned
+
+G = TypeVar("G", bound=Hashable)  # what usage is counted by
 
 
 class BudgetError(ValueError):
@@ -145,8 +147,9 @@ class ByteBudget(Generic[K]):
             return None
         return victims
 
-    def add(self, key: K, nbytes: int) -> None:
-        """Records `key` as stored with `nbytes` (replacing an earlier size)."""
+    def add(self, key: K, nbytes: int, times: tuple[float, float] | None = None) -> None:
+        """Records `key` as stored with `nbytes` (replacing an earlier size), stored and last used
+        now, or at `times` (stored, last used) when it moved here from elsewhere."""
         delta = nbytes - self.sizes.get(key, 0)
         self.used += delta
         self.tenants.record(key, delta)
@@ -154,7 +157,7 @@ class ByteBudget(Generic[K]):
         self.policy.on_insert(key)
         self.pinned.resize(self.pin_name(key), nbytes)
         now = time.time()
-        self.times[key] = (now, now)
+        self.times[key] = times or (now, now)
 
     def remove(self, key: K) -> int:
         """Forgets `key`; returns the bytes it freed (0 if unknown)."""
@@ -171,10 +174,10 @@ class ByteBudget(Generic[K]):
             self.policy.on_access(key)
             self.times[key] = (self.times.get(key, (time.time(), 0.0))[0], time.time())
 
-    def usage_by(self, label: Callable[[K], str | None]) -> dict[str, tuple[int, int]]:
+    def usage_by(self, label: Callable[[K], G | None]) -> dict[G, tuple[int, int]]:
         """Returns per label of the keys held (`label(key)`; None: the key is not counted) its
         (entries, bytes)."""
-        out: dict[str, tuple[int, int]] = {}
+        out: dict[G, tuple[int, int]] = {}
         for key, nbytes in self.sizes.items():
             tag = label(key)
             if tag is not None:

@@ -12,10 +12,12 @@ Wiring, read by the storage manager:
   to the tier below (`TierSpec.fill`, "demote").
 
 Operations, reached only through `kvstore.tier_operations.TierOperations`:
-- `OperatedTier`: describe stored values, operator pins, limits changed at run time.
-- `IndexedTier`: the tier indexes every chunk it holds with its last use: usage per label and
-  idle deletion.
-- `PrefixDeletable`: removes every key under a prefix, whoever wrote it (a tenant's keys).
+- `OperatedTier`, the one capability of operations: describe stored values, operator pins,
+  limits changed at run time, usage per tenant and model, idle deletion.
+
+Removal beside the contract's `delete`:
+- `PrefixDeletable`: removes every key under a prefix, whoever wrote it (a tenant's keys);
+  Redis can, though it cannot be operated (its own maxmemory policy evicts, pins or not).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from kvkeys.stored_keys import UsageGroup
     from kvstore.backend import Destination, EntryInfo
     from kvstore.deadlines import RemoteDeadlines
 
@@ -92,7 +95,8 @@ class ReadsInPlace(ABC):
 
 
 class OperatedTier(ABC):
-    """A tier an operator can inspect, pin and re-budget (`/kv/inspect`, `/kv/pin`, `/kv/budget`)."""
+    """A tier an operator can inspect, pin, re-budget and clean (`/kv/inspect`, `/kv/pin`,
+    `/kv/budget`, `/kv/clear`): it indexes every chunk it holds with its size and last use."""
 
     @abstractmethod
     def describe(self, keys: Sequence[str]) -> list[EntryInfo | None]:
@@ -114,19 +118,15 @@ class OperatedTier(ABC):
         """Changes the limits given (None: unchanged), evicting least recently used chunks (never
         pinned) to meet them before it returns; BudgetError or ValueError: nothing changed."""
 
-
-class IndexedTier(ABC):
-    """A tier that indexes every chunk it holds, with its size and last use."""
-
     @abstractmethod
-    def usage_by(self, label: Callable[[str], str | None]) -> dict[str, tuple[int, int]]:
-        """Returns per label of its keys (`label(key)`, e.g. a tenant tag; None: not counted) the
-        (entries, bytes) this tier holds."""
+    def usage(self) -> dict[UsageGroup, tuple[int, int]]:
+        """Returns per (tenant tag, key family) of the chunks this tier holds (kvkeys/stored_keys.py
+        `usage_group`; keys naming no chunk are not counted) their (entries, bytes)."""
 
     @abstractmethod
     def delete_idle(self, older_than_s: float) -> int:
         """Removes every stored chunk not used for `older_than_s` seconds (never a pinned one, nor
-        the tier's own bookkeeping: `kvkeys.keyspace.is_chunk_key`); returns how many."""
+        the tier's own bookkeeping: `kvkeys.stored_keys.is_chunk_key`); returns how many."""
 
 
 class PrefixDeletable(ABC):

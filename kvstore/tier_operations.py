@@ -24,10 +24,10 @@ from typing import TypeVar
 
 import torch
 
-from kvkeys.keyspace import is_chunk_key
+from kvkeys.stored_keys import UsageGroup, is_chunk_key
 from kvstore.backend import BackendError, EntryInfo, StorageBackend, leading_run
 from kvstore.budget import BudgetError
-from kvstore.capabilities import IndexedTier, OperatedTier, PrefixDeletable, RemoteTier
+from kvstore.capabilities import OperatedTier, PrefixDeletable, RemoteTier
 from kvstore.deadlines import CallKind
 from kvstore.device_staging import stage
 from kvstore.load_holds import LoadHolds
@@ -135,13 +135,13 @@ class TierOperations:
         value), None for a tier whose evictions this process does not all see (a shared tier)."""
         return {n: self._events.recently_evicted(i, keys) for i, n in enumerate(self.names)}
 
-    def usage_by(self, label: Callable[[str], str | None]) -> dict[str, dict[str, tuple[int, int]] | None]:
-        """Returns per tier name its (entries, bytes) per label of its keys (`label(key)`; None:
-        not counted), None where the tier keeps no index of its chunks or is backing off."""
-        out: dict[str, dict[str, tuple[int, int]] | None] = {}
+    def usage(self) -> dict[str, dict[UsageGroup, tuple[int, int]] | None]:
+        """Returns per tier name its (entries, bytes) per (tenant tag, key family) of the chunks it
+        holds, None where the tier cannot be operated or is backing off."""
+        out: dict[str, dict[UsageGroup, tuple[int, int]] | None] = {}
         for i, g in enumerate(self._guards):
             tier = g.tier
-            out[self.names[i]] = self._read(i, partial(tier.usage_by, label)) if isinstance(tier, IndexedTier) else None
+            out[self.names[i]] = self._read(i, tier.usage) if isinstance(tier, OperatedTier) else None
         return out
 
     def held_prefix(self, tier: str | None, keys: Sequence[str]) -> int:
@@ -225,7 +225,7 @@ class TierOperations:
         seconds (never a pinned one), after queued writes; the others are reported as unable."""
         self._flush()
         return self._each_tier("tell when its chunks were last used",
-                               lambda t: partial(t.delete_idle, older_than_s) if isinstance(t, IndexedTier) else None)
+                               lambda t: partial(t.delete_idle, older_than_s) if isinstance(t, OperatedTier) else None)
 
     def delete_prefix(self, prefix: str) -> PerTier:
         """Removes every key starting with `prefix` (non-empty) from every tier, after queued

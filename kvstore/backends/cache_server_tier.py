@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from kvkeys.stored_keys import UsageGroup
 from kvsettings import ProcessEnv
 from kvstore import serde
 from kvstore.backend import BackendError, BackendStats, BytesBackend, EntryInfo, ReadValue, StoredValue
@@ -40,7 +41,7 @@ from kvstore.backends.server_client import (
     ServerUnavailable,
 )
 from kvstore.budget import BudgetError
-from kvstore.cache_server.protocol import Status
+from kvstore.cache_server.protocol import ProtocolError, Status
 from kvstore.capabilities import OperatedTier, PrefixDeletable, RemoteTier
 from kvstore.codecs import Codec
 from kvstore.deadlines import OPTIONS, CallKind, RemoteDeadlines
@@ -210,6 +211,19 @@ class CacheServerBackend(BytesBackend, RemoteTier, OperatedTier, PrefixDeletable
                 EntryInfo(int(d["bytes"]), None, None, bool(d["pinned"]),
                           None if d["pin_expires_in_s"] is None else float(d["pin_expires_in_s"]))
                 for d in got]
+
+    def usage(self) -> dict[UsageGroup, tuple[int, int]]:
+        """Returns the server's (entries, bytes) per (tenant, key family) of its chunks, in memory
+        and on its disk spill (one USAGE round trip); BackendError when it cannot tell."""
+        try:
+            return self._io(self.lookup_client.usage)
+        except ProtocolError as exc:
+            raise BackendError(f"cache server {self.url}: {exc}") from exc
+
+    def delete_idle(self, older_than_s: float) -> int:
+        """Removes the server's chunks, in memory and on its disk spill, not used for
+        `older_than_s` seconds, never pinned ones (one DELETE_IDLE); returns how many."""
+        return int(self._io(self.client.delete_idle, older_than_s))
 
     def pin(self, keys: Sequence[str], ttl_s: float | None = None) -> int:
         """Pins `keys` on the server, all or none; returns the bytes newly pinned. PinError

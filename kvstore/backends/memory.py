@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvkeys.keyspace import is_chunk_key
+from kvkeys.stored_keys import UsageGroup, is_chunk_key, usage_group
 from kvstore import serde
 from kvstore.backend import BackendStats, EntryInfo, StorageBackend
 from kvstore.budget import ByteBudget
-from kvstore.capabilities import EvictingTier, HandsOverEvictions, IndexedTier, OperatedTier, PrefixDeletable
+from kvstore.capabilities import EvictingTier, HandsOverEvictions, OperatedTier, PrefixDeletable
 from kvstore.codecs import Buffer, Codec, QuantCodec, get_codec, host_copy
 from kvstore.eviction import DEFAULT_POLICY, make_policy
 from kvstore.pin_set import default_pin_budget
@@ -37,7 +37,7 @@ def _whole_tensor(kv: torch.Tensor, device: torch.device) -> bool:
             and kv.untyped_storage().nbytes() == kv.numel() * kv.element_size())
 
 
-class MemoryBackend(StorageBackend, EvictingTier, HandsOverEvictions, OperatedTier, IndexedTier, PrefixDeletable):
+class MemoryBackend(StorageBackend, EvictingTier, HandsOverEvictions, OperatedTier, PrefixDeletable):
     """Chunks held in this process's memory on `device`, within a hard byte budget; the
     operator's pins within `pin_budget` (None: half the byte budget, kvstore/pin_set.py)."""
 
@@ -185,9 +185,9 @@ class MemoryBackend(StorageBackend, EvictingTier, HandsOverEvictions, OperatedTi
                 out.append(EntryInfo.held(nbytes, now - stored, now - used, pin))
         return out
 
-    def usage_by(self, label: Callable[[str], str | None]) -> dict[str, tuple[int, int]]:
+    def usage(self) -> dict[UsageGroup, tuple[int, int]]:
         with self._lock:
-            return self._budget.usage_by(label)
+            return self._budget.usage_by(usage_group)
 
     def pin(self, keys: Sequence[str], ttl_s: float | None = None) -> int:
         with self._lock:

@@ -290,6 +290,17 @@ class CacheServerClient:
         """Removes every key starting with `prefix` (non-empty); returns how many."""
         return P.decode_count(_expect_ok(self._one(Request(Op.DELETE_PREFIX, prefix))).payload)
 
+    def usage(self, prefix: bytes = b"") -> dict[tuple[str | None, str], tuple[int, int]]:
+        """Returns per (tenant, key family) of the server's chunks under `prefix` (empty: all;
+        a tenant token: its own prefix) their (entries, bytes)."""
+        return P.decode_usage(_expect_ok(self._one(Request(Op.USAGE, prefix))).payload)
+
+    def delete_idle(self, older_than_s: float) -> int:
+        """Removes the server's chunks not used for `older_than_s` seconds (never pinned ones; the
+        operator's token); returns how many."""
+        ms = P.encode_count(max(0, round(older_than_s * 1000)))
+        return P.decode_count(_expect_ok(self._one(Request(Op.DELETE_IDLE, payload=ms))).payload)
+
     def clear(self) -> None:
         _expect_ok(self._one(Request(Op.CLEAR)))
 

@@ -29,7 +29,7 @@ _OPS = frozenset(int(op) for op in Op)
 # name none and reveal no entry. Every other op (CLEAR, SET_BUDGET, and any op added later,
 # until it is listed here) is the operator's.
 _LIST_OPS = frozenset({Op.PREFIX_HITS, Op.PIN, Op.UNPIN, Op.DESCRIBE})
-_KEYED_OPS = frozenset({Op.GET, Op.EXISTS, Op.PUT, Op.DELETE, Op.DELETE_PREFIX, *_LIST_OPS})
+_KEYED_OPS = frozenset({Op.GET, Op.EXISTS, Op.PUT, Op.DELETE, Op.DELETE_PREFIX, Op.USAGE, *_LIST_OPS})
 _UNKEYED_OPS = frozenset({Op.PING, Op.AUTH, Op.STATS})
 
 
@@ -122,6 +122,20 @@ def dispatch(conn: HandlerConnection, h: P.Header, key: bytes, payload: memoryvi
             conn.reply(Status.BAD_REQUEST, rid, b"DELETE_PREFIX needs a non-empty prefix (CLEAR removes all)")
         else:
             conn.reply(Status.OK, rid, P.encode_count(store.delete_prefix(key)))
+    elif code == Op.USAGE:  # one pass over the keys, as DELETE_PREFIX; a tenant asks under its own prefix
+        groups = store.usage(key)
+        if len(groups) > P.MAX_USAGE_GROUPS:
+            conn.reply(Status.TOO_LARGE, rid, f"more than {P.MAX_USAGE_GROUPS} (tenant, key family) groups; "
+                       "ask per tenant prefix".encode())
+        else:
+            conn.reply(Status.OK, rid, P.encode_usage(groups))
+    elif code == Op.DELETE_IDLE:  # the operator's (not in _KEYED_OPS nor _UNKEYED_OPS)
+        try:
+            older_than_ms = P.decode_count(payload)
+        except P.ProtocolError as exc:
+            conn.reply(Status.BAD_REQUEST, rid, str(exc).encode())
+            return
+        conn.reply(Status.OK, rid, P.encode_count(store.delete_idle(older_than_ms / 1000)))
     elif code == Op.PING:
         conn.reply(Status.OK, rid, b"PONG")
     elif code == Op.CLEAR:

@@ -47,6 +47,8 @@ class Op(IntEnum):
     PIN = 12  # payload: u64 ttl in ms (0: until unpinned), then a key list; replies the bytes newly pinned
     UNPIN = 13  # payload: a key list; replies how many were pinned
     DESCRIBE = 14  # payload: a key list; replies JSON, per key its bytes and pin (null: not held)
+    USAGE = 15  # key: a prefix (empty: all); replies JSON, per (tenant, key family) of its chunks entries and bytes
+    DELETE_IDLE = 16  # the operator's; payload: u64 ms; removes chunks unused that long; replies the count
 
 
 class Status(IntEnum):
@@ -177,6 +179,29 @@ def decode_count(payload: Buffer) -> int:
     if len(payload) != 8:
         raise ProtocolError(f"count payload must be 8 bytes, got {len(payload)}")
     return _U64.unpack(payload)[0]
+
+
+MAX_USAGE_GROUPS = 4096
+"""The most (tenant, key family) groups a USAGE reply carries: more is refused (TOO_LARGE), never
+a reply of unbounded size."""
+
+
+def encode_usage(groups: dict[tuple[str | None, str], tuple[int, int]]) -> bytes:
+    """Returns a USAGE reply payload: a JSON list of [tenant or null, family, entries, bytes]."""
+    return json.dumps([[t, f, n, b] for (t, f), (n, b) in sorted(groups.items(), key=str)]).encode()
+
+
+def decode_usage(payload: Buffer) -> dict[tuple[str | None, str], tuple[int, int]]:
+    """Returns the groups of a USAGE reply; raises ProtocolError when it is malformed."""
+    try:
+        rows = json.loads(bytes(payload))
+        out = {(t, f): (int(n), int(b)) for t, f, n, b in rows
+               if (t is None or isinstance(t, str)) and isinstance(f, str)}
+    except (ValueError, TypeError, RecursionError):
+        raise ProtocolError("USAGE reply is not a list of [tenant, family, entries, bytes]") from None
+    if len(out) != len(rows):
+        raise ProtocolError("USAGE reply names a group that is not (tenant, family) strings")
+    return out
 
 
 LIMITS = ("max_bytes", "tenant_quota")

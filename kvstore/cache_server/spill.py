@@ -170,8 +170,10 @@ class DiskSpill:
     def _path(self, key: bytes) -> Path:
         return self.dir / F.file_name(key)
 
-    def put(self, key: bytes, value: Buffer, done: Callable[[bool], None]) -> bool:
-        """Queues a write of `value` under `key`, evicting LRU files first; returns False
+    def put(self, key: bytes, value: Buffer, done: Callable[[bool], None],
+            times: tuple[float, float] | None = None) -> bool:
+        """Queues a write of `value` under `key` (stored and last used at `times`, default now),
+        evicting LRU files first; returns False
         (queuing nothing, and `done` is never called) if the entry alone exceeds the disk
         budget or its tenant's quota. Otherwise `done(written)` runs on this thread once the
         worker no longer holds `value` (written, failed, or cancelled by `take`/`delete`/`clear`)."""
@@ -182,7 +184,7 @@ class DiskSpill:
         if not self._evict_to(self.max_bytes - size):
             return False  # only pinned files left to evict
         job = _Write(key, value, self._path(key), size)
-        self._add(key, size)
+        self._add(key, size, times)
         self._writing[key] = job
         self.worker.submit(lambda: _run_write(job), lambda error: self._written(job, error, done))
         return True
@@ -353,8 +355,8 @@ class DiskSpill:
             log.error("disk spill %s stopped accepting writes (%s): evicted entries are dropped, "
                       "memory keeps serving", self.root, exc)
 
-    def _add(self, key: bytes, size: int) -> None:
-        self.index.add(key, size)
+    def _add(self, key: bytes, size: int, times: tuple[float, float] | None = None) -> None:
+        self.index.add(key, size, times)
 
     def _take_out(self, key: bytes) -> int:
         """Removes `key` from the index (not its file); returns its size."""

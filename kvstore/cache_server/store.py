@@ -40,6 +40,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from kvkeys.stored_keys import UsageGroup, usage_group_bytes
 from kvkeys.tenants import key_tenant_bytes
 from kvstore.budget import ByteBudget
 from kvstore.cache_server.protocol import Buffer
@@ -442,6 +443,30 @@ class ByteStore:
         self._drop_lost_pins()
         return read_stats(self)
 
+    def usage(self, prefix: bytes = b"") -> dict[UsageGroup, tuple[int, int]]:
+        """Returns per (tenant, key family) of the chunks held in memory and on disk whose keys
+        start with `prefix` their (entries, bytes) (kvkeys/stored_keys.py)."""
+        def group(key: bytes) -> UsageGroup | None:
+            return usage_group_bytes(key) if key.startswith(prefix) else None
+
+        out = self.budget.usage_by(group)
+        for g, (n, b) in (self.spill.index.usage_by(group) if self.spill is not None else {}).items():
+            n0, b0 = out.get(g, (0, 0))
+            out[g] = (n0 + n, b0 + b)
+        return out
+
+    def delete_idle(self, older_than_s: float) -> int:
+        """Removes every chunk (never a pinned one, nor a key naming no chunk) not used for
+        `older_than_s` seconds, from memory and disk (a spilled chunk keeps its last use; one
+        found on disk at startup was last used then); returns how many."""
+        cutoff = time.time() - older_than_s
+        held = [self.budget.times, self.spill.index.times] if self.spill is not None else [self.budget.times]
+        idle = {k for times in held for k, (_, used) in times.items()
+                if used <= cutoff and usage_group_bytes(k) is not None and not self._pinned(k)}
+        removed = sum(self._delete(k) for k in idle)
+        self._save_pins()
+        return removed
+
     def tenant_bytes(self) -> dict[str, int]:
         """Returns the bytes of stored entries in memory per tenant tag (salted keys only)."""
         return dict(self.tenants.used)
@@ -508,14 +533,14 @@ class ByteStore:
 
     def _spill(self, key: bytes, value: Buffer) -> None:
         # The write holds the buffer like a reply does: its bytes stay counted until written.
-        size = self.budget.sizes[key]
+        size, times = self.budget.sizes[key], self.budget.times.get(key)
         self.pin(key, value)
         self._forget(key, value)
         token = object()
         self._spilling[id(value)] = token
         self.spilling += size
         assert self.spill is not None
-        if not self.spill.put(key, value, lambda _ok: self._spilled(value, size, token)):
+        if not self.spill.put(key, value, lambda _ok: self._spilled(value, size, token), times):
             self._spilled(value, size, token)  # larger than the whole disk budget: dropped
 
     def _spilled(self, value: Buffer, size: int, token: object) -> None:

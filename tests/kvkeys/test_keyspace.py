@@ -14,7 +14,8 @@ import torch
 
 from harness import process
 from kvkeys.chain import chain_hash
-from kvkeys.keyspace import LAYOUT_VERSION, ROOT_HASH, Keyspace, chunk_key, head_key, key_family_label, layer_key
+from kvkeys.keyspace import LAYOUT_VERSION, ROOT_HASH, Keyspace, chunk_key, head_key, layer_key
+from kvkeys.stored_keys import key_family_label
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENS = list(range(1000, 1700)) + [49151, 0, 7]

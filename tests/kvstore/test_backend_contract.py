@@ -50,7 +50,7 @@ def test_no_tier_overrides_a_convenience() -> None:
 
 def test_every_public_method_of_a_tier_is_the_contract_or_a_capability_it_declares() -> None:
     assert {c.__name__ for c in CAPABILITIES} == {"RemoteTier", "EvictingTier", "ReadsInPlace", "OperatedTier",
-                                                  "IndexedTier", "PrefixDeletable", "HandsOverEvictions"}
+                                                  "PrefixDeletable", "HandsOverEvictions"}
     for cls in _tier_classes():
         allowed = CONTRACT | CONVENIENCES | {"from_spec"} | EXTRAS.get(cls.__name__, set())
         for cap in CAPABILITIES:

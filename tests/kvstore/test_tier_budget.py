@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from harness.redis import RedisServer
-from kvkeys.tenants import key_tenant, tenant_prefix
+from kvkeys.tenants import tenant_prefix
 from kvstore.budget import BudgetError
+from kvstore.capabilities import OperatedTier
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import KVStoreConfig, TierSpec
 
@@ -30,7 +31,8 @@ def _chunk(fill: float) -> torch.Tensor:
 
 
 def _key(i: int, tag: str | None = None) -> str:
-    return f"kvtier:m:{i}" if tag is None else f"{tenant_prefix(tag)}m:{i}"
+    name = f"m:float16:v1:c16:{i:032x}"  # a chunk key: usage counts chunks
+    return f"kvtier:{name}" if tag is None else f"{tenant_prefix(tag)}{name}"
 
 
 @pytest.fixture(params=["cpu", "disk"])
@@ -118,15 +120,24 @@ def test_a_lowered_tenant_quota_evicts_only_the_tenants_past_it(
     # A keeps its pinned oldest and its two newest; B (within the quota) and unsalted keep all
     assert tier.batched_contains(a) == [True, False, False, False, True, True]
     assert tier.batched_contains(b + plain) == [True] * 5
-    usage = tier.usage_by(key_tenant)
-    assert usage is not None and usage[A] == (3, 3 * size) and usage[B] == (2, 2 * size)
+    usage = _by_tenant(tier)
+    assert usage[A] == (3, 3 * size) and usage[B] == (2, 2 * size)
     for i in range(6, 10):  # A's later puts stay within the quota, by its own LRU
         _put(manager, _key(i, A))
-        assert (tier.usage_by(key_tenant) or {})[A] == (3, 3 * size)
+        assert _by_tenant(tier)[A] == (3, 3 * size)
     assert tier.batched_contains(b + plain) == [True] * 5
     with pytest.raises(BudgetError, match="tenant_quota"):
         manager.operations.set_budget(kind, tenant_quota=size - 1)  # below A's pinned chunk
-    assert (tier.usage_by(key_tenant) or {})[A] == (3, 3 * size)
+    assert _by_tenant(tier)[A] == (3, 3 * size)
+
+
+def _by_tenant(tier: OperatedTier) -> dict[str | None, tuple[int, int]]:
+    """Returns a tier's usage summed per tenant."""
+    out: dict[str | None, tuple[int, int]] = {}
+    for (tenant, _), (n, b) in tier.usage().items():
+        n0, b0 = out.get(tenant, (0, 0))
+        out[tenant] = (n0 + n, b0 + b)
+    return out
 
 
 def test_a_redis_tier_refuses_by_name(redis_server: RedisServer) -> None:

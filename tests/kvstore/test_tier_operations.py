@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from harness.redis import RedisServer, free_port
+from kvkeys.stored_keys import usage_group
 from kvstore.backends.disk import DiskBackend
 from kvstore.backends.memory import CPUBackend
 from kvstore.budget import BudgetError
@@ -56,10 +57,11 @@ def test_what_a_tier_cannot_do_names_the_tiers_that_can(tmp_path: Path, redis_se
             ops.pin("redis", [ckey(0)])
         with pytest.raises(BudgetError, match="maxmemory"):
             ops.set_budget("redis", byte_budget=1 << 20)
+        usage = ops.usage()
+        assert usage["1:redis"] is None and usage["0:cpu"] == {usage_group(ckey(0)): (1, _chunk_bytes())}
         removed, errors = ops.delete_idle(0.0)
         assert removed == {"0:cpu": 1}
         assert errors == {"1:redis": "tier 1:redis cannot tell when its chunks were last used"}
-        assert ops.usage_by(lambda key: "all")["1:redis"] is None
         assert ops.delete_prefix("kvtier:test:") == ({"0:cpu": 0, "1:redis": 1}, {})
     finally:
         manager.close()

@@ -43,7 +43,7 @@ from urllib.parse import unquote, urlsplit
 
 import torch
 
-from kvkeys.keyspace import is_chunk_key
+from kvkeys.stored_keys import UsageGroup, is_chunk_key, usage_group
 from kvkeys.tenants import key_tenant, tenant_prefix
 from kvstore import serde
 from kvstore.backend import BackendError, BackendStats, BytesBackend, Destination, EntryInfo, ReadValue, StoredValue
@@ -60,7 +60,7 @@ from kvstore.backends.disk.file_names import (
     temp_path,
 )
 from kvstore.budget import ByteBudget
-from kvstore.capabilities import EvictingTier, IndexedTier, OperatedTier, PrefixDeletable, ReadsInPlace
+from kvstore.capabilities import EvictingTier, OperatedTier, PrefixDeletable, ReadsInPlace
 from kvstore.codecs import Codec
 from kvstore.entry_files import entry_scan
 from kvstore.entry_files.atomic_write import create_temp, discard, install, write_parts
@@ -76,7 +76,7 @@ __all__ = ["DiskBackend"]
 log = logging.getLogger(__name__)
 
 
-class DiskBackend(BytesBackend, EvictingTier, ReadsInPlace, OperatedTier, IndexedTier, PrefixDeletable):
+class DiskBackend(BytesBackend, EvictingTier, ReadsInPlace, OperatedTier, PrefixDeletable):
     """Chunks as files in `root`, within a hard byte budget shared by every process using it."""
 
     name = "disk"
@@ -506,10 +506,10 @@ class DiskBackend(BytesBackend, EvictingTier, ReadsInPlace, OperatedTier, Indexe
             out.append(EntryInfo.held(st.st_size, None, max(0.0, time.time() - st.st_mtime), pin))
         return out
 
-    def usage_by(self, label: Callable[[str], str | None]) -> dict[str, tuple[int, int]]:
-        """Per label the files this process knows (found at open, written or found since)."""
+    def usage(self) -> dict[UsageGroup, tuple[int, int]]:
+        """Counts the files this process knows (found at open, written or found since)."""
         with self._lock:
-            return self._index.usage_by(label)
+            return self._index.usage_by(usage_group)
 
     def pin(self, keys: Sequence[str], ttl_s: float | None = None) -> int:
         """Pins stored `keys` in the directory's pin file, all or none, within its pin budget
