@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvsettings import ProcessEnv, variable
+from kvsettings import TIERS_ENV, ProcessEnv, variable
 
 if TYPE_CHECKING:
     from engine.attention_metadata import AttentionMetadata
@@ -228,9 +228,9 @@ class KVConnector:
 
 CONFIG_FILE_ENV = (variable(ProcessEnv, "config"), "LMCACHE_CONFIG_FILE")
 """Variables naming a connector config file, first one set wins (LMCache's name reads an LMCache YAML)."""
-CONNECTOR_ENV = (CONFIG_FILE_ENV[0], "KVTIER_TIERS", "LMCACHE_CONFIG_FILE")
-"""Variables that alone enable the KV connector, as LMCACHE_CONFIG_FILE does for LMCache. KVTIER_TIERS is
-kvstore's `tiers` key (declared in KVStoreConfig, which the engine may not import): named here only."""
+CONNECTOR_ENV = (CONFIG_FILE_ENV[0], TIERS_ENV, "LMCACHE_CONFIG_FILE")
+"""Variables that alone enable the KV connector, as LMCACHE_CONFIG_FILE does for LMCache: the config file's,
+and kvstore's `tiers` key's (`kvsettings.TIERS_ENV`, which `KVStoreConfig.tiers` declares with it)."""
 
 
 def connector_env(env: Mapping[str, str] | None = None) -> str | None:

@@ -182,6 +182,12 @@ TENANT_TAG_KEY = opt(
 key `tenant_tag_key` are this same setting, shown in both tables."""
 
 
+TIERS_ENV = "KVTIER_TIERS"
+"""The variable of kvstore's `tiers` key, which `KVStoreConfig.tiers` declares (its parser, default and
+meaning are there). Named here, below engine and kvstore, because setting it alone also enables the KV
+connector, which the engine decides (engine/kv_connector.py `CONNECTOR_ENV`) without importing kvstore."""
+
+
 @dataclass(frozen=True)
 class ProcessEnv:
     """The `KVTIER_*` variables that set no config key, one field each: read them with

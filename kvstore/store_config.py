@@ -23,7 +23,18 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from kvsettings import ProcessEnv, Setting, did_you_mean, env_float, env_int, env_str, field_settings, opt, parse_env
+from kvsettings import (
+    TIERS_ENV,
+    ProcessEnv,
+    Setting,
+    did_you_mean,
+    env_float,
+    env_int,
+    env_str,
+    field_settings,
+    opt,
+    parse_env,
+)
 from kvstore.codecs import CODEC_NAMES
 from kvstore.deadlines import BACKOFF_INITIAL_S, BACKOFF_MAX_S, FLUSH_TIMEOUT_S
 from kvstore.eviction import DEFAULT_POLICY, POLICIES
@@ -161,7 +172,7 @@ class KVStoreConfig:
         "(raw, lz4, int8, int4), `eviction` (" + ", ".join(POLICIES) + "), `fill` (write: every chunk; "
         "demote: what the cpu or device tier above evicts) and backend options "
         "(env: comma-separated URLs, `?budget=4GiB&codec=lz4`)",
-        env="KVTIER_TIERS", parse=_env_tiers, shown="cpu?budget=4GiB"))
+        env=TIERS_ENV, parse=_env_tiers, shown="cpu?budget=4GiB"))
     queue_size: int = field(default=64, metadata=opt(
         "background writes to the slower tiers that may wait; beyond it one is dropped (counted)",
         env="KVTIER_QUEUE_SIZE", parse=env_int))

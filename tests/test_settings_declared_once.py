@@ -1,9 +1,12 @@
 """Each setting is declared once: its type, default, `KVTIER_*` variable, flag and help in one
 dataclass field (`kvsettings.opt`), and every reader, table and parser takes them from there.
 
-- No module of kvstore/, connector/, kvtier/ or engine/ reads a `KVTIER_*` variable by name: the
-  variables are read through their declarations (`kvsettings.ProcessEnv`, the configs' fields and
-  the rows `field_settings` makes of them), in kvsettings/.
+- No shipped module outside kvsettings/ names a `KVTIER_*` variable in code: a string that is a
+  variable's name (or builds one, `f"KVTIER_{x}"`) appears only as the `env=`/`aliases=` of its
+  declaration (`kvsettings.opt(...)` in a config field), so no variable is read by name, directly or
+  through a constant, tuple or variable holding it. The variables are read through their
+  declarations (`kvsettings.ProcessEnv`, the configs' fields and the rows `field_settings` makes of
+  them, `kvsettings.variable`), in kvsettings/; prose (help, docstrings, errors) may name them.
 - kvstore's table of keys is read from `KVStoreConfig`'s fields, not written beside them.
 - The cache server's and the router's flags are built from `ServerConfig`/`StoreBudgets` and
   `RouterConfig`: no flag default is written in their command modules, and each parser's
@@ -14,16 +17,30 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from kvsettings import PROCESS_SETTINGS, TENANT_TAG_KEY, ProcessEnv, Setting, field_default, field_settings, flag_of
+from kvsettings import (
+    PROCESS_SETTINGS,
+    TENANT_TAG_KEY,
+    TIERS_ENV,
+    ProcessEnv,
+    Setting,
+    field_default,
+    field_settings,
+    flag_of,
+    variable,
+)
 
 REPO = Path(__file__).resolve().parent.parent
-SCANNED = ("kvstore", "connector", "kvtier", "engine")
-"""Where no `KVTIER_*` variable may be read by name: the settings' home, kvsettings/, is not scanned."""
+SCANNED = ("kvstore", "connector", "kvtier", "engine", "kvkeys", "hostmem")
+"""Where no `KVTIER_*` variable is named in code: the settings' home, kvsettings/, is not scanned."""
+DECLARING = ("env", "aliases")
+"""The keywords of `opt(...)` that declare a setting's variable (and its older names)."""
+_NAME = re.compile(r"KVTIER_[A-Z0-9_]*")
 
 
 def _modules(*packages: str) -> list[Path]:
@@ -31,25 +48,28 @@ def _modules(*packages: str) -> list[Path]:
 
 
 def _is_var(node: ast.AST) -> bool:
-    return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("KVTIER_")
+    """Whether `node` is a string that is a variable's name, or its start (`"KVTIER_" + key`, an f-string's)."""
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and _NAME.fullmatch(node.value) is not None
 
 
-def env_reads(tree: ast.AST) -> list[int]:
-    """Returns the lines that read a `KVTIER_*` variable by name: `os.getenv("KVTIER_X")`,
-    `<mapping>.get/pop/setdefault("KVTIER_X")`, `<mapping>["KVTIER_X"]`, `"KVTIER_X" in <mapping>`."""
-    lines = []
+def _declaration_sites(tree: ast.AST) -> set[int]:
+    """Returns the ids of the strings that declare a variable: `opt(..., env="KVTIER_X", aliases=("KVTIER_Y",))`."""
+    sites = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and node.args and _is_var(node.args[0]):
-            func = node.func
-            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
-            if name in ("getenv", "get", "pop", "setdefault", "getenvb"):
-                lines.append(node.lineno)
-        elif isinstance(node, ast.Subscript) and _is_var(node.slice):
-            lines.append(node.lineno)
-        elif isinstance(node, ast.Compare) and _is_var(node.left) and any(
-                isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
-            lines.append(node.lineno)
-    return lines
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "opt":
+            for kw in node.keywords:
+                if kw.arg in DECLARING:
+                    sites |= {id(n) for n in ast.walk(kw.value) if _is_var(n)}
+    return sites
+
+
+def named_variables(tree: ast.AST) -> list[int]:
+    """Returns the lines that name a `KVTIER_*` variable in code outside its declaration: a read
+    (`os.getenv("KVTIER_X")`, `env["KVTIER_X"]`, `"KVTIER_X" in env`), and the name kept in a
+    constant, tuple or variable to read later (`VARS = ("KVTIER_X",)`, `env.get(VARS[0])`) or built
+    (`f"KVTIER_{key}"`). Prose that names one (help, docstrings, errors) is not a name in code."""
+    declared = _declaration_sites(tree)
+    return sorted({n.lineno for n in ast.walk(tree) if _is_var(n) and id(n) not in declared})
 
 
 def test_the_scan_sees_each_form_of_read() -> None:
@@ -61,15 +81,33 @@ c = env["KVTIER_C"]
 d = "KVTIER_D" in os.environ
 e = os.environ.get("HOME")
 f = help_text("KVTIER_F is named, not read")
+NAMES = (ProcessEnv.config, "KVTIER_G")
+def first_set(env):
+    return next((v for v in NAMES if env.get(v)), None)
+TIERS = "KVTIER_H"
+h = os.environ.get(TIERS)
+i = os.environ.get(f"KVTIER_{key.upper()}")
+j = os.environ.get("KVTIER_" + key.upper())
+k: int = field(default=1, metadata=opt("a help naming KVTIER_K", env="KVTIER_K", parse=env_int))
+m: str = field(default="", metadata=opt("old names", env="KVTIER_M", aliases=("KVTIER_OLD_M",), parse=env_str))
+n = opt("a value that is no declaration", metavar="KVTIER_N")
 """
-    assert env_reads(ast.parse(source)) == [3, 4, 5, 6]
+    assert named_variables(ast.parse(source)) == [3, 4, 5, 6, 9, 12, 14, 15, 18]
 
 
-def test_no_module_reads_a_kvtier_variable_by_name() -> None:
+def test_no_module_names_a_kvtier_variable_outside_its_declaration() -> None:
     found = [f"{p.relative_to(REPO)}:{line}" for p in _modules(*SCANNED)
-             for line in env_reads(ast.parse(p.read_text(encoding="utf-8")))]
-    assert found == [], ("read these through their declaration (kvsettings.ProcessEnv.read(), or the "
-                         f"config field that declares the variable), not by name: {found}")
+             for line in named_variables(ast.parse(p.read_text(encoding="utf-8")))]
+    assert found == [], ("read these through their declaration (kvsettings.ProcessEnv.read(), the config field "
+                         f"that declares the variable, kvsettings.variable), not by name: {found}")
+
+
+def test_the_variables_that_enable_the_connector_are_their_declarations() -> None:
+    from engine.kv_connector import CONNECTOR_ENV
+    from kvstore.store_config import KVStoreConfig
+
+    assert CONNECTOR_ENV == (variable(ProcessEnv, "config"), variable(KVStoreConfig, "tiers"), "LMCACHE_CONFIG_FILE")
+    assert variable(KVStoreConfig, "tiers") is TIERS_ENV
 
 
 def test_each_process_variable_is_declared_once() -> None:
