@@ -1,9 +1,10 @@
 """kvstore: codecs, storage tiers, the storage manager and the cache server (keys are opaque
 strings here; the connector's keyspace builds them, kvkeys/keyspace.py).
 
-Third-party imports: torch, numpy, redis, cramjam (LZ4), xxhash, blake3 (and PyYAML, only to read a YAML
-config); the cache server (`kvstore.cache_server`) never imports torch (tests/test_import_rules.py). Never imports
-`engine` or `connector`.
+Third-party imports: torch, numpy, redis, cramjam (LZ4), xxhash, blake3, sortedcontainers (the `reuse`
+eviction policy's order) and PyYAML (only to read a YAML config); of kvtier's packages, `hostmem`, `kvkeys`
+and `kvsettings`; never `engine` or `connector` (tests/test_import_rules.py, docs/architecture.md's table).
+The cache server (`kvstore.cache_server`) never imports torch (tests/test_import_rules.py).
 """
 
 from __future__ import annotations

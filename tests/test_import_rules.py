@@ -1,7 +1,9 @@
-"""The import rules of docs/architecture.md ("Import rules"), read from every shipped module's
-source: which of kvtier's packages each package may import, and that only connector/vllm/
-knows vLLM. Imports under `if TYPE_CHECKING:` count too: a rule broken for the type checker is
-a cycle waiting for the next refactor. And its module map names every shipped module."""
+"""The import rules of docs/architecture.md ("Layout and import rules"), read from every shipped
+module's source: which of kvtier's packages each package may import, which third-party modules
+(`THIRD_PARTY`, the doc's table), that only connector/vllm/ knows vLLM, and that no module is
+over `MAX_LINES` lines. Imports under `if TYPE_CHECKING:` and inside functions count too: a rule
+broken for the type checker or on first use is still broken. And its module map names every
+shipped module."""
 
 from __future__ import annotations
 
@@ -24,6 +26,21 @@ ALLOWED = {
     "connector": {"hostmem", "kvkeys", "kvsettings", "kvstore", "engine"},
     "kvtier": {"hostmem", "kvkeys", "kvsettings", "kvstore", "engine", "connector"},
 }
+THIRD_PARTY = {
+    "hostmem": set(),
+    "kvkeys": {"torch", "numpy"},
+    "kvsettings": set(),
+    "kvstore": {"torch", "numpy", "redis", "cramjam", "xxhash", "blake3", "sortedcontainers", "yaml"},
+    "engine": {"torch", "numpy", "safetensors", "tokenizers", "jinja2", "tqdm", "transformers", "gguf"},
+    "connector": {"torch", "packaging", "prometheus_client", "vllm"},
+    "kvtier": {"fastapi", "starlette", "uvicorn", "pydantic", "httpx", "anyio", "prometheus_client", "tqdm",
+               "yaml", "vllm"},
+}
+"""The third-party modules (top-level import names) each package may import, beside the standard
+library and kvtier's own packages (`ALLOWED`); docs/architecture.md's table says the same.
+vllm is narrower still: `VLLM_ADAPTER`."""
+MAX_LINES = 700
+"""No shipped module is longer (docs/architecture.md: one concept per module)."""
 VLLM_PACKAGE = "connector/vllm/"
 VLLM_ADAPTER = {
     "connector/vllm/vllm_api.py",  # every vLLM name the connector uses, after the version check
@@ -63,6 +80,51 @@ def test_each_package_imports_only_the_layers_below_it(package: str) -> None:
             if module in OURS and module != package and module not in ALLOWED[package]:
                 broken.append(f"{rel}:{line} imports {module}")
     assert not broken, "\n".join(broken)
+
+
+@pytest.mark.parametrize("package", OURS)
+def test_each_package_imports_only_its_listed_third_party_modules(package: str) -> None:
+    broken = []
+    for path in sorted((REPO / package).rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        for line, dotted in imported(path):
+            module = dotted.split(".")[0]
+            if module not in OURS and module not in sys.stdlib_module_names and module not in THIRD_PARTY[package]:
+                broken.append(f"{rel}:{line} imports {dotted}")
+    listed = ", ".join(sorted(THIRD_PARTY[package])) or "none"
+    assert not broken, (f"{package} may import only these third-party modules ({listed}; docs/architecture.md, "
+                        "\"Layout and import rules\"):\n" + "\n".join(broken))
+
+
+def doc_third_party() -> dict[str, set[str]]:
+    """Returns docs/architecture.md's table of third-party imports: package -> module names."""
+    rows: dict[str, set[str]] = {}
+    for line in (REPO / "docs" / "architecture.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 2 and cells[0].strip("`") in OURS:
+            names = {n.strip().strip("`") for n in cells[1].split(",")}
+            rows[cells[0].strip("`")] = set() if names == {"none"} else names
+    return rows
+
+
+def test_the_doc_lists_the_same_third_party_modules() -> None:
+    assert doc_third_party() == THIRD_PARTY
+
+
+def test_the_third_party_rule_sees_imports_inside_functions(tmp_path: Path) -> None:
+    """The check is not vacuous: an import inside a function, under TYPE_CHECKING or as a
+    submodule is read like one at the top."""
+    path = tmp_path / "m.py"
+    path.write_text("import os\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a.b\n"
+                    "def f():\n    from c.d import e\n    import numpy as np\n")
+    tops = [dotted.split(".")[0] for _, dotted in imported(path)]
+    assert [t for t in tops if t not in sys.stdlib_module_names] == ["a", "c", "numpy"]
+
+
+def test_no_shipped_module_is_over_the_line_limit() -> None:
+    long = [f"{rel}: {n} lines" for rel, path in shipped()
+            if (n := len(path.read_text().splitlines())) > MAX_LINES]
+    assert not long, f"no shipped module over {MAX_LINES} lines (split it at a real seam):\n" + "\n".join(long)
 
 
 def test_only_the_vllm_package_knows_vllm() -> None:
