@@ -11,7 +11,7 @@ for `/kv/inspect`, `/kv/pin`, `/kv/budget`, `/kv/clear`, `kvtier cache` and forg
 - What a tier can do is found by type (kvstore/capabilities.py); asking a tier for what it
   cannot do names the tiers that can.
 - Operations touch chunks only: a key that is a tier's own bookkeeping
-  (`kvkeys.keyspace.is_chunk_key` false) is refused, never pinned, copied or removed.
+  (`kvkeys.stored_keys.is_chunk_key` false) is refused, never pinned, copied or removed.
 - Operator pins (`pin`, `unpin`) belong to a tier; the manager's load holds
   (kvstore/load_holds.py) are another thing and are never touched here.
 """
