@@ -4,7 +4,8 @@ Importing transformers scans every model file it ships: a large part of every en
 For a checkpoint whose transformers tokenizer is its tokenizer.json and nothing more
 (`load_plain_backend` says when), `Tokenizer` encodes, decodes and renders the chat template
 exactly as transformers' `TokenizersBackend` does: the same ids, the same text, the same chat
-prompt (tests/engine/test_tokenizer_loading.py holds it to that). Any other checkpoint gets
+prompt, and its call's batching (padding, truncation, tensors) with transformers' defaults
+(tests/engine/test_tokenizer_loading.py holds it to that). Any other checkpoint gets
 transformers' own tokenizer (engine/model_loader.py `load_tokenizer`).
 """
 
@@ -14,7 +15,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # tokenizer_config.json keys whose values `Tokenizer` honours or that change nothing it does;
@@ -27,6 +28,11 @@ _KNOWN_KEYS = frozenset({
 _ADDED_TOKEN_FLAGS = ("special", "lstrip", "rstrip", "single_word", "normalized")
 # transformers rewrites the pre-tokenizer of vocabularies larger than this (its Mistral regex fix)
 _MAX_PLAIN_VOCAB = 100_000
+# transformers' model_max_length without one in the config, and the length past which it means "no limit"
+_NO_MAX_LENGTH = int(1e30)
+_LARGE_INTEGER = int(1e20)
+_SIDES = ("left", "right")
+_INPUT_NAMES = ["input_ids", "attention_mask"]  # what a tokenizer call returns (transformers' default)
 
 
 def load_plain_backend(path: Path, mapped_model_types: frozenset[str]) -> tuple[Any, dict[str, Any]] | None:
@@ -35,8 +41,9 @@ def load_plain_backend(path: Path, mapped_model_types: frozenset[str]) -> tuple[
     changes nothing in tokenizer.json: that class named, no remote code, a model type
     transformers gives no tokenizer class of its own (`mapped_model_types`), no setting beyond
     `_KNOWN_KEYS`, every special and added token already in tokenizer.json as the config
-    describes it, a post-processor, no truncation or padding, one chat template at most.
-    Else None."""
+    describes it, padding and truncation sides of "left" or "right", an integer
+    model_max_length, the default model_input_names, a post-processor, no truncation or padding
+    in tokenizer.json, one chat template at most. Else None."""
     configs = read_tokenizer_configs(path)
     if configs is None:
         return None
@@ -44,6 +51,9 @@ def load_plain_backend(path: Path, mapped_model_types: frozenset[str]) -> tuple[
     if (not names_plain_backend(config, model_cfg, mapped_model_types)
             or not set(config) <= _KNOWN_KEYS or config.get("split_special_tokens")
             or config.get("clean_up_tokenization_spaces") or not isinstance(config.get("chat_template", ""), str)
+            or config.get("padding_side", "right") not in _SIDES or config.get("truncation_side", "right") not in _SIDES
+            or config.get("model_input_names", _INPUT_NAMES) != _INPUT_NAMES
+            or not isinstance(config.get("model_max_length", _NO_MAX_LENGTH), int)
             or ("chat_template" in config and (path / "chat_template.jinja").exists())
             or any(p.name.startswith("chat_template_") for p in path.iterdir())
             or (path / "additional_chat_templates").exists()):
@@ -121,6 +131,9 @@ class Tokenizer:
         self._backend.encode_special_tokens = False  # transformers' split_special_tokens=False
         self.special_tokens_map = {n: t for n in SPECIAL_NAMES if (t := _content(config.get(n))) is not None}
         self.chat_template = chat_template
+        self.model_max_length: int = config.get("model_max_length", _NO_MAX_LENGTH)
+        self.padding_side: str = config.get("padding_side", "right")
+        self.truncation_side: str = config.get("truncation_side", "right")
         self._template: Any = None
 
     @classmethod
@@ -146,6 +159,15 @@ class Tokenizer:
         return None if self.eos_token is None else self._backend.token_to_id(self.eos_token)
 
     @property
+    def pad_token(self) -> str | None:
+        return self.special_tokens_map.get("pad_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """Returns the padding token's id (None without one)."""
+        return None if self.pad_token is None else self._backend.token_to_id(self.pad_token)
+
+    @property
     def vocab_size(self) -> int:
         """Returns the vocabulary's size, added tokens included."""
         return int(self._backend.get_vocab_size(with_added_tokens=True))
@@ -159,17 +181,98 @@ class Tokenizer:
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
         return str(self._backend.decode(ids, skip_special_tokens=skip_special_tokens))
 
-    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True) -> Encoding:
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True, padding: bool | str = False,
+                 truncation: bool | str | None = None, max_length: int | None = None,
+                 pad_to_multiple_of: int | None = None, padding_side: str | None = None,
+                 return_tensors: str | None = None) -> Encoding:
         """Returns `text`'s ids as transformers' tokenizers do (what vLLM's `get_tokenizer()`
-        gives): `{"input_ids": ids, "attention_mask": ones}`, one list per text for a batch;
-        also as attributes (`.input_ids`)."""
+        gives): `{"input_ids": ids, "attention_mask": mask}`, one row per text for a batch; also
+        as attributes (`.input_ids`). `padding` (True/"longest", "max_length", False),
+        `truncation` (True/"longest_first"/"only_first", False), `max_length`,
+        `pad_to_multiple_of` and `padding_side` mean what they mean there, with the same defaults
+        (max_length alone truncates; the config's model_max_length where none is given);
+        `return_tensors` "pt" (torch) or "np" (numpy) gives (batch, length) int64 arrays.
+        ValueError names any value it cannot honour (another strategy or tensor type, padding
+        without a pad token, ragged rows as tensors)."""
+        pad_to, cut_to = self._lengths(padding, truncation, max_length, pad_to_multiple_of)
+        side = self.padding_side if padding_side is None else padding_side
+        if side not in _SIDES:
+            raise ValueError(f"padding_side={side!r} is not supported: use 'left' or 'right'")
+        if return_tensors not in (None, "pt", "np"):
+            raise ValueError(f"return_tensors={return_tensors!r} is not supported: use 'pt', 'np' or None")
+        batch = [self._encode_cut(t, add_special_tokens, cut_to) for t in ([text] if isinstance(text, str) else text)]
+        masks = [[1] * len(ids) for ids in batch]
+        if pad_to is not None and batch:
+            target = max(len(ids) for ids in batch) if pad_to == "longest" else int(pad_to)
+            if pad_to_multiple_of and target % pad_to_multiple_of:
+                target += pad_to_multiple_of - target % pad_to_multiple_of
+            pad_id = cast(int, self.pad_token_id)  # `_lengths` refused padding without one
+            for ids, mask in zip(batch, masks):
+                n = target - len(ids)
+                if n > 0 and side == "left":
+                    ids[:0], mask[:0] = [pad_id] * n, [0] * n
+                elif n > 0:
+                    ids += [pad_id] * n
+                    mask += [0] * n
+        if return_tensors is not None:
+            if len({len(ids) for ids in batch}) > 1:
+                raise ValueError(f"return_tensors={return_tensors!r} needs rows of one length: "
+                                 "pass padding=True (or truncation with padding='max_length')")
+            return Encoding(input_ids=_array(batch, return_tensors), attention_mask=_array(masks, return_tensors))
         if isinstance(text, str):
-            ids: list[int] | list[list[int]] = self.encode(text, add_special_tokens)
-            mask: list[int] | list[list[int]] = [1] * len(ids)
+            return Encoding(input_ids=batch[0], attention_mask=masks[0])
+        return Encoding(input_ids=batch, attention_mask=masks)
+
+    def _lengths(self, padding: bool | str, truncation: bool | str | None, max_length: int | None,
+                 pad_to_multiple_of: int | None) -> tuple[str | int | None, int | None]:
+        """Returns (what rows are padded to: "longest", a length or None; the length rows are
+        cut to or None) as transformers resolves these arguments."""
+        if max_length is not None and padding is False and truncation is None:
+            truncation = True  # transformers: max_length alone truncates
+        pad: str | int | None
+        if padding is True or padding == "longest":
+            pad = "longest"
+        elif padding is False or padding == "do_not_pad":
+            pad = None
+        elif padding == "max_length":
+            pad = "max_length"
         else:
-            batch = [self.encode(t, add_special_tokens) for t in text]
-            ids, mask = batch, [[1] * len(b) for b in batch]
-        return Encoding(input_ids=ids, attention_mask=mask)
+            raise ValueError(f"padding={padding!r} is not supported: use True, 'longest', 'max_length' or False")
+        if truncation is True or truncation in ("longest_first", "only_first"):
+            cut = True
+        elif truncation is None or truncation is False or truncation == "do_not_truncate":
+            cut = False
+        else:
+            raise ValueError(f"truncation={truncation!r} is not supported for single texts: "
+                             "use True, 'longest_first', 'only_first' or False")
+        if max_length is None and (pad == "max_length" or cut):
+            if self.model_max_length > _LARGE_INTEGER:  # no limit: transformers neither pads nor cuts
+                pad, cut = (None if pad == "max_length" else pad), False
+            else:
+                max_length = self.model_max_length
+        if pad is not None and self.pad_token_id is None:
+            raise ValueError("padding needs a pad token and this tokenizer has none")
+        if (cut and pad is not None and pad_to_multiple_of and max_length is not None
+                and max_length % pad_to_multiple_of):
+            raise ValueError(f"truncation length ({max_length}) is not a multiple of "
+                             f"pad_to_multiple_of ({pad_to_multiple_of})")
+        if pad == "max_length":
+            pad = max_length
+        return pad, (max_length if cut else None)
+
+    def _encode_cut(self, text: str, add_special_tokens: bool, max_length: int | None) -> list[int]:
+        """Returns `text`'s ids, at most `max_length` of them with the special tokens (cut on
+        the truncation side before they are added, as `tokenizers` truncates)."""
+        if max_length is None:
+            return self.encode(text, add_special_tokens)
+        added = self._backend.num_special_tokens_to_add(False) if add_special_tokens else 0
+        if max_length < added:
+            raise ValueError(f"max_length={max_length} leaves no room for the {added} special tokens added")
+        encoding = self._backend.encode(text, add_special_tokens=False)
+        encoding.truncate(max_length - added, direction=self.truncation_side)
+        if add_special_tokens:
+            encoding = self._backend.post_process(encoding, None, True)
+        return list(encoding.ids)
 
     def batch_decode(self, sequences: Iterable[Sequence[int]], skip_special_tokens: bool = False) -> list[str]:
         """Returns the text of each id sequence (`decode`)."""
@@ -179,23 +282,45 @@ class Tokenizer:
         """Returns each id's token string (None for an id outside the vocabulary)."""
         return [self._backend.id_to_token(i) for i in token_ids]
 
-    def apply_chat_template(self, conversation: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False,
-                            tokenize: bool = False) -> str | list[int]:
-        """Returns `conversation` rendered with the checkpoint's chat template as transformers
-        renders it without tools or documents (its sandbox, filters and globals; the special
-        tokens as template variables; None-valued message fields dropped), or its ids if
-        `tokenize` (no special tokens added). ValueError without a template or for an empty
-        conversation."""
+    def apply_chat_template(self, conversation: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+                            add_generation_prompt: bool = False, tokenize: bool = True,
+                            padding: bool | str = False, truncation: bool = False, max_length: int | None = None,
+                            return_tensors: str | None = None, return_dict: bool = True) -> Any:
+        """Returns `conversation` (or each of a list of conversations) rendered with the
+        checkpoint's chat template as transformers renders it without tools or documents (its
+        sandbox, filters and globals; the special tokens as template variables; None-valued
+        message fields dropped). With transformers' defaults: tokenized (no special tokens
+        added) into an `Encoding` as `__call__` gives one (`padding`, `truncation`,
+        `max_length`, `return_tensors` passed on), its input_ids alone if not `return_dict`,
+        the text if not `tokenize`. ValueError without a template or for an empty conversation."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         if not conversation:
             raise ValueError("cannot apply a chat template to an empty conversation")
         if self._template is None:
             self._template = compile_chat_template(self.chat_template)
-        messages = [{k: v for k, v in dict(m).items() if v is not None} for m in conversation]
-        text = self._template.render(messages=messages, tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt, **self.special_tokens_map)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        batched = isinstance(conversation[0], (list, tuple))
+        convs = cast("Sequence[Sequence[Mapping[str, Any]]]", conversation if batched else [conversation])
+        texts = [self._template.render(messages=[{k: v for k, v in dict(m).items() if v is not None} for m in conv],
+                                       tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                                       **self.special_tokens_map) for conv in convs]
+        if not tokenize:
+            return texts if batched else texts[0]
+        out = self(texts if batched else texts[0], add_special_tokens=False, padding=padding, truncation=truncation,
+                   max_length=max_length, return_tensors=return_tensors)
+        return out if return_dict else out.input_ids
+
+
+def _array(rows: list[list[int]], kind: str) -> Any:
+    """Returns `rows` (of one length) as a (len(rows), length) int64 torch tensor ("pt") or
+    numpy array ("np")."""
+    if kind == "pt":
+        import torch
+
+        return torch.tensor(rows, dtype=torch.long)
+    import numpy
+
+    return numpy.array(rows, dtype=numpy.int64)
 
 
 def compile_chat_template(source: str) -> Any:

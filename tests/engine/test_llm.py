@@ -162,15 +162,30 @@ def test_last_layer_runs_only_the_sampling_rows(llm: LLM, prompts: list, oracle:
 
 
 def test_a_script_written_for_vllm_runs_with_its_tokenizer(llm: LLM, oracle: list[list[int]], prompts: list) -> None:
-    """vLLM's tokenizer idioms on `LLM.get_tokenizer()`: chat template to text, `tok(text)`,
-    generation from ids, `decode`/`batch_decode` of what came out."""
+    """vLLM's tokenizer idioms on `LLM.get_tokenizer()` (transformers' tokenizer there): chat
+    template to text and, by transformers' default, to ids; `tok(text)`; a padded batch as
+    torch tensors (`tok(texts, return_tensors="pt", padding=True)`); generation from ids;
+    `decode`/`batch_decode` of what came out."""
     tok = llm.get_tokenizer()
-    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                   tokenize=False, add_generation_prompt=True)
+    conversation = [{"role": "user", "content": "What is the capital of France?"}]
+    text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert ids == tok(text, add_special_tokens=False).input_ids == tok.encode(text, add_special_tokens=False)
+    chat = tok.apply_chat_template(conversation, add_generation_prompt=True)  # transformers' default: tokenized
+    assert chat["input_ids"] == chat.input_ids == ids and chat["attention_mask"] == [1] * len(ids)
+    assert tok.apply_chat_template(conversation, add_generation_prompt=True, return_dict=False) == ids
     (out,) = llm.generate([{"prompt_token_ids": ids}], greedy())
     assert list(out.outputs[0].token_ids) == oracle[2]  # the same prompt as the oracle's chat one
     assert tok.decode(out.outputs[0].token_ids, skip_special_tokens=True) == out.outputs[0].text
     assert tok.batch_decode([out.outputs[0].token_ids], skip_special_tokens=True) == [out.outputs[0].text]
     assert tok.eos_token_id is not None
+
+    texts = [text, "The capital of France is"]  # the oracle's prompts 2 and 1
+    batch = tok(texts, return_tensors="pt", padding=True)
+    assert isinstance(batch.input_ids, torch.Tensor) and batch.input_ids.dtype == torch.long
+    assert batch.input_ids.shape == batch.attention_mask.shape == (2, len(ids))  # the short row padded
+    assert batch.attention_mask[1].sum() < len(ids) and (batch.input_ids[1][batch.attention_mask[1] == 0]
+                                                         == tok.pad_token_id).all()
+    rows = [row[mask.bool()].tolist() for row, mask in zip(batch.input_ids, batch.attention_mask)]
+    outs = llm.generate([{"prompt_token_ids": r} for r in rows], greedy())
+    assert [list(o.outputs[0].token_ids) for o in outs] == [oracle[2], oracle[1]]

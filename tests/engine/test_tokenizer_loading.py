@@ -6,11 +6,13 @@ AutoTokenizer's own tokenizer, also where it skips AutoTokenizer's config step, 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from engine.model_loader import _is_plain_tokenizers_backend, load_tokenizer, tokenizer_mapped_model_types
@@ -58,9 +60,54 @@ def _same_as_transformers(got: Tokenizer, ref: Any) -> None:
     for chat in CHATS:
         for gen in (True, False):
             want = ref.apply_chat_template(chat, add_generation_prompt=gen, tokenize=False)
-            assert got.apply_chat_template(chat, add_generation_prompt=gen) == want
-            assert got.apply_chat_template(chat, add_generation_prompt=gen, tokenize=True) == \
+            assert got.apply_chat_template(chat, add_generation_prompt=gen, tokenize=False) == want
+            # transformers' defaults: tokenized, as a dict of input_ids and attention_mask
+            assert dict(got.apply_chat_template(chat, add_generation_prompt=gen)) == \
+                dict(ref.apply_chat_template(chat, add_generation_prompt=gen))
+            assert got.apply_chat_template(chat, add_generation_prompt=gen, return_dict=False) == \
                 ref.apply_chat_template(chat, add_generation_prompt=gen, return_dict=False)
+    batch = dict(padding=True, return_tensors="pt", add_generation_prompt=True)  # several conversations at once
+    _same_encoding(got.apply_chat_template(CHATS, **batch), ref.apply_chat_template(CHATS, **batch))
+    assert got.apply_chat_template(CHATS, tokenize=False) == ref.apply_chat_template(CHATS, tokenize=False)
+    _same_calls_as_transformers(got, ref)
+
+
+def _same_encoding(got: Any, want: Any) -> None:
+    """Asserts a call's answer is transformers': the same keys, lists or the same tensors."""
+    import torch
+
+    assert set(got) == set(want) == {"input_ids", "attention_mask"}
+    for key in want:
+        if isinstance(want[key], (torch.Tensor, np.ndarray)):
+            assert type(got[key]) is type(want[key]) and got[key].dtype == want[key].dtype, key
+            assert got[key].shape == want[key].shape and got[key].tolist() == want[key].tolist(), key
+        else:
+            assert got[key] == want[key], key
+    assert got.input_ids is got["input_ids"]
+
+
+def _same_calls_as_transformers(got: Tokenizer, ref: Any) -> None:
+    """The tokenizer called as vLLM users call transformers' (`tok(texts, return_tensors="pt",
+    padding=True)` and the rest): the same ids, padding, truncation and tensors."""
+    import warnings
+
+    texts = ["hi there", TEXTS[3], "", "x"]
+    cases = [dict(padding=True, return_tensors="pt"), dict(padding="longest", return_tensors="np"),
+             dict(padding=True), dict(padding=True, padding_side="left", return_tensors="pt"),
+             dict(padding="max_length", max_length=40, return_tensors="pt"), dict(padding="max_length", max_length=3),
+             dict(truncation=True, max_length=4), dict(max_length=4), dict(truncation="only_first", max_length=5),
+             dict(truncation="longest_first", max_length=6, padding=True, return_tensors="pt"),
+             dict(truncation=True), dict(truncation=False, max_length=2), dict(padding=True, max_length=3),
+             dict(padding=True, pad_to_multiple_of=8, return_tensors="pt"),
+             dict(padding="max_length", truncation=True, max_length=8, pad_to_multiple_of=4, return_tensors="pt"),
+             dict(padding="max_length"), dict(padding="do_not_pad", truncation="do_not_truncate")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' notes on max_length unused
+        for kwargs in cases:
+            for special in (True, False):
+                for text in (texts, texts[0], texts[2]):
+                    _same_encoding(got(text, add_special_tokens=special, **kwargs),
+                                   ref(text, add_special_tokens=special, **kwargs))
 
 
 def test_default_model_tokenizer_is_kvtiers_own_and_equals_auto_tokenizer(default_model_path: Path) -> None:
@@ -112,12 +159,52 @@ def test_a_bos_adding_post_processor_and_a_richer_template_equal_auto_tokenizer(
            "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}}}
     added = {"2": {"content": "<|im_end|>", "lstrip": False, "rstrip": False, "normalized": False,
                    "single_word": False, "special": True}}
-    path = _variant(default_model_path, tmp_path / "v", {"added_tokens_decoder": added, "unk_token": None},
+    sides = {"padding_side": "left", "truncation_side": "left"}  # padded and cut on the left
+    path = _variant(default_model_path, tmp_path / "v", {"added_tokens_decoder": added, "unk_token": None, **sides},
                     {"post_processor": bos})
     tok = load_tokenizer(path)
     assert isinstance(tok, Tokenizer)
     assert tok.encode("hi")[0] == 1 and tok.encode("hi", add_special_tokens=False)[0] != 1
+    assert tok(["hi", "hi there"], padding=True).input_ids == [[2, 1, 6004], [1, 6004, 665]]
+    assert tok(["hi", "hi there"], max_length=2, truncation=True).input_ids == [[1, 6004], [1, 665]]
     _same_as_transformers(tok, _auto(path))
+
+
+def test_calls_it_cannot_honour_raise_value_error_naming_the_value(default_model_path: Path,
+                                                                  tmp_path: Path) -> None:
+    tok = load_tokenizer(default_model_path)
+    texts = ["hi", "hi there"]
+    for kwargs, named in [(dict(return_tensors="tf"), "'tf'"), (dict(padding="sideways"), "'sideways'"),
+                          (dict(truncation="only_second", max_length=2), "'only_second'"),
+                          (dict(padding=True, padding_side="middle"), "'middle'"),
+                          (dict(return_tensors="pt"), "padding=True"), (dict(return_tensors="np"), "padding=True"),
+                          (dict(padding="max_length", truncation=True, max_length=6, pad_to_multiple_of=4), "(6)")]:
+        with pytest.raises(ValueError, match=re.escape(named)):
+            tok(texts, **kwargs)
+    with pytest.raises(TypeError):  # an argument it does not take at all is not swallowed
+        tok(texts, stride=2)
+    no_pad = load_tokenizer(_variant(default_model_path, tmp_path / "v", {"pad_token": None}))
+    assert isinstance(no_pad, Tokenizer) and no_pad(texts).input_ids == tok(texts).input_ids
+    with pytest.raises(ValueError, match="pad token"):
+        no_pad(texts, padding=True)
+    bos = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
+                                                    {"Sequence": {"id": "A", "type_id": 0}}],
+           "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+           "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}}}
+    with_bos = load_tokenizer(_variant(default_model_path, tmp_path / "b", spec={"post_processor": bos}))
+    with pytest.raises(ValueError, match="max_length=0"):  # transformers' tokenizers wraps around: no cut at all
+        with_bos(texts, max_length=0)
+    assert with_bos(texts, max_length=0, add_special_tokens=False).input_ids == [[], []]
+
+
+def test_truncation_without_max_length_is_the_configs_model_max_length(default_model_path: Path,
+                                                                      tmp_path: Path) -> None:
+    path = _variant(default_model_path, tmp_path / "v", {"model_max_length": 3})
+    tok, ref = load_tokenizer(path), _auto(path)
+    assert isinstance(tok, Tokenizer)
+    for kwargs in (dict(truncation=True), dict(padding="max_length"), dict(padding="max_length", truncation=True)):
+        assert dict(tok(TEXTS, **kwargs)) == dict(ref(TEXTS, **kwargs)), kwargs
+    assert len(tok(TEXTS[3], truncation=True).input_ids) == 3
 
 
 @pytest.mark.parametrize("config, spec, template", [
@@ -131,6 +218,8 @@ def test_a_bos_adding_post_processor_and_a_richer_template_equal_auto_tokenizer(
     ({"chat_template": "{{ messages }}"}, None, TEMPLATE),  # two templates
     ({"chat_template": {"default": "x", "tool_use": "y"}}, None, None),
     ({"tokenizer_class": "PreTrainedTokenizerFast"}, None, None),
+    ({"model_input_names": ["input_ids", "token_type_ids", "attention_mask"]}, None, None),  # other call keys
+    ({"model_max_length": 2048.0}, None, None),
 ])
 def test_other_tokenizers_are_left_to_transformers(default_model_path: Path, tmp_path: Path, config: Any, spec: Any,
                                                    template: str | None) -> None:
@@ -188,4 +277,5 @@ def test_a_checkpoints_tokenizer_is_loaded_once_until_its_files_change(default_m
     assert isinstance(first, Tokenizer) and load_tokenizer(path) is first  # one per process
     (path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
     second = load_tokenizer(path)
-    assert second is not first and second.apply_chat_template([{"role": "user", "content": "x"}]) == "x!"
+    assert second is not first
+    assert second.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == "x!"
