@@ -7,7 +7,12 @@ opens a file itself; they go through the shared layer.
   which writes through entry_files/atomic_write.py too);
 - kvstore/backends/disk/ (the disk tier): the same, but for its directory's account
   (dir_account.py), a state file rewritten in place under its flock, which is not an entry;
-- kvstore/entry_files/ imports only the standard library: the cache server never imports torch.
+- kvstore/entry_files/ imports only the standard library: the cache server never imports torch;
+- neither package lists a directory itself (`os.scandir`/`listdir`/`walk`, `glob`, a path's
+  `.iterdir`/`.glob`/`.rglob`/`.walk`): entry files are listed by entry_files/entry_scan.py
+  (regular files only, no link followed), so the disk tier and the spill list theirs through one
+  implementation. The spill's generation directories, which hold entry files and are not
+  entries, are listed and removed by its own two functions (LISTING_EXEMPT).
 
 What counts as doing it itself: the builtin `open`, `os.open`/`fdopen`/`write`/`pwrite`/
 `replace`/`rename`/`link`/`symlink`/`truncate`/..., `io.open`/`io.FileIO`, anything of
@@ -35,6 +40,11 @@ FORBIDDEN_IN = {
     "tempfile": None,
 }
 PATH_METHODS = {"open", "write_bytes", "write_text", "rename", "symlink_to", "hardlink_to"}
+LISTING_IN = {"os": {"scandir", "listdir", "walk", "fwalk"}, "glob": None}
+LISTING_METHODS = {"iterdir", "glob", "rglob", "walk"}
+# (file, function): the spill's generation directories (directories of entry files, not entries)
+LISTING_EXEMPT = {("kvstore/cache_server/spillfile.py", "generations"),
+                  ("kvstore/cache_server/spillfile.py", "remove_tree")}
 
 
 def _forbidden(module: str, name: str) -> bool:
@@ -81,6 +91,65 @@ def file_writes(source: str, filename: str = "<source>") -> list[tuple[int, str]
             elif func.attr == "touch" and not node.args:  # a budget's touch(key) is an LRU's
                 found.append((node.lineno, ".touch()"))
     return sorted(found)
+
+
+def listings(source: str, filename: str = "<source>") -> list[tuple[int, str, str | None]]:
+    """Returns (line, what, enclosing function) of every place in `source` that lists a
+    directory itself (the module docstring's list)."""
+    tree = ast.parse(source, filename=filename)
+    modules: dict[str, str] = {}
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                modules[(alias.asname or alias.name).split(".")[0]] = alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module in LISTING_IN:
+            listed = LISTING_IN[node.module]
+            found += [(node.lineno, f"from {node.module} import {alias.name}") for alias in node.names
+                      if listed is None or alias.name in listed]
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        func, owner = node.func, node.func.value
+        if isinstance(owner, ast.Name) and owner.id in modules:  # a module's function (ast.walk is not a listing)
+            listed = LISTING_IN.get(modules[owner.id], set())
+            if listed is None or func.attr in listed:
+                found.append((node.lineno, f"{modules[owner.id]}.{func.attr}()"))
+        elif func.attr in LISTING_METHODS:
+            found.append((node.lineno, f".{func.attr}()"))
+    functions = [(f.lineno, f.end_lineno or f.lineno, f.name) for f in ast.walk(tree)
+                 if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+    def enclosing(line: int) -> str | None:
+        spans = [(end - start, name) for start, end, name in functions if start <= line <= end]
+        return min(spans)[1] if spans else None
+
+    return [(line, what, enclosing(line)) for line, what in sorted(found)]
+
+
+def test_the_packages_keeping_entry_files_list_them_only_through_the_shared_layer() -> None:
+    broken = []
+    for package in RULED:
+        for path in sorted((REPO / package).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            broken += [f"{rel}:{line} {what}" for line, what, function in listings(path.read_text(), rel)
+                       if (rel, function) not in LISTING_EXEMPT]
+    assert not broken, f"entry files are listed through {LAYER}/entry_scan.py only:\n" + "\n".join(broken)
+    layer = [w for p in sorted((REPO / LAYER).rglob("*.py")) for w in listings(p.read_text())]
+    assert [(what, function) for _, what, function in layer] == [("os.scandir()", "scan"),
+                                                                 ("os.scandir()", "names")]
+
+
+def test_the_listing_rule_sees_each_way_of_listing_a_directory() -> None:
+    flagged = {"os.scandir(root)": "os.scandir()", "o.listdir(root)": "os.listdir()", "os.walk(p)": "os.walk()",
+               "glob.glob('*.kvc')": "glob.glob()", "Path(p).iterdir()": ".iterdir()",
+               "root.glob('*.kvc')": ".glob()", "root.rglob('*')": ".rglob()", "root.walk()": ".walk()"}
+    for code, what in flagged.items():
+        source = f"import glob\nimport os as o\nimport os\nfrom pathlib import Path\ndef f():\n    {code}\n"
+        assert [(w, fn) for _, w, fn in listings(source)] == [(what, "f")], code
+    assert [w for _, w, _ in listings("from os import scandir\nscandir(p)\n")] == ["from os import scandir"]
+    allowed = "import ast, os\nast.walk(tree)\nos.stat(p)\nos.unlink(p)\nentry_scan.names(root, keep)\n"
+    assert listings(allowed) == []
 
 
 def test_the_packages_keeping_entry_files_write_them_only_through_the_shared_layer() -> None:

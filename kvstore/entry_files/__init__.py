@@ -3,7 +3,7 @@
 
 Both keep each entry in a file of its own, written under a temp name and renamed into place,
 and read back checked; this package is the one implementation of that, and the only code of
-either that creates, writes, renames or opens an entry file (tests/test_file_rules.py holds
+either that creates, writes, renames, opens or lists an entry file (tests/test_file_rules.py holds
 both to it, and this package to the standard library). It imports only the standard library,
 because the cache server never imports torch (the disk tier's values are torch-backed; their
 bytes are not).
@@ -15,8 +15,9 @@ bytes are not).
 - entry_reads.py: opening an entry file only if it is a regular file (never following a link,
   never blocking on a FIFO) and reading it in pieces a caller checks as they arrive, or
   straight into the caller's memory; a file that ends early reads short, never padded;
-- entry_scan.py: listing a directory's entry files (regular files only: anything else is
-  skipped with a warning) and removing stray temp files.
+- entry_scan.py: listing a directory's entry files, the one listing either owner does
+  (regular files only, no link followed: anything else is skipped, with a warning in a full
+  scan), and removing stray temp files.
 
 What is not shared stays with its owner, because only it needs it: each owner's file format
 and its check (the disk tier's is a serde value behind a header that aligns its payload,

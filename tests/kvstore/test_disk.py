@@ -13,6 +13,7 @@ import torch
 from kvstore import serde
 from kvstore.backend import BackendError, leading_run
 from kvstore.backends.disk import STATE_BYTES, DiskBackend
+from kvstore.backends.disk.file_names import keys_with_prefix
 from tests.fixtures.tiers import chunk, ckey, disk_file_bytes
 
 
@@ -111,3 +112,7 @@ def test_a_link_fifo_or_directory_at_a_chunk_name_is_a_miss_never_followed(tmp_p
     assert torch.equal(disk.get(ckey(3)), chunk(3))
     again = DiskBackend(root)
     assert again.stats().entries == 1 and again.batched_contains([ckey(i) for i in range(4)]) == [False] * 3 + [True]
+    # listed by key prefix (a tenant's files), the same: never counted, deleted or followed
+    assert keys_with_prefix(root, ckey(0)[:4]) == [ckey(3)]
+    assert again.delete_prefix(ckey(0)[:4]) == 1
+    assert link.is_symlink() and fifo.exists() and folder.is_dir() and (tmp_path / "elsewhere").exists()

@@ -22,7 +22,7 @@ from kvstore.cache_server import spillfile
 from kvstore.entry_files.atomic_write import create_temp, write_atomically, write_parts
 from kvstore.entry_files.entry_names import digest_name, quoted_key, quoted_name, quoted_prefix, temp_beside
 from kvstore.entry_files.entry_reads import NotRegularFile, open_regular, read_into, read_pieces, regular_size
-from kvstore.entry_files.entry_scan import scan
+from kvstore.entry_files.entry_scan import names, scan
 from kvstore.read_buffers import ReadBufferPool
 
 
@@ -139,6 +139,25 @@ def test_a_scan_keeps_entries_sweeps_stray_temps_and_skips_what_is_not_a_regular
                                                                                   "l.kvs", "t.kvs.tmp"))
     skipped = sorted(r.getMessage().split("skipping ")[1] for r in caplog.records if "not a regular file" in r.message)
     assert skipped == [f"{tmp_path / n}: not a regular file" for n in ("d.kvs", "f.kvs", "l.kvs", "t.kvs.tmp")]
+
+
+def test_names_lists_regular_files_only_silently_and_removes_nothing(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """`names`, the listing repeated as entries come and go (the disk tier's prefix listings):
+    the regular files a filter keeps, nothing else (a link is not followed, a FIFO not
+    opened), no warning each time, nothing removed."""
+    for name in ("a.kvs", "b.kvs", "x.kvs.tmp", "notes.txt"):
+        (tmp_path / name).write_bytes(b"1")
+    (tmp_path / "d.kvs").mkdir()
+    os.mkfifo(tmp_path / "f.kvs")
+    (tmp_path / "l.kvs").symlink_to(tmp_path / "a.kvs")
+    (tmp_path / "dangling.kvs").symlink_to(tmp_path / "gone")
+    with caplog.at_level(logging.WARNING):
+        assert sorted(names(tmp_path, lambda n: n.endswith(".kvs"))) == ["a.kvs", "b.kvs"]
+        assert names(tmp_path, lambda n: n.endswith(".tmp")) == ["x.kvs.tmp"]
+        assert names(tmp_path, lambda n: False) == []
+    assert not caplog.records
+    assert len(os.listdir(tmp_path)) == 8
 
 
 # -- both owners' formats, read back through the layer ------------------------------------------

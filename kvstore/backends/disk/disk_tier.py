@@ -58,6 +58,7 @@ from kvstore.backends.disk.file_names import (
     keys_with_prefix,
     live_reservation,
     temp_path,
+    tenant_temp_names,
 )
 from kvstore.budget import ByteBudget
 from kvstore.capabilities import EvictingTier, OperatedTier, PrefixDeletable, ReadsInPlace
@@ -282,11 +283,7 @@ class DiskBackend(BytesBackend, EvictingTier, ReadsInPlace, OperatedTier, Prefix
         if self._index.tenants.quota is None or tag is None:
             return True
         self._index_prefix(tenant_prefix(tag))
-        reserved = 0
-        with os.scandir(self.root) as it:
-            for entry in it:
-                if entry.name.startswith(TEMP_PREFIX) and entry.name.endswith(f".{tag}"):
-                    reserved += live_reservation(entry.name) or 0
+        reserved = sum(live_reservation(name) or 0 for name in tenant_temp_names(self.root, tag))
         victims = self._index.plan(key, nbytes + reserved)
         if victims is None:
             return False

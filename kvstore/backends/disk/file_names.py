@@ -14,6 +14,7 @@ import os
 import uuid
 from pathlib import Path
 
+from kvstore.entry_files import entry_scan
 from kvstore.entry_files.entry_names import quoted_key, quoted_name, quoted_prefix
 
 SUFFIX = ".kvc"
@@ -33,10 +34,16 @@ def file_key(name: str) -> str:
 
 
 def keys_with_prefix(root: Path, prefix: str) -> list[str]:
-    """Returns the keys of the files under `root` whose key starts with `prefix`."""
+    """Returns the keys of the chunk files under `root` whose key starts with `prefix`
+    (regular files only, listed by the file-per-entry layer: kvstore/entry_files/entry_scan.py)."""
     head = quoted_prefix(prefix)
-    return [file_key(e.name) for e in os.scandir(root)
-            if e.name.startswith(head) and e.name.endswith(SUFFIX)]
+    return [file_key(name) for name in entry_scan.names(root, lambda n: n.startswith(head) and n.endswith(SUFFIX))]
+
+
+def tenant_temp_names(root: Path, tag: str) -> list[str]:
+    """Returns the names of the temp files under `root` written for tenant `tag` (regular
+    files only, listed by the file-per-entry layer)."""
+    return entry_scan.names(root, lambda n: n.startswith(TEMP_PREFIX) and n.endswith(f".{tag}"))
 
 
 def temp_path(root: Path, nbytes: int, tag: str | None) -> Path:
