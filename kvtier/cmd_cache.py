@@ -18,8 +18,10 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import Field
 from typing import Any
 
+from connector.cli_flags import FieldFlag, config_field
 from kvsettings import ProcessEnv
 from kvstore.deadlines import CACHE_CLI_TIMEOUT_S
 
@@ -199,7 +201,8 @@ def _clear_flags(parser: argparse.ArgumentParser) -> None:
                        help="remove every chunk of this model, any tenant (its name, or the model field "
                             "inspect's by_model shows)")
     which.add_argument("--older-than", type=float, default=None, metavar="SECONDS",
-                       help="remove the chunks not used for this long (not pinned ones; cpu, device and disk tiers)")
+                       help="remove the chunks not used for this long (not pinned ones; cpu, device, disk and "
+                            "cache server (kvtier://) tiers; redis cannot tell and is reported)")
     parser.add_argument("--local-only", action="store_true", help="with --all: only the cpu and device tiers")
 
 
@@ -274,9 +277,15 @@ def _plan_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-bytes-per-token", default=str(DEFAULT_KV_BYTES_PER_TOKEN), metavar="SIZE",
                         help="the model's K/V bytes per token: layers x 2 x KV heads x head size x dtype bytes "
                              f"(default: {DEFAULT_KV_BYTES_PER_TOKEN}, SmolLM2-135M-Instruct in float32)")
-    parser.add_argument("--block-tokens", type=int, default=512, metavar="N",
-                        help="prompt tokens per hash id (default: 512, as in Mooncake's traces)")
+    parser.add_argument("--block-tokens", action=FieldFlag, field=_block_tokens_field, metavar="N",
+                        help="prompt tokens per hash id, as in Mooncake's traces")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _block_tokens_field() -> Field[Any]:
+    from kvstore.trace_replay import Request  # imports torch: read when plan's help is shown or the flag given
+
+    return config_field(Request, "block_size")
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -285,16 +294,17 @@ def _plan(args: argparse.Namespace) -> int:
 
     from kvstore.sizes import parse_size
     from kvstore.store_config import TierSpec
-    from kvstore.trace_replay import plan, read_trace
+    from kvstore.trace_replay import BLOCK_TOKENS, plan, read_trace
 
     per_token = parse_size(args.kv_bytes_per_token, "--kv-bytes-per-token")
     if per_token is None or per_token <= 0:
         raise ValueError(f"--kv-bytes-per-token: must be a positive size, got {args.kv_bytes_per_token!r}")
-    if args.block_tokens <= 0:
-        raise ValueError(f"--block-tokens: must be positive, got {args.block_tokens}")
+    block_tokens = BLOCK_TOKENS if args.block_tokens is None else args.block_tokens
+    if block_tokens <= 0:
+        raise ValueError(f"--block-tokens: must be positive, got {block_tokens}")
     specs = [TierSpec.from_url(url, f"--tier[{i}]") for i, url in enumerate(args.tier)]
     try:
-        requests = read_trace(args.trace, args.block_tokens)
+        requests = read_trace(args.trace, block_tokens)
     except OSError as exc:
         raise ValueError(f"--trace: cannot read {args.trace}: {exc.strerror or exc}") from None
     if not requests:

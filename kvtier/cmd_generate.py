@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from engine.sampling_params import SamplingParams  # torch-free: its defaults are the flags'
 from kvtier.log_setup import ENGINE_LOG_HELP
 
 HELP = "generate text with the paged engine (default model: bundled SmolLM2-135M-Instruct)"
@@ -23,9 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "server's API default to 16)")
     parser.add_argument("--temperature", type=float, default=0.0, metavar="X",
                         help="sampling temperature; 0 = greedy (default: 0)")
-    parser.add_argument("--top-p", type=float, default=1.0, metavar="X",
+    parser.add_argument("--top-p", type=float, default=SamplingParams.top_p, metavar="X",
                         help="nucleus sampling: keep the smallest set of tokens with this much probability")
-    parser.add_argument("--top-k", type=int, default=-1, metavar="N",
+    parser.add_argument("--top-k", type=int, default=SamplingParams.top_k, metavar="N",
                         help="keep only the N most likely tokens; -1 = all")
     parser.add_argument("--seed", type=int, default=None, metavar="N",
                         help="per-request sampling seed (default: none, not reproducible)")
@@ -78,7 +79,6 @@ def run(args: argparse.Namespace) -> int:
     Text mode prints each completion; several are each headed "--- prompt i/n ---"."""
     prompts = _read_prompts(args)  # bad files fail before the heavy imports
 
-    from engine import SamplingParams
     from kvtier.engine_args import build_llm
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

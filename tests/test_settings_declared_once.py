@@ -11,6 +11,12 @@ dataclass field (`kvsettings.opt`), and every reader, table and parser takes the
 - The cache server's and the router's flags are built from `ServerConfig`/`StoreBudgets` and
   `RouterConfig`: no flag default is written in their command modules, and each parser's
   defaults are the dataclass fields' defaults.
+- The connector's `--chunk-size` and CacheBlend's `--blend-ratio`/`--blend-check-layer` are
+  `connector.cli_flags.FieldFlag`s of `ConnectorConfig`'s and `BlendConfig`'s fields (help, shown
+  default and type from the field; None when not given); `kvtier cache plan --block-tokens`
+  shows kvstore/trace_replay.py's `BLOCK_TOKENS`; `kvtier generate --top-p/--top-k` default to
+  `SamplingParams`' fields. No help text of the connector's, CacheBlend's, `kvtier cache`'s,
+  the cache server's or the router's flags writes a number as its default.
 """
 
 from __future__ import annotations
@@ -228,3 +234,91 @@ def test_engine_flags_are_built_from_the_config() -> None:
     from kvtier.engine_args import add_engine_arguments
 
     _parser_defaults_match(add_engine_arguments, EngineConfig)
+
+
+WRITTEN_DEFAULT = re.compile(r"\(default:? -?[0-9]|default:? -?[0-9.]+[;,)]")
+"""A help text that writes a number as its default ("(default 256)", "(default: 0.15; ..."),
+beside the field or constant that holds it."""
+
+
+def help_defaults(path: Path) -> list[int]:
+    """Returns the lines of `path` whose `add_argument(...)` help writes a number as the default."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
+            texts = [n.value for kw in node.keywords if kw.arg == "help" for n in ast.walk(kw.value)
+                     if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+            if any(WRITTEN_DEFAULT.search(t) for t in texts):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_help_scan_sees_a_written_default(tmp_path: Path) -> None:
+    sample = tmp_path / "flags.py"
+    sample.write_text('p.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk (default 256)")\n'
+                      'p.add_argument("--ratio", help="fraction recomputed (default 0.15; 0 = plain reuse)")\n'
+                      'p.add_argument("--n", help="most tokens " "(default: 64)")\n'
+                      'p.add_argument("--seed", help="sampling seed (default: none, not reproducible)")\n'
+                      'p.add_argument("--top-k", default=K, help="keep the N most likely; -1 = all")\n')
+    assert help_defaults(sample) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("module", ["connector/cli_flags.py", "connector/blend/plugin.py", "kvtier/cmd_cache.py",
+                                    "kvtier/cmd_cache_server.py", "kvtier/cmd_router.py"])
+def test_no_flag_help_writes_its_default(module: str) -> None:
+    assert help_defaults(REPO / module) == [], f"{module}: show the default of the field or constant that holds it"
+
+
+def test_connector_flags_are_built_from_the_config() -> None:
+    """`--chunk-size`, `--blend-ratio` and `--blend-check-layer` set their key only when given
+    (None otherwise: the config file, the environment or the field's default applies); their
+    help, shown default and type are their fields'."""
+    from connector.blend.blend_config import BlendConfig
+    from connector.blend.plugin import KNOB_FLAGS, SECTION, knob_flag
+    from connector.cli_flags import FieldFlag, add_connector_arguments, config_field
+    from connector.connector_config import ConnectorConfig
+    from kvtier.cli_help import help_with_default
+
+    chunk = config_field(ConnectorConfig, "chunk_size")
+    rows = [(flag_of(chunk), "chunk_size", chunk)]
+    rows += [(knob_flag(name), f"{SECTION}_{name}", config_field(BlendConfig, name)) for name in KNOB_FLAGS]
+    assert [r[0] for r in rows] == ["--chunk-size", "--blend-ratio", "--blend-check-layer"]
+    parser = argparse.ArgumentParser()
+    add_connector_arguments(parser)
+    unset = parser.parse_args([])
+    for flag, dest, f in rows:
+        action = parser._option_string_actions[flag]
+        assert isinstance(action, FieldFlag) and action.dest == dest
+        default = field_default(f)
+        shown = f"{f.metadata['help']} (default: {default})"
+        assert help_with_default(action) % vars(action) == shown  # as the field says, once
+        assert getattr(unset, dest) is None
+        given = getattr(parser.parse_args([flag, str(default)]), dest)
+        assert given == default and type(given) is type(default)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--chunk-size", "x"])
+
+
+def test_cache_plan_block_tokens_is_the_trace_constant() -> None:
+    from kvstore.trace_replay import BLOCK_TOKENS
+    from kvtier import cmd_cache
+
+    parser = argparse.ArgumentParser()
+    cmd_cache.add_arguments(parser)
+    plan = parser.parse_args(["plan", "--trace", "t.jsonl", "--tier", "cpu"])
+    assert plan.block_tokens is None  # not given: kvstore/trace_replay.py's BLOCK_TOKENS
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["plan"]
+    action = sub._option_string_actions["--block-tokens"]
+    assert (action.help % vars(action)).endswith(f"(default: {BLOCK_TOKENS})")
+    assert parser.parse_args(["plan", "--trace", "t", "--tier", "cpu", "--block-tokens", "16"]).block_tokens == 16
+
+
+def test_generate_sampling_flags_default_to_sampling_params() -> None:
+    from engine.sampling_params import SamplingParams
+    from kvtier import cmd_generate
+
+    parser = argparse.ArgumentParser()
+    cmd_generate.add_arguments(parser)
+    args = parser.parse_args(["hi"])
+    assert (args.top_p, args.top_k) == (SamplingParams().top_p, SamplingParams().top_k)

@@ -1,7 +1,8 @@
 """CacheBlend as the connector registers it (connector/extension.py): what pyproject.toml names
 under `kvtier.extensions` (`EXTENSION`), with its settings and command-line flags. Light on
-purpose: the command line builds every parser at start-up, so this module imports argparse and
-the blend's settings only, and its planner and worker when a connector builds them."""
+purpose: the command line builds every parser at start-up, so this module imports argparse, the
+blend's settings and connector/cli_flags.py (which builds its flags from the settings' fields)
+only, and its planner and worker when a connector builds them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from connector.blend.blend_config import BLEND_SETTINGS, BlendConfig
+from connector.cli_flags import FieldFlag, config_field
 from connector.extension import Extension
 
 if TYPE_CHECKING:
@@ -24,6 +26,15 @@ if TYPE_CHECKING:
     from kvstore.storage_manager import StorageManager
 
 SECTION = "blend"
+
+KNOB_FLAGS = {"ratio": "R", "check_layer": "L"}
+"""The `blend:` keys with a flag of their own (`knob_flag`), each with its metavar; the rest are
+set in the config file or the environment."""
+
+
+def knob_flag(name: str) -> str:
+    """Returns the flag of the `blend:` key `name`: `--blend-` and the key with dashes."""
+    return f"--{SECTION}-{name.replace('_', '-')}"
 
 
 def _planner(config: Any, presence: Presence, metrics: ConnectorMetrics) -> PlannerExtension:
@@ -44,19 +55,18 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
                                   "separated by ' # # ')")
     b.add_argument("--blend", action="store_true",
                    help="blend segmented prompts (default tiers when no --kv-tier/--config)")
-    b.add_argument("--blend-ratio", type=float, default=None, metavar="R",
-                   help="fraction of segment tokens recomputed (default 0.15; 0 = plain reuse, 1 = full prefill)")
-    b.add_argument("--blend-check-layer", type=int, default=None, metavar="L",
-                   help="layer at which the recomputed tokens are selected (default 1)")
+    for name, metavar in KNOB_FLAGS.items():  # each from its BlendConfig field: help, default, type
+        f = config_field(BlendConfig, name)
+        b.add_argument(knob_flag(name), dest=f"{SECTION}_{name}", action=FieldFlag, field=lambda f=f: f,
+                       metavar=metavar)
 
 
 def _flag_changes(args: argparse.Namespace) -> Mapping[str, Any] | None:
     """Returns the `blend:` keys the flags set (None: no --blend); ValueError for a knob without --blend."""
-    knobs = {k: v for k, v in (("ratio", getattr(args, "blend_ratio", None)),
-                               ("check_layer", getattr(args, "blend_check_layer", None))) if v is not None}
+    knobs = {k: v for k in KNOB_FLAGS if (v := getattr(args, f"{SECTION}_{k}", None)) is not None}
     if not getattr(args, "blend", False):
         if knobs:
-            raise ValueError("--blend-ratio/--blend-check-layer need --blend")
+            raise ValueError(f"{'/'.join(map(knob_flag, KNOB_FLAGS))} need --blend")
         return None
     return knobs
 
