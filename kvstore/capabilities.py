@@ -1,6 +1,7 @@
 """What a tier may declare beyond the chunk-store contract (kvstore/backend.py): each an ABC a
-backend class inherits when it can do that thing, found by `isinstance`, never by a method that
-raises or answers "unknown" (docs/architecture.md, "Tiers and the storage manager").
+backend class inherits when it can do that thing, found by `isinstance`; a tier that cannot do
+a thing does not declare it (docs/architecture.md, "Tiers and the storage manager"). Within a
+declared capability, a limit the tier does not have is refused by name.
 
 Wiring, read by the storage manager:
 - `RemoteTier`: the tier talks to a server; its calls are bounded by `deadlines` and `check`

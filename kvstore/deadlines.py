@@ -12,8 +12,9 @@ whose calls fail. Local tiers (cpu, device, disk) have no deadlines.
 The fixed waits of the connector, the storage manager, the cache server, `kvtier serve`, the
 router and the CLI are named here too (the constants below), so every bound on a wait has one
 home; tests/test_wait_bounds.py fails on one written anywhere else under kvstore/, kvtier/ and
-connector/. The engine's own (engine/llm_engine.py `KV_WAIT_S`) stays in the engine, which never
-imports kvstore. Standard library only: the cache server (kvstore/cache_server/) imports this module.
+connector/. The engine's own (engine/llm_engine.py `KV_WAIT_S`, engine/default_model.py
+`PIP_DOWNLOAD_TIMEOUT_S`) stay in the engine, which never imports kvstore. Standard library
+only: the cache server (kvstore/cache_server/) imports this module.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """`POST /kv/lookup` for `vllm serve` with KVTierConnector: what `kvtier router --policy
 kv-aware` asks each backend (kvtier serve answers the same question, kvtier/server/server_app.py);
-and the cache-control routes `POST /kv/inspect`, `/kv/pin`, `/kv/unpin`, `/kv/clear` with kvtier
-serve's bodies and answers (docs/serving.md, "Operating the cache"; docs/vllm.md).
+and the cache-control routes `POST /kv/<name>`, one per entry of connector/vllm/control_ops.py's
+`CONTROL_OPS` (inspect, pin, unpin, prefetch, move, drop, clear, budget), with kvtier serve's
+bodies and answers (docs/serving.md, "Operating the cache"; docs/vllm.md).
 
 Added through vLLM's own option, `--middleware connector.vllm.lookup_route.KvLookupRoute`
 (`kvtier-vllm serve` adds it by itself). A pure ASGI middleware: every other request goes
