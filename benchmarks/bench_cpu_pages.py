@@ -6,7 +6,9 @@ connector/vllm/layouts.py:
 - "vec" pages decoded by the compiled copy (`VllmCpuLayout`, engine/csrc/kv_pages.cpp);
 - "amx" pages decoded block by block (`VllmAmxLayout`, whole blocks), and token by token
   (its path for a partial block, run here over every token to justify the block path);
-- any pages moved as whole (block, KV head) tiles (`VllmTileLayout`).
+- any pages moved as whole (block, KV head) tiles (`VllmTileLayout`), by the compiled copy and
+  through PyTorch's views (its path where the kernels cannot be built, to justify the copy);
+- and a plain copy of the same bytes (contiguous chunk to contiguous buffer), the floor.
 
 What an AMX host stores ("auto": decoded, shared with every other engine and CPU; "tiles":
 its own format) is chosen from these figures (docs/vllm.md, "CPU page layouts").
@@ -31,6 +33,7 @@ from connector.vllm.layouts import VllmAmxLayout, VllmCpuLayout, VllmTileLayout
 from engine.kv_cache import PagedKVLayout
 
 RESULTS = Path(__file__).resolve().parent / "results"
+TILES = "tiles (any kernels), compiled copy"  # the row the others are given as ratios to
 LAYERS, BLOCKS, BS, HKV, D, CHUNK, N = 30, 40, 128, 3, 64, 256, 4096
 
 
@@ -48,7 +51,9 @@ def main() -> int:
     chunks = [torch.randn(LAYERS, 2, CHUNK, HKV, D).to(torch.bfloat16) for _ in slots]
     layouts: dict[str, PagedKVLayout] = {
         "vec, decoded (compiled copy)": VllmCpuLayout(caches), "amx, decoded block by block": VllmAmxLayout(caches),
-        "amx, decoded token by token": _TokenByToken(caches), "tiles (any kernels)": VllmTileLayout(caches)}
+        "amx, decoded token by token": _TokenByToken(caches),
+        "tiles, through PyTorch's views": VllmTileLayout(caches, kernels=False),
+        TILES: VllmTileLayout(caches)}
     reps = 7
     rows: list[dict[str, Any]] = []
     for name, layout in layouts.items():
@@ -56,7 +61,10 @@ def main() -> int:
         gather = median_s(lambda lay=layout: [lay.gather_chunk(s) for s in slots], reps)
         rows.append({"layout": name, "scatter_s": scatter, "gather_s": gather})
         print(f"{name}: scatter {scatter * 1e3:.1f} ms, gather {gather * 1e3:.1f} ms", file=sys.stderr)
-    tiles = rows[-1]
+    flat = [torch.empty_like(c) for c in chunks]
+    plain = median_s(lambda: [f.copy_(c) for f, c in zip(flat, chunks)], reps)
+    rows.append({"layout": "a plain copy of the same bytes", "scatter_s": plain, "gather_s": plain})
+    tiles = next(r for r in rows if r["layout"] == TILES)
     nbytes = sum(c.numel() * 2 for c in chunks)
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     cpu = "AMX" if " amx_tile" in flags else "AVX-512" if " avx512f" in flags else "AVX2"

@@ -30,8 +30,9 @@ Each layout says where K and V sit: per layer, views of the cache, one for K and
 (vLLM's own split). A gather or scatter is then one advanced-indexing op per layer and K/V over
 (block, offset), with no per-token loop; writes go through the views into the caller's tensors.
 (One op over all layers through a stacked `as_strided` view was no faster, so there is none.)
-On CPU, `VllmCpuLayout` moves whole chunks in one compiled call instead (engine/csrc/
-kv_pages.cpp): its K^T pages make the indexing path slow. This module never imports vllm.
+On CPU, `VllmCpuLayout` and `VllmTileLayout` move whole chunks in one compiled call instead
+(engine/csrc/kv_pages.cpp): K^T pages make the indexing path slow, and tiles copied as token
+rows are near a plain copy there. This module never imports vllm.
 """
 
 from __future__ import annotations
@@ -179,14 +180,14 @@ class _SplitKVLayout(PagedKVLayout):
         self._move([layer], slots, layer_kv[None], to_cache=True)
 
 
-class VllmCpuLayout(_SplitKVLayout):
-    """vLLM's CPU attention backend ("vec"/"vec16" ISA): per (block, head) page, K^T
-    `(D, block_size)` then V `(block_size, D)`. Each page must be contiguous, as the kernel
-    addresses it by offset; blocks and heads may have any strides.
+class _CompiledPagesLayout(_SplitKVLayout):
+    """A CPU layout of contiguous (block, head) pages whose copies run in engine/csrc's
+    `copy_kv_pages` where it builds (several times faster than PyTorch's indexing through the
+    views: `benchmarks/bench_load.py`'s vllm-cpu rows, `benchmarks/bench_cpu_pages.py`'s tile
+    rows), else (or with `kernels=False`) through the views. `K_TRANSPOSED`: whether a page
+    holds K transposed; else its K half is token rows like V's."""
 
-    On CPU the copies run in engine/csrc's `copy_kv_pages` (several times faster than PyTorch's
-    indexing through the K^T views; `benchmarks/bench_load.py`'s vllm-cpu rows) where it builds, or
-    `kernels=False`; elsewhere through the views."""
+    K_TRANSPOSED: bool
 
     def __init__(self, kv_caches: Sequence[torch.Tensor], layer_groups: Sequence[int] | None = None,
                  kernels: bool = True) -> None:
@@ -197,15 +198,28 @@ class VllmCpuLayout(_SplitKVLayout):
     def _move_group(self, layers: Sequence[int], slots: torch.Tensor,
                     chunk: torch.Tensor | Sequence[torch.Tensor], to_cache: bool) -> None:
         if self._ops is None:
-            super()._move_group(layers, slots, chunk, to_cache)
+            self._move_by_views(layers, slots, chunk, to_cache)
             return
         check_slots(slots, self.num_slots)
         slots = slots.contiguous()
         if isinstance(chunk, torch.Tensor):
-            self._ops.copy_kv_pages([self.kv_caches[layer] for layer in layers], chunk, slots, to_cache)
+            self._ops.copy_kv_pages([self.kv_caches[layer] for layer in layers], chunk, slots, to_cache,
+                                    self.K_TRANSPOSED)
             return
         for layer, per_layer in zip(layers, chunk, strict=True):
-            self._ops.copy_kv_pages([self.kv_caches[layer]], per_layer[None], slots, to_cache)
+            self._ops.copy_kv_pages([self.kv_caches[layer]], per_layer[None], slots, to_cache, self.K_TRANSPOSED)
+
+    def _move_by_views(self, layers: Sequence[int], slots: torch.Tensor,
+                       chunk: torch.Tensor | Sequence[torch.Tensor], to_cache: bool) -> None:
+        super()._move_group(layers, slots, chunk, to_cache)
+
+
+class VllmCpuLayout(_CompiledPagesLayout):
+    """vLLM's CPU attention backend ("vec"/"vec16" ISA): per (block, head) page, K^T
+    `(D, block_size)` then V `(block_size, D)`. Each page must be contiguous, as the kernel
+    addresses it by offset; blocks and heads may have any strides."""
+
+    K_TRANSPOSED = True
 
     def _halves(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         nb, h, bs, d2 = kv.shape
@@ -298,15 +312,18 @@ class VllmAmxLayout(_SplitKVLayout):
                 chunk[i][1] = v[v_at].reshape(n, h, d)
 
 
-class VllmTileLayout(_SplitKVLayout):
+class VllmTileLayout(_CompiledPagesLayout):
     """vLLM's CPU attention backend, whatever kernels wrote its pages: each (block, head) tile
     is moved as its bytes, never decoded. Token `b * block_size + o` of a chunk holds, of each
     half of its block's tile (K's elements, then V's, `block_size * D` each), elements
     `[o * D, (o + 1) * D)`; a move covers whole blocks only (ValueError otherwise), so every
     tile moves whole and lands byte for byte in another block."""
 
-    def __init__(self, kv_caches: Sequence[torch.Tensor], layer_groups: Sequence[int] | None = None) -> None:
-        super().__init__(kv_caches, layer_groups)
+    K_TRANSPOSED = False
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor], layer_groups: Sequence[int] | None = None,
+                 kernels: bool = True) -> None:
+        super().__init__(kv_caches, layer_groups, kernels)
         self.tokens_per_move = self.block_size
 
     def _halves(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,6 +341,11 @@ class VllmTileLayout(_SplitKVLayout):
         if self._whole_blocks(slots) * bs != slots.shape[0]:
             raise ValueError(f"{type(self).__name__} moves whole blocks only ({bs} tokens each, from a block's "
                              f"first slot); got {slots.shape[0]} slots")
+        super()._move_group(layers, slots, chunk, to_cache)
+
+    def _move_by_views(self, layers: Sequence[int], slots: torch.Tensor,
+                       chunk: torch.Tensor | Sequence[torch.Tensor], to_cache: bool) -> None:
+        bs = self.block_size
         blocks = self._block_ids(slots)
         for i, layer in enumerate(layers):
             k, v = self._kv_views[layer]

@@ -6,7 +6,9 @@
 // each (layer, head) is one loop over the tokens, every element moved once. For 4-byte
 // elements, K^T moves in 16 x 16 tiles transposed in registers, faster than one element at a
 // time and several times PyTorch's views (benchmarks/bench_kernels.py measures the latter);
-// whole aligned page lines are written with streaming stores.
+// whole aligned page lines are written with streaming stores. With `k_transposed` false the
+// pages are tiles moved as their bytes (VllmTileLayout): K's half is (block_size, head_size)
+// rows like V's, whatever the kernels that wrote it mean by them.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -89,7 +91,7 @@ inline void transpose16(const T* src, int64_t src_stride, T* dst, int64_t dst_st
 // T is only an element of the right size: the copy never looks at values.
 template <typename T>
 void copy_pages(const std::vector<torch::Tensor>& caches, T* rows, const int64_t* slots, int64_t n,
-                bool to_pages) {
+                bool to_pages, bool k_transposed) {
   const auto& ref = caches[0];
   const int64_t heads = ref.size(1), bs = ref.size(2), d = ref.size(3) / 2;
   const int64_t layers = static_cast<int64_t>(caches.size());
@@ -119,6 +121,27 @@ void copy_pages(const std::vector<torch::Tensor>& caches, T* rows, const int64_t
         // first, so skipping that read makes a load's chunks faster (docs/results.md).
         const bool stream = to_pages && reinterpret_cast<uintptr_t>(page) % 64 == 0 && (off * sizeof(T)) % 64 == 0 &&
                             (bs * sizeof(T)) % 64 == 0 && (d * sizeof(T)) % 64 == 0;
+        // Each half's token rows of `d` values: V's always, K's too when pages hold it untransposed.
+        auto copy_rows = [&](T* half, T* chunk_rows) {
+          for (int64_t t = 0; t < run; ++t) {
+            T* hp = half + (off + t) * d;
+            T* cp = chunk_rows + t * token_row;
+            if (stream) {
+              for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) {
+                stream_line(reinterpret_cast<char*>(hp) + b, reinterpret_cast<const char*>(cp) + b);
+              }
+            } else if (to_pages) {
+              std::memcpy(hp, cp, d * sizeof(T));
+            } else {
+              std::memcpy(cp, hp, d * sizeof(T));
+            }
+          }
+        };
+        copy_rows(page + d * bs, v);
+        if (!k_transposed) {
+          copy_rows(page, k);
+          continue;
+        }
         if constexpr (sizeof(T) == 4) {
           tiled_t = run / 16 * 16;
           tiled_j = d / 16 * 16;
@@ -145,18 +168,6 @@ void copy_pages(const std::vector<torch::Tensor>& caches, T* rows, const int64_t
             for (int64_t t = t_from; t < run; ++t) k[t * token_row + j] = kt[t];
           }
         }
-        for (int64_t t = 0; t < run; ++t) {
-          T* vp = page + d * bs + (off + t) * d;
-          if (stream) {
-            for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) {
-              stream_line(reinterpret_cast<char*>(vp) + b, reinterpret_cast<const char*>(v + t * token_row) + b);
-            }
-          } else if (to_pages) {
-            std::memcpy(vp, v + t * token_row, d * sizeof(T));
-          } else {
-            std::memcpy(v + t * token_row, vp, d * sizeof(T));
-          }
-        }
       }
     }
     stream_fence();  // this thread's streaming stores are visible before the copy returns
@@ -167,9 +178,10 @@ void copy_pages(const std::vector<torch::Tensor>& caches, T* rows, const int64_t
 
 // Moves the K/V of `slots` between `chunk` [layers, 2, n, heads, head_size] (contiguous) and
 // `caches`, one per layer, each [num_blocks, heads, block_size, 2 * head_size] with contiguous
-// (block, head) pages: into the pages when `to_pages`, else into `chunk`.
+// (block, head) pages: into the pages when `to_pages`, else into `chunk`. K's half of a page
+// is K transposed when `k_transposed` (vLLM's vec pages), else token rows like V's (tiles).
 void copy_kv_pages(const std::vector<torch::Tensor>& caches, torch::Tensor& chunk, const torch::Tensor& slots,
-                   bool to_pages) {
+                   bool to_pages, bool k_transposed) {
   TORCH_CHECK(!caches.empty(), "caches is empty");
   const auto& ref = caches[0];
   TORCH_CHECK(ref.dim() == 4 && ref.size(3) % 2 == 0, "each cache must be [num_blocks, heads, block_size, 2 * head_size]");
@@ -187,10 +199,10 @@ void copy_kv_pages(const std::vector<torch::Tensor>& caches, torch::Tensor& chun
   const int64_t num_slots = ref.size(0) * ref.size(2);
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(s[i] >= 0 && s[i] < num_slots, "slot ", s[i], " outside [0, ", num_slots, ")");
   switch (ref.element_size()) {
-    case 1: copy_pages(caches, static_cast<uint8_t*>(chunk.data_ptr()), s, n, to_pages); break;  // fp8 K/V
-    case 2: copy_pages(caches, static_cast<uint16_t*>(chunk.data_ptr()), s, n, to_pages); break;
-    case 4: copy_pages(caches, static_cast<uint32_t*>(chunk.data_ptr()), s, n, to_pages); break;
-    case 8: copy_pages(caches, static_cast<uint64_t*>(chunk.data_ptr()), s, n, to_pages); break;
+    case 1: copy_pages(caches, static_cast<uint8_t*>(chunk.data_ptr()), s, n, to_pages, k_transposed); break;  // fp8 K/V
+    case 2: copy_pages(caches, static_cast<uint16_t*>(chunk.data_ptr()), s, n, to_pages, k_transposed); break;
+    case 4: copy_pages(caches, static_cast<uint32_t*>(chunk.data_ptr()), s, n, to_pages, k_transposed); break;
+    case 8: copy_pages(caches, static_cast<uint64_t*>(chunk.data_ptr()), s, n, to_pages, k_transposed); break;
     default: TORCH_CHECK(false, "unsupported element size ", ref.element_size());
   }
 }

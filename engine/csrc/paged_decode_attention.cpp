@@ -406,7 +406,7 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
                            int64_t out_features);
 // kv_pages.cpp
 void copy_kv_pages(const std::vector<torch::Tensor>& caches, torch::Tensor& chunk, const torch::Tensor& slots,
-                   bool to_pages);
+                   bool to_pages, bool k_transposed);
 
 // Every op releases the GIL while it runs (RELEASED): it touches no Python object, and the
 // connector's loads scatter on a background thread while the serving thread runs the model.
@@ -431,5 +431,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, RELEASED, "x @ W.T + bias over W packed in panels of 16 output columns",
         py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("out_features"));
   m.def("copy_kv_pages", &copy_kv_pages, RELEASED, "moves slots' K/V between a chunk and vLLM CPU attention pages",
-        py::arg("caches"), py::arg("chunk"), py::arg("slots"), py::arg("to_pages"));
+        py::arg("caches"), py::arg("chunk"), py::arg("slots"), py::arg("to_pages"), py::arg("k_transposed") = true);
 }
