@@ -4,7 +4,8 @@ and out of shuffled blocks of vLLM's CPU default size (128), through each layout
 connector/vllm/layouts.py:
 
 - "vec" pages decoded by the compiled copy (`VllmCpuLayout`, engine/csrc/kv_pages.cpp);
-- "amx" pages decoded block by block (`VllmAmxLayout`, whole blocks), and token by token
+- "amx" pages decoded block by block (`VllmAmxLayout`, whole blocks), by the compiled copy
+  (engine/csrc/kv_pages.cpp `copy_amx_blocks`) and through PyTorch's views, and token by token
   (its path for a partial block, run here over every token to justify the block path);
 - any pages moved as whole (block, KV head) tiles (`VllmTileLayout`), by the compiled copy and
   through PyTorch's views (its path where the kernels cannot be built, to justify the copy);
@@ -50,7 +51,9 @@ def main() -> int:
     slots = (torch.randperm(BLOCKS)[:N // BS].unsqueeze(1) * BS + torch.arange(BS)).flatten().split(CHUNK)
     chunks = [torch.randn(LAYERS, 2, CHUNK, HKV, D).to(torch.bfloat16) for _ in slots]
     layouts: dict[str, PagedKVLayout] = {
-        "vec, decoded (compiled copy)": VllmCpuLayout(caches), "amx, decoded block by block": VllmAmxLayout(caches),
+        "vec, decoded (compiled copy)": VllmCpuLayout(caches),
+        "amx, decoded block by block (compiled copy)": VllmAmxLayout(caches),
+        "amx, decoded block by block through PyTorch's views": VllmAmxLayout(caches, kernels=False),
         "amx, decoded token by token": _TokenByToken(caches),
         "tiles, through PyTorch's views": VllmTileLayout(caches, kernels=False),
         TILES: VllmTileLayout(caches)}

@@ -11,8 +11,9 @@
 - `panel_linear`, float32 linear layers over weights packed in panels (engine/linear_backend.py
   `PanelLinear`): faster than oneDNN's GEMV on a batch-1 decode step;
 - `copy_kv_pages` moves a chunk's K/V into or out of vLLM's CPU attention pages (K transposed
-  per page, or as token rows for pages moved as tiles), for kvtier's connector inside vLLM
-  (connector/vllm/layouts.py `VllmCpuLayout`, `VllmTileLayout`).
+  per page, or as token rows for pages moved as tiles), and `copy_amx_blocks` whole blocks of
+  its "amx" pages, for kvtier's connector inside vLLM (connector/vllm/layouts.py
+  `VllmCpuLayout`, `VllmTileLayout`, `VllmAmxLayout`).
 
 Every model family uses the layer kernels through `CausalLM.enable_cpu_ops` (engine/models/base.py).
 There are no such kernels for other devices: callers keep PyTorch's ops there and wherever the kernels cannot be built.

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 
@@ -192,8 +193,7 @@ class _CompiledPagesLayout(_SplitKVLayout):
     def __init__(self, kv_caches: Sequence[torch.Tensor], layer_groups: Sequence[int] | None = None,
                  kernels: bool = True) -> None:
         super().__init__(kv_caches, layer_groups)
-        same_strides = all(kv.stride() == self.kv_caches[0].stride() for kv in self.kv_caches)
-        self._ops = cpu_ops.load() if kernels and same_strides and self.device.type == "cpu" else None
+        self._ops = _page_kernels(self, kernels)
 
     def _move_group(self, layers: Sequence[int], slots: torch.Tensor,
                     chunk: torch.Tensor | Sequence[torch.Tensor], to_cache: bool) -> None:
@@ -231,6 +231,13 @@ class VllmCpuLayout(_CompiledPagesLayout):
         return k, v
 
 
+def _page_kernels(layout: _SplitKVLayout, kernels: bool) -> ModuleType | None:
+    """Returns engine/csrc's compiled kernels for `layout`'s page copies when asked (`kernels`)
+    and they apply (CPU caches of one stride) and build; else None (the copies go through the views)."""
+    same_strides = all(kv.stride() == layout.kv_caches[0].stride() for kv in layout.kv_caches)
+    return cpu_ops.load() if kernels and same_strides and layout.device.type == "cpu" else None
+
+
 def _pages(kv: torch.Tensor, layout: str) -> torch.Tensor:
     """Returns one layer's CPU cache as `(num_blocks, H, block_size * 2 * D)` tiles, a view;
     ValueError unless each (block, head) tile is contiguous (vLLM's kernels address it by offset)."""
@@ -245,15 +252,19 @@ class VllmAmxLayout(_SplitKVLayout):
     (block, head) tile, K then V, `block_size * D` elements each (vLLM's split), with
     - K as `(block_size / 16, D / 2, 16, 2)`: element `[g, q, t, e]` is K[16 g + t, 2 q + e];
     - V as `(D / 16, block_size / 2, 16, 2)`: element `[i, s, j, e]` is V[2 s + e, 16 i + j].
-    Decoded to the canonical form, so its chunks are shared with every decoded layout."""
+    Decoded to the canonical form, so its chunks are shared with every decoded layout. Whole
+    blocks move in engine/csrc's `copy_amx_blocks` where it builds (`kernels`), else, and any
+    partial block, through the views."""
 
-    def __init__(self, kv_caches: Sequence[torch.Tensor], layer_groups: Sequence[int] | None = None) -> None:
+    def __init__(self, kv_caches: Sequence[torch.Tensor], layer_groups: Sequence[int] | None = None,
+                 kernels: bool = True) -> None:
         ref = kv_caches[0] if len(kv_caches) else None
         if ref is not None and (ref.element_size() != 2 or ref.dim() != 4 or ref.shape[2] % 32
                                 or ref.shape[3] % 32):
             raise ValueError("VllmAmxLayout reads 2-byte K/V with block_size a multiple of 32 and head_size a "
                              f"multiple of 16, got {ref.dtype} caches of shape {tuple(ref.shape)}")
         super().__init__(kv_caches, layer_groups)
+        self._ops = _page_kernels(self, kernels)
 
     def _halves(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns K `(num_blocks, H, bs / 16, D / 2, 16, 2)` and V `(num_blocks, H, D / 16,
@@ -281,6 +292,10 @@ class VllmAmxLayout(_SplitKVLayout):
         """Moves whole blocks: `slots` are `_whole_blocks`."""
         d = self.head_size
         blocks = self._block_ids(slots)
+        if self._ops is not None:
+            self._ops.copy_amx_blocks([self.kv_caches[layer] for layer in layers], list(chunk), blocks.contiguous(),
+                                      to_cache)
+            return
         for i, layer in enumerate(layers):
             k, v = self._kv_views[layer]
             # chunk tokens as (block, group, token) and head elements as (pair, element): K's

@@ -206,3 +206,109 @@ void copy_kv_pages(const std::vector<torch::Tensor>& caches, torch::Tensor& chun
     default: TORCH_CHECK(false, "unsupported element size ", ref.element_size());
   }
 }
+
+namespace {
+
+// Moves whole blocks between chunk rows and vLLM's "amx" pages of 2-byte K/V (cpu_attn_amx.hpp's
+// layout, connector/vllm/layouts.py `VllmAmxLayout`): per (block, head) tile, K as
+// (block_size / 16, head_size / 2, 16, 2), element [g, q, t, e] = K[16 g + t, 2 q + e], so each
+// 16-token group is a transpose of 4-byte element pairs; then V as (head_size / 16,
+// block_size / 2, 16, 2), element [i, s, j, e] = V[2 s + e, 16 i + j], two tokens' rows
+// interleaved per 16 head elements.
+void copy_amx(const std::vector<torch::Tensor>& caches, const std::vector<torch::Tensor>& rows,
+              const int64_t* blocks, int64_t num_blocks, bool to_pages) {
+  const auto& ref = caches[0];
+  const int64_t heads = ref.size(1), bs = ref.size(2), d = ref.size(3) / 2, pairs = d / 2;
+  const int64_t layers = static_cast<int64_t>(caches.size());
+  const int64_t block_stride = ref.stride(0), head_stride = ref.stride(1);
+  at::parallel_for(0, layers * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t l = item / heads, h = item % heads;
+      const auto& r = rows[l];
+      uint16_t* base = static_cast<uint16_t*>(r.data_ptr());
+      const int64_t half = r.stride(0), token = r.stride(1);
+      uint16_t* k_rows = base + h * r.stride(2);
+      uint16_t* v_rows = k_rows + half;
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        uint16_t* page = static_cast<uint16_t*>(caches[l].data_ptr()) + blocks[b] * block_stride + h * head_stride;
+        uint32_t* k_page = reinterpret_cast<uint32_t*>(page);
+        uint16_t* v_page = page + bs * d;
+        for (int64_t g = 0; g < bs / 16; ++g) {
+          uint32_t* tile = k_page + g * pairs * 16;  // [q][t]: 16 pairs-of-elements per line
+          const int64_t t0 = b * bs + g * 16;
+          int64_t q0 = 0;
+          if (token % 2 == 0 && reinterpret_cast<uintptr_t>(k_rows) % 4 == 0) {
+            // token rows as 4-byte pairs: 16 x 16 register transposes
+            uint32_t* src = reinterpret_cast<uint32_t*>(k_rows + t0 * token);
+            for (; q0 + 16 <= pairs; q0 += 16) {
+              if (to_pages) {
+                transpose16<false>(src + q0, token / 2, tile + q0 * 16, 16);
+              } else {
+                transpose16<false>(tile + q0 * 16, 16, src + q0, token / 2);
+              }
+            }
+          }
+          for (int64_t t = 0; t < 16; ++t) {
+            uint16_t* row = k_rows + (t0 + t) * token;
+            for (int64_t q = q0; q < pairs; ++q) {
+              uint16_t* at = reinterpret_cast<uint16_t*>(tile + q * 16 + t);
+              if (to_pages) {
+                at[0] = row[2 * q];
+                at[1] = row[2 * q + 1];
+              } else {
+                row[2 * q] = at[0];
+                row[2 * q + 1] = at[1];
+              }
+            }
+          }
+        }
+        for (int64_t s = 0; s < bs / 2; ++s) {
+          uint16_t* even = v_rows + (b * bs + 2 * s) * token;
+          uint16_t* odd = even + token;
+          for (int64_t i = 0; i < d / 16; ++i) {
+            uint16_t* line = v_page + (i * (bs / 2) + s) * 32;
+            for (int64_t j = 0; j < 16; ++j) {
+              if (to_pages) {
+                line[2 * j] = even[16 * i + j];
+                line[2 * j + 1] = odd[16 * i + j];
+              } else {
+                even[16 * i + j] = line[2 * j];
+                odd[16 * i + j] = line[2 * j + 1];
+              }
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Moves whole blocks `blocks` between per-layer chunk rows `rows[l]` [2, len(blocks) * block_size,
+// heads, head_size] (any strides, head elements contiguous) and "amx" pages `caches[l]`
+// [num_blocks, heads, block_size, 2 * head_size] of 2-byte elements (block_size a multiple of 16,
+// head_size of 16): into the pages when `to_pages`, else into `rows`.
+void copy_amx_blocks(const std::vector<torch::Tensor>& caches, const std::vector<torch::Tensor>& rows,
+                     const torch::Tensor& blocks, bool to_pages) {
+  TORCH_CHECK(!caches.empty() && caches.size() == rows.size(), "one rows tensor per cache");
+  const auto& ref = caches[0];
+  TORCH_CHECK(ref.dim() == 4 && ref.element_size() == 2 && ref.size(2) % 16 == 0 && ref.size(3) % 32 == 0,
+              "amx pages hold 2-byte K/V, block_size a multiple of 16 and head_size of 16");
+  TORCH_CHECK(ref.stride(3) == 1 && ref.stride(2) == ref.size(3), "each (block, head) page must be contiguous");
+  TORCH_CHECK(blocks.scalar_type() == torch::kLong && blocks.dim() == 1 && blocks.is_contiguous(),
+              "blocks must be 1-D int64");
+  const int64_t n = blocks.size(0), bs = ref.size(2), d = ref.size(3) / 2;
+  const int64_t* b = blocks.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(b[i] >= 0 && b[i] < ref.size(0), "block ", b[i], " outside [0, ", ref.size(0), ")");
+  for (size_t l = 0; l < caches.size(); ++l) {
+    const auto& c = caches[l];
+    const auto& r = rows[l];
+    TORCH_CHECK(c.device().is_cpu() && c.sizes() == ref.sizes() && c.strides() == ref.strides() &&
+                c.scalar_type() == ref.scalar_type(), "every cache must be a CPU tensor of the first's shape, strides and dtype");
+    TORCH_CHECK(r.device().is_cpu() && r.scalar_type() == ref.scalar_type() &&
+                r.sizes() == torch::IntArrayRef({2, n * bs, ref.size(1), d}) && r.stride(3) == 1,
+                "rows must be [2, len(blocks) * block_size, heads, head_size] of the caches' dtype, head elements contiguous");
+  }
+  copy_amx(caches, rows, b, n, to_pages);
+}

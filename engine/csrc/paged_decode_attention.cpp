@@ -407,6 +407,8 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
 // kv_pages.cpp
 void copy_kv_pages(const std::vector<torch::Tensor>& caches, torch::Tensor& chunk, const torch::Tensor& slots,
                    bool to_pages, bool k_transposed);
+void copy_amx_blocks(const std::vector<torch::Tensor>& caches, const std::vector<torch::Tensor>& rows,
+                     const torch::Tensor& blocks, bool to_pages);
 
 // Every op releases the GIL while it runs (RELEASED): it touches no Python object, and the
 // connector's loads scatter on a background thread while the serving thread runs the model.
@@ -432,4 +434,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("out_features"));
   m.def("copy_kv_pages", &copy_kv_pages, RELEASED, "moves slots' K/V between a chunk and vLLM CPU attention pages",
         py::arg("caches"), py::arg("chunk"), py::arg("slots"), py::arg("to_pages"), py::arg("k_transposed") = true);
+  m.def("copy_amx_blocks", &copy_amx_blocks, RELEASED, "moves whole blocks' K/V between chunk rows and vLLM amx pages",
+        py::arg("caches"), py::arg("rows"), py::arg("blocks"), py::arg("to_pages"));
 }

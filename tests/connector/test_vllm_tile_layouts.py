@@ -33,11 +33,18 @@ def amx_read(kv: torch.Tensor, slot: int, head: int) -> tuple[torch.Tensor, torc
     return k, v
 
 
-def test_amx_gather_reads_the_formula_on_both_paths() -> None:
+def amx_layout(cs: list[torch.Tensor], kernels: bool) -> VllmAmxLayout:
+    """The "amx" layout over `cs`, its whole blocks moved by engine/csrc's copy or the views."""
+    layout = vllm_layout_for(cs, "cpu", decoder="amx") if kernels else VllmAmxLayout(cs, kernels=False)
+    assert type(layout) is VllmAmxLayout and (layout._ops is not None) == kernels, "engine/csrc did not build"
+    return layout
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_amx_gather_reads_the_formula_on_both_paths(kernels: bool) -> None:
     cs = caches()
     before = [c.clone() for c in cs]
-    layout = vllm_layout_for(cs, "cpu", decoder="amx")
-    assert type(layout) is VllmAmxLayout
+    layout = amx_layout(cs, kernels)
     for slots in (SLOTS, SLOTS.flip(0)):  # whole blocks first, then none (token by token only)
         chunk = layout.gather_chunk(slots)
         for layer in range(L):
@@ -50,10 +57,11 @@ def test_amx_gather_reads_the_formula_on_both_paths() -> None:
     assert all(torch.equal(a, b) for a, b in zip(cs, before))
 
 
-def test_amx_scatter_writes_the_formula_and_nothing_else() -> None:
+@pytest.mark.parametrize("kernels", [True, False])
+def test_amx_scatter_writes_the_formula_and_nothing_else(kernels: bool) -> None:
     cs = caches()
     expected = [c.clone() for c in cs]
-    layout = vllm_layout_for(cs, "cpu", decoder="amx")
+    layout = amx_layout(cs, kernels)
     chunk = torch.randn(L, 2, len(SLOTS), H, D).to(torch.bfloat16)
     layout.scatter_chunk(SLOTS, chunk)
     for layer in range(L):
@@ -70,6 +78,27 @@ def test_amx_scatter_writes_the_formula_and_nothing_else() -> None:
     blocks = torch.arange(NB * BS)  # and block by block
     layout.scatter_chunk(blocks, whole)
     assert torch.equal(layout.gather_chunk(blocks), whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_amx_kernel_moves_what_the_views_move_at_vllms_geometry(dtype: torch.dtype) -> None:
+    """engine/csrc's `copy_amx_blocks` against the views at vLLM's CPU block size and the default
+    model's head size (two 16 x 16 transposes per K group), per chunk and per layer, both ways."""
+    layers, nb, h, bs, d = 2, 5, 3, 128, 64
+    torch.manual_seed(3)
+    physical = torch.randn(layers, nb, h, bs, 2 * d).to(dtype)
+    fast = VllmAmxLayout(list(physical.clone()))
+    slow = VllmAmxLayout(list(physical.clone()), kernels=False)
+    assert fast._ops is not None, "engine/csrc did not build (needs g++)"
+    slots = torch.cat([torch.arange(b * bs, (b + 1) * bs) for b in (3, 0)] + [torch.arange(bs + 7, bs + 40)])
+    assert torch.equal(fast.gather_chunk(slots), slow.gather_chunk(slots))
+    chunk = torch.randn(layers, 2, len(slots), h, d).to(dtype)
+    fast.scatter_chunk(slots, chunk)
+    slow.scatter_chunk(slots, chunk)
+    fast.scatter_layer(1, slots[:bs], -chunk[0, :, :bs])
+    slow.scatter_layer(1, slots[:bs], -chunk[0, :, :bs])
+    assert all(torch.equal(a, b) for a, b in zip(fast.kv_caches, slow.kv_caches))
+    assert all(torch.equal(a, b) for a, b in zip(fast.gather_layers(slots), slow.gather_layers(slots)))
 
 
 def test_tiles_move_byte_for_byte_into_other_blocks() -> None:
