@@ -5,13 +5,13 @@ the CPU formula against vLLM's own kernels.)"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import pytest
 import torch
 
-from connector.vllm.layouts import VllmCpuLayout, VllmFlashLayout, VllmTileLayout, vllm_layout_for
+from connector.vllm.layouts import VllmAmxLayout, VllmCpuLayout, VllmFlashLayout, VllmTileLayout, vllm_layout_for
 from engine.kv_cache import EngineLayout, PagedKVLayout
 
 L, NB, H, BS, D = 3, 6, 2, 8, 4
@@ -206,30 +206,39 @@ def test_cpu_kernel_tiles_match_the_views(dtype: torch.dtype) -> None:
         assert torch.equal(fast.gather_chunk(slots), chunk)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-def test_the_tile_kernel_moves_exactly_what_the_views_move(dtype: torch.dtype) -> None:
-    """VllmTileLayout's compiled copies (K's half as token rows, `k_transposed` false) against
-    its PyTorch path over the same pages: whole blocks in any order, both directions, per chunk
-    and per layer, 1-, 2- and 4-byte elements; nothing outside the moved tiles changes."""
-    layers, nb, h, bs, d = 3, 7, 2, 32, 64
-    torch.manual_seed(2)
+@pytest.mark.parametrize(("layout", "dtype"), [
+    (VllmTileLayout, torch.float32), (VllmTileLayout, torch.bfloat16), (VllmTileLayout, torch.float8_e4m3fn),
+    (VllmAmxLayout, torch.bfloat16), (VllmAmxLayout, torch.float16)])
+def test_the_compiled_page_copies_move_what_the_views_move(layout: type[VllmTileLayout | VllmAmxLayout],
+                                                           dtype: torch.dtype) -> None:
+    """engine/csrc's copies for pages moved as tiles (`copy_kv_pages`, K's half as token rows)
+    and for "amx" pages (`copy_amx_blocks`) against each layout's PyTorch path, at vLLM's CPU
+    block size and the default model's head size: whole blocks in any order (and, for "amx", a
+    partial block through its token path), both directions, per chunk and per layer, byte for
+    byte; blocks not moved stay as they were."""
+    layers, nb, h, bs, d = 2, 5, 3, 128, 64
+    torch.manual_seed(3)
     physical = torch.randn(layers, nb, h, bs, 2 * d).to(dtype)
-    fast = VllmTileLayout(list(physical.clone()))
-    slow = VllmTileLayout(list(physical.clone()), kernels=False)
+    fast = layout(list(physical.clone()))
+    slow = layout(list(physical.clone()), kernels=False)
     assert fast._ops is not None, "engine/csrc did not build (needs g++)"
-    slots = torch.cat([torch.arange(b * bs, (b + 1) * bs) for b in (5, 1, 3)])
-    assert torch.equal(fast.gather_chunk(slots).view(torch.uint8), slow.gather_chunk(slots).view(torch.uint8))
+    runs = [torch.arange(b * bs, (b + 1) * bs) for b in (3, 0)]
+    if layout is VllmAmxLayout:
+        runs.append(torch.arange(bs + 7, bs + 40))
+    slots = torch.cat(runs)
+
+    def same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+        return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True))
+
+    assert same([fast.gather_chunk(slots)], [slow.gather_chunk(slots)])
     chunk = torch.randn(layers, 2, len(slots), h, d).to(dtype)
     fast.scatter_chunk(slots, chunk)
     slow.scatter_chunk(slots, chunk)
     fast.scatter_layer(1, slots[:bs], chunk[0, :, :bs])
     slow.scatter_layer(1, slots[:bs], chunk[0, :, :bs])
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(fast.kv_caches, slow.kv_caches))
-    untouched = [0, 2, 4, 6]
-    assert all(torch.equal(a[untouched].view(torch.uint8), p[untouched].view(torch.uint8))
-               for a, p in zip(fast.kv_caches, physical))
-    with pytest.raises(ValueError, match="whole blocks"):
-        fast.scatter_chunk(slots[1:bs + 1], chunk[:, :, :bs])
+    assert same(fast.kv_caches, slow.kv_caches)
+    assert same(fast.gather_layers(slots), slow.gather_layers(slots))
+    assert same([kv[[2, 4]] for kv in fast.kv_caches], [p[[2, 4]] for p in physical])
 
 
 @pytest.mark.parametrize("kind", ["cpu", "flash"])

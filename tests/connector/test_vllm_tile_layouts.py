@@ -80,27 +80,6 @@ def test_amx_scatter_writes_the_formula_and_nothing_else(kernels: bool) -> None:
     assert torch.equal(layout.gather_chunk(blocks), whole)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_amx_kernel_moves_what_the_views_move_at_vllms_geometry(dtype: torch.dtype) -> None:
-    """engine/csrc's `copy_amx_blocks` against the views at vLLM's CPU block size and the default
-    model's head size (two 16 x 16 transposes per K group), per chunk and per layer, both ways."""
-    layers, nb, h, bs, d = 2, 5, 3, 128, 64
-    torch.manual_seed(3)
-    physical = torch.randn(layers, nb, h, bs, 2 * d).to(dtype)
-    fast = VllmAmxLayout(list(physical.clone()))
-    slow = VllmAmxLayout(list(physical.clone()), kernels=False)
-    assert fast._ops is not None, "engine/csrc did not build (needs g++)"
-    slots = torch.cat([torch.arange(b * bs, (b + 1) * bs) for b in (3, 0)] + [torch.arange(bs + 7, bs + 40)])
-    assert torch.equal(fast.gather_chunk(slots), slow.gather_chunk(slots))
-    chunk = torch.randn(layers, 2, len(slots), h, d).to(dtype)
-    fast.scatter_chunk(slots, chunk)
-    slow.scatter_chunk(slots, chunk)
-    fast.scatter_layer(1, slots[:bs], -chunk[0, :, :bs])
-    slow.scatter_layer(1, slots[:bs], -chunk[0, :, :bs])
-    assert all(torch.equal(a, b) for a, b in zip(fast.kv_caches, slow.kv_caches))
-    assert all(torch.equal(a, b) for a, b in zip(fast.gather_layers(slots), slow.gather_layers(slots)))
-
-
 def test_tiles_move_byte_for_byte_into_other_blocks() -> None:
     src, dst = caches(), [torch.zeros(NB, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(L)]
     whole = SLOTS[:2 * BS]
