@@ -122,6 +122,7 @@ def dispatch(conn: HandlerConnection, h: P.Header, key: bytes, payload: memoryvi
             conn.reply(Status.BAD_REQUEST, rid, b"DELETE_PREFIX needs a non-empty prefix (CLEAR removes all)")
         else:
             conn.reply(Status.OK, rid, P.encode_count(store.delete_prefix(key)))
+            conn.server.memory_freed()  # bodies waiting for memory may fit now
     elif code == Op.USAGE:  # one pass over the keys, as DELETE_PREFIX; a tenant asks under its own prefix
         groups = store.usage(key)
         if len(groups) > P.MAX_USAGE_GROUPS:
@@ -136,6 +137,7 @@ def dispatch(conn: HandlerConnection, h: P.Header, key: bytes, payload: memoryvi
             conn.reply(Status.BAD_REQUEST, rid, str(exc).encode())
             return
         conn.reply(Status.OK, rid, P.encode_count(store.delete_idle(older_than_ms / 1000)))
+        conn.server.memory_freed()
     elif code == Op.PING:
         conn.reply(Status.OK, rid, b"PONG")
     elif code == Op.CLEAR:
