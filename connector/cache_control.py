@@ -23,6 +23,7 @@ from kvkeys.keyspace import Keyspace, Span
 from kvkeys.stored_keys import UsageGroup
 from kvkeys.tenants import tenant_prefix, tenant_tag
 from kvstore.backend import EntryInfo
+from kvstore.budget import sum_usage
 from kvstore.capabilities import LOCAL_TIERS
 from kvstore.pin_set import PinError
 from kvstore.storage_manager import StorageManager
@@ -90,13 +91,7 @@ def _by(groups: dict[UsageGroup, tuple[int, int]] | None, field: int) -> dict[st
     family (1), None when the tier cannot tell."""
     if groups is None:
         return None
-    out: dict[str, tuple[int, int]] = {}
-    for group, (n, b) in groups.items():
-        label = group[field]
-        if label is not None:
-            n0, b0 = out.get(label, (0, 0))
-            out[label] = (n0 + n, b0 + b)
-    return out
+    return sum_usage((label, counts) for group, counts in groups.items() if (label := group[field]) is not None)
 
 
 def _counts(usage: dict[str, tuple[int, int]] | None) -> dict[str, dict[str, int]] | None:

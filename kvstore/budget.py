@@ -12,7 +12,7 @@ values being sent or spilled, files being read) stays with that owner."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
@@ -23,6 +23,16 @@ from kvstore.sizes import parse_size
 from kvstore.tenant_quota import TenantBytes, never_pinned
 
 G = TypeVar("G", bound=Hashable)  # what usage is counted by
+
+
+def sum_usage(counts: Iterable[tuple[G, tuple[int, int]]]) -> dict[G, tuple[int, int]]:
+    """Returns the (entries, bytes) of `counts` summed per label: the one way usage is added up
+    (a tier's keys, a server's memory and disk, a tier's groups per tenant or model)."""
+    out: dict[G, tuple[int, int]] = {}
+    for label, (n, b) in counts:
+        n0, b0 = out.get(label, (0, 0))
+        out[label] = (n0 + n, b0 + b)
+    return out
 
 
 class BudgetError(ValueError):
@@ -177,13 +187,7 @@ class ByteBudget(Generic[K]):
     def usage_by(self, label: Callable[[K], G | None]) -> dict[G, tuple[int, int]]:
         """Returns per label of the keys held (`label(key)`; None: the key is not counted) its
         (entries, bytes)."""
-        out: dict[G, tuple[int, int]] = {}
-        for key, nbytes in self.sizes.items():
-            tag = label(key)
-            if tag is not None:
-                n, b = out.get(tag, (0, 0))
-                out[tag] = (n + 1, b + nbytes)
-        return out
+        return sum_usage((tag, (1, nbytes)) for key, nbytes in self.sizes.items() if (tag := label(key)) is not None)
 
     def clear(self) -> None:
         for key in list(self.sizes):

@@ -39,10 +39,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from itertools import chain
 
 from kvkeys.stored_keys import UsageGroup, usage_group_bytes
 from kvkeys.tenants import key_tenant_bytes
-from kvstore.budget import ByteBudget
+from kvstore.budget import ByteBudget, sum_usage
 from kvstore.cache_server.protocol import Buffer
 from kvstore.cache_server.spill import DiskSpill, pin_name
 from kvstore.cache_server.store_stats import StoreStats, read_stats
@@ -449,11 +450,8 @@ class ByteStore:
         def group(key: bytes) -> UsageGroup | None:
             return usage_group_bytes(key) if key.startswith(prefix) else None
 
-        out = self.budget.usage_by(group)
-        for g, (n, b) in (self.spill.index.usage_by(group) if self.spill is not None else {}).items():
-            n0, b0 = out.get(g, (0, 0))
-            out[g] = (n0 + n, b0 + b)
-        return out
+        on_disk = self.spill.index.usage_by(group) if self.spill is not None else {}
+        return sum_usage(chain(self.budget.usage_by(group).items(), on_disk.items()))
 
     def delete_idle(self, older_than_s: float) -> int:
         """Removes every chunk (never a pinned one, nor a key naming no chunk) not used for

@@ -18,7 +18,7 @@ import torch
 
 from harness.redis import RedisServer
 from kvkeys.tenants import tenant_prefix
-from kvstore.budget import BudgetError
+from kvstore.budget import BudgetError, sum_usage
 from kvstore.capabilities import OperatedTier
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import KVStoreConfig, TierSpec
@@ -133,11 +133,7 @@ def test_a_lowered_tenant_quota_evicts_only_the_tenants_past_it(
 
 def _by_tenant(tier: OperatedTier) -> dict[str | None, tuple[int, int]]:
     """Returns a tier's usage summed per tenant."""
-    out: dict[str | None, tuple[int, int]] = {}
-    for (tenant, _), (n, b) in tier.usage().items():
-        n0, b0 = out.get(tenant, (0, 0))
-        out[tenant] = (n0 + n, b0 + b)
-    return out
+    return sum_usage((tenant, counts) for (tenant, _), counts in tier.usage().items())
 
 
 def test_a_redis_tier_refuses_by_name(redis_server: RedisServer) -> None:
