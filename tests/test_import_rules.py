@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -70,27 +71,25 @@ def shipped() -> list[tuple[str, Path]]:
     return [(p.relative_to(REPO).as_posix(), p) for package in OURS for p in sorted((REPO / package).rglob("*.py"))]
 
 
-@pytest.mark.parametrize("package", OURS)
-def test_each_package_imports_only_the_layers_below_it(package: str) -> None:
-    broken = []
+def package_imports(package: str) -> Iterator[tuple[str, int, str, str]]:
+    """Yields (repo-relative path, line, dotted name, top-level module) of every import in `package`."""
     for path in sorted((REPO / package).rglob("*.py")):
         rel = path.relative_to(REPO).as_posix()
         for line, dotted in imported(path):
-            module = dotted.split(".")[0]
-            if module in OURS and module != package and module not in ALLOWED[package]:
-                broken.append(f"{rel}:{line} imports {module}")
+            yield rel, line, dotted, dotted.split(".")[0]
+
+
+@pytest.mark.parametrize("package", OURS)
+def test_each_package_imports_only_the_layers_below_it(package: str) -> None:
+    broken = [f"{rel}:{line} imports {module}" for rel, line, _, module in package_imports(package)
+              if module in OURS and module != package and module not in ALLOWED[package]]
     assert not broken, "\n".join(broken)
 
 
 @pytest.mark.parametrize("package", OURS)
 def test_each_package_imports_only_its_listed_third_party_modules(package: str) -> None:
-    broken = []
-    for path in sorted((REPO / package).rglob("*.py")):
-        rel = path.relative_to(REPO).as_posix()
-        for line, dotted in imported(path):
-            module = dotted.split(".")[0]
-            if module not in OURS and module not in sys.stdlib_module_names and module not in THIRD_PARTY[package]:
-                broken.append(f"{rel}:{line} imports {dotted}")
+    broken = [f"{rel}:{line} imports {dotted}" for rel, line, dotted, module in package_imports(package)
+              if module not in OURS and module not in sys.stdlib_module_names and module not in THIRD_PARTY[package]]
     listed = ", ".join(sorted(THIRD_PARTY[package])) or "none"
     assert not broken, (f"{package} may import only these third-party modules ({listed}; docs/architecture.md, "
                         "\"Layout and import rules\"):\n" + "\n".join(broken))
