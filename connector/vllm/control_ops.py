@@ -1,6 +1,6 @@
 """The cache-control operations as JSON questions, for `vllm serve`: its route
 (connector/vllm/lookup_route.py, `/kv/<name>` per entry of `CONTROL_OPS`) asks each worker over
-the lookup channel (OP_CONTROL), the worker answers from its own tiers with connector/
+the lookup channel (`ControlQuestion`), the worker answers from its own tiers with connector/
 cache_control.py's functions (`answer_control`), and the route joins the tensor-parallel ranks'
 answers into the single-rank shape `kvtier serve` gives (the `merge` of each op).
 """

@@ -1,6 +1,6 @@
 """How much of a prompt vLLM's own prefix cache holds, answered from the scheduler process
 (where that cache lives) on its own socket, for `vllm serve`'s /kv/lookup
-(connector/vllm/lookup_route.py asks it: OP_ENGINE_PREFIX on `scheduler_socket_path`)."""
+(connector/vllm/lookup_route.py asks it: `EnginePrefixQuestion` on `scheduler_socket_path`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ log = logging.getLogger(LOGGER)
 
 
 class EnginePrefixServer:
-    """Answers OP_ENGINE_PREFIX from vLLM's cache manager `manager` until `close()`.
+    """Answers `EnginePrefixQuestion` from vLLM's cache manager `manager` until `close()`.
 
     Guarantees: a question is answered from a read of the block pool only (nothing touched or
     counted); one it cannot answer is 0 (logged), never an error."""

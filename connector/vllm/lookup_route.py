@@ -15,11 +15,11 @@ straight on to vLLM. The body takes one of `prompt` (text), `prompt_token_ids` o
   `chat_template_kwargs` in the body are honoured as there).
 - `tiers`: per tier, how many leading tokens it holds as stored chunks, never the last token
   (vLLM always computes it), asked of the worker process's tiers over the lookup channel
-  (connector/vllm/lookup_channel.py, OP_TIER_PREFIX; with tensor parallel, the shortest rank's).
+  (connector/vllm/lookup_channel.py, `TierPrefixQuestion`; with tensor parallel, the shortest rank's).
   Stores still queued are not counted.
 - `engine_prefix_cache_tokens`: how many leading tokens vLLM's own prefix cache holds (whole
   blocks, never the last token), asked of the connector's scheduler side, which lives in
-  vLLM's EngineCore process beside that cache (OP_ENGINE_PREFIX; 0 if it does not answer).
+  vLLM's EngineCore process beside that cache (`EnginePrefixQuestion`; 0 if it does not answer).
 - `max_hit_tokens`: the longest of the two, what a request would not compute.
 - `cache_salt` (optional, vLLM's rules): only that tenant's chunks count, as a request with
   that salt would load them; without it only unsalted chunks count.
@@ -27,12 +27,12 @@ straight on to vLLM. The body takes one of `prompt` (text), `prompt_token_ids` o
   them (the last engine step's); 0 when vLLM keeps no stats (`--disable-log-stats`).
 - `explain` (with `"explain": true` in the body): per tier why it holds no more of the prompt,
   as kvtier serve answers it (connector/explain.py), asked of rank 0's worker over the lookup
-  channel (OP_EXPLAIN; with tensor parallel, rank 0's KV heads); null when it does not answer.
+  channel (`ExplainQuestion`; with tensor parallel, rank 0's KV heads); null when it does not answer.
   Every client shares vLLM's API key, so only the asked tenant's and unsalted entries count.
 
 The control routes are connector/vllm/control_ops.py's CONTROL_OPS, one route `/kv/<name>` per
 op: a prompt op's body is tokenized as above and sent with its `cache_salt` and other fields
-as a JSON question (OP_CONTROL) to the worker, which answers it with the same functions as
+as a `ControlQuestion` to the worker, which answers it with the same functions as
 kvtier serve; ops that change state go to every tensor-parallel rank (each holds its own KV
 heads) and their answers are merged (each op's `merge`). What only vLLM's front end
 knows is added here (`ENGINE_PARTS`: the model name, vLLM's own prefix cache reset by

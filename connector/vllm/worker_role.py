@@ -75,12 +75,12 @@ class VllmWorkerConnector(WorkerRole, KVConnectorBase_V1):  # KVTierConnector's 
         self._closed = False
 
     def _explain(self, token_ids: list[int], cache_salt: str | None, other_tenants: bool) -> dict[str, Any]:
-        """The lookup channel's OP_EXPLAIN: why this rank's tiers hold no more of a prompt."""
+        """The lookup channel's `ExplainQuestion`: why this rank's tiers hold no more of a prompt."""
         return explain(self.storage, self.keyspace.for_salt(cache_salt), self.worker.presence, token_ids,
                        other_tenants)
 
     def _control(self, question: dict[str, Any]) -> dict[str, Any]:
-        """The lookup channel's OP_CONTROL: a cache-control op (inspect, pin, unpin, clear, ...)
+        """The lookup channel's `ControlQuestion`: a cache-control op (inspect, pin, unpin, clear, ...)
         answered from this rank's tiers and KV heads by connector/cache_control.py, as kvtier
         serve's routes are; queued stores land first (within STORE_FLUSH_TIMEOUT_S)."""
         return answer_control(self.storage, self.keyspace, question,

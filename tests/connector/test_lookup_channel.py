@@ -12,14 +12,8 @@ import pytest
 import torch
 
 from connector.presence import Found, LocalHeldKeys, Presence
-from connector.vllm.lookup_channel import (
-    MAX_KEYS,
-    OP_FIND,
-    LookupClient,
-    LookupServer,
-    lookup_socket_path,
-    scheduler_socket_path,
-)
+from connector.vllm.lookup_channel import LookupClient, LookupServer, lookup_socket_path, scheduler_socket_path
+from connector.vllm.lookup_ops import MAX_BODY_BYTES, QUESTIONS, FindQuestion, HeldQuestion
 from kvkeys.keyspace import Keyspace
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import KVStoreConfig, TierSpec
@@ -62,14 +56,20 @@ def test_a_malformed_question_ends_only_its_connection(storage: StorageManager, 
     try:
         bad = socket.socket(socket.AF_UNIX)
         bad.connect(str(path))
-        bad.sendall(struct.pack("<I", MAX_KEYS + 1))  # more keys than any question may hold
+        bad.sendall(struct.pack("<BI", HeldQuestion.op, MAX_BODY_BYTES + 1))  # a body past the bound
         assert bad.recv(1) == b""  # the server closed it
         bad.close()
         unknown = socket.socket(socket.AF_UNIX)
         unknown.connect(str(path))
-        unknown.sendall(struct.pack("<I", 7 << 24))  # an op no server knows
+        unknown.sendall(struct.pack("<BI", max(QUESTIONS) + 1, 0))  # an op no server knows
         assert unknown.recv(1) == b""
         unknown.close()
+        extra = socket.socket(socket.AF_UNIX)
+        extra.connect(str(path))
+        body = HeldQuestion(["k"]).encode() + b"x"  # a byte past the body's last field
+        extra.sendall(struct.pack("<BI", HeldQuestion.op, len(body)) + body)
+        assert extra.recv(1) == b""
+        extra.close()
         storage.batched_put([("k", torch.zeros(1, 2, 1, 1, 4))])
         assert remote.held(["k", "x"]) == [True, False]
     finally:
@@ -230,7 +230,7 @@ def test_a_find_from_another_keyspace_is_refused_and_a_bad_one_dropped(storage: 
         assert "refused" in caplog.text and remote.failures == 0  # answered: a miss, not a broken channel
         bad = socket.socket(socket.AF_UNIX)
         bad.connect(str(path))
-        bad.sendall(struct.pack("<II", OP_FIND << 24, 3) + b"abc")  # a truncated body
+        bad.sendall(struct.pack("<BI", FindQuestion.op, 3) + b"abc")  # a truncated body
         assert bad.recv(1) == b""
         bad.close()
         assert remote.find(KS, list(range(8)), 0, spans, KS.root, 0).tiers == [0, 0]
