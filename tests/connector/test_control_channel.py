@@ -1,4 +1,4 @@
-"""Cache-control questions over the lookup channel (OP_CONTROL, connector/vllm/lookup_channel.py),
+"""Cache-control questions over the lookup channel (`ControlQuestion`, connector/vllm/lookup_ops.py),
 answered by connector/cache_control.py's ops as `vllm serve`'s worker answers them, and the
 tensor-parallel ranks' answers merged. The routes inside a real `vllm serve`:
 tests/vllm/test_router.py."""
@@ -47,7 +47,7 @@ def test_a_control_question_is_answered_as_the_local_functions_answer(storage: S
     _store(storage, KS, 2)
     server, remote = _served(storage, tmp_path / "s.sock", KS)
     try:
-        long_ids = IDS + list(range(5000, 7000))  # a question of several pieces (MAX_KEY_BYTES each)
+        long_ids = IDS + list(range(5000, 7000))  # a question past one text's bound (MAX_TEXT_BYTES)
         seen = remote.control({"op": "inspect", "token_ids": long_ids, "cache_salt": None})
         assert seen is not None
         local = cache_control.inspect(storage, KS, long_ids, False)
@@ -62,7 +62,7 @@ def test_a_control_question_is_answered_as_the_local_functions_answer(storage: S
             "pin_budget": pinned["pin_budget"]}
         assert remote.control({"op": "clear", "all": True}) == {"cleared": "all", "tiers": {"0:cpu": 4}}
         assert storage.stats()["0:cpu"].backend.entries == 0
-        assert remote.explain(IDS) is None  # no explainer: OP_EXPLAIN still answered, on the same connection
+        assert remote.explain(IDS) is None  # no explainer: the explain question still answered, on the same connection
         assert remote.failures == 0
     finally:
         remote.close()

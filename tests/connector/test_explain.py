@@ -102,7 +102,7 @@ def test_evicted_and_never_stored_in_a_cpu_tier() -> None:
 
 
 def test_explain_over_the_lookup_channel(tmp_path: Path) -> None:
-    """`vllm serve`'s /kv/lookup asks the worker process over the lookup channel (OP_EXPLAIN),
+    """`vllm serve`'s /kv/lookup asks the worker process over the lookup channel (`ExplainQuestion`),
     a long prompt's question cut into several keys."""
     storage = manager(f"disk://{tmp_path / 'kv'}")
     path = tmp_path / "lookup.sock"

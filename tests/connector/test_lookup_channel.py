@@ -131,7 +131,7 @@ def test_socket_is_owner_only_and_ids_are_checked(storage: StorageManager, path:
 
 def test_the_scheduler_side_answers_its_engines_prefix_cache_and_refuses_tier_ops(path: Path) -> None:
     """vLLM's own prefix cache lives in the scheduler's process: its server (no tiers) answers
-    OP_ENGINE_PREFIX with the engine's count for the prompt and salt asked; a tier question
+    `EnginePrefixQuestion` with the engine's count for the prompt and salt asked; a tier question
     asked of it ends that connection (a miss), and an answer out of range is no answer."""
     asked: list[tuple[list[int], str | None]] = []
 
