@@ -224,10 +224,24 @@ def kvtier_fleet(model: str, docs: list[str], plan: list[int], args: argparse.Na
     return out
 
 
+def start_vllm_fleet(model: str, config: dict[str, Any], flags: list[str], logs: Path) -> list[Any]:
+    """Returns three ready `kvtier-vllm serve` (bench_serving_vs_vllm.vllm_serve: .venv-vllm,
+    VLLM_CPU_KVCACHE_SPACE 2) with kvtier's connector configured by `config` and vLLM's engine
+    flags `flags`, one OpenMP thread each (VLLM_BINDS), started side by side; their logs
+    `logs/vllm<i>.log`. Close them with harness.vllm.close_together."""
+    from benchmarks.bench_serving_vs_vllm import vllm_serve
+    from harness.vllm import start_together
+
+    return start_together(*(
+        (lambda i=i: vllm_serve(Path(model), logs / f"vllm{i}.log", config, flags,
+                                env={"VLLM_CPU_OMP_THREADS_BIND": VLLM_BINDS[i]}))
+        for i in range(len(VLLM_BINDS))))
+
+
 def vllm_fleet(model: str, docs: list[str], plan: list[int], args: argparse.Namespace,
                per_doc: int, blocks: int, logs: Path) -> dict[str, Any]:
-    from benchmarks.bench_serving_vs_vllm import NAME, vllm_serve
-    from harness.vllm import close_together, start_together
+    from benchmarks.bench_serving_vs_vllm import NAME
+    from harness.vllm import close_together
 
     flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "4096", "--enable-prompt-tokens-details",
              "--num-gpu-blocks-override", str(max(4096 // VLLM_BLOCK, blocks * 16 // VLLM_BLOCK))]
@@ -236,11 +250,7 @@ def vllm_fleet(model: str, docs: list[str], plan: list[int], args: argparse.Name
         return [f"cpu?budget={args.cpu_docs * per_doc}", *([url] if url else [])]
 
     def start(t: list[str]) -> list[Any]:
-        config = {"tiers": t, "chunk_size": CHUNK}
-        return start_together(*(
-            (lambda i=i: vllm_serve(Path(model), logs / f"vllm{i}.log", config, flags,
-                                    env={"VLLM_CPU_OMP_THREADS_BIND": VLLM_BINDS[i]}))
-            for i in range(3)))
+        return start_vllm_fleet(model, {"tiers": t, "chunk_size": CHUNK}, flags, logs)
 
     out: dict[str, Any] = {"served_model_name": NAME, "thread_binds": list(VLLM_BINDS), "engine_flags": flags}
     for arm in args.vllm_arms:
