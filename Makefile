@@ -25,7 +25,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # platform named, as a CUDA build's Python (an overlay) cannot tell it otherwise.
 VLLM_ENV   := VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 $(if $(GPU),,VLLM_TARGET_DEVICE=cpu)
 
-.PHONY: install vllm-install demo test test-vllm bench bench-cpu-pages bench-trace bench-fleet-trace bench-vllm bench-vs-vllm eval bench-serving-vs-vllm bench-fleet \
+.PHONY: install vllm-install demo test test-vllm bench bench-cpu-pages bench-trace bench-fleet-trace bench-fleet-trace-vllm bench-vllm bench-vs-vllm eval bench-serving-vs-vllm bench-fleet \
 	bench-fleet-vllm soak clean
 
 install: $(STAMP)
@@ -89,12 +89,16 @@ bench-cpu-pages: install
 # policy against the offline optimum, and a cpu tier over a disk tier written through or by demotion
 # (benchmarks/results/trace_replay.{json,md}, docs/trace_hit_rates.png). bench-fleet-trace: a slice of the
 # conversation trace sent to three kvtier serve sharing one cache server, per eviction policy, against the
-# replay's hit rate (benchmarks/results/fleet_trace.{json,md}).
+# replay's hit rate (benchmarks/results/fleet_trace.{json,md}). bench-fleet-trace-vllm: the same slice to three
+# `vllm serve` + kvtier's connector (blocks of 32 tokens; the same files, keeping the other engine's arms).
 bench-trace: install
 	$(PY) -m benchmarks.bench_trace $(BENCH_ARGS)
 
 bench-fleet-trace: install
 	$(PY) -m benchmarks.bench_fleet_trace $(BENCH_ARGS)
+
+bench-fleet-trace-vllm: install vllm-install
+	$(PY) -m benchmarks.bench_fleet_trace --engine vllm $(BENCH_ARGS)
 
 bench-vllm: vllm-install
 	$(VLLM_ENV) $(VLLM_PY) -m benchmarks.bench_vllm $(BENCH_ARGS)
