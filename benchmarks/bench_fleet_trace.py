@@ -259,6 +259,13 @@ def part_markdown(engine: str, part: dict[str, Any]) -> list[str]:
                   "reached its last token (the engine computes that token; the replay counts whole blocks): "
                   + "; ".join(f"{p} {a['hits_to_the_last_token']} such requests, cached / prompt tokens as reported "
                               f"{a['cached_rate']:.3f}" for p, a in arms.items() if "cached_rate" in a) + "."]
+    if all("server_counters" in a for a in arms.values()):
+        lines += ["", "The servers' own count (`kvtier:kv_connector_hit_tokens`, summed) against the answers' cached "
+                  "tokens, and the cache server at the end (entries; bytes held, share of --max-bytes): " + "; ".join(
+                      f"{p} {a['server_counters'].get('kv_connector_hit_tokens', 0):,.0f} / "
+                      f"{a['cached_rate'] * a['prompt_tokens']:,.0f}, {a['cache_server_stats']['entries']:,} entries, "
+                      f"{a['cache_server_stats']['bytes'] / a['cache_server_stats']['max_bytes']:.1%}"
+                      for p, a in arms.items()) + "."]
     return lines + [""]
 
 
