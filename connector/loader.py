@@ -13,7 +13,8 @@ at lookup is not possession); `LoadJob.filled` ends the positions every layer go
   layer order, the next layer fetched while this one is scattered; the forward's layer i
   waits only for it (`wait_layer`). The step reports what did not arrive.
 Split by KV head (vLLM's connector, kvkeys/keyspace.py), a chunk's values are fetched in one
-batch and joined along the head axis before the scatter.
+batch and handed to the layout's `scatter_heads`, which writes each where its heads go (vLLM's
+CPU pages: no joined copy of the chunk first).
 Hits from slower tiers are queued for promotion through the store queue once the load ended;
 the load never waits for that write. On CUDA the scatter runs on a side stream from pinned
 host memory (connector/load_staging.py).
@@ -54,6 +55,8 @@ FETCH_GROUP = 2
 FETCH_AHEAD = 2
 logger = logging.getLogger("kvtier.connector")
 Fetched = list[tuple[torch.Tensor | None, int]]
+FetchedChunk = tuple["torch.Tensor | list[torch.Tensor] | Destination | None", int]
+"""One chunk fetched, with its tier: the value, its values per KV head, what was read in place, or None."""
 
 
 @dataclass
@@ -83,13 +86,13 @@ def chunk_ok(kv: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype
     return isinstance(kv, torch.Tensor) and kv.dtype == dtype and tuple(kv.shape) == shape
 
 
-def join_heads(pieces: Sequence[tuple[torch.Tensor | Destination | None, int]],
-               shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor | None, int]:
-    """Returns one chunk's fetched per-head values joined along the head axis, with the
-    slowest tier any came from; (None, -1) unless every piece is a tensor of `shape` and `dtype`."""
+def head_pieces(pieces: Sequence[tuple[torch.Tensor | Destination | None, int]],
+                shape: tuple[int, ...], dtype: torch.dtype) -> tuple[list[torch.Tensor] | None, int]:
+    """Returns one chunk's fetched per-head values, in head order, with the slowest tier any
+    came from; (None, -1) unless every piece is a tensor of `shape` and `dtype`."""
     if not all(isinstance(kv, torch.Tensor) and chunk_ok(kv, shape, dtype) for kv, _ in pieces):
         return None, -1
-    return torch.cat([kv for kv, _ in pieces], dim=3), max(tier for _, tier in pieces)  # type: ignore[misc]
+    return [kv for kv, _ in pieces], max(tier for _, tier in pieces)  # type: ignore[misc]
 
 
 class Loader:
@@ -224,20 +227,29 @@ class Loader:
                 if job.cancelled or kv is None:
                     break  # evicted or corrupt: computed from here on
                 lo, hi = job.bounds(sp)
-                if isinstance(kv, torch.Tensor):
+                at = slots[..., lo - job.start:hi - job.start]
+                if isinstance(kv, list):  # a value per KV head, checked by head_pieces
+                    layout.scatter_heads(at, [to_device_source(p[:, :, lo - sp.start:hi - sp.start], layout.device,
+                                                               keep) for p in kv])
+                    if tier > 0:
+                        promote += [(key, p, tier) for key, p in zip(self.keyspace.stored_keys([sp]), kv)]
+                    nbytes[0] += sum(p.nbytes for p in kv)
+                elif isinstance(kv, torch.Tensor):
                     if not chunk_ok(kv, self._shape(self.num_layers, sp.num_tokens), layout.dtype):
                         break  # foreign
-                    src = to_device_source(kv[:, :, lo - sp.start:hi - sp.start], layout.device, keep)
-                    layout.scatter_chunk(slots[..., lo - job.start:hi - job.start], src)
+                    layout.scatter_chunk(at, to_device_source(kv[:, :, lo - sp.start:hi - sp.start], layout.device,
+                                                              keep))
                     if tier > 0:
                         promote += [(key, value, tier) for key, value in self.keyspace.chunk_values(sp.key, kv)]
-                nbytes[0] += kv.nbytes
+                    nbytes[0] += kv.nbytes
+                else:
+                    nbytes[0] += kv.nbytes
                 filled = min(hi, job.end)
                 job.tiers[i] = tier
         return filled
 
     def _fetch_groups(self, job: LoadJob, slots: torch.Tensor
-                      ) -> Generator[tuple[Span, tuple[torch.Tensor | Destination | None, int]]]:
+                      ) -> Generator[tuple[Span, FetchedChunk]]:
         """Yields each span of `job` with its fetched (value, tier), in order, FETCH_GROUP per
         fetch, the next FETCH_AHEAD groups fetched while the caller scatters this one; stops
         fetching once the job is cancelled or a group comes back short. Closed, it returns
@@ -258,8 +270,7 @@ class Loader:
             for f in pending:
                 f.exception()  # waits; a fetch that failed is only a miss
 
-    def _fetch_group(self, job: LoadJob, group: list[Span], slots: torch.Tensor
-                     ) -> Sequence[tuple[torch.Tensor | Destination | None, int]]:
+    def _fetch_group(self, job: LoadJob, group: list[Span], slots: torch.Tensor) -> Sequence[FetchedChunk]:
         """Returns the fetched (value, tier) of each span of `group` (see `StorageManager.fetch`);
         `slots` are the job's, positions [start, end)."""
         if not self._in_place:  # only scattered
@@ -268,7 +279,8 @@ class Loader:
             n = ks.values_per_chunk
             if n == 1:
                 return values
-            return [join_heads(values[i:i + n], self._shape(self.num_layers, sp.num_tokens, heads=1), self.layout.dtype)
+            return [head_pieces(values[i:i + n], self._shape(self.num_layers, sp.num_tokens, heads=1),
+                                self.layout.dtype)
                     for i, sp in zip(range(0, len(values), n), group)]
         keys = [sp.key for sp in group]
         into = []

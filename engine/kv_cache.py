@@ -205,6 +205,23 @@ class PagedKVLayout(ABC):
         """Writes `chunk` `(num_layers, 2, len(slots), H, D)` into `slots` of every layer, in
         place; a mismatched shape raises ValueError before anything is written."""
 
+    def scatter_heads(self, slots: torch.Tensor, pieces: Sequence[torch.Tensor]) -> None:
+        """Writes one chunk given as `pieces` along the head axis (each `(num_layers, 2,
+        len(slots), h_i, D)`, in head order, the h_i adding up to H) as `scatter_chunk` does.
+        Here they are joined first; a layout that can write each piece where it goes skips
+        that copy."""
+        self.head_widths(slots.shape[-1], pieces)
+        self.scatter_chunk(slots, torch.cat(list(pieces), dim=3))
+
+    def head_widths(self, num_tokens: int, pieces: Sequence[torch.Tensor]) -> list[int]:
+        """Returns how many KV heads each of `pieces` holds; ValueError unless they make one
+        chunk of `num_tokens` tokens (`scatter_heads`)."""
+        want = self.chunk_shape(self.num_layers, num_tokens)
+        widths = [p.shape[3] if p.dim() == 5 else 0 for p in pieces]
+        if sum(widths) != want[3] or any(tuple(p.shape) != want[:3] + (w, want[4]) for p, w in zip(pieces, widths)):
+            raise ValueError(f"pieces {[tuple(p.shape) for p in pieces]} do not make a chunk of {want}")
+        return widths
+
     @abstractmethod
     def gather_layers(self, slots: torch.Tensor) -> list[torch.Tensor]:
         """Returns one new tensor `(1, 2, len(slots), H, D)` per layer holding the K/V of

@@ -196,22 +196,43 @@ class _CompiledPagesLayout(_SplitKVLayout):
         self._ops = _page_kernels(self, kernels)
 
     def _move_group(self, layers: Sequence[int], slots: torch.Tensor,
-                    chunk: torch.Tensor | Sequence[torch.Tensor], to_cache: bool) -> None:
+                    chunk: torch.Tensor | Sequence[torch.Tensor], to_cache: bool,
+                    heads: tuple[int, int] | None = None) -> None:
+        """`_move` for 1-D `slots`; with `heads`, `chunk` holds only KV heads [heads) (compiled only)."""
         if self._ops is None:
+            if heads is not None:
+                raise ValueError("a move of some KV heads needs engine/csrc's compiled copies")
             self._move_by_views(layers, slots, chunk, to_cache)
             return
         check_slots(slots, self.num_slots)
         slots = slots.contiguous()
         if isinstance(chunk, torch.Tensor):
-            self._ops.copy_kv_pages([self.kv_caches[layer] for layer in layers], chunk, slots, to_cache,
+            lo, hi = heads if heads is not None else (0, self.num_kv_heads)
+            self._ops.copy_kv_pages([self.kv_caches[layer][:, lo:hi] for layer in layers], chunk, slots, to_cache,
                                     self.K_TRANSPOSED)
             return
+        if heads is not None:
+            raise ValueError("a move of some KV heads takes the chunk as one tensor")
         for layer, per_layer in zip(layers, chunk, strict=True):
             self._ops.copy_kv_pages([self.kv_caches[layer]], per_layer[None], slots, to_cache, self.K_TRANSPOSED)
 
     def _move_by_views(self, layers: Sequence[int], slots: torch.Tensor,
                        chunk: torch.Tensor | Sequence[torch.Tensor], to_cache: bool) -> None:
         super()._move_group(layers, slots, chunk, to_cache)
+
+    def scatter_heads(self, slots: torch.Tensor, pieces: Sequence[torch.Tensor]) -> None:
+        """Copies each piece into its heads' pages, without joining them first (vLLM's chunks
+        are stored a KV head per value). Through the views, or with slots per KV cache
+        group, the joined chunk as the base class does."""
+        if self._ops is None or slots.dim() != 1:
+            super().scatter_heads(slots, pieces)
+            return
+        widths = self.head_widths(slots.shape[-1], pieces)
+        h = 0
+        for piece, w in zip(pieces, widths):
+            piece = piece.to(device=self.device, dtype=self.dtype).contiguous()
+            self._move_group(range(self.num_layers), slots, piece, True, heads=(h, h + w))
+            h += w
 
 
 class VllmCpuLayout(_CompiledPagesLayout):
@@ -350,13 +371,14 @@ class VllmTileLayout(_CompiledPagesLayout):
         return k, v
 
     def _move_group(self, layers: Sequence[int], slots: torch.Tensor,
-                    chunk: torch.Tensor | Sequence[torch.Tensor], to_cache: bool) -> None:
+                    chunk: torch.Tensor | Sequence[torch.Tensor], to_cache: bool,
+                    heads: tuple[int, int] | None = None) -> None:
         check_slots(slots, self.num_slots)
         bs = self.block_size
         if self._whole_blocks(slots) * bs != slots.shape[0]:
             raise ValueError(f"{type(self).__name__} moves whole blocks only ({bs} tokens each, from a block's "
                              f"first slot); got {slots.shape[0]} slots")
-        super()._move_group(layers, slots, chunk, to_cache)
+        super()._move_group(layers, slots, chunk, to_cache, heads)
 
     def _move_by_views(self, layers: Sequence[int], slots: torch.Tensor,
                        chunk: torch.Tensor | Sequence[torch.Tensor], to_cache: bool) -> None:

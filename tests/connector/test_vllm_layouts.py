@@ -300,3 +300,41 @@ def test_the_kernel_moves_whole_tiles_as_the_views_do(dtype: torch.dtype, start:
     slow.scatter_chunk(slots, chunk)
     assert all(torch.equal(a, b) for a, b in zip(caches, by_views))
     assert torch.equal(fast.gather_chunk(slots), chunk) and torch.equal(slow.gather_chunk(slots), chunk)
+
+
+@pytest.mark.parametrize("kind", ["vec", "tiles", "vec views", "engine"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chunk_scattered_head_by_head_writes_what_the_joined_chunk_writes(kind: str, dtype: torch.dtype) -> None:
+    """vLLM's chunks are stored a KV head per value: `scatter_heads` copies each piece into its
+    heads' pages (the compiled layouts, without joining them) or joins them first (the rest),
+    and either way writes what `scatter_chunk` of the joined chunk writes, byte for byte; pieces
+    that do not make the chunk are refused before anything is written."""
+    layers, nb, h, bs, d = 2, 5, 3, 32, 64
+    torch.manual_seed(4)
+    physical = torch.randn(layers, nb, h, bs, 2 * d).to(dtype)
+
+    def make() -> PagedKVLayout:
+        caches = list(physical.clone())
+        if kind == "engine":
+            return EngineLayout([c.view(2, nb, bs, h, d) for c in caches])
+        if kind == "vec views":
+            return VllmCpuLayout(caches, kernels=False)
+        return VllmCpuLayout(caches) if kind == "vec" else VllmTileLayout(caches)
+
+    by_heads, joined = make(), make()
+    if kind in ("vec", "tiles"):
+        assert by_heads._ops is not None, "engine/csrc did not build (needs g++)"  # type: ignore[attr-defined]
+    tail = torch.arange(bs, 2 * bs) if kind == "tiles" else torch.arange(bs + 5, bs + 20)  # tiles: whole blocks
+    slots = torch.cat([torch.arange(3 * bs, 4 * bs), tail])
+    chunk = torch.randn(layers, 2, len(slots), h, d).to(dtype)
+    pieces = [chunk[:, :, :, i:i + 1].contiguous() for i in range(h)]
+    by_heads.scatter_heads(slots, pieces)
+    joined.scatter_chunk(slots, chunk)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(by_heads.kv_caches, joined.kv_caches, strict=True))
+    assert torch.equal(by_heads.gather_chunk(slots), chunk)
+    before = [kv.clone() for kv in by_heads.kv_caches]
+    for bad in (pieces[:2], [p[:, :, :-1] for p in pieces], [pieces[0], torch.cat(pieces[1:], dim=3)[..., :-1]]):
+        with pytest.raises(ValueError):
+            by_heads.scatter_heads(slots, [-p for p in bad])
+    assert all(torch.equal(a, b) for a, b in zip(by_heads.kv_caches, before, strict=True))
