@@ -162,19 +162,28 @@ class Question(ABC, Generic[A]):
         answer to this question."""
 
 
-@dataclass(frozen=True)
-class HeldQuestion(Question[list[bool]]):
-    """Which of `keys` the worker holds (stored, or carried by a pending store): a byte per key."""
+K = TypeVar("K", bound="_KeysQuestion[Any]")
 
-    op = 0
+
+@dataclass(frozen=True)
+class _KeysQuestion(Question[A]):
+    """A question about stored keys, its body the list of them."""
+
     keys: list[str]
 
     def encode(self) -> bytes:
         return texts(self.keys)
 
     @classmethod
-    def decode(cls, r: Reader) -> HeldQuestion:
+    def decode(cls: type[K], r: Reader) -> K:
         return cls([r.name("a key") for _ in range(r.count("keys", MAX_KEYS))])
+
+
+@dataclass(frozen=True)
+class HeldQuestion(_KeysQuestion[list[bool]]):
+    """Which of `keys` the worker holds (stored, or carried by a pending store): a byte per key."""
+
+    op = 0
 
     def encode_answer(self, answer: list[bool]) -> bytes:
         return bytes(answer)
@@ -187,18 +196,10 @@ class HeldQuestion(Question[list[bool]]):
 
 
 @dataclass(frozen=True)
-class TierPrefixQuestion(Question[dict[str, int]]):
+class TierPrefixQuestion(_KeysQuestion[dict[str, int]]):
     """Per tier name (fastest first), how many of `keys` from the start that tier holds by itself."""
 
     op = 1
-    keys: list[str]
-
-    def encode(self) -> bytes:
-        return texts(self.keys)
-
-    @classmethod
-    def decode(cls, r: Reader) -> TierPrefixQuestion:
-        return cls([r.name("a key") for _ in range(r.count("keys", MAX_KEYS))])
 
     def encode_answer(self, answer: dict[str, int]) -> bytes:
         return _U32.pack(len(answer)) + b"".join(text(name) + _U32.pack(n) for name, n in answer.items())
