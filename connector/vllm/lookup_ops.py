@@ -235,8 +235,18 @@ class ClearQuestion(Question[bool]):
         return r.u8() == 1
 
 
+class _DocumentQuestion(Question["dict[str, Any] | None"]):
+    """A question answered with a JSON document, or None where the worker has no such part."""
+
+    def encode_answer(self, answer: dict[str, Any] | None) -> bytes:
+        return _optional(None if answer is None else document(answer))
+
+    def decode_answer(self, r: Reader) -> dict[str, Any] | None:
+        return None if r.u8() else r.document()
+
+
 @dataclass(frozen=True)
-class ExplainQuestion(Question["dict[str, Any] | None"]):
+class ExplainQuestion(_DocumentQuestion):
     """Why the worker's tiers hold no more of a prompt (connector/explain.py's document; None:
     the worker has no explain)."""
 
@@ -252,15 +262,9 @@ class ExplainQuestion(Question["dict[str, Any] | None"]):
     def decode(cls, r: Reader) -> ExplainQuestion:
         return cls(r.ints("token ids"), r.text("a cache_salt"), r.u8() == 1)
 
-    def encode_answer(self, answer: dict[str, Any] | None) -> bytes:
-        return _optional(None if answer is None else document(answer))
-
-    def decode_answer(self, r: Reader) -> dict[str, Any] | None:
-        return None if r.u8() else r.document()
-
 
 @dataclass(frozen=True)
-class ControlQuestion(Question["dict[str, Any] | None"]):
+class ControlQuestion(_DocumentQuestion):
     """A cache-control op (`{"op": name, ...}`, connector/vllm/control_ops.py) as the route
     received it; answered with its document (a refusal as `{"error": ...}`), None where the
     worker has no controller."""
@@ -274,12 +278,6 @@ class ControlQuestion(Question["dict[str, Any] | None"]):
     @classmethod
     def decode(cls, r: Reader) -> ControlQuestion:
         return cls(r.document())
-
-    def encode_answer(self, answer: dict[str, Any] | None) -> bytes:
-        return _optional(None if answer is None else document(answer))
-
-    def decode_answer(self, r: Reader) -> dict[str, Any] | None:
-        return None if r.u8() else r.document()
 
 
 @dataclass(frozen=True)
