@@ -63,7 +63,8 @@ from harness.serve import RouterProcess
 from kvstore.backends.server_client import CacheServerClient
 from kvstore.eviction import POLICIES
 from kvstore.store_config import TierSpec
-from kvstore.trace_replay import Request, plan, read_trace
+from kvstore.trace_replay import plan
+from kvstore.traces import Request, read_trace
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"

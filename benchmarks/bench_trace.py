@@ -56,17 +56,8 @@ from kvstore.backends.memory import CPUBackend
 from kvstore.cache_server.store import ByteStore
 from kvstore.eviction import DEFAULT_POLICY, POLICIES
 from kvstore.store_config import FILLS, TierSpec
-from kvstore.trace_replay import (
-    BLOCK_TOKENS,
-    PAYLOAD,
-    PAYLOAD_BYTES,
-    Request,
-    Tally,
-    plan,
-    read_trace,
-    replay_tier,
-    trace_key,
-)
+from kvstore.trace_replay import PAYLOAD, PAYLOAD_BYTES, Tally, plan, replay_tier, trace_key
+from kvstore.traces import BLOCK_TOKENS, Request, read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = Path(__file__).resolve().parent / "traces" / "mooncake"

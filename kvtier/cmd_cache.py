@@ -18,12 +18,12 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import Field
 from typing import Any
 
 from connector.cli_flags import FieldFlag, config_field
 from kvsettings import ProcessEnv
 from kvstore.deadlines import CACHE_CLI_TIMEOUT_S
+from kvstore.traces import BLOCK_TOKENS, Request, read_trace
 
 HELP = ("operate a running server's KV cache: inspect, pin, unpin, prefetch, move, drop, clear, budget, explain a "
         "miss; size the tiers for a trace (plan)")
@@ -277,15 +277,9 @@ def _plan_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-bytes-per-token", default=str(DEFAULT_KV_BYTES_PER_TOKEN), metavar="SIZE",
                         help="the model's K/V bytes per token: layers x 2 x KV heads x head size x dtype bytes "
                              f"(default: {DEFAULT_KV_BYTES_PER_TOKEN}, SmolLM2-135M-Instruct in float32)")
-    parser.add_argument("--block-tokens", action=FieldFlag, field=_block_tokens_field, metavar="N",
-                        help="prompt tokens per hash id, as in Mooncake's traces")
+    parser.add_argument("--block-tokens", action=FieldFlag, field=lambda: config_field(Request, "block_size"),
+                        metavar="N", help="prompt tokens per hash id, as in Mooncake's traces")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-
-
-def _block_tokens_field() -> Field[Any]:
-    from kvstore.trace_replay import Request  # imports torch: read when plan's help is shown or the flag given
-
-    return config_field(Request, "block_size")
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -294,7 +288,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     from kvstore.sizes import parse_size
     from kvstore.store_config import TierSpec
-    from kvstore.trace_replay import BLOCK_TOKENS, plan, read_trace
+    from kvstore.trace_replay import plan
 
     per_token = parse_size(args.kv_bytes_per_token, "--kv-bytes-per-token")
     if per_token is None or per_token <= 0:

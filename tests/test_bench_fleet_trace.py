@@ -5,7 +5,7 @@ its share."""
 from __future__ import annotations
 
 from benchmarks.bench_fleet_trace import hit_tokens, prompt_ids, scaled
-from kvstore.trace_replay import Request
+from kvstore.traces import Request
 
 
 def test_prompts_share_exactly_the_blocks_the_trace_says_they_share() -> None:

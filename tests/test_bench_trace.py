@@ -22,7 +22,8 @@ from kvstore.backends.memory import CPUBackend
 from kvstore.cache_server.store import ByteStore
 from kvstore.eviction import POLICIES
 from kvstore.trace_replay import PAYLOAD_BYTES as ITEM
-from kvstore.trace_replay import Request, replay_tier
+from kvstore.trace_replay import replay_tier
+from kvstore.traces import Request
 
 
 def _req(*blocks: int) -> Request:

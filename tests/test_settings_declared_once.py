@@ -301,7 +301,7 @@ def test_connector_flags_are_built_from_the_config() -> None:
 
 
 def test_cache_plan_block_tokens_is_the_trace_constant() -> None:
-    from kvstore.trace_replay import BLOCK_TOKENS
+    from kvstore.traces import BLOCK_TOKENS
     from kvtier import cmd_cache
 
     parser = argparse.ArgumentParser()

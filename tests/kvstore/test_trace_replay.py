@@ -15,7 +15,8 @@ from kvstore.backends.disk import DiskBackend
 from kvstore.backends.memory import CPUBackend
 from kvstore.storage_manager import StorageManager
 from kvstore.store_config import TierSpec
-from kvstore.trace_replay import PAYLOAD_BYTES, Request, plan, read_trace, replay_manager
+from kvstore.trace_replay import PAYLOAD_BYTES, plan, replay_manager
+from kvstore.traces import Request, read_trace
 
 TRACES = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "mooncake"
 

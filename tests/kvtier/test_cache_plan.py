@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvstore.store_config import TierSpec
-from kvstore.trace_replay import plan, read_trace
+from kvstore.trace_replay import plan
+from kvstore.traces import read_trace
 from kvtier.cli import main as cli_main
 
 TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "mooncake" / "conversation_trace.jsonl.gz"

@@ -154,3 +154,12 @@ def test_unwritable_cache_server_disk_is_one_line_naming_the_path(tmp_path: Path
         want = f"--disk {blocker / 'spill'}: not a writable directory (Not a directory)"
         assert err[0] == f"kvtier cache-server: error: {want}"
         assert r.stdout == ""
+
+
+def test_the_cache_plan_help_imports_no_torch() -> None:
+    """`kvtier cache plan --help` shows its defaults (the trace's block size among them, read
+    from kvstore/traces.py) without loading torch."""
+    r = process.run([sys.executable, "-c", FAIL_FAST, "cache", "plan", "--help"], cwd=REPO, capture_output=True,
+                    text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.stdout.split()[-3:] == ["exit", "0", "False"], r.stdout + r.stderr
+    assert "--block-tokens N" in r.stdout and "(default: 512)" in r.stdout
