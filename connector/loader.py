@@ -233,7 +233,6 @@ class Loader:
                                                                keep) for p in kv])
                     if tier > 0:
                         promote += [(key, p, tier) for key, p in zip(self.keyspace.stored_keys([sp]), kv)]
-                    nbytes[0] += sum(p.nbytes for p in kv)
                 elif isinstance(kv, torch.Tensor):
                     if not chunk_ok(kv, self._shape(self.num_layers, sp.num_tokens), layout.dtype):
                         break  # foreign
@@ -241,9 +240,7 @@ class Loader:
                                                               keep))
                     if tier > 0:
                         promote += [(key, value, tier) for key, value in self.keyspace.chunk_values(sp.key, kv)]
-                    nbytes[0] += kv.nbytes
-                else:
-                    nbytes[0] += kv.nbytes
+                nbytes[0] += sum(p.nbytes for p in kv) if isinstance(kv, list) else kv.nbytes
                 filled = min(hi, job.end)
                 job.tiers[i] = tier
         return filled
