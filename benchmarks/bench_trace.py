@@ -232,8 +232,9 @@ def run_trace(name: str, requests: list[Request], quick: bool) -> dict:
 def run_hierarchy(requests: list[Request], distinct: int) -> list[dict]:
     """Returns per (cpu, disk) capacity of `HIERARCHY` and per fill of the disk tier (write-
     through, or demotion of what the cpu tier evicts) the token hit rate and the bytes each tier
-    was written (a block counted as 512 bytes), through the storage manager over two tiers
-    modelled by their budgets and policies (`kvtier cache plan`'s replay)."""
+    was written (a byte per token, so a prompt's short last block counts its tokens), through the
+    storage manager over two tiers modelled by their budgets and policies (`kvtier cache plan`'s
+    replay)."""
     rows = []
     for cpu_share, disk_share in HIERARCHY:
         row: dict[str, float] = {"cpu share": cpu_share, "disk share": disk_share}
