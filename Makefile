@@ -25,7 +25,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # platform named, as a CUDA build's Python (an overlay) cannot tell it otherwise.
 VLLM_ENV   := VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 $(if $(GPU),,VLLM_TARGET_DEVICE=cpu)
 
-.PHONY: install vllm-install demo test test-vllm bench bench-cpu-pages bench-trace bench-fleet-trace bench-fleet-trace-vllm bench-vllm bench-vs-vllm eval bench-serving-vs-vllm bench-fleet \
+.PHONY: install vllm-install demo test test-vllm bench bench-cpu-pages bench-trace bench-demotion bench-fleet-trace bench-fleet-trace-vllm bench-vllm bench-vs-vllm eval bench-serving-vs-vllm bench-fleet \
 	bench-fleet-vllm soak clean
 
 install: $(STAMP)
@@ -93,6 +93,11 @@ bench-cpu-pages: install
 # `vllm serve` + kvtier's connector (blocks of 32 tokens; the same files, keeping the other engine's arms).
 bench-trace: install
 	$(PY) -m benchmarks.bench_trace $(BENCH_ARGS)
+
+# bench-demotion: which chunks a cpu tier evicts are worth demoting to the disk tier below it, on the
+# conversation trace (benchmarks/results/demotion_filters.{json,md}).
+bench-demotion: install
+	$(PY) -m benchmarks.bench_demotion $(BENCH_ARGS)
 
 bench-fleet-trace: install
 	$(PY) -m benchmarks.bench_fleet_trace $(BENCH_ARGS)

@@ -334,7 +334,7 @@ def render(results: dict) -> str:
                   "Through a storage manager over the two tiers, each modelled by its budget and LRU (`kvtier cache "
                   "plan`'s replay, kvstore/trace_replay.py): the disk tier written every chunk stored (write-through, "
                   "`fill=write`) or only what the cpu tier evicts (`fill=demote`); a disk hit is promoted to cpu. "
-                  "Bytes: each block written counted as 512 bytes (one per token).", "",
+                  "Bytes: one per token of each block written (a prompt's short last block counts its tokens).", "",
                   "| cpu + disk capacity | hit rate, write / demote | demote / write | disk bytes, write / demote "
                   "| write / demote | cpu bytes, write / demote |",
                   "|---|---|---:|---|---:|---|"]
