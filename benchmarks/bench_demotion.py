@@ -161,8 +161,9 @@ def replay(requests: Sequence[Request], cpu_budget: int, disk_budget: int, fill:
     for t, r in enumerate(requests):
         tiers.now = t
         keys = r.blocks
+        held = [b in tiers.cpu or b in tiers.disk for b in keys]  # one lookup, before anything moves
         run = 0
-        while run < len(keys) and (keys[run] in tiers.cpu or keys[run] in tiers.disk):
+        while run < len(keys) and held[run]:
             run += 1
         promoted = []
         for i in range(run):
@@ -182,7 +183,7 @@ def replay(requests: Sequence[Request], cpu_budget: int, disk_budget: int, fill:
             out.prompt_tokens += r.input_length
         for i in promoted:
             tiers.put_cpu(keys[i], Chunk(t, i, -1, 0, r.block_tokens(i), keys[i - 1] if i else None, t, t))
-        missing = [i for i in range(run, len(keys)) if keys[i] not in tiers.cpu and keys[i] not in tiers.disk]
+        missing = [i for i in range(run, len(keys)) if not held[i]]
         for rank, i in enumerate(missing):
             tiers.put_cpu(keys[i], Chunk(t, i, rank, len(missing), r.block_tokens(i), keys[i - 1] if i else None, t, t))
         if fill == "write":
@@ -207,6 +208,7 @@ def oracle(ctx: Context) -> Decide:
 
 
 def used_in_cpu(jobs: list[tuple[int, Chunk]], tiers: Tiers) -> list[bool]:
+    """The tier's own filter: keeps the chunks read from the cpu tier at least once."""
     return [c.uses >= 1 for _, c in jobs]
 
 
@@ -229,6 +231,7 @@ def head_ghost_used(ghost_budget: int) -> Decide:
 
 
 def features(requests: Sequence[Request], ctx: Context, c: Chunk, now: int, evictions: int) -> list[float]:
+    """Returns what is known online of chunk `c` evicted at request `now` (evicted `evictions` times before)."""
     q = c.request
     return [ctx.turn[q], ctx.gap[q], ctx.lead[q], c.pos, len(requests[q].blocks), len(requests[q].blocks) - 1 - c.pos,
             c.rank, c.stored, c.stored - 1 - c.rank if c.rank >= 0 else -1, c.rank / c.stored if c.rank >= 0 else -1,
